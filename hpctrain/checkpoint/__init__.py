@@ -1,0 +1,1 @@
+"""Distributed checkpoints (DCP): save, commit, retain, resume."""

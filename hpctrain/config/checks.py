@@ -1,0 +1,271 @@
+"""Checks that run on the login node before anything is queued.
+
+Each check names the key at fault and the fix. Errors stop the run before a run directory exists or a job
+is submitted; warnings are printed in the plan. The schema already rejected unknown keys and wrong types.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hpctrain.config.layout import Layout, resolve_layout
+from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.config.schema import SCHEDULES, Config, DataKind, DType, Executor
+
+INTERLEAVED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
+MULTI_CHUNK = INTERLEAVED | {"zbv"}
+
+
+@dataclass
+class CheckReport:
+    layout: Layout
+    errors: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+
+    def error(self, key: str, message: str, fix: str) -> None:
+        self.errors.append(Problem(key, message, fix))
+
+    def warn(self, key: str, message: str, fix: str) -> None:
+        self.warnings.append(Problem(key, message, fix))
+
+
+def check_config(cfg: Config) -> CheckReport:
+    """Run every check; raise ConfigError with all errors found, return the report (with warnings) otherwise."""
+    layout = resolve_layout(cfg)
+    report = CheckReport(layout)
+    for check in CHECKS:
+        check(cfg, layout, report)
+    if report.errors:
+        raise ConfigError(report.errors)
+    return report
+
+
+def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    m = cfg.model
+    for key, value in {"model.n_layers": m.n_layers, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
+                       "model.vocab_size": m.vocab_size, "model.context": m.context}.items():
+        if value < 1:
+            r.error(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
+    if m.n_heads >= 1 and m.d_model % m.n_heads:
+        r.error("model.d_model", f"d_model {m.d_model} is not divisible by n_heads {m.n_heads}",
+                f"use a d_model that is a multiple of {m.n_heads} (e.g. {m.n_heads * max(1, m.d_model // m.n_heads)})")
+    if not 0.0 <= m.dropout < 1.0:
+        r.error("model.dropout", f"must be in [0, 1), got {m.dropout}", "set model.dropout=0.0")
+
+
+def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    m, tp = cfg.model, lay.tp
+    if m.n_heads % tp:
+        r.error("parallel.tp", f"model.n_heads={m.n_heads} is not divisible by tp={tp}: each TP rank must own "
+                "whole attention heads", f"use a tp that divides {m.n_heads}")
+    if (m.ffn_mult * m.d_model) % tp:
+        r.error("parallel.tp", f"the MLP hidden size {m.ffn_mult * m.d_model} is not divisible by tp={tp}",
+                "use a tp that divides the MLP hidden size")
+    if m.vocab_size % tp:
+        r.warn("model.vocab_size", f"vocabulary {m.vocab_size} is not divisible by tp={tp}: the embedding is "
+               "sharded unevenly", "pad the vocabulary to a multiple of tp (Megatron pads to 128 x tp)")
+    if tp > lay.gpus_per_node:
+        r.error("parallel.tp", f"tp={tp} is larger than cluster.gpus_per_node={lay.gpus_per_node}: TP's per-layer "
+                "all-reduces would cross the network instead of NVLink", f"use tp <= {lay.gpus_per_node} and add "
+                "pipeline stages (parallel.pp) to split the model further")
+    elif lay.gpus_per_node % tp:
+        r.error("parallel.tp", f"tp={tp} does not divide cluster.gpus_per_node={lay.gpus_per_node}: some TP "
+                "groups would straddle two nodes", f"use a tp that divides {lay.gpus_per_node}")
+    if cfg.parallel.sequence_parallel and tp == 1:
+        r.error("parallel.sequence_parallel", "sequence parallelism shards along the TP group, but tp=1",
+                "set parallel.tp>1 or parallel.sequence_parallel=false")
+
+
+def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    from hpctrain.plan.bubble import bubble_fraction
+
+    p, m = cfg.parallel, cfg.model
+    if p.schedule not in SCHEDULES:
+        r.error("parallel.schedule", f"unknown schedule {p.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+        return
+    chunks = lay.pp * lay.virtual_stages
+    if m.n_layers % chunks:
+        r.error("parallel.pp", f"model.n_layers={m.n_layers} is not divisible by pp x virtual_stages = "
+                f"{lay.pp} x {lay.virtual_stages} = {chunks}: stages would be unbalanced",
+                "choose pp and virtual_stages whose product divides the number of layers")
+    if lay.virtual_stages > 1 and p.schedule not in MULTI_CHUNK:
+        r.error("parallel.virtual_stages", f"virtual_stages={lay.virtual_stages} needs a multi-chunk schedule, "
+                f"but parallel.schedule={p.schedule}", "set parallel.schedule=interleaved_1f1b")
+    if p.schedule in INTERLEAVED and lay.pp > 1 and lay.virtual_stages < 2:
+        r.error("parallel.schedule", f"{p.schedule} needs parallel.virtual_stages >= 2",
+                "set parallel.virtual_stages=2 (or more), or parallel.schedule=1f1b")
+    if p.schedule == "zbv" and lay.pp > 1 and lay.virtual_stages != 2:
+        r.error("parallel.virtual_stages", "the zbv schedule runs exactly 2 chunks per rank",
+                "set parallel.virtual_stages=2")
+    if lay.pp == 1:
+        return
+    mb = lay.microbatches
+    if mb < lay.pp:
+        r.error("train.grad_accum", f"{mb} microbatches for {lay.pp} pipeline stages: 1F1B needs at least one "
+                "microbatch per stage, or stages sit idle", f"use train.grad_accum >= {lay.pp} (best >= {4 * lay.pp}), "
+                "e.g. by lowering train.micro_batch")
+        return
+    if p.schedule in INTERLEAVED and mb % lay.pp:
+        r.error("train.grad_accum", f"interleaved schedules need microbatches ({mb}) to be a multiple of pp "
+                f"({lay.pp})", f"use train.grad_accum={(mb // lay.pp + 1) * lay.pp}")
+    bubble = bubble_fraction(lay.pp, mb, lay.virtual_stages, p.schedule)
+    if mb < 4 * lay.pp:
+        r.warn("train.grad_accum", f"{mb} microbatches on {lay.pp} stages: the pipeline bubble is "
+               f"{bubble:.1%} of each step", f"use >= {4 * lay.pp} microbatches (bubble "
+               f"{bubble_fraction(lay.pp, 4 * lay.pp, lay.virtual_stages, p.schedule):.1%}), or "
+               "an interleaved schedule with virtual stages")
+
+
+def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    z = cfg.zero
+    if z.stage not in (0, 1, 2, 3):
+        r.error("zero.stage", f"must be 0, 1, 2 or 3, got {z.stage}",
+                "pick zero=stage0|stage1|stage2|stage3 (or their _offload variants)")
+        return
+    if z.offload_params and z.stage != 3:
+        r.error("zero.offload_params", f"parameter offload needs ZeRO stage 3 (parameters sharded), got stage {z.stage}",
+                "set zero.stage=3, or zero=stage3_offload")
+    if z.offload_params and not z.offload_optimizer:
+        r.error("zero.offload_optimizer", "parameters on the CPU means the optimizer step runs there too",
+                "set zero.offload_optimizer=true")
+    if z.offload_optimizer and z.stage < 2:
+        r.error("zero.offload_optimizer", f"optimizer offload is done with FSDP2's CPU offload, which needs "
+                f"stage 2 or 3, got stage {z.stage}", "set zero.stage=2 (or zero=stage2_offload)")
+    if lay.dp_replicate > 1:
+        if lay.dp % lay.dp_replicate:
+            r.error("parallel.dp_replicate", f"dp={lay.dp} is not divisible by dp_replicate={lay.dp_replicate}",
+                    f"use a dp_replicate that divides {lay.dp}")
+        if z.stage < 2:
+            r.error("parallel.dp_replicate", "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
+                    "set zero.stage=3, or parallel.dp_replicate=1")
+    if z.stage > 0 and lay.dp == 1:
+        r.warn("zero.stage", f"ZeRO stage {z.stage} with dp=1 shards nothing", "use zero=stage0")
+    for key, value in {"zero.reduce_bucket_size": z.reduce_bucket_size,
+                       "zero.allgather_bucket_size": z.allgather_bucket_size}.items():
+        if value < 1_000_000:
+            r.error(key, f"{value} bytes is too small: thousands of tiny collectives per step",
+                    f"use at least 1e6 bytes (typical: 2.5e7 to 5e8); {key}=25000000")
+    if z.stage == 3 and lay.pp > 1:
+        r.warn("zero.stage", "ZeRO-3 with pipeline parallelism re-gathers each stage's parameters for every "
+               "microbatch (DeepSpeed does not allow it; Megatron uses ZeRO-1 with PP)",
+               "consider zero=stage1 with pp>1, unless memory needs stage 3")
+
+
+def _precision(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    pr = cfg.precision
+    if pr.dtype == DType.fp16 and not pr.loss_scaling:
+        r.error("precision.loss_scaling", "fp16 without loss scaling: small gradients underflow to zero and "
+                "training silently stalls", "set precision.loss_scaling=true (or precision=fp16), or use precision=bf16")
+    if pr.dtype != DType.fp16 and pr.loss_scaling:
+        r.warn("precision.loss_scaling", f"loss scaling does nothing useful with {pr.dtype.value}",
+               "set precision.loss_scaling=false")
+    if pr.loss_scaling:
+        if pr.initial_scale < pr.min_scale or pr.min_scale <= 0:
+            r.error("precision.initial_scale", f"initial_scale={pr.initial_scale} must be >= min_scale="
+                    f"{pr.min_scale} > 0", "use e.g. precision.initial_scale=65536 precision.min_scale=1")
+        if pr.loss_scale_window < 1:
+            r.error("precision.loss_scale_window", f"must be >= 1, got {pr.loss_scale_window}",
+                    "use precision.loss_scale_window=1000")
+    if pr.reduce_dtype == DType.fp16:
+        r.warn("precision.reduce_dtype", "fp16 gradient reductions over many ranks overflow or lose precision",
+               "set precision.reduce_dtype=fp32")
+
+
+def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    o, t = cfg.optim, cfg.train
+    if o.name != "adamw":
+        r.error("optim.name", f"unknown optimizer {o.name!r}", "use optim.name=adamw")
+    if o.lr <= 0:
+        r.error("optim.lr", f"must be > 0, got {o.lr}", "use e.g. optim.lr=3e-4")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        r.error("optim.min_lr", f"must be in [0, optim.lr={o.lr}], got {o.min_lr}", f"use e.g. optim.min_lr={o.lr / 10:g}")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        r.error("optim.betas", f"must be two numbers in [0, 1), got {list(o.betas)}", "use optim.betas=[0.9,0.95]")
+    if o.warmup_steps < 0 or o.warmup_steps > t.max_steps:
+        r.error("optim.warmup_steps", f"must be in [0, train.max_steps={t.max_steps}], got {o.warmup_steps}",
+                f"use e.g. optim.warmup_steps={max(0, t.max_steps // 10)}")
+    if o.decay not in ("cosine", "linear", "constant"):
+        r.error("optim.decay", f"unknown decay {o.decay!r}", "use cosine, linear or constant")
+    if o.grad_clip < 0:
+        r.error("optim.grad_clip", f"must be >= 0 (0 disables clipping), got {o.grad_clip}", "use optim.grad_clip=1.0")
+    if o.weight_decay < 0:
+        r.error("optim.weight_decay", f"must be >= 0, got {o.weight_decay}", "use e.g. optim.weight_decay=0.1")
+
+
+def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    t, d, m = cfg.train, cfg.data, cfg.model
+    if t.max_steps < 1:
+        r.error("train.max_steps", f"must be >= 1, got {t.max_steps}", "set train.max_steps to the number of steps")
+    if t.seq_len < 1 or t.seq_len > m.context:
+        r.error("train.seq_len", f"sequence length {t.seq_len} must be in [1, model.context={m.context}]: "
+                "positions beyond the context have no embedding", f"set train.seq_len<={m.context}")
+    if t.log_every < 1:
+        r.error("train.log_every", f"must be >= 1, got {t.log_every}", "use train.log_every=10")
+    if d.vocab_size > m.vocab_size:
+        r.error("data.vocab_size", f"the data uses {d.vocab_size} token ids but model.vocab_size={m.vocab_size}",
+                f"set model.vocab_size>={d.vocab_size} or use data matching the model's tokenizer")
+    if d.kind == DataKind.text_bytes and d.vocab_size != 256:
+        r.error("data.vocab_size", f"text_bytes data is byte-level (256 ids), got {d.vocab_size}",
+                "set data.vocab_size=256")
+    if d.kind == DataKind.tokens:
+        if d.token_dtype not in ("uint16", "uint32"):
+            r.error("data.token_dtype", f"must be uint16 or uint32, got {d.token_dtype!r}", "set data.token_dtype=uint16")
+        elif d.token_dtype == "uint16" and d.vocab_size > 65536:
+            r.error("data.token_dtype", f"uint16 cannot hold {d.vocab_size} token ids", "set data.token_dtype=uint32")
+        if not d.path:
+            r.error("data.path", "data=tokens needs the path of a pre-tokenised .bin file",
+                    "set data.path=/path/to/train.bin")
+        elif not os.path.exists(d.path):
+            message = f"{d.path} does not exist on this machine"
+            fix = "check the path; it must be readable from every node"
+            (r.warn if cfg.dry_run else r.error)("data.path", message, fix)
+
+
+def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    c = cfg.cluster
+    if c.executor == Executor.local and c.nodes != 1:
+        r.error("cluster.nodes", f"the local executor runs on this one machine, got nodes={c.nodes}",
+                "set cluster.nodes=1, or submit to Slurm with cluster=slurm (or cluster=dev)")
+    if c.cpus_per_task < 1:
+        r.error("cluster.cpus_per_task", f"must be >= 1, got {c.cpus_per_task}", "set cluster.cpus_per_task=1")
+    if c.time_min < 1:
+        r.error("cluster.time_min", f"must be >= 1 minute, got {c.time_min}", "set cluster.time_min=60")
+    elif c.signal_delay_s >= c.time_min * 60:
+        r.error("cluster.signal_delay_s", f"the warning signal {c.signal_delay_s} s before the end would come before "
+                f"the job starts (time limit {c.time_min} min)", f"use cluster.signal_delay_s<={c.time_min * 60 // 4}")
+    elif c.executor == Executor.slurm and c.signal_delay_s < 30:
+        r.warn("cluster.signal_delay_s", f"{c.signal_delay_s} s may be too short to finish a step and save",
+               "allow a step plus a fast-tier save, e.g. cluster.signal_delay_s=120")
+    if c.executor == Executor.slurm and c.requeue and c.time_min <= 10:
+        r.warn("cluster.time_min", "submitit counts every signal to a job of <= 10 minutes as a timeout, using up "
+               "cluster.max_num_timeout on preemptions", "use cluster.time_min>10")
+    if cfg.train.threads_per_rank > c.cpus_per_task and c.executor == Executor.slurm:
+        r.warn("train.threads_per_rank", f"{cfg.train.threads_per_rank} threads on {c.cpus_per_task} CPUs per task",
+               "set train.threads_per_rank<=cluster.cpus_per_task")
+
+
+def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    ck = cfg.checkpoint
+    names = [t.name for t in ck.tiers]
+    if len(set(names)) != len(names):
+        r.error("checkpoint.tiers", f"tier names must be unique, got {names}", "give each tier its own name")
+    for i, tier in enumerate(ck.tiers):
+        key = f"checkpoint.tiers[{i}]"
+        if tier.keep_last < 1:
+            r.error(f"{key}.keep_last", f"must be >= 1, got {tier.keep_last}: the newest checkpoint would be "
+                    "deleted", f"set {key}.keep_last=1 or more")
+        if tier.interval_steps < 0 or tier.interval_minutes < 0:
+            r.error(key, "intervals must be >= 0", f"set {key}.interval_steps or interval_minutes to a positive value")
+        if ck.enabled and tier.interval_steps == 0 and tier.interval_minutes == 0 and not ck.save_final:
+            r.warn(key, f"tier {tier.name!r} has no interval and nothing is saved at the end",
+                   f"set {key}.interval_steps")
+    if ck.enabled and not ck.tiers:
+        r.error("checkpoint.tiers", "checkpointing is enabled but no tier is listed",
+                "use checkpoint=default, or checkpoint=none")
+
+
+CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
+    _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data, _cluster, _checkpoint,
+]

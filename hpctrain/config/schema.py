@@ -1,0 +1,221 @@
+"""The config schema: Hydra structured configs.
+
+These dataclasses are the single source of truth for which keys exist and their types; the YAML files in
+conf/ only hold values. Composition against this schema rejects unknown keys (typos) and wrong types before
+any of hpctrain's own checks run. Semantic checks (divisibility, batch arithmetic...) live in `checks.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+class Executor(str, Enum):
+    local = "local"
+    slurm = "slurm"
+
+
+# Pipeline schedules (torch.distributed.pipelining). A plain string: "1f1b" is not a valid enum member name.
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
+
+
+class DType(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class DataKind(str, Enum):
+    text_bytes = "text_bytes"
+    tokens = "tokens"
+    synthetic = "synthetic"
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class TrackingMode(str, Enum):
+    disabled = "disabled"
+    offline = "offline"
+    online = "online"
+
+
+class PlanFormat(str, Enum):
+    text = "text"
+    json = "json"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    n_layers: int = MISSING
+    d_model: int = MISSING
+    n_heads: int = MISSING
+    vocab_size: int = 50257
+    context: int = 2048  # longest sequence the position table covers
+    ffn_mult: int = 4
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1  # -1: inferred as world_size / (tp * pp)
+    dp_replicate: int = 1  # >1: HSDP, ZeRO shards within groups of dp/dp_replicate ranks
+    tp: int = 1
+    pp: int = 1
+    virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
+    schedule: str = "1f1b"  # one of SCHEDULES
+    # Pipeline microbatches per step. 0: equal to train.grad_accum (Megatron's convention).
+    microbatches: int = 0
+    sequence_parallel: bool = False
+    recompute: Recompute = Recompute.none
+    compile: bool = False
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0  # 0: DDP, 1: optimizer states, 2: + gradients, 3: + parameters (FSDP2)
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    reduce_bucket_size: int = 25_000_000  # bytes per gradient bucket (DDP bucket_cap_mb / ZeRO reduce)
+    allgather_bucket_size: int = 25_000_000
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 100
+    decay: str = "cosine"  # cosine | linear | constant
+    grad_clip: float = 1.0  # global norm; 0 disables
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: DType = DType.fp32
+    reduce_dtype: DType = DType.fp32
+    loss_scaling: bool = False  # dynamic loss scaling, needed for fp16
+    initial_scale: float = 65536.0
+    loss_scale_window: int = 1000  # clean steps before the scale doubles
+    min_scale: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.text_bytes
+    path: Optional[str] = None  # tokens: a .bin file; text_bytes: where the token file is cached
+    token_dtype: str = "uint16"  # tokens: uint16 | uint32
+    vocab_size: int = 256  # vocabulary the data is encoded in
+    max_bytes: int = 16_000_000  # text_bytes: cap on corpus size
+
+
+@dataclass
+class TierConfig:
+    name: str = MISSING
+    path: str = MISSING
+    interval_steps: int = 0  # 0: no step interval
+    interval_minutes: float = 0.0
+    keep_last: int = 2
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    tiers: list[TierConfig] = field(default_factory=list)
+    save_final: bool = True
+
+
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    executor: Executor = Executor.local
+    nodes: int = 1
+    gpus_per_node: int = 2  # tasks per node; on CPU these are processes
+    gpu_type: str = "cpu"
+    cpus_per_task: int = 1
+    mem_gb: int = 0  # 0: scheduler default
+    time_min: int = 60
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    exclusive: bool = False
+    exclude: Optional[str] = None
+    signal_delay_s: int = 120  # USR2 this long before the time limit
+    requeue: bool = True
+    max_num_timeout: int = 20  # requeues after preemption/time limit
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)  # more #SBATCH key: value lines
+    setup: list[str] = field(default_factory=list)  # shell lines before srun (module load, venv)
+    srun_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every task
+
+
+@dataclass
+class TrackingConfig:
+    mode: TrackingMode = TrackingMode.disabled
+    project: str = "hpctrain"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    seed: int = 1234
+    global_batch: int = 16  # sequences per optimizer step
+    micro_batch: int = 8  # sequences per forward/backward on one DP rank
+    grad_accum: int = -1  # -1: inferred as global_batch / (micro_batch * dp)
+    seq_len: int = 128
+    log_every: int = 1
+    threads_per_rank: int = 1  # torch intra-op threads per task (CPU)
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"  # run directories go to <root>/<name>/<id>
+    root: str = "outputs"
+    id: Optional[str] = None  # set by the launcher; a fixed id makes a rerun land in the same directory
+    resume: Optional[str] = None  # a run id or a run directory to continue
+
+
+@dataclass
+class PlanConfig:
+    format: PlanFormat = PlanFormat.text
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    dry_run: bool = False
+
+
+def register() -> None:
+    """Register the schema so conf/config.yaml can put it first in its defaults list."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="hpctrain_schema", node=Config)

@@ -1,0 +1,1 @@
+"""Token sources and the deterministic global-index sampler."""

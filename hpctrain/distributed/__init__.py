@@ -1,0 +1,1 @@
+"""Task-side environment: ranks, rendezvous, environment variables, process group."""

@@ -1,0 +1,111 @@
+"""Where this task sits in the job, and joining torch.distributed.
+
+Ranks come from submitit's JobEnvironment (Slurm or the local executor), else from torchrun's variables,
+else a single process. The rendezvous address is the job's first node and the port is derived from the job
+id, so every task of a job computes the same address without talking to the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+PORT_RANGE = (20000, 60000)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+    hostname: str
+    job_id: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def port_for_job(job_id: str) -> int:
+    """A port every task of the job derives alike; different jobs on one node rarely collide."""
+    lo, hi = PORT_RANGE
+    return lo + int(hashlib.sha1(job_id.encode()).hexdigest(), 16) % (hi - lo)
+
+
+def discover() -> DistEnv:
+    hostname = socket.gethostname()
+    if os.environ.get("SUBMITIT_EXECUTOR"):
+        import submitit
+
+        je = submitit.JobEnvironment()
+        master = "127.0.0.1" if os.environ["SUBMITIT_EXECUTOR"] == "local" else _first_host_address(je.hostnames[0])
+        return DistEnv(
+            rank=je.global_rank,
+            local_rank=je.local_rank,
+            world_size=je.num_tasks,
+            local_world_size=je.num_tasks // je.num_nodes,
+            node_rank=je.node,
+            num_nodes=je.num_nodes,
+            master_addr=master,
+            master_port=int(os.environ.get("MASTER_PORT") or port_for_job(str(je.job_id))),
+            hostname=hostname,
+            job_id=str(je.job_id),
+        )
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        world = int(os.environ["WORLD_SIZE"])
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return DistEnv(
+            rank=int(os.environ["RANK"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=int(os.environ.get("GROUP_RANK", 0)),
+            num_nodes=max(1, world // local_world),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("MASTER_PORT", 29500)),
+            hostname=hostname,
+            job_id=os.environ.get("TORCHELASTIC_RUN_ID", "torchrun"),
+        )
+    return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", port_for_job(str(os.getpid())), hostname, str(os.getpid()))
+
+
+def _first_host_address(host: str) -> str:
+    """Resolve the first node's name the way the other nodes can reach it (never 127.0.0.1)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except socket.gaierror:
+        return host
+    routable = sorted(a for a in addresses if not a.startswith("127."))
+    return routable[0] if routable else host
+
+
+def init_distributed(env: DistEnv, timeout_s: float = 600.0) -> None:
+    """Join the job's process group: NCCL on GPUs, gloo on CPU."""
+    if env.world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

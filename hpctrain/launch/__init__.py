@@ -1,0 +1,1 @@
+"""Login-node side: run directories, submitit executors, submission and the command line."""

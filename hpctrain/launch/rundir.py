@@ -1,0 +1,70 @@
+"""One run, one id, one directory.
+
+The directory is chosen once on the login node and travels with the job, so a requeued or resubmitted
+job lands in the same place (unlike a fresh Hydra timestamp directory per restart). `run.resume` points
+at an existing run by id or path.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from hpctrain.config.problems import ConfigError, Problem
+
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    run_id: str
+    path: Path
+    resumed: bool
+
+    @property
+    def submitit_folder(self) -> Path:
+        return self.path / "submitit"
+
+
+def new_run_id() -> str:
+    """Sortable by start time, unique without coordination."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def resolve_run_dir(cfg: DictConfig) -> RunDir:
+    """Pick the run directory without creating it (a config error must leave nothing behind)."""
+    root = Path(cfg.run.root).expanduser().resolve()
+    if cfg.run.resume:
+        return _find_existing(root, str(cfg.run.resume))
+    run_id = cfg.run.id or new_run_id()
+    path = root / cfg.run.name / run_id
+    return RunDir(run_id=run_id, path=path, resumed=(path / CONFIG_FILE).exists())
+
+
+def _find_existing(root: Path, resume: str) -> RunDir:
+    as_path = Path(resume).expanduser()
+    candidates = [as_path] if as_path.is_absolute() or "/" in resume else []
+    candidates += sorted(root.glob(f"*/{resume}"))
+    for path in candidates:
+        if (path / CONFIG_FILE).exists():
+            return RunDir(run_id=path.resolve().name, path=path.resolve(), resumed=True)
+    raise ConfigError([Problem(
+        "run.resume", f"no run {resume!r} found (looked for {CONFIG_FILE} in {resume} and in {root}/*/{resume})",
+        "pass a run directory path or the id of a run under run.root (ls the run root to see them)",
+    )])
+
+
+def create_run_dir(cfg: DictConfig, run: RunDir) -> Path:
+    """Create the directory and write the resolved config the tasks will read."""
+    run.path.mkdir(parents=True, exist_ok=True)
+    run.submitit_folder.mkdir(exist_ok=True)
+    config_path = run.path / CONFIG_FILE
+    if run.resumed and config_path.exists():
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        config_path.rename(run.path / f"config.{stamp}.yaml")
+    OmegaConf.save(cfg, config_path, resolve=True)
+    return config_path

@@ -1,0 +1,1 @@
+"""Model definitions (free of parallelism) and their parameter arithmetic."""

@@ -1,0 +1,146 @@
+"""A GPT decoder that knows nothing of parallelism.
+
+Layouts (DDP, FSDP2, TP, PP) are applied from outside by `hpctrain.parallel`, as torchtitan does, so
+this file has no process groups, no DTensor and no rank logic. Choices that keep it layout friendly:
+- `layers` is a ModuleDict keyed by the global layer index: a pipeline stage deletes the layers it does
+  not own and the remaining parameter names stay the same, so checkpoints load into any layout.
+- `tok_emb`, `pos_emb`, `norm_f` may be set to None on stages that do not hold them; forward skips them.
+- Attention reshapes with `view(B, T, -1, head_dim)` so heads become TP-local after a colwise split.
+- Weights are created by `init_weights()`, so a model built on the meta device is materialised per shard.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTArgs:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    ffn_hidden: int
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+
+class Attention(nn.Module):
+    def __init__(self, args: GPTArgs) -> None:
+        super().__init__()
+        self.head_dim = args.d_model // args.n_heads
+        self.qkv = nn.Linear(args.d_model, 3 * args.d_model)
+        self.proj = nn.Linear(args.d_model, args.d_model)
+        self.dropout = args.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q, k, v = self.qkv(x).view(bsz, seqlen, 3, -1, self.head_dim).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        return self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: GPTArgs) -> None:
+        super().__init__()
+        self.fc = nn.Linear(args.d_model, args.ffn_hidden)
+        self.proj = nn.Linear(args.ffn_hidden, args.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, args: GPTArgs) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(args.d_model)
+        self.attn = Attention(args)
+        self.norm2 = nn.LayerNorm(args.d_model)
+        self.mlp = MLP(args)
+        self.drop = nn.Dropout(args.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, args: GPTArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_emb: nn.Embedding | None = nn.Embedding(args.vocab_size, args.d_model)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(args.seq_len, args.d_model)
+        self.drop = nn.Dropout(args.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm_f: nn.LayerNorm | None = nn.LayerNorm(args.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (first stage) or hidden states [B, T, d] (later stages) -> logits or hidden."""
+        h = tokens
+        if self.tok_emb is not None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            h = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm_f is not None:
+            h = self.norm_f(h)
+            h = F.linear(h, self.output_weight())
+        return h
+
+    def output_weight(self) -> torch.Tensor:
+        """The head is tied to the token embedding (GPT-2/3)."""
+        if self.tok_emb is None:
+            raise RuntimeError("this stage holds the head but not the embedding it is tied to")
+        return self.tok_emb.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layers).
+
+        Each parameter draws from a generator seeded by (seed, name), so every layout (a pipeline
+        stage, a TP shard materialised from meta) gets exactly the weights of the single-process model.
+        """
+        std = self.args.init_std
+        resid_std = std / math.sqrt(2 * self.args.n_layers)
+        base = 0 if seed is None else seed
+        for name, p in self.named_parameters():
+            gen = torch.Generator().manual_seed(_stable_hash(f"{base}:{name}"))
+            if name.endswith("bias"):
+                value = torch.zeros(p.shape)
+            elif ".norm" in name or name.startswith("norm"):
+                value = torch.ones(p.shape)
+            else:
+                scale = resid_std if name.endswith("proj.weight") else std
+                value = torch.randn(p.shape, generator=gen) * scale
+            _assign(p, value)
+
+
+def _stable_hash(text: str) -> int:
+    """Deterministic across processes (Python's hash() is salted per process)."""
+    h = 1469598103934665603
+    for byte in text.encode():
+        h = ((h ^ byte) * 1099511628211) % (1 << 63)
+    return h
+
+
+def _assign(p: torch.Tensor, full_value: torch.Tensor) -> None:
+    """Copy a full-size value into a parameter that may be a DTensor shard."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        shard = distribute_tensor(full_value.to(p.dtype), p.device_mesh, p.placements)
+        p.copy_(shard)
+    else:
+        p.copy_(full_value.to(device=p.device, dtype=p.dtype))

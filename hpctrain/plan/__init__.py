@@ -1,0 +1,1 @@
+"""The plan printed before submission: layout, estimates (memory, FLOPs, bubble, communication), search."""

@@ -1,0 +1,77 @@
+"""FLOPs of a GPT training iteration, and MFU.
+
+Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", sec. 5.1 / appendix) count only matrix multiplications. One layer's forward pass on a
+batch of B sequences of length s with hidden size h costs 24 B s h^2 + 4 B s^2 h (QKV 6Bsh^2,
+attention scores and their product with V 4Bs^2h, output projection 2Bsh^2, MLP 16Bsh^2), and the
+logit layer 2 B s h V. Backward is twice the forward. With full activation recomputation each layer's
+forward runs twice, which gives their eq. (3):
+
+    F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))
+
+Without recomputation the layers cost 3x instead of 4x forward: F = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
+(the vocabulary term changes too, since the logit layer is never recomputed). Selective recomputation
+(Korthikanti et al. 2022) recomputes only the attention core, adding 4 B s^2 h per layer: 2.7% more
+than no recomputation for GPT-3 175B. For an MLP of width f, "24 h^2" is 8 h^2 + 4 h f.
+
+These are "hardware FLOPs" (what the GPUs execute). MFU (Chowdhery et al. 2022, PaLM, appendix B) counts
+"model FLOPs" only, no recomputation: 6 N + 12 l s h per token (N parameters; the attention term
+counts the full s x s score matrix, as the Megatron formula does).
+"""
+
+from __future__ import annotations
+
+from hpctrain.plan.types import ModelShape
+
+
+def layer_forward_flops(tokens: float, seq_len: int, d_model: int, ffn_hidden: int | None = None) -> float:
+    """Matmul FLOPs of one layer's forward pass over `tokens` tokens in sequences of seq_len."""
+    h = d_model
+    f = ffn_hidden if ffn_hidden is not None else 4 * h
+    dense = 2 * tokens * (4 * h * h + 2 * h * f)  # QKV + output projection + 2 MLP matmuls
+    attention = 4 * tokens * seq_len * h  # Q K^T and scores x V
+    return dense + attention
+
+
+def attention_core_flops(tokens: float, seq_len: int, d_model: int) -> float:
+    """The part of a layer's forward that selective recomputation reruns (Q K^T, softmax x V)."""
+    return 4 * tokens * seq_len * d_model
+
+
+def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full") -> float:
+    """Hardware FLOPs of one training iteration (all GPUs together), Narayanan 2021 eq. (3) generalised."""
+    tokens = global_batch * model.seq_len
+    layer_fwd = layer_forward_flops(tokens, model.seq_len, model.d_model, model.ffn)
+    logits_fwd = 2 * tokens * model.d_model * model.vocab_size
+    if recompute == "none":
+        layer_passes = 3.0 * layer_fwd
+    elif recompute == "selective":
+        layer_passes = 3.0 * layer_fwd + attention_core_flops(tokens, model.seq_len, model.d_model)
+    elif recompute == "full":
+        layer_passes = 4.0 * layer_fwd
+    else:
+        raise ValueError(f"unknown recompute {recompute!r}")
+    return model.n_layers * layer_passes + 3.0 * logits_fwd
+
+
+def narayanan_flops(batch: int, seq_len: int, n_layers: int, d_model: int, vocab_size: int) -> float:
+    """Eq. (3) of Narayanan 2021 verbatim (full recomputation, f = 4h), for cross-checking."""
+    B, s, l, h, V = batch, seq_len, n_layers, d_model, vocab_size
+    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def model_flops_per_token(model: ModelShape) -> float:
+    """MFU's numerator per token: 6 N + 12 l s h (PaLM appendix B), no recomputation counted."""
+    return 6 * model.params + 12 * model.n_layers * model.seq_len * model.d_model
+
+
+def mfu(tokens_per_s: float, model: ModelShape, n_gpus: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: model FLOP/s achieved over the GPUs' combined dense peak."""
+    return tokens_per_s * model_flops_per_token(model) / (n_gpus * peak_flops)
+
+
+def training_time_s(model: ModelShape, tokens: float, global_batch: int, n_gpus: int, flops_per_gpu: float,
+                    recompute: str = "full") -> float:
+    """End-to-end time for `tokens` at an achieved per-GPU (hardware) FLOP/s (Narayanan 2021 sec. 5.1: ~8TP/(nX))."""
+    iterations = tokens / (global_batch * model.seq_len)
+    return iterations * flops_per_iteration(model, global_batch, recompute) / (n_gpus * flops_per_gpu)

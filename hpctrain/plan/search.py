@@ -1,0 +1,199 @@
+"""Enumerate the 3D layouts a job could use, keep those that fit in memory, rank them by estimated speed.
+
+Rules a candidate obeys (Megatron's, plus the global batch):
+  * tp divides gpus_per_node (TP stays on NVLink) and n_heads;
+  * n_layers is divisible by pp * virtual_stages; dp = n_gpus / (tp * pp) is a whole number;
+  * global_batch = micro_batch * grad_accum * dp, and microbatches (= grad_accum) >= pp;
+  * interleaving (v > 1) needs pp >= 2 and microbatches divisible by pp.
+Pruning that keeps a 4096-GPU search well under a second, and why it loses nothing:
+  * sequence parallelism is always on when tp > 1: it moves the same bytes as TP alone (comm.py)
+    and stores less (memory.py), so layouts without it are dominated;
+  * for each layout only the cheapest recomputation that fits is kept (none < selective < full): a more
+    expensive one is slower for the same layout;
+  * micro-batches above `max_micro_batch` and more than `max_virtual_stages` chunks are not tried.
+Candidates are ranked by estimated tokens/s (step_time.py), ties by lower memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from hpctrain.plan.bubble import microbatches_for_efficiency
+from hpctrain.plan.flops import mfu
+from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
+from hpctrain.plan.step_time import StepEstimate, estimate_step
+from hpctrain.plan.types import GiB, RECOMPUTE, Hardware, Layout, ModelShape
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with its memory and time estimates and a one-line reason for its standing."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    step: StepEstimate
+    why: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.step.tokens_per_s
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int, global_batch: int) -> list[str]:
+    """The search rules `layout` breaks (empty when it is a legal candidate)."""
+    bad = []
+    if layout.n_gpus != n_gpus:
+        bad.append(f"dp*tp*pp = {layout.n_gpus} != {n_gpus} GPUs")
+    if hw.gpus_per_node % layout.tp or model.n_heads % layout.tp:
+        bad.append(f"tp {layout.tp} must divide gpus_per_node {hw.gpus_per_node} and n_heads {model.n_heads}")
+    if model.n_layers % (layout.pp * layout.virtual_stages):
+        bad.append(f"n_layers {model.n_layers} not divisible by pp*v = {layout.pp * layout.virtual_stages}")
+    if layout.global_batch != global_batch:
+        bad.append(f"micro_batch*grad_accum*dp = {layout.global_batch} != global batch {global_batch}")
+    if layout.pp > 1 and layout.microbatches < layout.pp:
+        bad.append(f"{layout.microbatches} microbatches < {layout.pp} stages")
+    if layout.virtual_stages > 1 and (layout.pp < 2 or layout.microbatches % layout.pp):
+        bad.append("interleaving needs pp >= 2 and microbatches divisible by pp")
+    return bad
+
+
+def _why(model: ModelShape, layout: Layout, mem: MemoryBreakdown, step: StepEstimate) -> str:
+    """One line: the layout and what costs it most."""
+    parts = [
+        f"tp{layout.tp} pp{layout.pp}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
+        + f" dp{layout.dp} mb{layout.micro_batch} m{layout.microbatches} zero{layout.zero_stage}"
+        + f" rc={layout.recompute}",
+        f"{step.tokens_per_s:,.0f} tok/s, MFU {step.mfu:.0%}",
+        f"bubble {step.bubble_fraction:.0%} of pipeline",
+        f"exposed comm {step.comm_share:.0%}",
+        f"mem {mem.total / GiB:.0f}/{mem.usable / GiB:.0f} GiB",
+    ]
+    if layout.recompute != "none":
+        parts.append(f"needs {layout.recompute} recompute to fit")
+    if layout.zero_stage == 3 and layout.microbatches > 1:
+        parts.append(f"ZeRO-3 regathers weights {layout.microbatches}x")
+    return "; ".join(parts)
+
+
+def evaluate(model: ModelShape, layout: Layout, hw: Hardware, **step_kwargs: float) -> Candidate:
+    """Memory and time of any layout, legal or not (for ranking a layout someone proposes)."""
+    mem = memory_per_gpu(model, layout, hw)
+    step = estimate_step(model, layout, hw, **step_kwargs)
+    return Candidate(layout, mem, step, _why(model, layout, mem, step))
+
+
+def cheapest_fitting(model: ModelShape, layout: Layout, hw: Hardware, **step_kwargs: float) -> Candidate | None:
+    """`layout` with the least recomputation that fits (None if even full recomputation does not)."""
+    for rc in RECOMPUTE:
+        trial = replace(layout, recompute=rc)
+        mem = memory_per_gpu(model, trial, hw)
+        if mem.fits:
+            step = estimate_step(model, trial, hw, **step_kwargs)
+            return Candidate(trial, mem, step, _why(model, trial, mem, step))
+    return None
+
+
+def search_layouts(
+    model: ModelShape,
+    n_gpus: int,
+    hw: Hardware,
+    global_batch: int,
+    seq_len: int | None = None,
+    dtype: str = "bf16",
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+    max_micro_batch: int = 16,
+    max_virtual_stages: int = 8,
+    top_k: int | None = None,
+    **step_kwargs: float,
+) -> list[Candidate]:
+    """All legal layouts of `model` on n_gpus that fit in memory, fastest first (see module docstring)."""
+    if seq_len is not None and seq_len != model.seq_len:
+        model = replace(model, seq_len=seq_len)
+    tps = [t for t in _divisors(hw.gpus_per_node) if model.n_heads % t == 0 and n_gpus % t == 0]
+    out: list[Candidate] = []
+    for tp in tps:
+        for pp in _divisors(model.n_layers):
+            if n_gpus % (tp * pp):
+                continue
+            dp = n_gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            for micro in _divisors(per_replica):
+                if micro > max_micro_batch:
+                    break
+                m = per_replica // micro
+                if pp > 1 and m < pp:
+                    continue
+                vs = [1]
+                if pp >= 2 and m % pp == 0:
+                    vs += [v for v in range(2, max_virtual_stages + 1) if model.n_layers % (pp * v) == 0]
+                for v in vs:
+                    for z in zero_stages if dp > 1 else (0,):
+                        layout = Layout(
+                            dp=dp, tp=tp, pp=pp, virtual_stages=v, zero_stage=z, micro_batch=micro,
+                            grad_accum=m, sequence_parallel=tp > 1,
+                            schedule="interleaved_1f1b" if v > 1 else "1f1b", dtype=dtype,
+                        )
+                        cand = cheapest_fitting(model, layout, hw, **step_kwargs)
+                        if cand is not None:
+                            out.append(cand)
+    out.sort(key=lambda c: (-c.tokens_per_s, c.memory.total))
+    return out[:top_k] if top_k is not None else out
+
+
+def rank_of(layout: Layout, candidates: list[Candidate], model: ModelShape | None = None,
+            hw: Hardware | None = None) -> int:
+    """1-based rank `layout` takes among `candidates` by tokens/s (evaluated afresh if it is not among them)."""
+    for i, c in enumerate(candidates):
+        if c.layout == layout:
+            return i + 1
+    if model is None or hw is None:
+        raise ValueError("layout is not among the candidates: pass model and hw to evaluate it")
+    speed = evaluate(model, layout, hw).tokens_per_s
+    return 1 + sum(1 for c in candidates if c.tokens_per_s > speed)
+
+
+def explain(candidate: Candidate, best: Candidate | None = None, model: ModelShape | None = None) -> str:
+    """A few lines on where a candidate's memory and time go, and what would help (vs `best` if given)."""
+    lay, mem, st = candidate.layout, candidate.memory, candidate.step
+    g = GiB
+    lines = [
+        candidate.why,
+        f"memory (GPU of stage {mem.stage}): params {mem.params / g:.1f} + grads {mem.grads / g:.1f}"
+        f" + optimizer {mem.optimizer / g:.1f} + activations {mem.activations / g:.1f}"
+        f" = {mem.total / g:.1f} GiB of {mem.usable / g:.1f} usable"
+        + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU" if mem.cpu_offload_bytes else ""),
+        f"step {st.step_time_s:.2f} s = compute {st.compute_s:.2f} + TP {st.tp_s:.2f} + PP {st.pp_s:.2f}"
+        f" + bubble {st.bubble_s:.2f} + exposed DP {st.dp_exposed_s:.2f}"
+        f" ({st.samples_per_s:.1f} samples/s, MFU {st.mfu:.1%}, HFU {st.hfu:.1%})",
+    ]
+    if lay.pp > 1:
+        target = microbatches_for_efficiency(lay.pp, 0.9, lay.virtual_stages, lay.schedule)
+        lines.append(
+            f"pipeline: {lay.microbatches} microbatches on {lay.pp} stages"
+            + (f" x {lay.virtual_stages} chunks" if lay.virtual_stages > 1 else "")
+            + f" idle {st.bubble_fraction:.1%} of the step; 90% efficiency needs >= {target} microbatches"
+        )
+    for item in st.comm.items:
+        lines.append(f"comm: {item.name} {item.bytes / 1e9:.1f} GB/step over {item.link} = {item.time_s:.2f} s")
+    if lay.zero_stage == 3 and lay.microbatches > 1:
+        lines.append(
+            f"ZeRO-3 all-gathers the weights in forward and backward of each of the {lay.microbatches}"
+            " microbatches; ZeRO-1 would gather once per step"
+        )
+    if lay.zero_stage >= 2 and lay.pp > 1:
+        lines.append("note: DeepSpeed rejects ZeRO-2/3 with pipeline parallelism; Megatron offers ZeRO-1 only")
+    if best is not None and best is not candidate:
+        ratio = best.tokens_per_s / st.tokens_per_s
+        lines.append(f"best found is {ratio:.2f}x faster: {best.why}")
+    return "\n".join(lines)
+
+
+def measured_mfu(samples_per_s: float, model: ModelShape, n_gpus: int, hw: Hardware) -> float:
+    """MFU of a reported throughput (e.g. the design article's 120 samples/s on 4096 A100s)."""
+    return mfu(samples_per_s * model.seq_len, model, n_gpus, hw.peak_flops)

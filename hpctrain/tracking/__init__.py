@@ -1,0 +1,1 @@
+"""Metrics out of the loop: JSONL always, Weights & Biases when configured."""

@@ -1,0 +1,1 @@
+"""The training loop that runs on every task."""

@@ -1,0 +1,167 @@
+"""Model-state memory (ZeRO paper) and activation memory (Korthikanti et al. 2022) on hand-computed cases."""
+
+import pytest
+
+from hpctrain.models.params import layer_params
+from hpctrain.plan.memory import (
+    activation_bytes_per_layer,
+    bytes_per_param,
+    inflight_microbatches,
+    layer_params_per_gpu,
+    memory_per_gpu,
+    stage_activation_bytes,
+    stage_params_per_gpu,
+    zero_model_states,
+)
+from hpctrain.plan.types import GB, GiB, Hardware, Layout, ModelShape
+
+# ------------------------------------------------------------------ ZeRO paper, Figure 1
+
+
+@pytest.mark.parametrize(
+    "stage, paper_gb",
+    [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)],  # baseline, P_os, P_os+g, P_os+g+p
+)
+def test_zero_figure_1(stage, paper_gb):
+    """Psi = 7.5B, N_d = 64, K = 12, in the paper's units (1 GB = 1e9 bytes) and rounding."""
+    states = zero_model_states(7.5e9, dp=64, zero_stage=stage, dtype="fp16")
+    assert round(states.total / GB, 1) == paper_gb
+
+
+def test_zero_figure_1_formulas():
+    psi, nd = 7.5e9, 64
+    assert zero_model_states(psi, nd, 1, "fp16").total == pytest.approx(2 * psi + 2 * psi + 12 * psi / nd)
+    assert zero_model_states(psi, nd, 2, "fp16").total == pytest.approx(2 * psi + 14 * psi / nd)
+    assert zero_model_states(psi, nd, 3, "fp16").total == pytest.approx(16 * psi / nd)
+
+
+def test_adam_is_16_bytes_per_param_not_8():
+    assert sum(bytes_per_param("bf16")) == 16
+    assert sum(bytes_per_param("fp32")) == 16  # 4 + 4 + 8
+    assert bytes_per_param("fp32") == (4, 4, 8)
+    assert bytes_per_param("bf16", grad_bytes=4) == (2, 4, 12)  # Megatron's fp32 main grads
+
+
+# ------------------------------------------------------------------ Korthikanti et al. 2022, per layer
+
+# GPT-3 175B shapes: s = 2048, h = 12288, a = 96, b = 1, t = 8; sbh = 25,165,824 and 5as/h = 80.
+S, H, A, T = 2048, 12288, 96, 8
+SBH = 25_165_824
+
+
+def test_sbh_constant():
+    assert S * H == SBH
+
+
+def test_korthikanti_no_parallelism():
+    # sbh (34 + 80) = 114 sbh
+    assert activation_bytes_per_layer(S, 1, H, A) == 114 * SBH == 2_868_903_936
+
+
+def test_korthikanti_tensor_parallel():
+    # sbh (10 + 24/8 + 80/8) = 23 sbh
+    assert activation_bytes_per_layer(S, 1, H, A, tp=T) == pytest.approx(23 * SBH)
+
+
+def test_korthikanti_tensor_and_sequence_parallel():
+    # sbh/8 (34 + 80) = 14.25 sbh
+    assert activation_bytes_per_layer(S, 1, H, A, T, sequence_parallel=True) == pytest.approx(14.25 * SBH)
+
+
+def test_korthikanti_selective_recompute():
+    assert activation_bytes_per_layer(S, 1, H, A, T, True, "selective") == pytest.approx(34 / 8 * SBH)
+    assert activation_bytes_per_layer(S, 1, H, A, T, False, "selective") == pytest.approx(13 * SBH)
+
+
+def test_korthikanti_full_recompute():
+    assert activation_bytes_per_layer(S, 1, H, A, T, False, "full") == 2 * SBH
+    assert activation_bytes_per_layer(S, 1, H, A, T, True, "full") == pytest.approx(2 * SBH / 8)
+
+
+def test_activations_scale_with_micro_batch_and_ffn():
+    assert activation_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(4 * 14.25 * SBH)
+    # MLP width f = 2h: "34" becomes 18 + 4 f/h = 26
+    assert activation_bytes_per_layer(128, 1, 64, 4, ffn_hidden=128) == pytest.approx(128 * 64 * (26 + 5 * 4 * 128 / 64))
+
+
+def test_inflight_microbatches():
+    assert inflight_microbatches(1, 12, 1, "1f1b") == 1
+    assert inflight_microbatches(8, 12, 1, "1f1b") == 8  # first stage holds p
+    assert inflight_microbatches(8, 12, 1, "1f1b", stage=7) == 1  # last stage one
+    assert inflight_microbatches(8, 4, 1, "1f1b") == 4  # fewer microbatches than stages
+    assert inflight_microbatches(8, 12, 1, "gpipe") == 12
+    # interleaved: p (1 + (p-1)/(p v)) stage-equivalents = 8 + 7/2
+    assert inflight_microbatches(8, 16, 2, "interleaved_1f1b") == pytest.approx(8 * (1 + 7 / 16))
+
+
+def test_first_stage_holds_whole_model_of_activations():
+    """Korthikanti eq. 5: with 1F1B the first stage stores L layers' worth, whatever p is."""
+    model = ModelShape(96, H, A, S, 50257)
+    lay = Layout(dp=1, tp=8, pp=8, micro_batch=1, grad_accum=16, sequence_parallel=True)
+    per_layer = activation_bytes_per_layer(S, 1, H, A, 8, True)
+    embedding_dropout = SBH / 8 * 8  # s b h p / t, one byte each
+    assert stage_activation_bytes(model, lay, 0) == pytest.approx(96 * per_layer + embedding_dropout)
+    # the last stage: 12 layers x 1 microbatch + 4 s b h / t (1 + V / h)
+    last = 12 * per_layer + 4 * SBH / 8 * (1 + 50257 / H)
+    assert stage_activation_bytes(model, lay, 7) == pytest.approx(last)
+    inter = Layout(dp=1, tp=8, pp=8, virtual_stages=2, micro_batch=1, grad_accum=16, sequence_parallel=True,
+                   schedule="interleaved_1f1b")
+    assert stage_activation_bytes(model, inter, 0) == pytest.approx(
+        96 * per_layer * (1 + 7 / 16) + embedding_dropout * (1 + 7 / 16))
+
+
+def test_recompute_adds_one_layer_transient():
+    model = ModelShape(96, H, A, S, 50257)
+    full = Layout(dp=1, tp=8, pp=8, grad_accum=16, sequence_parallel=True, recompute="full")
+    stored = 96 * 2 * SBH / 8 + SBH
+    one_layer = activation_bytes_per_layer(S, 1, H, A, 8, True)
+    assert stage_activation_bytes(model, full, 0) == pytest.approx(stored + one_layer)
+
+
+# ------------------------------------------------------------------ where parameters live
+
+
+def test_stage_params_cover_the_model():
+    model = ModelShape(4, 64, 4, 32, 100)
+    assert stage_params_per_gpu(model, 1, 1, 0) == model.params
+    # pp = 2, tied: the last stage keeps a copy of the word embedding (Megatron)
+    total = stage_params_per_gpu(model, 1, 2, 0) + stage_params_per_gpu(model, 1, 2, 1)
+    assert total == model.params + 100 * 64
+    assert layer_params_per_gpu(model, 1) == layer_params(64, 256)
+    assert layer_params_per_gpu(model, 4) == (layer_params(64, 256) - 6 * 64) / 4 + 6 * 64
+
+
+# ------------------------------------------------------------------ the breakdown
+
+HW = Hardware("test", 8, 80 * GiB, 312e12, 300e9, 25e9)
+
+
+def test_memory_per_gpu_zero3_and_offload():
+    model = ModelShape(4, 64, 4, 32, 100)
+    base = Layout(dp=4, tp=1, pp=1, zero_stage=3, dtype="bf16")
+    mem = memory_per_gpu(model, base, HW)
+    n = model.params
+    layer = layer_params(64, 256)
+    assert mem.optimizer == pytest.approx(12 * n / 4)
+    assert mem.params == pytest.approx(2 * n / 4 + 2 * 2 * layer)  # shard + two gathered layers
+    assert mem.grads == pytest.approx(2 * n / 4 + 2 * layer)
+    assert mem.total == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.activations)
+    assert mem.cpu_offload_bytes == 0
+    assert mem.fits and mem.headroom == pytest.approx(mem.usable - mem.total)
+
+    off = memory_per_gpu(model, Layout(dp=4, tp=1, pp=1, zero_stage=3, offload_optimizer=True,
+                                       offload_params=True), HW)
+    assert off.optimizer == 0
+    assert off.params == pytest.approx(2 * 2 * layer)
+    assert off.cpu_offload_bytes == pytest.approx((2 + 2 + 12) * n / 4)
+
+
+def test_most_loaded_gpu_and_fits():
+    model = ModelShape(96, H, A, S, 50257)
+    lay = Layout(dp=64, tp=8, pp=8, micro_batch=4, grad_accum=12, zero_stage=1, sequence_parallel=True)
+    mem = memory_per_gpu(model, lay, HW)
+    assert mem.stage == 0  # p microbatches of activations + the embedding
+    assert mem.activations == pytest.approx(stage_activation_bytes(model, lay, 0))
+    no_sp = memory_per_gpu(model, Layout(dp=64, tp=8, pp=8, micro_batch=4, grad_accum=12), HW)
+    assert not no_sp.fits and no_sp.headroom < 0
+    assert mem.usable == pytest.approx(0.9 * 80 * GiB)

@@ -1,0 +1,57 @@
+"""Validation of the planner's value types."""
+
+import pytest
+
+from hpctrain.models.params import param_count
+from hpctrain.plan.types import KNOWN_HARDWARE, Layout, ModelShape, hardware
+
+
+def test_model_params_come_from_param_count():
+    m = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257)
+    assert m.params == param_count(96, 12288, 50257, 2048)
+    assert m.ffn == 4 * 12288
+    untied = ModelShape(2, 64, 4, 32, 100, ffn_hidden=100, tied_embeddings=False)
+    assert untied.params == param_count(2, 64, 100, 32, 100, tied_embeddings=False)
+
+
+def test_model_rejects_bad_heads():
+    with pytest.raises(ValueError):
+        ModelShape(2, 65, 4, 32, 100)
+
+
+def test_layout_batch_arithmetic():
+    lay = Layout(dp=64, tp=8, pp=8, micro_batch=4, grad_accum=12, zero_stage=3, dp_replicate=8)
+    assert lay.global_batch == 3072
+    assert lay.microbatches == 12
+    assert lay.n_gpus == 4096
+    assert lay.zero_shard == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(zero_stage=4),
+        dict(recompute="some"),
+        dict(dtype="int8"),
+        dict(virtual_stages=2),  # needs the interleaved schedule
+        dict(dp_replicate=3),  # 4 % 3
+        dict(offload_params=True),  # needs ZeRO-3
+        dict(sequence_parallel=True, tp=1),
+        dict(micro_batch=0),
+    ],
+)
+def test_layout_rejects(kwargs):
+    base = dict(dp=4, tp=2, pp=2)
+    base.update(kwargs)
+    with pytest.raises(ValueError):
+        Layout(**base)
+
+
+def test_known_hardware():
+    a100 = hardware("a100_80gb")
+    assert a100.peak_flops == 312e12
+    assert a100.inter_node_bw == 8 * 200e9 / 8 / 8  # 8 x 200 Gb/s HDR per node, per GPU, in bytes/s
+    assert hardware("h200").gpu_mem_bytes > hardware("h100_80gb").gpu_mem_bytes
+    assert set(KNOWN_HARDWARE) >= {"a100_40gb", "a100_80gb", "h100_80gb", "h200", "cpu"}
+    with pytest.raises(ValueError):
+        hardware("tpu")
