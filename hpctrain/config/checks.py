@@ -6,9 +6,13 @@ is submitted; warnings are printed in the plan. The schema already rejected unkn
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from hpctrain.config.layout import Layout, resolve_layout
 from hpctrain.config.problems import ConfigError, Problem
@@ -33,6 +37,7 @@ class CheckReport:
 
 def check_config(cfg: Config) -> CheckReport:
     """Run every check; raise ConfigError with all errors found, return the report (with warnings) otherwise."""
+    check_schema(cfg)
     layout = resolve_layout(cfg)
     report = CheckReport(layout)
     for check in CHECKS:
@@ -40,6 +45,30 @@ def check_config(cfg: Config) -> CheckReport:
     if report.errors:
         raise ConfigError(report.errors)
     return report
+
+
+def check_schema(cfg: Any) -> None:
+    """Keys added with Hydra's `+key=value` bypass the schema during composition: catch them here."""
+    try:
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
+    except ConfigKeyError as err:
+        key = str(err.full_key)
+        raise ConfigError([Problem(key, "is not a key of hpctrain's config schema", _suggest(key))]) from None
+
+
+def _suggest(key: str) -> str:
+    """The same name in another group (train.lr -> optim.lr), else the closest name in this group."""
+    schema = OmegaConf.structured(Config)
+    parent, _, name = key.rpartition(".")
+    elsewhere = [f"{group}.{name}" for group in schema if OmegaConf.is_dict(schema[group]) and name in schema[group]]
+    if elsewhere:
+        return f"did you mean {elsewhere[0]}?"
+    node = OmegaConf.select(schema, parent) if parent else schema
+    known = [str(k) for k in node.keys()] if OmegaConf.is_dict(node) else []
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+    return f"remove it; the keys of {parent or 'the config'} are: {', '.join(known)}"
 
 
 def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -99,7 +128,7 @@ def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if p.schedule == "zbv" and lay.pp > 1 and lay.virtual_stages != 2:
         r.error("parallel.virtual_stages", "the zbv schedule runs exactly 2 chunks per rank",
                 "set parallel.virtual_stages=2")
-    if lay.pp == 1:
+    if lay.pp == 1 or r.errors:
         return
     mb = lay.microbatches
     if mb < lay.pp:
@@ -179,8 +208,9 @@ def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("optim.name", f"unknown optimizer {o.name!r}", "use optim.name=adamw")
     if o.lr <= 0:
         r.error("optim.lr", f"must be > 0, got {o.lr}", "use e.g. optim.lr=3e-4")
-    if o.min_lr < 0 or o.min_lr > o.lr:
-        r.error("optim.min_lr", f"must be in [0, optim.lr={o.lr}], got {o.min_lr}", f"use e.g. optim.min_lr={o.lr / 10:g}")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        r.error("optim.min_lr_ratio", f"must be in [0, 1] (a fraction of optim.lr), got {o.min_lr_ratio}",
+                "use e.g. optim.min_lr_ratio=0.1")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         r.error("optim.betas", f"must be two numbers in [0, 1), got {list(o.betas)}", "use optim.betas=[0.9,0.95]")
     if o.warmup_steps < 0 or o.warmup_steps > t.max_steps:
@@ -214,7 +244,7 @@ def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
             r.error("data.token_dtype", f"must be uint16 or uint32, got {d.token_dtype!r}", "set data.token_dtype=uint16")
         elif d.token_dtype == "uint16" and d.vocab_size > 65536:
             r.error("data.token_dtype", f"uint16 cannot hold {d.vocab_size} token ids", "set data.token_dtype=uint32")
-        if not d.path:
+        if OmegaConf.is_missing(d, "path") or not d.path:
             r.error("data.path", "data=tokens needs the path of a pre-tokenised .bin file",
                     "set data.path=/path/to/train.bin")
         elif not os.path.exists(d.path):

@@ -93,7 +93,7 @@ class ZeroConfig:
 class OptimConfig:
     name: str = "adamw"
     lr: float = 3e-4
-    min_lr: float = 3e-5
+    min_lr_ratio: float = 0.1  # the decay ends at lr x min_lr_ratio, so sweeping lr needs no second key
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1

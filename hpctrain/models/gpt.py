@@ -5,7 +5,10 @@ this file has no process groups, no DTensor and no rank logic. Choices that keep
 - `layers` is a ModuleDict keyed by the global layer index: a pipeline stage deletes the layers it does
   not own and the remaining parameter names stay the same, so checkpoints load into any layout.
 - `tok_emb`, `pos_emb`, `norm_f` may be set to None on stages that do not hold them; forward skips them.
-- Attention reshapes with `view(B, T, -1, head_dim)` so heads become TP-local after a colwise split.
+  The stage that embeds is the one holding `pos_emb`: the last pipeline stage keeps `tok_emb` only as the
+  tied output head.
+- The fused QKV projection's output is laid out head by head ([h0: q k v][h1: q k v]...) and attention
+  reshapes with `view(B, T, -1, 3, head_dim)`, so a colwise TP split gives each rank whole heads.
 - Weights are created by `init_weights()`, so a model built on the meta device is materialised per shard.
 """
 
@@ -41,7 +44,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        q, k, v = self.qkv(x).view(bsz, seqlen, 3, -1, self.head_dim).unbind(2)
+        q, k, v = self.qkv(x).view(bsz, seqlen, -1, 3, self.head_dim).unbind(3)
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -89,7 +92,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (first stage) or hidden states [B, T, d] (later stages) -> logits or hidden."""
         h = tokens
-        if self.tok_emb is not None:
+        if self.pos_emb is not None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for layer in self.layers.values():
@@ -140,7 +143,9 @@ def _assign(p: torch.Tensor, full_value: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(p, DTensor):
-        shard = distribute_tensor(full_value.to(p.dtype), p.device_mesh, p.placements)
+        # Every rank computed the same full value: take the local piece without communication.
+        shard = distribute_tensor(full_value.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements,
+                                  src_data_rank=None)
         p.copy_(shard)
     else:
         p.copy_(full_value.to(device=p.device, dtype=p.dtype))

@@ -1,13 +1,20 @@
 """The engine: how one optimizer step runs on this rank, whatever the layout.
 
 The training loop hands the engine this rank's microbatches and the step's learning rate; the engine owns
-the wrapped model, the optimizer, gradient accumulation, clipping and the reductions that make the
-reported loss the mean over the global batch. The loop stays the same for every layout.
+the model part(s), the optimizer(s), gradient accumulation or the pipeline schedule, loss scaling, clipping
+and the reductions that make the reported loss the mean over the global batch on every rank. The loop is
+the same for every layout.
+
+Layouts are applied from outside the model, in torchtitan's order, to each pipeline stage:
+    stage cut (meta) -> TP -> activation checkpointing -> compile -> FSDP2 -> materialise -> DDP -> PipelineStage
+Weights are created after the layout (`init_weights` draws each parameter from a generator seeded by its
+name), so every layout starts from exactly the single-process model's weights without a full copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,16 +29,38 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 
 from hpctrain.config.layout import Layout
 from hpctrain.models.gpt import GPT, GPTArgs
+from hpctrain.parallel.clipping import clip_grads_, global_grad_norm
+from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, uses_fsdp, zero1_optimizer
+from hpctrain.parallel.dims import ParallelDims
+from hpctrain.parallel.pipeline import build_schedule, stage_ids, stage_model
+from hpctrain.parallel.precision import LossScaler, autocast
+from hpctrain.parallel.recompute import apply_recompute
+from hpctrain.parallel.tensor_parallel import apply_tp
 
 
 @dataclass
 class StepStats:
-    loss: float  # mean token loss over the global batch
-    grad_norm: float  # global gradient norm before clipping
-    skipped: bool = False
+    loss: float  # mean token loss over the global batch (the same on every rank)
+    grad_norm: float  # global gradient norm before clipping, over all parallel dims
+    skipped: bool = False  # fp16: a gradient overflowed, the step was skipped and the loss scale halved
+    loss_scale: float = 1.0  # the scale this step's loss was multiplied by (1.0 without loss scaling)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm is NaN/inf without loss scaling to absorb it: training cannot go on."""
+
+    def __init__(self, step: int, last_good_step: int, loss: float, grad_norm: float) -> None:
+        self.step, self.last_good_step, self.loss, self.grad_norm = step, last_good_step, loss, grad_norm
+        super().__init__(
+            f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm} (last good step "
+            f"{last_good_step}); the step was not applied. Resume from a checkpoint at or before step "
+            f"{last_good_step} with a lower optim.lr, a tighter optim.grad_clip or precision=fp32/bf16")
 
 
 def gpt_args(cfg: Any) -> GPTArgs:
@@ -50,7 +78,7 @@ def gpt_args(cfg: Any) -> GPTArgs:
 
 
 def build_model(cfg: Any, device: torch.device) -> GPT:
-    """Build on the meta device, then materialise: no full copy is ever allocated before the layout."""
+    """The single-process model: built on meta, then materialised (no layout)."""
     with torch.device("meta"):
         model = GPT(gpt_args(cfg))
     model.to_empty(device=device)
@@ -58,77 +86,256 @@ def build_model(cfg: Any, device: torch.device) -> GPT:
     return model
 
 
-def build_optimizer(params: list[nn.Parameter] | Any, cfg: Any) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (biases and LayerNorm gains are not decayed)."""
+def param_groups(params: Any, cfg: Any) -> list[dict[str, Any]]:
+    """Weight decay on matrices only (not biases, LayerNorm gains). DTensor and plain parameters go to
+    separate groups: the foreach/fused optimizer kernels cannot mix them (TP without FSDP has both)."""
     params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    groups = []
+    for decay in (True, False):
+        for is_dtensor in (True, False):
+            members = [p for p in params if (p.ndim >= 2) == decay and isinstance(p, DTensor) == is_dtensor]
+            if members:
+                groups.append({"params": members, "weight_decay": cfg.optim.weight_decay if decay else 0.0})
+    return groups
+
+
+def optimizer_defaults(cfg: Any) -> dict[str, Any]:
     o = cfg.optim
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr,
-        betas=(o.betas[0], o.betas[1]),
-        eps=o.eps,
-    )
+    return dict(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps)
+
+
+def build_optimizer(params: Any, cfg: Any) -> torch.optim.Optimizer:
+    """AdamW (GPT-3's optimizer)."""
+    return torch.optim.AdamW(param_groups(params, cfg), **optimizer_defaults(cfg))
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-class DataParallelEngine:
-    """ZeRO-0: DDP with bucketed all-reduce overlapped with backward; no sync on inner microbatches."""
+class Engine:
+    """Every layout (DP/ZeRO/HSDP x TP(+SP) x PP) behind one step()."""
 
     def __init__(self, cfg: Any, layout: Layout, device: torch.device) -> None:
-        self.cfg = cfg
-        self.device = device
-        model = build_model(cfg, device)
-        self.distributed = dist.is_initialized() and layout.dp > 1
-        if self.distributed:
-            model = nn.parallel.DistributedDataParallel(
-                model, bucket_cap_mb=cfg.zero.reduce_bucket_size / 2**20, gradient_as_bucket_view=True
-            )
-        self.model = model
-        self.optimizer = build_optimizer(model.parameters(), cfg)
-        self.dp_rank = dist.get_rank() if self.distributed else 0
-        self.dp_size = layout.dp
+        self.cfg, self.layout, self.device = cfg, layout, device
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world != layout.world_size and world > 1:
+            raise ValueError(f"the process group has {world} ranks, the layout {layout.world_size}")
+        self.dims = ParallelDims.from_layout(layout, world)
+        dims = self.dims
+        self.dp_rank, self.dp_size = dims.dp_rank, dims.dp
+        # Dropout masks: different per DP rank, the same on TP peers (their replicated regions must agree).
+        torch.manual_seed(cfg.train.seed + self.dp_rank)
+        data_parallel = dims.distributed and dims.dp > 1
+        self.fsdp = data_parallel and uses_fsdp(layout.zero_stage, dims.tp)
+        self.ddp = data_parallel and not self.fsdp
+        self.zero1 = self.ddp and layout.zero_stage == 1
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model and optimizer state keyed by parameter name, the same in every layout (DCP reshards)."""
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        return {
-            "model": get_model_state_dict(self.model, options=opts),
-            "optim": get_optimizer_state_dict(self.model, self.optimizer, options=opts),
-        }
+        with torch.device("meta"):
+            full = GPT(gpt_args(cfg))
+        self.stage_ids = stage_ids(dims.pp_rank, dims.pp, dims.virtual_stages, cfg.parallel.schedule) \
+            if dims.pp > 1 else [0]
+        self.gpts: list[GPT] = []  # the GPT module of each part (inside DDP when DDP wraps it)
+        self.model_parts: list[nn.Module] = []
+        for sid in self.stage_ids:
+            gpt = stage_model(full, sid, dims.n_stages) if dims.pp > 1 else full
+            self.gpts.append(gpt)
+            self.model_parts.append(self._parallelize(gpt))
+        self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
+            else self.model_parts
+        self.optimizers = [self._optimizer(part) for part in self.model_parts]
+        self.scaler = LossScaler(cfg, device)
+        self.pp_group = dims.pp_mesh.get_group() if dims.pp > 1 else None
+        self.has_first = 0 in self.stage_ids
+        self.has_last = dims.n_stages - 1 in self.stage_ids
+        self.schedule = None
+        if dims.pp > 1:
+            stages = [PipelineStage(part, sid, dims.n_stages, device, group=self.pp_group)
+                      for part, sid in zip(self.model_parts, self.stage_ids)]
+            self.schedule = build_schedule(stages, cfg.parallel.schedule, layout.microbatches, self._pipeline_loss)
+        self._embedding_group = self._tied_embedding_group() if dims.pp > 1 else None
+        self.steps_done = 0
+        self.last_good_step = 0
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        opts = StateDictOptions(flatten_optimizer_state_dict=True)
-        set_model_state_dict(self.model, state["model"], options=opts)
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=opts)
+    # ---- construction -------------------------------------------------------------------------------------
+
+    def _parallelize(self, gpt: GPT) -> nn.Module:
+        cfg, dims = self.cfg, self.dims
+        if dims.tp > 1:
+            apply_tp(gpt, dims.tp_mesh, bool(cfg.parallel.sequence_parallel))
+        apply_recompute(gpt, _name(cfg.parallel.recompute))
+        if cfg.parallel.compile:  # attn/mlp only: compiling whole blocks breaks TP's backward (torch 2.13)
+            for block in gpt.layers.values():
+                block.attn.compile()
+                block.mlp.compile()
+        offload = cfg.zero.offload_optimizer or cfg.zero.offload_params
+        if self.fsdp:
+            if self.layout.zero_stage == 0:
+                apply_replicate(gpt, dims.dp_mesh, cfg)
+            else:
+                apply_fsdp(gpt, dims.fsdp_mesh, cfg, reshard_after_forward=self.layout.zero_stage == 3)
+        gpt.to_empty(device=torch.device("cpu") if self.fsdp and offload else self.device)
+        gpt.init_weights(seed=cfg.train.seed)
+        if self.ddp:
+            return apply_ddp(gpt, dims.dp_mesh, cfg)
+        return gpt
+
+    def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
+        if self.zero1:
+            return zero1_optimizer(param_groups(part.parameters(), self.cfg), self.dims.dp_mesh,
+                                   torch.optim.AdamW, optimizer_defaults(self.cfg))
+        return build_optimizer(part.parameters(), self.cfg)
+
+    def _tied_embedding_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding the first or last stage with this rank's DP/TP coordinates (None: one rank has both)."""
+        pp = self.dims.pp
+        last_rank = 0 if self.cfg.parallel.schedule == "zbv" else (self.dims.n_stages - 1) % pp
+        if last_rank == 0:
+            return None
+        if pp == 2:
+            return self.pp_group
+        ranks = self.dims.mesh.mesh  # (pp, dp_replicate, dp_shard, tp)
+        mine = None
+        for index in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape[1:]]).reshape(-1, 3).tolist():
+            pair = [int(ranks[0][tuple(index)]), int(ranks[last_rank][tuple(index)])]
+            group = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = group
+        return mine
+
+    # ---- one optimizer step -------------------------------------------------------------------------------
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepStats:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        scale = self.scaler.scale
+        if self.schedule is not None:
+            local_loss = self._pipeline_step(batches)
+        else:
+            local_loss = self._accumulate(batches)
+        self._sync_tied_embeddings()
+        self.scaler.unscale_(self.optimizers)
+        grad_norm = global_grad_norm(self._norm_params(), self.pp_group).item()
+        loss = self._global_loss(local_loss)
+        self.steps_done += 1
+        finite = math.isfinite(grad_norm) and math.isfinite(loss)
+        if not finite and not self.scaler.enabled:
+            self._zero_grad()
+            raise TrainingDiverged(self.steps_done, self.last_good_step, loss, grad_norm)
+        clip_grads_([p for part in self.model_parts for p in part.parameters()], self.cfg.optim.grad_clip,
+                    grad_norm)
+        self.scaler.step(self.optimizers)
+        self._zero_grad()
+        if finite:
+            self.last_good_step = self.steps_done
+        return StepStats(loss=loss, grad_norm=grad_norm, skipped=not finite, loss_scale=scale)
+
+    def _accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        model = self.model_parts[0]
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
             last = i == len(batches) - 1
-            sync = contextlib.nullcontext() if last or not self.distributed else self.model.no_sync()
-            with sync:
-                loss = token_loss(self.model(x.to(self.device)), y.to(self.device)) / len(batches)
-                loss.backward()
+            with self._grad_sync(model, last), autocast(self.cfg, self.device, not self.fsdp):
+                loss = token_loss(model(x.to(self.device)), y.to(self.device))
+            self.scaler.scaler.scale(loss / len(batches)).backward()
             total += loss.detach()
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.distributed:
-            dist.all_reduce(total, op=dist.ReduceOp.AVG)
-        return StepStats(loss=total.item(), grad_norm=float(grad_norm))
+        return total / len(batches)
+
+    def _grad_sync(self, model: nn.Module, last: bool) -> Any:
+        """Reduce gradients only after the last accumulation microbatch."""
+        if self.ddp and not last:
+            return model.no_sync()
+        if self.fsdp:
+            model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scaler.scale(token_loss(output, target))
+
+    def _pipeline_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """All microbatches through the pipeline in one schedule step; the loss lives on the last stage."""
+        x = torch.cat([b[0] for b in batches]).to(self.device)
+        y = torch.cat([b[1] for b in batches]).to(self.device)
+        args = (x,) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = dict(target=y, losses=losses) if self.has_last else {}
+        with autocast(self.cfg, self.device, not self.fsdp):
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        if not self.has_last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean() / self.scaler.scale
+
+    @torch.no_grad()
+    def _sync_tied_embeddings(self) -> None:
+        """Sum the token embedding's gradient over the first and last stage (input lookup + output head)."""
+        if self.schedule is None:
+            return
+        grads = [_local(g.tok_emb.weight.grad) for g in self.gpts if g.tok_emb is not None]
+        if not grads:
+            return
+        total = grads[0].clone() if len(grads) == 1 else torch.stack(grads).sum(0)
+        if self._embedding_group is not None:
+            dist.all_reduce(total, group=self._embedding_group)
+        for grad in grads:
+            grad.copy_(total)
+
+    def _norm_params(self) -> list[torch.Tensor]:
+        """Each parameter once per pipeline: the last stage's copy of the tied embedding is left out."""
+        return [p for g in self.gpts for name, p in g.named_parameters()
+                if not (name == "tok_emb.weight" and g.pos_emb is None)]
+
+    def _global_loss(self, local_loss: torch.Tensor) -> float:
+        """Mean over the global batch, on every rank: the last-stage ranks' losses averaged over DP (x TP copies)."""
+        if not self.dims.distributed:
+            return local_loss.item()
+        total = local_loss.detach().clone() if self.has_last else torch.zeros((), device=self.device)
+        dist.all_reduce(total)
+        return total.item() / (self.dims.dp * self.dims.tp)
+
+    def _zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+
+    def _local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """ZeRO-1 keeps each rank's state in an inner optimizer over its partition: save and load that part."""
+        return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by parameter name, the same in every layout (DCP reshards).
+
+        Model parts of one rank (virtual stages) are merged into one dict, as torchtitan's containers do.
+        """
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for part, opt in zip(self.model_parts, self.optimizers):
+            model.update(get_model_state_dict(part, options=opts))
+            optim.update(get_optimizer_state_dict(part, self._local_optimizer(opt), options=opts))
+        state: dict[str, Any] = {"model": model, "optim": optim}
+        if self.scaler.enabled:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=len(self.model_parts) == 1)
+        for part, opt in zip(self.model_parts, self.optimizers):
+            set_model_state_dict(part, state["model"], options=opts)
+            set_optimizer_state_dict(part, self._local_optimizer(opt), state["optim"], options=opts)
+        if self.scaler.enabled and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
 
 
-def build_engine(cfg: Any, layout: Layout, device: torch.device) -> DataParallelEngine:
-    if (layout.tp, layout.pp, layout.zero_stage) != (1, 1, 0):
-        raise NotImplementedError(
-            f"layout tp={layout.tp} pp={layout.pp} zero.stage={layout.zero_stage} needs the parallel engine"
-        )
-    return DataParallelEngine(cfg, layout, device)
+def _name(value: Any) -> str:
+    return value.value if hasattr(value, "value") else str(value)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def build_engine(cfg: Any, layout: Layout, device: torch.device) -> Engine:
+    """The single entry point the training loop uses, for every layout the config checks accept."""
+    return Engine(cfg, layout, device)

@@ -14,18 +14,22 @@ A rule of thumb in the design article, "microbatches >= 4 x stages gives ~90% ef
 optimistic: m = 4p with p = 8 leaves 1 - 7/39 = 82%; 90% needs m >= 9 (p - 1), i.e. 63 microbatches on
 8 stages (or interleaving). With m = 12 on p = 8, as in the article's 175B layout, 7/19 = 37% idles.
 
+Other schedules (names as in torch.distributed.pipelining):
+  * "looped_bfs" (Lamy-Poirier 2023, breadth-first): the interleaved bubble (p - 1)/v, but GPipe's memory.
 Zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism") split the backward pass
 into input-gradient (B) and weight-gradient (W) halves and fill the bubble with W:
   * "zb_h1": same activation memory as 1F1B; with T_F = T_B = T_W its bubble is (p - 1) * t_mb / 3,
     a third of 1F1B's. We return ((p - 1)/3) / (m + (p - 1)/3).
-  * "zb_h2": about twice 1F1B's activation memory and (with the optimizer-step synchronisation
-    bypassed, as the paper does) essentially no bubble. We return 0.0: an optimistic bound, not a
-    measurement; real runs keep a few percent.
+  * "interleaved_zero_bubble": we assume ZB-H1's third of the interleaved bubble, (p - 1)/(3 v).
+  * "zb_h2" (about twice 1F1B's activation memory) and "zbv" (Qi et al. 2024, "Pipeline Parallelism with
+    Controllable Memory": V-shaped, 2 chunks per GPU, 1F1B's memory): essentially no bubble when
+    T_F = T_B = T_W and the optimizer-step synchronisation is bypassed. We return 0.0: an optimistic
+    bound, not a measurement; real runs keep a few percent.
 """
 
 from __future__ import annotations
 
-from hpctrain.plan.types import INTERLEAVED, SCHEDULES
+from hpctrain.plan.types import INTERLEAVED, MULTI_CHUNK, SCHEDULES
 
 
 def bubble_time_in_microbatches(pp: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
@@ -34,15 +38,17 @@ def bubble_time_in_microbatches(pp: int, virtual_stages: int = 1, schedule: str 
         raise ValueError("pp and virtual_stages must be >= 1")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-    if virtual_stages > 1 and schedule not in INTERLEAVED:
-        raise ValueError("virtual_stages > 1 only applies to the interleaved schedule")
+    if virtual_stages > 1 and schedule not in MULTI_CHUNK:
+        raise ValueError(f"virtual_stages > 1 only applies to the multi-chunk schedules {MULTI_CHUNK}")
     if schedule in ("gpipe", "1f1b"):
         return float(pp - 1)
-    if schedule in INTERLEAVED:
+    if schedule == "interleaved_zero_bubble":
+        return (pp - 1) / (3.0 * virtual_stages)
+    if schedule in INTERLEAVED or schedule == "looped_bfs":
         return (pp - 1) / virtual_stages
     if schedule == "zb_h1":
         return (pp - 1) / 3.0
-    return 0.0  # zb_h2: see the module docstring
+    return 0.0  # zb_h2, zbv: see the module docstring
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:

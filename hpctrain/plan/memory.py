@@ -24,7 +24,8 @@ In-flight micro-batches (how many micro-batches' activations a stage holds at it
 GPipe holds all m; 1F1B holds min(p - i, m) on stage i, so the first stage holds p; the interleaved
 schedule holds p + (p - 1)/v stage-equivalents on the first stage, i.e. the whole model's layers times
 (1 + (p - 1)/(p v)) (Korthikanti sec. 4.2.3, from Megatron's warm-up count 2(p - i - 1) + (v - 1) p);
-ZB-H2 about 2p - 1. Embeddings add the embedding dropout mask (s b h bytes per in-flight micro-batch,
+ZB-H2 about 2p - 1; ZB-V p on every stage (its V shape balances memory); looped BFS, like GPipe, all m
+(the zero-bubble interleaved schedule is counted like interleaved 1F1B). Embeddings add the embedding dropout mask (s b h bytes per in-flight micro-batch,
 /t with SP) on the first stage; the last stage adds 4 s b h / t (1 + V / h): final LayerNorm and output
 projection inputs plus fp32 logits.
 
@@ -162,12 +163,14 @@ def inflight_microbatches(pp: int, microbatches: int, virtual_stages: int, sched
     m, p, v = microbatches, pp, virtual_stages
     if p == 1:
         return 1.0  # gradient accumulation runs micro-batches one after another
-    if schedule == "gpipe":
+    if schedule in ("gpipe", "looped_bfs"):
         return float(m)
     if schedule in ("1f1b", "zb_h1"):
         return float(min(p - stage, m))
     if schedule == "zb_h2":
         return float(min(2 * (p - stage) - 1, m))
+    if schedule == "zbv":
+        return float(min(p, m))
     # interleaved: Megatron warms up 2 (p - i - 1) + (v - 1) p model-chunk micro-batches, plus the one in flight
     chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
     return min(chunks / v, float(m))

@@ -61,7 +61,7 @@ def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int
     return bad
 
 
-def _why(model: ModelShape, layout: Layout, mem: MemoryBreakdown, step: StepEstimate) -> str:
+def _why(layout: Layout, mem: MemoryBreakdown, step: StepEstimate, recompute_needed: bool = False) -> str:
     """One line: the layout and what costs it most."""
     parts = [
         f"tp{layout.tp} pp{layout.pp}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
@@ -72,7 +72,7 @@ def _why(model: ModelShape, layout: Layout, mem: MemoryBreakdown, step: StepEsti
         f"exposed comm {step.comm_share:.0%}",
         f"mem {mem.total / GiB:.0f}/{mem.usable / GiB:.0f} GiB",
     ]
-    if layout.recompute != "none":
+    if recompute_needed and layout.recompute != "none":
         parts.append(f"needs {layout.recompute} recompute to fit")
     if layout.zero_stage == 3 and layout.microbatches > 1:
         parts.append(f"ZeRO-3 regathers weights {layout.microbatches}x")
@@ -83,7 +83,7 @@ def evaluate(model: ModelShape, layout: Layout, hw: Hardware, **step_kwargs: flo
     """Memory and time of any layout, legal or not (for ranking a layout someone proposes)."""
     mem = memory_per_gpu(model, layout, hw)
     step = estimate_step(model, layout, hw, **step_kwargs)
-    return Candidate(layout, mem, step, _why(model, layout, mem, step))
+    return Candidate(layout, mem, step, _why(layout, mem, step))
 
 
 def cheapest_fitting(model: ModelShape, layout: Layout, hw: Hardware, **step_kwargs: float) -> Candidate | None:
@@ -93,7 +93,7 @@ def cheapest_fitting(model: ModelShape, layout: Layout, hw: Hardware, **step_kwa
         mem = memory_per_gpu(model, trial, hw)
         if mem.fits:
             step = estimate_step(model, trial, hw, **step_kwargs)
-            return Candidate(trial, mem, step, _why(model, trial, mem, step))
+            return Candidate(trial, mem, step, _why(trial, mem, step, recompute_needed=True))
     return None
 
 
@@ -158,7 +158,7 @@ def rank_of(layout: Layout, candidates: list[Candidate], model: ModelShape | Non
     return 1 + sum(1 for c in candidates if c.tokens_per_s > speed)
 
 
-def explain(candidate: Candidate, best: Candidate | None = None, model: ModelShape | None = None) -> str:
+def explain(candidate: Candidate, best: Candidate | None = None) -> str:
     """A few lines on where a candidate's memory and time go, and what would help (vs `best` if given)."""
     lay, mem, st = candidate.layout, candidate.memory, candidate.step
     g = GiB
@@ -177,7 +177,8 @@ def explain(candidate: Candidate, best: Candidate | None = None, model: ModelSha
         lines.append(
             f"pipeline: {lay.microbatches} microbatches on {lay.pp} stages"
             + (f" x {lay.virtual_stages} chunks" if lay.virtual_stages > 1 else "")
-            + f" idle {st.bubble_fraction:.1%} of the step; 90% efficiency needs >= {target} microbatches"
+            + f" idle {st.bubble_fraction:.1%} of the pipeline time ({st.bubble_share:.0%} of the step);"
+            f" 90% efficiency needs >= {target} microbatches"
         )
     for item in st.comm.items:
         lines.append(f"comm: {item.name} {item.bytes / 1e9:.1f} GB/step over {item.link} = {item.time_s:.2f} s")

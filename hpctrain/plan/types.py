@@ -12,10 +12,15 @@ from hpctrain.models.params import ffn_hidden_size, param_count
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
-# Names accepted for the pipeline schedule. "interleaved" is an alias of Megatron's "interleaved_1f1b";
-# "zb_h1"/"zb_h2" are the zero-bubble schedules of Qi et al. 2023 (see bubble.py for what they cost).
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved", "zb_h1", "zb_h2")
-INTERLEAVED = ("interleaved_1f1b", "interleaved")
+# Pipeline schedules: torch.distributed.pipelining's names (as in hpctrain.config.schema.SCHEDULES), plus
+# "interleaved" (alias of "interleaved_1f1b") and Qi et al. 2023's "zb_h1"/"zb_h2". bubble.py and memory.py
+# say what each costs. MULTI_CHUNK schedules place virtual_stages model chunks on each GPU.
+SCHEDULES = (
+    "gpipe", "1f1b", "interleaved_1f1b", "interleaved", "looped_bfs", "interleaved_zero_bubble", "zbv",
+    "zb_h1", "zb_h2",
+)
+INTERLEAVED = ("interleaved_1f1b", "interleaved", "interleaved_zero_bubble")
+MULTI_CHUNK = INTERLEAVED + ("looped_bfs", "zbv")
 
 GB = 10**9  # decimal gigabyte, used by the ZeRO paper and by network/NVLink datasheets
 GiB = 2**30  # binary gibibyte: what nvidia-smi and torch.cuda report as "GB" of device memory
@@ -99,8 +104,10 @@ class Layout:
         dtype_bytes(self.dtype)
         if self.reduce_dtype is not None:
             dtype_bytes(self.reduce_dtype)
-        if self.virtual_stages > 1 and self.schedule not in INTERLEAVED:
-            raise ValueError("virtual_stages > 1 needs schedule='interleaved_1f1b'")
+        if self.virtual_stages > 1 and self.schedule not in MULTI_CHUNK:
+            raise ValueError(f"virtual_stages > 1 needs a multi-chunk schedule, one of {MULTI_CHUNK}")
+        if self.schedule == "zbv" and self.virtual_stages != 2:
+            raise ValueError("the zbv schedule places exactly 2 chunks on each GPU: virtual_stages=2")
         if self.dp % self.dp_replicate:
             raise ValueError(f"dp {self.dp} is not divisible by dp_replicate {self.dp_replicate}")
         if self.offload_params and self.zero_stage != 3:
@@ -125,10 +132,6 @@ class Layout:
     def zero_shard(self) -> int:
         """Ranks ZeRO shards over: the whole DP group, or one HSDP shard group."""
         return self.dp // self.dp_replicate
-
-    @property
-    def interleaved(self) -> bool:
-        return self.schedule in INTERLEAVED
 
     @property
     def compute_bytes(self) -> int:

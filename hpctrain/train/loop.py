@@ -43,6 +43,7 @@ def train(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
     env = discover()
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"[rank{env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("submitit").propagate = False  # submitit prints its own lines already
     log.info("task rank %d/%d local %d on %s (job %s), rendezvous %s:%d", env.rank, env.world_size,
              env.local_rank, env.hostname, env.job_id, env.master_addr, env.master_port)
     init_distributed(env)

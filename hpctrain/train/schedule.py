@@ -10,7 +10,7 @@ from typing import Any
 
 
 def lr_at(step: int, optim: Any, max_steps: int) -> float:
-    """Linear warmup to optim.lr, then cosine/linear decay to optim.min_lr at max_steps (step counts from 0)."""
+    """Linear warmup to optim.lr, then cosine/linear decay to lr x min_lr_ratio at max_steps (step counts from 0)."""
     if optim.warmup_steps > 0 and step < optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
     if optim.decay == "constant":
@@ -21,4 +21,5 @@ def lr_at(step: int, optim: Any, max_steps: int) -> float:
         factor = 1.0 - progress
     else:
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return optim.min_lr + (optim.lr - optim.min_lr) * factor
+    min_lr = optim.lr * optim.min_lr_ratio
+    return min_lr + (optim.lr - min_lr) * factor

@@ -60,3 +60,10 @@ def test_microbatches_for_90_percent():
     assert pipeline_efficiency(8, 63) >= 0.9 > pipeline_efficiency(8, 62)
     # interleaving with v = 7 makes the bubble one microbatch: m >= 9
     assert microbatches_for_efficiency(8, 0.9, 7, "interleaved_1f1b") == 9
+
+
+def test_torch_pipelining_schedules():
+    # looped BFS has the interleaved bubble; zero-bubble interleaved a third of it; ZB-V none (optimistic)
+    assert bubble_fraction(8, 16, 4, "looped_bfs") == pytest.approx(bubble_fraction(8, 16, 4, "interleaved_1f1b"))
+    assert bubble_fraction(8, 16, 2, "interleaved_zero_bubble") == pytest.approx((7 / 6) / (16 + 7 / 6))
+    assert bubble_fraction(8, 16, 2, "zbv") == 0.0

@@ -46,11 +46,7 @@ def test_adam_is_16_bytes_per_param_not_8():
 
 # GPT-3 175B shapes: s = 2048, h = 12288, a = 96, b = 1, t = 8; sbh = 25,165,824 and 5as/h = 80.
 S, H, A, T = 2048, 12288, 96, 8
-SBH = 25_165_824
-
-
-def test_sbh_constant():
-    assert S * H == SBH
+SBH = 25_165_824  # 2048 * 12288
 
 
 def test_korthikanti_no_parallelism():
@@ -90,6 +86,9 @@ def test_inflight_microbatches():
     assert inflight_microbatches(8, 12, 1, "1f1b", stage=7) == 1  # last stage one
     assert inflight_microbatches(8, 4, 1, "1f1b") == 4  # fewer microbatches than stages
     assert inflight_microbatches(8, 12, 1, "gpipe") == 12
+    assert inflight_microbatches(8, 12, 2, "looped_bfs") == 12  # breadth-first: all microbatches, like GPipe
+    assert inflight_microbatches(8, 12, 1, "zb_h2") == 12 and inflight_microbatches(8, 32, 1, "zb_h2") == 15
+    assert inflight_microbatches(8, 12, 2, "zbv", stage=7) == 8  # V shape: every stage like 1F1B's first
     # interleaved: p (1 + (p-1)/(p v)) stage-equivalents = 8 + 7/2
     assert inflight_microbatches(8, 16, 2, "interleaved_1f1b") == pytest.approx(8 * (1 + 7 / 16))
 

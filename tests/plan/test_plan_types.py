@@ -38,6 +38,8 @@ def test_layout_batch_arithmetic():
         dict(offload_params=True),  # needs ZeRO-3
         dict(sequence_parallel=True, tp=1),
         dict(micro_batch=0),
+        dict(schedule="zbv", virtual_stages=3),  # ZB-V has exactly 2 chunks per GPU
+        dict(schedule="pipedream"),
     ],
 )
 def test_layout_rejects(kwargs):

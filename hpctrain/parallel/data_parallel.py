@@ -1,0 +1,70 @@
+"""Data parallelism for one model part: ZeRO stages 0-3 and HSDP, all from torch's own wrappers.
+
+- ZeRO-0: DDP, gradients all-reduced in buckets of zero.reduce_bucket_size bytes while backward runs.
+- ZeRO-1: DDP + ZeroRedundancyOptimizer (each DP rank steps and keeps the optimizer state of 1/dp of the
+  parameters, then broadcasts them). overlap_with_ddp is not used: on gloo it can hang.
+- ZeRO-2: FSDP2 with reshard_after_forward=False (parameters stay gathered from forward to backward).
+- ZeRO-3: FSDP2 with full resharding. dp_replicate > 1 makes the FSDP mesh 2-D: HSDP.
+- Offload (zero.offload_optimizer / offload_params): FSDP2's CPUOffloadPolicy keeps the sharded parameters,
+  gradients and the optimizer step on the CPU (pinned memory only when a GPU exists).
+
+DDP cannot hold DTensor parameters, so with TP the ZeRO-0 layout is FSDP2's `replicate` (DDP semantics:
+replicated parameters, all-reduced gradients) and ZeRO-1 runs as ZeRO-2: FSDP2 with reshard_after_forward=
+False, which also shards the gradients for the same communication volume (reduce-scatter + all-gather).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from hpctrain.models.gpt import GPT
+from hpctrain.parallel.precision import ddp_comm_hook, fsdp_mp_policy
+
+
+def uses_fsdp(zero_stage: int, tp: int) -> bool:
+    """Whether this layout's DP goes through FSDP2 (parameters are materialised after wrapping)."""
+    return zero_stage >= 2 or tp > 1
+
+
+def apply_fsdp(model: GPT, mesh: DeviceMesh, cfg: Any, reshard_after_forward: bool) -> None:
+    """fully_shard each block, then the root (embeddings, final norm): one all-gather per block."""
+    z = cfg.zero
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+                              if z.offload_optimizer or z.offload_params else OffloadPolicy())
+    kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(cfg), offload_policy=offload)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def apply_replicate(model: GPT, mesh: DeviceMesh, cfg: Any) -> None:
+    """DDP semantics for DTensor (TP) parameters, from FSDP2's replicate."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    for block in model.layers.values():
+        replicate(block, mesh=mesh, mp_policy=fsdp_mp_policy(cfg))
+    replicate(model, mesh=mesh, mp_policy=fsdp_mp_policy(cfg))
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any) -> nn.parallel.DistributedDataParallel:
+    group = mesh.get_group()
+    ddp = nn.parallel.DistributedDataParallel(
+        model, process_group=group, bucket_cap_mb=cfg.zero.reduce_bucket_size / 2**20,
+        gradient_as_bucket_view=True)
+    hook = ddp_comm_hook(cfg)
+    if hook is not None:
+        ddp.register_comm_hook(group, hook)
+    return ddp
+
+
+def zero1_optimizer(param_groups: list[dict[str, Any]], mesh: DeviceMesh, optimizer_class: type,
+                    defaults: dict[str, Any]) -> ZeroRedundancyOptimizer:
+    """ZeroRedundancyOptimizer over the DP group, keeping hpctrain's decay / no-decay groups."""
+    return ZeroRedundancyOptimizer(param_groups, optimizer_class=optimizer_class, process_group=mesh.get_group(),
+                                   parameters_as_bucket_view=False, **defaults)

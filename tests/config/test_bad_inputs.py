@@ -1,0 +1,128 @@
+"""The bad-input suite: each bad config fails with its own message naming the key, and submits nothing.
+
+In-process cases go through `hpctrain.launch.cli.run`, the function `python -m hpctrain` calls, with the run
+root in a temporary directory that must stay empty. Schema-level mistakes (typos, wrong types) fail during
+Hydra composition; those run through the real command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
+from tests.conftest import run_hpctrain
+
+# (id, overrides, key named, words of the message)
+BAD = [
+    ("dp-mismatch", ["parallel.dp=3"], "parallel.dp", "dp x tp x pp"),
+    ("dp-not-inferable", ["parallel.tp=3"], "parallel.dp", "cannot be inferred"),
+    ("global-batch-indivisible", ["train.global_batch=20"], "train.global_batch", "not divisible"),
+    ("batch-arithmetic", ["train.grad_accum=2"], "train.global_batch", "micro_batch x grad_accum x dp"),
+    ("heads-vs-hidden", ["model.n_heads=3"], "model.d_model", "not divisible by n_heads"),
+    ("heads-vs-tp", ["cluster.gpus_per_node=8", "parallel.tp=8"], "parallel.tp", "whole attention heads"),
+    ("layers-vs-pp", ["model.n_layers=3", "parallel.pp=2", "train.micro_batch=4"], "parallel.pp",
+     "not divisible by pp"),
+    ("tp-across-nodes", ["+experiment=175b", "cluster.gpus_per_node=4", "parallel.dp=-1", "train.grad_accum=-1"],
+     "parallel.tp", "larger than cluster.gpus_per_node"),
+    ("tp-straddles-nodes", ["+experiment=175b", "cluster.gpus_per_node=6", "parallel.tp=4", "parallel.dp=-1",
+                            "train.grad_accum=-1"], "parallel.tp", "straddle"),
+    ("too-few-microbatches", ["parallel.pp=2", "train.micro_batch=16"], "train.grad_accum",
+     "at least one microbatch per stage"),
+    ("interleaved-needs-virtual", ["parallel.pp=2", "parallel.schedule=interleaved_1f1b", "train.micro_batch=4"],
+     "parallel.schedule", "virtual_stages >= 2"),
+    ("virtual-needs-interleaved", ["parallel.pp=2", "parallel.virtual_stages=2", "train.micro_batch=4"],
+     "parallel.virtual_stages", "multi-chunk schedule"),
+    ("unknown-schedule", ["parallel.schedule=2f2b"], "parallel.schedule", "unknown schedule"),
+    ("fp16-no-scaling", ["precision=fp16", "precision.loss_scaling=false"], "precision.loss_scaling",
+     "fp16 without loss scaling"),
+    ("zero-stage-4", ["zero.stage=4"], "zero.stage", "must be 0, 1, 2 or 3"),
+    ("param-offload-stage2", ["zero=stage2", "zero.offload_params=true", "zero.offload_optimizer=true"],
+     "zero.offload_params", "needs ZeRO stage 3"),
+    ("optim-offload-stage1", ["zero=stage1", "zero.offload_optimizer=true"], "zero.offload_optimizer",
+     "stage 2 or 3"),
+    ("param-offload-alone", ["zero=stage3", "zero.offload_params=true"], "zero.offload_optimizer",
+     "optimizer step runs there too"),
+    ("hsdp-without-sharding", ["parallel.dp_replicate=2"], "parallel.dp_replicate", "HSDP"),
+    ("tiny-buckets", ["zero.reduce_bucket_size=100"], "zero.reduce_bucket_size", "too small"),
+    ("sp-without-tp", ["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "tp=1"),
+    ("seq-beyond-context", ["train.seq_len=512"], "train.seq_len", "model.context=256"),
+    ("vocab-too-small", ["data=synthetic"], "data.vocab_size", "model.vocab_size=256"),
+    ("tokens-missing-file", ["model=gpt3_125m", "data=tokens", "data.path=/nonexistent/train.bin",
+                             "train.seq_len=128"], "data.path", "does not exist"),
+    ("tokens-no-path", ["model=gpt3_125m", "data=tokens", "train.seq_len=128"], "data.path", "needs the path"),
+    ("bad-token-dtype", ["model=gpt3_125m", "data=synthetic", "data.kind=tokens", "data.path=/x.bin",
+                         "data.token_dtype=uint8"], "data.token_dtype", "uint16 or uint32"),
+    ("signal-after-end", ["cluster.time_min=1", "cluster.signal_delay_s=120"], "cluster.signal_delay_s",
+     "before the job starts"),
+    ("local-multi-node", ["cluster.nodes=2", "train.global_batch=32"], "cluster.nodes", "local executor"),
+    ("zero-lr", ["optim.lr=0"], "optim.lr", "must be > 0"),
+    ("min-lr-above-lr", ["optim.min_lr_ratio=2.0"], "optim.min_lr_ratio", "a fraction of optim.lr"),
+    ("betas-out-of-range", ["optim.betas=[0.9,1.5]"], "optim.betas", "in [0, 1)"),
+    ("warmup-beyond-run", ["train.max_steps=10"], "optim.warmup_steps", "train.max_steps=10"),
+    ("negative-clip", ["optim.grad_clip=-1"], "optim.grad_clip", "must be >= 0"),
+    ("no-steps", ["train.max_steps=0", "optim.warmup_steps=0"], "train.max_steps", "must be >= 1"),
+    ("zero-micro-batch", ["train.micro_batch=0"], "train.micro_batch", "must be >= 1"),
+    ("keep-nothing", ["checkpoint.tiers.0.keep_last=0"], "checkpoint.tiers[0].keep_last", "newest checkpoint"),
+    ("no-tiers", ["checkpoint.tiers=[]"], "checkpoint.tiers", "no tier"),
+    ("added-unknown-key", ["+train.lr=1e-3"], "train.lr", "did you mean optim.lr?"),
+    ("resume-unknown-run", ["run.resume=no-such-run"], "run.resume", "no run 'no-such-run' found"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,words", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_bad_input_is_rejected_before_submission(compose_cfg, capsys, tmp_path: Path, overrides: list[str],
+                                                 key: str, words: str) -> None:
+    cfg = compose_cfg(*overrides, f"run.root={tmp_path}")
+    assert run(cfg) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "nothing was submitted" in err
+    assert f"{key}: " in err and words in err, err
+    assert "fix: " in err
+    assert not any(tmp_path.iterdir()), "a rejected config must leave nothing behind"
+
+
+def test_the_suite_is_broad() -> None:
+    assert len({c[0] for c in BAD}) >= 20
+    assert len({c[2] for c in BAD}) >= 20, "distinct keys"
+
+
+def test_all_errors_are_reported_at_once(compose_cfg, capsys, tmp_path: Path) -> None:
+    cfg = compose_cfg("optim.lr=0", "precision=fp16", "precision.loss_scaling=false", f"run.root={tmp_path}")
+    assert run(cfg) == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "2 config error(s)" in err and "optim.lr" in err and "precision.loss_scaling" in err
+
+
+# Schema-level mistakes through the real command line: (overrides, words in stderr)
+SCHEMA = [
+    (["model.n_layer=3"], "n_layer"),  # a typo of model.n_layers
+    (["parallel.tp=two"], "parallel.tp"),  # not an int
+    (["model=gpt5"], "model/gpt5"),  # no such model
+    (["precision.dtype=fp8"], "precision.dtype"),  # not a precision
+    (["+model.n_layer=3"], "did you mean model.n_layers?"),  # added with +: caught by hpctrain's own check
+]
+
+
+@pytest.mark.parametrize("overrides,words", SCHEMA, ids=[s[1] for s in SCHEMA])
+def test_schema_rejects_typos_and_types(tmp_path: Path, overrides: list[str], words: str) -> None:
+    proc = run_hpctrain(*overrides, f"run.root={tmp_path}", cwd=tmp_path, timeout=60)
+    assert proc.returncode != 0
+    assert words in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_config_error_exit_code_on_the_command_line(tmp_path: Path) -> None:
+    proc = run_hpctrain("parallel.dp=3", f"run.root={tmp_path}", cwd=tmp_path, timeout=60)
+    assert proc.returncode == EXIT_CONFIG_ERROR
+    assert "parallel.dp: dp x tp x pp = 3 x 1 x 1 = 3 GPUs" in proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_warnings_carry_the_computed_bubble(compose_cfg) -> None:
+    from hpctrain.config.checks import check_config
+
+    report = check_config(compose_cfg("+experiment=175b", "dry_run=true"))
+    bubble = [w for w in report.warnings if w.key == "train.grad_accum"]
+    assert bubble and "36.8%" in bubble[0].message  # (p-1)/(m+p-1) = 7/19

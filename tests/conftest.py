@@ -1,0 +1,40 @@
+"""Shared fixtures: compose configs the way `python -m hpctrain` does, without a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from hpctrain.config.schema import register
+
+REPO = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO / "conf"
+
+os.environ.setdefault("WANDB_MODE", "offline")
+register()
+
+
+@pytest.fixture
+def compose_cfg() -> Callable[..., DictConfig]:
+    """compose_cfg("+experiment=175b", "parallel.tp=4") -> the composed, schema-checked config."""
+
+    def _compose(*overrides: str) -> DictConfig:
+        with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
+            return compose(config_name="config", overrides=list(overrides))
+
+    return _compose
+
+
+def run_hpctrain(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
+    """Run the real command line, as a user would."""
+    full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "hpctrain", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)

@@ -1,0 +1,57 @@
+"""The embedded default end to end: `python -m hpctrain` on this machine through submitit's local executor."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import run_hpctrain
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run_dir(stdout: str) -> Path:
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("run directory: "), last
+    return Path(last.removeprefix("run directory: "))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_default_command_trains_the_tiny_gpt(tmp_path: Path) -> None:
+    proc = run_hpctrain(f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = _run_dir(proc.stdout)
+    assert run_dir.parent.parent == tmp_path
+    assert "step 400/400" in proc.stdout and "tok/s" in proc.stdout and "ETA" in proc.stdout
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["run"]["id"] == run_dir.name and config["model"]["name"] == "tiny"
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, 401))  # every step logged
+    assert {"step", "loss", "lr", "tokens_per_s", "step_time_s"} <= set(metrics[0])
+    assert abs(metrics[0]["loss"] - math.log(256)) < 0.5  # starts near uniform over bytes
+    last = [m["loss"] for m in metrics[-20:]]
+    assert sum(last) / len(last) < 2.5, last
+    assert len(list((run_dir / "submitit").glob("*_log.out"))) == 2  # 2 tasks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_continues_in_the_same_directory(tmp_path: Path) -> None:
+    common = [f"run.root={tmp_path}", "optim.warmup_steps=2", "checkpoint.tiers.0.interval_steps=4"]
+    first = run_hpctrain(*common, "run.id=resumable", "train.max_steps=6", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = _run_dir(first.stdout)
+    second = run_hpctrain(*common, "run.resume=resumable", "train.max_steps=10", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert _run_dir(second.stdout) == run_dir
+    assert "resuming at step 6" in second.stdout
+    steps = [m["step"] for m in _metrics(run_dir)]
+    assert steps == list(range(1, 11))
+    assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 2

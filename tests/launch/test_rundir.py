@@ -1,0 +1,41 @@
+"""One run, one directory: fixed ids and resumes land in the same place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain.config.problems import ConfigError
+from hpctrain.launch.rundir import create_run_dir, new_run_id, resolve_run_dir
+
+
+def test_new_ids_are_unique_and_sortable() -> None:
+    ids = {new_run_id() for _ in range(50)}
+    assert len(ids) == 50
+
+
+def test_fixed_id_lands_in_the_same_directory(compose_cfg, tmp_path: Path) -> None:
+    cfg = compose_cfg(f"run.root={tmp_path}", "run.id=abc")
+    first = resolve_run_dir(cfg)
+    assert first.path == tmp_path / "smoke" / "abc" and not first.resumed
+    cfg.run.id = first.run_id
+    create_run_dir(cfg, first)
+    again = resolve_run_dir(cfg)
+    assert again.path == first.path and again.resumed
+
+
+def test_resume_by_id_and_by_path(compose_cfg, tmp_path: Path) -> None:
+    cfg = compose_cfg(f"run.root={tmp_path}", "run.id=r1")
+    run = resolve_run_dir(cfg)
+    create_run_dir(cfg, run)
+    by_id = resolve_run_dir(compose_cfg(f"run.root={tmp_path}", "run.resume=r1"))
+    by_path = resolve_run_dir(compose_cfg(f"run.root={tmp_path}", f"run.resume={run.path}"))
+    assert by_id.path == by_path.path == run.path and by_id.run_id == "r1" and by_id.resumed
+    create_run_dir(cfg, by_id)
+    assert (run.path / "config.yaml").exists() and len(list(run.path.glob("config.*.yaml"))) == 1
+
+
+def test_resume_of_unknown_run_names_the_key(compose_cfg, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="run.resume"):
+        resolve_run_dir(compose_cfg(f"run.root={tmp_path}", "run.resume=nope"))

@@ -1,0 +1,8 @@
+"""Make `hpctrain` and `tests.distributed_harness` importable when pytest runs from the repository root."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))

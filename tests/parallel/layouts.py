@@ -1,0 +1,84 @@
+"""Shared pieces of the engine tests: tiny configs, fixed data, and the plain single-process reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from hpctrain.config.layout import resolve_layout
+from hpctrain.config.schema import Config
+
+SEQ = 16
+VOCAB = 64
+
+
+def make_cfg(world: int, **overrides: Any) -> Any:
+    """A tiny GPT (4 layers, d 64) on `world` processes; overrides are dotted keys, e.g. parallel__tp=2."""
+    base = {
+        "model": {"name": "test", "n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": VOCAB, "context": 32},
+        "cluster": {"name": "test", "nodes": 1, "gpus_per_node": world},
+        "train": {"global_batch": 8, "micro_batch": 4, "seq_len": SEQ, "seed": 7, "max_steps": 5},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.1, "grad_clip": 1.0},
+        "data": {"kind": "synthetic", "vocab_size": VOCAB},
+    }
+    dotted = OmegaConf.from_dotlist([f"{k.replace('__', '.')}={v}" for k, v in overrides.items()])
+    return OmegaConf.merge(OmegaConf.structured(Config), base, dotted)
+
+
+def global_batch(step: int, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch: fixed random tokens, inputs and shifted targets."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    rows = torch.randint(0, VOCAB, (cfg.train.global_batch, SEQ + 1), generator=gen)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def rank_batches(step: int, cfg: Any, dp_rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This DP rank's slice of the global batch, cut into microbatches (as the training loop does)."""
+    x, y = global_batch(step, cfg)
+    per = cfg.train.global_batch // dp
+    x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+    mb = cfg.train.micro_batch
+    return [(x[i:i + mb], y[i:i + mb]) for i in range(0, per, mb)]
+
+
+def run_engine(rank: int, world: int, overrides: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Train `steps` steps through hpctrain's engine; return losses, norms and the full final weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from hpctrain.parallel.engine import build_engine
+
+    cfg = make_cfg(world, **overrides)
+    layout = resolve_layout(cfg)
+    engine = build_engine(cfg, layout, torch.device("cpu"))
+    stats = [engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr) for s in range(steps)]
+    weights: dict[str, torch.Tensor] = {}
+    for part in engine.model_parts:
+        sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        weights.update({k: v.detach().clone() for k, v in sd.items()})
+    return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats],
+            "skipped": [s.skipped for s in stats], "loss_scale": [s.loss_scale for s in stats],
+            "weights": weights, "model_types": sorted({type(g).__mro__[-3].__name__ for g in engine.gpts}),
+            "dp": (engine.dp_rank, engine.dp_size)}
+
+
+def reference(overrides: dict[str, Any], steps: int, world: int = 1) -> dict[str, Any]:
+    """Plain PyTorch, one process, the whole global batch at once: what every layout must reproduce."""
+    from hpctrain.parallel.engine import build_model, build_optimizer, token_loss
+
+    cfg = make_cfg(world, **overrides)
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model.parameters(), cfg)
+    losses, norms = [], []
+    for s in range(steps):
+        x, y = global_batch(s, cfg)
+        loss = token_loss(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"loss": losses, "grad_norm": norms,
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -1,0 +1,23 @@
+"""Not a test: times the 4096-GPU search for GPT-3 175B and prints the top layouts (python tests/plan/bench_search.py)."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hpctrain.plan.search import explain, rank_of, search_layouts  # noqa: E402
+from hpctrain.plan.types import Layout, ModelShape, hardware  # noqa: E402
+
+model = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257)
+hw = hardware("a100_80gb")
+start = time.perf_counter()
+cands = search_layouts(model, 4096, hw, global_batch=3072)
+elapsed = time.perf_counter() - start
+print(f"search: {len(cands)} fitting layouts in {elapsed:.3f} s (budget 2 s)")
+for c in cands[:5]:
+    print(" ", c.why)
+article = Layout(dp=64, tp=8, pp=8, zero_stage=3, micro_batch=4, grad_accum=12, sequence_parallel=True,
+                 recompute="selective")
+print(f"\narticle layout ranks {rank_of(article, cands)} of {len(cands)}:")
+print(explain(next(c for c in cands if c.layout == article), cands[0]))
