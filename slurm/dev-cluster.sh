@@ -350,7 +350,7 @@ start_munge() {
     rm -f "$MUNGE_SOCK" "$MUNGE_SOCK.lock"
     runuser -u munge -- munged --socket="$MUNGE_SOCK" --key-file="$MUNGE_DIR/munge.key" \
         --pid-file="$MUNGE_DIR/munged.pid" --log-file="$MUNGE_DIR/munged.log" \
-        --seed-file="$MUNGE_DIR/munged.seed" \
+        --seed-file="$MUNGE_DIR/munged.seed" 9>&- \
         || { tail -5 "$MUNGE_DIR/munged.log" >&2 || true; die "munged failed to start"; }
     wait_for 10 munge test -S "$MUNGE_SOCK" || die "munged socket $MUNGE_SOCK did not appear"
 }
@@ -369,7 +369,7 @@ start_mariadb() {
     setsid mariadbd --no-defaults --user=root --datadir="$DB_DIR/data" --socket="$DB_SOCK" \
         --pid-file="$RUN/mariadbd.pid" --bind-address=127.0.0.1 --port="$DB_PORT" --skip-name-resolve \
         --skip-log-bin --innodb-buffer-pool-size=128M --innodb-lock-wait-timeout=900 \
-        --innodb-log-file-size=64M --log-error="$LOG/mariadb.log" </dev/null >>"$LOG/mariadb.log" 2>&1 &
+        --innodb-log-file-size=64M --log-error="$LOG/mariadb.log" </dev/null >>"$LOG/mariadb.log" 2>&1 9>&- &
     if ! wait_for 30 mariadb mariadb-admin --no-defaults -S "$DB_SOCK" -u root ping; then
         tail -20 "$LOG/mariadb.log" >&2; die "mariadbd did not come up"
     fi
@@ -383,7 +383,7 @@ start_mariadb() {
 start_slurmdbd() {
     [[ -n $(daemon_pid "$RUN/slurmdbd.pid" slurmdbd) ]] && return 0
     say "starting slurmdbd ($CTL_ADDR:$DBD_PORT)"
-    slurmdbd || { tail -20 "$LOG/slurmdbd.log" >&2; die "slurmdbd failed to start"; }
+    slurmdbd 9>&- || { tail -20 "$LOG/slurmdbd.log" >&2; die "slurmdbd failed to start"; }
     if ! wait_for 60 slurmdbd port_listening "$DBD_PORT"; then
         tail -20 "$LOG/slurmdbd.log" >&2; die "slurmdbd is not listening on port $DBD_PORT"
     fi
@@ -402,7 +402,7 @@ start_slurmctld() {
     [[ -n $(daemon_pid "$RUN/slurmctld.pid" slurmctld) ]] && return 0
     say "starting slurmctld ($CTL_HOST($CTL_ADDR):$CTLD_PORT)"
     mkdir -p "$S/ctld"
-    slurmctld -f "$CONF" || { tail -20 "$LOG/slurmctld.log" >&2; die "slurmctld failed to start"; }
+    slurmctld -f "$CONF" 9>&- || { tail -20 "$LOG/slurmctld.log" >&2; die "slurmctld failed to start"; }
     if ! wait_for 30 slurmctld timeout 5 scontrol ping; then
         tail -30 "$LOG/slurmctld.log" >&2; die "slurmctld does not answer scontrol ping"
     fi
@@ -415,7 +415,7 @@ start_slurmd() {  # node
     say "starting slurmd $n ($(node_addr "$n"), namespace $ns)"
     # Not `ip netns exec`: it remounts /sys and slurmd dies ("No filesystem mounted on /sys/fs/cgroup").
     nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private \
-        sh -c "hostname $n && mount --bind $S/nodes/$n/hosts /etc/hosts && exec slurmd -f $CONF -N $n" \
+        sh -c "hostname $n && mount --bind $S/nodes/$n/hosts /etc/hosts && exec slurmd -f $CONF -N $n" 9>&- </dev/null \
         || { tail -20 "$LOG/slurmd-$n.log" >&2 || true; die "slurmd $n failed to start"; }
 }
 
@@ -466,6 +466,7 @@ cmd_up() {
     mkdir -p "$S" "$S/etc" "$RUN" "$LOG" "$S/nodes"
     chmod 0755 "$S"
     ensure_packages
+    # serialise concurrent up/down; every daemon is started with 9>&- so that it does not inherit the lock
     exec 9>"$S/.lock"
     flock -w 120 9 || die "another dev-cluster.sh holds $S/.lock"
 

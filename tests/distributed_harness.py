@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -56,16 +57,20 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, r
                 if attempt == 1:
                     raise
                 time.sleep(0.5)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Pickled here, by value: the queue's own pickler would share tensors through file descriptors that
+        # vanish when this process exits.
+        payload = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        payload = (rank, False, pickle.dumps(traceback.format_exc()))
         code = 1
+    try:
+        results.put(payload)
+        results.close()
+        results.join_thread()  # flush before os._exit, which skips the queue's atexit flush
+        if dist.is_initialized():
+            dist.destroy_process_group()
     finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            os._exit(code)
+        os._exit(code)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
@@ -91,7 +96,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                                                f"{sorted(collected)}" + _failures(collected))
                 try:
                     rank, ok, value = results.get(timeout=min(remaining, 1.0))
-                    collected[rank] = (ok, value)
+                    collected[rank] = (ok, pickle.loads(value))
                     if not ok:  # one rank failed: the others may wait for it forever, give them a moment
                         deadline = min(deadline, time.monotonic() + 10.0)
                 except queue.Empty:

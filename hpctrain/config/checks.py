@@ -25,6 +25,7 @@ MULTI_CHUNK = INTERLEAVED | {"zbv"}
 @dataclass
 class CheckReport:
     layout: Layout
+    estimates: Any = None  # hpctrain.plan.estimate.Estimates once the layout is valid
     errors: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)
 
@@ -296,6 +297,42 @@ def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 "use checkpoint=default, or checkpoint=none")
 
 
+def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """Estimate memory per GPU (planner) once the layout is valid; on GPUs a layout that cannot fit is an error."""
+    from hpctrain.plan.estimate import estimate
+    from hpctrain.plan.types import KNOWN_HARDWARE, GiB
+
+    if cfg.cluster.gpu_type not in KNOWN_HARDWARE:
+        r.error("cluster.gpu_type", f"unknown GPU type {cfg.cluster.gpu_type!r}",
+                f"use one of {', '.join(sorted(KNOWN_HARDWARE))}")
+        return
+    if r.errors:
+        return
+    r.estimates = est = estimate(cfg, lay)
+    mem = est.memory
+    if mem.fits:
+        if mem.headroom < 0.05 * mem.usable:
+            r.warn("parallel", f"estimated {mem.total / GiB:.1f} GiB per GPU leaves under 5% headroom of "
+                   f"{mem.usable / GiB:.1f} GiB usable", "expect fragmentation OOMs; consider more recompute or sharding")
+        return
+    fixes = []
+    if cfg.parallel.recompute.value != "full":
+        fixes.append("parallel.recompute=" + ("selective" if cfg.parallel.recompute.value == "none" else "full"))
+    if lay.zero_stage < 3 and lay.dp > 1:
+        fixes.append(f"zero.stage={lay.zero_stage + 1}")
+    if lay.micro_batch > 1:
+        fixes.append(f"train.micro_batch={lay.micro_batch // 2}")
+    fixes.append("more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp)")
+    message = (f"estimated {mem.total / GiB:.1f} GiB per GPU (params {mem.params / GiB:.1f}, grads "
+               f"{mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}) "
+               f"exceeds the {mem.usable / GiB:.1f} GiB usable on each {cfg.cluster.gpu_type} GPU")
+    if cfg.cluster.gpu_type == "cpu":
+        r.warn("parallel", message, "try: " + ", or ".join(fixes))
+    else:
+        r.error("parallel", message, "try: " + ", or ".join(fixes))
+
+
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
     _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data, _cluster, _checkpoint,
+    _memory,
 ]

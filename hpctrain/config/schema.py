@@ -78,6 +78,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     recompute: Recompute = Recompute.none
     compile: bool = False
+    auto: bool = False  # parallel=auto: the planner's search picks the layout (dp/tp/pp/micro-batch/ZeRO/recompute)
 
 
 @dataclass
@@ -194,6 +195,8 @@ class RunConfig:
 @dataclass
 class PlanConfig:
     format: PlanFormat = PlanFormat.text
+    search: int = 0  # >0: the dry-run plan ranks the top N layouts and explains where the configured one stands
+    png: Optional[str] = None  # also write the memory / step-time chart here (needs matplotlib)
 
 
 @dataclass

@@ -22,10 +22,17 @@ from hpctrain.launch.rundir import RunDir, create_run_dir
 from hpctrain.train.task import TrainTask
 
 JOBS_FILE = "jobs.jsonl"
+PLAN_FILE = "plan.json"
 
 
-def submit(cfg: Any, layout: Layout, run: RunDir) -> submitit.Job:
+def submit(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any]) -> submitit.Job:
     create_run_dir(cfg, run)
+    (run.path / PLAN_FILE).write_text(json.dumps(plan, indent=1))
+    if "memory_per_gpu_bytes" in plan:
+        from hpctrain.plan.chart import have_matplotlib, write_chart
+
+        if have_matplotlib():
+            write_chart(plan, run.path / "plan.png")
     executor = build_executor(cfg, layout, run.run_id, run.submitit_folder)
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     job = executor.submit(TrainTask(config=config, run_dir=str(run.path)))
@@ -35,9 +42,9 @@ def submit(cfg: Any, layout: Layout, run: RunDir) -> submitit.Job:
     return job
 
 
-def launch(cfg: Any, layout: Layout, run: RunDir) -> int:
+def launch(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any]) -> int:
     """Submit; follow a local job. Returns the process exit code."""
-    job = submit(cfg, layout, run)
+    job = submit(cfg, layout, run, plan)
     if cfg.cluster.executor == Executor.local:
         print(f"local job {job.job_id}: {layout.world_size} processes, logs in {run.submitit_folder}", flush=True)
         code = follow(job)

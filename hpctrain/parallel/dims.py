@@ -73,15 +73,13 @@ class ParallelDims:
         if not dist.is_initialized():
             raise RuntimeError("a device mesh needs torch.distributed to be initialised")
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
 
-    @property
+    @cached_property
     def dp_mesh(self) -> DeviceMesh:
         """All data-parallel ranks as one dim (what DDP and ZeroRedundancyOptimizer reduce over)."""
-        return self.mesh["dp"]
+        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -103,7 +101,7 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         """Which slice of the global batch this rank reads: TP and PP peers share it."""
-        return self.coordinate("dp")
+        return self.dp_mesh.get_local_rank() if self.distributed else 0
 
     @property
     def pp_rank(self) -> int:

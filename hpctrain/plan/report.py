@@ -15,6 +15,7 @@ from hpctrain.distributed.task_env import task_environment
 from hpctrain.launch.executor import sbatch_preview
 from hpctrain.launch.rundir import RunDir
 from hpctrain.models.params import param_count
+from hpctrain.plan.estimate import as_json, table_lines
 
 
 def model_params(cfg: Any) -> int:
@@ -43,6 +44,15 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
         "environment": task_environment(cfg),
         "warnings": [{"key": w.key, "message": w.message, "fix": w.fix} for w in report.warnings],
     }
+    if report.estimates is not None:
+        plan.update(as_json(report.estimates))
+        plan["sections"] = [{"title": "estimates", "lines": table_lines(report.estimates)}]
+        if cfg.plan.search > 0:
+            from hpctrain.plan.auto import search_section
+
+            section = search_section(cfg, report.estimates, cfg.plan.search)
+            plan["layout_search"] = section.pop("json")
+            plan["sections"].append(section)
     if cfg.cluster.executor == Executor.slurm:
         plan["sbatch"] = sbatch_preview(cfg, lay, run.run_id, run.submitit_folder)
     return plan
@@ -72,8 +82,7 @@ def render_text(plan: dict[str, Any]) -> str:
     ]
     for section in plan.get("sections", []):
         out.append("")
-        out.append(section["title"])
-        out.extend(f"  {line}" for line in section["lines"])
+        out.extend(section["lines"])
     out.append("")
     out.append("task environment")
     out.extend(f"  {k}={v}" for k, v in plan["environment"].items())

@@ -61,7 +61,7 @@ def _wait_done(job: submitit.Job, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, func_only=True)  # cluster start-up is bounded by the fixture
 def test_cluster_shape(slurm_cluster):
     out = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N %P %t").stdout.split("\n")
     rows = {tuple(line.split()) for line in out if line.strip()}
@@ -74,7 +74,7 @@ def test_cluster_shape(slurm_cluster):
         assert socket.gethostbyname(n) == f"{slurm_cluster.subnet}.{10 + i}"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(240, func_only=True)  # cluster start-up is bounded by the fixture
 def test_submitit_gloo_allreduce_2x2(slurm_cluster, tmp_path):
     ex = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
     # timeout_min > 10: below that submitit classes every signal as a timeout
@@ -110,7 +110,7 @@ def test_submitit_gloo_allreduce_2x2(slurm_cluster, tmp_path):
     assert state == "COMPLETED"
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(90, func_only=True)  # cluster start-up is bounded by the fixture
 def test_accounting_sees_cancelled_job(slurm_cluster):
     """Without slurmdbd every state is UNKNOWN and a cancelled job never counts as done for submitit."""
     jid = slurm_cluster.run("sbatch", "--parsable", "-N1", "-n1", "-t", "5", "-o", "/dev/null",
