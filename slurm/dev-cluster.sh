@@ -98,35 +98,50 @@ stop_daemon() {  # pidfile name
     if [[ -n $pid ]]; then say "stopping $2 (pid $pid)"; stop_pids "$2" "$pid"; fi
     rm -f "$1"
 }
-ns_pids() {  # every process whose network namespace is /run/netns/$1 (slurmd, slurmstepd, job tasks)
-    local f=/run/netns/$1 ino p link
-    [[ -e $f ]] || return 0
-    ino=$(stat -L -c %i "$f" 2>/dev/null) || return 0
+our_ns_pids() {  # every process inside our node namespaces (slurmd, slurmstepd, job tasks, their orphans)
+    local -A inos=()
+    local f p link
+    for f in /run/netns/"$NS_PREFIX"*; do
+        [[ -e $f ]] || continue
+        inos["net:[$(stat -L -c %i "$f")]"]=1
+    done
+    ((${#inos[@]})) || return 0
     for p in /proc/[0-9]*; do
         link=$(readlink "$p/ns/net" 2>/dev/null) || continue
-        [[ $link == "net:[$ino]" ]] && echo "${p#/proc/}"
+        [[ -n ${inos[$link]:-} ]] && echo "${p#/proc/}"
     done
     return 0
 }
-stop_ns_processes() {  # ns
-    local ns=$1 pids p i alive
-    pids=$(ns_pids "$ns")
-    [[ -n $pids ]] || return 0
-    say "stopping $(echo $pids | wc -w) process(es) in namespace $ns"
-    # shellcheck disable=SC2086
-    kill -TERM $pids 2>/dev/null || true
-    for ((i = 0; i < 60; i++)); do
-        alive=""
-        for p in $(ns_pids "$ns"); do
-            [[ $(ps -o stat= -p "$p" 2>/dev/null) == Z* ]] || alive+=" $p"
-        done
-        [[ -n $alive ]] || return 0
-        sleep 0.1
+live_pids() {  # pid... -> those still alive and not zombies
+    (($#)) || return 0
+    ps -o pid=,stat= -p "$(IFS=,; echo "$*")" 2>/dev/null | awk '$2 !~ /^Z/ {print $1}'
+    return 0
+}
+stop_ns_processes() {  # SIGTERM everything in our namespaces, wait up to 3 s, SIGKILL what is left; repeat for late forks
+    local round pids alive i
+    for round in 1 2 3; do
+        pids=$(our_ns_pids)
+        pids=$(live_pids $pids)
+        [[ -n $pids ]] || return 0
+        if ((round == 1)); then
+            say "stopping $(echo $pids | wc -w) process(es) in the node namespaces (slurmd, steps, tasks)"
+            # shellcheck disable=SC2086
+            kill -TERM $pids 2>/dev/null || true
+            for ((i = 0; i < 30; i++)); do
+                # shellcheck disable=SC2086
+                alive=$(live_pids $pids)
+                [[ -n $alive ]] || break
+                sleep 0.1
+            done
+            pids=$(our_ns_pids)
+            pids=$(live_pids $pids)
+            [[ -n $pids ]] || return 0
+            say "  still alive after SIGTERM: SIGKILL $(echo $pids)"
+        fi
+        # shellcheck disable=SC2086
+        kill -KILL $pids 2>/dev/null || true
+        sleep 0.2
     done
-    say "  still alive in $ns after SIGTERM: SIGKILL$alive"
-    # shellcheck disable=SC2086
-    kill -KILL $alive 2>/dev/null || true
-    sleep 0.2
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -134,15 +149,25 @@ stop_ns_processes() {  # ns
 # ---------------------------------------------------------------------------------------------------------
 ensure_packages() {
     local missing=() c
-    for c in slurmctld slurmd sbatch sacct munged slurmdbd mariadbd mariadb-install-db ip nsenter unshare runuser ss flock; do
+    for c in slurmctld slurmd sbatch sacct munged slurmdbd mariadbd mariadb-install-db ip nsenter unshare runuser ss flock setsid ps; do
         command -v "$c" >/dev/null 2>&1 || missing+=("$c")
     done
     ((${#missing[@]})) || return 0
-    say "installing packages (missing: ${missing[*]})"
+    say "installing packages (missing: ${missing[*]}; log: $LOG/apt.log)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q >"$LOG/apt.log" 2>&1 || { tail -20 "$LOG/apt.log" >&2; die "apt-get update failed"; }
-    apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge slurmdbd mariadb-server \
-        iproute2 procps util-linux >>"$LOG/apt.log" 2>&1 || { tail -20 "$LOG/apt.log" >&2; die "apt-get install failed"; }
+    # apt must not start the distribution's own munge/mariadb/slurm services: we start private ones
+    local policy=/usr/sbin/policy-rc.d own_policy=0 rc=0
+    if [[ ! -e $policy ]]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 0755 "$policy" && own_policy=1
+    fi
+    apt-get update -q >"$LOG/apt.log" 2>&1 || rc=$?
+    if ((rc == 0)); then
+        apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge slurmdbd mariadb-server \
+            iproute2 procps util-linux >>"$LOG/apt.log" 2>&1 || rc=$?
+    fi
+    ((own_policy)) && rm -f "$policy"
+    ((rc == 0)) || { tail -20 "$LOG/apt.log" >&2; die "package installation failed (rc $rc)"; }
+    say "packages installed"
 }
 
 # ---------------------------------------------------------------------------------------------------------
@@ -329,7 +354,7 @@ teardown_network() {
 # daemons
 # ---------------------------------------------------------------------------------------------------------
 wait_for() {  # seconds description command...
-    local secs=$1 what=$2 i; shift 2
+    local secs=$1 i; shift 2  # $2: what we wait for (documentation only)
     for ((i = 0; i < secs * 10; i++)); do
         if "$@" >/dev/null 2>&1; then return 0; fi
         sleep 0.1
@@ -485,8 +510,8 @@ cmd_up() {
         cmd_status
         return 0
     fi
-    if ((changed)) && [[ -n $(daemon_pid "$RUN/slurmctld.pid" slurmctld) ]]; then
-        say "slurm.conf changed: restarting the Slurm daemons"
+    if ((changed)); then
+        [[ -z $(daemon_pid "$RUN/slurmctld.pid" slurmctld) ]] || say "slurm.conf changed: restarting the Slurm daemons"
         stop_slurm_daemons
     fi
     # nodes of an earlier, larger cluster
@@ -494,7 +519,7 @@ cmd_up() {
     for old in $(ip netns list 2>/dev/null | awk '{print $1}'); do
         [[ $old == "$NS_PREFIX"* ]] || continue
         n=${old#"$NS_PREFIX"}
-        if ! grep -qx "$n" <<<"$(node_names)"; then stop_ns_processes "$old"; ip link del "$VETH_PREFIX$n" 2>/dev/null || true; ip netns del "$old"; fi
+        if ! grep -qx "$n" <<<"$(node_names)"; then stop_slurm_daemons; ip link del "$VETH_PREFIX$n" 2>/dev/null || true; ip netns del "$old"; fi
     done
 
     setup_network
@@ -511,13 +536,26 @@ cmd_up() {
     cmd_status
 }
 
-stop_slurm_daemons() {
-    local n ns
-    stop_daemon "$RUN/slurmctld.pid" slurmctld
-    for ns in $(ip netns list 2>/dev/null | awk '{print $1}'); do
-        [[ $ns == "$NS_PREFIX"* ]] || continue
-        stop_ns_processes "$ns"
+requeue_running_jobs() {
+    # Their processes are about to die with the nodes; without this the controller would keep them RUNNING
+    # (ghosts holding their nodes) after the next `up`. Requeue them like a node failure would.
+    [[ -n $(daemon_pid "$RUN/slurmctld.pid" slurmctld) ]] || return 0
+    local jobs j rq="" cx=""
+    jobs=$(timeout 10 squeue -h -t RUNNING,CONFIGURING,SUSPENDED -o %i 2>/dev/null) || return 0
+    for j in $jobs; do
+        if timeout 10 scontrol requeue "$j" >/dev/null 2>&1; then rq+=" $j"
+        elif timeout 10 scancel "$j" >/dev/null 2>&1; then cx+=" $j"; fi
     done
+    [[ -z $rq ]] || say "requeued running job(s):$rq"
+    [[ -z $cx ]] || say "cancelled running job(s) that cannot be requeued:$cx"
+    return 0
+}
+
+stop_slurm_daemons() {
+    local f
+    requeue_running_jobs
+    stop_daemon "$RUN/slurmctld.pid" slurmctld
+    stop_ns_processes
     # a slurmd whose namespace is already gone (should not happen, but its pid file says so)
     for f in "$RUN"/slurmd-*.pid; do
         [[ -e $f ]] || continue

@@ -1,28 +1,45 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): sharded as the state lives, committed atomically.
+"""Tiered, asynchronous, atomically committed checkpoints with torch.distributed.checkpoint (DCP).
 
-A checkpoint is written into a hidden temporary directory by every rank, then rank 0 writes the manifest
-and renames the directory into place: a directory named step_<N> exists only once it is complete, so a
-save killed half way leaves earlier checkpoints as they were and the partial one is ignored. Retention
-deletes old checkpoints only after a newer one in that tier is committed.
+Each tier (e.g. RAM, local disk, shared storage) has its own interval and retention. A save blocks
+training only while DCP stages the state to host memory; the write runs in a background thread on a
+process group of its own (DCP's background collectives would collide with training's on the default group).
+At most one save is in flight per tier: a save still running at the tier's next interval is reported and
+that interval skipped, not queued.
+
+Every decision that could differ between ranks (a clock-based interval, whether a background write has
+finished) is agreed at a step boundary with one small all-reduce, so all ranks start, commit and skip the
+same saves. A save is committed (manifest written last, directory renamed) only once every rank's write has
+finished; see `layout.py` for the on-disk protocol.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
+import socket
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-log = logging.getLogger(__name__)
+from hpctrain.checkpoint.layout import (
+    Committed,
+    committed_in,
+    list_files,
+    partial_dir,
+    publish,
+    retain,
+    step_dir,
+    tier_path,
+    verify,
+)
 
-MANIFEST = "manifest.json"
-PREFIX = "step_"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,124 +49,254 @@ class Tier:
     interval_steps: int
     interval_minutes: float
     keep_last: int
-    last_save_time: float = 0.0
+    shared: bool = True  # every rank sees the same directory (else node-local: one copy per node)
+    last_save: float = field(default_factory=time.monotonic)
 
-    def due(self, step: int, now: float) -> bool:
-        by_steps = self.interval_steps > 0 and step % self.interval_steps == 0
-        by_time = self.interval_minutes > 0 and now - self.last_save_time >= 60 * self.interval_minutes
-        return by_steps or by_time
+    def due_by_steps(self, step: int) -> bool:
+        return self.interval_steps > 0 and step % self.interval_steps == 0
+
+    def due_by_time(self, now: float) -> bool:
+        return self.interval_minutes > 0 and now - self.last_save >= 60 * self.interval_minutes
 
 
-@dataclass(frozen=True)
-class Committed:
-    tier: str
+@dataclass
+class InFlight:
     step: int
-    path: Path
-    manifest: dict[str, Any]
+    partial: Path
+    future: Future
+    started: float
+    blocked_s: float
+    meta: dict[str, Any]
 
 
-def tier_path(path: str, run_dir: Path, run_id: str) -> Path:
-    """Relative tier paths live in the run directory; absolute ones (RAM, local SSD) get the run id appended."""
-    p = Path(path).expanduser()
-    return p / run_id if p.is_absolute() else run_dir / p
-
-
-def committed_in(directory: Path, tier: str = "") -> list[Committed]:
-    """Complete checkpoints in a directory, oldest first."""
-    found = []
-    for sub in directory.glob(f"{PREFIX}*"):
-        manifest = sub / MANIFEST
-        if sub.is_dir() and manifest.exists():
-            meta = json.loads(manifest.read_text())
-            found.append(Committed(tier=tier, step=int(meta["step"]), path=sub, manifest=meta))
-    return sorted(found, key=lambda c: c.step)
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used to resume exactly (and the user did not force it)."""
 
 
 class CheckpointManager:
-    """Saves and finds checkpoints of an engine (anything with state_dict() / load_state_dict())."""
+    """Saves, commits, retains and finds checkpoints of an engine (state_dict() / load_state_dict())."""
 
-    def __init__(self, cfg: Any, run_dir: Path, run_id: str, rank: int, layout: dict[str, int]) -> None:
+    def __init__(self, cfg: Any, run_dir: Path, run_id: str, rank: int, world_size: int, local_rank: int,
+                 fingerprint: dict[str, Any]) -> None:
         self.enabled = bool(cfg.checkpoint.enabled)
         self.save_final = bool(cfg.checkpoint.save_final)
-        self.rank = rank
+        self.force_resume = bool(cfg.checkpoint.force_resume)
+        self.wait_when_busy = cfg.checkpoint.when_busy == "wait"
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.run_id = run_id
-        self.layout = layout
-        start = time.monotonic()
-        self.tiers = [
-            Tier(t.name, tier_path(t.path, run_dir, run_id), t.interval_steps, t.interval_minutes, t.keep_last, start)
-            for t in cfg.checkpoint.tiers
-        ]
+        self.fingerprint = fingerprint
+        self.distributed = dist.is_initialized()
+        self.tiers = [Tier(t.name, tier_path(t.path, run_dir, run_id), t.interval_steps, t.interval_minutes,
+                           t.keep_last) for t in cfg.checkpoint.tiers]
+        # Own groups, created by every rank in the same order: agreement at step boundaries uses
+        # `control_group` (gloo, so it works next to NCCL too); each tier's background writes use a group of
+        # their own, since two tiers' saves can be in flight at once in two threads.
+        self.control_group = dist.new_group(backend="gloo") if self.distributed else None
+        self.save_groups = {t.name: dist.new_group(backend="gloo") if self.distributed else None for t in self.tiers}
+        self.in_flight: dict[str, InFlight] = {}
+        self.events: list[dict[str, Any]] = []  # for metrics/tracking; drained by the loop
+        self.last_saved_step = -1
+        if self.enabled:
+            self._probe_tiers()
 
-    def latest(self) -> Committed | None:
-        """The newest committed checkpoint over all tiers (a faster tier wins a tie)."""
-        best: Committed | None = None
+    # ---------------------------------------------------------------- collectives
+    def _all_reduce_max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group)
+        return t.tolist()
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control_group)
+        return out
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.control_group)
+
+    def _leader(self, tier: Tier) -> bool:
+        """Who publishes a tier's directories: rank 0 on shared storage, one rank per node otherwise."""
+        return self.rank == 0 if tier.shared else self.local_rank == 0
+
+    # ---------------------------------------------------------------- start-up
+    def _probe_tiers(self) -> None:
+        """Find which tiers all ranks share (rank 0's probe file visible everywhere); clean partial saves."""
+        probe = f".probe-{socket.gethostname()}-{time.time_ns()}"
+        probe = self._all_gather(probe if self.rank == 0 else None)[0]
         for tier in self.tiers:
-            ckpts = committed_in(tier.path, tier.name)
-            if ckpts and (best is None or ckpts[-1].step > best.step):
-                best = ckpts[-1]
-        return best
+            tier.path.mkdir(parents=True, exist_ok=True)
+            if self.rank == 0:
+                (tier.path / probe).touch()
+            self._barrier()
+            missing = 0.0 if (tier.path / probe).exists() else 1.0
+            tier.shared = self._all_reduce_max([missing])[0] == 0.0
+            if self.rank == 0:
+                (tier.path / probe).unlink()
+            if self._leader(tier):
+                for stale in tier.path.glob("step_*.partial"):  # a save that was killed half way
+                    log.info("removing partial checkpoint %s", stale)
+                    shutil.rmtree(stale, ignore_errors=True)
+            self._barrier()
 
-    def maybe_save(self, step: int, engine: Any, extra: dict[str, Any], final: bool = False) -> None:
+    # ---------------------------------------------------------------- resume
+    def resume(self, engine: Any) -> dict[str, Any] | None:
+        """Load the newest checkpoint that every rank can read, over all tiers; None for a fresh start."""
+        if not self.enabled:
+            return None
+        candidates = sorted(((c.step, -i, i, c.path.name) for i, t in enumerate(self.tiers)
+                             for c in committed_in(t.path, t.name)), reverse=True)
+        candidates = self._all_gather(candidates if self.rank == 0 else None)[0]
+        for step, _, index, name in candidates:
+            tier = self.tiers[index]
+            ckpt = next((c for c in committed_in(tier.path, tier.name) if c.path.name == name), None)
+            problems = ["not committed on this node"] if ckpt is None else verify(ckpt)
+            unusable = self._all_reduce_max([1.0 if problems else 0.0])[0]
+            if unusable:
+                reasons = [p for p in self._all_gather(problems) if p]
+                log.warning("skipping tier %s step %d: %s", tier.name, step, reasons[0][:3] if reasons else "?")
+                self.events.append({"event": "resume_skip", "tier": tier.name, "step": step,
+                                    "reason": "; ".join(reasons[0][:3]) if reasons else ""})
+                continue
+            assert ckpt is not None
+            self._check_fingerprint(ckpt)
+            started = time.perf_counter()
+            self._load(ckpt, engine)
+            seconds = time.perf_counter() - started
+            log.info("resumed from tier %s step %d (%s) in %.2f s", tier.name, step, ckpt.path, seconds)
+            self.events.append({"event": "resume", "tier": tier.name, "step": step, "load_s": seconds})
+            self.last_saved_step = step
+            return ckpt.manifest
+        return None
+
+    def _check_fingerprint(self, ckpt: Committed) -> None:
+        saved = ckpt.manifest.get("fingerprint", {})
+        if saved.get("model") != self.fingerprint["model"]:
+            raise CheckpointError(f"checkpoint {ckpt.path} holds model {saved.get('model')}, this run builds "
+                                  f"{self.fingerprint['model']}: it cannot be loaded")
+        changed = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if k != "model" and saved.get(k) != v}
+        if changed and not self.force_resume:
+            detail = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items())
+            raise CheckpointError(
+                f"resuming {ckpt.path} would not continue the same training exactly ({detail}): the data "
+                "position or schedule would differ. Restore those settings, or set checkpoint.force_resume=true")
+        if changed:
+            log.warning("forced resume despite changes: %s", changed)
+
+    def _load(self, ckpt: Committed, engine: Any) -> None:
+        state = {"train": engine.state_dict()}
+        same_world = ckpt.manifest.get("world_size") == self.world_size
+        if same_world:  # RNG streams are per rank: only meaningful with the same ranks
+            state["rng"] = {f"rank{self.rank}": _rng_state()}
+        dcp.load(state, checkpoint_id=str(ckpt.path), process_group=self.control_group,
+                 no_dist=not self.distributed)
+        engine.load_state_dict(state["train"])
+        if same_world:
+            _set_rng_state(state["rng"][f"rank{self.rank}"])
+
+    # ---------------------------------------------------------------- saving
+    def after_step(self, step: int, engine: Any, progress: dict[str, Any]) -> None:
+        """Called by every rank at every step boundary: commit finished saves, start due ones."""
         if not self.enabled:
             return
         now = time.monotonic()
-        due = [t for t in self.tiers if t.due(step, now)]
-        if any(t.interval_minutes > 0 for t in self.tiers):
-            due = self._agree(due)
-        if final and self.save_final and not due and self.tiers:
-            due = [self.tiers[-1]]  # the end of training goes to the most durable tier
-        for tier in due:
-            self.save(tier, step, engine, extra)
-            tier.last_save_time = now
+        pending = list(self.in_flight)
+        timed = [t for t in self.tiers if t.interval_minutes > 0]
+        due = {t.name for t in self.tiers if t.due_by_steps(step)}
+        if pending or timed:  # anything rank-dependent: agree on it
+            local = [0.0 if self.in_flight[n].future.done() else 1.0 for n in pending]
+            local += [1.0 if self.rank == 0 and t.due_by_time(now) else 0.0 for t in timed]
+            agreed = self._all_reduce_max(local)
+            for name, running in zip(pending, agreed[: len(pending)]):
+                if not running:
+                    self._commit(name)
+            due |= {t.name for t, flag in zip(timed, agreed[len(pending):]) if flag}
+        for tier in self.tiers:
+            if tier.name in due:
+                self._start(tier, step, engine, progress, now)
 
-    def _agree(self, due: list[Tier]) -> list[Tier]:
-        """Clocks differ by rank: rank 0 decides which time-based tiers are due, every step, for all."""
-        if not dist.is_initialized():
-            return due
-        names = [[t.name for t in due]]
-        dist.broadcast_object_list(names, src=0)
-        return [t for t in self.tiers if t.name in names[0]]
+    def save_now(self, step: int, engine: Any, progress: dict[str, Any], tier_name: str | None = None) -> None:
+        """Save to one tier (default: the fastest) and wait until it is committed: preemption, end of run."""
+        if not self.enabled or not self.tiers:
+            return
+        tier = next(t for t in self.tiers if t.name == tier_name) if tier_name else self.tiers[0]
+        self.wait_all()
+        if self.last_saved_step != step or not committed_in(tier.path, tier.name):
+            self._start(tier, step, engine, progress, time.monotonic())
+        self.wait_all()
 
-    def save(self, tier: Tier, step: int, engine: Any, extra: dict[str, Any]) -> Path:
+    def finish(self, step: int, engine: Any, progress: dict[str, Any]) -> None:
+        """End of training: the final state goes to the most durable tier; nothing is left in flight."""
+        if not self.enabled:
+            return
+        if self.save_final and self.tiers:
+            self.save_now(step, engine, progress, self.tiers[-1].name)
+        self.wait_all()
+
+    def wait_all(self) -> None:
+        for name in list(self.in_flight):
+            self.in_flight[name].future.result()
+            self._barrier()
+            self._commit(name)
+
+    def _start(self, tier: Tier, step: int, engine: Any, progress: dict[str, Any], now: float) -> None:
+        if tier.name in self.in_flight:
+            running = self.in_flight[tier.name]
+            if not self.wait_when_busy:
+                log.warning("tier %s: the save of step %d is still running at step %d; skipping this interval",
+                            tier.name, running.step, step)
+                self.events.append({"event": "save_skipped", "tier": tier.name, "step": step,
+                                    "running_step": running.step})
+                return
+            log.warning("tier %s: the save of step %d is still running at step %d; waiting for it",
+                        tier.name, running.step, step)
+            waited = time.perf_counter()
+            running.future.result()
+            self._barrier()
+            self._commit(tier.name)
+            self.events.append({"event": "save_waited", "tier": tier.name, "step": step,
+                                "waited_s": time.perf_counter() - waited})
+        partial = partial_dir(tier.path, step)
+        partial.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        final = tier.path / f"{PREFIX}{step:08d}"
-        tmp = tier.path / f".tmp-{PREFIX}{step:08d}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
-        dcp.save(engine.state_dict(), checkpoint_id=str(tmp))
-        if self.rank == 0:
-            files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-            manifest = {"step": step, "run_id": self.run_id, "layout": self.layout, "files": files,
-                        "time": time.time(), **extra}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            self._retain(tier)
-            log.info("checkpoint step %d -> %s (%.2f s)", step, final, time.perf_counter() - started)
-        _barrier()
-        return final
+        state = {"train": engine.state_dict(), "rng": {f"rank{self.rank}": _rng_state()}}
+        future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.save_groups[tier.name],
+                                no_dist=not self.distributed)
+        blocked = time.perf_counter() - started
+        tier.last_save = now
+        meta = {"step": step, "run_id": self.run_id, "world_size": self.world_size, "time": time.time(),
+                "fingerprint": self.fingerprint, **progress}
+        self.in_flight[tier.name] = InFlight(step, partial, future, started, blocked, meta)
+        self.events.append({"event": "save_started", "tier": tier.name, "step": step, "blocked_s": blocked})
 
-    def _retain(self, tier: Tier) -> None:
-        ckpts = committed_in(tier.path, tier.name)
-        for old in ckpts[: max(0, len(ckpts) - tier.keep_last)]:
-            shutil.rmtree(old.path, ignore_errors=True)
-        for stale in tier.path.glob(f".tmp-{PREFIX}*"):  # partial saves of a killed run
-            shutil.rmtree(stale, ignore_errors=True)
-
-    def load(self, ckpt: Committed, engine: Any) -> dict[str, Any]:
-        """Load into the engine's live (possibly sharded) state: DCP reshards to this layout."""
-        state = engine.state_dict()
-        dcp.load(state, checkpoint_id=str(ckpt.path))
-        engine.load_state_dict(state)
-        log.info("resumed from tier %s step %d (%s)", ckpt.tier, ckpt.step, ckpt.path)
-        return ckpt.manifest
+    def _commit(self, name: str) -> None:
+        job = self.in_flight.pop(name)
+        job.future.result()  # re-raises a failed write on this rank
+        tier = next(t for t in self.tiers if t.name == name)
+        leader = self._leader(tier)
+        files = self._all_gather(list_files(job.partial) if leader else None)
+        merged: dict[str, int] = {}
+        for part in files:
+            merged.update(part or {})
+        if leader:
+            publish(job.partial, step_dir(tier.path, job.step), {**job.meta, "tier": name, "files": merged,
+                                                                  "shared": tier.shared})
+            retain(tier.path, tier.keep_last)
+        self._barrier()
+        seconds = time.perf_counter() - job.started
+        size = sum(merged.values())
+        self.last_saved_step = max(self.last_saved_step, job.step)
+        log.info("checkpoint step %d committed to tier %s (%.1f MB, blocked %.3f s, %.2f s in all)",
+                 job.step, name, size / 1e6, job.blocked_s, seconds)
+        self.events.append({"event": "save_committed", "tier": name, "step": job.step, "bytes": size,
+                            "blocked_s": job.blocked_s, "total_s": seconds})
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _rng_state() -> torch.Tensor:
+    return torch.get_rng_state()
 
 
+def _set_rng_state(state: torch.Tensor) -> None:
+    torch.set_rng_state(state)

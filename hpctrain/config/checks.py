@@ -292,6 +292,8 @@ def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
         if ck.enabled and tier.interval_steps == 0 and tier.interval_minutes == 0 and not ck.save_final:
             r.warn(key, f"tier {tier.name!r} has no interval and nothing is saved at the end",
                    f"set {key}.interval_steps")
+    if ck.when_busy not in ("skip", "wait"):
+        r.error("checkpoint.when_busy", f"must be skip or wait, got {ck.when_busy!r}", "use checkpoint.when_busy=skip")
     if ck.enabled and not ck.tiers:
         r.error("checkpoint.tiers", "checkpointing is enabled but no tier is listed",
                 "use checkpoint=default, or checkpoint=none")

@@ -70,10 +70,10 @@ class SampleIndex:
         return rows[:, :-1], rows[:, 1:]
 
 
-def step_samples(step: int, global_batch: int, dp: int, dp_rank: int) -> range:
-    """The global sample ids a DP rank consumes in an optimizer step."""
+def step_samples(consumed: int, global_batch: int, dp: int, dp_rank: int) -> range:
+    """The global sample ids a DP rank consumes in the step that starts after `consumed` samples."""
     per_rank = global_batch // dp
-    start = step * global_batch + dp_rank * per_rank
+    start = consumed + dp_rank * per_rank
     return range(start, start + per_rank)
 
 

@@ -48,7 +48,7 @@ def global_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup
     for (mesh, placements), locals_ in groups.items():
         sq = _squared_norm(locals_).to(total.device)
         for dim, placement in enumerate(placements):
-            if placement.is_shard() and mesh.size(dim) > 1:
+            if not placement.is_replicate() and mesh.size(dim) > 1:  # Shard or _StridedShard
                 dist.all_reduce(sq, group=mesh.get_group(dim))
         total = total + sq
     if pp_group is not None and dist.get_world_size(pp_group) > 1:

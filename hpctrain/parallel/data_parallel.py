@@ -8,9 +8,12 @@
 - Offload (zero.offload_optimizer / offload_params): FSDP2's CPUOffloadPolicy keeps the sharded parameters,
   gradients and the optimizer step on the CPU (pinned memory only when a GPU exists).
 
-DDP cannot hold DTensor parameters, so with TP the ZeRO-0 layout is FSDP2's `replicate` (DDP semantics:
-replicated parameters, all-reduced gradients) and ZeRO-1 runs as ZeRO-2: FSDP2 with reshard_after_forward=
-False, which also shards the gradients for the same communication volume (reduce-scatter + all-gather).
+DDP is used for pure data parallelism only. It cannot hold DTensor (TP) parameters, and under a pipeline
+schedule (several forwards before their backwards, sync in the last one) torch 2.13's DDP either asserts in
+its bucket rebuilding after the first step or, with static_graph, reduces wrong gradients. So with TP or PP
+the ZeRO-0 layout is FSDP2's `replicate` (DDP semantics: replicated parameters, all-reduced gradients), and
+ZeRO-1 runs as ZeRO-2 (FSDP2 with reshard_after_forward=False, which shards the gradients too for the same
+communication volume: reduce-scatter + all-gather instead of all-reduce).
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from hpctrain.models.gpt import GPT
 from hpctrain.parallel.precision import ddp_comm_hook, fsdp_mp_policy
 
 
-def uses_fsdp(zero_stage: int, tp: int) -> bool:
+def uses_fsdp(zero_stage: int, tp: int, pp: int) -> bool:
     """Whether this layout's DP goes through FSDP2 (parameters are materialised after wrapping)."""
-    return zero_stage >= 2 or tp > 1
+    return zero_stage >= 2 or tp > 1 or pp > 1
 
 
 def apply_fsdp(model: GPT, mesh: DeviceMesh, cfg: Any, reshard_after_forward: bool) -> None:

@@ -6,7 +6,7 @@ and the reductions that make the reported loss the mean over the global batch on
 the same for every layout.
 
 Layouts are applied from outside the model, in torchtitan's order, to each pipeline stage:
-    stage cut (meta) -> TP -> activation checkpointing -> compile -> FSDP2 -> materialise -> DDP -> PipelineStage
+    stage cut (meta) -> activation checkpointing -> TP -> compile -> FSDP2 -> materialise -> DDP -> PipelineStage
 Weights are created after the layout (`init_weights` draws each parameter from a generator seeded by its
 name), so every layout starts from exactly the single-process model's weights without a full copy.
 """
@@ -50,6 +50,13 @@ class StepStats:
     grad_norm: float  # global gradient norm before clipping, over all parallel dims
     skipped: bool = False  # fp16: a gradient overflowed, the step was skipped and the loss scale halved
     loss_scale: float = 1.0  # the scale this step's loss was multiplied by (1.0 without loss scaling)
+
+
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
+
+
+class UnsupportedLayout(ValueError):
+    """A combination the config checks accept but torch cannot run correctly; the message says what to use."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -127,9 +134,16 @@ class Engine:
         # Dropout masks: different per DP rank, the same on TP peers (their replicated regions must agree).
         torch.manual_seed(cfg.train.seed + self.dp_rank)
         data_parallel = dims.distributed and dims.dp > 1
-        self.fsdp = data_parallel and uses_fsdp(layout.zero_stage, dims.tp)
+        self.fsdp = data_parallel and uses_fsdp(layout.zero_stage, dims.tp, dims.pp)
         self.ddp = data_parallel and not self.fsdp
         self.zero1 = self.ddp and layout.zero_stage == 1
+        if self.fsdp and layout.zero_stage > 0 and cfg.parallel.schedule in ZERO_BUBBLE and dims.pp > 1:
+            raise UnsupportedLayout(
+                f"parallel.schedule={cfg.parallel.schedule} with zero.stage={layout.zero_stage} and dp={dims.dp}: "
+                "zero-bubble schedules compute weight gradients in a separate pass, and with FSDP2-sharded "
+                "parameters torch 2.13 loses some of them (the tied embedding's gradient comes back empty, the "
+                "others wrong). Use zero.stage=0 (replicated DP works with these schedules) or "
+                "parallel.schedule=interleaved_1f1b")
 
         with torch.device("meta"):
             full = GPT(gpt_args(cfg))
@@ -144,7 +158,7 @@ class Engine:
         self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
             else self.model_parts
         self.optimizers = [self._optimizer(part) for part in self.model_parts]
-        self.scaler = LossScaler(cfg, device)
+        self.scaler = LossScaler(cfg)
         self.pp_group = dims.pp_mesh.get_group() if dims.pp > 1 else None
         self.has_first = 0 in self.stage_ids
         self.has_last = dims.n_stages - 1 in self.stage_ids
@@ -161,9 +175,11 @@ class Engine:
 
     def _parallelize(self, gpt: GPT) -> nn.Module:
         cfg, dims = self.cfg, self.dims
+        # Checkpointing first: TP's input hook on the first block must run inside the checkpointed region,
+        # or recomputation replays it on already-sharded input.
+        apply_recompute(gpt, _name(cfg.parallel.recompute))
         if dims.tp > 1:
             apply_tp(gpt, dims.tp_mesh, bool(cfg.parallel.sequence_parallel))
-        apply_recompute(gpt, _name(cfg.parallel.recompute))
         if cfg.parallel.compile:  # attn/mlp only: compiling whole blocks breaks TP's backward (torch 2.13)
             for block in gpt.layers.values():
                 block.attn.compile()
@@ -211,11 +227,12 @@ class Engine:
                 group["lr"] = lr
         scale = self.scaler.scale
         if self.schedule is not None:
-            local_loss = self._pipeline_step(batches)
+            local_loss = self._pipeline_step(batches, scale)
         else:
             local_loss = self._accumulate(batches)
         self._sync_tied_embeddings()
-        self.scaler.unscale_(self.optimizers)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        self.scaler.unscale_(params)
         grad_norm = global_grad_norm(self._norm_params(), self.pp_group).item()
         loss = self._global_loss(local_loss)
         self.steps_done += 1
@@ -223,9 +240,11 @@ class Engine:
         if not finite and not self.scaler.enabled:
             self._zero_grad()
             raise TrainingDiverged(self.steps_done, self.last_good_step, loss, grad_norm)
-        clip_grads_([p for part in self.model_parts for p in part.parameters()], self.cfg.optim.grad_clip,
-                    grad_norm)
-        self.scaler.step(self.optimizers)
+        if finite:
+            clip_grads_(params, self.cfg.optim.grad_clip, grad_norm)
+            for opt in self.optimizers:
+                opt.step()
+        self.scaler.update(overflow=not finite)
         self._zero_grad()
         if finite:
             self.last_good_step = self.steps_done
@@ -238,7 +257,7 @@ class Engine:
             last = i == len(batches) - 1
             with self._grad_sync(model, last), autocast(self.cfg, self.device, not self.fsdp):
                 loss = token_loss(model(x.to(self.device)), y.to(self.device))
-            self.scaler.scaler.scale(loss / len(batches)).backward()
+            self.scaler.scale_loss(loss / len(batches)).backward()
             total += loss.detach()
         return total / len(batches)
 
@@ -251,9 +270,9 @@ class Engine:
         return contextlib.nullcontext()
 
     def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scaler.scale(token_loss(output, target))
+        return self.scaler.scale_loss(token_loss(output, target))
 
-    def _pipeline_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _pipeline_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
         """All microbatches through the pipeline in one schedule step; the loss lives on the last stage."""
         x = torch.cat([b[0] for b in batches]).to(self.device)
         y = torch.cat([b[1] for b in batches]).to(self.device)
@@ -264,14 +283,14 @@ class Engine:
             self.schedule.step(*args, return_outputs=False, **kwargs)
         if not self.has_last:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).mean() / self.scaler.scale
+        return torch.stack([loss.detach().float() for loss in losses]).mean() / scale
 
     @torch.no_grad()
     def _sync_tied_embeddings(self) -> None:
         """Sum the token embedding's gradient over the first and last stage (input lookup + output head)."""
         if self.schedule is None:
             return
-        grads = [_local(g.tok_emb.weight.grad) for g in self.gpts if g.tok_emb is not None]
+        grads = [_local(_grad_as_param(g.tok_emb.weight)) for g in self.gpts if g.tok_emb is not None]
         if not grads:
             return
         total = grads[0].clone() if len(grads) == 1 else torch.stack(grads).sum(0)
@@ -330,6 +349,14 @@ class Engine:
 
 def _name(value: Any) -> str:
     return value.value if hasattr(value, "value") else str(value)
+
+
+def _grad_as_param(p: torch.Tensor) -> torch.Tensor:
+    """The gradient in its parameter's placements (TP's embedding backward returns a replicated gradient for
+    a vocabulary-sharded weight; the two stages' copies must line up element for element)."""
+    if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    return p.grad
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 Master weights and optimizer states stay fp32 in every layout. FSDP2 layouts cast through its
 MixedPrecisionPolicy (parameters gathered in the compute dtype, gradients reduced in reduce_dtype); the
-others (single process, DDP, TP alone) run forward under autocast, and DDP reduces in reduce_dtype with a
-compression hook. fp16 adds a dynamic loss scale: an overflow anywhere skips the step on every rank and
-halves the scale (never below min_scale); loss_scale_window clean steps double it.
+others (single process, DDP) run forward under autocast, and DDP reduces in reduce_dtype with a compression
+hook (on GPUs). fp16 adds a dynamic loss scale: an overflow anywhere skips the step on every rank and halves
+the scale (never below min_scale); loss_scale_window clean steps double it.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -50,51 +48,58 @@ def autocast(cfg: Any, device: torch.device, enabled: bool) -> Iterator[None]:
 
 
 def ddp_comm_hook(cfg: Any) -> Any | None:
-    """DDP gradient compression to reduce_dtype (None: reduce in fp32, DDP's default)."""
+    """DDP gradient compression to reduce_dtype (None: reduce in fp32, DDP's default).
+
+    torch's compression hooks need NCCL: on CPU/gloo DDP reduces in fp32 whatever reduce_dtype says."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    if not torch.cuda.is_available():
+        return None
     return {torch.bfloat16: default_hooks.bf16_compress_hook,
             torch.float16: default_hooks.fp16_compress_hook}.get(reduce_dtype(cfg))
 
 
 class LossScaler:
-    """Dynamic loss scaling over torch's GradScaler (ShardedGradScaler when distributed: it all-reduces the
-    overflow flag over the world, so TP/PP/FSDP ranks holding different gradients skip together)."""
+    """Dynamic loss scaling (the GradScaler recipe: x0.5 on overflow, x2 after loss_scale_window clean steps).
 
-    def __init__(self, cfg: Any, device: torch.device) -> None:
+    torch's GradScaler/ShardedGradScaler are not used: their fused unscale kernel rejects a mix of DTensor (TP)
+    and plain gradients, and under a pipeline schedule the first stage never sees the loss they must scale
+    first. The overflow decision instead comes from the global gradient norm, which the engine all-reduces over
+    every parallel dim anyway, so all ranks skip together without another collective.
+    """
+
+    def __init__(self, cfg: Any) -> None:
         p = cfg.precision
         self.enabled = bool(p.loss_scaling)
+        self.scale = float(p.initial_scale) if self.enabled else 1.0
+        self.window = int(p.loss_scale_window)
         self.min_scale = float(p.min_scale)
-        kwargs = dict(init_scale=float(p.initial_scale), growth_interval=int(p.loss_scale_window),
-                      enabled=self.enabled)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            self.scaler: torch.amp.GradScaler = ShardedGradScaler(device=device.type, **kwargs)
-        else:
-            self.scaler = torch.amp.GradScaler(device.type, **kwargs)
+        self.clean_steps = 0
 
-    @property
-    def scale(self) -> float:
-        return float(self.scaler.get_scale()) if self.enabled else 1.0
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
 
-    def unscale_(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    @torch.no_grad()
+    def unscale_(self, params: list[torch.Tensor]) -> None:
         if self.enabled:
-            for opt in optimizers:
-                self.scaler.unscale_(opt)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / self.scale)
 
-    def step(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Step every optimizer unless a gradient overflowed, then update the scale."""
+    def update(self, overflow: bool) -> None:
         if not self.enabled:
-            for opt in optimizers:
-                opt.step()
             return
-        for opt in optimizers:
-            self.scaler.step(opt)
-        self.scaler.update()
-        if self.scaler.get_scale() < self.min_scale:
-            self.scaler.update(new_scale=self.min_scale)
+        if overflow:
+            self.scale = max(self.scale / 2.0, self.min_scale)
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps == self.window:
+                self.scale *= 2.0
+                self.clean_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict()
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scaler.load_state_dict(state)
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,13 +19,15 @@ from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config.layout import resolve_layout
-from hpctrain.config.schema import Config
+from hpctrain.config.schema import Config, DataKind
 from hpctrain.data.sampler import SampleIndex, micro_batches, step_samples
 from hpctrain.data.sources import open_tokens
 from hpctrain.distributed.environment import discover, init_distributed, shutdown
 from hpctrain.distributed.task_env import task_environment
 from hpctrain.parallel.engine import build_engine
+from hpctrain.parallel.metrics import mfu, peak_memory_gb
 from hpctrain.tracking.tracker import Tracker
+from hpctrain.train.preemption import REASONS, StopFlag, requeue_slurm_job
 from hpctrain.train.progress import Progress
 from hpctrain.train.schedule import lr_at
 
@@ -53,6 +56,22 @@ def train(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
         shutdown()
 
 
+class Preempted(Exception):
+    """Training stopped at a step boundary on a signal, after a checkpoint; the job was requeued if possible."""
+
+
+def fingerprint(cfg: Any) -> dict[str, Any]:
+    """What must match for a resume to continue exactly (the model must match for it to load at all)."""
+    m, d = cfg.model, cfg.data
+    return {
+        "model": [m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.context, m.ffn_mult],
+        "global_batch": cfg.train.global_batch,
+        "seq_len": cfg.train.seq_len,
+        "seed": cfg.train.seed,
+        "data": [d.kind.value, d.path if d.kind != DataKind.text_bytes else d.max_bytes],
+    }
+
+
 def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
     layout = resolve_layout(cfg)
     if layout.world_size != env.world_size:
@@ -60,38 +79,75 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
     engine = build_engine(cfg, layout, device)
     run_id = str(cfg.run.id)
-    ckpt = CheckpointManager(cfg, run_dir, run_id, env.rank, layout.as_dict())
-    start_step = 0
-    latest = ckpt.latest()
-    if latest is not None:
-        manifest = ckpt.load(latest, engine)
-        start_step = int(manifest["step"])
-        log.info("resuming at step %d from %s tier (%s)", start_step, latest.tier, latest.path)
+    ckpt = CheckpointManager(cfg, run_dir, run_id, env.rank, env.world_size, env.local_rank, fingerprint(cfg))
+    manifest = ckpt.resume(engine)
+    start_step = int(manifest["step"]) if manifest else 0
+    consumed = int(manifest["consumed_samples"]) if manifest else 0
+    if manifest:
+        log.info("resuming at step %d (%d samples consumed) from %s tier", start_step, consumed, manifest["tier"])
 
     data = SampleIndex(open_tokens(cfg.data), cfg.train.seq_len, cfg.train.seed, cfg.data.vocab_size)
     tracker = Tracker(cfg, run_dir, run_id, OmegaConf.to_container(cfg, resolve=True)) if env.is_main else None
     t = cfg.train
     tokens_per_step = layout.global_batch * t.seq_len
     progress = Progress(total_steps=t.max_steps, start_step=start_step)
-    stats = None
-    for step in range(start_step, t.max_steps):
-        started = time.perf_counter()
-        samples = step_samples(step, layout.global_batch, engine.dp_size, engine.dp_rank)
-        batches = [data.batch(r) for r in micro_batches(samples, layout.micro_batch)]
-        lr = lr_at(step, cfg.optim, t.max_steps)
-        stats = engine.step(batches, lr)
-        step_time = time.perf_counter() - started
-        done = step + 1
+    stop = StopFlag().install()
+    stats, done = None, start_step
+    try:
+        for step in range(start_step, t.max_steps):
+            started = time.perf_counter()
+            samples = step_samples(consumed, layout.global_batch, engine.dp_size, engine.dp_rank)
+            batches = [data.batch(r) for r in micro_batches(samples, layout.micro_batch)]
+            lr = lr_at(step, cfg.optim, t.max_steps)
+            stats = engine.step(batches, lr)
+            step_time = time.perf_counter() - started
+            done, consumed = step + 1, consumed + layout.global_batch
+            ckpt.after_step(done, engine, {"consumed_samples": consumed})
+            if tracker is not None:
+                metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+                           "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                           "consumed_samples": consumed, "loss_scale": stats.loss_scale,
+                           "skipped": int(stats.skipped),
+                           "mfu": mfu(cfg, tokens_per_step / step_time, env.world_size),
+                           "peak_mem_gb": peak_memory_gb(device)}
+                metrics.update(_checkpoint_metrics(ckpt.events))
+                tracker.log(metrics)
+                line = progress.update(done, step_time, metrics)
+                line += f" | MFU {metrics['mfu']:.2%} | peak mem {metrics['peak_mem_gb']:.2f} GB"
+                if cfg.precision.loss_scaling:
+                    line += f" | loss scale {stats.loss_scale:g}" + (" (overflow: step skipped)" if stats.skipped else "")
+                if done % t.log_every == 0 or done == t.max_steps or done == start_step + 1:
+                    print(line, flush=True)
+            ckpt.events.clear()
+            signum = stop.agreed()
+            if signum is not None and done < t.max_steps:
+                _stop_for_signal(signum, ckpt, engine, done, consumed, env)
+        ckpt.finish(done, engine, {"consumed_samples": consumed})
+    finally:
+        stop.restore()
         if tracker is not None:
-            metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
-                       "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                       "consumed_samples": done * layout.global_batch}
-            tracker.log(metrics)
-            line = progress.update(done, step_time, metrics)
-            if done % t.log_every == 0 or done == t.max_steps or done == start_step + 1:
-                print(line, flush=True)
-        ckpt.maybe_save(done, engine, {"consumed_samples": done * layout.global_batch}, final=done == t.max_steps)
-    if tracker is not None:
-        tracker.close()
+            tracker.close()
     return {"rank": env.rank, "steps": t.max_steps, "start_step": start_step,
             "final_loss": stats.loss if stats else None}
+
+
+def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: int, consumed: int, env: Any) -> None:
+    """All ranks: save to the fastest tier and wait for the commit; rank 0 requeues on SIGUSR2; then stop."""
+    log.warning("%s at step %d: saving and stopping", REASONS[signum], done)
+    ckpt.save_now(done, engine, {"consumed_samples": consumed})
+    requeued = env.is_main and signum == signal.SIGUSR2 and requeue_slurm_job()
+    raise Preempted(f"stopped at step {done} on {REASONS[signum]}; checkpoint committed"
+                    + ("; job requeued" if requeued else ""))
+
+
+def _checkpoint_metrics(events: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for e in events:
+        if e["event"] == "save_started":
+            out[f"ckpt/{e['tier']}/blocked_s"] = e["blocked_s"]
+        elif e["event"] == "save_committed":
+            out[f"ckpt/{e['tier']}/total_s"] = e["total_s"]
+            out[f"ckpt/{e['tier']}/bytes"] = e["bytes"]
+        elif e["event"] == "save_skipped":
+            out[f"ckpt/{e['tier']}/skipped"] = 1
+    return out

@@ -24,14 +24,14 @@ def test_permutation_depends_on_seed() -> None:
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
 def test_a_step_consumes_the_same_samples_whatever_the_dp_size(dp: int) -> None:
     for step in range(3):
-        ranks = [step_samples(step, 32, dp, r) for r in range(dp)]
+        ranks = [step_samples(step * 32, 32, dp, r) for r in range(dp)]
         flat = [s for r in ranks for s in r]
         assert flat == list(range(step * 32, (step + 1) * 32))
 
 
 def test_resharding_mid_run_neither_skips_nor_repeats() -> None:
-    seen = [s for step in range(5) for r in range(4) for s in step_samples(step, 16, 4, r)]
-    seen += [s for step in range(5, 9) for r in range(2) for s in step_samples(step, 16, 2, r)]
+    seen = [s for step in range(5) for r in range(4) for s in step_samples(step * 16, 16, 4, r)]
+    seen += [s for step in range(5, 9) for r in range(2) for s in step_samples(step * 16, 16, 2, r)]
     assert seen == list(range(9 * 16))
 
 

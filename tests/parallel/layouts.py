@@ -20,7 +20,7 @@ def make_cfg(world: int, **overrides: Any) -> Any:
         "model": {"name": "test", "n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": VOCAB, "context": 32},
         "cluster": {"name": "test", "nodes": 1, "gpus_per_node": world},
         "train": {"global_batch": 8, "micro_batch": 4, "seq_len": SEQ, "seed": 7, "max_steps": 5},
-        "optim": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.1, "grad_clip": 1.0},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "weight_decay": 0.1, "grad_clip": 1.0, "eps": 1e-4},
         "data": {"kind": "synthetic", "vocab_size": VOCAB},
     }
     dotted = OmegaConf.from_dotlist([f"{k.replace('__', '.')}={v}" for k, v in overrides.items()])
@@ -59,8 +59,25 @@ def run_engine(rank: int, world: int, overrides: dict[str, Any], steps: int) -> 
         weights.update({k: v.detach().clone() for k, v in sd.items()})
     return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats],
             "skipped": [s.skipped for s in stats], "loss_scale": [s.loss_scale for s in stats],
-            "weights": weights, "model_types": sorted({type(g).__mro__[-3].__name__ for g in engine.gpts}),
-            "dp": (engine.dp_rank, engine.dp_size)}
+            "weights": weights, "modules": model_classes(engine.gpts), "dp": (engine.dp_rank, engine.dp_size),
+            "local_numel": sum(_local_numel(p) for g in engine.gpts for p in g.parameters())}
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def model_classes(gpts: list[Any]) -> dict[str, str]:
+    """Module name -> the model's own class (hpctrain.models.gpt or torch.nn) under any layout wrapper."""
+    out = {}
+    for gpt in gpts:
+        for name, module in gpt.named_modules():
+            own = next(c for c in type(module).__mro__
+                       if c.__module__.startswith(("hpctrain.models", "torch.nn.modules")))
+            out[name] = f"{own.__module__}.{own.__qualname__}"
+    return out
 
 
 def reference(overrides: dict[str, Any], steps: int, world: int = 1) -> dict[str, Any]:

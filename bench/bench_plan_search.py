@@ -1,4 +1,4 @@
-"""Not a test: times the 4096-GPU search for GPT-3 175B and prints the top layouts (python tests/plan/bench_search.py)."""
+"""Not a test: times the 4096-GPU search for GPT-3 175B and prints the top layouts (python bench/bench_plan_search.py)."""
 
 import sys
 import time

@@ -1,0 +1,63 @@
+"""Reading checkpoints outside a run: list them per tier, verify one, export a consolidated model state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpctrain.checkpoint.layout import Committed, committed_in, tier_path, verify
+
+
+def run_tiers(run_dir: Path) -> list[tuple[str, Path]]:
+    """The tiers a run was configured with, resolved to directories (from its config.yaml)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    return [(t.name, tier_path(t.path, run_dir, str(cfg.run.id))) for t in cfg.checkpoint.tiers]
+
+
+def list_checkpoints(run_dir: Path) -> list[Committed]:
+    return [c for name, path in run_tiers(run_dir) for c in committed_in(path, name)]
+
+
+def find(run_dir: Path, step: int | None = None, tier: str | None = None) -> Committed:
+    """A committed checkpoint of a run: the newest, or the one at `step` (in `tier` if given)."""
+    found = [c for c in list_checkpoints(run_dir) if (tier is None or c.tier == tier)
+             and (step is None or c.step == step)]
+    if not found:
+        raise FileNotFoundError(f"no committed checkpoint in {run_dir}" + (f" at step {step}" if step else "")
+                                + (f" in tier {tier}" if tier else ""))
+    return max(found, key=lambda c: c.step)
+
+
+def describe(c: Committed) -> dict[str, Any]:
+    m = c.manifest
+    return {"tier": c.tier, "step": c.step, "time": m.get("time"), "bytes": sum(m.get("files", {}).values()),
+            "world_size": m.get("world_size"), "consumed_samples": m.get("consumed_samples"),
+            "path": str(c.path), "problems": verify(c)}
+
+
+def export_model(c: Committed, out: Path) -> list[Path]:
+    """Consolidate the model weights into one file (torch.save; also .safetensors if installed)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hpctrain.models.gpt import GPT, GPTArgs
+
+    n_layers, d_model, n_heads, vocab, context, ffn_mult = c.manifest["fingerprint"]["model"]
+    with torch.device("meta"):
+        model = GPT(GPTArgs(n_layers, d_model, n_heads, vocab, context, ffn_mult * d_model))
+    model.to_empty(device="cpu")
+    state = {name: p.detach() for name, p in model.state_dict().items()}
+    dcp.load({"train": {"model": state}}, checkpoint_id=str(c.path), no_dist=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out)
+    written = [out]
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        return written
+    safe = out.with_suffix(".safetensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(safe), metadata={"step": str(c.step)})
+    written.append(safe)
+    return written

@@ -1,0 +1,66 @@
+"""Signals in one place: the handler only sets a flag; the loop acts on it at a step boundary, all ranks together.
+
+Slurm sends SIGUSR2 `--signal` seconds before the time limit, and at preemption (with
+preempt_send_user_signal); SIGTERM comes before a kill. Saving inside the handler could interrupt a
+collective half way and a sharded save needs every rank anyway, so nothing else happens here. submitit's
+own handlers are replaced for the duration of training (its checkpoint() runs only on rank 0, where a sharded
+save cannot happen) and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+REASONS = {signal.SIGUSR2: "time limit or preemption (SIGUSR2)", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
+class StopFlag:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "StopFlag":
+        for signum in REASONS:
+            self._previous[signum] = signal.signal(signum, self._handler)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+
+    def agreed(self, group: dist.ProcessGroup | None = None) -> int | None:
+        """The signal any rank received (USR2 wins over TERM), identical on every rank; None if none."""
+        code = {None: 0, signal.SIGTERM: 1, signal.SIGUSR2: 2}[self.signum]
+        if dist.is_initialized():
+            t = torch.tensor([code])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            code = int(t.item())
+        return {0: None, 1: signal.SIGTERM, 2: signal.SIGUSR2}[code]
+
+
+def requeue_slurm_job() -> bool:
+    """Put this Slurm job back in the queue (it restarts from the same pickle and run directory)."""
+    job_id = os.environ.get("SLURM_ARRAY_JOB_ID") and (
+        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}")
+    job_id = job_id or os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return False
+    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    if result.returncode:
+        log.error("scontrol requeue %s failed: %s", job_id, result.stderr.strip())
+        return False
+    log.info("requeued job %s", job_id)
+    return True

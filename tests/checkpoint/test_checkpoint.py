@@ -1,0 +1,172 @@
+"""Checkpoints on real gloo ranks: tiers, atomic commits, fallback, bit-identical resume, exact data position."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+
+from hpctrain.checkpoint.inspect import export_model, find, list_checkpoints
+from hpctrain.checkpoint.layout import committed_in, verify
+from tests.checkpoint.training import consumed_samples, losses_by_step, train
+from tests.distributed_harness import DistributedTestError
+
+SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "train.seq_len=32", "train.global_batch=8",
+         "train.micro_batch=2", "optim.warmup_steps=2", "data.max_bytes=300000",
+         "checkpoint.when_busy=wait"]  # every interval saved, whatever the machine's speed: deterministic tests
+
+
+def config(compose_cfg, tmp_path: Path, world: int, *overrides: str) -> dict[str, Any]:
+    cfg = compose_cfg(*SMALL, f"cluster.gpus_per_node={world}", "run.id=test", f"run.root={tmp_path}", *overrides)
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def tiers(tmp_path: Path, ram: int = 2, local: int = 3, shared: int = 6) -> list[str]:
+    return [f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: {ram}, keep_last: 2}},"
+            f"{{name: local, path: {tmp_path}/ssd, interval_steps: {local}, keep_last: 2}},"
+            f"{{name: shared, path: checkpoints, interval_steps: {shared}, keep_last: 1}}]"]
+
+
+def steps_in(path: Path) -> list[int]:
+    return [c.step for c in committed_in(path)]
+
+
+def model_weights(ckpt_path: Path) -> dict[str, torch.Tensor]:
+    from hpctrain.checkpoint.layout import Committed
+
+    manifest = __import__("json").loads((ckpt_path / "manifest.json").read_text())
+    out = ckpt_path.parent / "export.pt"
+    export_model(Committed("x", manifest["step"], ckpt_path, manifest), out)
+    return torch.load(out)
+
+
+@pytest.mark.timeout(300)
+def test_tier_intervals_and_retention(compose_cfg, tmp_path: Path) -> None:
+    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=12", *tiers(tmp_path))
+    run_dir = tmp_path / "run"
+    train(2, cfg, run_dir)
+    assert steps_in(tmp_path / "shm" / "test") == [10, 12]  # every 2, keep 2
+    assert steps_in(tmp_path / "ssd" / "test") == [9, 12]  # every 3, keep 2
+    assert steps_in(run_dir / "checkpoints") == [12]  # every 6, keep 1 (and the final state)
+    for c in list_checkpoints_of(run_dir, tmp_path):
+        assert verify(c) == [] and c.manifest["consumed_samples"] == c.step * 8 and c.manifest["world_size"] == 2
+    assert not list((tmp_path / "shm" / "test").glob("*.partial"))
+
+
+def list_checkpoints_of(run_dir: Path, tmp_path: Path) -> list:
+    return [c for p in (tmp_path / "shm" / "test", tmp_path / "ssd" / "test", run_dir / "checkpoints")
+            for c in committed_in(p)]
+
+
+@pytest.mark.timeout(300)
+def test_resume_is_bit_identical_to_an_uninterrupted_run(compose_cfg, tmp_path: Path) -> None:
+    common = ["train.max_steps=12", *tiers(tmp_path / "a", ram=4, local=100, shared=100)]
+    straight = tmp_path / "straight"
+    train(2, config(compose_cfg, tmp_path / "a", 2, *common), straight)
+    common = ["train.max_steps=12", *tiers(tmp_path / "b", ram=4, local=100, shared=100)]
+    stopped = tmp_path / "stopped"
+    cfg = config(compose_cfg, tmp_path / "b", 2, *common)
+    first = train(2, cfg, stopped, signal_at=7, signal_rank=1)  # USR2 to rank 1 only, in step 8
+    assert all("preempted" in r and "step 8" in r["preempted"] for r in first), first  # all ranks stop together
+    assert steps_in(tmp_path / "b" / "shm" / "test") == [4, 8]  # the stop saved to the fastest tier
+    train(2, cfg, stopped)
+    a, b = losses_by_step(straight), losses_by_step(stopped)
+    assert list(b) == list(range(1, 13))
+    assert all(a[s] == b[s] for s in range(1, 13)), [(s, a[s], b[s]) for s in range(1, 13) if a[s] != b[s]]
+    wa = model_weights(straight / "checkpoints" / "step_00000012")
+    wb = model_weights(stopped / "checkpoints" / "step_00000012")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert consumed_samples(stopped) == list(range(12 * 8))
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(compose_cfg, tmp_path: Path) -> None:
+    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=12", *tiers(tmp_path, ram=4, local=100, shared=100))
+    run_dir = tmp_path / "run"
+    with pytest.raises(DistributedTestError, match="died"):
+        train(2, cfg, run_dir, timeout=120, kill_rank_in_save=1, kill_step=8)
+    ram = tmp_path / "shm" / "test"
+    assert steps_in(ram) == [4]  # step 8 never committed
+    assert list(ram.glob("step_00000008.partial"))  # its debris is there, ignored
+    train(2, cfg, run_dir)  # resumes from step 4
+    assert not list(ram.glob("*.partial"))  # cleaned on start
+    assert steps_in(ram) == [8, 12]
+    assert consumed_samples(run_dir) == list(range(12 * 8))  # steps 5-8 redone, nothing skipped
+
+
+@pytest.mark.timeout(300)
+def test_fallback_to_a_slower_tier_when_the_fast_one_is_gone(compose_cfg, tmp_path: Path, capfd) -> None:
+    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "checkpoint.save_final=false",
+                 *tiers(tmp_path, ram=2, local=3, shared=100))
+    run_dir = tmp_path / "run"
+    train(2, cfg, run_dir)
+    assert steps_in(tmp_path / "shm" / "test") == [4, 6] and steps_in(tmp_path / "ssd" / "test") == [3, 6]
+    shutil.rmtree(tmp_path / "shm")  # the node's RAM is gone (e.g. the job moved to other nodes)
+    shard = tmp_path / "ssd" / "test" / "step_00000006" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:10])  # and local's newest is damaged
+    capfd.readouterr()
+    cfg8 = config(compose_cfg, tmp_path, 2, "train.max_steps=8", "checkpoint.save_final=false",
+                  *tiers(tmp_path, ram=2, local=3, shared=100))
+    train(2, cfg8, run_dir)
+    out = capfd.readouterr()
+    logs = out.out + out.err
+    assert "skipping tier local step 6" in logs and "resumed from tier local step 3" in logs, logs[-3000:]
+    assert list(losses_by_step(run_dir)) == list(range(1, 9))
+    assert consumed_samples(run_dir) == list(range(8 * 8))
+
+
+@pytest.mark.timeout(200)
+def test_resume_refuses_a_changed_batch_unless_forced(compose_cfg, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=4", *tiers(tmp_path, 2, 100, 100)), run_dir)
+    changed = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16",
+                     *tiers(tmp_path, 2, 100, 100))
+    with pytest.raises(DistributedTestError, match="checkpoint.force_resume=true"):
+        train(2, changed, run_dir, timeout=60)
+    forced = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16",
+                    "checkpoint.force_resume=true", *tiers(tmp_path, 2, 100, 100))
+    train(2, forced, run_dir)
+    assert losses_by_step(run_dir)[6] > 0
+
+
+@pytest.mark.timeout(200)
+def test_dp2_to_dp1_continues_the_data_exactly(compose_cfg, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=4", *tiers(tmp_path, 2, 100, 100)), run_dir)
+    train(1, config(compose_cfg, tmp_path, 1, "train.max_steps=7", "train.micro_batch=4",
+                    *tiers(tmp_path, 2, 100, 100)), run_dir)
+    assert consumed_samples(run_dir) == list(range(7 * 8))
+
+
+def test_checkpoint_tool_lists_verifies_and_exports(compose_cfg, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=4", *tiers(tmp_path, 2, 100, 100))
+    (run_dir).mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    train(2, cfg, run_dir)
+    tool = Path(__file__).resolve().parents[2] / "tools" / "checkpoint.py"
+    listed = subprocess.run([sys.executable, str(tool), "list", str(run_dir)], capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr
+    assert "ram" in listed.stdout and "shared" in listed.stdout and " 4 " in listed.stdout and "ok" in listed.stdout
+    ok = subprocess.run([sys.executable, str(tool), "verify", str(run_dir)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "ok" in ok.stdout
+    newest = find(run_dir)
+    victim = next(p for p in newest.path.iterdir() if p.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:100])
+    bad = subprocess.run([sys.executable, str(tool), "verify", str(run_dir), "--step", str(newest.step),
+                          "--tier", newest.tier], capture_output=True, text=True)
+    assert bad.returncode == 1 and "BROKEN" in bad.stdout
+    out = tmp_path / "export" / "model.pt"
+    exported = subprocess.run([sys.executable, str(tool), "export", str(run_dir), str(out), "--tier", "shared"],
+                              capture_output=True, text=True)
+    assert exported.returncode == 0, exported.stderr
+    state = torch.load(out)
+    assert state["tok_emb.weight"].shape == (256, 64) and len(list_checkpoints(run_dir)) >= 2

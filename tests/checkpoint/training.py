@@ -1,0 +1,76 @@
+"""Run the real per-task training function on forked gloo ranks, with optional fault injection.
+
+Each rank calls `hpctrain.train.loop._train`, the function every Slurm or local task runs, with the config
+the parent composed. Hooks patch the child process only (it is a fork), to record the sample ids each rank
+consumes, to deliver a signal at a given step, or to kill a rank in the middle of a save.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpctrain.distributed.environment import DistEnv
+from hpctrain.train import loop
+from tests.distributed_harness import run_distributed
+
+
+def _rank_main(rank: int, world: int, config: dict[str, Any], run_dir: str, faults: dict[str, Any]) -> Any:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
+                        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    cfg = loop.load_config(config)
+    env = DistEnv(rank, rank, world, world, 0, 1, "127.0.0.1", 0, "localhost", "test")
+    original = loop.step_samples
+
+    def recording(consumed: int, global_batch: int, dp: int, dp_rank: int) -> range:
+        samples = original(consumed, global_batch, dp, dp_rank)
+        with open(Path(run_dir) / f"samples.rank{rank}.jsonl", "a") as f:
+            f.write(json.dumps({"consumed": consumed, "dp_rank": dp_rank, "samples": list(samples)}) + "\n")
+        if faults.get("signal_at") == consumed // global_batch and rank == faults.get("signal_rank", 0):
+            os.kill(os.getpid(), faults.get("signum", signal.SIGUSR2))
+        return samples
+
+    loop.step_samples = recording
+    if "kill_rank_in_save" in faults:
+        from hpctrain.checkpoint.manager import CheckpointManager
+
+        start = CheckpointManager._start
+
+        def killing_start(self: Any, tier: Any, step: int, *args: Any) -> None:
+            start(self, tier, step, *args)
+            if rank == faults["kill_rank_in_save"] and step == faults["kill_step"]:
+                os.kill(os.getpid(), signal.SIGKILL)  # dies with its background write half done
+
+        CheckpointManager._start = killing_start
+    try:
+        return loop._train(cfg, Path(run_dir), env)
+    except loop.Preempted as stopped:
+        return {"preempted": str(stopped)}
+
+
+def train(world: int, config: dict[str, Any], run_dir: Path, timeout: float = 240, **faults: Any) -> list[Any]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_distributed(_rank_main, world, config, str(run_dir), faults, timeout=timeout)
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """The loss of each step; a step redone after a resume keeps its last value."""
+    return {m["step"]: m["loss"] for m in metrics(run_dir)}
+
+
+def consumed_samples(run_dir: Path) -> list[int]:
+    """Every sample id any rank consumed, in step order, from the recorded sample files."""
+    rows = [json.loads(line) for f in sorted(run_dir.glob("samples.rank*.jsonl")) for line in f.read_text().splitlines()]
+    by_step: dict[int, set[int]] = {}
+    for r in rows:
+        by_step.setdefault(r["consumed"], set()).update(r["samples"])
+    return [s for consumed in sorted(by_step) for s in sorted(by_step[consumed])]

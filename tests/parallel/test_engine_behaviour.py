@@ -1,0 +1,260 @@
+"""Engine behaviour beyond matching losses: loss scaling, divergence, clipping, checkpoints, stage counts."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from hpctrain.config.layout import resolve_layout
+from hpctrain.parallel.dims import ParallelDims, ParallelDimsError
+from tests.distributed_harness import DistributedTestError, run_distributed
+from tests.parallel.layouts import make_cfg, rank_batches, reference
+
+PP = {"train__micro_batch": 2}
+
+
+def _engine(world: int, overrides: dict[str, Any]) -> Any:
+    from hpctrain.parallel.engine import build_engine
+
+    cfg = make_cfg(world, **overrides)
+    return cfg, build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))
+
+
+# ---- fp16 loss scaling -------------------------------------------------------------------------------------
+
+def _overflow_run(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    from hpctrain.parallel.engine import _local
+
+    cfg, engine = _engine(world, overrides)
+    before = {n: _local(p).detach().clone() for g in engine.gpts for n, p in g.named_parameters()}
+    first = engine.step(rank_batches(0, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr)
+    unchanged = all(torch.equal(_local(p), before[n]) for g in engine.gpts for n, p in g.named_parameters())
+    rest = [engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr) for s in range(1, 8)]
+    return {"first": first, "unchanged": unchanged, "rest": rest}
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (2, {"parallel__tp": 2}),  # each rank holds different gradients: the overflow must be agreed on
+    (2, {"parallel__pp": 2, **PP}),
+    (2, {"zero__stage": 3}),
+], ids=["tp2", "pp2", "zero3"])
+def test_fp16_overflow_skips_step_and_halves_scale(world: int, overrides: dict[str, Any]) -> None:
+    scaling = {"precision__dtype": "fp16", "precision__loss_scaling": True, "precision__initial_scale": 2.0**40,
+               "precision__loss_scale_window": 3, "precision__min_scale": 2.0**36}
+    results = run_distributed(_overflow_run, world, {**overrides, **scaling}, timeout=120)
+    for r in results:
+        assert r["first"].skipped and r["first"].loss_scale == 2.0**40
+        assert r["unchanged"], "an overflowing step must not change the weights"
+        scales = [s.loss_scale for s in r["rest"]]
+        assert scales[0] == 2.0**39
+        assert min(scales) == 2.0**36, "the scale never drops below precision.min_scale"
+        assert [s.skipped for s in r["rest"]] == [s.skipped for s in results[0]["rest"]]
+        assert [s.loss_scale for s in r["rest"]] == scales
+
+
+def test_fp16_scale_grows_after_window() -> None:
+    from hpctrain.parallel.precision import LossScaler
+
+    cfg = make_cfg(1, precision__dtype="fp16", precision__loss_scaling=True, precision__initial_scale=8.0,
+                   precision__loss_scale_window=2, precision__min_scale=4.0)
+    scaler = LossScaler(cfg)
+    for overflow, expected in [(False, 8.0), (False, 16.0), (True, 8.0), (True, 4.0), (True, 4.0), (False, 4.0),
+                               (False, 8.0)]:
+        scaler.update(overflow)
+        assert scaler.scale == expected
+
+
+# ---- divergence ----------------------------------------------------------------------------------------------
+
+def _diverge(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    from hpctrain.parallel.engine import TrainingDiverged
+
+    cfg, engine = _engine(world, overrides)
+    try:
+        for s in range(6):
+            engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), 1e30 if s == 0 else cfg.optim.lr)
+    except TrainingDiverged as e:
+        return {"step": e.step, "last_good": e.last_good_step, "message": str(e)}
+    return {"step": None}
+
+
+@pytest.mark.parametrize("world,overrides", [(2, {}), (2, {"parallel__tp": 2}), (2, {"parallel__pp": 2, **PP})],
+                         ids=["dp2", "tp2", "pp2"])
+def test_nan_loss_raises_on_every_rank(world: int, overrides: dict[str, Any]) -> None:
+    results = run_distributed(_diverge, world, {**overrides, "optim__grad_clip": 0.0}, timeout=120)
+    for r in results:
+        assert r["step"] == 2 and r["last_good"] == 1, r
+        assert "diverged at step 2" in r["message"] and "last good step 1" in r["message"]
+
+
+# ---- clipping ------------------------------------------------------------------------------------------------
+
+def _clipped_norm(rank: int, world: int, overrides: dict[str, Any]) -> tuple[float, float]:
+    from hpctrain.parallel.clipping import clip_grads_, global_grad_norm
+
+    cfg, engine = _engine(world, overrides)
+    batches = rank_batches(0, cfg, engine.dp_rank, engine.dp_size)
+    if engine.schedule is not None:
+        engine._pipeline_step(batches, 1.0)
+    else:
+        engine._accumulate(batches)
+    engine._sync_tied_embeddings()
+    before = global_grad_norm(engine._norm_params(), engine.pp_group).item()
+    clip_grads_([p for part in engine.model_parts for p in part.parameters()], cfg.optim.grad_clip, before)
+    return before, global_grad_norm(engine._norm_params(), engine.pp_group).item()
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (2, {"parallel__tp": 2}),  # stock clip_grad_norm_ fails here (plain and DTensor gradients)
+    (4, {"parallel__tp": 2, "zero__stage": 3}),  # and here (DTensors on different meshes)
+    (4, {"parallel__tp": 2, "parallel__pp": 2, **PP}),
+    (8, {"parallel__tp": 2, "parallel__pp": 2, "zero__stage": 2, **PP}),
+], ids=["tp2", "zero3_dp2xtp2", "tp2xpp2", "dp2xtp2xpp2"])
+def test_clipped_global_norm_equals_reference(world: int, overrides: dict[str, Any]) -> None:
+    overrides = {**overrides, "optim__grad_clip": 0.25}
+    ref = reference(overrides, 1, world)["grad_norm"][0]
+    assert ref > 0.25, "the test needs clipping to be active"
+    for before, after in run_distributed(_clipped_norm, world, overrides, timeout=120):
+        assert before == pytest.approx(ref, rel=1e-5)
+        assert after == pytest.approx(0.25, rel=1e-5)
+
+
+# ---- checkpoints: layout-independent state ---------------------------------------------------------------
+
+def _train_and_save(rank: int, world: int, overrides: dict[str, Any], path: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    cfg, engine = _engine(world, overrides)
+    for s in range(2):
+        engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr)
+    state = engine.state_dict()
+    dcp.save(state, checkpoint_id=path)
+    return sorted(state["model"])
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (2, {"zero__stage": 1}),
+    (2, {"zero__stage": 3}),
+    (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),
+    (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
+    (8, {"parallel__pp": 2, "parallel__tp": 2, "zero__stage": 0, "parallel__schedule": "zbv",
+         "parallel__virtual_stages": 2, **PP}),
+], ids=["zero1", "zero3", "tp2_sp", "pp2_interleaved", "3d_zbv"])
+def test_checkpoint_resumes_in_a_single_process(world: int, overrides: dict[str, Any], tmp_path: Any) -> None:
+    """Save after 2 steps in a layout, load into a plain single process (DCP reshards), take step 3: model
+    and optimizer state must both have survived for the loss and the weights to match an unbroken run."""
+    import torch.distributed.checkpoint as dcp
+
+    ref = reference(overrides, 3, world)
+    keys = run_distributed(_train_and_save, world, overrides, str(tmp_path), timeout=180)
+    cfg, engine = _engine(1, {k: v for k, v in overrides.items() if not k.startswith(("parallel", "zero"))})
+    state = engine.state_dict()
+    assert set().union(*keys) == set(state["model"]), "the same parameter names in every layout"
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    engine.load_state_dict(state)
+    stats = engine.step(rank_batches(2, make_cfg(1), 0, 1), cfg.optim.lr)
+    assert stats.loss == pytest.approx(ref["loss"][2], rel=1e-5)
+    for name, value in engine.model.state_dict().items():
+        torch.testing.assert_close(value, ref["weights"][name], rtol=1e-5, atol=1e-6)
+
+
+# ---- pipeline stage sizes (the plan's numbers) ----------------------------------------------------------------
+
+def test_stage_param_counts_tiny_model_matches_engine() -> None:
+    from hpctrain.models.params import param_count
+    from hpctrain.parallel.pipeline import rank_param_counts, stage_param_counts
+
+    overrides = {"parallel__pp": 2, "parallel__tp": 2, "parallel__schedule": "interleaved_1f1b",
+                 "parallel__virtual_stages": 2, **PP}
+    cfg = make_cfg(4, **overrides)
+    layout = resolve_layout(cfg)
+    counts = stage_param_counts(cfg, layout)
+    m = cfg.model
+    total = param_count(m.n_layers, m.d_model, m.vocab_size, m.context, m.ffn_mult * m.d_model)
+    assert len(counts) == 4
+    assert sum(counts) == total + m.vocab_size * m.d_model, "the last stage holds a copy of the tied embedding"
+    from tests.parallel.layouts import run_engine
+
+    results = run_distributed(run_engine, 4, overrides, 1, timeout=120)
+    per_rank = rank_param_counts(cfg, layout)
+    # mesh (pp, dp_replicate, dp_shard, tp): ranks 0-1 are pipeline rank 0, ranks 2-3 pipeline rank 1
+    assert [r["local_numel"] for r in results] == [per_rank[0], per_rank[0], per_rank[1], per_rank[1]]
+
+
+def test_stage_param_counts_175b_on_meta() -> None:
+    from hpctrain.parallel.pipeline import rank_param_counts, stage_param_counts
+
+    cfg = make_cfg(4096, model__n_layers=96, model__d_model=12288, model__n_heads=96, model__vocab_size=50257,
+                   model__context=2048, parallel__tp=8, parallel__pp=8, parallel__dp=64,
+                   cluster__nodes=512, cluster__gpus_per_node=8, train__global_batch=3072, train__micro_batch=4,
+                   data__vocab_size=50257)
+    layout = resolve_layout(cfg)
+    started = time.perf_counter()
+    counts = stage_param_counts(cfg, layout)
+    per_rank = rank_param_counts(cfg, layout)
+    assert time.perf_counter() - started < 30
+    layer = 12 * 12288**2 + 13 * 12288
+    assert counts[1:-1] == [12 * layer] * 6
+    assert counts[0] == 12 * layer + (50257 + 2048) * 12288
+    assert counts[-1] == 12 * layer + 50257 * 12288 + 2 * 12288
+    assert 174e9 < sum(counts) - 50257 * 12288 < 176e9
+    assert 2.6e9 < per_rank[1] < 2.8e9  # 12 layers of ~1.8e9 split 8 ways (LayerNorms and row biases whole)
+
+
+# ---- dims and harness ----------------------------------------------------------------------------------------
+
+def test_parallel_dims_errors_say_what_to_change() -> None:
+    with pytest.raises(ParallelDimsError, match="product is the number of processes"):
+        ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, virtual_stages=1, world_size=8)
+    with pytest.raises(ParallelDimsError, match="virtual_stages=2 without pipeline"):
+        ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, virtual_stages=2, world_size=2)
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=2, virtual_stages=1, world_size=16)
+    assert (dims.dp, dims.n_stages, dims.dp_rank) == (4, 2, 0)
+
+
+def _dims_coordinates(rank: int, world: int) -> tuple[int, int, int]:
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=2, virtual_stages=1, world_size=world)
+    return dims.pp_rank, dims.dp_rank, dims.tp_rank
+
+
+def test_mesh_puts_tp_innermost_and_pp_outermost() -> None:
+    coords = run_distributed(_dims_coordinates, 8, timeout=60)
+    assert coords == [(pp, dp, tp) for pp in range(2) for dp in range(2) for tp in range(2)]
+
+
+def _fails_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one is unhappy")
+    return rank
+
+
+def test_harness_reports_the_failing_ranks_traceback() -> None:
+    with pytest.raises(DistributedTestError, match="rank one is unhappy"):
+        run_distributed(_fails_on_rank_1, 2, timeout=60)
+
+
+def _sleeps(rank: int, world: int) -> None:
+    time.sleep(60)
+
+
+def test_harness_times_out_and_kills_its_children() -> None:
+    started = time.perf_counter()
+    with pytest.raises(DistributedTestError, match="timed out"):
+        run_distributed(_sleeps, 2, timeout=3)
+    assert time.perf_counter() - started < 30
+    assert not math.isnan(started)
+
+
+def _build(rank: int, world: int, overrides: dict[str, Any]) -> None:
+    _engine(world, overrides)
+
+
+def test_zero_bubble_with_sharded_dp_is_refused_with_a_fix() -> None:
+    overrides = {"parallel__pp": 2, "zero__stage": 3, "parallel__schedule": "zbv", "parallel__virtual_stages": 2,
+                 **PP}
+    with pytest.raises(DistributedTestError, match="Use zero.stage=0"):
+        run_distributed(_build, 4, overrides, timeout=60)
