@@ -57,8 +57,7 @@ def timed(step_fn: Any, steps: int, warmup: int) -> float:
 
 def plain_loop(steps: int, warmup: int) -> float:
     """The baseline: what a user would write by hand, no hpctrain code in the step."""
-    from hpctrain.models.gpt import GPT
-    from hpctrain.parallel.engine import gpt_args
+    from hpctrain.models.gpt import GPT, gpt_args
 
     cfg = make_cfg(1)
     model = GPT(gpt_args(cfg))

@@ -129,6 +129,10 @@ def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if p.schedule == "zbv" and lay.pp > 1 and lay.virtual_stages != 2:
         r.error("parallel.virtual_stages", "the zbv schedule runs exactly 2 chunks per rank",
                 "set parallel.virtual_stages=2")
+    if p.schedule in ("interleaved_zero_bubble", "zbv") and lay.pp > 1 and lay.dp > 1 and lay.zero_stage >= 1:
+        r.error("parallel.schedule", f"{p.schedule} computes weight gradients in a separate pass, which loses "
+                f"gradients of ZeRO-sharded parameters (zero.stage={lay.zero_stage}) in torch 2.13",
+                "use zero.stage=0 with this schedule, or parallel.schedule=interleaved_1f1b")
     if lay.pp == 1 or r.errors:
         return
     mb = lay.microbatches
@@ -272,6 +276,11 @@ def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if c.executor == Executor.slurm and c.requeue and c.time_min <= 10:
         r.warn("cluster.time_min", "submitit counts every signal to a job of <= 10 minutes as a timeout, using up "
                "cluster.max_num_timeout on preemptions", "use cluster.time_min>10")
+    if cfg.launcher.max_restarts < 0:
+        r.error("launcher.max_restarts", f"must be >= 0, got {cfg.launcher.max_restarts}", "use launcher.max_restarts=3")
+    if cfg.launcher.collective_timeout_s < 30:
+        r.error("launcher.collective_timeout_s", f"{cfg.launcher.collective_timeout_s} s is shorter than a "
+                "checkpoint load or a slow first step", "use launcher.collective_timeout_s=600")
     if cfg.train.threads_per_rank > c.cpus_per_task and c.executor == Executor.slurm:
         r.warn("train.threads_per_rank", f"{cfg.train.threads_per_rank} threads on {c.cpus_per_task} CPUs per task",
                "set train.threads_per_rank<=cluster.cpus_per_task")

@@ -169,6 +169,14 @@ class ClusterConfig:
 
 
 @dataclass
+class LauncherConfig:
+    # Resubmissions of a failed job (a rank crashed, a collective timed out), excluding the failed node(s).
+    # Requeues after preemption or the time limit do not count (see cluster.max_num_timeout).
+    max_restarts: int = 3
+    collective_timeout_s: int = 600  # a collective that waits longer raises instead of hanging the job
+
+
+@dataclass
 class TrackingConfig:
     mode: TrackingMode = TrackingMode.disabled
     project: str = "hpctrain"
@@ -215,6 +223,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

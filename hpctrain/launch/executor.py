@@ -18,9 +18,14 @@ from hpctrain.config.layout import Layout
 from hpctrain.config.schema import Executor
 
 
-def slurm_parameters(cfg: Any, layout: Layout, run_id: str) -> dict[str, Any]:
-    """submitit's Slurm parameters (sbatch option names) from conf/cluster."""
+def slurm_parameters(cfg: Any, layout: Layout, run_id: str, folder: Path) -> dict[str, Any]:
+    """submitit's Slurm parameters (sbatch option names) from conf/cluster.
+
+    The teardown line runs after srun returns (`$?` is srun's exit code there): the supervisor resubmits a
+    failed job or stops it with a report (hpctrain/launch/supervise.py).
+    """
     c = cfg.cluster
+    run_dir = folder.parent
     params: dict[str, Any] = {
         "job_name": f"hpctrain-{cfg.run.name}-{run_id}",
         "nodes": layout.nodes,
@@ -31,6 +36,8 @@ def slurm_parameters(cfg: Any, layout: Layout, run_id: str) -> dict[str, Any]:
         "setup": list(c.setup),
         "srun_args": list(c.srun_args),
         "stderr_to_stdout": False,
+        "teardown": [" ".join([shlex.quote(sys.executable), "-m hpctrain.launch.supervise", shlex.quote(str(run_dir)),
+                               "$SLURM_JOB_ID $?"])],
     }
     if c.gpu_type != "cpu":
         params["gpus_per_node"] = layout.gpus_per_node
@@ -58,7 +65,7 @@ def sbatch_preview(cfg: Any, layout: Layout, run_id: str, folder: Path) -> str:
     from submitit.slurm.slurm import _make_sbatch_string
 
     command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
-    return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg, layout, run_id))
+    return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg, layout, run_id, folder))
 
 
 def build_executor(cfg: Any, layout: Layout, run_id: str, folder: Path) -> submitit.Executor:
@@ -73,5 +80,5 @@ def build_executor(cfg: Any, layout: Layout, run_id: str, folder: Path) -> submi
         )
         return executor
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=c.max_num_timeout)
-    executor.update_parameters(**slurm_parameters(cfg, layout, run_id))
+    executor.update_parameters(**slurm_parameters(cfg, layout, run_id, folder))
     return executor

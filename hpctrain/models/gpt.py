@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,21 @@ class GPTArgs:
     ffn_hidden: int
     dropout: float = 0.0
     init_std: float = 0.02
+
+
+def gpt_args(cfg: Any) -> GPTArgs:
+    """The model arguments of a config's `model` group (the sequence table covers model.context)."""
+    m = cfg.model
+    return GPTArgs(
+        n_layers=m.n_layers,
+        d_model=m.d_model,
+        n_heads=m.n_heads,
+        vocab_size=m.vocab_size,
+        seq_len=m.context,
+        ffn_hidden=m.ffn_mult * m.d_model,
+        dropout=m.dropout,
+        init_std=m.init_std,
+    )
 
 
 class Attention(nn.Module):

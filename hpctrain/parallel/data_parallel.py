@@ -63,7 +63,23 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any) -> nn.parallel.Distr
     hook = ddp_comm_hook(cfg)
     if hook is not None:
         ddp.register_comm_hook(group, hook)
+    _settle_buckets(ddp)
     return ddp
+
+
+def _settle_buckets(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Run one throwaway forward/backward so DDP rebuilds its buckets in gradient-ready order now.
+
+    DDP reduces the first iteration in one bucket and later ones in rebuilt buckets; the element order in
+    a bucket decides the summation order of the ring all-reduce. Without this, a resumed run's first step
+    (un-rebuilt) would differ in the last bits from the same step of an uninterrupted run (rebuilt), and
+    bit-identical resume on more than 2 ranks would be lost. Weights and optimizer are untouched.
+    """
+    module = ddp.module
+    device = next(module.parameters()).device
+    ddp(torch.zeros(1, 2, dtype=torch.long, device=device)).float().sum().backward()
+    for p in ddp.parameters():
+        p.grad = None
 
 
 def zero1_optimizer(param_groups: list[dict[str, Any]], mesh: DeviceMesh, optimizer_class: type,

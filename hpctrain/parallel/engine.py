@@ -34,13 +34,20 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from hpctrain.config.layout import Layout
-from hpctrain.models.gpt import GPT, GPTArgs
+from hpctrain.models.gpt import GPT, gpt_args
 from hpctrain.parallel.clipping import clip_grads_, global_grad_norm
-from hpctrain.parallel.data_parallel import apply_ddp, apply_fsdp, apply_replicate, uses_fsdp, zero1_optimizer
+from hpctrain.parallel.data_parallel import (
+    apply_ddp,
+    apply_fsdp,
+    apply_replicate,
+    uses_fsdp,
+    zero1_optimizer,
+)
 from hpctrain.parallel.dims import ParallelDims
-from hpctrain.parallel.pipeline import build_schedule, stage_ids, stage_model
-from hpctrain.parallel.precision import LossScaler, autocast
+from hpctrain.parallel.pipeline import build_schedule, stage_model
+from hpctrain.parallel.precision import LossScaler, autocast, enum_value
 from hpctrain.parallel.recompute import apply_recompute
+from hpctrain.parallel.stages import stage_ids
 from hpctrain.parallel.tensor_parallel import apply_tp
 
 
@@ -70,18 +77,7 @@ class TrainingDiverged(RuntimeError):
             f"{last_good_step} with a lower optim.lr, a tighter optim.grad_clip or precision=fp32/bf16")
 
 
-def gpt_args(cfg: Any) -> GPTArgs:
-    m = cfg.model
-    return GPTArgs(
-        n_layers=m.n_layers,
-        d_model=m.d_model,
-        n_heads=m.n_heads,
-        vocab_size=m.vocab_size,
-        seq_len=m.context,
-        ffn_hidden=m.ffn_mult * m.d_model,
-        dropout=m.dropout,
-        init_std=m.init_std,
-    )
+
 
 
 def build_model(cfg: Any, device: torch.device) -> GPT:
@@ -177,7 +173,7 @@ class Engine:
         cfg, dims = self.cfg, self.dims
         # Checkpointing first: TP's input hook on the first block must run inside the checkpointed region,
         # or recomputation replays it on already-sharded input.
-        apply_recompute(gpt, _name(cfg.parallel.recompute))
+        apply_recompute(gpt, enum_value(cfg.parallel.recompute))
         if dims.tp > 1:
             apply_tp(gpt, dims.tp_mesh, bool(cfg.parallel.sequence_parallel))
         if cfg.parallel.compile:  # attn/mlp only: compiling whole blocks breaks TP's backward (torch 2.13)
@@ -345,10 +341,6 @@ class Engine:
             set_optimizer_state_dict(part, self._local_optimizer(opt), state["optim"], options=opts)
         if self.scaler.enabled and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
-
-
-def _name(value: Any) -> str:
-    return value.value if hasattr(value, "value") else str(value)
 
 
 def _grad_as_param(p: torch.Tensor) -> torch.Tensor:

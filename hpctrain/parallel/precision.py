@@ -18,16 +18,17 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _name(value: Any) -> str:
+def enum_value(value: Any) -> str:
+    """A config enum's string (OmegaConf gives enums from structured configs, plain strings from dicts)."""
     return value.value if hasattr(value, "value") else str(value)
 
 
 def compute_dtype(cfg: Any) -> torch.dtype:
-    return DTYPES[_name(cfg.precision.dtype)]
+    return DTYPES[enum_value(cfg.precision.dtype)]
 
 
 def reduce_dtype(cfg: Any) -> torch.dtype:
-    return DTYPES[_name(cfg.precision.reduce_dtype)]
+    return DTYPES[enum_value(cfg.precision.reduce_dtype)]
 
 
 def fsdp_mp_policy(cfg: Any) -> MixedPrecisionPolicy:

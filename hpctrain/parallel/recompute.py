@@ -18,7 +18,10 @@ from typing import Any
 
 import torch
 from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+)
 
 from hpctrain.models.gpt import GPT
 

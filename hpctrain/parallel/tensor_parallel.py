@@ -34,15 +34,6 @@ from torch.distributed.tensor.parallel import (
 from hpctrain.models.gpt import GPT
 
 # Which weight dim each TP-split parameter is cut along (used by the plan's per-rank parameter counts).
-SHARDED_DIMS: dict[str, int] = {
-    "tok_emb.weight": 0,
-    "attn.qkv.weight": 0,
-    "attn.qkv.bias": 0,
-    "attn.proj.weight": 1,
-    "mlp.fc.weight": 0,
-    "mlp.fc.bias": 0,
-    "mlp.proj.weight": 1,
-}
 
 
 def block_plan(sequence_parallel: bool) -> dict[str, Any]:
@@ -90,12 +81,3 @@ def _gather_logits(module: nn.Module, args: Any, output: torch.Tensor) -> torch.
     return output.full_tensor() if isinstance(output, DTensor) else output
 
 
-def tp_local_numel(name: str, shape: torch.Size, tp: int) -> int:
-    """Elements of parameter `name` on one TP rank (the largest shard when the split is uneven)."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    dim = next((d for suffix, d in SHARDED_DIMS.items() if name.endswith(suffix)), None)
-    if dim is None or tp == 1:
-        return numel
-    return numel // shape[dim] * -(-shape[dim] // tp)

@@ -44,9 +44,11 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
         "environment": task_environment(cfg),
         "warnings": [{"key": w.key, "message": w.message, "fix": w.fix} for w in report.warnings],
     }
+    if lay.pp > 1 or lay.tp > 1:
+        plan["sections"] = [_stage_section(cfg, lay, plan)]
     if report.estimates is not None:
         plan.update(as_json(report.estimates))
-        plan["sections"] = [{"title": "estimates", "lines": table_lines(report.estimates)}]
+        plan.setdefault("sections", []).append({"title": "estimates", "lines": table_lines(report.estimates)})
         if cfg.plan.search > 0:
             from hpctrain.plan.auto import search_section
 
@@ -56,6 +58,20 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
     if cfg.cluster.executor == Executor.slurm:
         plan["sbatch"] = sbatch_preview(cfg, lay, run.run_id, run.submitit_folder)
     return plan
+
+
+def _stage_section(cfg: Any, lay: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """Parameters per pipeline stage and per GPU after the TP split, from the model built on the meta device."""
+    from hpctrain.parallel.stages import param_counts, stage_ids
+
+    stages, ranks = param_counts(cfg, lay)
+    plan["params_per_stage"], plan["params_per_gpu_before_zero"] = stages, ranks
+    lines = [f"model built on the meta device per rank layout: {len(stages)} stages, TP {lay.tp}"]
+    for r, count in enumerate(ranks):
+        mine = stage_ids(r, lay.pp, lay.virtual_stages, cfg.parallel.schedule)
+        lines.append(f"  pipeline rank {r}: stage(s) {','.join(map(str, mine))} "
+                     f"{sum(stages[s] for s in mine):>16,} params, {count:>15,} per GPU after TP")
+    return {"title": "stages", "lines": lines}
 
 
 def render_text(plan: dict[str, Any]) -> str:

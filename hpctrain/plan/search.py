@@ -22,7 +22,7 @@ from hpctrain.plan.bubble import microbatches_for_efficiency
 from hpctrain.plan.flops import mfu
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from hpctrain.plan.step_time import StepEstimate, estimate_step
-from hpctrain.plan.types import GiB, RECOMPUTE, Hardware, Layout, ModelShape
+from hpctrain.plan.types import RECOMPUTE, GiB, Hardware, Layout, ModelShape
 
 
 @dataclass(frozen=True)

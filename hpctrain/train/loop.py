@@ -27,7 +27,15 @@ from hpctrain.distributed.task_env import task_environment
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.metrics import mfu, peak_memory_gb
 from hpctrain.tracking.tracker import Tracker
-from hpctrain.train.preemption import REASONS, StopFlag, requeue_slurm_job
+from hpctrain.train.failure import record_failure
+from hpctrain.train.faults import Fault
+from hpctrain.train.preemption import (
+    REASONS,
+    StopFlag,
+    agree_any,
+    requeue_slurm_job,
+    wait_to_be_ended,
+)
 from hpctrain.train.progress import Progress
 from hpctrain.train.schedule import lr_at
 
@@ -49,7 +57,7 @@ def train(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
     logging.getLogger("submitit").propagate = False  # submitit prints its own lines already
     log.info("task rank %d/%d local %d on %s (job %s), rendezvous %s:%d", env.rank, env.world_size,
              env.local_rank, env.hostname, env.job_id, env.master_addr, env.master_port)
-    init_distributed(env)
+    init_distributed(env, timeout_s=cfg.launcher.collective_timeout_s)
     try:
         return _train(cfg, Path(run_dir), env)
     finally:
@@ -91,11 +99,14 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
     t = cfg.train
     tokens_per_step = layout.global_batch * t.seq_len
     progress = Progress(total_steps=t.max_steps, start_step=start_step)
+    fault = Fault.from_env()
     stop = StopFlag().install()
     stats, done = None, start_step
     try:
         for step in range(start_step, t.max_steps):
             started = time.perf_counter()
+            if fault is not None:
+                fault.maybe_fire(step + 1, env.rank)
             samples = step_samples(consumed, layout.global_batch, engine.dp_size, engine.dp_rank)
             batches = [data.batch(r) for r in micro_batches(samples, layout.micro_batch)]
             lr = lr_at(step, cfg.optim, t.max_steps)
@@ -123,6 +134,12 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
             if signum is not None and done < t.max_steps:
                 _stop_for_signal(signum, ckpt, engine, done, consumed, env)
         ckpt.finish(done, engine, {"consumed_samples": consumed})
+    except Preempted:
+        raise
+    except Exception as exc:  # the supervisor reads these to exclude nodes and to spot deterministic errors
+        path = record_failure(run_dir, env.job_id, env.rank, done + 1, exc)
+        log.error("rank %d failed at step %d: %s: %s (record: %s)", env.rank, done + 1, type(exc).__name__, exc, path)
+        raise
     finally:
         stop.restore()
         if tracker is not None:
@@ -136,8 +153,10 @@ def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: in
     log.warning("%s at step %d: saving and stopping", REASONS[signum], done)
     ckpt.save_now(done, engine, {"consumed_samples": consumed})
     requeued = env.is_main and signum == signal.SIGUSR2 and requeue_slurm_job()
-    raise Preempted(f"stopped at step {done} on {REASONS[signum]}; checkpoint committed"
-                    + ("; job requeued" if requeued else ""))
+    if agree_any(requeued):
+        # Slurm ends every task of a requeued job; exiting first would make srun report a failure.
+        wait_to_be_ended()
+    raise Preempted(f"stopped at step {done} on {REASONS[signum]}; checkpoint committed")
 
 
 def _checkpoint_metrics(events: list[dict[str, Any]]) -> dict[str, Any]:

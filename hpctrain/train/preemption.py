@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from types import FrameType
 
 import torch
@@ -49,6 +50,22 @@ class StopFlag:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             code = int(t.item())
         return {0: None, 1: signal.SIGTERM, 2: signal.SIGUSR2}[code]
+
+
+def agree_any(flag: bool) -> bool:
+    """True on every rank if it is true on any."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def wait_to_be_ended(limit_s: float = 600.0) -> None:
+    """Sleep until Slurm's requeue kills this task (SIGTERM is only flagged here; SIGKILL follows)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
 
 
 def requeue_slurm_job() -> bool:

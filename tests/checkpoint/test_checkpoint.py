@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.inspect import export_model, find, list_checkpoints

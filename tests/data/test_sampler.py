@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpctrain.data.sampler import AffinePermutation, SampleIndex, micro_batches, step_samples
+from hpctrain.data.sampler import (
+    AffinePermutation,
+    SampleIndex,
+    micro_batches,
+    step_samples,
+)
 from hpctrain.data.sources import build_text_bytes, stdlib_sources
 
 

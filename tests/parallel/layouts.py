@@ -45,7 +45,10 @@ def rank_batches(step: int, cfg: Any, dp_rank: int, dp: int) -> list[tuple[torch
 
 def run_engine(rank: int, world: int, overrides: dict[str, Any], steps: int) -> dict[str, Any]:
     """Train `steps` steps through hpctrain's engine; return losses, norms and the full final weights."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     from hpctrain.parallel.engine import build_engine
 

@@ -45,6 +45,7 @@ LAYOUTS = {
     "pp2_zero_bubble": (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_zero_bubble",
                             "parallel__virtual_stages": 2, **PP}, 1),
     "pp2_zbv": (2, {"parallel__pp": 2, "parallel__schedule": "zbv", "parallel__virtual_stages": 2, **PP}, 1),
+    "pp4_1f1b": (4, {"parallel__pp": 4, **PP}, 1),  # tied embedding summed between pipeline ranks 0 and 3
     "dp2xtp2": (4, {"parallel__tp": 2}, 2),
     "zero1_dp2xtp2": (4, {"parallel__tp": 2, "zero__stage": 1}, 2),
     "zero3_dp2xtp2_sp": (4, {"parallel__tp": 2, "zero__stage": 3, "parallel__sequence_parallel": True}, 2),

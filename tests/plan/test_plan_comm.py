@@ -2,7 +2,13 @@
 
 import pytest
 
-from hpctrain.plan.comm import NETWORK, NVLINK, all_gather_bytes, all_reduce_bytes, comm_per_step
+from hpctrain.plan.comm import (
+    NETWORK,
+    NVLINK,
+    all_gather_bytes,
+    all_reduce_bytes,
+    comm_per_step,
+)
 from hpctrain.plan.memory import stage_params_per_gpu
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 

@@ -1,0 +1,55 @@
+"""What a task leaves behind when it fails: one JSON record per rank, read by the job's supervisor.
+
+The supervisor (sbatch side, after srun) decides from these records which node(s) to exclude on resubmission,
+and whether the failure is deterministic (the same error at the same step again), in which case resubmitting
+would only loop.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+FAILURES = "failures"
+
+# Messages that mean "another rank went away", not "this rank is broken".
+PEER_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
+    "timeout", "Timeout", "connectFullMesh", "remote process exited", "NCCL communicator was aborted",
+    "Socket Timeout", "Connection refused",
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in PEER_MARKERS)
+
+
+def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseException) -> Path:
+    directory = run_dir / FAILURES / job_id
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "job_id": job_id,
+        "step": step,
+        "type": type(exc).__name__,
+        "message": str(exc)[:2000],
+        "peer": is_peer_failure(exc),
+        "time": time.time(),
+        "traceback": traceback.format_exception(exc)[-12:],
+    }
+    path = directory / f"rank{rank}.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
+def read_failures(run_dir: Path, job_id: str) -> list[dict[str, Any]]:
+    directory = run_dir / FAILURES / job_id
+    if not directory.is_dir():
+        return []
+    return sorted((json.loads(p.read_text()) for p in directory.glob("rank*.json")), key=lambda r: r["time"])

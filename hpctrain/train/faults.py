@@ -1,0 +1,46 @@
+"""Deliberate faults for testing recovery end to end (a rank that raises, hangs or dies at a given step).
+
+Set in the task environment, e.g. `+cluster.env.HPCTRAIN_INJECT_FAULT=raise:step=15:rank=1`; kinds are
+`raise`, `exit` (os._exit(1), like a segfault) and `hang` (sleeps forever, for the watchdog). Unset, nothing
+happens: one dictionary lookup per step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+VARIABLE = "HPCTRAIN_INJECT_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int
+
+    @classmethod
+    def from_env(cls) -> "Fault | None":
+        spec = os.environ.get(VARIABLE)
+        if not spec:
+            return None
+        kind, *fields = spec.split(":")
+        values = dict(f.split("=", 1) for f in fields)
+        if kind not in ("raise", "exit", "hang"):
+            raise ValueError(f"{VARIABLE}={spec!r}: kind must be raise, exit or hang")
+        return cls(kind, int(values["step"]), int(values.get("rank", 0)))
+
+    def maybe_fire(self, step: int, rank: int) -> None:
+        if step != self.step or rank != self.rank:
+            return
+        if self.kind == "raise":
+            raise InjectedFault(f"injected fault at step {step} on rank {rank}")
+        if self.kind == "exit":
+            os._exit(1)
+        while True:
+            time.sleep(60)

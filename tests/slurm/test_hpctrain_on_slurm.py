@@ -1,0 +1,186 @@
+"""hpctrain on the real multi-node Slurm dev cluster: training, USR2 and preemption requeues with exact resume,
+a node going down, and a deterministic failure that must not loop.
+
+Each test submits with `python -m hpctrain ... cluster=dev` (which returns right after submission) and then
+watches the job through sacct and the run directory, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from hpctrain.checkpoint.inspect import export_model, find
+from tests.conftest import run_hpctrain
+
+pytestmark = [pytest.mark.slurm]
+
+COMMON = ["+experiment=smoke", "cluster=dev", "train.max_steps=150", "optim.warmup_steps=5",
+          "train.log_every=10", "checkpoint.when_busy=wait"]
+
+
+def tiers(root: Path) -> str:
+    return (f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: 10, keep_last: 2}},"
+            f"{{name: shared, path: checkpoints, interval_steps: 1000, keep_last: 1}}]")
+
+
+def submit(slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str) -> tuple[str, Path]:
+    proc = run_hpctrain(*COMMON, f"run.root={tmp_path}", f"run.id={run_id}", tiers(tmp_path / run_id), *overrides,
+                        cwd=tmp_path, timeout=60, env=slurm_cluster.env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    run_dir = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+    return job, run_dir
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def job_states(slurm_cluster: Any, run_dir: Path) -> dict[str, str]:
+    """Final or current state of every job of a run (resubmissions included)."""
+    ids = [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
+    out = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(ids), check=False).stdout
+    return {line.split("|")[0]: line.split("|")[1] for line in out.splitlines() if "|" in line}
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    lines = path.read_text().splitlines()
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def finished(slurm_cluster: Any, run_dir: Path) -> bool:
+    states = job_states(slurm_cluster, run_dir)
+    return bool(states) and all(s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+                                or s.startswith("CANCELLED") for s in states.values())
+
+
+def wait_done(slurm_cluster: Any, run_dir: Path, timeout: float = 300) -> dict[str, str]:
+    wait_for(f"the jobs of {run_dir.name}", lambda: finished(slurm_cluster, run_dir), timeout, every=2)
+    return job_states(slurm_cluster, run_dir)
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    ckpt = find(run_dir, tier="shared")
+    return torch.load(export_model(ckpt, run_dir / "export" / "model.pt")[0])
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def restarts(slurm_cluster: Any, job: str) -> int:
+    out = slurm_cluster.run("scontrol", "show", "job", job, check=False).stdout
+    match = re.search(r"Restarts=(\d+)", out)
+    return int(match.group(1)) if match else 0
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run of the configuration the interruption tests use."""
+    tmp = tmp_path_factory.mktemp("reference")
+    _, run_dir = submit(slurm_cluster, tmp, "ref")
+    states = wait_done(slurm_cluster, run_dir)
+    assert set(states.values()) == {"COMPLETED"}, states
+    return run_dir
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_two_tasks_train_to_completion(reference: Path) -> None:
+    logs = "".join(p.read_text() for p in (reference / "submitit").glob("*_log.out"))
+    ranks = re.findall(r"task rank (\d)/4 local \d on (\S+) ", logs)
+    assert {r for r, _ in ranks} == {"0", "1", "2", "3"}
+    assert len({host for _, host in ranks}) == 2
+    assert last_step(reference) == 150 and losses(reference)[150] < losses(reference)[1]
+
+
+def assert_exact_continuation(run_dir: Path, reference: Path) -> None:
+    a, b = losses(reference), losses(run_dir)
+    assert all(a[s] == b[s] for s in range(1, 151)), [(s, a[s], b[s]) for s in range(1, 151) if a[s] != b[s]][:5]
+    wa, wb = final_weights(reference), final_weights(run_dir)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.timeout(400)
+def test_usr2_saves_requeues_and_resumes_exactly(slurm_cluster: Any, reference: Path, tmp_path: Path) -> None:
+    job, run_dir = submit(slurm_cluster, tmp_path, "usr2")
+    wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
+    slurm_cluster.run("scancel", "--signal=USR2", job)
+    states = wait_done(slurm_cluster, run_dir)
+    assert states == {job: "COMPLETED"}, states
+    assert restarts(slurm_cluster, job) >= 1
+    logs = "".join(p.read_text() for p in (run_dir / "submitit").glob(f"{job}_0_log.out"))
+    saved = int(re.search(r"time limit or preemption \(SIGUSR2\) at step (\d+)", logs).group(1))
+    assert f"resuming at step {saved}" in logs
+    assert_exact_continuation(run_dir, reference)
+
+
+@pytest.mark.timeout(400)
+def test_partition_preemption_requeues_and_resumes_exactly(slurm_cluster: Any, reference: Path,
+                                                           tmp_path: Path) -> None:
+    job, run_dir = submit(slurm_cluster, tmp_path, "preempted")
+    wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
+    urgent = slurm_cluster.run("sbatch", "--parsable", "-p", "urgent", "-N", "4", "--exclusive", "-t", "5",
+                               f"--output={tmp_path}/urgent.out", "--wrap", "sleep 5").stdout.strip()
+    states = wait_done(slurm_cluster, run_dir)
+    assert states == {job: "COMPLETED"}, states
+    urgent_state = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "State", "-j", urgent).stdout.strip()
+    assert urgent_state == "COMPLETED"
+    logs = (run_dir / "submitit" / f"{job}_0_log.out").read_text()
+    assert "(SIGUSR2) at step" in logs and "resuming at step" in logs
+    assert_exact_continuation(run_dir, reference)
+
+
+@pytest.mark.timeout(400)
+def test_node_down_requeues_elsewhere_and_redoes_at_most_one_interval(slurm_cluster: Any, tmp_path: Path) -> None:
+    job, run_dir = submit(slurm_cluster, tmp_path, "nodedown")
+    wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
+    node = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
+    victim = slurm_cluster.run("scontrol", "show", "hostnames", node).stdout.split()[-1]
+    before = last_step(run_dir)
+    slurm_cluster.run("scontrol", "update", f"nodename={victim}", "state=down", "reason=hpctrain-test")
+    try:
+        states = wait_done(slurm_cluster, run_dir)
+        nodes_after = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", job).stdout.strip()
+    finally:
+        slurm_cluster.run("scontrol", "update", f"nodename={victim}", "state=resume", check=False)
+    assert states == {job: "COMPLETED"}, states
+    assert victim not in slurm_cluster.run("scontrol", "show", "hostnames", nodes_after).stdout.split()
+    steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    redone = len(steps) - len(set(steps))
+    assert steps[-1] == 150 and redone <= 10 + (before - before // 10 * 10), (redone, before)
+
+
+@pytest.mark.timeout(500)
+def test_a_deterministic_failure_is_retried_once_then_reported(slurm_cluster: Any, tmp_path: Path) -> None:
+    job, run_dir = submit(slurm_cluster, tmp_path, "broken", "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3'",
+                          "launcher.max_restarts=3")
+    report = wait_for("the failure report", lambda: (run_dir / "FAILED.json").exists(), 300, every=2)
+    assert report
+    states = wait_done(slurm_cluster, run_dir)
+    assert len(states) == 2 and set(states.values()) == {"FAILED"}, states  # one resubmission, no loop
+    failed = json.loads((run_dir / "FAILED.json").read_text())
+    assert "deterministic" in failed["why"] and failed["signature"]["step"] == 15
+    assert failed["signature"]["type"] == "InjectedFault" and failed["signature"]["rank"] == 3
+    attempt = json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[0])
+    blamed = attempt["blamed"]
+    second = attempt["resubmitted_as"]
+    nodes = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", second).stdout.strip()
+    assert not set(blamed) & set(slurm_cluster.run("scontrol", "show", "hostnames", nodes).stdout.split())
+    logs = (run_dir / "submitit" / f"{second}_0_log.out").read_text()
+    assert "resuming at step 10" in logs
