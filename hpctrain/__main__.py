@@ -12,10 +12,10 @@ register()
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> dict:
     from hpctrain.launch.cli import exit_on_failure, run
 
-    exit_on_failure(run(cfg))
+    return exit_on_failure(run(cfg))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ submitted, and reported with the key and the fix.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,17 @@ from hpctrain.plan.report import build_plan, render
 EXIT_CONFIG_ERROR = 2
 
 
-def run(cfg: DictConfig) -> int:
+@dataclass(frozen=True)
+class Outcome:
+    """What one invocation did: the exit code, and for a launched run its id, directory and job id."""
+
+    code: int
+    run_id: str = ""
+    run_dir: str = ""
+    job_id: str = ""
+
+
+def run(cfg: DictConfig) -> Outcome:
     try:
         if cfg.parallel.auto:
             from hpctrain.plan.auto import apply_best
@@ -31,19 +42,43 @@ def run(cfg: DictConfig) -> int:
         run_dir = resolve_run_dir(cfg)
     except ConfigError as err:
         print(f"hpctrain: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
+        return Outcome(EXIT_CONFIG_ERROR)
     cfg.run.id = run_dir.run_id
+    _join_sweep(cfg)
     plan = build_plan(cfg, report, run_dir)
     if cfg.plan.png:
         _chart(plan, Path(cfg.plan.png))
     if cfg.dry_run:
         print(render(plan, cfg.plan.format.value))
-        return 0
+        return Outcome(0, run_dir.run_id, str(run_dir.path))
     for w in report.warnings:
         print(f"warning: {w.key}: {w.message} (fix: {w.fix})", file=sys.stderr)
     from hpctrain.launch.submit import launch
 
-    return launch(cfg, report.layout, run_dir, plan)
+    code, job_id = launch(cfg, report.layout, run_dir, plan)
+    return Outcome(code, run_dir.run_id, str(run_dir.path), job_id)
+
+
+def _join_sweep(cfg: DictConfig) -> None:
+    """In a Hydra multirun, the points share a W&B group (the sweep) and carry their overrides as tags."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return
+    hc = HydraConfig.get()
+    if not cfg.tracking.group:
+        cfg.tracking.group = f"sweep-{Path(hc.sweep.dir).name}"
+    swept = _swept_keys(sys.argv[1:])
+    cfg.tracking.tags = list(cfg.tracking.tags) + [o for o in hc.overrides.task if o.split("=", 1)[0] in swept]
+
+
+def _swept_keys(argv: list[str]) -> set[str]:
+    """Keys the command line sweeps over (`optim.lr=1e-4,3e-4`), as Hydra's own parser reads them."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    args = [a for a in argv if "=" in a and not a.startswith("-")]
+    return {o.get_key_element() for o in OverridesParser.create().parse_overrides(args) if o.is_sweep_override()}
 
 
 def _chart(plan: dict[str, Any], path: Path) -> None:
@@ -57,7 +92,8 @@ def _chart(plan: dict[str, Any], path: Path) -> None:
         print("plan.png: matplotlib is not installed (pip install 'hpctrain[plot]'); no chart written", file=sys.stderr)
 
 
-def exit_on_failure(code: int) -> Any:
-    """Exit non-zero on failure; return on success so a Hydra multirun goes on to the next point."""
-    if code:
-        sys.exit(code)
+def exit_on_failure(outcome: Outcome) -> dict[str, Any]:
+    """Exit non-zero on failure; on success return what happened (a Hydra multirun's sweep table reads it)."""
+    if outcome.code:
+        sys.exit(outcome.code)
+    return {"run_id": outcome.run_id, "run_dir": outcome.run_dir, "job_id": outcome.job_id}

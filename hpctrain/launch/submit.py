@@ -42,18 +42,18 @@ def submit(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any]) -> submi
     return job
 
 
-def launch(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any]) -> int:
-    """Submit; follow a local job. Returns the process exit code."""
+def launch(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any]) -> tuple[int, str]:
+    """Submit; follow a local job. Returns the exit code and the job id."""
     job = submit(cfg, layout, run, plan)
     if cfg.cluster.executor == Executor.local:
         print(f"local job {job.job_id}: {layout.world_size} processes, logs in {run.submitit_folder}", flush=True)
         code = follow(job)
         print(f"run directory: {run.path}", flush=True)
-        return code
+        return code, str(job.job_id)
     print(f"submitted job {job.job_id} ({layout.nodes} nodes x {layout.gpus_per_node} tasks)")
     print(f"follow it with: tail -F {job.paths.stdout}  (squeue -j {job.job_id})")
     print(f"run directory: {run.path}", flush=True)
-    return 0
+    return 0, str(job.job_id)
 
 
 def follow(job: submitit.Job, poll_s: float = 0.5) -> int:

@@ -83,7 +83,7 @@ def resubmit(folder: Path, job_id: str, exclude: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    run_dir, job_id, exit_code = Path(argv[0]), argv[1], int(argv[2])
+    run_dir, job_id, exit_code = Path(argv[0]), argv[1], int(argv[2]) % 256
     cfg = OmegaConf.load(run_dir / "config.yaml")
     decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts))
     if decision["action"] == "done":
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
         (run_dir / REPORT).write_text(json.dumps(record, indent=1))
         print(f"hpctrain supervisor: job {job_id} failed; not resubmitting: {decision['why']}. "
               f"Report: {run_dir / REPORT}", flush=True)
-        return 1
+        return exit_code
     exclude = sorted(set(decision["excluded"]) | set(_csv(cfg.cluster.exclude)))
     new_id = resubmit(run_dir / "submitit", job_id, exclude)
     record["resubmitted_as"] = new_id
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
                             "resubmission_of": job_id, "exclude": exclude}) + "\n")
     print(f"hpctrain supervisor: job {job_id} failed (exit {exit_code}); resubmitted as {new_id}"
           + (f" excluding {','.join(exclude)}" if exclude else ""), flush=True)
-    return 0
+    return exit_code  # the batch script's status: this job stays FAILED in sacct
 
 
 def _csv(value: str | None) -> list[str]:

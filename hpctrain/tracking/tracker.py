@@ -1,24 +1,37 @@
 """Metrics out of the training loop: a JSONL file always, Weights & Biases when configured.
 
-Only one rank tracks. The W&B run id is the hpctrain run id, resumed with resume="allow", so a requeued
-job continues the same W&B run instead of starting a new one.
+Only one rank tracks. The W&B run id is the hpctrain run id, resumed with resume="allow", so a requeued or
+resubmitted job continues the same W&B run instead of starting a new one. The run's Slurm context (job id,
+restart count, nodes) goes into the W&B config; events (resume, stop on a signal) go to `events.jsonl` and to
+W&B at the step they happened. No credential is ever written: W&B reads its key from the environment.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 from hpctrain.config.schema import TrackingMode
 
 METRICS_FILE = "metrics.jsonl"
+EVENTS_FILE = "events.jsonl"
+
+
+def slurm_context() -> dict[str, Any]:
+    env = os.environ
+    return {"job_id": env.get("SLURM_JOB_ID"), "restart_count": int(env.get("SLURM_RESTART_COUNT", 0)),
+            "nodelist": env.get("SLURM_JOB_NODELIST"), "num_nodes": env.get("SLURM_JOB_NUM_NODES")}
 
 
 class Tracker:
     def __init__(self, cfg: Any, run_dir: Path, run_id: str, config: dict[str, Any]) -> None:
         self._file = open(run_dir / METRICS_FILE, "a", buffering=1)
+        self._events = open(run_dir / EVENTS_FILE, "a", buffering=1)
         self._wandb = None
+        self._step = 0
         mode = cfg.tracking.mode
         if mode != TrackingMode.disabled:
             import wandb
@@ -33,15 +46,24 @@ class Tracker:
                 group=cfg.tracking.group,
                 tags=list(cfg.tracking.tags) or None,
                 name=f"{cfg.run.name}-{run_id}",
-                config=config,
+                config={**config, "slurm": slurm_context()},
             )
 
     def log(self, metrics: dict[str, Any]) -> None:
+        self._step = metrics["step"]
         self._file.write(json.dumps(metrics) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
+    def event(self, name: str, **fields: Any) -> None:
+        """Something that happened to the run (resume, stop, ...), at the current step."""
+        record = {"event": name, "step": fields.pop("step", self._step), "time": time.time(), **fields}
+        self._events.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({f"events/{name}": 1}, step=max(record["step"], self._step), commit=False)
+
     def close(self) -> None:
         self._file.close()
+        self._events.close()
         if self._wandb is not None:
             self._wandb.finish()

@@ -96,6 +96,10 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
 
     data = SampleIndex(open_tokens(cfg.data), cfg.train.seq_len, cfg.train.seed, cfg.data.vocab_size)
     tracker = Tracker(cfg, run_dir, run_id, OmegaConf.to_container(cfg, resolve=True)) if env.is_main else None
+    if tracker is not None:
+        for e in ckpt.events:  # what the resume did: the tier used and the ones skipped, and why
+            tracker.event(e.pop("event"), **e)
+        ckpt.events.clear()
     t = cfg.train
     tokens_per_step = layout.global_batch * t.seq_len
     progress = Progress(total_steps=t.max_steps, start_step=start_step)
@@ -117,7 +121,7 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
             if tracker is not None:
                 metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
                            "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                           "consumed_samples": consumed, "loss_scale": stats.loss_scale,
+                           "consumed_samples": consumed, "time": time.time(), "loss_scale": stats.loss_scale,
                            "skipped": int(stats.skipped),
                            "mfu": mfu(cfg, tokens_per_step / step_time, env.world_size),
                            "peak_mem_gb": peak_memory_gb(device)}
@@ -132,6 +136,10 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
             ckpt.events.clear()
             signum = stop.agreed()
             if signum is not None and done < t.max_steps:
+                if tracker is not None:
+                    tracker.event("stop", reason=REASONS[signum], step=done)
+                    tracker.close()
+                    tracker = None
                 _stop_for_signal(signum, ckpt, engine, done, consumed, env)
         ckpt.finish(done, engine, {"consumed_samples": consumed})
     except Preempted:

@@ -78,7 +78,7 @@ BAD = [
 def test_bad_input_is_rejected_before_submission(compose_cfg, capsys, tmp_path: Path, overrides: list[str],
                                                  key: str, words: str) -> None:
     cfg = compose_cfg(*overrides, f"run.root={tmp_path}")
-    assert run(cfg) == EXIT_CONFIG_ERROR
+    assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "nothing was submitted" in err
     assert f"{key}: " in err and words in err, err
@@ -93,7 +93,7 @@ def test_the_suite_is_broad() -> None:
 
 def test_all_errors_are_reported_at_once(compose_cfg, capsys, tmp_path: Path) -> None:
     cfg = compose_cfg("optim.lr=0", "precision=fp16", "precision.loss_scaling=false", f"run.root={tmp_path}")
-    assert run(cfg) == EXIT_CONFIG_ERROR
+    assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "2 config error(s)" in err and "optim.lr" in err and "precision.loss_scaling" in err
 

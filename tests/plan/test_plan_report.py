@@ -15,7 +15,7 @@ JSON_KEYS = {"params_total", "world_size", "layout", "memory_per_gpu_bytes", "fl
 
 
 def _plan(compose_cfg, capsys, *overrides: str) -> dict:
-    assert run(compose_cfg(*overrides, "dry_run=true", "plan.format=json")) == 0
+    assert run(compose_cfg(*overrides, "dry_run=true", "plan.format=json")).code == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -61,7 +61,7 @@ def test_parallel_auto_picks_a_layout_that_passes_the_checks(compose_cfg, capsys
 def test_a_layout_that_cannot_fit_is_an_error_with_fixes(compose_cfg, capsys, tmp_path: Path) -> None:
     cfg = compose_cfg("+experiment=175b", "zero=stage0", "parallel.recompute=none", "data=synthetic",
                       f"run.root={tmp_path}")
-    assert run(cfg) == EXIT_CONFIG_ERROR
+    assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "GiB per GPU" in err and "exceeds" in err and "parallel.recompute=selective" in err
 
@@ -69,7 +69,7 @@ def test_a_layout_that_cannot_fit_is_an_error_with_fixes(compose_cfg, capsys, tm
 def test_chart_is_written_when_asked(compose_cfg, capsys, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "plan.png"
-    assert run(compose_cfg("+experiment=175b", "dry_run=true", f"plan.png={png}")) == 0
+    assert run(compose_cfg("+experiment=175b", "dry_run=true", f"plan.png={png}")).code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hpctrain.checkpoint.inspect import export_model, find
+from hpctrain.tracking.wandb_file import run_info
 from tests.conftest import run_hpctrain
 
 pytestmark = [pytest.mark.slurm]
@@ -66,8 +67,9 @@ def last_step(run_dir: Path) -> int:
 
 def finished(slurm_cluster: Any, run_dir: Path) -> bool:
     states = job_states(slurm_cluster, run_dir)
-    return bool(states) and all(s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-                                or s.startswith("CANCELLED") for s in states.values())
+    # NODE_FAIL and PREEMPTED are not final here: the job is requeued (sacct shows the latest attempt's state).
+    return bool(states) and all(s in ("COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY") or s.startswith("CANCELLED")
+                                for s in states.values())
 
 
 def wait_done(slurm_cluster: Any, run_dir: Path, timeout: float = 300) -> dict[str, str]:
@@ -118,7 +120,7 @@ def assert_exact_continuation(run_dir: Path, reference: Path) -> None:
 
 @pytest.mark.timeout(400)
 def test_usr2_saves_requeues_and_resumes_exactly(slurm_cluster: Any, reference: Path, tmp_path: Path) -> None:
-    job, run_dir = submit(slurm_cluster, tmp_path, "usr2")
+    job, run_dir = submit(slurm_cluster, tmp_path, "usr2", "tracking=wandb", "tracking.mode=offline")
     wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
     slurm_cluster.run("scancel", "--signal=USR2", job)
     states = wait_done(slurm_cluster, run_dir)
@@ -128,6 +130,13 @@ def test_usr2_saves_requeues_and_resumes_exactly(slurm_cluster: Any, reference: 
     saved = int(re.search(r"time limit or preemption \(SIGUSR2\) at step (\d+)", logs).group(1))
     assert f"resuming at step {saved}" in logs
     assert_exact_continuation(run_dir, reference)
+    # One W&B run across the requeue: the same id in both attempts, history continuing after the saved step.
+    runs = [run_info(p) for p in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+    assert len(runs) == 2 and {r["run_id"] for r in runs} == {"usr2"}
+    steps = [[h["_step"] for h in r["history"] if "loss" in h] for r in runs]
+    assert steps[0] == list(range(1, saved + 1)) and steps[1] == list(range(saved + 1, 151))
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["stop", "resume"] and events[1]["tier"] == "ram"
 
 
 @pytest.mark.timeout(400)
@@ -184,3 +193,21 @@ def test_a_deterministic_failure_is_retried_once_then_reported(slurm_cluster: An
     assert not set(blamed) & set(slurm_cluster.run("scontrol", "show", "hostnames", nodes).stdout.split())
     logs = (run_dir / "submitit" / f"{second}_0_log.out").read_text()
     assert "resuming at step 10" in logs
+
+
+@pytest.mark.timeout(400)
+def test_a_sweep_submits_one_job_per_point_and_returns(slurm_cluster: Any, tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = run_hpctrain("-m", "+experiment=smoke", "cluster=dev", "train.max_steps=20", "optim.warmup_steps=2",
+                        "tracking=wandb", "tracking.mode=offline", "optim.lr=1e-3,2e-3,3e-3", f"run.root={tmp_path}",
+                        cwd=tmp_path, timeout=120, env=slurm_cluster.env())
+    returned = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "sweep: 3 points" in proc.stdout and returned < 30  # submits and returns; never waits for the jobs
+    table = json.loads(next((tmp_path / "sweeps").glob("*/sweep.json")).read_text())
+    assert len({r["job_id"] for r in table}) == 3 and len({r["run_dir"] for r in table}) == 3
+    for row in table:
+        run_dir = Path(row["run_dir"])
+        assert wait_done(slurm_cluster, run_dir) == {row["job_id"]: "COMPLETED"}
+    infos = [run_info(next(Path(r["run_dir"]).glob("wandb/offline-run-*/run-*.wandb"))) for r in table]
+    assert len({i["run_id"] for i in infos}) == 3 and len({i["group"] for i in infos}) == 1

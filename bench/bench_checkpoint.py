@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Checkpoint costs, measured against references taken in the same run (this machine is noisy).
+
+For a GPT whose model + AdamW state is a few hundred MB:
+  (a) time training is blocked by a synchronous DCP save (dcp.save);
+  (b) time training is blocked by hpctrain's asynchronous tiered save (CheckpointManager, staging only);
+  write throughput of the save against the disk's own sequential write of the same bytes (a plain file);
+  load throughput (resume) against a plain sequential read of the same bytes.
+Targets: (b) <= 10% of (a); save throughput >= 70% of the raw disk figure.
+
+    python bench/bench_checkpoint.py [--layers 12 --d-model 640] [--dir /tmp/hpctrain-bench-ckpt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hpctrain.checkpoint.layout import committed_in  # noqa: E402
+from hpctrain.checkpoint.manager import CheckpointManager  # noqa: E402
+from hpctrain.config.layout import resolve_layout  # noqa: E402
+from hpctrain.config.schema import Config  # noqa: E402
+from hpctrain.parallel.engine import build_engine  # noqa: E402
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def raw_write(path: Path, nbytes: int, block: int = 64 << 20) -> float:
+    """Seconds to write nbytes sequentially and fsync: the disk's own figure for this amount."""
+    buf = os.urandom(min(block, nbytes))
+    started = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            f.write(buf[: min(len(buf), left)])
+            left -= len(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - started
+
+
+def raw_read(path: Path, block: int = 64 << 20) -> float:
+    started = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(block):
+            pass
+    return time.perf_counter() - started
+
+
+def fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--d-model", type=int, default=640)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/hpctrain-bench-ckpt"))
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), {
+        "model": {"name": "bench", "n_layers": args.layers, "d_model": args.d_model, "n_heads": 8,
+                  "vocab_size": 50257, "context": 1024},
+        "cluster": {"name": "local", "nodes": 1, "gpus_per_node": 1},
+        "train": {"global_batch": 1, "micro_batch": 1, "seq_len": 64, "max_steps": 10},
+        "optim": {"warmup_steps": 1},
+        "run": {"id": "bench"},
+        "checkpoint": {"tiers": [{"name": "disk", "path": str(args.dir / "tier"), "interval_steps": 1,
+                                  "keep_last": 1}], "when_busy": "wait"},
+    })
+    engine = build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))
+    x = torch.randint(0, 50257, (1, 64))
+    engine.step([(x, x)], 1e-4)  # optimizer states exist from here on
+    params = sum(p.numel() for p in engine.model.parameters())
+
+    sync_blocked, sync_bytes = [], 0
+    for i in range(args.repeats):
+        target = args.dir / f"sync{i}"
+        started = time.perf_counter()
+        dcp.save(engine.state_dict(), checkpoint_id=str(target), no_dist=True)
+        fsync_tree(target)
+        sync_blocked.append(time.perf_counter() - started)
+        sync_bytes = dir_bytes(target)
+        shutil.rmtree(target)
+
+    manager = CheckpointManager(cfg, args.dir, "bench", 0, 1, 0, {"model": "bench"})
+    async_blocked, async_total = [], []
+    for step in range(1, args.repeats + 1):
+        manager.after_step(step, engine, {"consumed_samples": step})
+        started = [e for e in manager.events if e["event"] == "save_started"][-1]
+        async_blocked.append(started["blocked_s"])
+        manager.wait_all()
+        committed = [e for e in manager.events if e["event"] == "save_committed"][-1]
+        async_total.append(committed["total_s"])
+        manager.events.clear()
+    ckpt = committed_in(args.dir / "tier")[-1]
+    size = dir_bytes(ckpt.path)
+
+    raw_file = args.dir / "raw.bin"
+    raw_w = statistics.median(raw_write(raw_file, size) for _ in range(args.repeats))
+    raw_r = statistics.median(raw_read(raw_file) for _ in range(args.repeats))
+    load_times = []
+    for _ in range(args.repeats):
+        state = engine.state_dict()
+        started = time.perf_counter()
+        dcp.load(state, checkpoint_id=str(ckpt.path), no_dist=True)
+        engine.load_state_dict(state)
+        load_times.append(time.perf_counter() - started)
+
+    sb, ab = statistics.median(sync_blocked), statistics.median(async_blocked)
+    at, lt = statistics.median(async_total), statistics.median(load_times)
+    mb = size / 1e6
+    print(f"model {params / 1e6:.1f}M params; checkpoint {mb:.0f} MB (model + AdamW states); disk {args.dir}")
+    print(f"(a) synchronous dcp.save, blocked:        {sb:8.3f} s  ({sync_bytes / 1e6 / sb:7.0f} MB/s)")
+    print(f"(b) hpctrain async save, blocked:         {ab:8.3f} s  = {ab / sb:6.1%} of (a)   [target <= 10%]")
+    print(f"    hpctrain async save, start to commit: {at:8.3f} s  ({mb / at:7.0f} MB/s)")
+    print(f"raw sequential write of {mb:.0f} MB + fsync:  {raw_w:8.3f} s  ({mb / raw_w:7.0f} MB/s)")
+    print(f"save throughput vs raw write:             {raw_w / at:8.1%}   [target >= 70%]")
+    print(f"resume: dcp.load + set state:             {lt:8.3f} s  ({mb / lt:7.0f} MB/s)")
+    print(f"raw sequential read:                      {raw_r:8.3f} s  ({mb / raw_r:7.0f} MB/s)  -> load at "
+          f"{raw_r / lt:.1%} of raw")
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Recovery costs on the real local Slurm cluster (slurm/dev-cluster.sh up first). Printed, not asserted.
+
+- submit-to-first-step: from `python -m hpctrain ... cluster=dev` to the first logged training step;
+- signal-to-resumed-step: from `scancel --signal=USR2` to the first step of the requeued job;
+- goodput of a run preempted every ~`--every` seconds: time spent in steps that count (each step once) over
+  the wall time from submission to the end.
+
+    python bench/bench_slurm.py [--steps 600] [--every 60] [--max-signals 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def state(job: str) -> str:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--every", type=float, default=60.0)
+    parser.add_argument("--max-signals", type=int, default=3)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="hpctrain-bench-slurm-"))
+    submitted = time.time()
+    proc = subprocess.run([sys.executable, "-m", "hpctrain", "+experiment=smoke", "cluster=dev",
+                           f"train.max_steps={args.steps}", "optim.warmup_steps=20", f"run.root={root}",
+                           "run.id=bench", "train.log_every=50",
+                           f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: 50, keep_last: 2}},"
+                           "{name: shared, path: checkpoints, interval_steps: 1000, keep_last: 1}]"],
+                          capture_output=True, text=True, check=True)
+    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    run_dir = root / "smoke" / "bench"
+    signals: list[float] = []
+    last_signal = submitted
+    while True:
+        m = metrics(run_dir)
+        s = state(job)
+        if s in ("COMPLETED", "FAILED", "CANCELLED") and m and m[-1]["step"] == args.steps:
+            break
+        if s == "FAILED":
+            raise SystemExit(f"job {job} failed")
+        running = m and time.time() - m[-1].get("time", 0) < 5
+        if running and len(signals) < args.max_signals and time.time() - last_signal >= args.every:
+            subprocess.run(["scancel", "--signal=USR2", job], check=True)
+            signals.append(time.time())
+            last_signal = signals[-1]
+        time.sleep(0.5)
+    ended = max(m["time"] for m in metrics(run_dir))
+    rows = metrics(run_dir)
+    first_step = rows[0]["time"] - rows[0]["step_time_s"]
+    resumed = []
+    for t in signals:
+        after = [r for r in rows if r["time"] > t]
+        restart = next((b for a, b in zip(after, after[1:]) if b["step"] <= a["step"]), None)
+        if restart:
+            resumed.append(restart["time"] - restart["step_time_s"] - t)
+    final = {}
+    for r in rows:
+        final[r["step"]] = r
+    useful = sum(r["step_time_s"] for r in final.values())
+    print(f"job {job}: {args.steps} steps, {len(signals)} USR2 signals, run dir {run_dir}")
+    print(f"submit-to-first-step:      {first_step - submitted:6.1f} s")
+    for i, dt in enumerate(resumed):
+        print(f"signal-to-resumed-step #{i + 1}: {dt:6.1f} s")
+    print(f"steps logged {len(rows)} for {len(final)} distinct (redone: {len(rows) - len(final)})")
+    print(f"goodput: {useful:.1f} s of steps / {ended - submitted:.1f} s wall = {useful / (ended - submitted):.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Tracking: offline W&B holds what the JSONL holds, under the run id; no credential lands in the run
+directory; a local Hydra sweep gives one run (and one W&B run) per point in one W&B group."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpctrain.tracking.wandb_file import run_info
+from tests.conftest import run_hpctrain
+
+FAKE_KEY = "local-0123456789abcdef0123456789abcdef01234567"
+SHORT = ["train.max_steps=8", "optim.warmup_steps=2", "tracking=wandb", "tracking.mode=offline"]
+
+
+def wandb_runs(run_dir: Path) -> list[dict]:
+    return [run_info(p) for p in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_offline_wandb_matches_the_jsonl_and_holds_no_api_key(tmp_path: Path) -> None:
+    proc = run_hpctrain(*SHORT, f"run.root={tmp_path}", "run.id=tracked", cwd=tmp_path,
+                        env={"WANDB_API_KEY": FAKE_KEY})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "smoke" / "tracked"
+    runs = wandb_runs(run_dir)
+    assert len(runs) == 1 and runs[0]["run_id"] == "tracked"
+    jsonl = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    history = {h["_step"]: h for h in runs[0]["history"] if "loss" in h}
+    assert sorted(history) == sorted(jsonl) == list(range(1, 9))
+    for step, row in jsonl.items():
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"):
+            assert history[step][key] == pytest.approx(row[key], rel=1e-12), (step, key)
+    leaked = [str(p) for p in run_dir.rglob("*") if p.is_file() and FAKE_KEY.encode() in p.read_bytes()]
+    assert not leaked, leaked
+    assert proc.stdout.count(FAKE_KEY) == 0 and proc.stderr.count(FAKE_KEY) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_local_sweep_gives_one_run_per_point_in_one_group(tmp_path: Path) -> None:
+    proc = run_hpctrain("-m", *SHORT, "optim.lr=1e-3,2e-3", f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sweep: 2 points" in proc.stdout
+    run_dirs = sorted((tmp_path / "smoke").iterdir())
+    assert len(run_dirs) == 2
+    infos = [wandb_runs(d)[0] for d in run_dirs]
+    assert len({i["run_id"] for i in infos}) == 2
+    assert len({i["group"] for i in infos}) == 1 and infos[0]["group"].startswith("sweep-")
+    assert {t for i in infos for t in i["tags"]} == {"optim.lr=0.001", "optim.lr=0.002"}  # the swept values only
+    table = json.loads(next((tmp_path / "sweeps").glob("*/sweep.json")).read_text())
+    assert sorted(r["run_dir"] for r in table) == [str(d) for d in run_dirs]
