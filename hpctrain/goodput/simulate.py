@@ -1,0 +1,153 @@
+"""Monte-Carlo replay of a checkpoint plan under random failures: the check on the analytic model.
+
+The job computes until the next failure (exponential or Weibull time, drawn afresh after every restart, with
+mean M), pays the restart (fixed cost, optionally an exponential scheduler delay, plus the load of the tier
+restored from) and resumes from the newest usable committed checkpoint. Saves follow the plan as hpctrain
+runs them: each tier is due every tau of work since the (re)start, blocks training for its staging cost,
+commits write_s later, and is skipped when its previous write still runs. A failure is of the fast kind
+(every node survives: fast and durable checkpoints usable) with probability p_fast, else it loses a node
+(only the durable tier is usable; the durable position may then lie before the position restarted from).
+
+Repetitions run in lockstep as numpy arrays, one failure per iteration; the schedule after a restart is the
+same every time, so it is computed once and looked up (np.interp, searchsorted).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hpctrain.goodput.model import Failures, Plan, TierCost
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Mean goodput over repetitions with the half-width of its 95% confidence interval, and the loss split."""
+
+    goodput: float
+    ci95: float
+    blocking: float
+    lost_work: float
+    restart: float
+    failures: float  # mean number of failures per run
+    reps: int
+
+
+@dataclass(frozen=True)
+class _Timeline:
+    """The schedule after a restart, against wall time since the restart, up to `until`."""
+
+    until: float
+    wall: np.ndarray  # breakpoints of work(wall): flat while a save blocks training
+    work: np.ndarray
+    commits: tuple[np.ndarray, np.ndarray]    # commit wall times of the fast, slow tier (increasing)
+    positions: tuple[np.ndarray, np.ndarray]  # work positions of those checkpoints
+
+    def work_at(self, t: np.ndarray) -> np.ndarray:
+        return np.interp(t, self.wall, self.work)
+
+    def newest(self, tier: int, t: np.ndarray) -> np.ndarray:
+        """Work position of the tier's newest checkpoint committed by t; -inf where there is none."""
+        commits, positions = self.commits[tier], self.positions[tier]
+        if commits.size == 0:
+            return np.full(t.shape, -np.inf)
+        i = np.searchsorted(commits, t, side="right") - 1
+        return np.where(i >= 0, positions[np.maximum(i, 0)], -np.inf)
+
+
+def _timeline(plan: Plan, until: float) -> _Timeline:
+    taus = (plan.tau_fast_s if plan.fast is not None else math.inf, plan.tau_slow_s)
+    costs = (plan.fast or TierCost(0.0), plan.slow)
+    k = [1, 1]
+    busy = [-math.inf, -math.inf]
+    commits: tuple[list[float], list[float]] = ([], [])
+    positions: tuple[list[float], list[float]] = ([], [])
+    wall_bp, work_bp = [0.0], [0.0]
+    shift = 0.0  # wall time blocked so far
+    while True:
+        due = (k[0] * taus[0], k[1] * taus[1])
+        w = min(due)
+        if math.isinf(w) or w + shift > until:
+            break
+        start, block = w + shift, 0.0
+        for i in (0, 1):  # at a common due point the fast tier stages first
+            if due[i] != w:
+                continue
+            k[i] += 1
+            if busy[i] <= start + block + 1e-6:  # else the previous write still runs: skip
+                block += costs[i].blocked_s
+                busy[i] = start + block + costs[i].write_s
+                commits[i].append(busy[i])
+                positions[i].append(w)
+        if block > 0.0:
+            wall_bp += [start, start + block]
+            work_bp += [w, w]
+        shift += block
+    end = max(until, wall_bp[-1]) + 1.0
+    wall_bp.append(end)
+    work_bp.append(work_bp[-1] + end - wall_bp[-2])
+    return _Timeline(until, np.array(wall_bp), np.array(work_bp),
+                     (np.array(commits[0]), np.array(commits[1])),
+                     (np.array(positions[0]), np.array(positions[1])))
+
+
+def _draw(rng: np.random.Generator, mean: float, shape: float | None, n: int) -> np.ndarray:
+    """Times to the next failure with the given mean; Weibull shape < 1 gives early failures after a restart."""
+    if math.isinf(mean):
+        return np.full(n, np.inf)
+    if shape is None:
+        return rng.exponential(mean, n)
+    return mean / math.gamma(1.0 + 1.0 / shape) * rng.weibull(shape, n)
+
+
+def simulate(plan: Plan, failures: Failures, horizon_s: float, reps: int = 200, seed: int = 0,
+             weibull_shape: float | None = None, delay_mean_s: float = 0.0) -> SimResult:
+    """Goodput of `reps` runs of horizon_s wall time each; progress at the horizon counts even if uncommitted."""
+    rng = np.random.default_rng(seed)
+    fast, slow = 0, 1
+    load = (plan.fast.load_s if plan.fast is not None else 0.0, plan.slow.load_s)
+    t = np.zeros(reps)              # wall time used
+    base = np.zeros(reps)           # position the current cycle started from
+    durable = np.zeros(reps)        # newest durable position
+    base_fast = np.zeros(reps, bool)  # the current cycle started from the fast tier
+    final = np.zeros(reps)
+    blocked, lost, restart = np.zeros(reps), np.zeros(reps), np.zeros(reps)
+    n_fail = np.zeros(reps)
+    active = np.ones(reps, bool)
+    tl = _timeline(plan, min(horizon_s, 10.0 * failures.mtbf_s))
+    while active.any():
+        x = _draw(rng, failures.mtbf_s, weibull_shape, reps)
+        delay = rng.exponential(delay_mean_s, reps) if delay_mean_s > 0 else np.zeros(reps)
+        kind_fast = rng.random(reps) < failures.p_fast
+        remaining = horizon_s - t
+        ends = active & (x >= remaining)
+        fails = active & ~ends
+        run = np.where(active, np.minimum(x, remaining), 0.0)
+        if run.max() > tl.until:
+            tl = _timeline(plan, min(horizon_s, max(run.max(), 2.0 * tl.until)))
+        w = tl.work_at(run)
+        blocked += run - w
+        final = np.where(ends, base + w, final)
+
+        f_pos, s_pos = base + tl.newest(fast, run), base + tl.newest(slow, run)
+        durable = np.where(fails, np.maximum(durable, s_pos), durable)
+        newest_fast = np.maximum(base, np.maximum(f_pos, s_pos))
+        restore = np.where(kind_fast, newest_fast, durable)
+        from_fast = kind_fast & ((f_pos >= s_pos) & (f_pos > -np.inf) | (base_fast & (newest_fast == base)))
+        pause = failures.restart_s + delay + np.where(from_fast, load[fast], load[slow])
+        pause = np.minimum(pause, remaining - run)
+        lost += np.where(fails, base + w - restore, 0.0)
+        restart += np.where(fails, pause, 0.0)
+        n_fail += fails
+        final = np.where(fails, restore, final)  # overwritten if the run continues
+        base = np.where(fails, restore, base)
+        base_fast = np.where(fails, from_fast, base_fast)
+        t = np.where(active, t + run + np.where(fails, pause, 0.0), t)
+        active &= fails & (t < horizon_s)
+    g = final / horizon_s
+    ci = 1.96 * g.std(ddof=1) / math.sqrt(reps) if reps > 1 else math.inf
+    return SimResult(float(g.mean()), float(ci), float(blocked.mean() / horizon_s),
+                     float(lost.mean() / horizon_s), float(restart.mean() / horizon_s),
+                     float(n_fail.mean()), reps)

@@ -1,0 +1,1 @@
+"""Node health, in-run detection and log analysis."""
