@@ -38,6 +38,7 @@ from hpctrain.checkpoint.layout import (
     tier_path,
     verify,
 )
+from hpctrain.goodput.model import daly_interval, mtbf_s
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Tier:
     interval_minutes: float
     keep_last: int
     shared: bool = True  # every rank sees the same directory (else node-local: one copy per node)
+    auto: bool = False  # interval_minutes follows Daly's optimum for the measured cost
     last_save: float = field(default_factory=time.monotonic)
 
     def due_by_steps(self, step: int) -> bool:
@@ -87,7 +89,8 @@ class CheckpointManager:
         self.fingerprint = fingerprint
         self.distributed = dist.is_initialized()
         self.tiers = [Tier(t.name, tier_path(t.path, run_dir, run_id), t.interval_steps, t.interval_minutes,
-                           t.keep_last) for t in cfg.checkpoint.tiers]
+                           t.keep_last, auto=t.auto) for t in cfg.checkpoint.tiers]
+        self.mtbf_s = mtbf_s(cfg.cluster.failure_rate_per_gpu_day, world_size)
         # Own groups, created by every rank in the same order: agreement at step boundaries uses
         # `control_group` (gloo, so it works next to NCCL too); each tier's background writes use a group of
         # their own, since two tiers' saves can be in flight at once in two threads.
@@ -292,6 +295,16 @@ class CheckpointManager:
                  job.step, name, size / 1e6, job.blocked_s, seconds)
         self.events.append({"event": "save_committed", "tier": name, "step": job.step, "bytes": size,
                             "blocked_s": job.blocked_s, "total_s": seconds})
+        if tier.auto:
+            self._retune(tier, job.blocked_s, seconds)
+
+    def _retune(self, tier: Tier, blocked_s: float, write_s: float) -> None:
+        """Daly's optimal interval for this tier's measured blocking cost and the job's MTBF; never shorter
+        than the background write, which would only make saves skip."""
+        minutes = max(daly_interval(max(blocked_s, 1e-3), self.mtbf_s), write_s) / 60
+        tier.interval_steps, tier.interval_minutes = 0, minutes
+        self.events.append({"event": "interval_auto", "tier": tier.name, "minutes": minutes,
+                            "blocked_s": blocked_s, "mtbf_s": self.mtbf_s})
 
 
 def _rng_state() -> torch.Tensor:

@@ -276,6 +276,14 @@ def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if c.executor == Executor.slurm and c.requeue and c.time_min <= 10:
         r.warn("cluster.time_min", "submitit counts every signal to a job of <= 10 minutes as a timeout, using up "
                "cluster.max_num_timeout on preemptions", "use cluster.time_min>10")
+    h = cfg.health
+    if h.preflight not in ("off", "warn", "exclude", "drain"):
+        r.error("health.preflight", f"must be off, warn, exclude or drain, got {h.preflight!r}",
+                "use health.preflight=warn")
+    if h.hang_timeout_s and h.hang_timeout_s < 10:
+        r.error("health.hang_timeout_s", f"{h.hang_timeout_s} s would fire on a slow step", "use at least 60 s, or 0 to disable")
+    if h.straggler_factor <= 1.0:
+        r.error("health.straggler_factor", f"must be > 1, got {h.straggler_factor}", "use health.straggler_factor=1.3")
     if cfg.launcher.max_restarts < 0:
         r.error("launcher.max_restarts", f"must be >= 0, got {cfg.launcher.max_restarts}", "use launcher.max_restarts=3")
     if cfg.launcher.collective_timeout_s < 30:

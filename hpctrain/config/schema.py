@@ -129,6 +129,9 @@ class TierConfig:
     interval_steps: int = 0  # 0: no step interval
     interval_minutes: float = 0.0
     keep_last: int = 2
+    # Re-derive interval_minutes after every save from the measured blocking cost and the job's MTBF
+    # (Daly's optimum; cluster.failure_rate_per_gpu_day); the configured interval is the first one.
+    auto: bool = False
 
 
 @dataclass
@@ -160,6 +163,7 @@ class ClusterConfig:
     exclusive: bool = False
     exclude: Optional[str] = None
     signal_delay_s: int = 120  # USR2 this long before the time limit
+    failure_rate_per_gpu_day: float = 0.001  # for automatic checkpoint intervals (0.1%-1% at scale)
     requeue: bool = True
     max_num_timeout: int = 20  # requeues after preemption/time limit
     sbatch_extra: dict[str, Any] = field(default_factory=dict)  # more #SBATCH key: value lines
@@ -174,6 +178,22 @@ class LauncherConfig:
     # Requeues after preemption or the time limit do not count (see cluster.max_num_timeout).
     max_restarts: int = 3
     collective_timeout_s: int = 600  # a collective that waits longer raises instead of hanging the job
+
+
+@dataclass
+class HealthConfig:
+    preflight: str = "warn"  # off | warn | exclude (resubmit without bad nodes) | drain (also drain them)
+    allreduce_mb: int = 16  # size of the pre-flight all-reduce bandwidth test
+    outlier_threshold: float = 3.5  # robust z-score (median/MAD) above which a node or rank is an outlier
+    min_slowdown: float = 0.2  # ... and at least this much slower than the median (relative)
+    hang_timeout_s: float = 600.0  # no step completed for this long: dump stacks and exit (0 disables)
+    hang_factor: float = 20.0  # or this many times the median recent step time, if longer
+    startup_timeout_s: float = 1800.0  # before the first step (imports, checkpoint load, compilation)
+    straggler_every: int = 100  # steps between straggler probes (0 disables)
+    straggler_factor: float = 1.3  # a straggler is at least this much slower than the median rank
+    straggler_patience: int = 3  # ... in this many probes in a row
+    memory_window: int = 200  # steps over which memory growth is fitted (0 disables)
+    leak_mb: float = 256.0  # growth per window reported as a leak
 
 
 @dataclass
@@ -224,6 +244,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)

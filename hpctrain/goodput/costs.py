@@ -17,7 +17,8 @@ Schema `hpctrain.goodput.costs/1` (times in seconds, bytes per node):
 blocked_s is the time training stops per save, write_s the background write until commit (0 if
 synchronous), load_s the read at a restart (defaults to write_s). Scaling: a save moves each node's shard of
 the state, so every cost scales with the bytes per node (state / nodes, fully sharded as with ZeRO-3 and DCP);
-a durable tier's write and load are also bounded below by total bytes / the file system's aggregate bandwidth.
+a durable tier's write and load (and its blocked time when write_s is 0: a synchronous save) are also bounded
+below by total bytes / the file system's aggregate bandwidth.
 Without state_bytes_per_node the costs are used as they are at every scale.
 """
 
@@ -103,11 +104,13 @@ def scale_tier(tier: MeasuredTier, measured_bytes: float | None, node_bytes: flo
     if measured_bytes is None:
         return c
     r = node_bytes / measured_bytes
-    write, load = c.write_s * r, c.load_s * r
+    blocked, write, load = c.blocked_s * r, c.write_s * r, c.load_s * r
     if tier.durable and aggregate_gbps:
         floor = total_bytes / (aggregate_gbps * 1e9)
         write, load = max(write, floor), max(load, floor)
-    return TierCost(c.blocked_s * r, write, load)
+        if c.write_s == 0.0:  # synchronous: training waits for the file system itself
+            blocked = max(blocked, floor)
+    return TierCost(blocked, write, load)
 
 
 def pick_tiers(costs: MeasuredCosts, fast: str | None, slow: str | None) -> tuple[str | None, str]:

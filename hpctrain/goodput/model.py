@@ -14,8 +14,8 @@ same nodes), and a *slow* durable tier (shared file system) that recovers every 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 SECONDS_PER_DAY = 86400.0
 

@@ -36,6 +36,7 @@ _PREFIX = re.compile(r"(?P<host>[A-Za-z0-9][\w.\-]*):(?P<pid>\d+):(?P<tid>\d+) \
                      r"(?:(?P<where>[\w./\-]+:\d+) )?NCCL (?P<level>INFO|WARN|TRACE) ")
 # 2.18-2.21 print the version once per process, unprefixed, from a communicator's rank 0; torch's errors end
 # in "NCCL version 2.18.3" (no +cuda), which must not count.
+_LABEL = re.compile(r"\s*(?:\d+: |\[[\w\-]+\]:)?")  # srun --label, torchrun --tee
 _BARE_VERSION = re.compile(r"^(?:\d+: |\[[\w\-]+\]:)?NCCL version (\d+\.\d+\.\d+\+cuda[\d.]+)\s*$")
 _VERSION = re.compile(r"^NCCL version (\d+\.\d+\.\d+(?:\+cuda[\d.]+)?)$")
 _MISMATCH = re.compile(r"^Mismatched NCCL version detected : rank (\d+) version (\d+) rank (\d+) version (\d+)")
@@ -181,12 +182,12 @@ def _split(line: str, hosts: set[str]) -> list[tuple[str, re.Match[str], int]]:
 
 
 def _clean_starts(lines: Sequence[str]) -> set[str]:
-    """Hosts of records that start a line or follow a label: glued records are resolved against these."""
+    """Hosts of records that start a line, after at most a launcher label: glued records resolve against these."""
     hosts = set()
     for line in lines:
-        for m in _PREFIX.finditer(line):
-            if m.start() == 0 or line[m.start() - 1] in " \t:]":
-                hosts.add(m["host"])
+        m = _PREFIX.search(line)
+        if m and _LABEL.fullmatch(line[:m.start()]):
+            hosts.add(m["host"])
     return hosts
 
 
@@ -406,13 +407,13 @@ def _findings(versions: dict[str, set[str]], networks: dict[str, HostNetwork], l
             slow[(link.comm, link.src, link.dst)].append(link)
     for (comm, src, dst), group in sorted(slow.items()):
         host = group[0].src_host or group[0].dst_host
-        p2p = sum(1 for k in links if k.comm == comm and k.kind == "P2P")
+        p2p = len({(k.src, k.dst) for k in links if k.comm == comm and k.kind == "P2P"})
         channels = _ranges(c for k in group for c in k.channels)
         hint = "; ".join(f"{k}={v}" for k, v in env.get(host or "", {}).items() if k.startswith(("NCCL_P2P", "NCCL_SHM")))
         out.append(Finding(WARNING, "intra-node-slow-path",
                            f"{host}: intra-node hop {src}[{group[0].src_dev}] -> {dst}[{group[0].dst_dev}] "
                            f"uses {', '.join(sorted({k.transport for k in group}))} (channels {channels}), "
-                           + (f"while {p2p} other intra-node links use P2P" if p2p else "no link uses P2P")
+                           + (f"while {p2p} other intra-node rank pairs use P2P" if p2p else "no link uses P2P")
                            + (f"; {hint}" if hint else ""), host=host, rank=src))
 
     inter = [k for k in links if k.kind == "NET" and not k.intra_node and not k.transport.startswith("NET/Socket")]
@@ -488,8 +489,10 @@ def format_text(report: NcclReport) -> str:
         links = [k for k in report.links if k.comm == comm.key]
         if not (links or comm.rings or comm.nranks):
             continue
-        out.append(f"communicator {comm.key}: {comm.nranks} ranks, {comm.nnodes} nodes, "
-                   f"{comm.local_ranks} local ranks, {len(comm.rings)} rings, {len(comm.trees)} ranks with trees")
+        shape = [f"{n} {what}" for n, what in [(comm.nranks, "ranks"), (comm.nnodes, "nodes"),
+                                                (comm.local_ranks, "local ranks"), (len(comm.rings), "rings"),
+                                                (len(comm.trees), "ranks with trees")] if n]
+        out.append(f"communicator {comm.key}: {', '.join(shape)}")
         for ch, order in sorted(comm.rings.items())[:2]:
             out.append(f"  ring {ch:02d}: {' '.join(map(str, order))}")
         counts: dict[tuple[str, str], set[tuple[int, int]]] = defaultdict(set)

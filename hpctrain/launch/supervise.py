@@ -36,7 +36,7 @@ def diagnose(records: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any] |
     """The hosts to blame and the root error (the first record that is not a consequence of a lost peer)."""
     own = [r for r in records if not r["peer"]]
     root = own[0] if own else (records[0] if records else None)
-    hosts = sorted({r["host"] for r in own})
+    hosts = sorted({h for r in own for h in (r.get("blame") or [r["host"]])})
     signature = None if root is None else {"type": root["type"], "message": root["message"][:500],
                                            "step": root["step"], "rank": root["rank"], "host": root["host"]}
     return hosts, signature

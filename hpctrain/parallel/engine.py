@@ -69,15 +69,24 @@ class UnsupportedLayout(ValueError):
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm is NaN/inf without loss scaling to absorb it: training cannot go on."""
 
-    def __init__(self, step: int, last_good_step: int, loss: float, grad_norm: float) -> None:
+    def __init__(self, step: int, last_good_step: int, loss: float, grad_norm: float, cause: str = "") -> None:
         self.step, self.last_good_step, self.loss, self.grad_norm = step, last_good_step, loss, grad_norm
         super().__init__(
             f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm} (last good step "
-            f"{last_good_step}); the step was not applied. Resume from a checkpoint at or before step "
-            f"{last_good_step} with a lower optim.lr, a tighter optim.grad_clip or precision=fp32/bf16")
+            f"{last_good_step}); the step was not applied. " + (f"Likely cause: {cause}. " if cause else "")
+            + f"Resume from a checkpoint at or before step {last_good_step} with a lower optim.lr, a tighter "
+            "optim.grad_clip or precision=fp32/bf16")
 
 
-
+def likely_cause(cfg: Any, lr: float, grad_norm: float) -> str:
+    """The usual suspects, in the order they are worth checking (the design article's section 5.1)."""
+    if cfg.optim.grad_clip <= 0:
+        return "gradient clipping is disabled (optim.grad_clip=0), so one bad batch can blow up the weights"
+    if cfg.precision.dtype.value == "fp16":
+        return "an fp16 overflow the loss scaler did not catch"
+    if math.isfinite(grad_norm):
+        return f"the loss overflowed with a finite gradient norm: look at the data of this step (lr {lr:g})"
+    return f"the learning rate ({lr:g} at this step) is too high for this batch, or the data holds a bad sample"
 
 
 def build_model(cfg: Any, device: torch.device) -> GPT:
@@ -235,7 +244,8 @@ class Engine:
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if not finite and not self.scaler.enabled:
             self._zero_grad()
-            raise TrainingDiverged(self.steps_done, self.last_good_step, loss, grad_norm)
+            raise TrainingDiverged(self.steps_done, self.last_good_step, loss, grad_norm,
+                                   likely_cause(self.cfg, lr, grad_norm))
         if finite:
             clip_grads_(params, self.cfg.optim.grad_clip, grad_norm)
             for opt in self.optimizers:

@@ -179,14 +179,15 @@ class Hardware:
 #        DGX H200: 8x 400 Gb/s ConnectX-7 = 50 GB/s per GPU.
 #  Memory: the datasheet "GB" of HBM is what nvidia-smi reports in MiB (A100-80GB: 81920 MiB), so it is
 #        taken as GiB; the CUDA context, NCCL buffers and fragmentation are left to memory.py's reserve.
-#  cpu:  placeholders for the local gloo runs on this machine (2 processes, a few GFLOP/s each); only
+#  cpu:  one process per core: ~150 GFLOP/s fp32 peak for an AVX-512 core (2 FMA units x 16 lanes x 2 x
+#        ~2.4 GHz); the bandwidths are placeholders for the local gloo runs; only
 #        relative comparisons between layouts mean anything there.
 KNOWN_HARDWARE: dict[str, Hardware] = {
     "a100_40gb": Hardware("a100_40gb", 8, 40 * GiB, 312e12, 300 * GB, 25 * GB),
     "a100_80gb": Hardware("a100_80gb", 8, 80 * GiB, 312e12, 300 * GB, 25 * GB),
     "h100_80gb": Hardware("h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB),
     "h200": Hardware("h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB),
-    "cpu": Hardware("cpu", 2, 8 * GiB, 50e9, 5 * GB, 1.25 * GB, efficiency=0.5),
+    "cpu": Hardware("cpu", 2, 8 * GiB, 150e9, 5 * GB, 1.25 * GB, efficiency=0.5),
 }
 
 

@@ -29,7 +29,10 @@ def is_peer_failure(exc: BaseException) -> bool:
     return any(marker in text for marker in PEER_MARKERS)
 
 
-def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseException) -> Path:
+def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseException,
+                   peer: bool | None = None, blame: list[str] | None = None) -> Path:
+    """Write this rank's record. `peer` overrides the guess from the message; `blame` names other hosts at
+    fault (a health check run on this rank found them bad), instead of this rank's own."""
     directory = run_dir / FAILURES / job_id
     directory.mkdir(parents=True, exist_ok=True)
     record = {
@@ -39,7 +42,8 @@ def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseEx
         "step": step,
         "type": type(exc).__name__,
         "message": str(exc)[:2000],
-        "peer": is_peer_failure(exc),
+        "peer": is_peer_failure(exc) if peer is None else peer,
+        "blame": blame,
         "time": time.time(),
         "traceback": traceback.format_exception(exc)[-12:],
     }

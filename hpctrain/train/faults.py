@@ -1,8 +1,9 @@
 """Deliberate faults for testing recovery end to end (a rank that raises, hangs or dies at a given step).
 
 Set in the task environment, e.g. `+cluster.env.HPCTRAIN_INJECT_FAULT=raise:step=15:rank=1`; kinds are
-`raise`, `exit` (os._exit(1), like a segfault) and `hang` (sleeps forever, for the watchdog). Unset, nothing
-happens: one dictionary lookup per step.
+`raise`, `exit` (os._exit(1), like a segfault) and `hang` (sleeps forever, for the watchdog). A trailing
+`:once` fires only in the first attempt of the run (a marker in the run directory), so a resubmission
+succeeds. Unset, nothing happens.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 VARIABLE = "HPCTRAIN_INJECT_FAULT"
 
@@ -23,6 +25,7 @@ class Fault:
     kind: str
     step: int
     rank: int
+    once: bool = False
 
     @classmethod
     def from_env(cls) -> "Fault | None":
@@ -30,14 +33,21 @@ class Fault:
         if not spec:
             return None
         kind, *fields = spec.split(":")
-        values = dict(f.split("=", 1) for f in fields)
+        once = "once" in fields
+        values = dict(f.split("=", 1) for f in fields if f != "once")
         if kind not in ("raise", "exit", "hang"):
             raise ValueError(f"{VARIABLE}={spec!r}: kind must be raise, exit or hang")
-        return cls(kind, int(values["step"]), int(values.get("rank", 0)))
+        return cls(kind, int(values["step"]), int(values.get("rank", 0)), once)
 
-    def maybe_fire(self, step: int, rank: int) -> None:
+    def maybe_fire(self, step: int, rank: int, run_dir: Path) -> None:
         if step != self.step or rank != self.rank:
             return
+        marker = run_dir / "faults" / f"{self.kind}-{self.step}-{self.rank}.fired"
+        if self.once:
+            if marker.exists():
+                return
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
         if self.kind == "raise":
             raise InjectedFault(f"injected fault at step {step} on rank {rank}")
         if self.kind == "exit":

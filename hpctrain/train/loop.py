@@ -24,6 +24,9 @@ from hpctrain.data.sampler import SampleIndex, micro_batches, step_samples
 from hpctrain.data.sources import open_tokens
 from hpctrain.distributed.environment import discover, init_distributed, shutdown
 from hpctrain.distributed.task_env import task_environment
+from hpctrain.health.monitor import RunMonitor
+from hpctrain.health.preflight import UnhealthyNodes, run_preflight
+from hpctrain.health.watchdog import Watchdog
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.metrics import mfu, peak_memory_gb
 from hpctrain.tracking.tracker import Tracker
@@ -60,6 +63,9 @@ def train(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
     init_distributed(env, timeout_s=cfg.launcher.collective_timeout_s)
     try:
         return _train(cfg, Path(run_dir), env)
+    except UnhealthyNodes as exc:  # the supervisor resubmits without the nodes named here
+        record_failure(Path(run_dir), env.job_id, env.rank, 0, exc, peer=False, blame=exc.hosts)
+        raise
     finally:
         shutdown()
 
@@ -85,6 +91,10 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
     if layout.world_size != env.world_size:
         raise RuntimeError(f"the job has {env.world_size} tasks but the layout needs {layout.world_size}")
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    run_preflight(cfg, env.rank, env.local_rank, env.job_id, run_dir, device)
+    watchdog = Watchdog(run_dir, env.job_id, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
+                        cfg.health.startup_timeout_s).start()
+    monitor = RunMonitor(cfg, env.rank, device)
     engine = build_engine(cfg, layout, device)
     run_id = str(cfg.run.id)
     ckpt = CheckpointManager(cfg, run_dir, run_id, env.rank, env.world_size, env.local_rank, fingerprint(cfg))
@@ -110,14 +120,16 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
         for step in range(start_step, t.max_steps):
             started = time.perf_counter()
             if fault is not None:
-                fault.maybe_fire(step + 1, env.rank)
+                fault.maybe_fire(step + 1, env.rank, run_dir)
             samples = step_samples(consumed, layout.global_batch, engine.dp_size, engine.dp_rank)
             batches = [data.batch(r) for r in micro_batches(samples, layout.micro_batch)]
             lr = lr_at(step, cfg.optim, t.max_steps)
             stats = engine.step(batches, lr)
             step_time = time.perf_counter() - started
             done, consumed = step + 1, consumed + layout.global_batch
+            watchdog.beat(done, step_time)
             ckpt.after_step(done, engine, {"consumed_samples": consumed})
+            health_metrics, health_events = monitor.after_step(done, step_time)
             if tracker is not None:
                 metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
                            "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
@@ -126,7 +138,13 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
                            "mfu": mfu(cfg, tokens_per_step / step_time, env.world_size),
                            "peak_mem_gb": peak_memory_gb(device)}
                 metrics.update(_checkpoint_metrics(ckpt.events))
+                for e in ckpt.events:
+                    if e["event"] not in ("save_started", "save_committed"):
+                        tracker.event(e["event"], **{k: v for k, v in e.items() if k != "event"})
+                metrics.update(health_metrics)
                 tracker.log(metrics)
+                for e in health_events:
+                    tracker.event(e.pop("event"), **e)
                 line = progress.update(done, step_time, metrics)
                 line += f" | MFU {metrics['mfu']:.2%} | peak mem {metrics['peak_mem_gb']:.2f} GB"
                 if cfg.precision.loss_scaling:
@@ -149,6 +167,7 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
         log.error("rank %d failed at step %d: %s: %s (record: %s)", env.rank, done + 1, type(exc).__name__, exc, path)
         raise
     finally:
+        watchdog.stop()
         stop.restore()
         if tracker is not None:
             tracker.close()

@@ -169,3 +169,22 @@ def test_checkpoint_tool_lists_verifies_and_exports(compose_cfg, tmp_path: Path)
     assert exported.returncode == 0, exported.stderr
     state = torch.load(out)
     assert state["tok_emb.weight"].shape == (256, 64) and len(list_checkpoints(run_dir)) >= 2
+
+
+@pytest.mark.timeout(200)
+def test_automatic_interval_follows_the_measured_cost_and_the_failure_rate(compose_cfg, tmp_path: Path) -> None:
+    import json
+    import math
+
+    from hpctrain.goodput.model import daly_interval
+
+    auto = [f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 2, auto: true}}]",
+            "cluster.failure_rate_per_gpu_day=1000"]  # MTBF 86400 / (1000 x 2 GPUs) = 43.2 s
+    run_dir = tmp_path / "run"
+    train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=6", *auto), run_dir)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    tuned = [e for e in events if e["event"] == "interval_auto"]
+    assert tuned and tuned[0]["mtbf_s"] == pytest.approx(43.2)
+    expected = daly_interval(tuned[0]["blocked_s"], 43.2) / 60
+    assert tuned[0]["minutes"] == pytest.approx(max(expected, tuned[0]["minutes"])) and math.isfinite(expected)
+    assert tuned[0]["minutes"] < 1.0  # seconds between saves at this failure rate

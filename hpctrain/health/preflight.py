@@ -1,0 +1,164 @@
+"""Node health pre-flight: every job start checks its nodes before training, cheaply.
+
+1. One task per node reports what the node says about itself (GPUs, ECC, NVLink, InfiniBand, versions;
+   `node.py`); "not present" passes on a machine without GPUs or IB.
+2. Rank 0 compares the nodes (versions and firmware must agree; the odd node is named).
+3. Every rank times the same matmul (on its GPU, or its CPU threads) and the job times an all-reduce; a node
+   whose matmul is an outlier by median and MAD (`outliers.py`) is named: uneven clocks from rack power or a
+   sick GPU slow the whole synchronous job.
+4. Policy (`health.preflight`): `warn` logs; `exclude` stops the job with a failure record blaming those
+   nodes, so the supervisor resubmits without them; `drain` also drains them (`scontrol update ...
+   state=drain`, needs the rights); `off` skips all of it.
+The report goes to `<run dir>/health/<job id>/preflight.json`.
+
+`HPCTRAIN_TEST_SLOW_HOST=<hostname>` multiplies that host's benchmark time by 10: a configured artificial delay
+for the tests, which cannot slow a real GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpctrain.health.node import inconsistencies, node_report
+from hpctrain.health.outliers import robust_outliers
+
+log = logging.getLogger(__name__)
+
+SLOW_HOST_VARIABLE = "HPCTRAIN_TEST_SLOW_HOST"
+
+
+class UnhealthyNodes(RuntimeError):
+    def __init__(self, hosts: list[str], reasons: dict[str, list[str]]) -> None:
+        self.hosts = hosts
+        detail = "; ".join(f"{h}: {', '.join(r)}" for h, r in reasons.items())
+        super().__init__(f"pre-flight found unhealthy node(s) {', '.join(hosts)}: {detail}")
+
+
+@dataclass(frozen=True)
+class Preflight:
+    bad: dict[str, list[str]]
+    path: Path | None
+
+
+def matmul_seconds(device: torch.device, repeats: int = 5) -> float:
+    """Median time of a fixed matmul workload: large on GPUs (bf16), small on CPU threads (fp32)."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (384, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    seconds = sorted(times[1:])[len(times[1:]) // 2]
+    if os.environ.get(SLOW_HOST_VARIABLE) == socket.gethostname():
+        time.sleep(9 * seconds)
+        seconds *= 10
+    return seconds
+
+
+def allreduce_busbw(device: torch.device, megabytes: int) -> float | None:
+    """Bus bandwidth of an all-reduce over the whole job (bytes/s), as nccl-tests defines it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    n = dist.get_world_size()
+    t = torch.ones(megabytes * 2**20 // 4, device=device)
+    dist.all_reduce(t)
+    started = time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(t)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = (time.perf_counter() - started) / 3
+    return 2 * (n - 1) / n * t.numel() * 4 / seconds
+
+
+def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Path, device: torch.device) -> Preflight:
+    hc = cfg.health
+    if hc.preflight == "off":
+        return Preflight({}, None)
+    started = time.perf_counter()
+    host = socket.gethostname()
+    expected = cfg.cluster.gpus_per_node if device.type == "cuda" else 0
+    mine = {
+        "host": host,
+        "rank": rank,
+        "report": node_report(expected, None) if local_rank == 0 else None,
+        "matmul_s": matmul_seconds(device),
+    }
+    busbw = allreduce_busbw(device, hc.allreduce_mb)
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    bad: dict[str, list[str]] = {}
+    path = None
+    if rank == 0:
+        bad, summary = _judge(everyone, hc)
+        summary.update(busbw_bytes_per_s=busbw, seconds=time.perf_counter() - started, policy=hc.preflight)
+        path = run_dir / "health" / job_id / "preflight.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=1, default=str))
+    if dist.is_initialized():
+        box = [bad]
+        dist.broadcast_object_list(box, src=0)
+        bad = box[0]
+    if bad:
+        for h, reasons in bad.items():
+            log.warning("pre-flight: node %s: %s", h, "; ".join(reasons))
+        if hc.preflight == "drain" and rank == 0:
+            _drain(sorted(bad), "; ".join(f"{h}: {r[0]}" for h, r in bad.items()))
+        if hc.preflight in ("exclude", "drain"):
+            raise UnhealthyNodes(sorted(bad), bad)
+    else:
+        log.info("pre-flight: %d node(s) healthy in %.1f s", len({e["host"] for e in everyone}),
+                 time.perf_counter() - started)
+    return Preflight(bad, path)
+
+
+def _judge(everyone: list[dict[str, Any]], hc: Any) -> tuple[dict[str, list[str]], dict[str, Any]]:
+    hosts = sorted({e["host"] for e in everyone})
+    reports = {e["host"]: e["report"] for e in everyone if e["report"] is not None}
+    bad: dict[str, list[str]] = {}
+    for h, report in reports.items():
+        for problem in report.get("problems", []):
+            bad.setdefault(h, []).append(problem)
+    found = inconsistencies(reports) if len(reports) > 1 else []
+    for message, odd in found:
+        for h in odd:
+            bad.setdefault(h, []).append(message)
+    consistency = [message for message, _ in found]
+    per_host = {h: max(e["matmul_s"] for e in everyone if e["host"] == h) for h in hosts}
+    slow = robust_outliers(per_host, threshold=hc.outlier_threshold, higher_is_worse=True,
+                           min_rel=hc.min_slowdown) if len(hosts) >= 3 else {}
+    median = sorted(per_host.values())[len(per_host) // 2]
+    for h, score in slow.items():
+        bad.setdefault(h, []).append(f"matmul {per_host[h] * 1e3:.1f} ms vs median {median * 1e3:.1f} ms "
+                                     f"(robust z {score:.1f})")
+    summary = {"hosts": {h: {"report": reports.get(h), "matmul_s": per_host[h]} for h in hosts},
+               "consistency": consistency, "slow": slow, "bad": bad}
+    return bad, summary
+
+
+def _drain(hosts: list[str], reason: str) -> None:
+    result = subprocess.run(["scontrol", "update", f"nodename={','.join(hosts)}", "state=drain",
+                             f"reason=hpctrain pre-flight: {reason[:200]}"], capture_output=True, text=True,
+                            timeout=60)
+    if result.returncode:
+        log.warning("could not drain %s: %s", hosts, result.stderr.strip())

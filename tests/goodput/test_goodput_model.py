@@ -1,0 +1,107 @@
+"""The analytic model against hand-computed cases, Young/Daly, and numeric minimisation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from hpctrain.goodput.model import (
+    Failures,
+    Plan,
+    TierCost,
+    daly_interval,
+    effective_interval,
+    expected_goodput,
+    goodput_exact,
+    goodput_first_order,
+    loss_split,
+    mtbf_s,
+    optimal_plan,
+    young_interval,
+)
+
+
+def test_mtbf_hand_computed() -> None:
+    assert mtbf_s(0.001, 16384) == pytest.approx(5273.4375)  # 86400 / 16.384: Llama 3 reports ~1.8 h
+    assert mtbf_s(0.01, 1) == pytest.approx(8.64e6)  # one failure per 100 days
+    assert math.isinf(mtbf_s(0.0, 1024))
+
+
+def test_young_and_daly_hand_computed() -> None:
+    assert young_interval(60, 3600) == pytest.approx(657.267, rel=1e-5)  # sqrt(432000)
+    # sqrt(432000) * (1 + sqrt(1/120)/3 + 60/64800) - 60
+    assert daly_interval(60, 3600) == pytest.approx(617.876, rel=1e-5)
+    assert daly_interval(8000, 3600) == 3600  # C >= 2M: checkpoint once per MTBF
+
+
+def test_exact_form_hand_computed() -> None:
+    # 600 / (3900 * (e^(660/3600) - 1)) = 600 / (3900 * 0.2012147)
+    assert goodput_exact(600, 60, 3600, 300) == pytest.approx(0.764587, rel=1e-5)
+    # a background write of 360 s multiplies by e^(-0.1)
+    assert goodput_exact(600, 60, 3600, 300, 360) == pytest.approx(0.764587 * 0.904837, rel=1e-5)
+    assert goodput_first_order(600, 60, 3600, 300) == pytest.approx(1 - 0.1 - 600 / 3600, rel=1e-9)
+
+
+@pytest.mark.parametrize("c, tau, m, r", [(0.1, 100.0, 1e6, 10.0), (1.0, 600.0, 1e7, 120.0), (0.5, 30.0, 1e6, 0.0)])
+def test_exact_and_first_order_agree_when_small(c: float, tau: float, m: float, r: float) -> None:
+    exact, first = goodput_exact(tau, c, m, r), goodput_first_order(tau, c, m, r)
+    assert abs(exact - first) < 2 * (c / tau) ** 2 + 2 * ((tau + c + r) / m) ** 2
+    assert 1 - exact > 0.5 * c / tau  # the loss is there, not a trivial 1 == 1
+
+
+def test_first_order_and_exact_differ_when_not_small() -> None:
+    assert goodput_exact(1800, 60, 3600, 300) - goodput_first_order(1800, 60, 3600, 300) > 0.04
+
+
+def _argmax(f, lo: float, hi: float) -> float:
+    taus = np.geomspace(lo, hi, 20001)
+    return float(taus[int(np.argmax([f(t) for t in taus]))])
+
+
+@pytest.mark.parametrize("c, m", [(60.0, 3600.0), (10.0, 20000.0), (600.0, 3600.0)])
+def test_intervals_minimise_the_waste(c: float, m: float) -> None:
+    # Young minimises the first-order waste, Daly the exact one (closer than Young as C/M grows)
+    assert _argmax(lambda t: goodput_first_order(t, c, m, 300), 1, 10 * m) == pytest.approx(
+        young_interval(c, m), rel=1e-3)
+    best = _argmax(lambda t: goodput_exact(t, c, m, 300), 1, 10 * m)
+    assert daly_interval(c, m) == pytest.approx(best, rel=2e-3)
+    assert abs(daly_interval(c, m) - best) < abs(young_interval(c, m) - best)
+
+
+def test_effective_interval_skips_busy_saves() -> None:
+    assert effective_interval(600, 400) == 600
+    assert effective_interval(60, 150) == 180  # saves at due points 1, 4, 7, ...
+    assert goodput_exact(60, 1, 3600, 0, 150) == goodput_exact(180, 1, 3600, 0, 150)
+
+
+def test_two_tier_closed_form_matches_numeric_minimum() -> None:
+    slow, fast, f = TierCost(30.0), TierCost(2.0), Failures(1e5, 0.3, 0.0)
+    taus = np.geomspace(100, 20000, 300)
+    _, tau_f, tau_s = min((loss_split(Plan(slow, ts, fast, tf), f).total, tf, ts) for tf in taus for ts in taus)
+    plan = optimal_plan(slow, f, fast, young_interval)
+    assert plan.tau_fast_s == pytest.approx(math.sqrt(2 * 2.0 * 1e5 / 0.3))  # Young with M_f = M / p
+    assert plan.tau_slow_s == pytest.approx(math.sqrt(2 * 30.0 * 1e5 / 0.7))  # Young with M_s = M / (1 - p)
+    step = taus[1] / taus[0]
+    assert plan.tau_fast_s == pytest.approx(tau_f, rel=2 * (step - 1))
+    assert plan.tau_slow_s == pytest.approx(tau_s, rel=2 * (step - 1))
+
+
+def test_fast_tier_kept_only_when_it_pays() -> None:
+    f = Failures(3600.0, 0.5, 300.0)
+    cheap = optimal_plan(TierCost(60.0), f, TierCost(1.0))
+    assert cheap.fast is not None and cheap.tau_fast_s < cheap.tau_slow_s
+    alone = optimal_plan(TierCost(60.0), f)
+    assert loss_split(cheap, f).total < loss_split(alone, f).total - 0.02
+    # same blocking cost and no write: the durable tier saved more often is as good, so no fast tier
+    assert optimal_plan(TierCost(1.0), f, TierCost(1.0)).fast is None
+    assert optimal_plan(TierCost(60.0), Failures(3600.0, 0.0, 300.0), TierCost(1.0)).fast is None
+
+
+def test_loss_split_is_close_to_exact_for_one_tier() -> None:
+    plan, f = Plan(TierCost(60.0), 618.0), Failures(3600.0, 0.0, 300.0)
+    loss = loss_split(plan, f)
+    assert loss.goodput == pytest.approx(expected_goodput(plan, f), abs=0.005)
+    assert loss.goodput - goodput_first_order(618.0, 60.0, 3600.0, 300.0) > 0.02  # per cycle, not per M
+    assert loss.dominant in ("blocking", "lost work", "restarts")

@@ -1,0 +1,75 @@
+"""The hang watchdog (in a real subprocess, since it ends the process) and the in-run monitor's decisions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from hpctrain.config.schema import Config
+from hpctrain.health import monitor as monitor_module
+from hpctrain.health.monitor import RunMonitor, slope
+from hpctrain.health.watchdog import EXIT_HANG
+
+SCRIPT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from hpctrain.health.watchdog import Watchdog
+    run_dir = Path(sys.argv[1])
+    dog = Watchdog(run_dir, "job1", 0, timeout_s=1.0, factor=5.0, startup_timeout_s=2.0, poll_s=0.1).start()
+    for step in range(1, 6):      # steps that keep beating: no alarm
+        time.sleep(0.3)
+        dog.beat(step, 0.3)
+    time.sleep(30)                # then a hang outside any collective
+""")
+
+
+def test_watchdog_dumps_stacks_records_and_exits(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EXIT_HANG, proc.stderr
+    dump = (tmp_path / "hangs" / "job1" / "rank0.txt").read_text()
+    assert "no step completed" in dump and "after step 5" in dump and "time.sleep" in SCRIPT
+    assert 'File "<string>"' in dump  # the main thread's stack, where it hung
+    record = json.loads((tmp_path / "failures" / "job1" / "rank0.json").read_text())
+    assert record["type"] == "Hang" and record["step"] == 6 and record["peer"] is False
+
+
+def cfg(**health: float) -> object:
+    return OmegaConf.merge(OmegaConf.structured(Config), {"health": health})
+
+
+def test_slope() -> None:
+    assert slope([1.0, 2.0, 3.0, 4.0]) == 1.0 and slope([5.0, 5.0, 5.0]) == 0.0
+
+
+def test_steady_memory_growth_is_reported(monkeypatch) -> None:
+    values = iter(float(i * 2**20) for i in range(1000))  # +1 MiB per step
+    monkeypatch.setattr(monitor_module, "memory_bytes", lambda device: next(values))
+    mon = RunMonitor(cfg(memory_window=50, leak_mb=20, straggler_every=0), 0, torch.device("cpu"))
+    events = [e for step in range(1, 101) for e in mon.after_step(step, 0.1)[1]]
+    assert [e["event"] for e in events] == ["memory_leak", "memory_leak"]
+    assert abs(events[0]["mb_per_window"] - 50) < 1e-6
+
+
+def test_flat_memory_is_not_a_leak(monkeypatch) -> None:
+    monkeypatch.setattr(monitor_module, "memory_bytes", lambda device: 1e9)
+    mon = RunMonitor(cfg(memory_window=20, leak_mb=1, straggler_every=0), 0, torch.device("cpu"))
+    assert not [e for step in range(1, 61) for e in mon.after_step(step, 0.1)[1]]
+
+
+def test_a_persistently_slow_rank_is_a_straggler() -> None:
+    mon = RunMonitor(cfg(straggler_patience=2, straggler_factor=1.3), 0, torch.device("cpu"))
+    def probes(slow: float) -> list[dict]:
+        return [{"rank": r, "host": f"n{r // 2}", "probe_s": 0.010 + 0.0002 * r + (slow if r == 5 else 0),
+                 "step_s": 0.1} for r in range(8)]
+    _, first = mon._judge(probes(0.02), 10)
+    metrics, second = mon._judge(probes(0.02), 20)
+    assert first == [] and [e["rank"] for e in second] == [5] and second[0]["host"] == "n2"
+    assert metrics["health/probe_max_over_median"] > 2
+    _, third = mon._judge(probes(0.0), 30)  # recovered: the count starts over
+    assert third == [] and mon.flags == {}
