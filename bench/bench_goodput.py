@@ -86,14 +86,15 @@ def main() -> None:
     blocked = [r["ckpt/ram/blocked_s"] for r in rows if "ckpt/ram/blocked_s" in r]
     totals = [r["ckpt/ram/total_s"] for r in rows if "ckpt/ram/total_s" in r]
     restarts, lost = [], []
+    # The next attempt starts where the step count goes back (it resumes from the last checkpoint).
+    boundaries = [i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]]
     for t in failures:
-        before = [r for r in rows if r["time"] <= t]
-        after = [r for r in rows if r["time"] > t]
-        if not after:
+        i = next((i for i in boundaries if rows[i]["time"] > t), None)
+        if i is None:
             continue
-        resumed = after[0]
-        restarts.append(resumed["time"] - resumed["step_time_s"] - t)
-        lost.append(max(0, before[-1]["step"] - (resumed["step"] - 1)) if before else 0)
+        restarts.append(rows[i]["time"] - rows[i]["step_time_s"] - t)
+        lost.append(rows[i - 1]["step"] - (rows[i]["step"] - 1))
+    (run_dir / "injected_failures.json").write_text(json.dumps(failures))
     c = statistics.median(blocked)
     tau = args.interval * step_s
     r = statistics.mean(restarts) if restarts else 0.0

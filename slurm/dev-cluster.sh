@@ -608,6 +608,31 @@ cmd_status() {
     fi
 }
 
+node_ns_pids() {  # node -> every process in that node's network namespace (slurmd, steps, tasks)
+    local ino p link
+    [[ -e /run/netns/$NS_PREFIX$1 ]] || return 0
+    ino="net:[$(stat -L -c %i "/run/netns/$NS_PREFIX$1")]"
+    for p in /proc/[0-9]*; do
+        link=$(readlink "$p/ns/net" 2>/dev/null) || continue
+        [[ $link == "$ino" ]] && echo "${p#/proc/}"
+    done
+    return 0
+}
+
+cmd_kill_node() {  # node: a node dies: SIGKILL its slurmd and everything running on it, nothing else
+    local n=${1:?usage: dev-cluster.sh kill-node nI} pids
+    pids=$(live_pids $(node_ns_pids "$n"))
+    say "killing node $n: $(echo $pids | wc -w) process(es)"
+    # shellcheck disable=SC2086
+    [[ -z $pids ]] || kill -KILL $pids 2>/dev/null || true
+}
+
+cmd_revive_node() {  # node: start its slurmd again (ReturnToService=1 brings it back once it registers)
+    local n=${1:?usage: dev-cluster.sh revive-node nI}
+    start_slurmd "$n"
+    timeout 10 scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true
+}
+
 cmd_env() {
     echo "export SLURM_CONF=$CONF"
 }
@@ -618,5 +643,7 @@ case "${1:-}" in
     status) cmd_status ;;
     env) cmd_env ;;
     purge) cmd_purge ;;
-    *) echo "usage: $0 up|down|status|env|purge" >&2; exit 2 ;;
+    kill-node) cmd_kill_node "${2:-}" ;;
+    revive-node) cmd_revive_node "${2:-}" ;;
+    *) echo "usage: $0 up|down|status|env|purge|kill-node nI|revive-node nI" >&2; exit 2 ;;
 esac

@@ -26,17 +26,25 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hpctrain.train.failure import read_failures
+from hpctrain.train.failure import read_failures, read_hosts
 
 ATTEMPTS = "attempts.jsonl"
 REPORT = "FAILED.json"
 
 
-def diagnose(records: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any] | None]:
-    """The hosts to blame and the root error (the first record that is not a consequence of a lost peer)."""
+def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = None
+             ) -> tuple[list[str], dict[str, Any] | None]:
+    """The hosts to blame and the root error (the first record that is not a consequence of a lost peer).
+
+    With no such record, the ranks that left no record at all (killed with their node, or by the kernel)
+    are the suspects.
+    """
     own = [r for r in records if not r["peer"]]
     root = own[0] if own else (records[0] if records else None)
     hosts = sorted({h for r in own for h in (r.get("blame") or [r["host"]])})
+    if not own and hosts_by_rank:
+        silent = set(range(len(hosts_by_rank))) - {r["rank"] for r in records}
+        hosts = sorted({hosts_by_rank[r] for r in silent})
     signature = None if root is None else {"type": root["type"], "message": root["message"][:500],
                                            "step": root["step"], "rank": root["rank"], "host": root["host"]}
     return hosts, signature
@@ -57,7 +65,7 @@ def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int) -> dic
     if exit_code == 0:
         return {"action": "done"}
     attempts = read_attempts(run_dir)
-    hosts, signature = diagnose(read_failures(run_dir, job_id))
+    hosts, signature = diagnose(read_failures(run_dir, job_id), read_hosts(run_dir, job_id))
     excluded = sorted(set(hosts).union(*(a.get("excluded", []) for a in attempts)))
     failed_before = [a for a in attempts if a.get("signature")]
     if failed_before and same_failure(failed_before[-1]["signature"], signature):

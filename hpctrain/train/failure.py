@@ -52,6 +52,18 @@ def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseEx
     return path
 
 
+def record_hosts(run_dir: Path, job_id: str, hosts: list[str]) -> None:
+    """Rank -> host of this attempt: ranks that die without a record (a dead node) are found through it."""
+    directory = run_dir / FAILURES / job_id
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "hosts.json").write_text(json.dumps(hosts))
+
+
+def read_hosts(run_dir: Path, job_id: str) -> list[str]:
+    path = run_dir / FAILURES / job_id / "hosts.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
 def read_failures(run_dir: Path, job_id: str) -> list[dict[str, Any]]:
     directory = run_dir / FAILURES / job_id
     if not directory.is_dir():

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.manager import CheckpointManager
@@ -30,7 +31,7 @@ from hpctrain.health.watchdog import Watchdog
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.metrics import mfu, peak_memory_gb
 from hpctrain.tracking.tracker import Tracker
-from hpctrain.train.failure import record_failure
+from hpctrain.train.failure import record_failure, record_hosts
 from hpctrain.train.faults import Fault
 from hpctrain.train.preemption import (
     REASONS,
@@ -91,6 +92,7 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
     if layout.world_size != env.world_size:
         raise RuntimeError(f"the job has {env.world_size} tasks but the layout needs {layout.world_size}")
     device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    _record_hosts(run_dir, env)
     run_preflight(cfg, env.rank, env.local_rank, env.job_id, run_dir, device)
     watchdog = Watchdog(run_dir, env.job_id, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
                         cfg.health.startup_timeout_s).start()
@@ -184,6 +186,15 @@ def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: in
         # Slurm ends every task of a requeued job; exiting first would make srun report a failure.
         wait_to_be_ended()
     raise Preempted(f"stopped at step {done} on {REASONS[signum]}; checkpoint committed")
+
+
+def _record_hosts(run_dir: Path, env: Any) -> None:
+    hosts = [env.hostname]
+    if dist.is_initialized():
+        hosts = [None] * env.world_size
+        dist.all_gather_object(hosts, env.hostname)
+    if env.is_main:
+        record_hosts(run_dir, env.job_id, hosts)
 
 
 def _checkpoint_metrics(events: list[dict[str, Any]]) -> dict[str, Any]:

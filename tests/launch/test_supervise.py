@@ -52,3 +52,13 @@ def test_a_different_step_is_retried_but_restarts_are_bounded(tmp_path: Path) ->
     fail(tmp_path, "4", 0, 40, OSError("disk full"))
     d = decide(tmp_path, "4", 1, 3)
     assert d["action"] == "stop" and "launcher.max_restarts=3" in d["why"]
+
+
+def test_ranks_that_left_no_record_point_at_their_node(tmp_path: Path) -> None:
+    from hpctrain.train.failure import record_hosts
+
+    record_hosts(tmp_path, "9", ["n1", "n1", "n2", "n2"])
+    fail(tmp_path, "9", 0, 20, RuntimeError("[gloo] Connection closed by peer"))
+    fail(tmp_path, "9", 1, 20, RuntimeError("[gloo] Connection closed by peer"))
+    d = decide(tmp_path, "9", 1, 3)
+    assert d["action"] == "resubmit" and d["blamed"] == ["n2"]  # ranks 2 and 3 died with their node

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -211,3 +212,28 @@ def test_a_sweep_submits_one_job_per_point_and_returns(slurm_cluster: Any, tmp_p
         assert wait_done(slurm_cluster, run_dir) == {row["job_id"]: "COMPLETED"}
     infos = [run_info(next(Path(r["run_dir"]).glob("wandb/offline-run-*/run-*.wandb"))) for r in table]
     assert len({i["run_id"] for i in infos}) == 3 and len({i["group"] for i in infos}) == 1
+
+
+@pytest.mark.timeout(500)
+def test_a_node_that_dies_is_left_out_and_the_run_finishes(slurm_cluster: Any, tmp_path: Path) -> None:
+    job, run_dir = submit(slurm_cluster, tmp_path, "nodedeath")
+    wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
+    node = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
+    victim = slurm_cluster.run("scontrol", "show", "hostnames", node).stdout.split()[-1]
+    before = last_step(run_dir)
+    subprocess.run(["bash", str(slurm_cluster.script), "kill-node", victim], check=True, capture_output=True)
+    try:
+        def done() -> dict[str, str] | None:
+            states = job_states(slurm_cluster, run_dir)
+            return states if last_step(run_dir) == 150 and finished(slurm_cluster, run_dir) else None
+
+        states = wait_for("the run to finish without the dead node", done, 400, every=2)
+    finally:
+        subprocess.run(["bash", str(slurm_cluster.script), "revive-node", victim], capture_output=True)
+    assert "COMPLETED" in states.values(), states
+    last_job = list(states)[-1]
+    assert victim not in slurm_cluster.run("scontrol", "show", "hostnames", slurm_cluster.run(
+        "sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", last_job).stdout.strip()).stdout.split()
+    steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    redone = len(steps) - len(set(steps))
+    assert redone <= 10 + (before - before // 10 * 10) + 5, (redone, before)
