@@ -112,7 +112,7 @@ def main() -> None:
         committed = [e for e in manager.events if e["event"] == "save_committed"][-1]
         async_total.append(committed["total_s"])
         manager.events.clear()
-    ckpt = committed_in(args.dir / "tier")[-1]
+    ckpt = committed_in(args.dir / "tier" / "bench")[-1]  # an absolute tier path gets the run id appended
     size = dir_bytes(ckpt.path)
 
     raw_file = args.dir / "raw.bin"

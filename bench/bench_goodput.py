@@ -3,10 +3,10 @@
 
 The smoke model trains on the dev cluster (slurm/dev-cluster.sh up first) with a RAM checkpoint tier every
 `--interval` steps. A failure is injected at exponentially distributed times (mean `--mtbf` seconds, seeded,
-at most `--failures`): `scontrol requeue` of the running job, which ends its tasks without any signal, as a
-crash would, so the work since the last checkpoint is lost. Measured: goodput (time in steps that count, each
+at most `--failures`). Measured: goodput (time in steps that count, each
 step once, over the wall time from the first step to the last), the blocked time per save, the restart cost
-(failure to the first step of the next attempt) and the work lost per failure. The model
+(failure to the first step of the next attempt) and the work lost per failure. `--kind crash` (default)
+SIGKILLs every task (the supervisor resubmits), `--kind preempt` requeues (hpctrain saves at the signal). The model
 (hpctrain/goodput/model.py, exact renewal form) predicts goodput from the same measured costs and MTBF.
 The measured costs are written in the `hpctrain.goodput.costs/1` schema for tools/goodput.py.
 
@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
-import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,43 +42,73 @@ def state(job: str) -> str:
                           text=True).stdout.strip()
 
 
+def kill_tasks(job: str) -> int:
+    """A crash: SIGKILL every training task of the job (the processes of its step 0 on this machine's nodes),
+    leaving slurmd, srun and the batch script alone, so srun fails and the supervisor resubmits."""
+    killed = 0
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"SLURM_STEP_ID") == b"0" and b"SUBMITIT_EXECUTOR" in env:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def current_job(run_dir: Path) -> str:
+    """The run's newest job (a crash is resubmitted under a new id by the supervisor)."""
+    return json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--interval", type=int, default=50, help="RAM tier interval in steps")
     parser.add_argument("--mtbf", type=float, default=60.0)
     parser.add_argument("--failures", type=int, default=4)
+    parser.add_argument("--kind", choices=["crash", "preempt"], default="crash",
+                        help="crash: SIGKILL every task (work since the last checkpoint is lost, the supervisor "
+                        "resubmits); preempt: scontrol requeue (SIGTERM: hpctrain saves at the step boundary)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/goodput_costs.json"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="hpctrain-bench-goodput-"))
-    proc = subprocess.run([sys.executable, "-m", "hpctrain", "+experiment=smoke", "cluster=dev",
-                           f"train.max_steps={args.steps}", "optim.warmup_steps=20", f"run.root={root}",
-                           "run.id=goodput", "train.log_every=100", "health.preflight=off",
-                           f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: {args.interval}, "
-                           "keep_last: 2}, {name: shared, path: checkpoints, interval_steps: 100000, keep_last: 1}]"],
-                          capture_output=True, text=True, check=True)
-    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    subprocess.run([sys.executable, "-m", "hpctrain", "+experiment=smoke", "cluster=dev",
+                    f"train.max_steps={args.steps}", "optim.warmup_steps=20", f"run.root={root}",
+                    "run.id=goodput", "train.log_every=100", "health.preflight=off", "launcher.max_restarts=100",
+                    f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: {args.interval}, "
+                    "keep_last: 2}, {name: shared, path: checkpoints, interval_steps: 500, keep_last: 1}]"],
+                   capture_output=True, text=True, check=True)
     run_dir = root / "smoke" / "goodput"
     failures: list[float] = []
     next_failure = None
     while True:
         rows = metrics(run_dir)
-        if state(job) == "COMPLETED" and rows and rows[-1]["step"] == args.steps:
+        job = current_job(run_dir)
+        if rows and rows[-1]["step"] == args.steps and state(job) == "COMPLETED":
             break
-        if state(job) in ("FAILED", "CANCELLED"):
-            raise SystemExit(f"job {job} ended {state(job)}")
+        if (run_dir / "FAILED.json").exists():
+            raise SystemExit(f"the run failed: {(run_dir / 'FAILED.json').read_text()}")
         training = rows and time.time() - rows[-1]["time"] < 2
         if training and next_failure is None and len(failures) < args.failures:
             next_failure = time.time() + rng.expovariate(1 / args.mtbf)
         if training and next_failure is not None and time.time() >= next_failure:
-            subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+            if args.kind == "crash":
+                kill_tasks(job)
+            else:
+                subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
             failures.append(time.time())
             next_failure = None
         time.sleep(0.2)
 
     rows = metrics(run_dir)
+    (run_dir / "injected_failures.json").write_text(json.dumps(failures))
     start = rows[0]["time"] - rows[0]["step_time_s"]
     end = rows[-1]["time"]
     final = {r["step"]: r for r in rows}
@@ -85,42 +116,53 @@ def main() -> None:
     step_s = statistics.median(r["step_time_s"] for r in rows)
     blocked = [r["ckpt/ram/blocked_s"] for r in rows if "ckpt/ram/blocked_s" in r]
     totals = [r["ckpt/ram/total_s"] for r in rows if "ckpt/ram/total_s" in r]
+    shared_blocked = [r["ckpt/shared/blocked_s"] for r in rows if "ckpt/shared/blocked_s" in r]
+    shared_totals = [r["ckpt/shared/total_s"] for r in rows if "ckpt/shared/total_s" in r]
+    node_bytes = max(r["ckpt/ram/bytes"] for r in rows if "ckpt/ram/bytes" in r) / 2  # 2 nodes
     restarts, lost = [], []
-    # The next attempt starts where the step count goes back (it resumes from the last checkpoint).
-    boundaries = [i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"]]
     for t in failures:
-        i = next((i for i in boundaries if rows[i]["time"] > t), None)
-        if i is None:
+        before = [r for r in rows if r["time"] <= t]
+        # The next attempt's first step starts after the failure (rows of the old attempt may still follow).
+        nxt = next((r for r in rows if r["time"] - r["step_time_s"] > t + 1.0 and before and
+                    (r["step"] <= before[-1]["step"] + 1)), None)
+        if nxt is None or not before:
             continue
-        restarts.append(rows[i]["time"] - rows[i]["step_time_s"] - t)
-        lost.append(rows[i - 1]["step"] - (rows[i]["step"] - 1))
-    (run_dir / "injected_failures.json").write_text(json.dumps(failures))
+        restarts.append(nxt["time"] - nxt["step_time_s"] - t)
+        lost.append(before[-1]["step"] - (nxt["step"] - 1))
     c = statistics.median(blocked)
+    w = statistics.median(totals) if totals else 0.0
     tau = args.interval * step_s
     r = statistics.mean(restarts) if restarts else 0.0
     wall = end - start
     measured = useful / wall
-    predicted = goodput_exact(tau, c, args.mtbf, r, statistics.median(totals) if totals else 0.0)
-    observed_mtbf = wall / max(1, len(failures))
-    plug_in = goodput_exact(tau, c, observed_mtbf, r, statistics.median(totals) if totals else 0.0)
+    observed_mtbf = (wall - r * len(failures)) / max(1, len(failures))  # running time between failures
+    if args.kind == "crash":
+        predicted = goodput_exact(tau, c, args.mtbf, r, w)
+        plug_in = goodput_exact(tau, c, observed_mtbf, r, w)
+        form = "exact renewal form: lost work + restart + blocking"
+    else:  # a graceful stop saves at the signal: no work is lost, each failure costs the restart only
+        predicted = tau / (tau + c) * args.mtbf / (args.mtbf + r)
+        plug_in = tau / (tau + c) * observed_mtbf / (observed_mtbf + r)
+        form = "graceful stops: restart + blocking, no lost work"
     costs = {"schema": "hpctrain.goodput.costs/1",
-             "state_bytes_per_node": None,
-             "tiers": {"ram": {"blocked_s": c, "write_s": statistics.median(totals) if totals else 0.0,
-                               "durable": False}},
+             "state_bytes_per_node": node_bytes,
+             "tiers": {"ram": {"blocked_s": c, "write_s": w, "durable": False},
+                       "shared": {"blocked_s": statistics.median(shared_blocked),
+                                  "write_s": statistics.median(shared_totals), "durable": True}},
              "restart_s": r, "p_fast": 1.0,
-             "source": f"bench/bench_goodput.py on the dev cluster, job {job}, {time.strftime('%Y-%m-%d %H:%M')}"}
+             "source": f"bench/bench_goodput.py --kind {args.kind} on the dev cluster, {time.strftime('%Y-%m-%d %H:%M')}"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(costs, indent=1))
-    print(f"job {job}: {args.steps} steps of {step_s:.3f} s, RAM tier every {args.interval} steps ({tau:.1f} s), "
-          f"{len(failures)} injected failures (scontrol requeue, mean {args.mtbf:.0f} s apart)")
-    print(f"checkpoint blocked per save C = {c * 1e3:.1f} ms (median of {len(blocked)}), "
-          f"commit after {statistics.median(totals) if totals else 0:.2f} s")
+    jobs = [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
+    print(f"jobs {', '.join(jobs)}: {args.steps} steps of {step_s:.3f} s, RAM tier every {args.interval} steps "
+          f"({tau:.1f} s), {len(failures)} injected {args.kind}es (mean {args.mtbf:.0f} s apart)")
+    print(f"checkpoint blocked per save C = {c * 1e3:.1f} ms (median of {len(blocked)}), commit after {w:.2f} s")
     print(f"restart cost R = {r:.1f} s (failure -> first step of the next attempt: "
           f"{', '.join(f'{x:.1f}' for x in restarts)})")
-    print(f"lost steps per failure: {lost} (expected about interval/2 = {args.interval / 2:.0f})")
+    print(f"lost steps per failure: {lost} (expected about interval/2 = {args.interval / 2:.0f} for crashes)")
     print(f"measured goodput: {useful:.1f} s of unique steps / {wall:.1f} s wall = {measured:.1%}")
-    print(f"model (exact renewal form, MTBF {args.mtbf:.0f} s): {predicted:.1%}; with the observed failure rate "
-          f"(one per {observed_mtbf:.0f} s): {plug_in:.1%}; difference {abs(measured - plug_in) * 100:.1f} pp")
+    print(f"model ({form}): {predicted:.1%} at MTBF {args.mtbf:.0f} s; with the observed failure rate (one per "
+          f"{observed_mtbf:.0f} s of running): {plug_in:.1%}; measured - model = {(measured - plug_in) * 100:+.1f} pp")
     print(f"measured costs written to {args.out}")
 
 

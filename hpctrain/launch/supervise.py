@@ -37,14 +37,16 @@ def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = No
     """The hosts to blame and the root error (the first record that is not a consequence of a lost peer).
 
     With no such record, the ranks that left no record at all (killed with their node, or by the kernel)
-    are the suspects.
+    are the suspects; when no rank left one, the whole job was killed from outside (scancel, the OOM killer
+    of a login policy...) and no node is to blame.
     """
     own = [r for r in records if not r["peer"]]
     root = own[0] if own else (records[0] if records else None)
     hosts = sorted({h for r in own for h in (r.get("blame") or [r["host"]])})
     if not own and hosts_by_rank:
         silent = set(range(len(hosts_by_rank))) - {r["rank"] for r in records}
-        hosts = sorted({hosts_by_rank[r] for r in silent})
+        if len(silent) < len(hosts_by_rank):
+            hosts = sorted({hosts_by_rank[r] for r in silent})
     signature = None if root is None else {"type": root["type"], "message": root["message"][:500],
                                            "step": root["step"], "rank": root["rank"], "host": root["host"]}
     return hosts, signature

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.inspect import export_model, find, list_checkpoints
-from hpctrain.checkpoint.layout import committed_in, verify
+from hpctrain.checkpoint.layout import Committed, committed_in, verify
 from tests.checkpoint.training import consumed_samples, losses_by_step, train
 from tests.distributed_harness import DistributedTestError
 
@@ -36,9 +37,7 @@ def steps_in(path: Path) -> list[int]:
 
 
 def model_weights(ckpt_path: Path) -> dict[str, torch.Tensor]:
-    from hpctrain.checkpoint.layout import Committed
-
-    manifest = __import__("json").loads((ckpt_path / "manifest.json").read_text())
+    manifest = json.loads((ckpt_path / "manifest.json").read_text())
     out = ckpt_path.parent / "export.pt"
     export_model(Committed("x", manifest["step"], ckpt_path, manifest), out)
     return torch.load(out)
@@ -173,7 +172,6 @@ def test_checkpoint_tool_lists_verifies_and_exports(compose_cfg, tmp_path: Path)
 
 @pytest.mark.timeout(200)
 def test_automatic_interval_follows_the_measured_cost_and_the_failure_rate(compose_cfg, tmp_path: Path) -> None:
-    import json
     import math
 
     from hpctrain.goodput.model import daly_interval

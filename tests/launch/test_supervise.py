@@ -62,3 +62,11 @@ def test_ranks_that_left_no_record_point_at_their_node(tmp_path: Path) -> None:
     fail(tmp_path, "9", 1, 20, RuntimeError("[gloo] Connection closed by peer"))
     d = decide(tmp_path, "9", 1, 3)
     assert d["action"] == "resubmit" and d["blamed"] == ["n2"]  # ranks 2 and 3 died with their node
+
+
+def test_a_job_killed_whole_blames_no_node(tmp_path: Path) -> None:
+    from hpctrain.train.failure import record_hosts
+
+    record_hosts(tmp_path, "9", ["n1", "n1", "n2", "n2"])
+    d = decide(tmp_path, "9", 137, 3)
+    assert d["action"] == "resubmit" and d["blamed"] == [] and d["excluded"] == []
