@@ -120,10 +120,10 @@ def main() -> None:
     raw_r = statistics.median(raw_read(raw_file) for _ in range(args.repeats))
     load_times = []
     for _ in range(args.repeats):
-        state = engine.state_dict()
+        state = {"train": engine.state_dict()}  # the manager's layout: training state under "train"
         started = time.perf_counter()
         dcp.load(state, checkpoint_id=str(ckpt.path), no_dist=True)
-        engine.load_state_dict(state)
+        engine.load_state_dict(state["train"])
         load_times.append(time.perf_counter() - started)
 
     sb, ab = statistics.median(sync_blocked), statistics.median(async_blocked)

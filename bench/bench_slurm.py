@@ -31,6 +31,20 @@ def state(job: str) -> str:
     return out.stdout.strip()
 
 
+def signal_to_resumed(run_dir: Path, rows: list[dict], signals: list[float]) -> list[float]:
+    """Seconds from each signal to the start of the first step of the requeued attempt (found through the
+    resume events: the resumed step follows the saved one, so the step count does not go back)."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    resumes = [e["time"] for e in events if e["event"] == "resume"]
+    out = []
+    for t in signals:
+        resume = next((r for r in resumes if r > t), None)
+        first = next((r for r in rows if resume is not None and r["time"] > resume), None)
+        if first is not None:
+            out.append(first["time"] - first["step_time_s"] - t)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=600)
@@ -65,12 +79,7 @@ def main() -> None:
     ended = max(m["time"] for m in metrics(run_dir))
     rows = metrics(run_dir)
     first_step = rows[0]["time"] - rows[0]["step_time_s"]
-    resumed = []
-    for t in signals:
-        after = [r for r in rows if r["time"] > t]
-        restart = next((b for a, b in zip(after, after[1:]) if b["step"] <= a["step"]), None)
-        if restart:
-            resumed.append(restart["time"] - restart["step_time_s"] - t)
+    resumed = signal_to_resumed(run_dir, rows, signals)
     final = {}
     for r in rows:
         final[r["step"]] = r

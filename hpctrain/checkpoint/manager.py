@@ -84,6 +84,7 @@ class CheckpointManager:
         self.save_final = bool(cfg.checkpoint.save_final)
         self.force_resume = bool(cfg.checkpoint.force_resume)
         self.wait_when_busy = cfg.checkpoint.when_busy == "wait"
+        self.write_threads = cfg.checkpoint.write_threads
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.run_id = run_id
         self.fingerprint = fingerprint
@@ -265,7 +266,8 @@ class CheckpointManager:
         partial.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         state = {"train": engine.state_dict(), "rng": {f"rank{self.rank}": _rng_state()}}
-        future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self.save_groups[tier.name],
+        writer = dcp.FileSystemWriter(str(partial), thread_count=self.write_threads)
+        future = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
                                 no_dist=not self.distributed)
         blocked = time.perf_counter() - started
         tier.last_save = now

@@ -144,6 +144,7 @@ class CheckpointConfig:
     # A tier's save still running at its next interval: "skip" that interval (training never waits) or
     # "wait" for it (every interval saved, training may block).
     when_busy: str = "skip"
+    write_threads: int = 2  # files each rank writes in parallel (DCP FileSystemWriter thread_count)
 
 
 @dataclass
