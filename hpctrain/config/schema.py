@@ -148,6 +148,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class NcclConfig:
+    """NCCL settings; unset ones are derived on each node (active HCAs, nearest HCA first, RoCE GID)."""
+
+    socket_ifname: Optional[str] = None  # default: anything but loopback and container bridges
+    ib_hca: Optional[str] = None  # default: the node's HCAs with an ACTIVE port, the rank's nearest first
+    ib_gid_index: Optional[int] = None  # default: 3 (RoCEv2) on RoCE, unset on InfiniBand
+    topo_file: Optional[str] = None  # NCCL_TOPO_FILE (an environment variable: torch has no argument)
+    debug: Optional[str] = None  # NCCL_DEBUG, e.g. INFO for tools/nccl_log.py
+    debug_subsys: Optional[str] = None  # NCCL_DEBUG_SUBSYS, e.g. INIT,NET
+
+
+@dataclass
 class ClusterConfig:
     name: str = MISSING
     executor: Executor = Executor.local
@@ -171,6 +183,7 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)  # shell lines before srun (module load, venv)
     srun_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every task
+    nccl: NcclConfig = field(default_factory=NcclConfig)
 
 
 @dataclass

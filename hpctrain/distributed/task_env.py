@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpctrain.config.schema import Executor
+from hpctrain.distributed.nccl_env import nccl_environment
 
 
 def task_environment(cfg: Any) -> dict[str, str]:
@@ -20,12 +21,10 @@ def task_environment(cfg: Any) -> dict[str, str]:
         "HPCTRAIN_RUN_ID": str(cfg.run.id or ""),
     }
     if cfg.cluster.executor == Executor.slurm:
-        env.update({
-            # Surface NCCL errors as exceptions (and a non-zero exit) instead of a silent hang.
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-            # A failed collective leaves a trace of the last ones for post-mortems.
-            "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-        })
+        # What the config fixes; each task adds what its node reports (active HCAs, nearest first, RoCE GID).
+        env.update(nccl_environment(cfg.cluster.nccl, 0, None, None))
+        # A failed collective leaves a trace of the last ones for post-mortems (the flight recorder).
+        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
         if cfg.parallel.tp > 1:
             # Orders TP communication kernels before compute on one queue so they overlap as scheduled.
             env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"

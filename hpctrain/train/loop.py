@@ -56,6 +56,8 @@ def train(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
     os.environ.update(task_environment(cfg))
     torch.set_num_threads(cfg.train.threads_per_rank)
     env = discover()
+    if torch.cuda.is_available():  # NCCL reads these when its communicators start: set them before
+        os.environ.update(node_nccl_environment(cfg, env.local_rank))
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"[rank{env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("submitit").propagate = False  # submitit prints its own lines already
@@ -186,6 +188,17 @@ def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: in
         # Slurm ends every task of a requeued job; exiting first would make srun report a failure.
         wait_to_be_ended()
     raise Preempted(f"stopped at step {done} on {REASONS[signum]}; checkpoint committed")
+
+
+def node_nccl_environment(cfg: Any, local_rank: int) -> dict[str, str]:
+    """NCCL variables from this node's topology and InfiniBand ports, for what the config left unset."""
+    from hpctrain.distributed.nccl_env import apply, nccl_environment
+    from hpctrain.health.node import ib_report, topology_report
+
+    env = nccl_environment(cfg.cluster.nccl, local_rank, topology_report(), ib_report())
+    chosen = apply(env, {k: v for k, v in os.environ.items() if k not in task_environment(cfg)})
+    log.info("NCCL environment from the node: %s", chosen)
+    return chosen
 
 
 def _record_hosts(run_dir: Path, env: Any) -> None:
