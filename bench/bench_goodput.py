@@ -29,17 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from devcluster import metrics, state, submit_smoke  # noqa: E402
+
 from hpctrain.goodput.model import goodput_exact  # noqa: E402
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def state(job: str) -> str:
-    return subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True,
-                          text=True).stdout.strip()
 
 
 def kill_tasks(job: str) -> int:
@@ -79,13 +73,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="hpctrain-bench-goodput-"))
-    subprocess.run([sys.executable, "-m", "hpctrain", "+experiment=smoke", "cluster=dev",
-                    f"train.max_steps={args.steps}", "optim.warmup_steps=20", f"run.root={root}",
-                    "run.id=goodput", "train.log_every=100", "health.preflight=off", "launcher.max_restarts=100",
-                    f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: {args.interval}, "
-                    "keep_last: 2}, {name: shared, path: checkpoints, interval_steps: 500, keep_last: 1}]"],
-                   capture_output=True, text=True, check=True)
-    run_dir = root / "smoke" / "goodput"
+    _, run_dir = submit_smoke(root, "goodput", args.steps, args.interval, 500, "health.preflight=off",
+                              "launcher.max_restarts=100")
     failures: list[float] = []
     next_failure = None
     while True:

@@ -13,22 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def state(job: str) -> str:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True, text=True)
-    return out.stdout.strip()
+from devcluster import metrics, state, submit_smoke  # noqa: E402
 
 
 def signal_to_resumed(run_dir: Path, rows: list[dict], signals: list[float]) -> list[float]:
@@ -53,14 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpctrain-bench-slurm-"))
     submitted = time.time()
-    proc = subprocess.run([sys.executable, "-m", "hpctrain", "+experiment=smoke", "cluster=dev",
-                           f"train.max_steps={args.steps}", "optim.warmup_steps=20", f"run.root={root}",
-                           "run.id=bench", "train.log_every=50",
-                           f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: 50, keep_last: 2}},"
-                           "{name: shared, path: checkpoints, interval_steps: 1000, keep_last: 1}]"],
-                          capture_output=True, text=True, check=True)
-    job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
-    run_dir = root / "smoke" / "bench"
+    job, run_dir = submit_smoke(root, "bench", args.steps, 50, 1000)
     signals: list[float] = []
     last_signal = submitted
     while True:
