@@ -309,6 +309,11 @@ def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
         if ck.enabled and tier.interval_steps == 0 and tier.interval_minutes == 0 and not ck.save_final:
             r.warn(key, f"tier {tier.name!r} has no interval and nothing is saved at the end",
                    f"set {key}.interval_steps")
+    if ck.write_threads < 1:
+        r.error("checkpoint.write_threads", f"must be >= 1, got {ck.write_threads}", "use checkpoint.write_threads=2")
+    if cfg.cluster.failure_rate_per_gpu_day < 0:
+        r.error("cluster.failure_rate_per_gpu_day", f"must be >= 0, got {cfg.cluster.failure_rate_per_gpu_day}",
+                "use the cluster's measured rate, e.g. 0.001 (0.1% of GPUs fail per day)")
     if ck.when_busy not in ("skip", "wait"):
         r.error("checkpoint.when_busy", f"must be skip or wait, got {ck.when_busy!r}", "use checkpoint.when_busy=skip")
     if ck.enabled and not ck.tiers:

@@ -70,6 +70,12 @@ BAD = [
     ("keep-nothing", ["checkpoint.tiers.0.keep_last=0"], "checkpoint.tiers[0].keep_last", "newest checkpoint"),
     ("no-tiers", ["checkpoint.tiers=[]"], "checkpoint.tiers", "no tier"),
     ("added-unknown-key", ["+train.lr=1e-3"], "train.lr", "did you mean optim.lr?"),
+    ("no-write-threads", ["checkpoint.write_threads=0"], "checkpoint.write_threads", "must be >= 1"),
+    ("negative-failure-rate", ["cluster.failure_rate_per_gpu_day=-1"], "cluster.failure_rate_per_gpu_day",
+     "must be >= 0"),
+    ("unknown-preflight-policy", ["health.preflight=reboot"], "health.preflight", "off, warn, exclude or drain"),
+    ("hair-trigger-watchdog", ["health.hang_timeout_s=1"], "health.hang_timeout_s", "would fire on a slow step"),
+    ("busy-policy", ["checkpoint.when_busy=queue"], "checkpoint.when_busy", "skip or wait"),
     ("resume-unknown-run", ["run.resume=no-such-run"], "run.resume", "no run 'no-such-run' found"),
 ]
 
