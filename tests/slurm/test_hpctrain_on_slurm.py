@@ -68,6 +68,8 @@ def last_step(run_dir: Path) -> int:
 
 def finished(slurm_cluster: Any, run_dir: Path) -> bool:
     states = job_states(slurm_cluster, run_dir)
+    if len(states) < len((run_dir / "jobs.jsonl").read_text().splitlines()):
+        return False  # accounting has not seen a resubmission yet
     # NODE_FAIL and PREEMPTED are not final here: the job is requeued (sacct shows the latest attempt's state).
     return bool(states) and all(s in ("COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY") or s.startswith("CANCELLED")
                                 for s in states.values())
@@ -156,13 +158,18 @@ def test_partition_preemption_requeues_and_resumes_exactly(slurm_cluster: Any, r
     assert_exact_continuation(run_dir, reference)
 
 
-@pytest.mark.timeout(400)
-def test_node_down_requeues_elsewhere_and_redoes_at_most_one_interval(slurm_cluster: Any, tmp_path: Path) -> None:
-    job, run_dir = submit(slurm_cluster, tmp_path, "nodedown")
+def running_with_victim(slurm_cluster: Any, tmp_path: Path, run_id: str) -> tuple[str, Path, str, int]:
+    """A run that has trained 20 steps, the last node of its job (to fail) and the step it reached."""
+    job, run_dir = submit(slurm_cluster, tmp_path, run_id)
     wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
     node = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
     victim = slurm_cluster.run("scontrol", "show", "hostnames", node).stdout.split()[-1]
-    before = last_step(run_dir)
+    return job, run_dir, victim, last_step(run_dir)
+
+
+@pytest.mark.timeout(400)
+def test_node_down_requeues_elsewhere_and_redoes_at_most_one_interval(slurm_cluster: Any, tmp_path: Path) -> None:
+    job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "nodedown")
     slurm_cluster.run("scontrol", "update", f"nodename={victim}", "state=down", "reason=hpctrain-test")
     try:
         states = wait_done(slurm_cluster, run_dir)
@@ -216,11 +223,7 @@ def test_a_sweep_submits_one_job_per_point_and_returns(slurm_cluster: Any, tmp_p
 
 @pytest.mark.timeout(500)
 def test_a_node_that_dies_is_left_out_and_the_run_finishes(slurm_cluster: Any, tmp_path: Path) -> None:
-    job, run_dir = submit(slurm_cluster, tmp_path, "nodedeath")
-    wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
-    node = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
-    victim = slurm_cluster.run("scontrol", "show", "hostnames", node).stdout.split()[-1]
-    before = last_step(run_dir)
+    job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "nodedeath")
     subprocess.run(["bash", str(slurm_cluster.script), "kill-node", victim], check=True, capture_output=True)
     try:
         def done() -> dict[str, str] | None:
