@@ -3,9 +3,11 @@
 1. One task per node reports what the node says about itself (GPUs, ECC, NVLink, InfiniBand, versions;
    `node.py`); "not present" passes on a machine without GPUs or IB.
 2. Rank 0 compares the nodes (versions and firmware must agree; the odd node is named).
-3. Every rank times the same matmul (on its GPU, or its CPU threads) and the job times an all-reduce; a node
-   whose matmul is an outlier by median and MAD (`outliers.py`) is named: uneven clocks from rack power or a
-   sick GPU slow the whole synchronous job.
+3. Every rank times the same matmul (on its GPU, or its CPU threads), all ranks at once, and the job times an
+   all-reduce; a node whose matmul is an outlier by median and MAD (`outliers.py`) is named: uneven clocks
+   from rack power or a sick GPU slow the whole synchronous job. A node is named only when a second round,
+   timed again by every rank, finds it slow again: a hiccup (a daemon waking up, a page fault storm) costs a
+   healthy node nothing, a sick GPU is slow every time.
 4. Policy (`health.preflight`): `warn` logs; `exclude` stops the job with a failure record blaming those
    nodes, so the supervisor resubmits without them; `drain` also drains them (`scontrol update ...
    state=drain`, needs the rights); `off` skips all of it.
@@ -21,6 +23,7 @@ import json
 import logging
 import os
 import socket
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -52,7 +55,8 @@ class Preflight:
 
 
 def matmul_seconds(device: torch.device, repeats: int = 5) -> float:
-    """Median time of a fixed matmul workload: large on GPUs (bf16), small on CPU threads (fp32)."""
+    """Fastest of `repeats` timings of a fixed matmul workload: large on GPUs (bf16), small on CPU threads
+    (fp32). The fastest, not the median: contention only ever adds time, a slow clock slows every repeat."""
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (384, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -66,7 +70,7 @@ def matmul_seconds(device: torch.device, repeats: int = 5) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
-    seconds = sorted(times[1:])[len(times[1:]) // 2]
+    seconds = min(times[1:])
     if os.environ.get(SLOW_HOST_VARIABLE) == socket.gethostname():
         time.sleep(9 * seconds)
         seconds *= 10
@@ -96,29 +100,24 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
     started = time.perf_counter()
     host = socket.gethostname()
     expected = cfg.cluster.gpus_per_node if device.type == "cuda" else 0
-    mine = {
-        "host": host,
-        "rank": rank,
-        "report": node_report(expected, None) if local_rank == 0 else None,
-        "matmul_s": matmul_seconds(device),
-    }
+    report = node_report(expected, None) if local_rank == 0 else None
+    everyone = _gather({"host": host, "rank": rank, "report": report, "matmul_s": _timed_together(device)})
     busbw = allreduce_busbw(device, hc.allreduce_mb)
-    everyone = [mine]
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
     bad: dict[str, list[str]] = {}
-    path = None
+    summary: dict[str, Any] = {}
     if rank == 0:
         bad, summary = _judge(everyone, hc)
+    if _broadcast(summary.get("slow", {})):  # confirm: everyone times again, the slow must be slow twice
+        again = _gather({"host": host, "matmul_s": _timed_together(device)})
+        if rank == 0:
+            bad, summary = _judge(everyone, hc, again)
+    path = None
+    if rank == 0:
         summary.update(busbw_bytes_per_s=busbw, seconds=time.perf_counter() - started, policy=hc.preflight)
         path = run_dir / "health" / job_id / "preflight.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=1, default=str))
-    if dist.is_initialized():
-        box = [bad]
-        dist.broadcast_object_list(box, src=0)
-        bad = box[0]
+    bad = _broadcast(bad)
     if bad:
         for h, reasons in bad.items():
             log.warning("pre-flight: node %s: %s", h, "; ".join(reasons))
@@ -132,7 +131,42 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
     return Preflight(bad, path)
 
 
-def _judge(everyone: list[dict[str, Any]], hc: Any) -> tuple[dict[str, list[str]], dict[str, Any]]:
+def _timed_together(device: torch.device) -> float:
+    """The matmul timing, started by every rank at once so that no rank times while others still set up."""
+    if dist.is_initialized():
+        dist.barrier()
+    return matmul_seconds(device)
+
+
+def _gather(mine: dict[str, Any]) -> list[dict[str, Any]]:
+    if not dist.is_initialized():
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's value on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _slowest_per_host(timings: list[dict[str, Any]]) -> dict[str, float]:
+    """A node is as slow as its slowest GPU: one sick GPU holds back the whole synchronous job."""
+    per_host: dict[str, float] = {}
+    for e in timings:
+        per_host[e["host"]] = max(per_host.get(e["host"], 0.0), e["matmul_s"])
+    return per_host
+
+
+def _judge(everyone: list[dict[str, Any]], hc: Any, again: list[dict[str, Any]] | None = None
+           ) -> tuple[dict[str, list[str]], dict[str, Any]]:
+    """The bad nodes and the report. With `again` (the confirming round), a node is slow only when it is an
+    outlier in both rounds; its reason gives both timings."""
     hosts = sorted({e["host"] for e in everyone})
     reports = {e["host"]: e["report"] for e in everyone if e["report"] is not None}
     bad: dict[str, list[str]] = {}
@@ -144,15 +178,16 @@ def _judge(everyone: list[dict[str, Any]], hc: Any) -> tuple[dict[str, list[str]
         for h in odd:
             bad.setdefault(h, []).append(message)
     consistency = [message for message, _ in found]
-    per_host = {h: max(e["matmul_s"] for e in everyone if e["host"] == h) for h in hosts}
-    slow = robust_outliers(per_host, threshold=hc.outlier_threshold, higher_is_worse=True,
-                           min_rel=hc.min_slowdown) if len(hosts) >= 3 else {}
-    median = sorted(per_host.values())[len(per_host) // 2]
+    rounds = [_slowest_per_host(everyone)] + ([_slowest_per_host(again)] if again is not None else [])
+    flagged = [robust_outliers(r, threshold=hc.outlier_threshold, higher_is_worse=True, min_rel=hc.min_slowdown)
+               if len(hosts) >= 3 else {} for r in rounds]
+    slow = {h: min(f[h] for f in flagged) for h in flagged[0] if all(h in f for f in flagged)}
     for h, score in slow.items():
-        bad.setdefault(h, []).append(f"matmul {per_host[h] * 1e3:.1f} ms vs median {median * 1e3:.1f} ms "
-                                     f"(robust z {score:.1f})")
-    summary = {"hosts": {h: {"report": reports.get(h), "matmul_s": per_host[h]} for h in hosts},
-               "consistency": consistency, "slow": slow, "bad": bad}
+        timings = " then ".join(f"{r[h] * 1e3:.1f} ms vs median {statistics.median(r.values()) * 1e3:.1f} ms"
+                                for r in rounds)
+        bad.setdefault(h, []).append(f"matmul {timings} (robust z {score:.1f})")
+    summary = {"hosts": {h: {"report": reports.get(h), "matmul_s": [r[h] for r in rounds]} for h in hosts},
+               "consistency": consistency, "slow": slow, "suspects": sorted(flagged[0]), "bad": bad}
     return bad, summary
 
 

@@ -9,7 +9,9 @@ For a failed job:
   to ranks that only lost a peer): those hosts are excluded from the next attempt, with every host excluded
   before;
 - the same error at the same step as the previous attempt is deterministic (a config or code error): stop;
-- at most `launcher.max_restarts` resubmissions.
+- at most `launcher.max_restarts` resubmissions;
+- never a resubmission that can not start: when the partition has fewer nodes than the job needs once the
+  excluded ones are left out, Slurm would keep it pending forever, so the supervisor stops and says so.
 The resubmission runs the same sbatch script and pickle under a new job id (sbatch --hold, copy, release),
 in the same run directory, so it resumes from the newest checkpoint.
 """
@@ -80,6 +82,37 @@ def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int) -> dic
     return {"action": "resubmit", "signature": signature, "excluded": excluded, "blamed": hosts}
 
 
+def cannot_fit(partition_nodes: list[str], exclude: list[str], needed: int, partition: str | None) -> str | None:
+    """Why a job of `needed` nodes can never start in a partition without `exclude`, or None when it can.
+
+    Counts nodes whatever their state: a DOWN or DRAINED node may come back, an excluded one never will for
+    this job.
+    """
+    left = sorted(set(partition_nodes) - set(exclude))
+    if len(left) >= needed:
+        return None
+    name = partition or "the default partition"
+    return (f"{name} has {len(set(partition_nodes))} node(s); with {','.join(exclude)} excluded only {len(left)} "
+            f"remain and the job needs {needed} (cluster.nodes). Return repaired nodes to service (scontrol update "
+            f"nodename=... state=resume), or lower cluster.nodes, then resume with run.resume")
+
+
+def partition_nodes(partition: str | None) -> list[str]:
+    """The nodes of a partition (the default one when None), from sinfo; [] when Slurm can not be asked."""
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%P|%N"], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    lists = [nodes for name, _, nodes in (line.partition("|") for line in out.splitlines())
+             if (name.rstrip("*") == partition if partition else name.endswith("*")) and nodes]
+    if not lists:
+        return []
+    hosts = subprocess.run(["scontrol", "show", "hostnames", ",".join(lists)], capture_output=True, text=True,
+                           timeout=60)
+    return sorted(set(hosts.stdout.split())) if hosts.returncode == 0 else []
+
+
 def resubmit(folder: Path, job_id: str, exclude: list[str]) -> str:
     """Submit the job's sbatch script again, held, give the new id the same pickle, release it."""
     script = folder / f"{job_id}_submission.sh"
@@ -98,13 +131,18 @@ def main(argv: list[str]) -> int:
     decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts))
     if decision["action"] == "done":
         return 0
+    if decision["action"] == "resubmit":
+        exclude = sorted(set(decision["excluded"]) | set(_csv(cfg.cluster.exclude)))
+        why = cannot_fit(partition_nodes(cfg.cluster.partition), exclude, int(cfg.cluster.nodes),
+                         cfg.cluster.partition)
+        if why:
+            decision = {**decision, "action": "stop", "why": why}
     record = {"job_id": job_id, "exit_code": exit_code, "time": time.time(), **decision}
     if decision["action"] == "stop":
         (run_dir / REPORT).write_text(json.dumps(record, indent=1))
         print(f"hpctrain supervisor: job {job_id} failed; not resubmitting: {decision['why']}. "
               f"Report: {run_dir / REPORT}", flush=True)
         return exit_code
-    exclude = sorted(set(decision["excluded"]) | set(_csv(cfg.cluster.exclude)))
     new_id = resubmit(run_dir / "submitit", job_id, exclude)
     record["resubmitted_as"] = new_id
     with open(run_dir / ATTEMPTS, "a") as f:

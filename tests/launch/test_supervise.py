@@ -70,3 +70,13 @@ def test_a_job_killed_whole_blames_no_node(tmp_path: Path) -> None:
     record_hosts(tmp_path, "9", ["n1", "n1", "n2", "n2"])
     d = decide(tmp_path, "9", 137, 3)
     assert d["action"] == "resubmit" and d["blamed"] == [] and d["excluded"] == []
+
+
+def test_a_resubmission_that_can_never_start_is_refused() -> None:
+    from hpctrain.launch.supervise import cannot_fit
+
+    nodes = ["n1", "n2", "n3", "n4"]
+    assert cannot_fit(nodes, ["n2"], 3, "debug") is None
+    why = cannot_fit(nodes, ["n1", "n2"], 3, "debug")
+    assert why and "debug has 4 node(s)" in why and "only 2 remain" in why and "needs 3 (cluster.nodes)" in why
+    assert cannot_fit(nodes, ["n9"], 4, None) is None  # a node outside the partition takes nothing from it

@@ -40,8 +40,21 @@ def test_preflight_names_a_slow_node_and_the_job_runs_without_it(slurm_cluster: 
     assert all(h["report"] is not None for h in report["hosts"].values())
     attempt = json.loads((run_dir / "attempts.jsonl").read_text().splitlines()[0])
     assert attempt["blamed"] == ["n2"]
+    assert len(report["hosts"]["n2"]["matmul_s"]) == 2  # slow in the confirming round too
     healthy = json.loads((run_dir / "health" / second / "preflight.json").read_text())
     assert healthy["bad"] == {}
+
+
+@pytest.mark.timeout(300)
+def test_no_resubmission_is_made_that_could_never_start(slurm_cluster: Any, tmp_path: Path) -> None:
+    """All four nodes, one of them slow: without it the job could only pend forever, so the supervisor stops."""
+    job, run_dir = submit(slurm_cluster, tmp_path, "nofit", "cluster.nodes=4", "train.global_batch=32",
+                          "train.max_steps=60", "health.preflight=exclude", "+cluster.env.HPCTRAIN_TEST_SLOW_HOST=n2")
+    assert wait_done(slurm_cluster, run_dir, 200) == {job: "FAILED"}
+    assert jobs(run_dir) == [job]
+    report = json.loads((run_dir / "FAILED.json").read_text())
+    assert report["blamed"] == ["n2"] and report["excluded"] == ["n2"]
+    assert "debug has 4 node(s); with n2 excluded only 3 remain and the job needs 4" in report["why"]
 
 
 @pytest.mark.timeout(400)
