@@ -6,6 +6,9 @@ before the first step), the watchdog dumps the Python stacks of all threads (fau
 PyTorch's NCCL flight recorder, writes a failure record and exits the process non-zero, so srun fails and
 the supervisor resubmits. A rank whose main thread is blocked inside torch.distributed is recorded as a
 "peer" failure: it is waiting for another rank, which is the one to blame.
+
+A rank whose main thread is already failing (a peer went away, an error of its own) writes its own record:
+the loop calls `stand_down()` first, so the watchdog cannot fire half-way and call a failing rank hung.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class Watchdog:
         self.last = time.monotonic()
         self.recent: deque[float] = deque(maxlen=50)
         self._stop = threading.Event()
+        self._firing = threading.Lock()  # held from the decision to fire until the process exits
         self._main = threading.main_thread()
         self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
 
@@ -63,6 +67,12 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
+    def stand_down(self) -> None:
+        """The main thread is failing on its own: from here its record, not a hang's, says what happened.
+        Blocks (until the process exits) when the watchdog has already fired."""
+        with self._firing:
+            self._stop.set()
+
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             waited = time.monotonic() - self.last
@@ -70,6 +80,11 @@ class Watchdog:
                 self._fire(waited)
 
     def _fire(self, waited: float) -> None:
+        with self._firing:
+            if not self._stop.is_set():
+                self._dump_record_and_exit(waited)
+
+    def _dump_record_and_exit(self, waited: float) -> None:
         directory = self.run_dir / "hangs" / self.job_id
         directory.mkdir(parents=True, exist_ok=True)
         dump = directory / f"rank{self.rank}.txt"

@@ -167,6 +167,7 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
     except Preempted:
         raise
     except Exception as exc:  # the supervisor reads these to exclude nodes and to spot deterministic errors
+        watchdog.stand_down()
         path = record_failure(run_dir, env.job_id, env.rank, done + 1, exc)
         log.error("rank %d failed at step %d: %s: %s (record: %s)", env.rank, done + 1, type(exc).__name__, exc, path)
         raise

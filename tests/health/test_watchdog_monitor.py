@@ -39,6 +39,32 @@ def test_watchdog_dumps_stacks_records_and_exits(tmp_path: Path) -> None:
     assert record["type"] == "Hang" and record["step"] == 6 and record["peer"] is False
 
 
+FAILING = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from hpctrain.health.watchdog import Watchdog
+    from hpctrain.train.failure import record_failure
+    run_dir = Path(sys.argv[1])
+    dog = Watchdog(run_dir, "job1", 0, timeout_s=1.0, factor=5.0, startup_timeout_s=2.0, poll_s=0.1).start()
+    dog.beat(1, 0.1)
+    try:
+        raise RuntimeError("[gloo] Connection closed by peer")
+    except RuntimeError as exc:   # the loop's failure path, slower than the hang limit (a slow shared disk)
+        dog.stand_down()
+        time.sleep(3)
+        record_failure(run_dir, "job1", 0, 2, exc)
+    sys.exit(1)
+""")
+
+
+def test_a_rank_failing_on_its_own_is_not_called_hung(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", FAILING, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert not (tmp_path / "hangs").exists()
+    record = json.loads((tmp_path / "failures" / "job1" / "rank0.json").read_text())
+    assert record["type"] == "RuntimeError" and record["peer"] is True
+
+
 def cfg(**health: float) -> object:
     return OmegaConf.merge(OmegaConf.structured(Config), {"health": health})
 
