@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,20 @@ def test_tier_intervals_and_retention(compose_cfg, tmp_path: Path) -> None:
     for c in list_checkpoints_of(run_dir, tmp_path):
         assert verify(c) == [] and c.manifest["consumed_samples"] == c.step * 8 and c.manifest["world_size"] == 2
     assert not list((tmp_path / "shm" / "test").glob("*.partial"))
+    # Written by DCP's background threads without torch.save's record CRC32s (the manager's switch reached them).
+    shards = list((run_dir / "checkpoints").rglob("*.distcp"))
+    assert shards and all(crc == 0 for shard in shards for crc in tensor_record_crcs(shard.read_bytes()))
+
+
+def tensor_record_crcs(blob: bytes) -> list[int]:
+    """CRC32s of the tensor records in the zip central directories of torch.save archives laid end to end."""
+    crcs, i = [], blob.find(b"PK\x01\x02")
+    while i >= 0:
+        crc, name_len = struct.unpack_from("<I", blob, i + 16)[0], struct.unpack_from("<H", blob, i + 28)[0]
+        if b"/data/" in blob[i + 46:i + 46 + name_len]:
+            crcs.append(crc)
+        i = blob.find(b"PK\x01\x02", i + 4)
+    return crcs
 
 
 def list_checkpoints_of(run_dir: Path, tmp_path: Path) -> list:
