@@ -98,29 +98,29 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
     run_preflight(cfg, env.rank, env.local_rank, env.job_id, run_dir, device)
     watchdog = Watchdog(run_dir, env.job_id, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
                         cfg.health.startup_timeout_s).start()
-    monitor = RunMonitor(cfg, env.rank, device)
-    engine = build_engine(cfg, layout, device)
-    run_id = str(cfg.run.id)
-    ckpt = CheckpointManager(cfg, run_dir, run_id, env.rank, env.world_size, env.local_rank, fingerprint(cfg))
-    manifest = ckpt.resume(engine)
-    start_step = int(manifest["step"]) if manifest else 0
-    consumed = int(manifest["consumed_samples"]) if manifest else 0
-    if manifest:
-        log.info("resuming at step %d (%d samples consumed) from %s tier", start_step, consumed, manifest["tier"])
-
-    data = SampleIndex(open_tokens(cfg.data), cfg.train.seq_len, cfg.train.seed, cfg.data.vocab_size)
-    tracker = Tracker(cfg, run_dir, run_id, OmegaConf.to_container(cfg, resolve=True)) if env.is_main else None
-    if tracker is not None:
-        for e in ckpt.events:  # what the resume did: the tier used and the ones skipped, and why
-            tracker.event(e.pop("event"), **e)
-        ckpt.events.clear()
-    t = cfg.train
-    tokens_per_step = layout.global_batch * t.seq_len
-    progress = Progress(total_steps=t.max_steps, start_step=start_step)
-    fault = Fault.from_env()
-    stop = StopFlag().install()
-    stats, done = None, start_step
-    try:
+    stop, tracker, stats, done = StopFlag(), None, None, 0
+    try:  # from here every error leaves a failure record: start-up (engine, resume) as much as the steps
+        monitor = RunMonitor(cfg, env.rank, device)
+        engine = build_engine(cfg, layout, device)
+        run_id = str(cfg.run.id)
+        ckpt = CheckpointManager(cfg, run_dir, run_id, env.rank, env.world_size, env.local_rank, fingerprint(cfg))
+        manifest = ckpt.resume(engine)
+        start_step = done = int(manifest["step"]) if manifest else 0
+        consumed = int(manifest["consumed_samples"]) if manifest else 0
+        if manifest:
+            log.info("resuming at step %d (%d samples consumed) from %s tier", start_step, consumed,
+                     manifest["tier"])
+        data = SampleIndex(open_tokens(cfg.data), cfg.train.seq_len, cfg.train.seed, cfg.data.vocab_size)
+        if env.is_main:
+            tracker = Tracker(cfg, run_dir, run_id, OmegaConf.to_container(cfg, resolve=True))
+            for e in ckpt.events:  # what the resume did: the tier used and the ones skipped, and why
+                tracker.event(e.pop("event"), **e)
+            ckpt.events.clear()
+        t = cfg.train
+        tokens_per_step = layout.global_batch * t.seq_len
+        progress = Progress(total_steps=t.max_steps, start_step=start_step)
+        fault = Fault.from_env()
+        stop.install()
         for step in range(start_step, t.max_steps):
             started = time.perf_counter()
             if fault is not None:

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.inspect import export_model, find, list_checkpoints
 from hpctrain.checkpoint.layout import Committed, committed_in, verify
+from hpctrain.train.failure import read_failures
 from tests.checkpoint.training import consumed_samples, losses_by_step, train
 from tests.distributed_harness import DistributedTestError
 
@@ -141,6 +142,10 @@ def test_resume_refuses_a_changed_batch_unless_forced(compose_cfg, tmp_path: Pat
                      *tiers(tmp_path, 2, 100, 100))
     with pytest.raises(DistributedTestError, match="checkpoint.force_resume=true"):
         train(2, changed, run_dir, timeout=60)
+    # A start-up error leaves failure records too, so the supervisor sees the same error twice and stops.
+    records = read_failures(run_dir, "test")
+    assert {r["rank"] for r in records} == {0, 1}
+    assert all(r["type"] == "CheckpointError" and not r["peer"] for r in records), records
     forced = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16",
                     "checkpoint.force_resume=true", *tiers(tmp_path, 2, 100, 100))
     train(2, forced, run_dir)
