@@ -112,7 +112,7 @@ def main() -> None:
         sync_nocrc.append(time.perf_counter() - started)
         shutil.rmtree(target)
 
-        manager.after_step(step, engine, {"consumed_samples": step})
+        manager.after_step(step, engine, {"consumed_samples": step}, manager.control_values(time.monotonic()))
         started_event = [e for e in manager.events if e["event"] == "save_started"][-1]
         async_blocked.append(started_event["blocked_s"])
         manager.wait_all()

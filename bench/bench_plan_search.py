@@ -18,6 +18,6 @@ print(f"search: {len(cands)} fitting layouts in {elapsed:.3f} s (budget 2 s)")
 for c in cands[:5]:
     print(" ", c.why)
 article = Layout(dp=64, tp=8, pp=8, zero_stage=3, micro_batch=4, grad_accum=12, sequence_parallel=True,
-                 recompute="selective")
+                 recompute="full")
 print(f"\narticle layout ranks {rank_of(article, cands)} of {len(cands)}:")
 print(explain(next(c for c in cands if c.layout == article), cands[0]))

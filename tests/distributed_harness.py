@@ -35,15 +35,15 @@ class DistributedTestError(RuntimeError):
     """A rank raised, died or timed out; the message carries the child's traceback."""
 
 
-def _init_process_group(store_path: str, rank: int, world_size: int, attempt: int) -> None:
+def _init_process_group(store_path: str, rank: int, world_size: int, attempt: int, backend: str) -> None:
     store = dist.FileStore(store_path, world_size)
     prefixed = dist.PrefixStore(f"attempt_{attempt}/", store)
-    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, results: Any,
-           args: tuple[Any, ...]) -> None:
+           args: tuple[Any, ...], backend: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -51,7 +51,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, r
     try:
         for attempt in range(2):  # a rare connectFullMesh failure on a busy machine: retry once
             try:
-                _init_process_group(os.path.join(store_dir, f"store{attempt}"), rank, world_size, attempt)
+                _init_process_group(os.path.join(store_dir, f"store{attempt}"), rank, world_size, attempt, backend)
                 break
             except Exception:
                 if attempt == 1:
@@ -73,8 +73,12 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, r
         os._exit(code)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
+                    backend: str = "gloo") -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size forked gloo ranks; return the results by rank.
+
+    `backend` is the default group's backend string: "cuda:gloo" makes a group that, like NCCL's, has no
+    backend for CPU tensors; "cpu:gloo,cuda:gloo" is the GPU path's "cpu:gloo,cuda:nccl" on this machine.
 
     Raises DistributedTestError with the first failing rank's traceback, or on timeout (after killing
     the children still alive).
@@ -82,7 +86,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hpctrain-dist-") as store_dir:
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_dir, results, args), daemon=False)
+        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_dir, results, args, backend),
+                             daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()

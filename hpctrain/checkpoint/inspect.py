@@ -40,16 +40,16 @@ def describe(c: Committed) -> dict[str, Any]:
 def export_model(c: Committed, out: Path) -> list[Path]:
     """Consolidate the model weights into one file (torch.save; also .safetensors if installed)."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
+    from hpctrain.checkpoint.reshard import load_state
     from hpctrain.models.gpt import GPT, GPTArgs
 
     n_layers, d_model, n_heads, vocab, context, ffn_mult = c.manifest["fingerprint"]["model"]
-    with torch.device("meta"):
+    with torch.device("meta"):  # the tokenizer's vocabulary: the padding rows are not exported
         model = GPT(GPTArgs(n_layers, d_model, n_heads, vocab, context, ffn_mult * d_model))
     model.to_empty(device="cpu")
     state = {name: p.detach() for name, p in model.state_dict().items()}
-    dcp.load({"train": {"model": state}}, checkpoint_id=str(c.path), no_dist=True)
+    load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out)
     written = [out]

@@ -49,6 +49,7 @@ from hpctrain.checkpoint.layout import (
     tier_path,
     verify,
 )
+from hpctrain.checkpoint.reshard import load_state
 from hpctrain.goodput.model import daly_interval, mtbf_s
 
 log = logging.getLogger(__name__)
@@ -124,13 +125,14 @@ class CheckpointManager:
     """Saves, commits, retains and finds checkpoints of an engine (state_dict() / load_state_dict())."""
 
     def __init__(self, cfg: Any, run_dir: Path, run_id: str, rank: int, world_size: int, local_rank: int,
-                 fingerprint: dict[str, Any]) -> None:
+                 fingerprint: dict[str, Any], device: torch.device = torch.device("cpu")) -> None:
         self.enabled = bool(cfg.checkpoint.enabled)
         self.save_final = bool(cfg.checkpoint.save_final)
         self.force_resume = bool(cfg.checkpoint.force_resume)
         self.wait_when_busy = cfg.checkpoint.when_busy == "wait"
         self.write_threads = cfg.checkpoint.write_threads
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.device = device
         self.run_id = run_id
         self.fingerprint = fingerprint
         self.distributed = dist.is_initialized()
@@ -242,31 +244,40 @@ class CheckpointManager:
     def _load(self, ckpt: Committed, engine: Any) -> None:
         state = {"train": engine.state_dict()}
         same_world = ckpt.manifest.get("world_size") == self.world_size
-        if same_world:  # RNG streams are per rank: only meaningful with the same ranks
-            state["rng"] = {f"rank{self.rank}": _rng_state()}
-        dcp.load(state, checkpoint_id=str(ckpt.path), process_group=self.control_group,
-                 no_dist=not self.distributed)
+        if same_world:  # RNG streams are per rank: only meaningful with the same ranks (and devices saved)
+            streams = _rng_state(self.device)
+            state["rng"] = {f"rank{self.rank}": {k: v for k, v in streams.items()
+                                                 if k in ckpt.manifest.get("rng_streams", ["cpu"])}}
+        load_state(state, str(ckpt.path), self.control_group, no_dist=not self.distributed)
         engine.load_state_dict(state["train"])
         if same_world:
-            _set_rng_state(state["rng"][f"rank{self.rank}"])
+            _set_rng_state(state["rng"][f"rank{self.rank}"], self.device)
 
     # ---------------------------------------------------------------- saving
-    def after_step(self, step: int, engine: Any, progress: dict[str, Any]) -> None:
-        """Called by every rank at every step boundary: commit finished saves, start due ones."""
+    def control_values(self, now: float) -> list[float]:
+        """This rank's view of what must be agreed at the next step boundary, for the step's one all-reduce:
+        per save in flight, 1 while this rank still writes; per clock-timed tier, 1 if rank 0's clock says due.
+        Every rank returns a list of the same length (the in-flight saves and the tiers are the same)."""
+        if not self.enabled:
+            return []
+        local = [0.0 if self.in_flight[n].future.done() else 1.0 for n in self.in_flight]
+        return local + [1.0 if self.rank == 0 and t.due_by_time(now) else 0.0
+                        for t in self.tiers if t.interval_minutes > 0]
+
+    def after_step(self, step: int, engine: Any, progress: dict[str, Any], agreed: list[float]) -> None:
+        """Called by every rank at every step boundary with `control_values` summed over all ranks (taken
+        before the step): commit the saves every rank had finished, start the due ones. No collective of
+        its own: a save finished during the step is committed at the next boundary."""
         if not self.enabled:
             return
         now = time.monotonic()
         pending = list(self.in_flight)
         timed = [t for t in self.tiers if t.interval_minutes > 0]
+        for name, running in zip(pending, agreed[: len(pending)]):
+            if not running:
+                self._commit(name)
         due = {t.name for t in self.tiers if t.due_by_steps(step)}
-        if pending or timed:  # anything rank-dependent: agree on it
-            local = [0.0 if self.in_flight[n].future.done() else 1.0 for n in pending]
-            local += [1.0 if self.rank == 0 and t.due_by_time(now) else 0.0 for t in timed]
-            agreed = self._all_reduce_max(local)
-            for name, running in zip(pending, agreed[: len(pending)]):
-                if not running:
-                    self._commit(name)
-            due |= {t.name for t, flag in zip(timed, agreed[len(pending):]) if flag}
+        due |= {t.name for t, flag in zip(timed, agreed[len(pending):]) if flag}
         for tier in self.tiers:
             if tier.name in due:
                 self._start(tier, step, engine, progress, now)
@@ -323,7 +334,7 @@ class CheckpointManager:
         partial = partial_dir(tier.path, step)
         partial.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
-        state = {"train": engine.state_dict(), "rng": {f"rank{self.rank}": _rng_state()}}
+        state = {"train": engine.state_dict(), "rng": {f"rank{self.rank}": _rng_state(self.device)}}
         writer = dcp.FileSystemWriter(str(partial), thread_count=self.write_threads)
         writer.fs = _NoCrcFileSystem()
         future = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
@@ -332,7 +343,8 @@ class CheckpointManager:
         blocked = time.perf_counter() - started
         tier.last_save = now
         meta = {"step": step, "run_id": self.run_id, "world_size": self.world_size, "time": time.time(),
-                "fingerprint": self.fingerprint, **progress}
+                "fingerprint": self.fingerprint, "rng_streams": sorted(state["rng"][f"rank{self.rank}"]),
+                **progress}
         self.in_flight[tier.name] = InFlight(step, partial, future, started, blocked, meta)
         self.events.append({"event": "save_started", "tier": tier.name, "step": step, "blocked_s": blocked})
 
@@ -370,9 +382,16 @@ class CheckpointManager:
                             "blocked_s": blocked_s, "mtbf_s": self.mtbf_s})
 
 
-def _rng_state() -> torch.Tensor:
-    return torch.get_rng_state()
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The RNG streams this rank draws from: the CPU's, and its GPU's (dropout masks on GPUs come from the
+    CUDA generator, so without it a resumed run's dropout would differ from the uninterrupted run's)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def _set_rng_state(state: torch.Tensor) -> None:
-    torch.set_rng_state(state)
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)

@@ -7,6 +7,7 @@ is submitted; warnings are printed in the plan. The schema already rejected unkn
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -16,7 +17,7 @@ from omegaconf.errors import ConfigKeyError
 
 from hpctrain.config.layout import Layout, resolve_layout
 from hpctrain.config.problems import ConfigError, Problem
-from hpctrain.config.schema import SCHEDULES, Config, DataKind, DType, Executor
+from hpctrain.config.schema import SCHEDULES, TIMEOUT_MARGIN_S, Config, DataKind, DType, Executor
 
 INTERLEAVED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
 MULTI_CHUNK = INTERLEAVED | {"zbv"}
@@ -258,11 +259,39 @@ def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
             (r.warn if cfg.dry_run else r.error)("data.path", message, fix)
 
 
+def visible_gpus(environ: dict[str, str], driver: str = "/proc/driver/nvidia/gpus", dev: str = "/dev") -> int:
+    """GPUs this machine lets a process use, without importing torch: the NVIDIA driver's device list (or,
+    in containers without it, the /dev/nvidiaN device nodes), narrowed by CUDA_VISIBLE_DEVICES when set."""
+    if os.path.isdir(driver):
+        present = len(os.listdir(driver))
+    else:
+        present = sum(1 for n in (os.listdir(dev) if os.path.isdir(dev) else []) if n[6:].isdigit()
+                      and n.startswith("nvidia"))
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    return min(present, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
+
+
+def _local_gpus(gpu_type: str, per_node: int, visible: int, r: CheckReport) -> None:
+    """The local executor gives each task a GPU only when gpu_type names one; say so when GPUs sit idle."""
+    if gpu_type != "cpu" and visible < per_node:
+        r.error("cluster.gpus_per_node", f"cluster.gpu_type={gpu_type} runs one task per GPU, {per_node} tasks, "
+                f"but this machine shows {visible} GPU(s)", f"set cluster.gpus_per_node={max(visible, 1)}"
+                + ("" if visible else " and cluster.gpu_type=cpu"))
+    elif gpu_type == "cpu" and visible:
+        r.warn("cluster.gpu_type", f"this machine has {visible} GPU(s) but cluster.gpu_type=cpu: the tasks "
+               "train on the CPU", f"set cluster.gpu_type to the GPU's type (e.g. h100) and "
+               f"cluster.gpus_per_node={visible}")
+
+
 def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
     c = cfg.cluster
     if c.executor == Executor.local and c.nodes != 1:
         r.error("cluster.nodes", f"the local executor runs on this one machine, got nodes={c.nodes}",
                 "set cluster.nodes=1, or submit to Slurm with cluster=slurm (or cluster=dev)")
+    if c.executor == Executor.local:
+        _local_gpus(c.gpu_type, c.gpus_per_node, visible_gpus(dict(os.environ)), r)
     if c.cpus_per_task < 1:
         r.error("cluster.cpus_per_task", f"must be >= 1, got {c.cpus_per_task}", "set cluster.cpus_per_task=1")
     if c.time_min < 1:
@@ -286,12 +315,29 @@ def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("health.straggler_factor", f"must be > 1, got {h.straggler_factor}", "use health.straggler_factor=1.3")
     if cfg.launcher.max_restarts < 0:
         r.error("launcher.max_restarts", f"must be >= 0, got {cfg.launcher.max_restarts}", "use launcher.max_restarts=3")
-    if cfg.launcher.collective_timeout_s < 30:
-        r.error("launcher.collective_timeout_s", f"{cfg.launcher.collective_timeout_s} s is shorter than a "
-                "checkpoint load or a slow first step", "use launcher.collective_timeout_s=600")
     if cfg.train.threads_per_rank > c.cpus_per_task and c.executor == Executor.slurm:
         r.warn("train.threads_per_rank", f"{cfg.train.threads_per_rank} threads on {c.cpus_per_task} CPUs per task",
                "set train.threads_per_rank<=cluster.cpus_per_task")
+
+
+def _timeouts(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """hpctrain's hang watchdog must fire before NCCL's own (the collective timeout): it dumps stacks and the
+    flight recorder and writes the failure record the supervisor blames a node by; NCCL's ends the process
+    without any of that."""
+    h, timeout = cfg.health, cfg.launcher.collective_timeout_s
+    if timeout < 30:
+        r.error("launcher.collective_timeout_s", f"{timeout} s is shorter than a checkpoint load or a slow "
+                "first step", "use launcher.collective_timeout_s=1800")
+        return
+    if not h.hang_timeout_s:  # the watchdog is off: NCCL's timeout is the only one
+        return
+    key, longest = max((("health.hang_timeout_s", h.hang_timeout_s),
+                        ("health.startup_timeout_s", h.startup_timeout_s)), key=lambda kv: kv[1])
+    if timeout < longest + TIMEOUT_MARGIN_S:
+        r.error("launcher.collective_timeout_s", f"{timeout} s does not outlast {key}={longest:g} s by "
+                f"{TIMEOUT_MARGIN_S:g} s: NCCL's own watchdog would end the ranks of a hang first, leaving no "
+                "stacks, flight recorder or failure record", f"set launcher.collective_timeout_s>="
+                f"{math.ceil(longest + TIMEOUT_MARGIN_S)}, or lower {key}")
 
 
 def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -357,6 +403,6 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data, _cluster, _checkpoint,
-    _memory,
+    _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data, _cluster, _timeouts,
+    _checkpoint, _memory,
 ]

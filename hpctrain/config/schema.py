@@ -58,7 +58,8 @@ class ModelConfig:
     n_layers: int = MISSING
     d_model: int = MISSING
     n_heads: int = MISSING
-    vocab_size: int = 50257
+    vocab_size: int = 50257  # the tokenizer's vocabulary (what the loss and exports use)
+    vocab_pad_multiple: int = 64  # embedding rows padded to a multiple of this x TP (<= 1: no padding)
     context: int = 2048  # longest sequence the position table covers
     ffn_mult: int = 4
     dropout: float = 0.0
@@ -111,6 +112,7 @@ class PrecisionConfig:
     initial_scale: float = 65536.0
     loss_scale_window: int = 1000  # clean steps before the scale doubles
     min_scale: float = 1.0
+    tf32: bool = True  # on GPUs: fp32 matmuls and convolutions on TF32 tensor cores (no effect on CPU)
 
 
 @dataclass
@@ -151,9 +153,10 @@ class CheckpointConfig:
 class NcclConfig:
     """NCCL settings; unset ones are derived on each node (active HCAs, nearest HCA first, RoCE GID)."""
 
-    socket_ifname: Optional[str] = None  # default: anything but loopback and container bridges
-    ib_hca: Optional[str] = None  # default: the node's HCAs with an ACTIVE port, the rank's nearest first
-    ib_gid_index: Optional[int] = None  # default: 3 (RoCEv2) on RoCE, unset on InfiniBand
+    socket_ifname: Optional[str] = None  # NCCL_SOCKET_IFNAME; default: NCCL's own choice (skips lo, docker*)
+    ib_hca: Optional[str] = None  # NCCL_IB_HCA verbatim; default: the node's compute HCAs, exact names
+    exclude_hca: Optional[str] = None  # HCAs never given to NCCL, e.g. storage NICs: "mlx5_4,mlx5_5"
+    ib_gid_index: Optional[int] = None  # default: 3 (RoCEv2) when every selected HCA is RoCE, else unset
     topo_file: Optional[str] = None  # NCCL_TOPO_FILE (an environment variable: torch has no argument)
     debug: Optional[str] = None  # NCCL_DEBUG, e.g. INFO for tools/nccl_log.py
     debug_subsys: Optional[str] = None  # NCCL_DEBUG_SUBSYS, e.g. INIT,NET
@@ -186,12 +189,18 @@ class ClusterConfig:
     nccl: NcclConfig = field(default_factory=NcclConfig)
 
 
+# hpctrain's hang limits must end this much before the collective timeout: a poll, the dumps, the record.
+TIMEOUT_MARGIN_S = 120.0
+
+
 @dataclass
 class LauncherConfig:
     # Resubmissions of a failed job (a rank crashed, a collective timed out), excluding the failed node(s).
     # Requeues after preemption or the time limit do not count (see cluster.max_num_timeout).
     max_restarts: int = 3
-    collective_timeout_s: int = 600  # a collective that waits longer raises instead of hanging the job
+    # A collective that waits longer raises (NCCL's own watchdog). Longer than health.hang_timeout_s and
+    # health.startup_timeout_s, so that hpctrain's watchdog fires first and leaves stacks and a record.
+    collective_timeout_s: int = 1800
 
 
 @dataclass
@@ -202,7 +211,7 @@ class HealthConfig:
     min_slowdown: float = 0.2  # ... and at least this much slower than the median (relative)
     hang_timeout_s: float = 600.0  # no step completed for this long: dump stacks and exit (0 disables)
     hang_factor: float = 20.0  # or this many times the median recent step time, if longer
-    startup_timeout_s: float = 1800.0  # before the first step (imports, checkpoint load, compilation)
+    startup_timeout_s: float = 1200.0  # before the first step (imports, checkpoint load, compilation)
     straggler_every: int = 100  # steps between straggler probes (0 disables)
     straggler_factor: float = 1.3  # a straggler is at least this much slower than the median rank
     straggler_patience: int = 3  # ... in this many probes in a row

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 PORT_RANGE = (20000, 60000)
 
@@ -90,19 +91,43 @@ def _first_host_address(host: str) -> str:
     return routable[0] if routable else host
 
 
-def init_distributed(env: DistEnv, timeout_s: float = 600.0) -> None:
-    """Join the job's process group: NCCL on GPUs, gloo on CPU."""
+def task_device(local_rank: int, cuda_devices: int | None = None) -> torch.device:
+    """This task's device: one of the GPUs it sees (`cuda_devices`, default: ask CUDA), else the CPU.
+
+    Sites that bind one GPU per task (srun --gpus-per-task, a cgroup per task) show each task a single
+    device 0, so local rank 3 must use device 3 % 1 = 0: `cuda:local_rank` would not exist there.
+    """
+    if cuda_devices is None:
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.device("cuda", local_rank % cuda_devices) if cuda_devices else torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The default group's backends: NCCL for GPU tensors *and* gloo for CPU ones.
+
+    A group created as plain "nccl" has a backend for cuda only, so any CPU tensor on it (a flag, a
+    timing, all_gather_object's sizes) raises "No backend type associated with device type cpu" on the
+    first step of a multi-GPU run; with both backends the same call works on GPU and CPU alike.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Join the job's process group (NCCL for GPU tensors, gloo for CPU ones)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if env.world_size == 1 or dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(env.local_rank)
+    # Every group made later (mesh dims, pipeline pairs, checkpoint groups) takes torch's module default,
+    # 10 min for NCCL and 30 for the rest, not the default group's: make it the job's collective timeout.
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend=backend,
+        backend=process_group_backend(device),
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
     )
 
 

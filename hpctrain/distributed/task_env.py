@@ -1,15 +1,27 @@
 """The environment variables every task gets before it touches torch.distributed.
 
 A pure function of the config, so the dry-run plan prints exactly what the tasks will set. Variables the
-user put in cluster.env win over the defaults here.
+user put in cluster.env win over the defaults here. The same for every executor (local or Slurm): a local
+run on a GPU box uses NCCL too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hpctrain.config.schema import Executor
 from hpctrain.distributed.nccl_env import nccl_environment
+
+# Collectives each process keeps in torch's flight recorder (NCCL and gloo): the hang watchdog reads it to
+# tell a rank waiting for a peer from a stuck one, and a post-mortem needs the last ones of every rank.
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
+def flight_recorder_environment() -> dict[str, str]:
+    """torch's flight recorder on, and NCCL's watchdog dumps it when a collective times out.
+
+    TORCH_FR_BUFFER_SIZE is the current name: torch 2.13 warns in every task's stderr when it reads the
+    deprecated TORCH_NCCL_TRACE_BUFFER_SIZE."""
+    return {"TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 
 
 def task_environment(cfg: Any) -> dict[str, str]:
@@ -20,13 +32,8 @@ def task_environment(cfg: Any) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         "HPCTRAIN_RUN_ID": str(cfg.run.id or ""),
     }
-    if cfg.cluster.executor == Executor.slurm:
-        # What the config fixes; each task adds what its node reports (active HCAs, nearest first, RoCE GID).
-        env.update(nccl_environment(cfg.cluster.nccl, 0, None, None))
-        # A failed collective leaves a trace of the last ones for post-mortems (the flight recorder).
-        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = "2000"
-        if cfg.parallel.tp > 1:
-            # Orders TP communication kernels before compute on one queue so they overlap as scheduled.
-            env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    # What the config fixes; each task on a GPU adds what its node reports (compute HCAs, nearest first).
+    env.update(nccl_environment(cfg.cluster.nccl, 0, None, None))
+    env.update(flight_recorder_environment())
     env.update({str(k): str(v) for k, v in cfg.cluster.env.items()})
     return env

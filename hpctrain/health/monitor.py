@@ -2,9 +2,11 @@
 
 Stragglers: in a synchronous job every rank's step takes as long as the slowest rank's, so step times alone
 cannot say who is slow. Every `health.straggler_every` steps each rank times the same small matmul (a few
-ms) and the times are gathered with the ranks' step times; a rank whose probe is a robust outlier (median and
-MAD) and at least `health.straggler_factor` x the median for `health.straggler_patience` probes in a row is
-reported with its host, in the log, the metrics and the events.
+ms) before the step; its time and its last step time go in the rank's own two slots of a 2 x world block
+that rides on the step's one all-reduce (`control_values`), so every rank gets every rank's probe at no
+collective of its own. A rank whose probe is a robust outlier (median and MAD) and at least
+`health.straggler_factor` x the median for `health.straggler_patience` probes in a row is reported with its
+host, in the log, the metrics and the events.
 
 Memory leaks (the design article's 5.2.2): the process's memory (CUDA allocated bytes on GPU, RSS on CPU)
 is sampled every step; over each window of `health.memory_window` steps a least-squares slope that would
@@ -20,7 +22,6 @@ from collections import deque
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hpctrain.health.outliers import robust_outliers
 from hpctrain.health.preflight import matmul_seconds
@@ -45,17 +46,31 @@ def slope(values: list[float]) -> float:
 
 
 class RunMonitor:
-    def __init__(self, cfg: Any, rank: int, device: torch.device) -> None:
+    def __init__(self, cfg: Any, rank: int, device: torch.device, hosts: list[str] | None = None) -> None:
         hc = cfg.health
         self.every, self.factor, self.patience = hc.straggler_every, hc.straggler_factor, hc.straggler_patience
         self.threshold = hc.outlier_threshold
         self.window, self.leak_bytes = hc.memory_window, hc.leak_mb * 2**20
         self.rank, self.device, self.host = rank, device, socket.gethostname()
+        self.hosts = hosts or [self.host]  # every rank's host, by rank
+        self.last_step_s = 0.0
         self.flags: dict[int, int] = {}
         self.memory: deque[float] = deque(maxlen=max(2, self.window))
 
-    def after_step(self, step: int, step_time: float) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Metrics and events of this step (rank 0's view; other ranks get empty ones)."""
+    def control_values(self, step: int) -> list[float]:
+        """Before step `step`: on probe steps this rank's probe time and last step time in its own slots of
+        a 2 x world block (zeros elsewhere: summed over ranks, the block holds every rank's values)."""
+        if not (self.every > 0 and step % self.every == 0):
+            return []
+        values = [0.0] * (2 * len(self.hosts))
+        values[2 * self.rank] = matmul_seconds(self.device, repeats=2)
+        values[2 * self.rank + 1] = self.last_step_s
+        return values
+
+    def after_step(self, step: int, step_time: float,
+                   probes: list[float] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Metrics and events of this step (rank 0's view; other ranks get empty ones). `probes`: the
+        block of `control_values` summed over all ranks, on probe steps."""
         metrics: dict[str, float] = {}
         events: list[dict[str, Any]] = []
         if self.window > 1:
@@ -68,17 +83,13 @@ class RunMonitor:
                                    "mb_per_window": growth / 2**20, "window": self.window})
                     log.warning("memory grew steadily by %.1f MB over the last %d steps on rank %d (%s): a leak?",
                                 growth / 2**20, self.window, self.rank, self.host)
-        if self.every > 0 and step % self.every == 0:
-            probe = {"rank": self.rank, "host": self.host, "probe_s": matmul_seconds(self.device, repeats=2),
-                     "step_s": step_time}
-            gathered = [probe]
-            if dist.is_initialized():
-                gathered = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, probe)
-            if self.rank == 0:
-                m, e = self._judge(gathered, step)
-                metrics.update(m)
-                events += e
+        self.last_step_s = step_time
+        if probes and self.rank == 0:
+            gathered = [{"rank": r, "host": host, "probe_s": probes[2 * r], "step_s": probes[2 * r + 1]}
+                        for r, host in enumerate(self.hosts)]
+            m, e = self._judge(gathered, step)
+            metrics.update(m)
+            events += e
         return (metrics, events) if self.rank == 0 else ({}, [e for e in events if e["event"] == "memory_leak"])
 
     def _judge(self, gathered: list[dict[str, Any]], step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:

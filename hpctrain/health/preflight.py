@@ -28,7 +28,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from hpctrain.health.outliers import robust_outliers
 log = logging.getLogger(__name__)
 
 SLOW_HOST_VARIABLE = "HPCTRAIN_TEST_SLOW_HOST"
+ALLREDUCE_ROUNDS = 3
 
 
 class UnhealthyNodes(RuntimeError):
@@ -77,20 +78,43 @@ def matmul_seconds(device: torch.device, repeats: int = 5) -> float:
     return seconds
 
 
-def allreduce_busbw(device: torch.device, megabytes: int) -> float | None:
-    """Bus bandwidth of an all-reduce over the whole job (bytes/s), as nccl-tests defines it."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    n = dist.get_world_size()
-    t = torch.ones(megabytes * 2**20 // 4, device=device)
-    dist.all_reduce(t)
-    started = time.perf_counter()
-    for _ in range(3):
-        dist.all_reduce(t)
+def device_synchronizer(device: torch.device) -> Callable[[], None]:
+    """Waits until the device has run everything queued: CUDA collectives return before they finish."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = (time.perf_counter() - started) / 3
-    return 2 * (n - 1) / n * t.numel() * 4 / seconds
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def allreduce_busbw(device: torch.device, megabytes: int, group: Any = None,
+                    synchronize: Callable[[], None] | None = None,
+                    clock: Callable[[], float] = time.perf_counter) -> float | None:
+    """Bus bandwidth of an all-reduce over `group` (default: the whole job), bytes/s as nccl-tests defines it.
+
+    The clock starts only once the warm-up all-reduce has finished on the device (it sets up NCCL's channels
+    and may still be running when the call returns), and stops once the timed ones have."""
+    if not dist.is_initialized():
+        return None
+    group = group if group is not None else dist.group.WORLD
+    n = dist.get_world_size(group)
+    if n == 1:
+        return None
+    sync = synchronize or device_synchronizer(device)
+    t = torch.ones(megabytes * 2**20 // 4, device=device)
+    dist.all_reduce(t, group=group)
+    sync()
+    started = clock()
+    for _ in range(ALLREDUCE_ROUNDS):
+        dist.all_reduce(t, group=group)
+    sync()
+    seconds = (clock() - started) / ALLREDUCE_ROUNDS
+    return 2 * (n - 1) / n * t.numel() * t.element_size() / seconds
+
+
+def use_device(device: torch.device, cuda: Any = torch.cuda) -> None:
+    """Make `device` the current CUDA device. all_gather_object under NCCL puts its tensors on
+    torch.cuda.current_device(): left at GPU 0, every rank of a node would gather on GPU 0."""
+    if device.type == "cuda" and device.index is not None and cuda.current_device() != device.index:
+        cuda.set_device(device)
 
 
 def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Path, device: torch.device) -> Preflight:
@@ -98,6 +122,7 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
     if hc.preflight == "off":
         return Preflight({}, None)
     started = time.perf_counter()
+    use_device(device)
     host = socket.gethostname()
     expected = cfg.cluster.gpus_per_node if device.type == "cuda" else 0
     report = node_report(expected, None) if local_rank == 0 else None
@@ -107,7 +132,7 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
     summary: dict[str, Any] = {}
     if rank == 0:
         bad, summary = _judge(everyone, hc)
-    if _broadcast(summary.get("slow", {})):  # confirm: everyone times again, the slow must be slow twice
+    if _broadcast(summary.get("slow", {}), device):  # confirm: everyone times again, slow twice to count
         again = _gather({"host": host, "matmul_s": _timed_together(device)})
         if rank == 0:
             bad, summary = _judge(everyone, hc, again)
@@ -117,7 +142,7 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
         path = run_dir / "health" / job_id / "preflight.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=1, default=str))
-    bad = _broadcast(bad)
+    bad = _broadcast(bad, device)
     if bad:
         for h, reasons in bad.items():
             log.warning("pre-flight: node %s: %s", h, "; ".join(reasons))
@@ -134,24 +159,27 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
 def _timed_together(device: torch.device) -> float:
     """The matmul timing, started by every rank at once so that no rank times while others still set up."""
     if dist.is_initialized():
-        dist.barrier()
+        # NCCL's barrier is an all-reduce: on this rank's GPU, not one guessed from the global rank.
+        ids = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else None
+        dist.barrier(group=dist.group.WORLD, device_ids=ids)
     return matmul_seconds(device)
 
 
 def _gather(mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's value, over the whole job (on the current device under NCCL: see use_device)."""
     if not dist.is_initialized():
         return [mine]
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=dist.group.WORLD)
     return everyone
 
 
-def _broadcast(value: Any) -> Any:
+def _broadcast(value: Any, device: torch.device) -> Any:
     """Rank 0's value on every rank."""
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=dist.group.WORLD, device=device)
     return box[0]
 
 

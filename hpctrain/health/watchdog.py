@@ -2,10 +2,17 @@
 
 The loop calls `beat()` after every step. When no step completes within the limit (`health.hang_timeout_s`,
 or `health.hang_factor` x the median of recent step times if that is longer; `health.startup_timeout_s`
-before the first step), the watchdog dumps the Python stacks of all threads (faulthandler) and, on GPUs,
-PyTorch's NCCL flight recorder, writes a failure record and exits the process non-zero, so srun fails and
-the supervisor resubmits. A rank whose main thread is blocked inside torch.distributed is recorded as a
-"peer" failure: it is waiting for another rank, which is the one to blame.
+before the first step), the watchdog dumps the Python stacks of all threads (faulthandler) and torch's
+flight recorder, writes a failure record and exits the process non-zero, so srun fails and the supervisor
+resubmits. The limit stays below the collective timeout (`ceiling_s`): NCCL's own watchdog would otherwise
+end the process first, and leave no record.
+
+Who is to blame (`decide`): a rank waiting for another one is recorded as a "peer" failure. Under NCCL the
+stack cannot tell: collectives are asynchronous, so a rank waiting for a peer blocks in `.item()` or a CUDA
+sync with no torch.distributed frame on its stack. The flight recorder can: a collective of this rank that
+is enqueued but not finished ("scheduled"/"started", not retired) means some peer has not joined it yet; a
+rank with nothing in flight while its step is overdue is stuck itself. Under gloo collectives block the
+caller, so the main thread's stack still counts there (as it does when the recorder is off).
 
 A rank whose main thread is already failing (a peer went away, an error of its own) writes its own record:
 the loop calls `stand_down()` first, so the watchdog cannot fire half-way and call a failing rank hung.
@@ -16,31 +23,85 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import pickle
 import statistics
 import sys
 import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from hpctrain.train.failure import record_failure
 
 log = logging.getLogger(__name__)
 
 EXIT_HANG = 3
+FLIGHT_RECORDER_WAIT_S = 30.0  # a dump that queries a wedged GPU's events must not stop the record
+RECORDERS = {"nccl": "_dump_nccl_trace", "gloo": "_dump_fr_trace"}  # backend -> torch's dump function
+# hangs/<job>/nccl_trace_rank_<r> (and gloo_...): `python -m torch.distributed.flight_recorder.fr_trace
+# hangs/<job> -p nccl_trace_rank_` matches the collectives of all ranks.
+TRACE_SUFFIX = "_trace_rank_"
+PENDING = ("scheduled", "started")
+# Blocking calls on the main stack that mean "waiting for other ranks": every gloo collective and DDP's
+# reducer block the caller; under NCCL only c10d's host-side waits do (store barriers, object collectives).
+BLOCKING_FRAMES = ("torch/distributed", "torch/nn/parallel", "torch/autograd")
+NCCL_BLOCKING_FRAMES = ("torch/distributed/distributed_c10d.py",)
 
 
 class Hang(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Verdict:
+    peer: bool  # waiting for another rank: that rank is the one to blame
+    reason: str
+
+
+def pending_collectives(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """This rank's collectives that were enqueued and have not finished. gloo leaves finished entries in
+    state "scheduled" but retired; NCCL marks them "completed"."""
+    return [e for e in trace.get("entries") or [] if e.get("state") in PENDING and not e.get("retired")]
+
+
+def recorder_on(trace: dict[str, Any] | None) -> bool:
+    """The recorder saw collectives (with TORCH_FR_BUFFER_SIZE=0 it has no status and no entries)."""
+    return bool(trace and (trace.get("pg_status") or trace.get("entries")))
+
+
+def _describe(entry: dict[str, Any], now_ns: int) -> str:
+    name, desc = (list(entry.get("process_group") or ("?", "?")) + ["?"])[:2]
+    seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
+    age = (now_ns - int(entry.get("time_created_ns") or now_ns)) / 1e9
+    return f"{entry.get('profiling_name')} #{seq} of group {name} ({desc}), enqueued {age:.0f} s ago"
+
+
+def decide(trace: dict[str, Any] | None, main_stack: str, backend: str | None, now_ns: int) -> Verdict:
+    """Waiting for a peer, or stuck itself, from this rank's flight recorder (parsed `_dump_*_trace` pickle,
+    onlyActive or not) and its main thread's stack (rules in the module docstring)."""
+    if recorder_on(trace):
+        pending = pending_collectives(trace or {})
+        if pending:
+            oldest = min(pending, key=lambda e: int(e.get("time_created_ns") or 0))
+            return Verdict(True, f"waiting for another rank in {_describe(oldest, now_ns)}; "
+                                 f"{len(pending)} collective(s) in flight (flight recorder)")
+    nccl = "nccl" in (backend or "")
+    if any(frame in main_stack for frame in (NCCL_BLOCKING_FRAMES if nccl else BLOCKING_FRAMES)):
+        return Verdict(True, "waiting for another rank in torch.distributed (main thread's stack)")
+    source = "flight recorder and main thread's stack" if recorder_on(trace) else "main thread's stack"
+    return Verdict(False, f"stuck outside collectives: nothing in flight ({source})")
+
+
 class Watchdog:
     def __init__(self, run_dir: Path, job_id: str, rank: int, timeout_s: float, factor: float,
-                 startup_timeout_s: float, poll_s: float = 1.0) -> None:
+                 startup_timeout_s: float, poll_s: float = 1.0, ceiling_s: float = 0.0) -> None:
         self.run_dir, self.job_id, self.rank = run_dir, job_id, rank
         self.timeout_s, self.factor, self.startup_timeout_s = timeout_s, factor, startup_timeout_s
         self.poll_s = poll_s
+        self.ceiling_s = ceiling_s  # collective timeout - TIMEOUT_MARGIN_S; 0: none
         self.step = 0
         self.last = time.monotonic()
         self.recent: deque[float] = deque(maxlen=50)
@@ -61,8 +122,10 @@ class Watchdog:
 
     def limit(self) -> float:
         if not self.recent:
-            return self.startup_timeout_s
-        return max(self.timeout_s, self.factor * statistics.median(self.recent))
+            limit = self.startup_timeout_s
+        else:
+            limit = max(self.timeout_s, self.factor * statistics.median(self.recent))
+        return min(limit, self.ceiling_s) if self.ceiling_s > 0 else limit
 
     def stop(self) -> None:
         self._stop.set()
@@ -92,28 +155,82 @@ class Watchdog:
             f.write(f"rank {self.rank}: no step completed for {waited:.0f} s after step {self.step} "
                     f"(limit {self.limit():.0f} s)\n")
             faulthandler.dump_traceback(file=f, all_threads=True)
-        _dump_flight_recorder(directory, self.rank)
         main_stack = "".join(traceback.format_stack(sys._current_frames()[self._main.ident]))
-        # Blocked in a collective or in a backward that waits on one: waiting for another rank.
-        in_collective = any(p in main_stack for p in ("torch/distributed", "torch/nn/parallel", "torch/autograd"))
+        backend = _backend()
+        active = _bounded(lambda: _active_trace(backend))
+        verdict = decide(active, main_stack, backend, time.time_ns())
+        with open(dump, "a") as f:
+            f.write(f"\nverdict: {verdict.reason}\n")
         exc = Hang(f"no step completed in {waited:.0f} s after step {self.step} (limit {self.limit():.0f} s); "
-                   + ("waiting in a collective for another rank" if in_collective else "stuck outside collectives")
-                   + f"; stacks in {dump}")
-        record_failure(self.run_dir, self.job_id, self.rank, self.step + 1, exc, peer=in_collective)
+                   f"{verdict.reason}; stacks in {dump}")
+        record_failure(self.run_dir, self.job_id, self.rank, self.step + 1, exc, peer=verdict.peer)
         log.error("%s", exc)
+        _save_full_traces(directory, self.rank, backend)
         logging.shutdown()
         os._exit(EXIT_HANG)
 
 
-def _dump_flight_recorder(directory: Path, rank: int) -> None:
-    """PyTorch's NCCL flight recorder (the last collectives of each process group), when NCCL is in use."""
+def _backend() -> str | None:
+    """The default group's backend: "nccl", "gloo", or both ("cpu:gloo,cuda:nccl")."""
     try:
-        import torch
         import torch.distributed as dist
 
-        if not (torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"):
-            return
-        dump = torch._C._distributed_c10d._dump_nccl_trace()
-        (directory / f"rank{rank}.nccl_trace.pkl").write_bytes(dump)
-    except Exception as err:  # a diagnostic must never be the reason the dump fails
-        log.warning("could not dump the NCCL flight recorder: %s", err)
+        return str(dist.get_backend()) if dist.is_initialized() else None
+    except Exception:  # a diagnostic must never be the reason the dump fails
+        return None
+
+
+def _flight_recorder(kind: str, full: bool) -> bytes | None:
+    """One of this process's flight recorders as torch pickles it: NCCL's (a CUDA build) or the generic one
+    that gloo records into. `full`: every entry with its stack, for post-mortems; else only the collectives
+    not yet completed, without stacks (cheap)."""
+    import torch
+
+    dump = getattr(torch._C._distributed_c10d, RECORDERS[kind], None)
+    if dump is None:
+        return None
+    if full:
+        return dump()
+    return dump(includeCollectives=True, includeStackTraces=False, onlyActive=True)
+
+
+def _kinds(backend: str | None) -> list[str]:
+    return [kind for kind in RECORDERS if kind in (backend or "")]
+
+
+def merge_traces(traces: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """One trace from the NCCL and the gloo recorder of a "cpu:gloo,cuda:nccl" group."""
+    if not traces:
+        return None
+    status = {f"{i}/{k}": v for i, t in enumerate(traces) for k, v in (t.get("pg_status") or {}).items()}
+    return {"entries": [e for t in traces for e in t.get("entries") or []], "pg_status": status}
+
+
+def _active_trace(backend: str | None) -> dict[str, Any] | None:
+    raws = [_flight_recorder(kind, full=False) for kind in _kinds(backend)]
+    return merge_traces([pickle.loads(raw) for raw in raws if raw])  # torch's own pickles of this process
+
+
+def _save_full_traces(directory: Path, rank: int, backend: str | None) -> None:
+    for kind in _kinds(backend):
+        full = _bounded(lambda kind=kind: _flight_recorder(kind, full=True))
+        if full:
+            (directory / f"{kind}{TRACE_SUFFIX}{rank}").write_bytes(full)
+
+
+def _bounded(fn: Callable[[], Any], timeout_s: float = FLIGHT_RECORDER_WAIT_S) -> Any:
+    """fn() on a helper thread, or None when it fails or does not return in time."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except Exception as err:  # a diagnostic must never be the reason the dump fails
+            log.warning("could not read the flight recorder: %s", err)
+
+    helper = threading.Thread(target=run, name="hpctrain-flight-recorder", daemon=True)
+    helper.start()
+    helper.join(timeout_s)
+    if helper.is_alive():
+        log.warning("the flight recorder did not answer within %.0f s", timeout_s)
+    return box[0] if box else None

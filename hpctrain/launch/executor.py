@@ -60,6 +60,18 @@ def slurm_parameters(cfg: Any, layout: Layout, run_id: str, folder: Path) -> dic
     return params
 
 
+def local_parameters(cfg: Any, layout: Layout) -> dict[str, Any]:
+    """submitit's local executor parameters. With `cluster.gpu_type` a GPU, each task gets one GPU: submitit
+    sets CUDA_VISIBLE_DEVICES to the GPUs requested, and to nothing when none are, so without `gpus_per_node`
+    a GPU workstation would train on its CPUs (the checks warn when GPUs are visible and gpu_type=cpu)."""
+    c = cfg.cluster
+    params: dict[str, Any] = {"tasks_per_node": layout.gpus_per_node, "nodes": 1, "timeout_min": c.time_min,
+                              "signal_delay_s": c.signal_delay_s}
+    if c.gpu_type != "cpu":
+        params["gpus_per_node"] = layout.gpus_per_node
+    return params
+
+
 def sbatch_preview(cfg: Any, layout: Layout, run_id: str, folder: Path) -> str:
     """The sbatch script submitit's SlurmExecutor would write for this run."""
     from submitit.slurm.slurm import _make_sbatch_string
@@ -72,12 +84,7 @@ def build_executor(cfg: Any, layout: Layout, run_id: str, folder: Path) -> submi
     c = cfg.cluster
     if c.executor == Executor.local:
         executor = submitit.LocalExecutor(folder=folder)
-        executor.update_parameters(
-            tasks_per_node=layout.gpus_per_node,
-            nodes=1,
-            timeout_min=c.time_min,
-            signal_delay_s=c.signal_delay_s,
-        )
+        executor.update_parameters(**local_parameters(cfg, layout))
         return executor
     executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=c.max_num_timeout)
     executor.update_parameters(**slurm_parameters(cfg, layout, run_id, folder))

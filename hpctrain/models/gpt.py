@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.models.params import padded_vocab
+
 
 @dataclass(frozen=True)
 class GPTArgs:
@@ -33,6 +35,11 @@ class GPTArgs:
     ffn_hidden: int
     dropout: float = 0.0
     init_std: float = 0.02
+    padded_vocab: int = 0  # embedding rows (0: vocab_size); extra rows stay zero and are cut from the logits
+
+    @property
+    def embedding_rows(self) -> int:
+        return max(self.padded_vocab, self.vocab_size)
 
 
 def gpt_args(cfg: Any) -> GPTArgs:
@@ -47,6 +54,7 @@ def gpt_args(cfg: Any) -> GPTArgs:
         ffn_hidden=m.ffn_mult * m.d_model,
         dropout=m.dropout,
         init_std=m.init_std,
+        padded_vocab=padded_vocab(m.vocab_size, m.vocab_pad_multiple, cfg.parallel.tp),
     )
 
 
@@ -99,14 +107,17 @@ class GPT(nn.Module):
     def __init__(self, args: GPTArgs) -> None:
         super().__init__()
         self.args = args
-        self.tok_emb: nn.Embedding | None = nn.Embedding(args.vocab_size, args.d_model)
+        self.tok_emb: nn.Embedding | None = nn.Embedding(args.embedding_rows, args.d_model)
         self.pos_emb: nn.Embedding | None = nn.Embedding(args.seq_len, args.d_model)
         self.drop = nn.Dropout(args.dropout)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm_f: nn.LayerNorm | None = nn.LayerNorm(args.d_model)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (first stage) or hidden states [B, T, d] (later stages) -> logits or hidden."""
+        """tokens [B, T] (first stage) or hidden states [B, T, d] (later stages) -> logits or hidden.
+
+        The logits cover the padded vocabulary; `logits[..., :vocab_size]` are the real ones (the loss cuts
+        them there, after TP has gathered the vocabulary-sharded logits)."""
         h = tokens
         if self.pos_emb is not None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -143,6 +154,8 @@ class GPT(nn.Module):
             else:
                 scale = resid_std if name.endswith("proj.weight") else std
                 value = torch.randn(p.shape, generator=gen) * scale
+                if name == "tok_emb.weight":  # padding rows: never looked up, zero logits, zero gradient
+                    value[self.args.vocab_size:] = 0.0
             _assign(p, value)
 
 

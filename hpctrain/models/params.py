@@ -7,6 +7,18 @@ They match `sum(p.numel())` of `hpctrain.models.gpt.GPT` exactly (tested).
 from __future__ import annotations
 
 
+def padded_vocab(vocab_size: int, multiple: int, tp: int = 1) -> int:
+    """The embedding's row count: the vocabulary rounded up to a multiple of `multiple` x TP.
+
+    GPU matmuls run at full speed when the output dimension is a multiple of 64 (tensor-core tiles), and each
+    TP rank then holds an equal, aligned slice of the vocabulary (Megatron's make-vocab-size-divisible-by).
+    The extra rows are never looked up and their logits are cut off before the loss: the loss is the
+    unpadded model's. `multiple` <= 1 disables padding.
+    """
+    step = max(1, multiple) * max(1, tp) if multiple > 1 else 1
+    return -(-vocab_size // step) * step
+
+
 def ffn_hidden_size(d_model: int, ffn_mult: int = 4) -> int:
     return ffn_mult * d_model
 

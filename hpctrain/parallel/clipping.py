@@ -1,10 +1,16 @@
-"""Global gradient norm and clipping across every parallel dim (DP, FSDP, TP, PP).
+"""Global gradient norm and clipping across every parallel dim (DP, FSDP, TP, PP), with no collective of its own.
 
 Stock `clip_grad_norm_` fails on TP without sequence parallelism (plain and DTensor gradients mixed) and on
-FSDP + TP (DTensors on different meshes), and knows nothing of pipeline stages. Here gradients are grouped by
-(mesh, placements): a group's squared norm is summed locally, then all-reduced over exactly the mesh dims its
-gradients are sharded on (replicated dims hold copies and must not be counted twice). The per-stage total is
-then summed over the pipeline group, where each rank holds different layers.
+FSDP + TP (DTensors on different meshes), knows nothing of pipeline stages, and issues one all-reduce per mesh
+dim plus a host sync. Here each rank computes its *share* of the squared norm: every local gradient (shard)
+divided by the number of ranks of its pipeline stage that hold the very same values (replicas over DP, copies
+over TP). Summed over all ranks, the shares give the squared norm of every parameter counted exactly once, so
+the engine adds the share to the one all-reduce it does every step anyway (with the loss and the control
+flags) on its own device. That also works when the gradients live on the CPU (FSDP2 offload) while the groups
+are NCCL: the share is moved to the engine's device before any collective sees it.
+
+Gradients that TP leaves `Partial` (sequence-parallel LayerNorm weights: each rank saw its sequence slice)
+are reduced first, bucketed: one all-reduce per (mesh, placements) group, not one per parameter.
 """
 
 from __future__ import annotations
@@ -15,45 +21,67 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 
-def _squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    norms = torch._foreach_norm([t.float() if t.dtype != torch.float32 else t for t in tensors], 2.0)
-    return torch.stack(norms).pow(2).sum()
+def reduce_partial_grads_(params: Iterable[torch.Tensor]) -> None:
+    """Sum TP-partial gradients over their mesh dims, one flat all-reduce per (mesh, placements) group."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+            groups[(g.device_mesh, tuple(g.placements), g.dtype)].append(p)
+    for (mesh, placements, _), members in groups.items():
+        locals_ = [p.grad.to_local() for p in members]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for dim, pl in enumerate(placements):
+            if isinstance(pl, Partial):
+                op = dist.ReduceOp.AVG if pl.reduce_op == "avg" else dist.ReduceOp.SUM
+                dist.all_reduce(flat, op=op, group=mesh.get_group(dim))
+        reduced = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
+        for p, local, chunk in zip(members, locals_, flat.split([t.numel() for t in locals_])):
+            p.grad = DTensor.from_local(chunk.view_as(local), mesh, reduced, run_check=False,
+                                        shape=p.grad.shape, stride=p.grad.stride())
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """L2 norm of all gradients of the model (every rank gets the same value, as a 0-d fp32 tensor).
+def copies(grad: torch.Tensor, ranks_per_stage: int) -> int:
+    """How many ranks of one pipeline stage hold exactly this local gradient."""
+    if not isinstance(grad, DTensor):
+        return ranks_per_stage
+    shards = math.prod(grad.device_mesh.size(d) for d, pl in enumerate(grad.placements) if not pl.is_replicate())
+    return ranks_per_stage // shards
+
+
+def squared_norm_share(params: Iterable[torch.Tensor], ranks_per_stage: int, device: torch.device) -> torch.Tensor:
+    """This rank's share of the global squared gradient norm, as a 0-d float64 tensor on `device`.
 
     `params` are this rank's parameters, each counted once per pipeline stage (a tied weight held by two
-    stages must be passed by one only).
+    stages must be passed by one only); Partial gradients must have been reduced (`reduce_partial_grads_`).
     """
-    plain: list[torch.Tensor] = []
-    groups: dict[tuple[DeviceMesh, tuple], list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple[int, torch.device], list[torch.Tensor]] = defaultdict(list)
     for p in params:
         g = p.grad
         if g is None:
             continue
-        if isinstance(g, DTensor):
-            if any(isinstance(pl, Partial) for pl in g.placements):
-                g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl
-                                               for pl in g.placements])
-            groups[(g.device_mesh, tuple(g.placements))].append(g.to_local())
-        else:
-            plain.append(g)
-    device = next((locals_[0].device for locals_ in groups.values()), torch.device("cpu"))
-    total = _squared_norm(plain) if plain else torch.zeros((), device=device)
-    for (mesh, placements), locals_ in groups.items():
-        sq = _squared_norm(locals_).to(total.device)
-        for dim, placement in enumerate(placements):
-            if not placement.is_replicate() and mesh.size(dim) > 1:  # Shard or _StridedShard
-                dist.all_reduce(sq, group=mesh.get_group(dim))
-        total = total + sq
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
+        local = g.to_local() if isinstance(g, DTensor) else g
+        groups[(copies(g, ranks_per_stage), local.device)].append(local)
+    share = torch.zeros((), dtype=torch.float64, device=device)
+    for (count, _), tensors in groups.items():
+        norms = torch._foreach_norm([t if t.dtype == torch.float32 else t.float() for t in tensors], 2.0)
+        share += torch.stack(norms).double().pow(2).sum().to(device, non_blocking=True) / count
+    return share
+
+
+def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
+    """Multiply every gradient by `factor` in place: one foreach kernel per (device, dtype), not one per tensor."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            groups[(local.device, local.dtype)].append(local)
+    with torch.no_grad():
+        for tensors in groups.values():
+            torch._foreach_mul_(tensors, factor)
 
 
 def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> None:
@@ -61,8 +89,5 @@ def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: flo
     if max_norm <= 0 or not math.isfinite(total_norm):
         return
     coef = max_norm / (total_norm + 1e-6)
-    if coef >= 1.0:
-        return
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
+    if coef < 1.0:
+        scale_grads_(params, coef)

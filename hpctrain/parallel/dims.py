@@ -31,6 +31,7 @@ class ParallelDims:
     pp: int
     virtual_stages: int
     world_size: int
+    device_type: str = "cpu"  # the engine's device ("cuda" on GPUs): the mesh's tensors live there
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "virtual_stages", "world_size"):
@@ -47,12 +48,13 @@ class ParallelDims:
                                     "set parallel.pp>1 or parallel.virtual_stages=1")
 
     @classmethod
-    def from_layout(cls, layout: Layout, world_size: int) -> ParallelDims:
+    def from_layout(cls, layout: Layout, world_size: int, device_type: str = "cpu") -> ParallelDims:
         if layout.dp % layout.dp_replicate:
             raise ParallelDimsError(f"dp={layout.dp} is not divisible by parallel.dp_replicate="
                                     f"{layout.dp_replicate}: use a dp_replicate that divides dp")
         return cls(dp_replicate=layout.dp_replicate, dp_shard=layout.dp // layout.dp_replicate, tp=layout.tp,
-                   pp=layout.pp, virtual_stages=layout.virtual_stages, world_size=world_size)
+                   pp=layout.pp, virtual_stages=layout.virtual_stages, world_size=world_size,
+                   device_type=device_type)
 
     @property
     def dp(self) -> int:
@@ -69,11 +71,13 @@ class ParallelDims:
 
     @cached_property
     def mesh(self) -> DeviceMesh:
-        """The world mesh; built on first use (a collective: every rank must ask for it)."""
+        """The world mesh; built on first use (a collective: every rank must ask for it).
+
+        Its device type is the engine's device, never guessed from the backend's name (a default group
+        created as "cpu:gloo,cuda:nccl" is not called "nccl")."""
         if not dist.is_initialized():
             raise RuntimeError("a device mesh needs torch.distributed to be initialised")
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+        return init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=MESH_DIMS)
 
     @cached_property

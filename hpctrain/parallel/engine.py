@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from hpctrain.config.layout import Layout
 from hpctrain.models.gpt import GPT, gpt_args
-from hpctrain.parallel.clipping import clip_grads_, global_grad_norm
+from hpctrain.parallel.clipping import clip_grads_, reduce_partial_grads_, squared_norm_share
 from hpctrain.parallel.data_parallel import (
     apply_ddp,
     apply_fsdp,
@@ -57,6 +57,7 @@ class StepStats:
     grad_norm: float  # global gradient norm before clipping, over all parallel dims
     skipped: bool = False  # fp16: a gradient overflowed, the step was skipped and the loss scale halved
     loss_scale: float = 1.0  # the scale this step's loss was multiplied by (1.0 without loss scaling)
+    control: list[float] = field(default_factory=list)  # the caller's control values, summed over all ranks
 
 
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
@@ -111,17 +112,25 @@ def param_groups(params: Any, cfg: Any) -> list[dict[str, Any]]:
     return groups
 
 
-def optimizer_defaults(cfg: Any) -> dict[str, Any]:
+def optimizer_defaults(cfg: Any, device_type: str = "cpu") -> dict[str, Any]:
+    """AdamW's settings; on GPUs the fused kernel (one launch for all parameters instead of a foreach
+    chain of about a dozen), on the CPU torch's default (foreach), whose results the CPU tests pin."""
     o = cfg.optim
-    return dict(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps)
+    fused = {"fused": True} if device_type == "cuda" else {}
+    return dict(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, **fused)
 
 
 def build_optimizer(params: Any, cfg: Any) -> torch.optim.Optimizer:
-    """AdamW (GPT-3's optimizer)."""
-    return torch.optim.AdamW(param_groups(params, cfg), **optimizer_defaults(cfg))
+    """AdamW (GPT-3's optimizer), fused when every parameter is on a GPU (FSDP2 offload keeps them on the CPU)."""
+    params = list(params)
+    device_type = "cuda" if params and all(p.device.type == "cuda" for p in params) else "cpu"
+    return torch.optim.AdamW(param_groups(params, cfg), **optimizer_defaults(cfg, device_type))
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy over the real vocabulary: the padding columns of the logits are cut off first."""
+    if vocab_size is not None and logits.shape[-1] > vocab_size:
+        logits = logits[..., :vocab_size]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
@@ -133,7 +142,7 @@ class Engine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world != layout.world_size and world > 1:
             raise ValueError(f"the process group has {world} ranks, the layout {layout.world_size}")
-        self.dims = ParallelDims.from_layout(layout, world)
+        self.dims = ParallelDims.from_layout(layout, world, device.type)
         dims = self.dims
         self.dp_rank, self.dp_size = dims.dp_rank, dims.dp
         # Dropout masks: different per DP rank, the same on TP peers (their replicated regions must agree).
@@ -173,6 +182,9 @@ class Engine:
                       for part, sid in zip(self.model_parts, self.stage_ids)]
             self.schedule = build_schedule(stages, cfg.parallel.schedule, layout.microbatches, self._pipeline_loss)
         self._embedding_group = self._tied_embedding_group() if dims.pp > 1 else None
+        self.vocab_size = int(cfg.model.vocab_size)
+        self.ranks_per_stage = dims.world_size // dims.pp
+        self._host_batches: torch.Tensor | None = None  # reused (pinned on GPUs) staging buffer for batches
         self.steps_done = 0
         self.last_good_step = 0
 
@@ -204,7 +216,7 @@ class Engine:
     def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
         if self.zero1:
             return zero1_optimizer(param_groups(part.parameters(), self.cfg), self.dims.dp_mesh,
-                                   torch.optim.AdamW, optimizer_defaults(self.cfg))
+                                   torch.optim.AdamW, optimizer_defaults(self.cfg, self.device.type))
         return build_optimizer(part.parameters(), self.cfg)
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
@@ -226,20 +238,27 @@ class Engine:
 
     # ---- one optimizer step -------------------------------------------------------------------------------
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> StepStats:
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float,
+             control: list[float] | tuple[float, ...] = ()) -> StepStats:
+        """One optimizer step over this rank's microbatches.
+
+        `control` rides along with the step's only reduction over all ranks (loss and gradient norm share
+        one small float64 tensor on this rank's device): StepStats.control holds its sum over every rank.
+        That is the whole per-step control plane: stop signals, checkpoint agreement and health probes
+        cost no collective of their own."""
         for opt in self.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr
         scale = self.scaler.scale
+        inputs, targets = self._to_device(batches)
         if self.schedule is not None:
-            local_loss = self._pipeline_step(batches, scale)
+            local_loss = self._pipeline_step(inputs, targets, scale)
         else:
-            local_loss = self._accumulate(batches)
+            local_loss = self._accumulate(inputs, targets)
         self._sync_tied_embeddings()
         params = [p for part in self.model_parts for p in part.parameters()]
         self.scaler.unscale_(params)
-        grad_norm = global_grad_norm(self._norm_params(), self.pp_group).item()
-        loss = self._global_loss(local_loss)
+        loss, grad_norm, agreed = self._reduce(local_loss, control)
         self.steps_done += 1
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if not finite and not self.scaler.enabled:
@@ -254,18 +273,32 @@ class Engine:
         self._zero_grad()
         if finite:
             self.last_good_step = self.steps_done
-        return StepStats(loss=loss, grad_norm=grad_norm, skipped=not finite, loss_scale=scale)
+        return StepStats(loss=loss, grad_norm=grad_norm, skipped=not finite, loss_scale=scale, control=agreed)
 
-    def _accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def _to_device(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """All microbatches in one host buffer (pinned on GPUs) and one asynchronous copy to the device.
+
+        Returns [microbatches, micro_batch, seq] inputs and targets. The buffer is reused: by the next step
+        the previous copy has finished (the step's reduction synchronises the host)."""
+        shape = (2, len(batches), *batches[0][0].shape)
+        if self._host_batches is None or self._host_batches.shape != shape:
+            self._host_batches = torch.empty(shape, dtype=batches[0][0].dtype,
+                                             pin_memory=self.device.type == "cuda")
+        torch.stack([torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches])],
+                    out=self._host_batches)
+        both = self._host_batches.to(self.device, non_blocking=True)
+        return both[0], both[1]
+
+    def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         model = self.model_parts[0]
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(batches):
-            last = i == len(batches) - 1
-            with self._grad_sync(model, last), autocast(self.cfg, self.device, not self.fsdp):
-                loss = token_loss(model(x.to(self.device)), y.to(self.device))
-            self.scaler.scale_loss(loss / len(batches)).backward()
+        n = inputs.shape[0]
+        for i in range(n):
+            with self._grad_sync(model, i == n - 1), autocast(self.cfg, self.device, not self.fsdp):
+                loss = token_loss(model(inputs[i]), targets[i], self.vocab_size)
+            self.scaler.scale_loss(loss / n).backward()
             total += loss.detach()
-        return total / len(batches)
+        return total / n
 
     def _grad_sync(self, model: nn.Module, last: bool) -> Any:
         """Reduce gradients only after the last accumulation microbatch."""
@@ -276,12 +309,11 @@ class Engine:
         return contextlib.nullcontext()
 
     def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(token_loss(output, target))
+        return self.scaler.scale_loss(token_loss(output, target, self.vocab_size))
 
-    def _pipeline_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
         """All microbatches through the pipeline in one schedule step; the loss lives on the last stage."""
-        x = torch.cat([b[0] for b in batches]).to(self.device)
-        y = torch.cat([b[1] for b in batches]).to(self.device)
+        x, y = inputs.flatten(0, 1), targets.flatten(0, 1)
         args = (x,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = dict(target=y, losses=losses) if self.has_last else {}
@@ -310,13 +342,22 @@ class Engine:
         return [p for g in self.gpts for name, p in g.named_parameters()
                 if not (name == "tok_emb.weight" and g.pos_emb is None)]
 
-    def _global_loss(self, local_loss: torch.Tensor) -> float:
-        """Mean over the global batch, on every rank: the last-stage ranks' losses averaged over DP (x TP copies)."""
-        if not self.dims.distributed:
-            return local_loss.item()
-        total = local_loss.detach().clone() if self.has_last else torch.zeros((), device=self.device)
-        dist.all_reduce(total)
-        return total.item() / (self.dims.dp * self.dims.tp)
+    def _reduce(self, local_loss: torch.Tensor, control: list[float] | tuple[float, ...]) -> tuple[float, float, list[float]]:
+        """The step's one reduction over all ranks and its one host sync: [loss, squared-norm share,
+        *control] summed on the default group, in float64 on this rank's device.
+
+        The loss is the mean over the global batch: the last-stage ranks' losses averaged over DP (x TP copies)."""
+        reduce_partial_grads_(p for part in self.model_parts for p in part.parameters())
+        share = squared_norm_share(self._norm_params(), self.ranks_per_stage, self.device)
+        loss = local_loss.detach().double() if self.has_last else torch.zeros((), dtype=torch.float64,
+                                                                             device=self.device)
+        values = torch.cat([torch.stack([loss, share]),
+                            torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True)])
+        if self.dims.distributed:
+            dist.all_reduce(values)
+        total_loss, squared_norm, *agreed = values.tolist()
+        copies = self.dims.dp * self.dims.tp if self.dims.distributed else 1
+        return total_loss / copies, math.sqrt(squared_norm) if squared_norm >= 0 else math.nan, agreed
 
     def _zero_grad(self) -> None:
         for opt in self.optimizers:

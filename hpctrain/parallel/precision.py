@@ -15,6 +15,8 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from hpctrain.parallel.clipping import scale_grads_
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -29,6 +31,15 @@ def compute_dtype(cfg: Any) -> torch.dtype:
 
 def reduce_dtype(cfg: Any) -> torch.dtype:
     return DTYPES[enum_value(cfg.precision.reduce_dtype)]
+
+
+def configure_device_math(tf32: bool, device: torch.device) -> None:
+    """TF32 tensor cores for fp32 matmuls and convolutions on GPUs (torch leaves matmuls at full fp32 by
+    default: 8x slower on an A100/H100 for a 10-bit mantissa the training loss cannot tell apart)."""
+    if device.type != "cuda":
+        return
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    torch.backends.cudnn.allow_tf32 = tf32
 
 
 def fsdp_mp_policy(cfg: Any) -> MixedPrecisionPolicy:
@@ -80,12 +91,9 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
 
-    @torch.no_grad()
     def unscale_(self, params: list[torch.Tensor]) -> None:
         if self.enabled:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(1.0 / self.scale)
+            scale_grads_(params, 1.0 / self.scale)
 
     def update(self, overflow: bool) -> None:
         if not self.enabled:

@@ -27,9 +27,11 @@ class Estimates:
 
 
 def model_shape(cfg: Any) -> ModelShape:
+    """The config's model: tokenizer vocabulary, padded per TP as hpctrain.models.gpt builds it, and its dropout."""
     m = cfg.model
     return ModelShape(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=cfg.train.seq_len,
-                      vocab_size=m.vocab_size, ffn_hidden=m.ffn_mult * m.d_model)
+                      vocab_size=m.vocab_size, ffn_hidden=m.ffn_mult * m.d_model,
+                      vocab_pad_multiple=m.vocab_pad_multiple, dropout=m.dropout)
 
 
 def plan_layout(cfg: Any, lay: ConfigLayout) -> Layout:
@@ -56,7 +58,7 @@ def estimate(cfg: Any, lay: ConfigLayout) -> Estimates:
         model=model, layout=layout, hw=hw,
         memory=memory_per_gpu(model, layout, hw),
         step=estimate_step(model, layout, hw),
-        flops_per_iteration=flops_per_iteration(model, layout.global_batch, layout.recompute),
+        flops_per_iteration=flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp),
     )
 
 
@@ -67,6 +69,7 @@ def as_json(est: Estimates) -> dict[str, Any]:
                                  "activations": mem.activations, "total": mem.total,
                                  "cpu_offload": mem.cpu_offload_bytes, "usable": mem.usable,
                                  "fits": mem.fits, "pipeline_stage": mem.stage},
+        "memory_parts_bytes": [{"kind": p.kind, "name": p.name, "bytes": p.bytes, "cpu": p.cpu} for p in mem.parts],
         "flops_per_iteration": est.flops_per_iteration,
         "est_step_time_s": st.step_time_s,
         "est_tokens_per_s": st.tokens_per_s,
@@ -86,10 +89,14 @@ def table_lines(est: Estimates) -> list[str]:
     bar_total = max(mem.total, mem.usable)
     lines = [f"per-GPU memory (most loaded GPU: pipeline stage {mem.stage}; {hw.name}, "
              f"{hw.gpu_mem_bytes / g:.0f} GiB, {mem.usable / g:.1f} GiB usable after the reserve)"]
-    for name, value in (("parameters", mem.params), ("gradients", mem.grads), ("optimizer", mem.optimizer),
-                        ("activations", mem.activations), ("total", mem.total)):
+    columns = (("parameters", "params", mem.params), ("gradients", "grads", mem.grads),
+               ("optimizer", "optimizer", mem.optimizer), ("activations", "activations", mem.activations),
+               ("total", "", mem.total))
+    for name, kind, value in columns:
         bar = "#" * round(30 * value / bar_total) if bar_total else ""
         lines.append(f"  {name:<12} {value / g:9.2f} GiB  {bar}")
+        lines += [f"  {'':<12} {p.bytes / g:9.2f} GiB    {p.name}" + (" (host memory)" if p.cpu else "")
+                  for p in mem.parts if p.kind == kind]
     verdict = "fits" if mem.fits else "DOES NOT FIT"
     lines.append(f"  {verdict}: headroom {mem.headroom / g:.2f} GiB"
                  + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU memory" if mem.cpu_offload_bytes else ""))

@@ -38,11 +38,14 @@ def attention_core_flops(tokens: float, seq_len: int, d_model: int) -> float:
     return 4 * tokens * seq_len * d_model
 
 
-def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full") -> float:
-    """Hardware FLOPs of one training iteration (all GPUs together), Narayanan 2021 eq. (3) generalised."""
+def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full", tp: int = 1) -> float:
+    """Hardware FLOPs of one training iteration (all GPUs together), Narayanan 2021 eq. (3) generalised.
+
+    The logit layer multiplies by the embedding as built: its rows padded for TP (ModelShape.vocab_rows).
+    """
     tokens = global_batch * model.seq_len
     layer_fwd = layer_forward_flops(tokens, model.seq_len, model.d_model, model.ffn)
-    logits_fwd = 2 * tokens * model.d_model * model.vocab_size
+    logits_fwd = 2 * tokens * model.d_model * model.vocab_rows(tp)
     if recompute == "none":
         layer_passes = 3.0 * layer_fwd
     elif recompute == "selective":
@@ -61,7 +64,9 @@ def narayanan_flops(batch: int, seq_len: int, n_layers: int, d_model: int, vocab
 
 
 def model_flops_per_token(model: ModelShape) -> float:
-    """MFU's numerator per token: 6 N + 12 l s h (PaLM appendix B), no recomputation counted."""
+    """MFU's numerator per token: 6 N + 12 l s h (PaLM appendix B), no recomputation counted.
+
+    N is the model's own parameter count (ModelShape.params): vocabulary padding is not useful work."""
     return 6 * model.params + 12 * model.n_layers * model.seq_len * model.d_model
 
 
@@ -71,7 +76,7 @@ def mfu(tokens_per_s: float, model: ModelShape, n_gpus: int, peak_flops: float) 
 
 
 def training_time_s(model: ModelShape, tokens: float, global_batch: int, n_gpus: int, flops_per_gpu: float,
-                    recompute: str = "full") -> float:
+                    recompute: str = "full", tp: int = 1) -> float:
     """End-to-end time for `tokens` at an achieved per-GPU (hardware) FLOP/s (Narayanan 2021 sec. 5.1: ~8TP/(nX))."""
     iterations = tokens / (global_batch * model.seq_len)
-    return iterations * flops_per_iteration(model, global_batch, recompute) / (n_gpus * flops_per_gpu)
+    return iterations * flops_per_iteration(model, global_batch, recompute, tp) / (n_gpus * flops_per_gpu)

@@ -1,38 +1,21 @@
-"""Per-GPU memory of a layout: model states (ZeRO paper) plus activations (Korthikanti et al. 2022).
+"""Per-GPU memory of a layout as hpctrain runs it: model states plus activations, on the most loaded GPU.
 
-Model states, Rajbhandari et al. 2020 ("ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", sec. 3.1): mixed-precision Adam holds 2 bytes/param of fp16/bf16 weights, 2 of gradients and
-K = 12 of optimizer state (fp32 master weights, momentum, variance): 16 bytes/param, not the 8 that a
-"weights + Adam" shortcut suggests. Pure fp32 training holds 4 + 4 + 8. ZeRO stage 1 shards the
-optimizer state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3 also the
-weights. (Megatron keeps an extra fp32 main-gradient buffer, 4 more bytes/param: pass grad_bytes=4
-to model it.)
+Model states: states.py (the ZeRO paper's accounting, Rajbhandari et al. 2020, and what torch's DDP,
+ZeroRedundancyOptimizer and FSDP2 hold for hpctrain: fp32 master parameters, autocast or FSDP2 working copies,
+unsharded accumulated gradients). Activations: activations.py (Korthikanti et al. 2022, adapted to what
+hpctrain's model saves: SDPA flash attention, dropout masks only with dropout > 0, DTensor sequence
+parallelism, the selective-recompute policy of hpctrain.parallel.recompute).
 
-Activations, Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", sec. 4), bytes per transformer layer per micro-batch with 16-bit activations, sequence s,
-micro-batch b, hidden h, a heads, tensor-parallel size t:
-    no parallelism              s b h (34 + 5 a s / h)
-    tensor parallel             s b h (10 + 24 / t + 5 a s / (h t))
-    tensor + sequence parallel  s b h / t (34 + 5 a s / h)
-    selective recompute (+SP)   34 s b h / t          (attention scores recomputed)
-    full recompute              2 s b h  (/t with SP) (only each layer's input is kept)
-For an MLP width f other than 4h, "24" becomes 8 + 4 f / h and "34" becomes 18 + 4 f / h.
-fp32 activations are approximated by doubling. Recomputation also needs, transiently, what it
-recomputes for one layer: all of one layer's activations (full) or its attention scores (selective).
+In-flight micro-batches multiply a stage's layer activations (activations.inflight_microbatches). The first
+stage adds the embedding dropout mask (s b h bytes per in-flight micro-batch, when dropout > 0; the embedding
+sum stays replicated over TP). The last stage adds the final LayerNorm input (/t with SP), the output head's
+input (gathered, whole on each TP rank) and the logits and loss (activations.logits_bytes: full padded
+vocabulary on every TP rank, fp32 copies and gradients).
 
-In-flight micro-batches (how many micro-batches' activations a stage holds at its peak):
-GPipe holds all m; 1F1B holds min(p - i, m) on stage i, so the first stage holds p; the interleaved
-schedule holds p + (p - 1)/v stage-equivalents on the first stage, i.e. the whole model's layers times
-(1 + (p - 1)/(p v)) (Korthikanti sec. 4.2.3, from Megatron's warm-up count 2(p - i - 1) + (v - 1) p);
-ZB-H2 about 2p - 1; ZB-V p on every stage (its V shape balances memory); looped BFS, like GPipe, all m
-(the zero-bubble interleaved schedule is counted like interleaved 1F1B). Embeddings add the embedding dropout mask (s b h bytes per in-flight micro-batch,
-/t with SP) on the first stage; the last stage adds 4 s b h / t (1 + V / h): final LayerNorm and output
-projection inputs plus fp32 logits.
-
-The layout's weights live where it puts them: layers split evenly over pipeline stages and their
-matrices over TP ranks (biases of row-parallel layers and LayerNorms are replicated); the word
-embedding is vocab-parallel on the first stage and, tied or not, a copy on the last stage
-(Megatron). We evaluate the first and the last stage and report the more loaded GPU.
+The layout's weights live where it puts them: layers split evenly over pipeline stages and their matrices over
+TP ranks (biases of row-parallel layers and LayerNorms are replicated); the word embedding, with its rows
+padded for TP (ModelShape.vocab_rows), is vocab-parallel on the first stage and, tied or not, a copy on the
+last stage (Megatron). We evaluate the first and the last stage and report the more loaded GPU.
 
 Headroom: CUDA context, NCCL buffers and allocator fragmentation take memory the formulas don't see;
 `reserve_fraction` (10% by default) of the GPU is set aside for them and `fits` compares against the rest.
@@ -44,48 +27,31 @@ import math
 from dataclasses import dataclass
 
 from hpctrain.models.params import layer_params
+from hpctrain.plan.activations import (
+    activation_bytes_per_layer,
+    inflight_microbatches,
+    korthikanti_bytes_per_layer,
+    logits_bytes,
+    logits_inflight,
+)
+from hpctrain.plan.states import (
+    FP32_BYTES,
+    MIXED_PRECISION_BYTES,
+    ModelStates,
+    Part,
+    bytes_per_param,
+    data_parallel_kind,
+    hpctrain_state_parts,
+    zero_model_states,
+)
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
-MIXED_PRECISION_BYTES = (2, 2, 12)  # (params, grads, optimizer K) per param, ZeRO paper sec. 3.1
-FP32_BYTES = (4, 4, 8)
-
-
-@dataclass(frozen=True)
-class ModelStates:
-    """Bytes of weights, gradients and optimizer state on one GPU."""
-
-    params: float
-    grads: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-
-def bytes_per_param(dtype: str = "bf16", grad_bytes: int | None = None, k: int | None = None) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer) bytes per parameter for Adam in this dtype."""
-    p, g, opt = FP32_BYTES if dtype == "fp32" else MIXED_PRECISION_BYTES
-    return p, (g if grad_bytes is None else grad_bytes), (opt if k is None else k)
-
-
-def zero_model_states(
-    n_params: float,
-    dp: int,
-    zero_stage: int,
-    dtype: str = "bf16",
-    grad_bytes: int | None = None,
-    k: int | None = None,
-) -> ModelStates:
-    """Model-state bytes per GPU for n_params replicated over dp ranks under a ZeRO stage (ZeRO Fig. 1)."""
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError("zero_stage must be 0..3")
-    p, g, opt = bytes_per_param(dtype, grad_bytes, k)
-    return ModelStates(
-        params=p * n_params / (dp if zero_stage >= 3 else 1),
-        grads=g * n_params / (dp if zero_stage >= 2 else 1),
-        optimizer=opt * n_params / (dp if zero_stage >= 1 else 1),
-    )
+__all__ = [
+    "FP32_BYTES", "MIXED_PRECISION_BYTES", "MemoryBreakdown", "ModelStates", "Part", "activation_bytes_per_layer",
+    "bytes_per_param", "inflight_microbatches", "korthikanti_bytes_per_layer", "layer_activation_bytes",
+    "layer_params_per_gpu", "layers_on_stage", "memory_per_gpu", "stage_activation_bytes",
+    "stage_activation_parts", "stage_params_per_gpu", "zero_model_states",
+]
 
 
 # ---------------------------------------------------------------- where the parameters live
@@ -104,8 +70,8 @@ def layers_on_stage(model: ModelShape, pp: int) -> int:
 
 
 def stage_params_per_gpu(model: ModelShape, tp: int, pp: int, stage: int) -> float:
-    """Parameters one GPU of pipeline stage `stage` holds (its TP shard)."""
-    h, v = model.d_model, model.vocab_size
+    """Parameters one GPU of pipeline stage `stage` holds (its TP shard), padding rows of the embedding included."""
+    h, v = model.d_model, model.vocab_rows(tp)
     n = layers_on_stage(model, pp) * layer_params_per_gpu(model, tp)
     if stage == 0:
         n += v * h / tp + model.seq_len * h  # vocab-parallel word embedding, replicated positions
@@ -119,78 +85,58 @@ def stage_params_per_gpu(model: ModelShape, tp: int, pp: int, stage: int) -> flo
 # ---------------------------------------------------------------- activations
 
 
-def activation_bytes_per_layer(
-    seq_len: int,
-    micro_batch: int,
-    d_model: int,
-    n_heads: int,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    ffn_hidden: int | None = None,
-) -> float:
-    """Korthikanti et al. 2022 eq. 1-2 and sec. 4: stored activation bytes of one layer, one micro-batch."""
-    s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
-    f = ffn_hidden if ffn_hidden is not None else 4 * h
-    split = 8 + 4 * f / h  # Q, K, V, projection input, MLP inner activations: split by TP (24 for f = 4h)
-    replicated = 10  # LayerNorm inputs, QKV and MLP inputs, dropout masks: split only by SP
-    scores = 5 * a * s / h  # attention scores, softmax output, its dropout mask
-    sbh = s * b * h
-    if recompute == "full":
-        return 2 * sbh / (t if sequence_parallel else 1)
-    if recompute == "selective":
-        scores = 0.0
-    elif recompute != "none":
-        raise ValueError(f"unknown recompute {recompute!r}")
-    if sequence_parallel:
-        return sbh / t * (replicated + split + scores)
-    return sbh * (replicated + (split + scores) / t)
+def autocast_forward(layout: Layout) -> bool:
+    """Forward runs under torch.autocast (no FSDP2 mixed-precision policy): 16-bit compute without FSDP2."""
+    return layout.compute_bytes < 4 and data_parallel_kind(layout) in ("none", "ddp")
+
+
+def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | None = None) -> float:
+    """One layer's stored activations for one micro-batch of `layout` (activations.py), in its dtype."""
+    scale = layout.compute_bytes / 2
+    return scale * activation_bytes_per_layer(
+        model.seq_len, layout.micro_batch, model.d_model, model.n_heads, layout.tp, layout.sequence_parallel,
+        recompute or layout.recompute, model.ffn, dropout=model.dropout > 0,
+        fp32_residual=autocast_forward(layout))
 
 
 def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:
-    """Extra memory while one layer is recomputed in the backward pass (nothing without recompute)."""
-    s, b, h, a, t = model.seq_len, layout.micro_batch, model.d_model, model.n_heads, layout.tp
-    scale = layout.compute_bytes / 2
-    if layout.recompute == "full":
-        return scale * activation_bytes_per_layer(s, b, h, a, t, layout.sequence_parallel, "none", model.ffn)
-    if layout.recompute == "selective":
-        return scale * 5 * a * s * s * b / t
-    return 0.0
+    """Extra memory while one layer is recomputed in backward: what it regenerates (nothing without recompute)."""
+    if layout.recompute == "none":
+        return 0.0
+    return max(layer_activation_bytes(model, layout, "none") - layer_activation_bytes(model, layout), 0.0)
 
 
-def inflight_microbatches(pp: int, microbatches: int, virtual_stages: int, schedule: str, stage: int = 0) -> float:
-    """Micro-batches whose activations stage `stage` holds at its peak, in units of a whole stage's layers."""
-    m, p, v = microbatches, pp, virtual_stages
-    if p == 1:
-        return 1.0  # gradient accumulation runs micro-batches one after another
-    if schedule in ("gpipe", "looped_bfs"):
-        return float(m)
-    if schedule in ("1f1b", "zb_h1"):
-        return float(min(p - stage, m))
-    if schedule == "zb_h2":
-        return float(min(2 * (p - stage) - 1, m))
-    if schedule == "zbv":
-        return float(min(p, m))
-    # interleaved: Megatron warms up 2 (p - i - 1) + (v - 1) p model-chunk micro-batches, plus the one in flight
-    chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
-    return min(chunks / v, float(m))
+def _head_bytes(model: ModelShape, layout: Layout) -> float:
+    """Last stage: final LayerNorm input, the head's gathered input, logits and loss (activations.logits_bytes)."""
+    s, b, h, c = model.seq_len, layout.micro_batch, model.d_model, layout.compute_bytes
+    held = logits_inflight(layout.pp, layout.microbatches, layout.schedule)
+    norm_in = 4 if autocast_forward(layout) else c
+    hidden = s * b * h * (norm_in / (layout.tp if layout.sequence_parallel else 1) + c) * held
+    return hidden + logits_bytes(b, s, model.vocab_rows(layout.tp), c, held, layout.pp > 1)
+
+
+def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
+    """Peak activation bytes on one GPU of pipeline stage `stage`, by part."""
+    inflight = inflight_microbatches(layout.pp, layout.microbatches, layout.virtual_stages, layout.schedule, stage)
+    n_layers = layers_on_stage(model, layout.pp)
+    name = f"{n_layers} layers x {inflight:g} micro-batch{'' if inflight == 1 else 'es'} in flight, " \
+        f"recompute {layout.recompute}"
+    parts = [Part("activations", name, layer_activation_bytes(model, layout) * n_layers * inflight)]
+    if stage == 0 and model.dropout > 0:
+        parts.append(Part("activations", "embedding dropout mask",
+                          model.seq_len * layout.micro_batch * model.d_model * inflight))
+    if stage == layout.pp - 1:
+        parts.append(Part("activations", f"output head + logits ({model.vocab_rows(layout.tp)} columns, "
+                          "full on every TP rank) + fp32 loss", _head_bytes(model, layout)))
+    transient = recompute_transient_bytes(model, layout)
+    if transient:
+        parts.append(Part("activations", "one layer recomputed in backward", transient))
+    return parts
 
 
 def stage_activation_bytes(model: ModelShape, layout: Layout, stage: int) -> float:
     """Peak activation bytes on one GPU of pipeline stage `stage`, including embeddings/logits and recompute."""
-    s, b, h, a, t = model.seq_len, layout.micro_batch, model.d_model, model.n_heads, layout.tp
-    sp = layout.sequence_parallel
-    scale = layout.compute_bytes / 2
-    inflight = inflight_microbatches(layout.pp, layout.microbatches, layout.virtual_stages, layout.schedule, stage)
-    per_layer = activation_bytes_per_layer(s, b, h, a, t, sp, layout.recompute, model.ffn)
-    total = scale * per_layer * layers_on_stage(model, layout.pp) * inflight
-    shard = t if sp else 1
-    if stage == 0:
-        total += s * b * h / shard * inflight  # embedding dropout mask, 1 byte per element
-    if stage == layout.pp - 1:
-        # final LayerNorm input + output-projection input (16-bit) + fp32 logits, for one micro-batch
-        total += scale * 4 * s * b * h / shard + 4 * s * b * model.vocab_size / t
-    return total + recompute_transient_bytes(model, layout)
+    return sum(p.bytes for p in stage_activation_parts(model, layout, stage))
 
 
 # ---------------------------------------------------------------- the breakdown
@@ -210,59 +156,34 @@ class MemoryBreakdown:
     headroom: float  # usable - total; negative when it does not fit
     usable: float  # GPU memory minus the reserve
     stage: int  # pipeline stage of the most loaded GPU
+    parts: tuple[Part, ...] = ()  # what makes up each column (GPU and host)
 
 
-def _stage_memory(
-    model: ModelShape, layout: Layout, stage: int, grad_bytes: int | None
-) -> tuple[ModelStates, float, float]:
-    """(GPU model states, activations, CPU bytes) of one GPU of a stage."""
+def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
+    """Everything one GPU of a stage holds: model states (states.py) and activations."""
     n = stage_params_per_gpu(model, layout.tp, layout.pp, stage)
-    states = zero_model_states(n, layout.zero_shard, layout.zero_stage, layout.dtype, grad_bytes)
-    params, grads, opt, cpu = states.params, states.grads, states.optimizer, 0.0
-    if layout.zero_stage == 3:
-        # gathered working copies: the layer being computed and the one prefetched, and one layer's full grads
-        layer = layer_params_per_gpu(model, layout.tp)
-        p_bytes, g_bytes, _ = bytes_per_param(layout.dtype, grad_bytes)
-        params += 2 * layer * p_bytes
-        grads += layer * g_bytes
-    if layout.offload_optimizer:  # ZeRO-Offload: optimizer states, gradients and the step on the CPU
-        cpu += states.optimizer + states.grads
-        opt = 0.0
-        grads -= states.grads
-    if layout.offload_params:
-        cpu += states.params
-        params -= states.params
-    acts = stage_activation_bytes(model, layout, stage)
-    return ModelStates(params, grads, opt), acts, cpu
+    layer = layer_params_per_gpu(model, layout.tp)
+    return hpctrain_state_parts(n, layer, layout) + stage_activation_parts(model, layout, stage)
 
 
-def memory_per_gpu(
-    model: ModelShape,
-    layout: Layout,
-    hw: Hardware,
-    reserve_fraction: float = 0.10,
-    grad_bytes: int | None = None,
-) -> MemoryBreakdown:
+def _column(parts: list[Part], kind: str) -> float:
+    return sum(p.bytes for p in parts if p.kind == kind and not p.cpu)
+
+
+def memory_per_gpu(model: ModelShape, layout: Layout, hw: Hardware, reserve_fraction: float = 0.10) -> MemoryBreakdown:
     """Memory of the most loaded GPU of `layout` (first or last pipeline stage) against `hw`'s memory."""
-    stages = sorted({0, layout.pp - 1})
-    best: tuple[float, int, ModelStates, float, float] | None = None
-    for stage in stages:
-        states, acts, cpu = _stage_memory(model, layout, stage, grad_bytes)
-        total = states.total + acts
+    best: tuple[float, int, list[Part]] | None = None
+    for stage in sorted({0, layout.pp - 1}):
+        parts = stage_parts(model, layout, stage)
+        total = sum(p.bytes for p in parts if not p.cpu)
         if best is None or total > best[0]:
-            best = (total, stage, states, acts, cpu)
+            best = (total, stage, parts)
     assert best is not None
-    total, stage, states, acts, cpu = best
+    total, stage, parts = best
     usable = hw.gpu_mem_bytes * (1.0 - reserve_fraction)
     return MemoryBreakdown(
-        params=states.params,
-        grads=states.grads,
-        optimizer=states.optimizer,
-        activations=acts,
-        total=total,
-        cpu_offload_bytes=cpu,
-        fits=total <= usable,
-        headroom=usable - total,
-        usable=usable,
-        stage=stage,
+        params=_column(parts, "params"), grads=_column(parts, "grads"), optimizer=_column(parts, "optimizer"),
+        activations=_column(parts, "activations"), total=total,
+        cpu_offload_bytes=sum(p.bytes for p in parts if p.cpu),
+        fits=total <= usable, headroom=usable - total, usable=usable, stage=stage, parts=tuple(parts),
     )

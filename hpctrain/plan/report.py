@@ -14,13 +14,22 @@ from hpctrain.config.schema import Executor
 from hpctrain.distributed.task_env import task_environment
 from hpctrain.launch.executor import sbatch_preview
 from hpctrain.launch.rundir import RunDir
-from hpctrain.models.params import param_count
+from hpctrain.models.params import padded_vocab, param_count
 from hpctrain.plan.estimate import as_json, table_lines
 
 
 def model_params(cfg: Any) -> int:
+    """The model's own parameter count, with the tokenizer's vocabulary (what papers publish: GPT-3 175B)."""
     m = cfg.model
     return param_count(m.n_layers, m.d_model, m.vocab_size, m.context, m.ffn_mult * m.d_model)
+
+
+def vocab_padding(cfg: Any, tp: int) -> dict[str, int]:
+    """The embedding as built (hpctrain.models.gpt: padded_vocab rows, tied head): rows and parameters it adds."""
+    m = cfg.model
+    rows = padded_vocab(m.vocab_size, m.vocab_pad_multiple, tp)
+    return {"vocab_size": m.vocab_size, "embedding_rows": rows, "multiple": m.vocab_pad_multiple, "tp": tp,
+            "extra_rows": rows - m.vocab_size, "extra_params": (rows - m.vocab_size) * m.d_model}
 
 
 def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
@@ -29,6 +38,7 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
     plan: dict[str, Any] = {
         "run": {"name": cfg.run.name, "id": run.run_id, "directory": str(run.path), "resumed": run.resumed},
         "params_total": model_params(cfg),
+        "vocab_padding": vocab_padding(cfg, lay.tp),
         "model": {"name": m.name, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                   "vocab_size": m.vocab_size, "context": m.context},
         "world_size": lay.world_size,
@@ -82,6 +92,7 @@ def render_text(plan: dict[str, Any]) -> str:
         f"  model           {m['name']}: {m['n_layers']} layers, d_model {m['d_model']}, {m['n_heads']} heads, "
         f"vocab {m['vocab_size']}, context {m['context']}",
         f"  parameters      {plan['params_total']:,} ({_human(plan['params_total'])})",
+        *_padding_lines(plan),
         f"  cluster         {lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = {plan['world_size']} "
         f"({plan['executor']} executor)",
         f"  layout          DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}"
@@ -113,6 +124,16 @@ def render_text(plan: dict[str, Any]) -> str:
         out.append("sbatch script (as submitit would write it)")
         out.append(plan["sbatch"].rstrip())
     return "\n".join(out)
+
+
+def _padding_lines(plan: dict[str, Any]) -> list[str]:
+    """The vocabulary padding, apart from the model's own parameter count (none when nothing is padded)."""
+    pad = plan.get("vocab_padding")
+    if not pad or not pad["extra_rows"]:
+        return []
+    built = plan["params_total"] + pad["extra_params"]
+    return [f"  vocab padding   embedding padded {pad['vocab_size']} -> {pad['embedding_rows']} rows (multiple of "
+            f"{pad['multiple']} x TP {pad['tp']}): +{pad['extra_params']:,} params, {built:,} as built"]
 
 
 def render(plan: dict[str, Any], fmt: str) -> str:

@@ -96,7 +96,7 @@ def estimate_step(
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1]")
     n = layout.n_gpus
-    flops = flops_per_iteration(model, layout.global_batch, layout.recompute)
+    flops = flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp)
     compute_s = flops / n / (hw.peak_flops * hw.efficiency)
     comm = comm_per_step(model, layout, hw)
     tp_s = tp_exposed * comm.time_of("tp")

@@ -20,18 +20,20 @@ from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config.layout import resolve_layout
-from hpctrain.config.schema import Config, DataKind
+from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, DataKind
 from hpctrain.data.sampler import SampleIndex, micro_batches, step_samples
 from hpctrain.data.sources import open_tokens
-from hpctrain.distributed.environment import discover, init_distributed, shutdown
+from hpctrain.distributed.environment import discover, init_distributed, shutdown, task_device
 from hpctrain.distributed.task_env import task_environment
 from hpctrain.health.monitor import RunMonitor
 from hpctrain.health.preflight import UnhealthyNodes, run_preflight
 from hpctrain.health.watchdog import Watchdog
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.metrics import mfu, peak_memory_gb
+from hpctrain.parallel.precision import configure_device_math
 from hpctrain.tracking.tracker import Tracker
 from hpctrain.train.failure import record_failure, record_hosts
+from hpctrain.train.control import StepControl
 from hpctrain.train.faults import Fault
 from hpctrain.train.preemption import (
     REASONS,
@@ -56,14 +58,15 @@ def train(config: dict[str, Any], run_dir: str) -> dict[str, Any]:
     os.environ.update(task_environment(cfg))
     torch.set_num_threads(cfg.train.threads_per_rank)
     env = discover()
-    if torch.cuda.is_available():  # NCCL reads these when its communicators start: set them before
+    device = task_device(env.local_rank)
+    if device.type == "cuda":  # NCCL reads these when its communicators start: set them before
         os.environ.update(node_nccl_environment(cfg, env.local_rank))
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"[rank{env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("submitit").propagate = False  # submitit prints its own lines already
     log.info("task rank %d/%d local %d on %s (job %s), rendezvous %s:%d", env.rank, env.world_size,
              env.local_rank, env.hostname, env.job_id, env.master_addr, env.master_port)
-    init_distributed(env, timeout_s=cfg.launcher.collective_timeout_s)
+    init_distributed(env, device, timeout_s=cfg.launcher.collective_timeout_s)
     try:
         return _train(cfg, Path(run_dir), env)
     except UnhealthyNodes as exc:  # the supervisor resubmits without the nodes named here
@@ -93,17 +96,22 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
     layout = resolve_layout(cfg)
     if layout.world_size != env.world_size:
         raise RuntimeError(f"the job has {env.world_size} tasks but the layout needs {layout.world_size}")
-    device = torch.device("cuda", env.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    _record_hosts(run_dir, env)
-    run_preflight(cfg, env.rank, env.local_rank, env.job_id, run_dir, device)
+    device = task_device(env.local_rank)
+    configure_device_math(bool(cfg.precision.tf32), device)
+    hosts = _record_hosts(run_dir, env)
+    # Started before the pre-flight (whose collectives can hang too), with a limit below the collective
+    # timeout: it must fire before NCCL's own watchdog, to leave stacks, the flight recorder and a record.
     watchdog = Watchdog(run_dir, env.job_id, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
-                        cfg.health.startup_timeout_s).start()
+                        cfg.health.startup_timeout_s,
+                        ceiling_s=cfg.launcher.collective_timeout_s - TIMEOUT_MARGIN_S).start()
+    run_preflight(cfg, env.rank, env.local_rank, env.job_id, run_dir, device)
     stop, tracker, stats, done = StopFlag(), None, None, 0
     try:  # from here every error leaves a failure record: start-up (engine, resume) as much as the steps
-        monitor = RunMonitor(cfg, env.rank, device)
+        monitor = RunMonitor(cfg, env.rank, device, hosts)
         engine = build_engine(cfg, layout, device)
         run_id = str(cfg.run.id)
-        ckpt = CheckpointManager(cfg, run_dir, run_id, env.rank, env.world_size, env.local_rank, fingerprint(cfg))
+        ckpt = CheckpointManager(cfg, run_dir, run_id, env.rank, env.world_size, env.local_rank, fingerprint(cfg),
+                                 device)
         manifest = ckpt.resume(engine)
         start_step = done = int(manifest["step"]) if manifest else 0
         consumed = int(manifest["consumed_samples"]) if manifest else 0
@@ -120,6 +128,7 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
         tokens_per_step = layout.global_batch * t.seq_len
         progress = Progress(total_steps=t.max_steps, start_step=start_step)
         fault = Fault.from_env()
+        control = StepControl(stop, ckpt, monitor)
         stop.install()
         for step in range(start_step, t.max_steps):
             started = time.perf_counter()
@@ -128,12 +137,13 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
             samples = step_samples(consumed, layout.global_batch, engine.dp_size, engine.dp_rank)
             batches = [data.batch(r) for r in micro_batches(samples, layout.micro_batch)]
             lr = lr_at(step, cfg.optim, t.max_steps)
-            stats = engine.step(batches, lr)
+            stats = engine.step(batches, lr, control.values(step + 1))
+            agreed = control.decode(stats.control)
             step_time = time.perf_counter() - started
             done, consumed = step + 1, consumed + layout.global_batch
             watchdog.beat(done, step_time)
-            ckpt.after_step(done, engine, {"consumed_samples": consumed})
-            health_metrics, health_events = monitor.after_step(done, step_time)
+            ckpt.after_step(done, engine, {"consumed_samples": consumed}, agreed.checkpoint)
+            health_metrics, health_events = monitor.after_step(done, step_time, agreed.probes)
             if tracker is not None:
                 metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
                            "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
@@ -156,13 +166,13 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
                 if done % t.log_every == 0 or done == t.max_steps or done == start_step + 1:
                     print(line, flush=True)
             ckpt.events.clear()
-            signum = stop.agreed()
+            signum = agreed.signum
             if signum is not None and done < t.max_steps:
                 if tracker is not None:
                     tracker.event("stop", reason=REASONS[signum], step=done)
                     tracker.close()
                     tracker = None
-                _stop_for_signal(signum, ckpt, engine, done, consumed, env)
+                _stop_for_signal(signum, ckpt, engine, done, consumed, env, device)
         ckpt.finish(done, engine, {"consumed_samples": consumed})
     except Preempted:
         raise
@@ -180,12 +190,13 @@ def _train(cfg: Any, run_dir: Path, env: Any) -> dict[str, Any]:
             "final_loss": stats.loss if stats else None}
 
 
-def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: int, consumed: int, env: Any) -> None:
+def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: int, consumed: int, env: Any,
+                     device: torch.device) -> None:
     """All ranks: save to the fastest tier and wait for the commit; rank 0 requeues on SIGUSR2; then stop."""
     log.warning("%s at step %d: saving and stopping", REASONS[signum], done)
     ckpt.save_now(done, engine, {"consumed_samples": consumed})
     requeued = env.is_main and signum == signal.SIGUSR2 and requeue_slurm_job()
-    if agree_any(requeued):
+    if agree_any(requeued, device):
         # Slurm ends every task of a requeued job; exiting first would make srun report a failure.
         wait_to_be_ended()
     raise Preempted(f"stopped at step {done} on {REASONS[signum]}; checkpoint committed")
@@ -202,13 +213,15 @@ def node_nccl_environment(cfg: Any, local_rank: int) -> dict[str, str]:
     return chosen
 
 
-def _record_hosts(run_dir: Path, env: Any) -> None:
+def _record_hosts(run_dir: Path, env: Any) -> list[str]:
+    """Every rank's host, by rank (once at start-up), for the supervisor and for naming stragglers."""
     hosts = [env.hostname]
     if dist.is_initialized():
         hosts = [None] * env.world_size
         dist.all_gather_object(hosts, env.hostname)
     if env.is_main:
         record_hosts(run_dir, env.job_id, hosts)
+    return hosts
 
 
 def _checkpoint_metrics(events: list[dict[str, Any]]) -> dict[str, Any]:

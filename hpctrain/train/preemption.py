@@ -42,21 +42,25 @@ class StopFlag:
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         self.signum = signum
 
-    def agreed(self, group: dist.ProcessGroup | None = None) -> int | None:
-        """The signal any rank received (USR2 wins over TERM), identical on every rank; None if none."""
-        code = {None: 0, signal.SIGTERM: 1, signal.SIGUSR2: 2}[self.signum]
-        if dist.is_initialized():
-            t = torch.tensor([code])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            code = int(t.item())
-        return {0: None, 1: signal.SIGTERM, 2: signal.SIGUSR2}[code]
+    def control_values(self) -> list[float]:
+        """[received SIGUSR2, received SIGTERM] on this rank, for the step's one all-reduce (summed: how many
+        ranks received each)."""
+        return [float(self.signum == signal.SIGUSR2), float(self.signum == signal.SIGTERM)]
+
+    @staticmethod
+    def agreed(counts: list[float]) -> int | None:
+        """The signal any rank received (USR2 wins over TERM), from the summed `control_values`; None if none."""
+        usr2, term = counts
+        return signal.SIGUSR2 if usr2 else signal.SIGTERM if term else None
 
 
-def agree_any(flag: bool) -> bool:
-    """True on every rank if it is true on any."""
+def agree_any(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is true on any (once, at a stop: not a per-step collective).
+
+    The tensor lives on the engine's device, so the default group's device backend carries it (NCCL on GPUs)."""
     if not dist.is_initialized():
         return flag
-    t = torch.tensor([int(flag)])
+    t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 

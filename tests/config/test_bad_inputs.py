@@ -75,6 +75,10 @@ BAD = [
      "must be >= 0"),
     ("unknown-preflight-policy", ["health.preflight=reboot"], "health.preflight", "off, warn, exclude or drain"),
     ("hair-trigger-watchdog", ["health.hang_timeout_s=1"], "health.hang_timeout_s", "would fire on a slow step"),
+    ("nccl-timeout-before-watchdog", ["launcher.collective_timeout_s=600"], "launcher.collective_timeout_s",
+     "NCCL's own watchdog would end the ranks of a hang first"),
+    ("nccl-timeout-before-startup-limit", ["health.startup_timeout_s=1800"], "launcher.collective_timeout_s",
+     "does not outlast health.startup_timeout_s=1800 s"),
     ("busy-policy", ["checkpoint.when_busy=queue"], "checkpoint.when_busy", "skip or wait"),
     ("resume-unknown-run", ["run.resume=no-such-run"], "run.resume", "no run 'no-such-run' found"),
 ]

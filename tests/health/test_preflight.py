@@ -1,9 +1,20 @@
 """The pre-flight's verdict on node timings: a node is named only when it is slow in two rounds, and the
-report keeps both timings. Real multi-node runs of it are in tests/slurm/test_health_on_slurm.py."""
+report keeps both timings; its collectives (the all-reduce timing waits for the device, object collectives on
+the rank's own GPU), and one real two-rank gloo run. Multi-node runs are in tests/slurm/test_health_on_slurm.py."""
 
 from __future__ import annotations
 
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
 from hpctrain.config.schema import HealthConfig
+from hpctrain.health import preflight
 from hpctrain.health.preflight import _judge
 
 
@@ -35,3 +46,91 @@ def test_a_small_spread_on_identical_nodes_names_nobody() -> None:
 def test_two_nodes_are_not_compared() -> None:
     bad, _ = _judge(timings(n1=0.005, n2=0.5), HealthConfig(), timings(n1=0.005, n2=0.5))
     assert bad == {}
+
+
+class Recorder:
+    """Records the order of all-reduces, device syncs and clock reads (the CUDA sync cannot run here)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self.groups: list[object] = []
+        self.now = 0.0
+
+    def all_reduce(self, t: torch.Tensor, group: object = None) -> None:
+        self.calls.append("all_reduce")
+        self.tensors.append(t)
+        self.groups.append(group)
+
+    def sync(self) -> None:
+        self.calls.append("sync")
+
+    def clock(self) -> float:
+        self.calls.append("clock")
+        self.now += 0.5
+        return self.now
+
+
+def test_the_bandwidth_clock_starts_after_the_warmup_finished_on_the_device(monkeypatch) -> None:
+    rec, group = Recorder(), object()
+    monkeypatch.setattr(preflight.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(preflight.dist, "get_world_size", lambda g=None: 4 if g is group else 1)
+    monkeypatch.setattr(preflight.dist, "all_reduce", rec.all_reduce)
+    device = torch.device("cpu")
+    busbw = preflight.allreduce_busbw(device, 1, group=group, synchronize=rec.sync, clock=rec.clock)
+    assert rec.calls == ["all_reduce", "sync", "clock", "all_reduce", "all_reduce", "all_reduce", "sync", "clock"]
+    assert all(t.device == device for t in rec.tensors) and rec.groups == [group] * 4
+    assert busbw == 2 * 3 / 4 * 2**20 / (0.5 / 3)
+
+
+def test_cuda_work_is_waited_for_on_the_rank_s_own_gpu(monkeypatch) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    preflight.device_synchronizer(torch.device("cuda", 3))()
+    preflight.device_synchronizer(torch.device("cpu"))()
+    assert synced == [torch.device("cuda", 3)]
+
+
+def test_object_collectives_run_on_the_rank_s_own_gpu() -> None:
+    class FakeCuda:
+        def __init__(self) -> None:
+            self.current, self.set = 0, []
+
+        def current_device(self) -> int:
+            return self.current
+
+        def set_device(self, device: torch.device) -> None:
+            self.set.append(device)
+
+    cuda = FakeCuda()
+    preflight.use_device(torch.device("cuda", 5), cuda)
+    preflight.use_device(torch.device("cpu"), cuda)
+    assert cuda.set == [torch.device("cuda", 5)]
+
+
+TWO_RANKS = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from omegaconf import OmegaConf
+    from hpctrain.config.schema import Config
+    from hpctrain.health.preflight import run_preflight
+    rank, port, run_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), {"health": {"allreduce_mb": 1}})
+    result = run_preflight(cfg, rank, rank, "job1", run_dir, torch.device("cpu"))
+    print(json.dumps({"bad": result.bad, "path": str(result.path)}))
+    dist.destroy_process_group()
+""")
+
+
+def test_the_preflight_runs_on_two_real_gloo_ranks(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), port, str(tmp_path)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+    outputs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outputs]
+    report = json.loads((tmp_path / "health" / "job1" / "preflight.json").read_text())
+    assert report["busbw_bytes_per_s"] > 0 and report["bad"] == {}

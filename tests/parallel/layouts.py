@@ -94,7 +94,7 @@ def reference(overrides: dict[str, Any], steps: int, world: int = 1) -> dict[str
     losses, norms = [], []
     for s in range(steps):
         x, y = global_batch(s, cfg)
-        loss = token_loss(model(x), y)
+        loss = token_loss(model(x), y, cfg.model.vocab_size)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)))
         opt.step()

@@ -107,7 +107,11 @@ def test_layout_matches_single_process(name: str, single_process_modules: dict[s
         weights.update(r["weights"])
     assert set(weights) == set(ref["weights"])
     for key, expected in ref["weights"].items():
-        torch.testing.assert_close(weights[key], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        got = weights[key]
+        if got.shape != expected.shape:  # TP pads the vocabulary to 64 x tp rows: the padding stays zero
+            assert key == "tok_emb.weight" and not got[expected.shape[0]:].any(), key
+            got = got[: expected.shape[0]]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
     # The layout is applied from outside: every module keeps the single-process model's class and name.
     for r in results:

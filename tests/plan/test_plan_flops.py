@@ -112,3 +112,13 @@ def test_step_estimate_is_near_table_1(row):
         step = estimate_step(model, lay, hw)
         best = max(best, flops_per_iteration(model, batch, "full") / step.step_time_s / n / 1e12)
     assert 0.65 * achieved < best < 1.35 * achieved
+
+
+def test_logit_flops_use_the_padded_vocabulary_and_mfu_the_model_count():
+    """The logit matmul runs over the embedding as built (50257 -> 50688 rows at TP 8); MFU's 6 N counts the
+    model's own parameters, padding being no useful work."""
+    padded = ModelShape(24, 2048, 16, 2048, 50257, vocab_pad_multiple=64)
+    plain = ModelShape(24, 2048, 16, 2048, 50257)
+    extra = flops_per_iteration(padded, 512, "none", tp=8) - flops_per_iteration(plain, 512, "none")
+    assert extra == pytest.approx(3 * 2 * 512 * 2048 * 2048 * (50688 - 50257))
+    assert model_flops_per_token(padded) == model_flops_per_token(plain)

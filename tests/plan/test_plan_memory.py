@@ -1,4 +1,6 @@
-"""Model-state memory (ZeRO paper) and activation memory (Korthikanti et al. 2022) on hand-computed cases."""
+"""Model-state memory (ZeRO paper) and activation memory (Korthikanti et al. 2022) on hand-computed cases,
+and where parameters live. hpctrain's own activation and model-state models: test_plan_activations.py and
+test_plan_states.py."""
 
 import pytest
 
@@ -7,6 +9,8 @@ from hpctrain.plan.memory import (
     activation_bytes_per_layer,
     bytes_per_param,
     inflight_microbatches,
+    korthikanti_bytes_per_layer,
+    layer_activation_bytes,
     layer_params_per_gpu,
     memory_per_gpu,
     stage_activation_bytes,
@@ -43,41 +47,54 @@ def test_adam_is_16_bytes_per_param_not_8():
 
 
 # ------------------------------------------------------------------ Korthikanti et al. 2022, per layer
+# The paper's formulas (Megatron: the attention matrix materialised, dropout masks, SP saves shards) are kept
+# verbatim in korthikanti_bytes_per_layer, and activation_bytes_per_layer gives them back with
+# flash_attention=False, dropout=True, sp_keeps_gathered=False. hpctrain's defaults differ (flash attention
+# via SDPA, see test_plan_activations.py): that is why these tests pass the flags.
 
 # GPT-3 175B shapes: s = 2048, h = 12288, a = 96, b = 1, t = 8; sbh = 25,165,824 and 5as/h = 80.
 S, H, A, T = 2048, 12288, 96, 8
 SBH = 25_165_824  # 2048 * 12288
+MEGATRON = {"flash_attention": False, "dropout": True, "sp_keeps_gathered": False}
 
 
 def test_korthikanti_no_parallelism():
     # sbh (34 + 80) = 114 sbh
-    assert activation_bytes_per_layer(S, 1, H, A) == 114 * SBH == 2_868_903_936
+    assert korthikanti_bytes_per_layer(S, 1, H, A) == 114 * SBH == 2_868_903_936
+    assert activation_bytes_per_layer(S, 1, H, A, **MEGATRON) == 114 * SBH
 
 
 def test_korthikanti_tensor_parallel():
     # sbh (10 + 24/8 + 80/8) = 23 sbh
-    assert activation_bytes_per_layer(S, 1, H, A, tp=T) == pytest.approx(23 * SBH)
+    assert korthikanti_bytes_per_layer(S, 1, H, A, tp=T) == pytest.approx(23 * SBH)
+    assert activation_bytes_per_layer(S, 1, H, A, tp=T, **MEGATRON) == pytest.approx(23 * SBH)
 
 
 def test_korthikanti_tensor_and_sequence_parallel():
     # sbh/8 (34 + 80) = 14.25 sbh
-    assert activation_bytes_per_layer(S, 1, H, A, T, sequence_parallel=True) == pytest.approx(14.25 * SBH)
+    assert korthikanti_bytes_per_layer(S, 1, H, A, T, sequence_parallel=True) == pytest.approx(14.25 * SBH)
+    assert activation_bytes_per_layer(S, 1, H, A, T, True, **MEGATRON) == pytest.approx(14.25 * SBH)
 
 
 def test_korthikanti_selective_recompute():
-    assert activation_bytes_per_layer(S, 1, H, A, T, True, "selective") == pytest.approx(34 / 8 * SBH)
-    assert activation_bytes_per_layer(S, 1, H, A, T, False, "selective") == pytest.approx(13 * SBH)
+    assert korthikanti_bytes_per_layer(S, 1, H, A, T, True, "selective") == pytest.approx(34 / 8 * SBH)
+    assert korthikanti_bytes_per_layer(S, 1, H, A, T, False, "selective") == pytest.approx(13 * SBH)
 
 
 def test_korthikanti_full_recompute():
-    assert activation_bytes_per_layer(S, 1, H, A, T, False, "full") == 2 * SBH
+    assert korthikanti_bytes_per_layer(S, 1, H, A, T, False, "full") == 2 * SBH
+    assert korthikanti_bytes_per_layer(S, 1, H, A, T, True, "full") == pytest.approx(2 * SBH / 8)
+    assert activation_bytes_per_layer(S, 1, H, A, T, False, "full") == 2 * SBH  # the same in hpctrain
     assert activation_bytes_per_layer(S, 1, H, A, T, True, "full") == pytest.approx(2 * SBH / 8)
 
 
 def test_activations_scale_with_micro_batch_and_ffn():
-    assert activation_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(4 * 14.25 * SBH)
+    assert korthikanti_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(4 * 14.25 * SBH)
+    assert activation_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(4 * activation_bytes_per_layer(
+        S, 1, H, A, T, True))
     # MLP width f = 2h: "34" becomes 18 + 4 f/h = 26
-    assert activation_bytes_per_layer(128, 1, 64, 4, ffn_hidden=128) == pytest.approx(128 * 64 * (26 + 5 * 4 * 128 / 64))
+    assert korthikanti_bytes_per_layer(128, 1, 64, 4, ffn_hidden=128) == pytest.approx(
+        128 * 64 * (26 + 5 * 4 * 128 / 64))
 
 
 def test_inflight_microbatches():
@@ -94,27 +111,38 @@ def test_inflight_microbatches():
 
 
 def test_first_stage_holds_whole_model_of_activations():
-    """Korthikanti eq. 5: with 1F1B the first stage stores L layers' worth, whatever p is."""
-    model = ModelShape(96, H, A, S, 50257)
-    lay = Layout(dp=1, tp=8, pp=8, micro_batch=1, grad_accum=16, sequence_parallel=True)
-    per_layer = activation_bytes_per_layer(S, 1, H, A, 8, True)
-    embedding_dropout = SBH / 8 * 8  # s b h p / t, one byte each
+    """Korthikanti eq. 5: with 1F1B the first stage stores L layers' worth, whatever p is. (dp = 2 here and below:
+    DP over TP/PP is FSDP2's, with bf16 parameters; without DP hpctrain runs autocast, fp32 residual stream.)"""
+    model = ModelShape(96, H, A, S, 50257, dropout=0.1)
+    lay = Layout(dp=2, tp=8, pp=8, micro_batch=1, grad_accum=16, sequence_parallel=True)
+    per_layer = activation_bytes_per_layer(S, 1, H, A, 8, True, dropout=True)
+    embedding_dropout = SBH * 8  # s b h p, one byte each: the embedding sum stays replicated over TP
     assert stage_activation_bytes(model, lay, 0) == pytest.approx(96 * per_layer + embedding_dropout)
-    # the last stage: 12 layers x 1 microbatch + 4 s b h / t (1 + V / h)
-    last = 12 * per_layer + 4 * SBH / 8 * (1 + 50257 / H)
-    assert stage_activation_bytes(model, lay, 7) == pytest.approx(last)
-    inter = Layout(dp=1, tp=8, pp=8, virtual_stages=2, micro_batch=1, grad_accum=16, sequence_parallel=True,
+    inter = Layout(dp=2, tp=8, pp=8, virtual_stages=2, micro_batch=1, grad_accum=16, sequence_parallel=True,
                    schedule="interleaved_1f1b")
     assert stage_activation_bytes(model, inter, 0) == pytest.approx(
         96 * per_layer * (1 + 7 / 16) + embedding_dropout * (1 + 7 / 16))
 
 
-def test_recompute_adds_one_layer_transient():
+def test_last_stage_adds_the_head_and_full_logits():
+    """12 layers x 1 micro-batch + final LayerNorm input (/t, SP) + the head's gathered input + the logits:
+    12 bytes per logit (log-softmax output, its gradient, the logits' fp32 gradient) + 2 (bf16 logits the
+    pipeline schedule keeps for the backward), on every TP rank."""
     model = ModelShape(96, H, A, S, 50257)
-    full = Layout(dp=1, tp=8, pp=8, grad_accum=16, sequence_parallel=True, recompute="full")
-    stored = 96 * 2 * SBH / 8 + SBH
-    one_layer = activation_bytes_per_layer(S, 1, H, A, 8, True)
+    lay = Layout(dp=2, tp=8, pp=8, micro_batch=1, grad_accum=16, sequence_parallel=True)
+    per_layer = activation_bytes_per_layer(S, 1, H, A, 8, True)
+    last = 12 * per_layer + 2 * SBH / 8 + 2 * SBH + 2048 * 50257 * (12 + 2)
+    assert stage_activation_bytes(model, lay, 7) == pytest.approx(last)
+
+
+def test_recompute_adds_one_layer_transient():
+    """Full recompute stores each layer's input and regenerates one layer's activations at a time."""
+    model = ModelShape(96, H, A, S, 50257)
+    full = Layout(dp=2, tp=8, pp=8, grad_accum=16, sequence_parallel=True, recompute="full")
+    stored = 96 * 2 * SBH / 8
+    one_layer = activation_bytes_per_layer(S, 1, H, A, 8, True) - 2 * SBH / 8
     assert stage_activation_bytes(model, full, 0) == pytest.approx(stored + one_layer)
+    assert layer_activation_bytes(model, full) == pytest.approx(2 * SBH / 8)
 
 
 # ------------------------------------------------------------------ where parameters live
@@ -130,37 +158,32 @@ def test_stage_params_cover_the_model():
     assert layer_params_per_gpu(model, 4) == (layer_params(64, 256) - 6 * 64) / 4 + 6 * 64
 
 
+def test_stage_params_use_the_padded_vocabulary():
+    """The embedding is built with padded rows (hpctrain.models.params.padded_vocab): 100 -> 128 with
+    multiple 64 x TP 2; the model's own count (ModelShape.params) keeps the tokenizer's 100."""
+    model = ModelShape(4, 64, 4, 32, 100, vocab_pad_multiple=64)
+    plain = ModelShape(4, 64, 4, 32, 100)
+    assert model.params == plain.params
+    assert model.vocab_rows(1) == 128 and model.vocab_rows(2) == 128 and model.vocab_rows(4) == 256
+    assert model.padding_params(2) == 28 * 64
+    assert stage_params_per_gpu(model, 1, 1, 0) == model.params + 28 * 64
+    assert stage_params_per_gpu(model, 2, 1, 0) - stage_params_per_gpu(plain, 2, 1, 0) == 28 * 64 / 2
+
+
 # ------------------------------------------------------------------ the breakdown
 
 HW = Hardware("test", 8, 80 * GiB, 312e12, 300e9, 25e9)
 
 
-def test_memory_per_gpu_zero3_and_offload():
-    model = ModelShape(4, 64, 4, 32, 100)
-    base = Layout(dp=4, tp=1, pp=1, zero_stage=3, dtype="bf16")
-    mem = memory_per_gpu(model, base, HW)
-    n = model.params
-    layer = layer_params(64, 256)
-    assert mem.optimizer == pytest.approx(12 * n / 4)
-    assert mem.params == pytest.approx(2 * n / 4 + 2 * 2 * layer)  # shard + two gathered layers
-    assert mem.grads == pytest.approx(2 * n / 4 + 2 * layer)
-    assert mem.total == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.activations)
-    assert mem.cpu_offload_bytes == 0
-    assert mem.fits and mem.headroom == pytest.approx(mem.usable - mem.total)
-
-    off = memory_per_gpu(model, Layout(dp=4, tp=1, pp=1, zero_stage=3, offload_optimizer=True,
-                                       offload_params=True), HW)
-    assert off.optimizer == 0
-    assert off.params == pytest.approx(2 * 2 * layer)
-    assert off.cpu_offload_bytes == pytest.approx((2 + 2 + 12) * n / 4)
-
-
-def test_most_loaded_gpu_and_fits():
+def test_memory_per_gpu_columns_add_up_and_most_loaded_gpu():
     model = ModelShape(96, H, A, S, 50257)
-    lay = Layout(dp=64, tp=8, pp=8, micro_batch=4, grad_accum=12, zero_stage=1, sequence_parallel=True)
+    lay = Layout(dp=64, tp=8, pp=8, micro_batch=1, grad_accum=12, zero_stage=1, sequence_parallel=True,
+                 recompute="full")
     mem = memory_per_gpu(model, lay, HW)
-    assert mem.stage == 0  # p microbatches of activations + the embedding
-    assert mem.activations == pytest.approx(stage_activation_bytes(model, lay, 0))
+    assert mem.total == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.activations)
+    assert mem.total == pytest.approx(sum(p.bytes for p in mem.parts if not p.cpu))
+    assert mem.activations == pytest.approx(stage_activation_bytes(model, lay, mem.stage))
+    assert mem.usable == pytest.approx(0.9 * 80 * GiB)
+    assert mem.fits and mem.headroom == pytest.approx(mem.usable - mem.total)
     no_sp = memory_per_gpu(model, Layout(dp=64, tp=8, pp=8, micro_batch=4, grad_accum=12), HW)
     assert not no_sp.fits and no_sp.headroom < 0
-    assert mem.usable == pytest.approx(0.9 * 80 * GiB)

@@ -76,3 +76,30 @@ def test_chart_is_written_when_asked(compose_cfg, capsys, tmp_path: Path) -> Non
 def test_cpu_default_plan_has_estimates(compose_cfg, capsys) -> None:
     plan = _plan(compose_cfg, capsys)
     assert plan["memory_per_gpu_bytes"]["fits"] and plan["flops_per_iteration"] > 0
+    assert plan["vocab_padding"]["extra_rows"] == 0 or plan["vocab_padding"]["embedding_rows"] % 64 == 0
+
+
+def test_plan_reports_the_model_count_and_the_vocabulary_padding_apart(compose_cfg, capsys) -> None:
+    """GPT-3 175B keeps its own count (the tokenizer's 50257 rows); the embedding as built has 50688 rows
+    (64 x TP 8 = 512 x 99), reported apart, in the JSON and in the text."""
+    from hpctrain.plan.report import render_text
+
+    plan = _plan(compose_cfg, capsys, "+experiment=175b")
+    assert plan["params_total"] == 174_604_259_328
+    assert plan["vocab_padding"] == {"vocab_size": 50257, "embedding_rows": 50688, "multiple": 64, "tp": 8,
+                                     "extra_rows": 431, "extra_params": 431 * 12288}
+    text = render_text(plan)
+    assert "parameters      174,604,259,328 (174.60B)" in text
+    assert "embedding padded 50257 -> 50688 rows (multiple of 64 x TP 8): +5,296,128 params" in text
+    # the memory and FLOPs use the padded rows: the logits part names them
+    assert any("50688 columns" in p["name"] for p in plan["memory_parts_bytes"])
+
+
+def test_gpt3_1_3b_without_recompute_fits(compose_cfg, capsys) -> None:
+    """SDPA's flash attention stores no attention matrix: ~24 GiB of layer activations, not 85.5 GiB."""
+    plan = _plan(compose_cfg, capsys, "+experiment=gpt3_1.3b_1node", "parallel.recompute=none")
+    mem = plan["memory_per_gpu_bytes"]
+    layers = next(p for p in plan["memory_parts_bytes"] if p["name"].startswith("24 layers"))
+    assert 23 < layers["bytes"] / 2**30 < 26
+    assert mem["fits"] and mem["total"] == pytest.approx(sum(p["bytes"] for p in plan["memory_parts_bytes"]))
+    assert plan["vocab_padding"]["embedding_rows"] == 50304

@@ -60,7 +60,10 @@ def test_rule_violations_catch_bad_layouts():
 
 def test_article_layout_is_found_ranked_and_explained(candidates):
     article = cheapest_fitting(GPT3, ARTICLE, A100)
-    assert article is not None and article.layout.recompute == "selective"  # without it: > 80 GB
+    # Without recomputation stage 0 needs ~79 GiB (8 micro-batches x 12 layers at 7.5 sbh, flash attention), and
+    # hpctrain's selective policy keeps more than that under SP at t = 8 (10.5 sbh): only full recompute fits.
+    # (Before SDPA's flash attention was modelled, the planner's Korthikanti scores made "selective" the answer.)
+    assert article is not None and article.layout.recompute == "full"
     assert article.layout in {c.layout for c in candidates}
     rank = rank_of(article.layout, candidates)
     best = candidates[0]
@@ -85,8 +88,9 @@ def test_article_throughput_is_explained():
 
 
 def test_rank_of_a_layout_outside_the_list(candidates):
-    off_list = replace(ARTICLE, recompute="full")  # slower than the kept selective version
-    assert rank_of(off_list, candidates, GPT3, A100) > rank_of(replace(ARTICLE, recompute="selective"), candidates)
+    off_list = replace(ARTICLE, recompute="none")  # does not fit (~79 GiB), so it is no candidate; faster than full
+    assert off_list not in {c.layout for c in candidates}
+    assert rank_of(off_list, candidates, GPT3, A100) <= rank_of(replace(ARTICLE, recompute="full"), candidates)
     with pytest.raises(ValueError):
         rank_of(off_list, candidates)
 

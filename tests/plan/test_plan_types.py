@@ -57,3 +57,13 @@ def test_known_hardware():
     assert set(KNOWN_HARDWARE) >= {"a100_40gb", "a100_80gb", "h100_80gb", "h200", "cpu"}
     with pytest.raises(ValueError):
         hardware("tpu")
+
+
+def test_model_padding_and_dropout():
+    m = ModelShape(96, 12288, 96, 2048, 50257, vocab_pad_multiple=64)
+    assert m.params == 174_604_259_328  # the published count: padding apart
+    assert (m.vocab_rows(1), m.vocab_rows(8)) == (50304, 50688)
+    assert m.padding_params(8) == 431 * 12288
+    assert ModelShape(2, 64, 4, 32, 100, tied_embeddings=False, vocab_pad_multiple=64).padding_params() == 2 * 28 * 64
+    with pytest.raises(ValueError):
+        ModelShape(2, 64, 4, 32, 100, dropout=1.0)

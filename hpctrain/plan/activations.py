@@ -1,0 +1,157 @@
+"""Activation memory of one transformer layer and of the output head: the paper's and what hpctrain saves.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", sec. 4) count the
+bytes Megatron-LM saves for backward per layer and micro-batch, with 16-bit activations, sequence s,
+micro-batch b, hidden h, a heads, tensor-parallel size t (`korthikanti_bytes_per_layer` gives them verbatim):
+    no parallelism              s b h (34 + 5 a s / h)
+    tensor parallel             s b h (10 + 24 / t + 5 a s / (h t))
+    tensor + sequence parallel  s b h / t (34 + 5 a s / h)
+    selective recompute (+SP)   34 s b h / t          (attention core recomputed)
+    full recompute              2 s b h  (/t with SP) (only each layer's input is kept)
+"34" is: LayerNorm inputs 4, QKV and MLP-in inputs 4, two residual dropout masks 2 (1 byte each), Q K V 6,
+attention-output-projection input 2, GELU input and MLP-out input 16 (8 + 4 f / h for an MLP of width f).
+"5 a s / h" is the attention matrix: softmax output 2, its dropout mask 1, dropout output 2.
+
+hpctrain's model (`activation_bytes_per_layer`, checked against the tensors autograd saves for
+hpctrain.models.gpt.Block on CPU: 32 s b h with dropout 0, 20 s b h with t = 2, 18 with t = 2 and SP):
+  * Attention is torch.nn.functional.scaled_dot_product_attention. Its flash and memory-efficient kernels
+    (Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness", sec. 3.1:
+    backward recomputes the attention matrix from Q, K, V, the output and the softmax statistics; torch's
+    SDPA docs, "torch.nn.functional.scaled_dot_product_attention": FlashAttention-2 and memory-efficient
+    backends) never store the s x s matrix: the 5 a s / h term is gone. They save Q, K, V and the output
+    (already counted) and the log-sum-exp, fp32 [b, a/t, s]: 4 a s b / t bytes. Attention dropout is
+    regenerated from the RNG state in backward, so it stores no mask either.
+  * Dropout masks (1 byte per element, torch's native_dropout) exist only when model.dropout > 0: with
+    dropout 0, nn.Dropout returns its input and "34" becomes 32.
+  * Sequence parallelism is DTensor's (hpctrain.parallel.tensor_parallel): the all-gathered input of the
+    QKV and MLP-in matmuls (Shard(1) -> Replicate) is what the matmul saves, whole on every TP rank; Megatron
+    keeps only the shard and gathers again in backward (Korthikanti sec. 4.2.2). So those 4 s b h are not
+    divided by t: s b h (4 + (4 + dropout 2 + 24) / t) instead of s b h / t (34).
+  * Without FSDP2 (no DP, or DDP) forward runs under torch.autocast: LayerNorm autocasts to fp32 and the
+    residual stream stays fp32, so the LayerNorm inputs (and a checkpointed block's input) take 4 bytes.
+  * Selective recompute is hpctrain.parallel.recompute's policy: save the outputs of matmuls and
+    collectives, recompute the rest. Per layer: the block input 2 (/t with SP), QKV and MLP-in outputs
+    (6 + 2 f / h) / t, the two row-parallel outputs (partial sums, full size) 4, and with TP the collective
+    outputs: all-reduces 4, or with SP all-gathers 4 + reduce-scatters 4 / t. (20 s b h without TP.)
+fp32 activations (precision=fp32) are approximated by doubling.
+"""
+
+from __future__ import annotations
+
+
+def korthikanti_bytes_per_layer(
+    seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False,
+    recompute: str = "none", ffn_hidden: int | None = None,
+) -> float:
+    """Korthikanti et al. 2022 eq. 1-2 and sec. 4 verbatim: Megatron's stored bytes of one layer, one micro-batch."""
+    s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
+    f = ffn_hidden if ffn_hidden is not None else 4 * h
+    split = 8 + 4 * f / h  # Q, K, V, projection input, MLP inner activations: split by TP (24 for f = 4h)
+    replicated = 10  # LayerNorm inputs, QKV and MLP inputs, dropout masks: split only by SP
+    scores = 5 * a * s / h  # attention scores, softmax output, its dropout mask
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    if recompute == "selective":
+        scores = 0.0
+    elif recompute != "none":
+        raise ValueError(f"unknown recompute {recompute!r}")
+    if sequence_parallel:
+        return sbh / t * (replicated + split + scores)
+    return sbh * (replicated + (split + scores) / t)
+
+
+def _selective_bytes(sbh: float, t: int, sp: bool, f_over_h: float, input_bytes: int) -> float:
+    """hpctrain.parallel.recompute's selective policy: block input + matmul and collective outputs."""
+    shard = t if sp else 1
+    stored = input_bytes / shard + (6 + 2 * f_over_h) / t + 4  # input, QKV/MLP-in outputs, row-parallel outputs
+    if t > 1:
+        stored += 4 + 4 / t if sp else 4  # all-gather + reduce-scatter outputs, or all-reduce outputs
+    return sbh * stored
+
+
+def activation_bytes_per_layer(
+    seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False,
+    recompute: str = "none", ffn_hidden: int | None = None, *, flash_attention: bool = True,
+    dropout: bool = False, sp_keeps_gathered: bool = True, fp32_residual: bool = False,
+) -> float:
+    """Bytes hpctrain's GPT block saves for backward per micro-batch (16-bit activations); see the module docstring.
+
+    flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula.
+    """
+    s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
+    f = ffn_hidden if ffn_hidden is not None else 4 * h
+    sbh, shard = s * b * h, (t if sequence_parallel else 1)
+    norm_bytes = 4 if fp32_residual else 2
+    if recompute == "full":
+        return norm_bytes * sbh / shard
+    if recompute == "selective":
+        return _selective_bytes(sbh, t, sequence_parallel, f / h, norm_bytes)
+    if recompute != "none":
+        raise ValueError(f"unknown recompute {recompute!r}")
+    by_sp = 2 * norm_bytes + (2 if dropout else 0)  # LayerNorm inputs, residual dropout masks
+    gathered = 4  # QKV and MLP-in inputs: replicated over TP; DTensor SP saves them gathered
+    split = 8 + 4 * f / h
+    if flash_attention:
+        split += 4 * a / h  # fp32 log-sum-exp per head and token
+    else:
+        split += (5 if dropout else 2) * a * s / h  # softmax output (+ its dropout mask and output)
+    if sequence_parallel and not sp_keeps_gathered:
+        by_sp += gathered
+        gathered = 0
+    return sbh * (by_sp / shard + gathered + split / t)
+
+
+def logits_bytes(
+    micro_batch: int, seq_len: int, vocab_rows: int, compute_bytes: int, stored: float = 1.0,
+    pipeline: bool = False,
+) -> float:
+    """Peak bytes of the logits and the loss on one rank of the last stage, with `stored` micro-batches held.
+
+    Every TP rank holds the full [b, s, padded vocabulary] logits: hpctrain.parallel.tensor_parallel
+    `_gather_logits` turns the vocabulary-sharded output into the full tensor (DTensor.full_tensor), and
+    hpctrain.parallel.engine `token_loss` upcasts them to fp32 for F.cross_entropy (log_softmax + nll_loss;
+    LogSoftmaxBackward saves its fp32 output). So nothing here is divided by TP. Per element:
+      forward  logits c + fp32 copy 4 (none when c = 4) + log-softmax output 4;
+      backward log-softmax output 4 + its incoming gradient 4 (nll_loss_backward, dense) + the logits'
+               fp32 gradient 4 = 12, plus c under PP, whose schedule keeps the stage output (the logits)
+               for its backward (torch.distributed.pipelining.stage `fwd_cache`).
+    Measured on CPU for bf16 without PP: 12 bytes per element at the peak. Each further micro-batch held
+    (GPipe's last stage) keeps 4 (+ c under PP).
+    """
+    c = compute_bytes
+    kept = c if pipeline else 0
+    forward = c + (4 if c < 4 else 0) + 4
+    backward = 12 + kept
+    elements = micro_batch * seq_len * vocab_rows
+    return elements * (max(forward, backward) + max(stored - 1.0, 0.0) * (4 + kept))
+
+
+def inflight_microbatches(pp: int, microbatches: int, virtual_stages: int, schedule: str, stage: int = 0) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of a whole stage's layers.
+
+    GPipe holds all m; 1F1B holds min(p - i, m) on stage i, so the first stage holds p; the interleaved
+    schedule holds p + (p - 1)/v stage-equivalents on the first stage, i.e. the whole model's layers times
+    (1 + (p - 1)/(p v)) (Korthikanti sec. 4.2.3, from Megatron's warm-up count 2(p - i - 1) + (v - 1) p);
+    ZB-H2 about 2p - 1; ZB-V p on every stage (its V shape balances memory); looped BFS, like GPipe, all m
+    (the zero-bubble interleaved schedule is counted like interleaved 1F1B).
+    """
+    m, p, v = microbatches, pp, virtual_stages
+    if p == 1:
+        return 1.0  # gradient accumulation runs micro-batches one after another
+    if schedule in ("gpipe", "looped_bfs"):
+        return float(m)
+    if schedule in ("1f1b", "zb_h1"):
+        return float(min(p - stage, m))
+    if schedule == "zb_h2":
+        return float(min(2 * (p - stage) - 1, m))
+    if schedule == "zbv":
+        return float(min(p, m))
+    # interleaved: Megatron warms up 2 (p - i - 1) + (v - 1) p model-chunk micro-batches, plus the one in flight
+    chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
+    return min(chunks / v, float(m))
+
+
+def logits_inflight(pp: int, microbatches: int, schedule: str) -> float:
+    """Micro-batches whose logits the last stage holds: all m when every forward runs before any backward."""
+    return float(microbatches) if pp > 1 and schedule in ("gpipe", "looped_bfs") else 1.0

@@ -1,0 +1,138 @@
+"""hpctrain's activation model: SDPA flash attention, dropout, DTensor sequence parallelism, the selective policy,
+autocast, and the full-vocabulary fp32 logits on every TP rank (hpctrain/plan/activations.py).
+
+The per-layer figures in sbh units were checked against the tensors autograd saves for
+hpctrain.models.gpt.Block on CPU (saved_tensors_hooks, storages counted once, parameters left out; the
+selective policy's saved outputs counted in its policy function; TP with 2 gloo processes).
+"""
+
+import pytest
+
+from hpctrain.plan.activations import (
+    activation_bytes_per_layer,
+    korthikanti_bytes_per_layer,
+    logits_bytes,
+)
+from hpctrain.plan.memory import memory_per_gpu, stage_activation_parts
+from hpctrain.plan.types import GiB, Layout, ModelShape, hardware
+
+# GPT-3 1.3B as conf/experiment/gpt3_1.3b_1node.yaml runs it: 24 layers, h 2048, 16 heads, s 2048, micro-batch 8,
+# DP 8 with ZeRO-2 (FSDP2, bf16 parameters: no autocast), dropout 0, vocabulary 50257 padded to 50304.
+L, H, A, S, B = 24, 2048, 16, 2048, 8
+GPT3_1_3B = ModelShape(L, H, A, S, 50257, vocab_pad_multiple=64)
+ZERO2_DP8 = Layout(dp=8, tp=1, pp=1, zero_stage=2, micro_batch=B, grad_accum=8, reduce_dtype="fp32")
+
+
+def test_gpt3_1_3b_recompute_none_activations_about_25_gib_not_85():
+    """From first principles, bytes one layer saves for backward (bf16 = 2 bytes, sbh = s b h elements):
+    LayerNorm 1 input 2 sbh, QKV-matmul input 2 sbh, Q K V 6 sbh (SDPA's inputs), SDPA output = output-projection
+    input 2 sbh, log-sum-exp fp32 4 a s b, LayerNorm 2 input 2 sbh, MLP-in input 2 sbh, GELU input 8 sbh,
+    MLP-out input 8 sbh: 32 sbh + 4 a s b. No s x s attention matrix (flash), no dropout mask (dropout 0).
+    Korthikanti's 34 + 5 a s / h = 114 sbh gave 85.5 GiB for the 24 layers."""
+    sbh = S * B * H
+    per_layer = 2 * sbh + 2 * sbh + 6 * sbh + 2 * sbh + 4 * A * S * B + 2 * sbh + 2 * sbh + 8 * sbh + 8 * sbh
+    assert 32 * sbh == GiB  # s b h = 2^25: 32 sbh is exactly 1 GiB per layer
+    layers = L * per_layer
+    assert layers / GiB == pytest.approx(24.0234, abs=1e-4)
+    assert L * korthikanti_bytes_per_layer(S, B, H, A) / GiB == pytest.approx(85.5)  # what the planner said before
+    parts = stage_activation_parts(GPT3_1_3B, ZERO2_DP8, 0)
+    assert parts[0].bytes == pytest.approx(layers)
+    assert 23 * GiB < parts[0].bytes < 26 * GiB
+
+
+def test_gpt3_1_3b_head_and_logits():
+    """Final LayerNorm input 2 sbh + head input 2 sbh + logits over the padded vocabulary: the loss's peak is at
+    the start of backward, 12 bytes per logit (fp32 log-softmax output, its gradient, the logits' gradient)."""
+    head = stage_activation_parts(GPT3_1_3B, ZERO2_DP8, 0)[1]
+    assert head.bytes == pytest.approx(4 * S * B * H + B * S * 50304 * 12)
+    assert head.bytes / GiB == pytest.approx(9.336, abs=1e-3)
+    mem = memory_per_gpu(GPT3_1_3B, ZERO2_DP8, hardware("a100_80gb"))
+    assert mem.fits and 32 * GiB < mem.activations < 35 * GiB
+
+
+def test_flash_attention_drops_the_attention_matrix():
+    sbh = S * H
+    flash = activation_bytes_per_layer(S, 1, H, A, dropout=True)
+    assert flash == pytest.approx(sbh * (34 + 4 * A / H))  # log-sum-exp instead of 5 a s / h = 40
+    assert activation_bytes_per_layer(S, 1, H, A, dropout=True, flash_attention=False) == pytest.approx(
+        korthikanti_bytes_per_layer(S, 1, H, A))
+    # without dropout the materialised matrix is only the softmax output: 2 a s / h
+    assert activation_bytes_per_layer(S, 1, H, A, flash_attention=False) == pytest.approx(sbh * (32 + 2 * A * S / H))
+
+
+def test_dropout_masks_only_when_dropout_is_on():
+    """nn.Dropout with p = 0 returns its input: no mask. With p > 0: one byte per element after the attention and
+    the MLP (flash attention regenerates its own dropout mask from the RNG state)."""
+    sbh = S * H
+    assert activation_bytes_per_layer(S, 1, H, A, dropout=True) - activation_bytes_per_layer(S, 1, H, A) == 2 * sbh
+    lay = Layout(dp=1, tp=1, pp=1)
+    with_dropout = stage_activation_parts(ModelShape(2, 64, 4, 32, 100, dropout=0.1), lay, 0)
+    assert any(p.name == "embedding dropout mask" for p in with_dropout)
+    assert not any(p.name == "embedding dropout mask" for p in stage_activation_parts(
+        ModelShape(2, 64, 4, 32, 100), lay, 0))
+
+
+def test_dtensor_sequence_parallel_keeps_the_gathered_matmul_inputs():
+    """Measured on CPU, t = 2, sbh units: TP 20.06, TP + SP 18.05 (the all-gathered QKV and MLP-in inputs stay
+    whole); Megatron's SP would store 16."""
+    sbh, lse = S * H, 4 * A / H / 2
+    assert activation_bytes_per_layer(S, 1, H, A, 2) == pytest.approx(sbh * (20 + lse))
+    assert activation_bytes_per_layer(S, 1, H, A, 2, True) == pytest.approx(sbh * (18 + lse))
+    assert activation_bytes_per_layer(S, 1, H, A, 2, True, sp_keeps_gathered=False) == pytest.approx(sbh * (16 + lse))
+
+
+def test_selective_policy_saves_matmul_and_collective_outputs():
+    """hpctrain.parallel.recompute saves mm/addmm and collective outputs. Measured on CPU (sbh units): 20 without
+    TP, 17 with t = 2, 18 with t = 2 and SP. With flash attention and SP at t = 8 that is more than no
+    recomputation at all (10.5 vs 7.5 sbh): the row-parallel partial sums and the collective outputs are kept."""
+    sbh = S * H
+    assert activation_bytes_per_layer(S, 1, H, A, 1, False, "selective") == 20 * sbh
+    assert activation_bytes_per_layer(S, 1, H, A, 2, False, "selective") == 17 * sbh
+    assert activation_bytes_per_layer(S, 1, H, A, 2, True, "selective") == 18 * sbh
+    assert activation_bytes_per_layer(S, 1, H, A, 8, True, "selective") == 10.5 * sbh
+    assert activation_bytes_per_layer(S, 1, H, A, 8, True) == pytest.approx(sbh * (7.5 + 4 * A / H / 8))
+
+
+def test_autocast_keeps_the_residual_stream_in_fp32():
+    """Without FSDP2 (no DP, or DDP) forward runs under autocast: LayerNorm runs in fp32 and saves fp32 inputs.
+    Measured on CPU: 36 sbh instead of 32."""
+    sbh = S * H
+    assert activation_bytes_per_layer(S, 1, H, A, fp32_residual=True) - activation_bytes_per_layer(
+        S, 1, H, A) == 4 * sbh
+    ddp = Layout(dp=8, tp=1, pp=1, zero_stage=0, micro_batch=B)
+    fsdp = Layout(dp=8, tp=1, pp=1, zero_stage=2, micro_batch=B)
+    gap = stage_activation_parts(GPT3_1_3B, ddp, 0)[0].bytes - stage_activation_parts(GPT3_1_3B, fsdp, 0)[0].bytes
+    assert gap == pytest.approx(L * 4 * S * B * H)
+
+
+def test_logits_do_not_shrink_with_tp():
+    """_gather_logits hands every TP rank the full [b, s, padded vocabulary] logits; the loss upcasts to fp32."""
+    model = ModelShape(4, 1024, 16, 2048, 50257, vocab_pad_multiple=64)
+
+    def head(tp: int) -> float:
+        lay = Layout(dp=2, tp=tp, pp=1, micro_batch=2, zero_stage=2)
+        part = next(p for p in stage_activation_parts(model, lay, 0) if p.name.startswith("output head"))
+        return part.bytes - 2 * 2048 * 2 * 1024 * 2  # minus final-LayerNorm and head inputs (bf16, no SP)
+
+    assert head(1) == pytest.approx(2 * 2048 * 50304 * 12)
+    assert head(8) == pytest.approx(2 * 2048 * 50688 * 12)  # padded to 512 x 99: a little more, never / 8
+    assert head(8) >= head(1)
+
+
+def test_logits_bytes_per_element():
+    assert logits_bytes(1, 1, 1, 2) == 12  # backward start: 3 fp32 buffers (forward: 2 + 4 + 4 = 10)
+    assert logits_bytes(1, 1, 1, 2, pipeline=True) == 14  # + the bf16 stage output the schedule keeps
+    assert logits_bytes(1, 1, 1, 4) == 12  # fp32: .float() is a no-op
+    assert logits_bytes(1, 1, 1, 2, stored=12, pipeline=True) == 14 + 11 * 6  # GPipe's last stage
+
+
+def test_gpipe_last_stage_holds_every_micro_batch_of_logits():
+    model = ModelShape(8, 256, 4, 128, 1000)
+    one_f_one_b = Layout(dp=2, tp=1, pp=2, grad_accum=8)
+    gpipe = Layout(dp=2, tp=1, pp=2, grad_accum=8, schedule="gpipe")
+
+    def head(lay: Layout) -> float:
+        return next(p.bytes for p in stage_activation_parts(model, lay, 1) if p.name.startswith("output head"))
+
+    assert head(one_f_one_b) == pytest.approx(4 * 128 * 256 + 128 * 1000 * 14)
+    assert head(gpipe) == pytest.approx(8 * 4 * 128 * 256 + 128 * 1000 * (14 + 7 * 6))
