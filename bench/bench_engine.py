@@ -60,7 +60,7 @@ def plain_loop(steps: int, warmup: int) -> float:
     from hpctrain.models.gpt import GPT, gpt_args
 
     cfg = make_cfg(1)
-    model = GPT(gpt_args(cfg))
+    model = GPT(gpt_args(cfg.model, cfg.parallel.tp))
     model.init_weights(seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 

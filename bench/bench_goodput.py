@@ -25,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -59,6 +61,27 @@ def current_job(run_dir: Path) -> str:
     return json.loads((run_dir / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
 
 
+@dataclass
+class Measured:
+    """What the run showed (seconds unless said otherwise); c, w and r are the model's C, W and R."""
+
+    step_s: float  # median step time
+    useful: float  # time in steps that count, each step once
+    wall: float  # from the first step's start to the last step's end
+    blocked: list[float]  # RAM tier: blocked per save
+    c: float  # median of `blocked`
+    w: float  # RAM tier: median time from a save's start to its commit
+    shared_blocked: float  # shared tier: medians, as for the RAM tier
+    shared_write: float
+    node_bytes: float  # checkpoint state per node
+    restarts: list[float]  # failure -> first step of the next attempt
+    r: float  # mean of `restarts`
+    lost: list[int]  # steps lost per failure
+    gaps: list[float]  # per step: time outside the timed step
+    in_step: float  # fraction of the running time inside the timed steps
+    observed_mtbf: float  # running time between failures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1500)
@@ -71,17 +94,29 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/goodput_costs.json"))
     args = parser.parse_args()
-    rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="hpctrain-bench-goodput-"))
     _, run_dir = submit_smoke(root, "goodput", args.steps, args.interval, 500, "health.preflight=off",
                               "launcher.max_restarts=100")
+    failures = inject_failures(run_dir, args)
+    rows = metrics(run_dir)
+    (run_dir / "injected_failures.json").write_text(json.dumps(failures))
+    m = measure(rows, failures)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(costs(m, args.kind), indent=1))
+    jobs = [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
+    print_results(args, jobs, failures, m)
+
+
+def inject_failures(run_dir: Path, args: argparse.Namespace) -> list[float]:
+    """Failures at exponentially distributed times while the run trains, until it completes; their times."""
+    rng = random.Random(args.seed)
     failures: list[float] = []
     next_failure = None
     while True:
         rows = metrics(run_dir)
         job = current_job(run_dir)
         if rows and rows[-1]["step"] == args.steps and state(job) == "COMPLETED":
-            break
+            return failures
         if (run_dir / "FAILED.json").exists():
             raise SystemExit(f"the run failed: {(run_dir / 'FAILED.json').read_text()}")
         training = rows and time.time() - rows[-1]["time"] < 2
@@ -96,8 +131,8 @@ def main() -> None:
             next_failure = None
         time.sleep(0.2)
 
-    rows = metrics(run_dir)
-    (run_dir / "injected_failures.json").write_text(json.dumps(failures))
+
+def measure(rows: list[dict[str, Any]], failures: list[float]) -> Measured:
     start = rows[0]["time"] - rows[0]["step_time_s"]
     end = rows[-1]["time"]
     final = {r["step"]: r for r in rows}
@@ -108,6 +143,25 @@ def main() -> None:
     shared_blocked = [r["ckpt/shared/blocked_s"] for r in rows if "ckpt/shared/blocked_s" in r]
     shared_totals = [r["ckpt/shared/total_s"] for r in rows if "ckpt/shared/total_s" in r]
     node_bytes = max(r["ckpt/ram/bytes"] for r in rows if "ckpt/ram/bytes" in r) / 2  # 2 nodes
+    restarts, lost = restart_costs(rows, failures)
+    # Per-step work outside the timed step (logging, agreement all-reduces): part of each attempt's running
+    # time that the model counts as training, so the prediction is scaled by the measured fraction.
+    gaps = [b["time"] - b["step_time_s"] - a["time"] for a, b in zip(rows, rows[1:])
+            if 0 <= b["time"] - b["step_time_s"] - a["time"] < 1.0]
+    in_step = step_s / (step_s + statistics.mean(gaps)) if gaps else 1.0
+    c = statistics.median(blocked)
+    w = statistics.median(totals) if totals else 0.0
+    restart_s = statistics.mean(restarts) if restarts else 0.0
+    wall = end - start
+    observed_mtbf = (wall - restart_s * len(failures)) / max(1, len(failures))  # running time between failures
+    return Measured(step_s=step_s, useful=useful, wall=wall, blocked=blocked, c=c, w=w,
+                    shared_blocked=statistics.median(shared_blocked), shared_write=statistics.median(shared_totals),
+                    node_bytes=node_bytes, restarts=restarts, r=restart_s, lost=lost, gaps=gaps, in_step=in_step,
+                    observed_mtbf=observed_mtbf)
+
+
+def restart_costs(rows: list[dict[str, Any]], failures: list[float]) -> tuple[list[float], list[int]]:
+    """Per failure: seconds to the first step of the next attempt, and the steps lost."""
     restarts, lost = [], []
     for t in failures:
         before = [r for r in rows if r["time"] <= t]
@@ -118,50 +172,49 @@ def main() -> None:
             continue
         restarts.append(nxt["time"] - nxt["step_time_s"] - t)
         lost.append(before[-1]["step"] - (nxt["step"] - 1))
-    # Per-step work outside the timed step (logging, agreement all-reduces): part of each attempt's running
-    # time that the model counts as training, so the prediction is scaled by the measured fraction.
-    gaps = [b["time"] - b["step_time_s"] - a["time"] for a, b in zip(rows, rows[1:])
-            if 0 <= b["time"] - b["step_time_s"] - a["time"] < 1.0]
-    in_step = step_s / (step_s + statistics.mean(gaps)) if gaps else 1.0
-    c = statistics.median(blocked)
-    w = statistics.median(totals) if totals else 0.0
-    tau = args.interval * step_s
-    r = statistics.mean(restarts) if restarts else 0.0
-    wall = end - start
-    measured = useful / wall
-    observed_mtbf = (wall - r * len(failures)) / max(1, len(failures))  # running time between failures
-    if args.kind == "crash":
-        predicted = goodput_exact(tau, c, args.mtbf, r, w)
-        plug_in = goodput_exact(tau, c, observed_mtbf, r, w)
-        form = "exact renewal form: lost work + restart + blocking"
-    else:  # a graceful stop saves at the signal: no work is lost, each failure costs the restart only
-        predicted = tau / (tau + c) * args.mtbf / (args.mtbf + r)
-        plug_in = tau / (tau + c) * observed_mtbf / (observed_mtbf + r)
-        form = "graceful stops: restart + blocking, no lost work"
-    costs = {"schema": "hpctrain.goodput.costs/1",
-             "state_bytes_per_node": node_bytes,
-             "tiers": {"ram": {"blocked_s": c, "write_s": w, "durable": False},
-                       "shared": {"blocked_s": statistics.median(shared_blocked),
-                                  "write_s": statistics.median(shared_totals), "durable": True}},
-             "restart_s": r,  # p_fast is not measured here: a node failure loses the RAM tier with the node
-             "source": f"bench/bench_goodput.py --kind {args.kind} on the dev cluster, {time.strftime('%Y-%m-%d %H:%M')}"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(costs, indent=1))
-    jobs = [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
-    print(f"jobs {', '.join(jobs)}: {args.steps} steps of {step_s:.3f} s, RAM tier every {args.interval} steps "
+    return restarts, lost
+
+
+def costs(m: Measured, kind: str) -> dict[str, Any]:
+    """The measured costs in the `hpctrain.goodput.costs/1` schema, for tools/goodput.py."""
+    return {"schema": "hpctrain.goodput.costs/1",
+            "state_bytes_per_node": m.node_bytes,
+            "tiers": {"ram": {"blocked_s": m.c, "write_s": m.w, "durable": False},
+                      "shared": {"blocked_s": m.shared_blocked, "write_s": m.shared_write, "durable": True}},
+            "restart_s": m.r,  # p_fast is not measured here: a node failure loses the RAM tier with the node
+            "source": f"bench/bench_goodput.py --kind {kind} on the dev cluster, {time.strftime('%Y-%m-%d %H:%M')}"}
+
+
+def predict(kind: str, tau: float, m: Measured, mtbf: float) -> tuple[float, float, str]:
+    """The model's goodput at --mtbf and at the observed failure rate, and which form it used."""
+    if kind == "crash":
+        return (goodput_exact(tau, m.c, mtbf, m.r, m.w), goodput_exact(tau, m.c, m.observed_mtbf, m.r, m.w),
+                "exact renewal form: lost work + restart + blocking")
+    # a graceful stop saves at the signal: no work is lost, each failure costs the restart only
+    return (tau / (tau + m.c) * mtbf / (mtbf + m.r), tau / (tau + m.c) * m.observed_mtbf / (m.observed_mtbf + m.r),
+            "graceful stops: restart + blocking, no lost work")
+
+
+def print_results(args: argparse.Namespace, jobs: list[str], failures: list[float], m: Measured) -> None:
+    tau = args.interval * m.step_s
+    predicted, plug_in, form = predict(args.kind, tau, m, args.mtbf)
+    measured = m.useful / m.wall
+    print(f"jobs {', '.join(jobs)}: {args.steps} steps of {m.step_s:.3f} s, RAM tier every {args.interval} steps "
           f"({tau:.1f} s), {len(failures)} injected {args.kind}es (mean {args.mtbf:.0f} s apart)")
-    print(f"checkpoint blocked per save C = {c * 1e3:.1f} ms (median of {len(blocked)}), commit after {w:.2f} s")
-    print(f"restart cost R = {r:.1f} s (failure -> first step of the next attempt: "
-          f"{', '.join(f'{x:.1f}' for x in restarts)})")
-    print(f"lost steps per failure: {lost} (expected about interval/2 = {args.interval / 2:.0f} for crashes)")
-    print(f"measured goodput: {useful:.1f} s of unique steps / {wall:.1f} s wall = {measured:.1%}")
-    print(f"loop overhead outside the timed step: {statistics.mean(gaps) * 1e3:.1f} ms per step "
-          f"({1 - in_step:.1%} of running time)")
+    print(f"checkpoint blocked per save C = {m.c * 1e3:.1f} ms (median of {len(m.blocked)}), commit after {m.w:.2f} s")
+    print(f"restart cost R = {m.r:.1f} s (failure -> first step of the next attempt: "
+          f"{', '.join(f'{x:.1f}' for x in m.restarts)})")
+    print(f"lost steps per failure: {m.lost} (expected about interval/2 = {args.interval / 2:.0f} for crashes)")
+    print(f"measured goodput: {m.useful:.1f} s of unique steps / {m.wall:.1f} s wall = {measured:.1%}")
+    print(f"loop overhead outside the timed step: {statistics.mean(m.gaps) * 1e3:.1f} ms per step "
+          f"({1 - m.in_step:.1%} of running time)")
     print(f"model ({form}): {predicted:.1%} at MTBF {args.mtbf:.0f} s; with the observed failure rate (one per "
-          f"{observed_mtbf:.0f} s of running): {plug_in:.1%}; measured - model = {(measured - plug_in) * 100:+.1f} pp")
-    print(f"model x time in steps ({in_step:.1%}): {plug_in * in_step:.1%}; measured - model = "
-          f"{(measured - plug_in * in_step) * 100:+.1f} pp")
+          f"{m.observed_mtbf:.0f} s of running): {plug_in:.1%}; measured - model = {(measured - plug_in) * 100:+.1f} pp")
+    print(f"model x time in steps ({m.in_step:.1%}): {plug_in * m.in_step:.1%}; measured - model = "
+          f"{(measured - plug_in * m.in_step) * 100:+.1f} pp")
     print(f"measured costs written to {args.out}")
+
+
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hpctrain.records.paths import RunPaths
+
 
 def submit_smoke(root: Path, run_id: str, steps: int, ram_interval: int, shared_interval: int,
                  *overrides: str) -> tuple[str, Path]:
@@ -24,7 +26,7 @@ def submit_smoke(root: Path, run_id: str, steps: int, ram_interval: int, shared_
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+    path = RunPaths(run_dir).metrics
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from hpctrain.config.checks import CheckReport, _local_gpus, visible_gpus
+from hpctrain.config.cluster_checks import _local_gpus, visible_gpus
+from hpctrain.config.problems import CheckReport
 from hpctrain.config.layout import resolve_layout
 from hpctrain.distributed.environment import task_device
 from hpctrain.launch.executor import build_executor
@@ -63,8 +64,8 @@ def test_local_gpu_checks(tmp_path: Path) -> None:
 
 def test_fused_adamw_on_gpus_only() -> None:
     cfg = make_cfg(1)
-    assert optimizer_defaults(cfg, "cuda")["fused"] is True
-    assert "fused" not in optimizer_defaults(cfg, "cpu")  # the CPU keeps torch's default, which tests pin
+    assert optimizer_defaults(cfg.optim, "cuda")["fused"] is True
+    assert "fused" not in optimizer_defaults(cfg.optim, "cpu")  # the CPU keeps torch's default, which tests pin
 
 
 def _host_syncs(rank: int, world: int, overrides: dict[str, Any]) -> list[int]:

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from hpctrain.config.schema import Config
 from hpctrain.distributed.nccl_env import Port, apply, compute_ports, nccl_environment, selects
 from hpctrain.distributed.task_env import task_environment
-from hpctrain.health.node import ib_report, parse_ibstat, parse_topo_matrix
+from hpctrain.health.node import ib_report
+from hpctrain.health.node_parse import parse_ibstat, parse_topo_matrix
 
 FIXTURES = Path(__file__).parent / "health" / "fixtures" / "node"
 DGX_A100 = "=mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1,mlx5_6:1,mlx5_7:1,mlx5_8:1,mlx5_9:1"

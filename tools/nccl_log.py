@@ -21,7 +21,8 @@ import argparse
 import json
 import sys
 
-from hpctrain.health.nccl_log import analyze, format_text
+from hpctrain.health.nccl_log import analyze
+from hpctrain.health.nccl_report import format_text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,13 +6,15 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint.layout import Committed, committed_in, tier_path, verify
+from hpctrain.records.fingerprint import ModelShape
+from hpctrain.records.paths import RunPaths
 
 
 def run_tiers(run_dir: Path) -> list[tuple[str, Path]]:
     """The tiers a run was configured with, resolved to directories (from its config.yaml)."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg = OmegaConf.load(RunPaths(run_dir).config)
     return [(t.name, tier_path(t.path, run_dir, str(cfg.run.id))) for t in cfg.checkpoint.tiers]
 
 
@@ -44,9 +46,10 @@ def export_model(c: Committed, out: Path) -> list[Path]:
     from hpctrain.checkpoint.reshard import load_state
     from hpctrain.models.gpt import GPT, GPTArgs
 
-    n_layers, d_model, n_heads, vocab, context, ffn_mult = c.manifest["fingerprint"]["model"]
+    m = ModelShape.from_value(c.manifest["fingerprint"]["model"])
     with torch.device("meta"):  # the tokenizer's vocabulary: the padding rows are not exported
-        model = GPT(GPTArgs(n_layers, d_model, n_heads, vocab, context, ffn_mult * d_model))
+        model = GPT(GPTArgs(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, vocab_size=m.vocab_size,
+                            seq_len=m.context, ffn_hidden=m.ffn_mult * m.d_model))
     model.to_empty(device="cpu")
     state = {name: p.detach() for name, p in model.state_dict().items()}
     load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)

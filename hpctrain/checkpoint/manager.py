@@ -50,6 +50,8 @@ from hpctrain.checkpoint.layout import (
     verify,
 )
 from hpctrain.checkpoint.reshard import load_state
+from hpctrain.config.schema import CheckpointConfig
+from hpctrain.records.fingerprint import upgrade_fingerprint
 from hpctrain.goodput.model import daly_interval, mtbf_s
 
 log = logging.getLogger(__name__)
@@ -124,21 +126,22 @@ class CheckpointError(RuntimeError):
 class CheckpointManager:
     """Saves, commits, retains and finds checkpoints of an engine (state_dict() / load_state_dict())."""
 
-    def __init__(self, cfg: Any, run_dir: Path, run_id: str, rank: int, world_size: int, local_rank: int,
-                 fingerprint: dict[str, Any], device: torch.device = torch.device("cpu")) -> None:
-        self.enabled = bool(cfg.checkpoint.enabled)
-        self.save_final = bool(cfg.checkpoint.save_final)
-        self.force_resume = bool(cfg.checkpoint.force_resume)
-        self.wait_when_busy = cfg.checkpoint.when_busy == "wait"
-        self.write_threads = cfg.checkpoint.write_threads
+    def __init__(self, config: CheckpointConfig, failure_rate_per_gpu_day: float, run_dir: Path, run_id: str,
+                 rank: int, world_size: int, local_rank: int, fingerprint: dict[str, Any],
+                 device: torch.device = torch.device("cpu")) -> None:
+        self.enabled = bool(config.enabled)
+        self.save_final = bool(config.save_final)
+        self.force_resume = bool(config.force_resume)
+        self.wait_when_busy = config.when_busy == "wait"
+        self.write_threads = config.write_threads
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.device = device
         self.run_id = run_id
-        self.fingerprint = fingerprint
+        self.fingerprint = upgrade_fingerprint(fingerprint)
         self.distributed = dist.is_initialized()
         self.tiers = [Tier(t.name, tier_path(t.path, run_dir, run_id), t.interval_steps, t.interval_minutes,
-                           t.keep_last, auto=t.auto) for t in cfg.checkpoint.tiers]
-        self.mtbf_s = mtbf_s(cfg.cluster.failure_rate_per_gpu_day, world_size)
+                           t.keep_last, auto=t.auto) for t in config.tiers]
+        self.mtbf_s = mtbf_s(failure_rate_per_gpu_day, world_size)
         # Own groups, created by every rank in the same order: agreement at step boundaries uses
         # `control_group` (gloo, so it works next to NCCL too); each tier's background writes use a group of
         # their own, since two tiers' saves can be in flight at once in two threads.
@@ -228,7 +231,7 @@ class CheckpointManager:
         return None
 
     def _check_fingerprint(self, ckpt: Committed) -> None:
-        saved = ckpt.manifest.get("fingerprint", {})
+        saved = upgrade_fingerprint(ckpt.manifest.get("fingerprint", {}))
         if saved.get("model") != self.fingerprint["model"]:
             raise CheckpointError(f"checkpoint {ckpt.path} holds model {saved.get('model')}, this run builds "
                                   f"{self.fingerprint['model']}: it cannot be loaded")

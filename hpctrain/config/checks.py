@@ -7,43 +7,35 @@ is submitted; warnings are printed in the plan. The schema already rejected unkn
 from __future__ import annotations
 
 import difflib
-import math
 import os
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from hpctrain import schedules
 from hpctrain.config.layout import Layout, resolve_layout
-from hpctrain.config.problems import ConfigError, Problem
-from hpctrain.config.schema import SCHEDULES, TIMEOUT_MARGIN_S, Config, DataKind, DType, Executor
-
-INTERLEAVED = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble"}
-MULTI_CHUNK = INTERLEAVED | {"zbv"}
-
-
-@dataclass
-class CheckReport:
-    layout: Layout
-    estimates: Any = None  # hpctrain.plan.estimate.Estimates once the layout is valid
-    errors: list[Problem] = field(default_factory=list)
-    warnings: list[Problem] = field(default_factory=list)
-
-    def error(self, key: str, message: str, fix: str) -> None:
-        self.errors.append(Problem(key, message, fix))
-
-    def warn(self, key: str, message: str, fix: str) -> None:
-        self.warnings.append(Problem(key, message, fix))
+from hpctrain.config.cluster_checks import cluster_checks
+from hpctrain.config.problems import CheckReport, ConfigError, Problem
+from hpctrain.config.schema import SCHEDULES, Config, DataKind, DType
+from hpctrain.hardware import KNOWN_HARDWARE
 
 
-def check_config(cfg: Config) -> CheckReport:
-    """Run every check; raise ConfigError with all errors found, return the report (with warnings) otherwise."""
+
+def run_checks(cfg: Config) -> CheckReport:
+    """Every check, the errors kept in the report (a dry run shows the plan before them). A layout that
+    cannot be resolved at all raises ConfigError."""
     check_schema(cfg)
     layout = resolve_layout(cfg)
     report = CheckReport(layout)
     for check in CHECKS:
         check(cfg, layout, report)
+    return report
+
+
+def check_config(cfg: Config) -> CheckReport:
+    """Run every check; raise ConfigError with all errors found, return the report (with warnings) otherwise."""
+    report = run_checks(cfg)
     if report.errors:
         raise ConfigError(report.errors)
     return report
@@ -94,9 +86,6 @@ def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if (m.ffn_mult * m.d_model) % tp:
         r.error("parallel.tp", f"the MLP hidden size {m.ffn_mult * m.d_model} is not divisible by tp={tp}",
                 "use a tp that divides the MLP hidden size")
-    if m.vocab_size % tp:
-        r.warn("model.vocab_size", f"vocabulary {m.vocab_size} is not divisible by tp={tp}: the embedding is "
-               "sharded unevenly", "pad the vocabulary to a multiple of tp (Megatron pads to 128 x tp)")
     if tp > lay.gpus_per_node:
         r.error("parallel.tp", f"tp={tp} is larger than cluster.gpus_per_node={lay.gpus_per_node}: TP's per-layer "
                 "all-reduces would cross the network instead of NVLink", f"use tp <= {lay.gpus_per_node} and add "
@@ -104,9 +93,6 @@ def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
     elif lay.gpus_per_node % tp:
         r.error("parallel.tp", f"tp={tp} does not divide cluster.gpus_per_node={lay.gpus_per_node}: some TP "
                 "groups would straddle two nodes", f"use a tp that divides {lay.gpus_per_node}")
-    if cfg.parallel.sequence_parallel and tp == 1:
-        r.error("parallel.sequence_parallel", "sequence parallelism shards along the TP group, but tp=1",
-                "set parallel.tp>1 or parallel.sequence_parallel=false")
 
 
 def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -116,65 +102,60 @@ def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if p.schedule not in SCHEDULES:
         r.error("parallel.schedule", f"unknown schedule {p.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         return
+    entry = schedules.get(p.schedule)
     chunks = lay.pp * lay.virtual_stages
     if m.n_layers % chunks:
         r.error("parallel.pp", f"model.n_layers={m.n_layers} is not divisible by pp x virtual_stages = "
                 f"{lay.pp} x {lay.virtual_stages} = {chunks}: stages would be unbalanced",
                 "choose pp and virtual_stages whose product divides the number of layers")
-    if lay.virtual_stages > 1 and p.schedule not in MULTI_CHUNK:
-        r.error("parallel.virtual_stages", f"virtual_stages={lay.virtual_stages} needs a multi-chunk schedule, "
-                f"but parallel.schedule={p.schedule}", "set parallel.schedule=interleaved_1f1b")
-    if p.schedule in INTERLEAVED and lay.pp > 1 and lay.virtual_stages < 2:
-        r.error("parallel.schedule", f"{p.schedule} needs parallel.virtual_stages >= 2",
-                "set parallel.virtual_stages=2 (or more), or parallel.schedule=1f1b")
-    if p.schedule == "zbv" and lay.pp > 1 and lay.virtual_stages != 2:
-        r.error("parallel.virtual_stages", "the zbv schedule runs exactly 2 chunks per rank",
-                "set parallel.virtual_stages=2")
-    if p.schedule in ("interleaved_zero_bubble", "zbv") and lay.pp > 1 and lay.dp > 1 and lay.zero_stage >= 1:
+    if entry.split_backward and lay.pp > 1 and lay.dp > 1 and lay.zero_stage >= 1:
         r.error("parallel.schedule", f"{p.schedule} computes weight gradients in a separate pass, which loses "
                 f"gradients of ZeRO-sharded parameters (zero.stage={lay.zero_stage}) in torch 2.13",
                 "use zero.stage=0 with this schedule, or parallel.schedule=interleaved_1f1b")
     if lay.pp == 1 or r.errors:
         return
     mb = lay.microbatches
-    if mb < lay.pp:
-        r.error("train.grad_accum", f"{mb} microbatches for {lay.pp} pipeline stages: 1F1B needs at least one "
-                "microbatch per stage, or stages sit idle", f"use train.grad_accum >= {lay.pp} (best >= {4 * lay.pp}), "
-                "e.g. by lowering train.micro_batch")
+    need = entry.min_microbatches(lay.pp, lay.virtual_stages)
+    if mb < need:
+        r.error("train.grad_accum", f"{mb} microbatches for {lay.pp} pipeline stages: {p.schedule} needs at least "
+                f"{'one microbatch per stage' if need == lay.pp else f'{need} microbatches'}, or stages sit idle",
+                f"use train.grad_accum >= {need} (best >= {4 * lay.pp}), e.g. by lowering train.micro_batch")
         return
-    if p.schedule in INTERLEAVED and mb % lay.pp:
+    if entry.microbatches_multiple_of_pp and mb % lay.pp:
         r.error("train.grad_accum", f"interleaved schedules need microbatches ({mb}) to be a multiple of pp "
                 f"({lay.pp})", f"use train.grad_accum={(mb // lay.pp + 1) * lay.pp}")
     bubble = bubble_fraction(lay.pp, mb, lay.virtual_stages, p.schedule)
-    if mb < 4 * lay.pp:
-        r.warn("train.grad_accum", f"{mb} microbatches on {lay.pp} stages: the pipeline bubble is "
-               f"{bubble:.1%} of each step", f"use >= {4 * lay.pp} microbatches (bubble "
-               f"{bubble_fraction(lay.pp, 4 * lay.pp, lay.virtual_stages, p.schedule):.1%}), or "
-               "an interleaved schedule with virtual stages")
+    if mb < 4 * lay.pp and cfg.cluster.gpu_type in KNOWN_HARDWARE:
+        from hpctrain.plan.estimate import estimate
 
+        r.warn("train.grad_accum", f"{mb} microbatches on {lay.pp} stages: the pipeline bubble is "
+               f"{bubble:.1%} of each step", _microbatch_fix(estimate(cfg, lay), lay.zero_stage))
+
+
+def _microbatch_fix(est: Any, zero_stage: int) -> str:
+    """Only a count the plan's own estimate finds faster (more microbatches re-gather ZeRO-3's weights)."""
+    from hpctrain.plan.auto import better_microbatches
+
+    tip = better_microbatches(est.model, est.layout, est.hw)
+    if tip is not None:
+        return (f"use train.micro_batch={tip.micro_batch} ({tip.microbatches} microbatches, bubble "
+                f"{tip.bubble_fraction:.1%}): the plan estimates {tip.step_time_s:.1f} s per step instead of "
+                f"{tip.current_step_time_s:.1f} s")
+    return ("no other number of microbatches makes this layout faster by the plan's estimate"
+            + (" (under ZeRO-3 each one re-gathers the weights)" if zero_stage == 3 else "")
+            + "; plan.search=5 ranks faster layouts (e.g. interleaved schedules)")
 
 def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
     z = cfg.zero
-    if z.stage not in (0, 1, 2, 3):
-        r.error("zero.stage", f"must be 0, 1, 2 or 3, got {z.stage}",
-                "pick zero=stage0|stage1|stage2|stage3 (or their _offload variants)")
-        return
-    if z.offload_params and z.stage != 3:
-        r.error("zero.offload_params", f"parameter offload needs ZeRO stage 3 (parameters sharded), got stage {z.stage}",
-                "set zero.stage=3, or zero=stage3_offload")
     if z.offload_params and not z.offload_optimizer:
         r.error("zero.offload_optimizer", "parameters on the CPU means the optimizer step runs there too",
                 "set zero.offload_optimizer=true")
     if z.offload_optimizer and z.stage < 2:
         r.error("zero.offload_optimizer", f"optimizer offload is done with FSDP2's CPU offload, which needs "
                 f"stage 2 or 3, got stage {z.stage}", "set zero.stage=2 (or zero=stage2_offload)")
-    if lay.dp_replicate > 1:
-        if lay.dp % lay.dp_replicate:
-            r.error("parallel.dp_replicate", f"dp={lay.dp} is not divisible by dp_replicate={lay.dp_replicate}",
-                    f"use a dp_replicate that divides {lay.dp}")
-        if z.stage < 2:
-            r.error("parallel.dp_replicate", "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
-                    "set zero.stage=3, or parallel.dp_replicate=1")
+    if lay.dp_replicate > 1 and z.stage < 2:
+        r.error("parallel.dp_replicate", "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
+                "set zero.stage=3, or parallel.dp_replicate=1")
     if z.stage > 0 and lay.dp == 1:
         r.warn("zero.stage", f"ZeRO stage {z.stage} with dp=1 shards nothing", "use zero=stage0")
     for key, value in {"zero.reduce_bucket_size": z.reduce_bucket_size,
@@ -219,9 +200,13 @@ def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 "use e.g. optim.min_lr_ratio=0.1")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         r.error("optim.betas", f"must be two numbers in [0, 1), got {list(o.betas)}", "use optim.betas=[0.9,0.95]")
-    if o.warmup_steps < 0 or o.warmup_steps > t.max_steps:
-        r.error("optim.warmup_steps", f"must be in [0, train.max_steps={t.max_steps}], got {o.warmup_steps}",
+    if o.warmup_steps < 0:
+        r.error("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}",
                 f"use e.g. optim.warmup_steps={max(0, t.max_steps // 10)}")
+    elif o.warmup_steps > t.max_steps:  # a short trial run of a long config: the lr is still ramping at the end
+        r.warn("optim.warmup_steps", f"warmup ({o.warmup_steps} steps) is longer than the run (train.max_steps="
+               f"{t.max_steps}): the learning rate never reaches optim.lr={o.lr:g}",
+               f"use e.g. optim.warmup_steps={max(0, t.max_steps // 10)} for a run this short")
     if o.decay not in ("cosine", "linear", "constant"):
         r.error("optim.decay", f"unknown decay {o.decay!r}", "use cosine, linear or constant")
     if o.grad_clip < 0:
@@ -257,87 +242,6 @@ def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
             message = f"{d.path} does not exist on this machine"
             fix = "check the path; it must be readable from every node"
             (r.warn if cfg.dry_run else r.error)("data.path", message, fix)
-
-
-def visible_gpus(environ: dict[str, str], driver: str = "/proc/driver/nvidia/gpus", dev: str = "/dev") -> int:
-    """GPUs this machine lets a process use, without importing torch: the NVIDIA driver's device list (or,
-    in containers without it, the /dev/nvidiaN device nodes), narrowed by CUDA_VISIBLE_DEVICES when set."""
-    if os.path.isdir(driver):
-        present = len(os.listdir(driver))
-    else:
-        present = sum(1 for n in (os.listdir(dev) if os.path.isdir(dev) else []) if n[6:].isdigit()
-                      and n.startswith("nvidia"))
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return present
-    return min(present, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
-
-
-def _local_gpus(gpu_type: str, per_node: int, visible: int, r: CheckReport) -> None:
-    """The local executor gives each task a GPU only when gpu_type names one; say so when GPUs sit idle."""
-    if gpu_type != "cpu" and visible < per_node:
-        r.error("cluster.gpus_per_node", f"cluster.gpu_type={gpu_type} runs one task per GPU, {per_node} tasks, "
-                f"but this machine shows {visible} GPU(s)", f"set cluster.gpus_per_node={max(visible, 1)}"
-                + ("" if visible else " and cluster.gpu_type=cpu"))
-    elif gpu_type == "cpu" and visible:
-        r.warn("cluster.gpu_type", f"this machine has {visible} GPU(s) but cluster.gpu_type=cpu: the tasks "
-               "train on the CPU", f"set cluster.gpu_type to the GPU's type (e.g. h100) and "
-               f"cluster.gpus_per_node={visible}")
-
-
-def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    c = cfg.cluster
-    if c.executor == Executor.local and c.nodes != 1:
-        r.error("cluster.nodes", f"the local executor runs on this one machine, got nodes={c.nodes}",
-                "set cluster.nodes=1, or submit to Slurm with cluster=slurm (or cluster=dev)")
-    if c.executor == Executor.local:
-        _local_gpus(c.gpu_type, c.gpus_per_node, visible_gpus(dict(os.environ)), r)
-    if c.cpus_per_task < 1:
-        r.error("cluster.cpus_per_task", f"must be >= 1, got {c.cpus_per_task}", "set cluster.cpus_per_task=1")
-    if c.time_min < 1:
-        r.error("cluster.time_min", f"must be >= 1 minute, got {c.time_min}", "set cluster.time_min=60")
-    elif c.signal_delay_s >= c.time_min * 60:
-        r.error("cluster.signal_delay_s", f"the warning signal {c.signal_delay_s} s before the end would come before "
-                f"the job starts (time limit {c.time_min} min)", f"use cluster.signal_delay_s<={c.time_min * 60 // 4}")
-    elif c.executor == Executor.slurm and c.signal_delay_s < 30:
-        r.warn("cluster.signal_delay_s", f"{c.signal_delay_s} s may be too short to finish a step and save",
-               "allow a step plus a fast-tier save, e.g. cluster.signal_delay_s=120")
-    if c.executor == Executor.slurm and c.requeue and c.time_min <= 10:
-        r.warn("cluster.time_min", "submitit counts every signal to a job of <= 10 minutes as a timeout, using up "
-               "cluster.max_num_timeout on preemptions", "use cluster.time_min>10")
-    h = cfg.health
-    if h.preflight not in ("off", "warn", "exclude", "drain"):
-        r.error("health.preflight", f"must be off, warn, exclude or drain, got {h.preflight!r}",
-                "use health.preflight=warn")
-    if h.hang_timeout_s and h.hang_timeout_s < 10:
-        r.error("health.hang_timeout_s", f"{h.hang_timeout_s} s would fire on a slow step", "use at least 60 s, or 0 to disable")
-    if h.straggler_factor <= 1.0:
-        r.error("health.straggler_factor", f"must be > 1, got {h.straggler_factor}", "use health.straggler_factor=1.3")
-    if cfg.launcher.max_restarts < 0:
-        r.error("launcher.max_restarts", f"must be >= 0, got {cfg.launcher.max_restarts}", "use launcher.max_restarts=3")
-    if cfg.train.threads_per_rank > c.cpus_per_task and c.executor == Executor.slurm:
-        r.warn("train.threads_per_rank", f"{cfg.train.threads_per_rank} threads on {c.cpus_per_task} CPUs per task",
-               "set train.threads_per_rank<=cluster.cpus_per_task")
-
-
-def _timeouts(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    """hpctrain's hang watchdog must fire before NCCL's own (the collective timeout): it dumps stacks and the
-    flight recorder and writes the failure record the supervisor blames a node by; NCCL's ends the process
-    without any of that."""
-    h, timeout = cfg.health, cfg.launcher.collective_timeout_s
-    if timeout < 30:
-        r.error("launcher.collective_timeout_s", f"{timeout} s is shorter than a checkpoint load or a slow "
-                "first step", "use launcher.collective_timeout_s=1800")
-        return
-    if not h.hang_timeout_s:  # the watchdog is off: NCCL's timeout is the only one
-        return
-    key, longest = max((("health.hang_timeout_s", h.hang_timeout_s),
-                        ("health.startup_timeout_s", h.startup_timeout_s)), key=lambda kv: kv[1])
-    if timeout < longest + TIMEOUT_MARGIN_S:
-        r.error("launcher.collective_timeout_s", f"{timeout} s does not outlast {key}={longest:g} s by "
-                f"{TIMEOUT_MARGIN_S:g} s: NCCL's own watchdog would end the ranks of a hang first, leaving no "
-                "stacks, flight recorder or failure record", f"set launcher.collective_timeout_s>="
-                f"{math.ceil(longest + TIMEOUT_MARGIN_S)}, or lower {key}")
 
 
 def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -403,6 +307,6 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data, _cluster, _timeouts,
+    _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data, *cluster_checks,
     _checkpoint, _memory,
 ]

@@ -1,55 +1,162 @@
-"""Resolve the parallel layout and batch arithmetic from a config.
+"""The parallel layout of a run, and resolving it (with the batch arithmetic) from a config.
 
-One small object owns the resolved degrees (inferred dp, gradient accumulation, pipeline microbatches), so
-the plan, the checks and every task read the same numbers.
+One small frozen object owns the degrees, the schedule, sequence parallelism, recomputation, micro-batch and
+accumulation, so the checks, the plan, the launcher and every task read the same numbers, validated once.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Any
 
+from hpctrain import schedules
 from hpctrain.config.problems import ConfigError, Problem
 from hpctrain.config.schema import Config
 
 
+RECOMPUTE = ("none", "selective", "full")
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a training dtype name ("bf16", "fp16", "fp32")."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
+    return 4 if dtype == "fp32" else 2
+
+
 @dataclass(frozen=True)
 class Layout:
-    nodes: int
-    gpus_per_node: int
+    """How one training step is spread over dp x tp x pp GPUs: the one layout object of a run.
+
+    Resolved once on the login node from the config (`resolve_layout`), validated here, shipped with the task;
+    the planner builds and compares thousands of them (no torch import), `ParallelDims` only builds the mesh.
+    Megatron conventions: the number of pipeline microbatches per step is `grad_accum`, so
+    global_batch = micro_batch x grad_accum x dp. Rank order is TP innermost, then DP, then PP. ZeRO shards over
+    dp / dp_replicate ranks (dp_replicate > 1 is HSDP). `reduce_dtype` is the dtype gradients are reduced in
+    (None: `dtype`).
+    """
+
     dp: int
     tp: int
     pp: int
-    dp_replicate: int
-    virtual_stages: int
-    micro_batch: int
-    grad_accum: int
-    global_batch: int
-    zero_stage: int
+    virtual_stages: int = 1
+    zero_stage: int = 0
+    micro_batch: int = 1
+    grad_accum: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    schedule: str = "1f1b"
+    dtype: str = "bf16"
+    dp_replicate: int = 1
+    reduce_dtype: str | None = None
+    gpus_per_node: int = 1  # what the job asks for per node (TP must fit in it)
+
+    def __post_init__(self) -> None:
+        problems = layout_problems(self)
+        if problems:
+            raise ValueError("; ".join(f"parallel.{key}: {message}" for key, message, _ in problems))
 
     @property
     def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
+        return self.dp * self.tp * self.pp
+
+    n_gpus = world_size
 
     @property
-    def dp_shard(self) -> int:
-        """Ranks a ZeRO/FSDP shard group spans (all of dp unless HSDP replicates across groups)."""
-        return self.dp // self.dp_replicate
+    def nodes(self) -> int:
+        return self.world_size // self.gpus_per_node
 
     @property
     def microbatches(self) -> int:
-        """Microbatches per optimizer step on one DP rank; with PP they all go through the pipeline."""
+        """Pipeline microbatches per step (Megatron: one per gradient-accumulation step)."""
         return self.grad_accum
 
-    def as_dict(self) -> dict[str, int]:
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks ZeRO/FSDP shards over: the whole DP group, or one HSDP shard group."""
+        return self.dp // self.dp_replicate
+
+    zero_shard = dp_shard
+
+    @property
+    def compute_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return dtype_bytes(self.reduce_dtype or self.dtype)
+
+    def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(world_size=self.world_size, dp_shard=self.dp_shard, microbatches=self.microbatches)
+        d.update(world_size=self.world_size, nodes=self.nodes, dp_shard=self.dp_shard,
+                 microbatches=self.microbatches, global_batch=self.global_batch)
         return d
+
+
+def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
+    """(parallel.* key, what is wrong, the fix) for every rule a layout breaks, checked in this one place."""
+    out: list[tuple[str, str, str]] = []
+    for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "dp_replicate", "gpus_per_node"):
+        if getattr(lay, name) < 1:
+            out.append((name, f"must be >= 1, got {getattr(lay, name)}", "set it to a positive integer"))
+    if out:
+        return out
+    if lay.zero_stage not in (0, 1, 2, 3):
+        out.append(("zero_stage", f"must be 0, 1, 2 or 3, got {lay.zero_stage}",
+                    "pick zero=stage0|stage1|stage2|stage3 (or their _offload variants)"))
+    if lay.recompute not in RECOMPUTE:
+        out.append(("recompute", f"must be one of {RECOMPUTE}, got {lay.recompute!r}", "set parallel.recompute=none"))
+    for name in ("dtype", "reduce_dtype"):
+        value = getattr(lay, name)
+        if value is not None and value not in DTYPES:
+            out.append((name, f"unknown dtype {value!r}; expected one of {DTYPES}", "use bf16, fp16 or fp32"))
+    if lay.schedule not in schedules.SCHEDULES and lay.schedule not in schedules.ALIASES:
+        out.append(("schedule", f"unknown schedule {lay.schedule!r}", f"use one of {', '.join(schedules.RUNNABLE)}"))
+    else:
+        chunk = schedules.get(lay.schedule).chunk_problem(lay.pp, lay.virtual_stages)
+        if chunk:
+            out.append(chunk)
+    if lay.dp % lay.dp_replicate:
+        out.append(("dp_replicate", f"dp={lay.dp} is not divisible by dp_replicate={lay.dp_replicate}",
+                    f"use a dp_replicate that divides {lay.dp}"))
+    if lay.offload_params and lay.zero_stage != 3:
+        out.append(("offload_params", f"parameter offload needs ZeRO stage 3 (parameters sharded), got stage "
+                    f"{lay.zero_stage}", "set zero.stage=3, or zero=stage3_offload"))
+    if lay.sequence_parallel and lay.tp == 1:
+        out.append(("sequence_parallel", "sequence parallelism shards along the TP group, but tp=1",
+                    "set parallel.tp>1 or parallel.sequence_parallel=false"))
+    return out
 
 
 def resolve_layout(cfg: Config) -> Layout:
     """Infer dp and grad_accum where they are -1; raise ConfigError when the numbers cannot fit together."""
     c, p, t = cfg.cluster, cfg.parallel, cfg.train
-    problems: list[Problem] = []
+    _require_positive(cfg)
+    dp = _infer_dp(c.nodes, c.gpus_per_node, p.dp, p.tp, p.pp)
+    grad_accum = _infer_grad_accum(cfg, dp)
+    values = dict(
+        dp=dp, tp=p.tp, pp=p.pp, virtual_stages=p.virtual_stages, zero_stage=cfg.zero.stage,
+        micro_batch=t.micro_batch, grad_accum=grad_accum, sequence_parallel=bool(p.sequence_parallel),
+        recompute=_value(p.recompute), offload_optimizer=bool(cfg.zero.offload_optimizer),
+        offload_params=bool(cfg.zero.offload_params), schedule=p.schedule, dtype=_value(cfg.precision.dtype),
+        dp_replicate=p.dp_replicate, reduce_dtype=_value(cfg.precision.reduce_dtype), gpus_per_node=c.gpus_per_node)
+    broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
+    if broken:
+        raise ConfigError([Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix)
+                           for key, message, fix in broken])
+    return Layout(**values)
+
+
+def _require_positive(cfg: Config) -> None:
+    c, p, t = cfg.cluster, cfg.parallel, cfg.train
     positive = {
         "cluster.nodes": c.nodes,
         "cluster.gpus_per_node": c.gpus_per_node,
@@ -60,38 +167,41 @@ def resolve_layout(cfg: Config) -> Layout:
         "train.micro_batch": t.micro_batch,
         "train.global_batch": t.global_batch,
     }
-    for key, value in positive.items():
-        if value < 1:
-            problems.append(Problem(key, f"must be >= 1, got {value}", f"set {key} to a positive integer"))
+    problems = [Problem(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
+                for key, value in positive.items() if value < 1]
     if problems:
         raise ConfigError(problems)
 
-    world = c.nodes * c.gpus_per_node
-    model_parallel = p.tp * p.pp
-    if p.dp == -1:
+
+def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int) -> int:
+    """parallel.dp, or (-1) the world size over tp x pp."""
+    world, model_parallel = nodes * gpus_per_node, tp * pp
+    if dp == -1:
         if world % model_parallel:
             raise ConfigError([Problem(
                 "parallel.dp",
-                f"world size {world} (cluster.nodes={c.nodes} x cluster.gpus_per_node={c.gpus_per_node}) "
-                f"is not divisible by tp x pp = {p.tp} x {p.pp} = {model_parallel}, so dp cannot be inferred",
+                f"world size {world} (cluster.nodes={nodes} x cluster.gpus_per_node={gpus_per_node}) "
+                f"is not divisible by tp x pp = {tp} x {pp} = {model_parallel}, so dp cannot be inferred",
                 f"choose tp and pp whose product divides {world}, or change cluster.nodes",
             )])
-        dp = world // model_parallel
-    elif p.dp < 1:
-        raise ConfigError([Problem("parallel.dp", f"must be >= 1 or -1 (infer), got {p.dp}",
+        return world // model_parallel
+    if dp < 1:
+        raise ConfigError([Problem("parallel.dp", f"must be >= 1 or -1 (infer), got {dp}",
                                    "set parallel.dp=-1 to infer it from the world size")])
-    else:
-        dp = p.dp
-        if dp * model_parallel != world:
-            need_nodes = dp * model_parallel / c.gpus_per_node
-            raise ConfigError([Problem(
-                "parallel.dp",
-                f"dp x tp x pp = {dp} x {p.tp} x {p.pp} = {dp * model_parallel} GPUs, but the job has "
-                f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node} = {world}",
-                f"set parallel.dp={world // model_parallel if world % model_parallel == 0 else -1} "
-                f"(or -1 to infer it), or cluster.nodes={need_nodes:g}",
-            )])
+    if dp * model_parallel != world:
+        raise ConfigError([Problem(
+            "parallel.dp",
+            f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * model_parallel} GPUs, but the job has "
+            f"cluster.nodes x cluster.gpus_per_node = {nodes} x {gpus_per_node} = {world}",
+            f"set parallel.dp={world // model_parallel if world % model_parallel == 0 else -1} "
+            f"(or -1 to infer it), or cluster.nodes={dp * model_parallel / gpus_per_node:g}",
+        )])
+    return dp
 
+
+def _infer_grad_accum(cfg: Config, dp: int) -> int:
+    """train.grad_accum (or parallel.microbatches), or (-1) the global batch over micro-batch x dp."""
+    p, t = cfg.parallel, cfg.train
     per_step = t.micro_batch * dp
     grad_accum = t.grad_accum
     if grad_accum == -1 and p.microbatches > 0:
@@ -123,16 +233,15 @@ def resolve_layout(cfg: Config) -> Layout:
             "microbatch goes through the pipeline, so the two are the same number",
             "set only one of them (parallel.microbatches=0 follows train.grad_accum)",
         )])
-    return Layout(
-        nodes=c.nodes,
-        gpus_per_node=c.gpus_per_node,
-        dp=dp,
-        tp=p.tp,
-        pp=p.pp,
-        dp_replicate=p.dp_replicate,
-        virtual_stages=p.virtual_stages,
-        micro_batch=t.micro_batch,
-        grad_accum=grad_accum,
-        global_batch=t.global_batch,
-        zero_stage=cfg.zero.stage,
-    )
+    return grad_accum
+
+
+# Layout field -> the config key that sets it, for error messages (the rest are parallel.<field>).
+CONFIG_KEYS = {"zero_stage": "zero.stage", "micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum",
+               "gpus_per_node": "cluster.gpus_per_node", "dtype": "precision.dtype",
+               "reduce_dtype": "precision.reduce_dtype", "offload_params": "zero.offload_params"}
+
+
+def _value(v: Any) -> str:
+    """A config enum's string (OmegaConf gives enums from structured configs, plain strings from dicts)."""
+    return v.value if hasattr(v, "value") else str(v)

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from hpctrain.schedules import RUNNABLE
+
 
 class Executor(str, Enum):
     local = "local"
@@ -20,7 +22,7 @@ class Executor(str, Enum):
 
 
 # Pipeline schedules (torch.distributed.pipelining). A plain string: "1f1b" is not a valid enum member name.
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv")
+SCHEDULES = RUNNABLE  # hpctrain.schedules: one entry per schedule
 
 
 class DType(str, Enum):

@@ -12,11 +12,10 @@ import hashlib
 import os
 import sysconfig
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from hpctrain.config.schema import DataKind
+from hpctrain.config.schema import DataConfig, DataKind
 
 
 def stdlib_sources() -> list[Path]:
@@ -54,7 +53,7 @@ def build_text_bytes(max_bytes: int, cache_dir: Path | None = None) -> Path:
     return target
 
 
-def open_tokens(data_cfg: Any) -> np.ndarray | None:
+def open_tokens(data_cfg: DataConfig) -> np.ndarray | None:
     """The token array for a data config (None for synthetic data, which has no file)."""
     if data_cfg.kind == DataKind.synthetic:
         return None

@@ -2,7 +2,8 @@
 
 A pure function of the config, so the dry-run plan prints exactly what the tasks will set. Variables the
 user put in cluster.env win over the defaults here. The same for every executor (local or Slurm): a local
-run on a GPU box uses NCCL too.
+run on a GPU box uses NCCL too. No HPCTRAIN_RUN_ID: the task sets these from its own config, so such a
+variable could only repeat `cfg.run.id`, which every task already reads there.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ def task_environment(cfg: Any) -> dict[str, str]:
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
         "PYTHONUNBUFFERED": "1",
-        "HPCTRAIN_RUN_ID": str(cfg.run.id or ""),
     }
     # What the config fixes; each task on a GPU adds what its node reports (compute HCAs, nearest first).
     env.update(nccl_environment(cfg.cluster.nccl, 0, None, None))

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from hpctrain.config.schema import HealthConfig
+
 from hpctrain.health.outliers import robust_outliers
 from hpctrain.health.preflight import matmul_seconds
 
@@ -46,8 +48,7 @@ def slope(values: list[float]) -> float:
 
 
 class RunMonitor:
-    def __init__(self, cfg: Any, rank: int, device: torch.device, hosts: list[str] | None = None) -> None:
-        hc = cfg.health
+    def __init__(self, hc: HealthConfig, rank: int, device: torch.device, hosts: list[str] | None = None) -> None:
         self.every, self.factor, self.patience = hc.straggler_every, hc.straggler_factor, hc.straggler_patience
         self.threshold = hc.outlier_threshold
         self.window, self.leak_bytes = hc.memory_window, hc.leak_mb * 2**20

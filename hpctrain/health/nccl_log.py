@@ -14,7 +14,8 @@ otherwise read as a link without GDRDMA).
 Formats: NCCL 2.18-2.21 (older `Ring NN :` link lines and newer prefixed version lines are read too).
 Ranks in link, ring and tree lines are communicator ranks; lines are tied to their communicator through
 the thread that printed the communicator's `comm 0x... rank R nRanks N` / `Init START` line, and
-communicators of different processes are matched by `commId` (else by their size).
+communicators of different processes are matched by `commId` (else by their size). The report, its findings
+and its text are in nccl_report.py.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ERROR = "error"
-WARNING = "warning"
+from hpctrain.health.nccl_report import Communicator, HostNetwork, Link, NcclReport, NcclWarning, derive_findings
+
 LOG_SUFFIXES = (".out", ".err", ".log", ".txt")
 
 # `host:pid:tid [cudaDev] [file.cc:line ]NCCL INFO|WARN msg`; searched anywhere in a line, so srun --label,
@@ -55,101 +56,6 @@ _USING_NET = re.compile(r"^Using network (.+?)\s*$")
 _NET_REASON = re.compile(r"NET/IB : No device found|Failed to open libibverbs|NET/IB : Unable to open|"
                          r"Call to ibv_\w+ failed|NCCL_IB_DISABLE set by environment to 1|"
                          r"^NET/Plugin ?: ?(?:Plugin load|dlerror|Could not find|Failed)")
-
-
-@dataclass
-class Finding:
-    """One problem: `error` makes the CLI exit 1, `warning` is reported only."""
-
-    severity: str
-    code: str
-    message: str
-    host: str | None = None
-    rank: int | None = None
-
-
-@dataclass
-class NcclWarning:
-    """An `NCCL WARN` line, with the rank of the process that printed it (its largest communicator's)."""
-
-    host: str
-    pid: int
-    device: int
-    rank: int | None
-    where: str | None
-    message: str
-    source: str
-
-
-@dataclass
-class HostNetwork:
-    """What NCCL picked for inter-node traffic on one host, and why when it is the socket fallback."""
-
-    host: str
-    networks: list[str] = field(default_factory=list)
-    ib_devices: list[str] = field(default_factory=list)
-    socket_devices: list[str] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-    rank_networks: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass
-class Link:
-    """One connection as one side printed it: `channels` lists every channel it appeared on."""
-
-    comm: str
-    src: int
-    src_dev: str
-    dst: int
-    dst_dev: str
-    side: str | None
-    transport: str
-    kind: str
-    channels: list[int] = field(default_factory=list)
-    src_host: str | None = None
-    dst_host: str | None = None
-    intra_node: bool = False
-    gdrdma: bool = False
-
-
-@dataclass
-class Communicator:
-    """A communicator's shape, ring orders (by channel) and tree edges (by rank, then channel)."""
-
-    key: str
-    nranks: int | None = None
-    nnodes: int | None = None
-    local_ranks: int | None = None
-    rank_hosts: dict[int, str] = field(default_factory=dict)
-    rings: dict[int, list[int]] = field(default_factory=dict)
-    trees: dict[int, dict[int, str]] = field(default_factory=dict)
-
-
-@dataclass
-class NcclReport:
-    """Everything read from the logs, plus the findings derived from it."""
-
-    sources: list[str]
-    hosts: list[str]
-    versions: dict[str, list[str]]
-    networks: dict[str, HostNetwork]
-    communicators: dict[str, Communicator]
-    links: list[Link]
-    env: dict[str, dict[str, str]]
-    warnings: list[NcclWarning]
-    findings: list[Finding]
-    stats: dict[str, int]
-
-    @property
-    def errors(self) -> list[Finding]:
-        return [f for f in self.findings if f.severity == ERROR]
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.errors else 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass
@@ -198,16 +104,6 @@ def _decode_version(code: int) -> str:
     return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
 
 
-def _ranges(values: Iterable[int]) -> str:
-    """[0, 1, 2, 3, 8] -> "0-3,8"."""
-    out: list[str] = []
-    for v in sorted(set(values)):
-        if out and out[-1].split("-")[-1] == str(v - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{v}"
-        else:
-            out.append(str(v))
-    return ",".join(out)
-
 
 class _Collector:
     """Accumulates records from one or more streams; `report()` resolves hosts and derives findings."""
@@ -250,123 +146,20 @@ class _Collector:
             self.bare_versions += [(host, v) for v in pending]
             pending = []
 
+
     def report(self, allow_socket: bool = False) -> NcclReport:
-        # Communicator ids come from Init START/COMPLETE lines, which may follow the lines they name.
-        comm_ids = {}
+        """The records read in order, then what only the whole log tells: versions named by mismatch WARNs only,
+        the hosts of each link's ends, each host's network; and the findings."""
+        reader = _Reader(self._comm_ids(), self.bare_versions)
         for r in self.recs:
-            if (m := _INIT.match(r.msg)) and m[4]:
-                comm_ids[(r.host, r.pid, m[1])] = m[4]
-
-        versions: dict[str, set[str]] = defaultdict(set)
-        for host, v in self.bare_versions:
-            versions[host].add(v)
-        comms: dict[str, Communicator] = {}
-        thread_comm: dict[tuple[str, int, int], str] = {}
-        proc_comm: dict[tuple[str, int], str] = {}
-        proc_rank: dict[tuple[str, int, int], tuple[int, int]] = {}
-        links: dict[tuple[str, int, int, str | None, str], Link] = {}
-        env: dict[str, dict[str, str]] = defaultdict(dict)
-        ib_devs: dict[str, list[str]] = defaultdict(list)
-        sock_devs: dict[str, list[str]] = defaultdict(list)
-        using: dict[tuple[str, int, int], str] = {}
-        reasons: dict[str, list[str]] = defaultdict(list)
-        mismatches: list[tuple[str, int, int]] = []
-        warn_recs: list[_Rec] = []
-
-        def key_of(r: _Rec) -> str:
-            return thread_comm.get((r.host, r.pid, r.tid)) or proc_comm.get((r.host, r.pid)) or "?"
-
-        def comm_of(r: _Rec) -> Communicator:
-            return comms.setdefault(key_of(r), Communicator(key_of(r)))
-
-        def enter_comm(r: _Rec, ptr: str, rank: int, nranks: int) -> Communicator:
-            key = comm_ids.get((r.host, r.pid, ptr), f"nranks={nranks}")
-            thread_comm[(r.host, r.pid, r.tid)] = proc_comm[(r.host, r.pid)] = key
-            comm = comms.setdefault(key, Communicator(key))
-            comm.nranks = nranks
-            comm.rank_hosts[rank] = r.host
-            if proc_rank.get((r.host, r.pid, r.dev), (-1, 0))[0] < nranks:
-                proc_rank[(r.host, r.pid, r.dev)] = (nranks, rank)
-            return comm
-
-        for r in self.recs:
-            msg = r.msg
-            if r.level == "WARN":
-                warn_recs.append(r)
-                if m := _MISMATCH.match(msg):
-                    mismatches += [(key_of(r), int(m[1]), int(m[2])), (key_of(r), int(m[3]), int(m[4]))]
-            elif m := _LINK.match(msg):
-                comm = comm_of(r)
-                src, dst, side, via = int(m[2]), int(m[4]), m[6], m[7]
-                kind = via.split("/")[0]
-                if side in (None, "send"):
-                    comm.rank_hosts[src] = r.host
-                if side == "receive" or (side is None and kind in ("P2P", "SHM")):
-                    comm.rank_hosts[dst] = r.host
-                link = links.setdefault((comm.key, src, dst, side, via),
-                                        Link(comm.key, src, m[3], dst, m[5], side, via, kind,
-                                             gdrdma="/GDRDMA" in via))
-                if int(m[1]) not in link.channels:
-                    link.channels.append(int(m[1]))
-            elif m := _INIT.match(msg):
-                enter_comm(r, m[1], int(m[2]), int(m[3]))
-            elif m := _COMM.match(msg):
-                comm = enter_comm(r, m[1], int(m[2]), int(m[3]))
-                comm.nnodes, comm.local_ranks = int(m[4]), int(m[5])
-            elif m := _RING.match(msg):
-                comm_of(r).rings[int(m[1] or m[2])] = [int(x) for x in m[3].split()]
-            elif m := _TREES.match(msg):
-                comm = comm_of(r)
-                for ch, children, rank, parent in _TREE.findall(m[1]):
-                    comm.rank_hosts[int(rank)] = r.host
-                    comm.trees.setdefault(int(rank), {})[int(ch)] = f"{children}->{rank}->{parent}"
-            elif m := _VERSION.match(msg):
-                versions[r.host].add(m[1])
-            elif m := _NET_IB.match(msg):
-                ib_devs[r.host] += [d for d in re.findall(r"\[\d+\](\S+)", m[2]) if d not in ib_devs[r.host]]
-            elif m := _NET_SOCKET.match(msg):
-                sock_devs[r.host] += [d for d in re.findall(r"\[\d+\]([^\s<]+)", m[1]) if d not in sock_devs[r.host]]
-            elif m := _USING_NET.match(msg):
-                using[(r.host, r.pid, r.dev)] = m[1]
-            if r.level == "INFO" and (m := _ENV.match(msg)):
-                value = m[2][:-1] if re.fullmatch(r"-?\d+\.", m[2]) else m[2]
-                env[r.host][m[1]] = value
-            if _NET_REASON.search(msg):
-                reasons[r.host].append(msg)
-
-        for key, rank, code in mismatches:
-            host = comms[key].rank_hosts.get(rank) if key in comms else None
-            if host is not None:
-                version = _decode_version(code)
-                if not any(v.split("+")[0] == version for v in versions[host]):
-                    versions[host].add(version)
-
-        for link in links.values():
-            hosts = comms[link.comm].rank_hosts
-            link.src_host, link.dst_host = hosts.get(link.src), hosts.get(link.dst)
-            link.intra_node = link.kind in ("P2P", "SHM") or (
-                link.kind == "NET" and link.src_host is not None and link.src_host == link.dst_host)
-            link.channels.sort()
-
-        networks: dict[str, HostNetwork] = {}
+            reader.take(r)
+        reader.resolve_mismatches()
+        reader.resolve_links()
+        versions, comms, env = reader.versions, reader.comms, reader.env
         all_hosts = sorted({r.host for r in self.recs} | {h for h, vs in versions.items() if vs})
-        for host in all_hosts:
-            net = HostNetwork(host, ib_devices=ib_devs[host], socket_devices=sock_devs[host])
-            for (h, pid, dev), name in sorted(using.items()):
-                if h == host:
-                    if name not in net.networks:
-                        net.networks.append(name)
-                    if (h, pid, dev) in proc_rank:
-                        net.rank_networks[proc_rank[(h, pid, dev)][1]] = name
-            if not net.networks:
-                net.networks = ["Socket"] if net.socket_devices else ["IB"] if net.ib_devices else []
-            if "Socket" in net.networks:
-                net.reasons = list(dict.fromkeys(reasons[host]))
-            if net.networks or net.ib_devices or net.socket_devices:
-                networks[host] = net
-
-        warnings = [NcclWarning(r.host, r.pid, r.dev, proc_rank.get((r.host, r.pid, r.dev), (0, None))[1],
-                                r.where, r.msg, r.source) for r in warn_recs]
+        networks = reader.networks(all_hosts)
+        warnings = reader.warnings()
+        links = list(reader.links.values())
         multi_node = len(all_hosts) > 1 or any((c.nnodes or 0) > 1 for c in comms.values())
         return NcclReport(
             sources=self.sources,
@@ -374,62 +167,155 @@ class _Collector:
             versions={h: sorted(vs) for h, vs in sorted(versions.items())},
             networks=networks,
             communicators=comms,
-            links=sorted(links.values(), key=lambda k: (k.comm, k.src, k.dst, k.side or "", k.transport)),
+            links=sorted(links, key=lambda k: (k.comm, k.src, k.dst, k.side or "", k.transport)),
             env={h: dict(sorted(e.items())) for h, e in sorted(env.items())},
             warnings=warnings,
-            findings=_findings(versions, networks, list(links.values()), env, warnings, multi_node, allow_socket),
+            findings=derive_findings(versions, networks, links, env, warnings, multi_node, allow_socket),
             stats=self.stats,
         )
 
+    def _comm_ids(self) -> dict[tuple[str, int, str], str]:
+        """Communicator ids by (host, pid, comm pointer), from Init START/COMPLETE lines, which may follow the
+        lines they name."""
+        comm_ids = {}
+        for r in self.recs:
+            if (m := _INIT.match(r.msg)) and m[4]:
+                comm_ids[(r.host, r.pid, m[1])] = m[4]
+        return comm_ids
 
-def _findings(versions: dict[str, set[str]], networks: dict[str, HostNetwork], links: list[Link],
-              env: dict[str, dict[str, str]], warnings: list[NcclWarning], multi_node: bool,
-              allow_socket: bool) -> list[Finding]:
-    """The policy: what is an error (exit 1) and what a warning; see the tools/nccl_log.py docstring."""
-    out: list[Finding] = []
-    base = {v.split("+")[0] for vs in versions.values() for v in vs}
-    if len(base) > 1:
-        per_host = ", ".join(f"{h}={'/'.join(sorted(vs))}" for h, vs in sorted(versions.items()))
-        out.append(Finding(ERROR, "version-mismatch", f"NCCL versions differ across hosts: {per_host}"))
 
-    for host, net in sorted(networks.items()):
-        if "Socket" in net.networks:
-            why = "; ".join(net.reasons) or "no reason logged"
-            scope = "a multi-node job" if multi_node else "a single-node job"
-            severity = ERROR if multi_node and not allow_socket else WARNING
-            out.append(Finding(severity, "socket-fallback",
-                               f"{host}: NCCL uses TCP sockets ({', '.join(net.socket_devices) or '?'}) "
-                               f"instead of IB/RoCE on {scope}; reason: {why}", host=host))
+class _Reader:
+    """Reads the records in order: which communicator each thread is in (from its last init line), and what each
+    record says about links, rings, trees, versions, networks and the environment."""
 
-    slow: dict[tuple[str, int, int], list[Link]] = defaultdict(list)
-    for link in links:
-        if link.intra_node and link.kind in ("SHM", "NET"):
-            slow[(link.comm, link.src, link.dst)].append(link)
-    for (comm, src, dst), group in sorted(slow.items()):
-        host = group[0].src_host or group[0].dst_host
-        p2p = len({(k.src, k.dst) for k in links if k.comm == comm and k.kind == "P2P"})
-        channels = _ranges(c for k in group for c in k.channels)
-        hint = "; ".join(f"{k}={v}" for k, v in env.get(host or "", {}).items() if k.startswith(("NCCL_P2P", "NCCL_SHM")))
-        out.append(Finding(WARNING, "intra-node-slow-path",
-                           f"{host}: intra-node hop {src}[{group[0].src_dev}] -> {dst}[{group[0].dst_dev}] "
-                           f"uses {', '.join(sorted({k.transport for k in group}))} (channels {channels}), "
-                           + (f"while {p2p} other intra-node rank pairs use P2P" if p2p else "no link uses P2P")
-                           + (f"; {hint}" if hint else ""), host=host, rank=src))
+    def __init__(self, comm_ids: dict[tuple[str, int, str], str], bare_versions: list[tuple[str, str]]) -> None:
+        self.comm_ids = comm_ids
+        self.versions: dict[str, set[str]] = defaultdict(set)
+        for host, v in bare_versions:
+            self.versions[host].add(v)
+        self.comms: dict[str, Communicator] = {}
+        self.thread_comm: dict[tuple[str, int, int], str] = {}
+        self.proc_comm: dict[tuple[str, int], str] = {}
+        self.proc_rank: dict[tuple[str, int, int], tuple[int, int]] = {}
+        self.links: dict[tuple[str, int, int, str | None, str], Link] = {}
+        self.env: dict[str, dict[str, str]] = defaultdict(dict)
+        self.ib_devs: dict[str, list[str]] = defaultdict(list)
+        self.sock_devs: dict[str, list[str]] = defaultdict(list)
+        self.using: dict[tuple[str, int, int], str] = {}
+        self.reasons: dict[str, list[str]] = defaultdict(list)
+        self.mismatches: list[tuple[str, int, int]] = []
+        self.warn_recs: list[_Rec] = []
 
-    inter = [k for k in links if k.kind == "NET" and not k.intra_node and not k.transport.startswith("NET/Socket")]
-    if any(k.gdrdma for k in inter):
-        for k in inter:
-            if not k.gdrdma:
-                host = k.src_host if k.side == "send" else k.dst_host
-                out.append(Finding(WARNING, "no-gdrdma",
-                                   f"{host}: inter-node link {k.src} -> {k.dst} ({k.side} side) uses {k.transport} "
-                                   f"without GPUDirect RDMA (channels {_ranges(k.channels)}) while other "
-                                   "inter-node links use GDRDMA", host=host, rank=k.src if k.side == "send" else k.dst))
+    def key_of(self, r: _Rec) -> str:
+        return self.thread_comm.get((r.host, r.pid, r.tid)) or self.proc_comm.get((r.host, r.pid)) or "?"
 
-    for w in warnings:
-        out.append(Finding(WARNING, "nccl-warn", f"{w.host} rank {w.rank} [{w.device}]: {w.message}",
-                           host=w.host, rank=w.rank))
-    return out
+    def comm_of(self, r: _Rec) -> Communicator:
+        return self.comms.setdefault(self.key_of(r), Communicator(self.key_of(r)))
+
+    def enter_comm(self, r: _Rec, ptr: str, rank: int, nranks: int) -> Communicator:
+        key = self.comm_ids.get((r.host, r.pid, ptr), f"nranks={nranks}")
+        self.thread_comm[(r.host, r.pid, r.tid)] = self.proc_comm[(r.host, r.pid)] = key
+        comm = self.comms.setdefault(key, Communicator(key))
+        comm.nranks = nranks
+        comm.rank_hosts[rank] = r.host
+        if self.proc_rank.get((r.host, r.pid, r.dev), (-1, 0))[0] < nranks:
+            self.proc_rank[(r.host, r.pid, r.dev)] = (nranks, rank)
+        return comm
+
+    def take(self, r: _Rec) -> None:
+        """One record: the first pattern that matches says what it is; any record may set env or give a reason."""
+        msg = r.msg
+        if r.level == "WARN":
+            self.warn_recs.append(r)
+            if m := _MISMATCH.match(msg):
+                self.mismatches += [(self.key_of(r), int(m[1]), int(m[2])), (self.key_of(r), int(m[3]), int(m[4]))]
+        elif m := _LINK.match(msg):
+            self.take_link(r, m)
+        elif m := _INIT.match(msg):
+            self.enter_comm(r, m[1], int(m[2]), int(m[3]))
+        elif m := _COMM.match(msg):
+            comm = self.enter_comm(r, m[1], int(m[2]), int(m[3]))
+            comm.nnodes, comm.local_ranks = int(m[4]), int(m[5])
+        elif m := _RING.match(msg):
+            self.comm_of(r).rings[int(m[1] or m[2])] = [int(x) for x in m[3].split()]
+        elif m := _TREES.match(msg):
+            comm = self.comm_of(r)
+            for ch, children, rank, parent in _TREE.findall(m[1]):
+                comm.rank_hosts[int(rank)] = r.host
+                comm.trees.setdefault(int(rank), {})[int(ch)] = f"{children}->{rank}->{parent}"
+        elif m := _VERSION.match(msg):
+            self.versions[r.host].add(m[1])
+        elif m := _NET_IB.match(msg):
+            ib = self.ib_devs[r.host]
+            ib += [d for d in re.findall(r"\[\d+\](\S+)", m[2]) if d not in ib]
+        elif m := _NET_SOCKET.match(msg):
+            sock = self.sock_devs[r.host]
+            sock += [d for d in re.findall(r"\[\d+\]([^\s<]+)", m[1]) if d not in sock]
+        elif m := _USING_NET.match(msg):
+            self.using[(r.host, r.pid, r.dev)] = m[1]
+        if r.level == "INFO" and (m := _ENV.match(msg)):
+            value = m[2][:-1] if re.fullmatch(r"-?\d+\.", m[2]) else m[2]
+            self.env[r.host][m[1]] = value
+        if _NET_REASON.search(msg):
+            self.reasons[r.host].append(msg)
+
+    def take_link(self, r: _Rec, m: re.Match[str]) -> None:
+        """A link line places the ranks on the printing host: the sender always, the receiver when it is the
+        receive side or an intra-node (P2P/SHM) link."""
+        comm = self.comm_of(r)
+        src, dst, side, via = int(m[2]), int(m[4]), m[6], m[7]
+        kind = via.split("/")[0]
+        if side in (None, "send"):
+            comm.rank_hosts[src] = r.host
+        if side == "receive" or (side is None and kind in ("P2P", "SHM")):
+            comm.rank_hosts[dst] = r.host
+        link = self.links.setdefault((comm.key, src, dst, side, via),
+                                     Link(comm.key, src, m[3], dst, m[5], side, via, kind, gdrdma="/GDRDMA" in via))
+        if int(m[1]) not in link.channels:
+            link.channels.append(int(m[1]))
+
+    def resolve_mismatches(self) -> None:
+        """A "Mismatched NCCL version" WARN names a rank's version: it counts for the rank's host unless that host
+        logged the same version already."""
+        for key, rank, code in self.mismatches:
+            host = self.comms[key].rank_hosts.get(rank) if key in self.comms else None
+            if host is not None:
+                version = _decode_version(code)
+                if not any(v.split("+")[0] == version for v in self.versions[host]):
+                    self.versions[host].add(version)
+
+    def resolve_links(self) -> None:
+        """The hosts of each link's ends, known once every line has placed its ranks."""
+        for link in self.links.values():
+            hosts = self.comms[link.comm].rank_hosts
+            link.src_host, link.dst_host = hosts.get(link.src), hosts.get(link.dst)
+            link.intra_node = link.kind in ("P2P", "SHM") or (
+                link.kind == "NET" and link.src_host is not None and link.src_host == link.dst_host)
+            link.channels.sort()
+
+    def networks(self, hosts: list[str]) -> dict[str, HostNetwork]:
+        """What each host uses between nodes (by its processes' "Using network" lines, else by the devices it
+        listed), and why, when that is the socket fallback."""
+        networks: dict[str, HostNetwork] = {}
+        for host in hosts:
+            net = HostNetwork(host, ib_devices=self.ib_devs[host], socket_devices=self.sock_devs[host])
+            for (h, pid, dev), name in sorted(self.using.items()):
+                if h == host:
+                    if name not in net.networks:
+                        net.networks.append(name)
+                    if (h, pid, dev) in self.proc_rank:
+                        net.rank_networks[self.proc_rank[(h, pid, dev)][1]] = name
+            if not net.networks:
+                net.networks = ["Socket"] if net.socket_devices else ["IB"] if net.ib_devices else []
+            if "Socket" in net.networks:
+                net.reasons = list(dict.fromkeys(self.reasons[host]))
+            if net.networks or net.ib_devices or net.socket_devices:
+                networks[host] = net
+        return networks
+
+    def warnings(self) -> list[NcclWarning]:
+        return [NcclWarning(r.host, r.pid, r.dev, self.proc_rank.get((r.host, r.pid, r.dev), (0, None))[1],
+                            r.where, r.msg, r.source) for r in self.warn_recs]
 
 
 def parse_lines(lines: Iterable[str], source: str = "<input>", allow_socket: bool = False) -> NcclReport:
@@ -468,48 +354,3 @@ def analyze(paths: Sequence[str | Path], allow_socket: bool = False) -> NcclRepo
     for name, lines, partial in split:
         collector.feed(lines, name, hosts, partial_last=partial)
     return collector.report(allow_socket)
-
-
-def format_text(report: NcclReport) -> str:
-    """The human summary: versions, networks, communicators, transports, env, warnings, findings."""
-    out = [(f"NCCL log analysis: {len(report.sources)} file(s), {len(report.hosts)} host(s), "
-            f"{report.stats['nccl_lines']} NCCL lines, {report.stats['garbled']} garbled/truncated ignored")]
-    out.append("versions:")
-    out += [f"  {h}: {', '.join(vs)}" for h, vs in report.versions.items()] or ["  (none logged)"]
-    out.append("network:")
-    for host, net in report.networks.items():
-        by_net: dict[str, list[int]] = defaultdict(list)
-        for rank, name in net.rank_networks.items():
-            by_net[name].append(rank)
-        ranks = "; ".join(f"{n} ranks {_ranges(rs)}" for n, rs in by_net.items())
-        devs = net.socket_devices if "Socket" in net.networks else net.ib_devices
-        out.append(f"  {host}: {'/'.join(net.networks) or '?'} [{' '.join(devs)}]" + (f" ({ranks})" if ranks else ""))
-        out += [f"    reason: {r}" for r in net.reasons]
-    for comm in report.communicators.values():
-        links = [k for k in report.links if k.comm == comm.key]
-        if not (links or comm.rings or comm.nranks):
-            continue
-        shape = [f"{n} {what}" for n, what in [(comm.nranks, "ranks"), (comm.nnodes, "nodes"),
-                                                (comm.local_ranks, "local ranks"), (len(comm.rings), "rings"),
-                                                (len(comm.trees), "ranks with trees")] if n]
-        out.append(f"communicator {comm.key}: {', '.join(shape)}")
-        for ch, order in sorted(comm.rings.items())[:2]:
-            out.append(f"  ring {ch:02d}: {' '.join(map(str, order))}")
-        counts: dict[tuple[str, str], set[tuple[int, int]]] = defaultdict(set)
-        for k in links:
-            counts[("intra-node" if k.intra_node else "inter-node", re.sub(r"/\d+(\(\d+\))?", "", k.transport))].add(
-                (k.src, k.dst))
-        for (scope, via), pairs in sorted(counts.items()):
-            out.append(f"  {scope} {via}: {len(pairs)} rank pairs")
-    if report.env:
-        out.append("environment:")
-        out += [f"  {h}: " + " ".join(f"{k}={v}" for k, v in e.items()) for h, e in report.env.items()]
-    if report.warnings:
-        out.append("NCCL WARN:")
-        out += [" ".join(filter(None, [f"  {w.host} rank {w.rank} [{w.device}]", w.where, w.message]))
-                for w in report.warnings]
-    errors = len(report.errors)
-    out.append("findings:")
-    out += [f"  {f.severity.upper()} {f.code}: {f.message}" for f in report.findings] or ["  none"]
-    out.append(f"result: {errors} error(s), {len(report.findings) - errors} warning(s)")
-    return "\n".join(out)

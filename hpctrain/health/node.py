@@ -3,10 +3,10 @@
 At thousands of GPUs hardware faults are routine: uncorrectable ECC errors, pending row remaps or page
 retirements, Xid errors, NVLink links that did not train, IB ports down or at the wrong rate, firmware
 that differs from the rest of the fleet (mismatched IB firmware has caused millisecond-level collective
-delays). Each collector here runs a vendor tool (or reads sysfs) and hands the text to a pure parser, so
-the parsing and the decisions are tested on real captured outputs (tests/health/fixtures/node) on a
-machine without any of that hardware. Every collector says "not present" instead of failing when its
-tool or directory is missing.
+delays). Each collector here runs a vendor tool (or reads sysfs) and hands the text to a pure parser
+(node_parse.py); node_problems.py decides what needs action. So the parsing and the decisions are tested
+on real captured outputs (tests/health/fixtures/node) on a machine without any of that hardware. Every
+collector says "not present" instead of failing when its tool or directory is missing.
 
 Report shape (JSON-serializable, see `node_report`)::
 
@@ -37,29 +37,25 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import shutil
 import socket
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from hpctrain.health.node_parse import (
+    XID_SOURCE,
+    parse_nvidia_smi_xml,
+    parse_nvlink_status,
+    parse_topo_matrix,
+    parse_xid_lines,
+    rate_gbps,
+)
+from hpctrain.health.node_problems import gpu_problems, ib_problems, nvlink_problems, xid_problems
+
 NOT_PRESENT = "not present"
 TOOL_TIMEOUT_S = 30.0
-XID_SOURCE = ("nvidia-smi does not list Xid errors; they are in the kernel log (dmesg / journalctl -k) "
-              "as 'NVRM: Xid (PCI:...): N, ...' lines: pass that text to parse_xid_lines")
-# Xids that point at the GPU, its memory or its links rather than at the application (NVIDIA's Xid
-# catalogue): 48 DBE, 63/64 row remap event/failure, 74 NVLink, 79 fallen off the bus, 92 high SBE
-# rate, 94/95 contained/uncontained ECC, 119/120 GSP. Application faults (13, 31, 43, 45) are not
-# node problems: the next job on the node will not hit them.
-HARDWARE_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119, 120})
-# nvidia-smi topo -m path kinds, nearest first: a NIC behind the same PCIe switch (PIX/PXB) gives
-# GPUDirect RDMA at full rate; through the CPU host bridge (PHB), another bridge of the NUMA node
-# (NODE) or across sockets (SYS) it does not.
-PATH_RANK = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4}
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -80,99 +76,7 @@ def _collect(cmd: list[str], parse: Any) -> dict[str, Any]:
     return parse(text)
 
 
-# ---------------------------------------------------------------------------------------- GPUs
-
-def _text(node: ET.Element | None, path: str) -> str | None:
-    """Element text with nvidia-smi's "N/A" (and empty) read as None."""
-    el = node.find(path) if node is not None else None
-    if el is None or el.text is None:
-        return None
-    value = el.text.strip()
-    return None if value in ("", "N/A") else value
-
-
-def _number(node: ET.Element | None, *paths: str) -> float | None:
-    """First of `paths` that holds a number such as "1275 MHz" or "67.03 W"."""
-    for path in paths:
-        value = _text(node, path)
-        if value is not None:
-            match = re.match(r"-?\d+(\.\d+)?", value)
-            if match:
-                return float(match.group())
-    return None
-
-
-def _int(node: ET.Element | None, *paths: str) -> int | None:
-    value = _number(node, *paths)
-    return None if value is None else int(value)
-
-
-def _yes(node: ET.Element | None, path: str) -> bool | None:
-    value = _text(node, path)
-    return None if value is None else value.lower() == "yes"
-
-
-def _uncorrectable(counts: ET.Element | None) -> dict[str, int]:
-    """Uncorrectable ECC counts by location; Ampere+ drivers say SRAM/DRAM (newer split SRAM into
-    parity/SECDED), pre-Ampere ones count double-bit errors."""
-    found: dict[str, int] = {}
-    sram = [_int(counts, tag) for tag in ("sram_uncorrectable", "sram_uncorrectable_parity",
-                                          "sram_uncorrectable_secded")]
-    if any(v is not None for v in sram):
-        found["sram"] = sum(v for v in sram if v is not None)
-    for key, path in (("dram", "dram_uncorrectable"), ("double_bit", "double_bit/total")):
-        value = _int(counts, path)
-        if value is not None:
-            found[key] = value
-    return found
-
-
-def _gpu(index: int, el: ET.Element) -> dict[str, Any]:
-    remap = el.find("remapped_rows")
-    has_remap = remap is not None and len(remap) > 0  # "N/A" when unsupported (pre-Ampere, MIG mode)
-    return {
-        "index": index,
-        "uuid": _text(el, "uuid"),
-        "pci_bus_id": _text(el, "pci/pci_bus_id") or el.get("id"),
-        "product_name": _text(el, "product_name"),
-        "ecc_mode": _text(el, "ecc_mode/current_ecc"),
-        "ecc_uncorrectable": {"volatile": _uncorrectable(el.find("ecc_errors/volatile")),
-                              "aggregate": _uncorrectable(el.find("ecc_errors/aggregate"))},
-        "retired_pages": {
-            "single_bit": _int(el, "retired_pages/multiple_single_bit_retirement/retired_count"),
-            "double_bit": _int(el, "retired_pages/double_bit_retirement/retired_count"),
-            "pending": _yes(el, "retired_pages/pending_retirement"),
-        },
-        "remapped_rows": {
-            "correctable": _int(remap, "remapped_row_corr"),
-            "uncorrectable": _int(remap, "remapped_row_unc"),
-            "pending": _yes(remap, "remapped_row_pending"),
-            "failure": _yes(remap, "remapped_row_failure"),
-        } if has_remap else None,
-        "sm_clock_mhz": _int(el, "clocks/sm_clock"),
-        "sm_clock_max_mhz": _int(el, "max_clocks/sm_clock"),
-        "power_draw_w": _number(el, "gpu_power_readings/power_draw", "gpu_power_readings/instant_power_draw",
-                                "power_readings/power_draw"),
-        "power_limit_w": _number(el, "gpu_power_readings/current_power_limit", "power_readings/power_limit"),
-        "temperature_c": _number(el, "temperature/gpu_temp"),
-    }
-
-
-def parse_nvidia_smi_xml(text: str) -> dict[str, Any]:
-    """The GPU part of the report from `nvidia-smi -q -x` output."""
-    root = ET.fromstring(text.strip())
-    gpus = [_gpu(i, el) for i, el in enumerate(root.findall("gpu"))]
-    return {
-        "status": "ok",
-        "count": len(gpus),
-        "attached_gpus": _int(root, "attached_gpus"),
-        "driver_version": _text(root, "driver_version"),
-        "cuda_version": _text(root, "cuda_version"),
-        "product_names": sorted({g["product_name"] for g in gpus if g["product_name"]}),
-        "gpus": gpus,
-        "xid_source": XID_SOURCE,
-    }
-
+# ------------------------------------------------------------------------------------ collectors
 
 def gpu_report() -> dict[str, Any]:
     """`nvidia-smi -q -x` parsed; "not present" without nvidia-smi. Xids are not in it (see XID_SOURCE)."""
@@ -181,93 +85,14 @@ def gpu_report() -> dict[str, Any]:
     return report
 
 
-_XID = re.compile(r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+), (?P<rest>.*)$")
-
-
-def parse_xid_lines(text: str) -> list[dict[str, Any]]:
-    """Xid events from kernel-log text (dmesg, dmesg -T, journalctl -k): one dict per NVRM Xid line."""
-    events = []
-    for line in text.splitlines():
-        match = _XID.search(line)
-        if not match:
-            continue
-        rest = match.group("rest")
-        pid = re.match(r"pid='?(?P<pid>[^,']+)'?, name=(?P<name>[^,]*), (?P<msg>.*)$", rest)
-        events.append({
-            "pci": match.group("pci").lower(),
-            "xid": int(match.group("xid")),
-            "pid": pid.group("pid") if pid else None,
-            "name": pid.group("name") if pid else None,
-            "message": (pid.group("msg") if pid else rest).strip(),
-        })
-    return events
-
-
-# -------------------------------------------------------------------------------------- NVLink
-
-def parse_nvlink_status(text: str) -> dict[str, Any]:
-    """`nvidia-smi nvlink -s`: per GPU, per link its speed in GB/s, or None for `<inactive>`."""
-    gpus: dict[str, dict[str, Any]] = {}
-    current: dict[str, Any] | None = None
-    for line in text.splitlines():
-        head = re.match(r"GPU (\d+): (.*?)(?: \(UUID: (.*)\))?\s*$", line)
-        if head:
-            current = {"name": head.group(2), "uuid": head.group(3), "links": {}}
-            gpus[head.group(1)] = current
-            continue
-        link = re.match(r"\s+Link (\d+): (.*?)\s*$", line)
-        if link and current is not None:
-            speed = re.match(r"([\d.]+) GB/s", link.group(2))
-            current["links"][link.group(1)] = float(speed.group(1)) if speed else None
-    return {"status": "ok", "gpus": gpus}
-
-
 def nvlink_report() -> dict[str, Any]:
     """NVLink link states; "not present" without nvidia-smi."""
     return _collect(["nvidia-smi", "nvlink", "-s"], parse_nvlink_status)
 
 
-# ------------------------------------------------------------------------------------ topology
-
-def parse_topo_matrix(text: str) -> dict[str, Any]:
-    """`nvidia-smi topo -m`: each GPU's nearest NIC(s) (used to pick NCCL_IB_HCA per local rank) and
-    its CPU/NUMA affinity. NICn columns are renamed through the "NIC Legend" when present."""
-    lines = [line.rstrip() for line in text.splitlines()]
-    header_at = next(i for i, line in enumerate(lines) if re.match(r"\s+GPU0\b", line))
-    columns = [c for c in re.split(r"\t+|\s{2,}", lines[header_at].strip()) if c]
-    extra_at = next((i for i, c in enumerate(columns) if "Affinity" in c or "NUMA" in c), len(columns))
-    devices, extras = columns[:extra_at], columns[extra_at:]
-    legend = dict(re.findall(r"^\s*(NIC\d+):\s*(\S+)\s*$", text, flags=re.MULTILINE))
-    names = [legend.get(d, d) for d in devices]
-    nics = [n for d, n in zip(devices, names) if not d.startswith("GPU")]
-    gpus: dict[str, dict[str, Any]] = {}
-    for line in lines[header_at + 1:]:
-        tokens = line.split()
-        if not tokens or not re.fullmatch(r"GPU\d+", tokens[0]) or len(tokens) < 1 + len(devices):
-            continue
-        cells = dict(zip(names, tokens[1:1 + len(devices)]))
-        rest = dict(zip(extras, tokens[1 + len(devices):]))
-        paths = {nic: cells[nic] for nic in nics if cells[nic] in PATH_RANK}
-        best = min((PATH_RANK[p] for p in paths.values()), default=None)
-        gpus[tokens[0]] = {
-            "nearest_nics": [nic for nic, p in paths.items() if PATH_RANK[p] == best],
-            "nic_path": next((p for p in paths.values() if PATH_RANK[p] == best), None),
-            "cpu_affinity": rest.get("CPU Affinity"),
-            "numa_affinity": rest.get("NUMA Affinity"),
-        }
-    return {"status": "ok", "nics": nics, "gpus": gpus}
-
-
 def topology_report() -> dict[str, Any]:
     """GPU/NIC topology; "not present" without nvidia-smi."""
     return _collect(["nvidia-smi", "topo", "-m"], parse_topo_matrix)
-
-
-# ---------------------------------------------------------------------------------- InfiniBand
-
-def _rate_gbps(rate: str | None) -> float | None:
-    match = re.match(r"\s*([\d.]+)", rate or "")
-    return float(match.group(1)) if match else None
 
 
 def _read(path: Path) -> str | None:
@@ -289,40 +114,10 @@ def ib_report(root: str | os.PathLike[str] = "/sys/class/infiniband") -> dict[st
         for port in sorted((dev / "ports").iterdir()) if (dev / "ports").is_dir() else []:
             rate = _read(port / "rate")
             ports[port.name] = {"state": _read(port / "state"), "phys_state": _read(port / "phys_state"),
-                                "rate": rate, "rate_gbps": _rate_gbps(rate),
+                                "rate": rate, "rate_gbps": rate_gbps(rate),
                                 "link_layer": _read(port / "link_layer")}
         devices[dev.name] = {"hca_type": _read(dev / "hca_type"), "fw_ver": _read(dev / "fw_ver"),
                              "board_id": _read(dev / "board_id"), "ports": ports}
-    return {"status": "ok", "devices": devices}
-
-
-def parse_ibstat(text: str) -> dict[str, Any]:
-    """`ibstat` text in the same shape as `ib_report` (board_id is not in ibstat: None)."""
-    devices: dict[str, dict[str, Any]] = {}
-    dev: dict[str, Any] | None = None
-    port: dict[str, Any] | None = None
-    for line in text.splitlines():
-        ca = re.match(r"CA '([^']+)'", line)
-        if ca:
-            dev = {"hca_type": None, "fw_ver": None, "board_id": None, "ports": {}}
-            devices[ca.group(1)] = dev
-            port = None
-            continue
-        field = re.match(r"\s+([^:]+):\s*(.*?)\s*$", line)
-        if dev is None or not field:
-            continue
-        key, value = field.groups()
-        number = re.fullmatch(r"Port (\d+)", key)
-        if number:
-            port = {"state": None, "phys_state": None, "rate": None, "rate_gbps": None, "link_layer": None}
-            dev["ports"][number.group(1)] = port
-        elif port is None:
-            dev.update({"CA type": {"hca_type": value}, "Firmware version": {"fw_ver": value}}.get(key, {}))
-        elif key == "Rate":
-            port.update(rate=value, rate_gbps=_rate_gbps(value))
-        else:
-            port.update({"State": {"state": value}, "Physical state": {"phys_state": value},
-                         "Link layer": {"link_layer": value}}.get(key, {}))
     return {"status": "ok", "devices": devices}
 
 
@@ -346,78 +141,7 @@ def software_versions(driver: str | None = None) -> dict[str, Any]:
     return versions
 
 
-# ------------------------------------------------------------------------------------ problems
-
-def gpu_problems(gpu: dict[str, Any], expected_gpus: int, expected_gpu_name: str | None) -> list[str]:
-    """GPU count/model against the request, uncorrectable ECC since boot, pending retirements/remaps.
-
-    An SM clock well below its maximum is deliberately NOT a problem: an idle GPU drops to a low
-    clock (P-state) and boosts under load, so an idle reading says nothing about throttling; slow
-    GPUs are found under load by comparing step or kernel times across nodes (outliers.py).
-    Aggregate (lifetime) ECC counts are reported but not flagged: they include errors already
-    handled by retirement/remapping; what needs action is a volatile count or a pending remap.
-    """
-    if gpu.get("status") != "ok":
-        return [f"expected {expected_gpus} GPUs, nvidia-smi {gpu.get('status')}"] if expected_gpus else []
-    problems = []
-    if expected_gpus and gpu["count"] != expected_gpus:
-        problems.append(f"GPU count {gpu['count']} != expected {expected_gpus}")
-    for g in gpu["gpus"]:
-        where = f"GPU {g['index']} ({g['pci_bus_id']})"
-        if expected_gpu_name and expected_gpu_name.lower() not in (g["product_name"] or "").lower():
-            problems.append(f"{where}: model {g['product_name']}, expected {expected_gpu_name}")
-        volatile = {k: v for k, v in g["ecc_uncorrectable"]["volatile"].items() if v}
-        if volatile:
-            counts = ", ".join(f"{k} {v}" for k, v in volatile.items())
-            problems.append(f"{where}: uncorrectable ECC errors since boot ({counts})")
-        if g["retired_pages"]["pending"]:
-            problems.append(f"{where}: page retirement pending (reset the GPU)")
-        remap = g["remapped_rows"] or {}
-        if remap.get("pending"):
-            problems.append(f"{where}: row remapping pending (reset the GPU)")
-        if remap.get("failure"):
-            problems.append(f"{where}: row remapping failed (replace the GPU)")
-    return problems
-
-
-def nvlink_problems(nvlink: dict[str, Any]) -> list[str]:
-    """Inactive links on a GPU whose other links are up (a GPU with none up has no NVLink at all)."""
-    problems = []
-    for index, g in nvlink.get("gpus", {}).items():
-        links = g["links"]
-        down = [n for n, speed in links.items() if speed is None]
-        if down and len(down) < len(links):
-            problems.append(f"GPU {index}: NVLink link(s) {', '.join(down)} inactive "
-                            f"({len(links) - len(down)} of {len(links)} active)")
-    return problems
-
-
-def ib_problems(ib: dict[str, Any]) -> list[str]:
-    """Ports not ACTIVE, and active ports slower than the node's fastest port of the same HCA model
-    and link layer (a link trained at a lower width or speed)."""
-    problems = []
-    fastest: dict[tuple[Any, Any], float] = {}
-    active = []
-    for name, dev in ib.get("devices", {}).items():
-        for number, port in dev["ports"].items():
-            where = f"{name} port {number}"
-            if "ACTIVE" not in (port["state"] or "").upper():
-                problems.append(f"{where}: state {port['state']} ({port['phys_state']}), not ACTIVE")
-            elif port["rate_gbps"] is not None:
-                key = (dev["hca_type"], port["link_layer"])
-                fastest[key] = max(fastest.get(key, 0.0), port["rate_gbps"])
-                active.append((where, key, port))
-    for where, key, port in active:
-        if port["rate_gbps"] < fastest[key]:
-            problems.append(f"{where}: rate {port['rate']} below the node's other ports ({fastest[key]:g} Gb/sec)")
-    return problems
-
-
-def xid_problems(xids: list[dict[str, Any]]) -> list[str]:
-    """Hardware Xids, one line per (GPU, Xid)."""
-    seen = Counter((e["pci"], e["xid"]) for e in xids if e["xid"] in HARDWARE_XIDS)
-    return [f"GPU {pci}: Xid {xid} in the kernel log ({n}x)" for (pci, xid), n in sorted(seen.items())]
-
+# -------------------------------------------------------------------------------------- the node
 
 def node_report(expected_gpus: int, expected_gpu_name: str | None, kernel_log: str | None = None
                 ) -> dict[str, Any]:

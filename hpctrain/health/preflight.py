@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,8 @@ import torch.distributed as dist
 
 from hpctrain.health.node import inconsistencies, node_report
 from hpctrain.health.outliers import robust_outliers
+from hpctrain.records.paths import RunPaths
+from hpctrain.scheduler import scheduler_for
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
     path = None
     if rank == 0:
         summary.update(busbw_bytes_per_s=busbw, seconds=time.perf_counter() - started, policy=hc.preflight)
-        path = run_dir / "health" / job_id / "preflight.json"
+        path = RunPaths(run_dir).preflight(job_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=1, default=str))
     bad = _broadcast(bad, device)
@@ -147,7 +148,8 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
         for h, reasons in bad.items():
             log.warning("pre-flight: node %s: %s", h, "; ".join(reasons))
         if hc.preflight == "drain" and rank == 0:
-            _drain(sorted(bad), "; ".join(f"{h}: {r[0]}" for h, r in bad.items()))
+            reason = "; ".join(f"{h}: {r[0]}" for h, r in bad.items())
+            scheduler_for().drain(sorted(bad), f"hpctrain pre-flight: {reason[:200]}")
         if hc.preflight in ("exclude", "drain"):
             raise UnhealthyNodes(sorted(bad), bad)
     else:
@@ -218,10 +220,3 @@ def _judge(everyone: list[dict[str, Any]], hc: Any, again: list[dict[str, Any]] 
                "consistency": consistency, "slow": slow, "suspects": sorted(flagged[0]), "bad": bad}
     return bad, summary
 
-
-def _drain(hosts: list[str], reason: str) -> None:
-    result = subprocess.run(["scontrol", "update", f"nodename={','.join(hosts)}", "state=drain",
-                             f"reason=hpctrain pre-flight: {reason[:200]}"], capture_output=True, text=True,
-                            timeout=60)
-    if result.returncode:
-        log.warning("could not drain %s: %s", hosts, result.stderr.strip())

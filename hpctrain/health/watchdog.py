@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpctrain.train.failure import record_failure
+from hpctrain.records.failures import record_failure
+from hpctrain.records.paths import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class Watchdog:
                 self._dump_record_and_exit(waited)
 
     def _dump_record_and_exit(self, waited: float) -> None:
-        directory = self.run_dir / "hangs" / self.job_id
+        directory = RunPaths(self.run_dir).hangs(self.job_id)
         directory.mkdir(parents=True, exist_ok=True)
         dump = directory / f"rank{self.rank}.txt"
         with open(dump, "w") as f:

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from hpctrain.config.checks import check_config
-from hpctrain.config.problems import ConfigError
+from hpctrain.config.checks import run_checks
+from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.launch.plan_view import build_plan, render
 from hpctrain.launch.rundir import resolve_run_dir
-from hpctrain.plan.report import build_plan, render
 
 EXIT_CONFIG_ERROR = 2
 
@@ -32,13 +32,13 @@ class Outcome:
 
 
 def run(cfg: DictConfig) -> Outcome:
+    """A dry run prints the plan, then any errors (exit 2); otherwise errors stop it before anything is created."""
     try:
         if cfg.parallel.auto:
-            from hpctrain.plan.auto import apply_best
-
-            best = apply_best(cfg)
-            print(f"parallel=auto chose: {best.why}", file=sys.stderr)
-        report = check_config(cfg)
+            apply_auto(cfg)
+        report = run_checks(cfg)
+        if report.errors and not cfg.dry_run:
+            raise ConfigError(report.errors)
         run_dir = resolve_run_dir(cfg)
     except ConfigError as err:
         print(f"hpctrain: {err}", file=sys.stderr)
@@ -49,7 +49,10 @@ def run(cfg: DictConfig) -> Outcome:
     if cfg.plan.png:
         _chart(plan, Path(cfg.plan.png))
     if cfg.dry_run:
-        print(render(plan, cfg.plan.format.value))
+        print(render(plan, cfg.plan.format.value), flush=True)
+        if report.errors:
+            print(f"hpctrain: {ConfigError(report.errors)}", file=sys.stderr)
+            return Outcome(EXIT_CONFIG_ERROR, run_dir.run_id, str(run_dir.path))
         return Outcome(0, run_dir.run_id, str(run_dir.path))
     for w in report.warnings:
         print(f"warning: {w.key}: {w.message} (fix: {w.fix})", file=sys.stderr)
@@ -57,6 +60,26 @@ def run(cfg: DictConfig) -> Outcome:
 
     code, job_id = launch(cfg, report.layout, run_dir, plan)
     return Outcome(code, run_dir.run_id, str(run_dir.path), job_id)
+
+
+def apply_auto(cfg: DictConfig) -> None:
+    """`parallel=auto`: set the layout keys to the planner's fastest layout that fits (hpctrain.plan.auto)."""
+    from hpctrain.plan.auto import layout_overrides
+    from hpctrain.plan.estimate import cluster_hardware, model_shape
+    from hpctrain.plan.search import search_layouts
+
+    c = cfg.cluster
+    candidates = search_layouts(model_shape(cfg.model, cfg.train.seq_len), c.nodes * c.gpus_per_node,
+                                cluster_hardware(c), cfg.train.global_batch, dtype=cfg.precision.dtype.value)
+    if not candidates:
+        raise ConfigError([Problem(
+            "parallel.auto", f"no layout of {cfg.model.name} on {c.nodes} x {c.gpus_per_node} {c.gpu_type} with "
+            f"global batch {cfg.train.global_batch} fits in memory",
+            "add nodes, change train.global_batch, or use offload (zero=stage3_offload) with an explicit layout",
+        )])
+    for key, value in layout_overrides(candidates[0].layout).items():
+        OmegaConf.update(cfg, key, value)
+    print(f"parallel=auto chose: {candidates[0].why}", file=sys.stderr)
 
 
 def _join_sweep(cfg: DictConfig) -> None:
@@ -82,7 +105,7 @@ def _swept_keys(argv: list[str]) -> set[str]:
 
 
 def _chart(plan: dict[str, Any], path: Path) -> None:
-    from hpctrain.plan.chart import have_matplotlib, write_chart
+    from hpctrain.launch.plan_chart import have_matplotlib, write_chart
 
     if "memory_per_gpu_bytes" not in plan:
         return

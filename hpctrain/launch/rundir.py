@@ -15,8 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.config.problems import ConfigError, Problem
-
-CONFIG_FILE = "config.yaml"
+from hpctrain.records.paths import CONFIG, RunPaths
 
 
 @dataclass(frozen=True)
@@ -26,8 +25,12 @@ class RunDir:
     resumed: bool
 
     @property
+    def files(self) -> RunPaths:
+        return RunPaths(self.path)
+
+    @property
     def submitit_folder(self) -> Path:
-        return self.path / "submitit"
+        return self.files.submitit
 
 
 def new_run_id() -> str:
@@ -42,7 +45,7 @@ def resolve_run_dir(cfg: DictConfig) -> RunDir:
         return _find_existing(root, str(cfg.run.resume))
     run_id = cfg.run.id or new_run_id()
     path = root / cfg.run.name / run_id
-    return RunDir(run_id=run_id, path=path, resumed=(path / CONFIG_FILE).exists())
+    return RunDir(run_id=run_id, path=path, resumed=RunPaths(path).config.exists())
 
 
 def _find_existing(root: Path, resume: str) -> RunDir:
@@ -50,10 +53,10 @@ def _find_existing(root: Path, resume: str) -> RunDir:
     candidates = [as_path] if as_path.is_absolute() or "/" in resume else []
     candidates += sorted(root.glob(f"*/{resume}"))
     for path in candidates:
-        if (path / CONFIG_FILE).exists():
+        if RunPaths(path).config.exists():
             return RunDir(run_id=path.resolve().name, path=path.resolve(), resumed=True)
     raise ConfigError([Problem(
-        "run.resume", f"no run {resume!r} found (looked for {CONFIG_FILE} in {resume} and in {root}/*/{resume})",
+        "run.resume", f"no run {resume!r} found (looked for {CONFIG} in {resume} and in {root}/*/{resume})",
         "pass a run directory path or the id of a run under run.root (ls the run root to see them)",
     )])
 
@@ -62,9 +65,8 @@ def create_run_dir(cfg: DictConfig, run: RunDir) -> Path:
     """Create the directory and write the resolved config the tasks will read."""
     run.path.mkdir(parents=True, exist_ok=True)
     run.submitit_folder.mkdir(exist_ok=True)
-    config_path = run.path / CONFIG_FILE
+    config_path = run.files.config
     if run.resumed and config_path.exists():
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        config_path.rename(run.path / f"config.{stamp}.yaml")
+        config_path.rename(run.files.archived_config(time.strftime("%Y%m%d-%H%M%S")))
     OmegaConf.save(cfg, config_path, resolve=True)
     return config_path

@@ -19,26 +19,22 @@ from hpctrain.config.layout import Layout
 from hpctrain.config.schema import Executor
 from hpctrain.launch.executor import build_executor
 from hpctrain.launch.rundir import RunDir, create_run_dir
+from hpctrain.records.jobs import append_job
 from hpctrain.train.task import TrainTask
-
-JOBS_FILE = "jobs.jsonl"
-PLAN_FILE = "plan.json"
 
 
 def submit(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any]) -> submitit.Job:
     create_run_dir(cfg, run)
-    (run.path / PLAN_FILE).write_text(json.dumps(plan, indent=1))
+    run.files.plan.write_text(json.dumps(plan, indent=1))
     if "memory_per_gpu_bytes" in plan:
-        from hpctrain.plan.chart import have_matplotlib, write_chart
+        from hpctrain.launch.plan_chart import have_matplotlib, write_chart
 
         if have_matplotlib():
-            write_chart(plan, run.path / "plan.png")
+            write_chart(plan, run.files.plan_chart)
     executor = build_executor(cfg, layout, run.run_id, run.submitit_folder)
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    job = executor.submit(TrainTask(config=config, run_dir=str(run.path)))
-    with open(run.path / JOBS_FILE, "a") as f:
-        f.write(json.dumps({"job_id": job.job_id, "executor": cfg.cluster.executor.value,
-                            "submitted": time.time(), "resumed": run.resumed}) + "\n")
+    job = executor.submit(TrainTask(config=config, run_dir=str(run.path), layout=layout))
+    append_job(run.path, job.job_id, cfg.cluster.executor.value, resumed=run.resumed)
     return job
 
 

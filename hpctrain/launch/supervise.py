@@ -5,22 +5,20 @@ writes): `python -m hpctrain.launch.supervise RUN_DIR JOB_ID SRUN_EXIT_CODE`. A 
 never gets here (Slurm kills the batch script when it requeues); a job whose tasks all succeeded exits 0.
 
 For a failed job:
-- the ranks' failure records (hpctrain/train/failure.py) name the hosts whose own code failed (as opposed
+- the ranks' failure records (hpctrain/records/failures.py) name the hosts whose own code failed (as opposed
   to ranks that only lost a peer): those hosts are excluded from the next attempt, with every host excluded
   before;
 - the same error at the same step as the previous attempt is deterministic (a config or code error): stop;
 - at most `launcher.max_restarts` resubmissions;
 - never a resubmission that can not start: when the partition has fewer nodes than the job needs once the
   excluded ones are left out, Slurm would keep it pending forever, so the supervisor stops and says so.
-The resubmission runs the same sbatch script and pickle under a new job id (sbatch --hold, copy, release),
-in the same run directory, so it resumes from the newest checkpoint.
+The resubmission runs the same sbatch script and pickle under a new job id (the scheduler's `resubmit`),
+in the same run directory, so it resumes from the newest checkpoint. Every Slurm call goes through
+hpctrain/scheduler/; every file read or written here is named in hpctrain/records/.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,10 +26,15 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hpctrain.train.failure import read_failures, read_hosts
-
-ATTEMPTS = "attempts.jsonl"
-REPORT = "FAILED.json"
+from hpctrain.records.failures import read_failures, read_hosts
+from hpctrain.records.jobs import (
+    append_attempt,
+    append_job,
+    read_attempts,
+    write_report,
+)
+from hpctrain.records.paths import RunPaths
+from hpctrain.scheduler import Scheduler, scheduler_for
 
 
 def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = None
@@ -57,11 +60,6 @@ def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = No
 def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     return a is not None and b is not None and (a["type"], a["message"], a["step"]) == (
         b["type"], b["message"], b["step"])
-
-
-def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / ATTEMPTS
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int) -> dict[str, Any]:
@@ -97,62 +95,37 @@ def cannot_fit(partition_nodes: list[str], exclude: list[str], needed: int, part
             f"nodename=... state=resume), or lower cluster.nodes, then resume with run.resume")
 
 
-def partition_nodes(partition: str | None) -> list[str]:
-    """The nodes of a partition (the default one when None), from sinfo; [] when Slurm can not be asked."""
-    try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%P|%N"], capture_output=True, text=True, timeout=60,
-                             check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    lists = [nodes for name, _, nodes in (line.partition("|") for line in out.splitlines())
-             if (name.rstrip("*") == partition if partition else name.endswith("*")) and nodes]
-    if not lists:
-        return []
-    hosts = subprocess.run(["scontrol", "show", "hostnames", ",".join(lists)], capture_output=True, text=True,
-                           timeout=60)
-    return sorted(set(hosts.stdout.split())) if hosts.returncode == 0 else []
-
-
-def resubmit(folder: Path, job_id: str, exclude: list[str]) -> str:
-    """Submit the job's sbatch script again, held, give the new id the same pickle, release it."""
-    script = folder / f"{job_id}_submission.sh"
-    cmd = ["sbatch", "--hold", "--parsable"] + ([f"--exclude={','.join(exclude)}"] if exclude else []) + [str(script)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-    new_id = out.split(";")[0]
-    shutil.copy(folder / f"{job_id}_submitted.pkl", folder / f"{new_id}_submitted.pkl")
-    shutil.copy(script, folder / f"{new_id}_submission.sh")
-    subprocess.run(["scontrol", "release", new_id], capture_output=True, text=True, timeout=60, check=True)
-    return new_id
-
-
 def main(argv: list[str]) -> int:
     run_dir, job_id, exit_code = Path(argv[0]), argv[1], int(argv[2]) % 256
-    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg = OmegaConf.load(RunPaths(run_dir).config)
     decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts))
     if decision["action"] == "done":
         return 0
+    scheduler = scheduler_for(cfg.cluster.executor)
+    exclude = sorted(set(decision["excluded"]) | set(_csv(cfg.cluster.exclude)))
     if decision["action"] == "resubmit":
-        exclude = sorted(set(decision["excluded"]) | set(_csv(cfg.cluster.exclude)))
-        why = cannot_fit(partition_nodes(cfg.cluster.partition), exclude, int(cfg.cluster.nodes),
+        why = cannot_fit(scheduler.partition_nodes(cfg.cluster.partition), exclude, int(cfg.cluster.nodes),
                          cfg.cluster.partition)
         if why:
             decision = {**decision, "action": "stop", "why": why}
     record = {"job_id": job_id, "exit_code": exit_code, "time": time.time(), **decision}
     if decision["action"] == "stop":
-        (run_dir / REPORT).write_text(json.dumps(record, indent=1))
+        report = write_report(run_dir, record)
         print(f"hpctrain supervisor: job {job_id} failed; not resubmitting: {decision['why']}. "
-              f"Report: {run_dir / REPORT}", flush=True)
+              f"Report: {report}", flush=True)
         return exit_code
-    new_id = resubmit(run_dir / "submitit", job_id, exclude)
-    record["resubmitted_as"] = new_id
-    with open(run_dir / ATTEMPTS, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    with open(run_dir / "jobs.jsonl", "a") as f:
-        f.write(json.dumps({"job_id": new_id, "executor": "slurm", "submitted": time.time(),
-                            "resubmission_of": job_id, "exclude": exclude}) + "\n")
-    print(f"hpctrain supervisor: job {job_id} failed (exit {exit_code}); resubmitted as {new_id}"
-          + (f" excluding {','.join(exclude)}" if exclude else ""), flush=True)
+    _resubmit(scheduler, run_dir, record, exclude)
     return exit_code  # the batch script's status: this job stays FAILED in sacct
+
+
+def _resubmit(scheduler: Scheduler, run_dir: Path, record: dict[str, Any], exclude: list[str]) -> None:
+    """Submit the failed job again without `exclude`, and record the attempt and the new job."""
+    job_id = record["job_id"]
+    new_id = scheduler.resubmit(RunPaths(run_dir).submitit, job_id, exclude)
+    append_attempt(run_dir, {**record, "resubmitted_as": new_id})
+    append_job(run_dir, new_id, scheduler.name, resubmission_of=job_id, exclude=exclude)
+    print(f"hpctrain supervisor: job {job_id} failed (exit {record['exit_code']}); resubmitted as {new_id}"
+          + (f" excluding {','.join(exclude)}" if exclude else ""), flush=True)
 
 
 def _csv(value: str | None) -> list[str]:

@@ -14,6 +14,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from hpctrain.records.paths import SWEEP_TABLE
+
 
 class SweepSummary(Callback):
     def __init__(self) -> None:
@@ -37,4 +39,4 @@ class SweepSummary(Callback):
             print(f"{r['point']:>5}  {r['overrides']:<{width}}  {r['job_id']:>8}  {r['run_dir']}")
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        (sweep_dir / "sweep.json").write_text(json.dumps(self.rows, indent=1))
+        (sweep_dir / SWEEP_TABLE).write_text(json.dumps(self.rows, indent=1))

@@ -42,9 +42,9 @@ class GPTArgs:
         return max(self.padded_vocab, self.vocab_size)
 
 
-def gpt_args(cfg: Any) -> GPTArgs:
-    """The model arguments of a config's `model` group (the sequence table covers model.context)."""
-    m = cfg.model
+def gpt_args(m: Any, tp: int = 1) -> GPTArgs:
+    """The model arguments of a config's `model` group (the sequence table covers model.context); the
+    embedding is padded for `tp` (parallel.tp)."""
     return GPTArgs(
         n_layers=m.n_layers,
         d_model=m.d_model,
@@ -54,7 +54,7 @@ def gpt_args(cfg: Any) -> GPTArgs:
         ffn_hidden=m.ffn_mult * m.d_model,
         dropout=m.dropout,
         init_std=m.init_std,
-        padded_vocab=padded_vocab(m.vocab_size, m.vocab_pad_multiple, cfg.parallel.tp),
+        padded_vocab=padded_vocab(m.vocab_size, m.vocab_pad_multiple, tp),
     )
 
 

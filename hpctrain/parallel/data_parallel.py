@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from hpctrain.config.schema import PrecisionConfig, ZeroConfig
 from hpctrain.models.gpt import GPT
 from hpctrain.parallel.precision import ddp_comm_hook, fsdp_mp_policy
 
@@ -35,32 +36,33 @@ def uses_fsdp(zero_stage: int, tp: int, pp: int) -> bool:
     return zero_stage >= 2 or tp > 1 or pp > 1
 
 
-def apply_fsdp(model: GPT, mesh: DeviceMesh, cfg: Any, reshard_after_forward: bool) -> None:
+def apply_fsdp(model: GPT, mesh: DeviceMesh, zero: ZeroConfig, precision: PrecisionConfig,
+               reshard_after_forward: bool) -> None:
     """fully_shard each block, then the root (embeddings, final norm): one all-gather per block."""
-    z = cfg.zero
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-                              if z.offload_optimizer or z.offload_params else OffloadPolicy())
-    kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(cfg), offload_policy=offload)
+                              if zero.offload_optimizer or zero.offload_params else OffloadPolicy())
+    kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(precision), offload_policy=offload)
     for block in model.layers.values():
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
-def apply_replicate(model: GPT, mesh: DeviceMesh, cfg: Any) -> None:
+def apply_replicate(model: GPT, mesh: DeviceMesh, precision: PrecisionConfig) -> None:
     """DDP semantics for DTensor (TP) parameters, from FSDP2's replicate."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for block in model.layers.values():
-        replicate(block, mesh=mesh, mp_policy=fsdp_mp_policy(cfg))
-    replicate(model, mesh=mesh, mp_policy=fsdp_mp_policy(cfg))
+        replicate(block, mesh=mesh, mp_policy=fsdp_mp_policy(precision))
+    replicate(model, mesh=mesh, mp_policy=fsdp_mp_policy(precision))
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: Any) -> nn.parallel.DistributedDataParallel:
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, zero: ZeroConfig,
+              precision: PrecisionConfig) -> nn.parallel.DistributedDataParallel:
     group = mesh.get_group()
     ddp = nn.parallel.DistributedDataParallel(
-        model, process_group=group, bucket_cap_mb=cfg.zero.reduce_bucket_size / 2**20,
+        model, process_group=group, bucket_cap_mb=zero.reduce_bucket_size / 2**20,
         gradient_as_bucket_view=True)
-    hook = ddp_comm_hook(cfg)
+    hook = ddp_comm_hook(precision)
     if hook is not None:
         ddp.register_comm_hook(group, hook)
     _settle_buckets(ddp)

@@ -23,42 +23,33 @@ class ParallelDimsError(ValueError):
     """The degrees do not fit together; the message says which and how to fix it."""
 
 
+def _of_layout(name: str) -> property:
+    return property(lambda self: getattr(self.layout, name), doc=f"Layout.{name}")
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    pp: int
-    virtual_stages: int
-    world_size: int
+    """The mesh of a validated `Layout` (hpctrain.config.layout owns the degrees and their rules) on the
+    processes this job really has."""
+
+    layout: Layout
+    world_size: int  # processes in the job (1 without a process group)
     device_type: str = "cpu"  # the engine's device ("cuda" on GPUs): the mesh's tensors live there
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "virtual_stages", "world_size"):
-            if getattr(self, name) < 1:
-                raise ParallelDimsError(f"{name} must be >= 1, got {getattr(self, name)}")
-        product = self.dp_replicate * self.dp_shard * self.tp * self.pp
-        if product != self.world_size:
+        if self.world_size > 1 and self.layout.world_size != self.world_size:
+            lay = self.layout
             raise ParallelDimsError(
-                f"dp_replicate x dp_shard x tp x pp = {self.dp_replicate} x {self.dp_shard} x {self.tp} x "
-                f"{self.pp} = {product} ranks, but there are {self.world_size} processes: change parallel.dp / "
-                "parallel.tp / parallel.pp so their product is the number of processes")
-        if self.virtual_stages > 1 and self.pp == 1:
-            raise ParallelDimsError(f"virtual_stages={self.virtual_stages} without pipeline parallelism (pp=1): "
-                                    "set parallel.pp>1 or parallel.virtual_stages=1")
+                f"dp x tp x pp = {lay.dp} x {lay.tp} x {lay.pp} = {lay.world_size} ranks, but there are "
+                f"{self.world_size} processes: change parallel.dp / parallel.tp / parallel.pp so their product is "
+                "the number of processes")
 
-    @classmethod
-    def from_layout(cls, layout: Layout, world_size: int, device_type: str = "cpu") -> ParallelDims:
-        if layout.dp % layout.dp_replicate:
-            raise ParallelDimsError(f"dp={layout.dp} is not divisible by parallel.dp_replicate="
-                                    f"{layout.dp_replicate}: use a dp_replicate that divides dp")
-        return cls(dp_replicate=layout.dp_replicate, dp_shard=layout.dp // layout.dp_replicate, tp=layout.tp,
-                   pp=layout.pp, virtual_stages=layout.virtual_stages, world_size=world_size,
-                   device_type=device_type)
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+    dp_replicate = _of_layout("dp_replicate")
+    dp_shard = _of_layout("dp_shard")
+    tp = _of_layout("tp")
+    pp = _of_layout("pp")
+    virtual_stages = _of_layout("virtual_stages")
+    dp = _of_layout("dp")
 
     @property
     def n_stages(self) -> int:

@@ -33,7 +33,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
+from hpctrain import schedules
 from hpctrain.config.layout import Layout
+from hpctrain.config.schema import Config, ModelConfig, OptimConfig, PrecisionConfig
 from hpctrain.models.gpt import GPT, gpt_args
 from hpctrain.parallel.clipping import clip_grads_, reduce_partial_grads_, squared_norm_share
 from hpctrain.parallel.data_parallel import (
@@ -45,9 +47,9 @@ from hpctrain.parallel.data_parallel import (
 )
 from hpctrain.parallel.dims import ParallelDims
 from hpctrain.parallel.pipeline import build_schedule, stage_model
+from hpctrain.parallel.optimizer import build_optimizer, optimizer_defaults, param_groups
 from hpctrain.parallel.precision import LossScaler, autocast, enum_value
 from hpctrain.parallel.recompute import apply_recompute
-from hpctrain.parallel.stages import stage_ids
 from hpctrain.parallel.tensor_parallel import apply_tp
 
 
@@ -58,9 +60,6 @@ class StepStats:
     skipped: bool = False  # fp16: a gradient overflowed, the step was skipped and the loss scale halved
     loss_scale: float = 1.0  # the scale this step's loss was multiplied by (1.0 without loss scaling)
     control: list[float] = field(default_factory=list)  # the caller's control values, summed over all ranks
-
-
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv")
 
 
 class UnsupportedLayout(ValueError):
@@ -79,52 +78,24 @@ class TrainingDiverged(RuntimeError):
             "optim.grad_clip or precision=fp32/bf16")
 
 
-def likely_cause(cfg: Any, lr: float, grad_norm: float) -> str:
+def likely_cause(optim: OptimConfig, precision: PrecisionConfig, lr: float, grad_norm: float) -> str:
     """The usual suspects, in the order they are worth checking (the design article's section 5.1)."""
-    if cfg.optim.grad_clip <= 0:
+    if optim.grad_clip <= 0:
         return "gradient clipping is disabled (optim.grad_clip=0), so one bad batch can blow up the weights"
-    if cfg.precision.dtype.value == "fp16":
+    if enum_value(precision.dtype) == "fp16":
         return "an fp16 overflow the loss scaler did not catch"
     if math.isfinite(grad_norm):
         return f"the loss overflowed with a finite gradient norm: look at the data of this step (lr {lr:g})"
     return f"the learning rate ({lr:g} at this step) is too high for this batch, or the data holds a bad sample"
 
 
-def build_model(cfg: Any, device: torch.device) -> GPT:
+def build_model(model_cfg: ModelConfig, seed: int, device: torch.device, tp: int = 1) -> GPT:
     """The single-process model: built on meta, then materialised (no layout)."""
     with torch.device("meta"):
-        model = GPT(gpt_args(cfg))
+        model = GPT(gpt_args(model_cfg, tp))
     model.to_empty(device=device)
-    model.init_weights(seed=cfg.train.seed)
+    model.init_weights(seed=seed)
     return model
-
-
-def param_groups(params: Any, cfg: Any) -> list[dict[str, Any]]:
-    """Weight decay on matrices only (not biases, LayerNorm gains). DTensor and plain parameters go to
-    separate groups: the foreach/fused optimizer kernels cannot mix them (TP without FSDP has both)."""
-    params = [p for p in params if p.requires_grad]
-    groups = []
-    for decay in (True, False):
-        for is_dtensor in (True, False):
-            members = [p for p in params if (p.ndim >= 2) == decay and isinstance(p, DTensor) == is_dtensor]
-            if members:
-                groups.append({"params": members, "weight_decay": cfg.optim.weight_decay if decay else 0.0})
-    return groups
-
-
-def optimizer_defaults(cfg: Any, device_type: str = "cpu") -> dict[str, Any]:
-    """AdamW's settings; on GPUs the fused kernel (one launch for all parameters instead of a foreach
-    chain of about a dozen), on the CPU torch's default (foreach), whose results the CPU tests pin."""
-    o = cfg.optim
-    fused = {"fused": True} if device_type == "cuda" else {}
-    return dict(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, **fused)
-
-
-def build_optimizer(params: Any, cfg: Any) -> torch.optim.Optimizer:
-    """AdamW (GPT-3's optimizer), fused when every parameter is on a GPU (FSDP2 offload keeps them on the CPU)."""
-    params = list(params)
-    device_type = "cuda" if params and all(p.device.type == "cuda" for p in params) else "cpu"
-    return torch.optim.AdamW(param_groups(params, cfg), **optimizer_defaults(cfg, device_type))
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
@@ -137,12 +108,10 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | No
 class Engine:
     """Every layout (DP/ZeRO/HSDP x TP(+SP) x PP) behind one step()."""
 
-    def __init__(self, cfg: Any, layout: Layout, device: torch.device) -> None:
+    def __init__(self, cfg: Config, layout: Layout, device: torch.device) -> None:
         self.cfg, self.layout, self.device = cfg, layout, device
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != layout.world_size and world > 1:
-            raise ValueError(f"the process group has {world} ranks, the layout {layout.world_size}")
-        self.dims = ParallelDims.from_layout(layout, world, device.type)
+        self.dims = ParallelDims(layout, world, device.type)
         dims = self.dims
         self.dp_rank, self.dp_size = dims.dp_rank, dims.dp
         # Dropout masks: different per DP rank, the same on TP peers (their replicated regions must agree).
@@ -151,17 +120,18 @@ class Engine:
         self.fsdp = data_parallel and uses_fsdp(layout.zero_stage, dims.tp, dims.pp)
         self.ddp = data_parallel and not self.fsdp
         self.zero1 = self.ddp and layout.zero_stage == 1
-        if self.fsdp and layout.zero_stage > 0 and cfg.parallel.schedule in ZERO_BUBBLE and dims.pp > 1:
+        self.pipeline_schedule = schedules.get(layout.schedule)
+        if self.fsdp and layout.zero_stage > 0 and self.pipeline_schedule.split_backward and dims.pp > 1:
             raise UnsupportedLayout(
-                f"parallel.schedule={cfg.parallel.schedule} with zero.stage={layout.zero_stage} and dp={dims.dp}: "
+                f"parallel.schedule={layout.schedule} with zero.stage={layout.zero_stage} and dp={dims.dp}: "
                 "zero-bubble schedules compute weight gradients in a separate pass, and with FSDP2-sharded "
                 "parameters torch 2.13 loses some of them (the tied embedding's gradient comes back empty, the "
                 "others wrong). Use zero.stage=0 (replicated DP works with these schedules) or "
                 "parallel.schedule=interleaved_1f1b")
 
         with torch.device("meta"):
-            full = GPT(gpt_args(cfg))
-        self.stage_ids = stage_ids(dims.pp_rank, dims.pp, dims.virtual_stages, cfg.parallel.schedule) \
+            full = GPT(gpt_args(cfg.model, layout.tp))
+        self.stage_ids = self.pipeline_schedule.stage_ids(dims.pp_rank, dims.pp, dims.virtual_stages) \
             if dims.pp > 1 else [0]
         self.gpts: list[GPT] = []  # the GPT module of each part (inside DDP when DDP wraps it)
         self.model_parts: list[nn.Module] = []
@@ -172,7 +142,7 @@ class Engine:
         self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
             else self.model_parts
         self.optimizers = [self._optimizer(part) for part in self.model_parts]
-        self.scaler = LossScaler(cfg)
+        self.scaler = LossScaler(cfg.precision)
         self.pp_group = dims.pp_mesh.get_group() if dims.pp > 1 else None
         self.has_first = 0 in self.stage_ids
         self.has_last = dims.n_stages - 1 in self.stage_ids
@@ -180,7 +150,7 @@ class Engine:
         if dims.pp > 1:
             stages = [PipelineStage(part, sid, dims.n_stages, device, group=self.pp_group)
                       for part, sid in zip(self.model_parts, self.stage_ids)]
-            self.schedule = build_schedule(stages, cfg.parallel.schedule, layout.microbatches, self._pipeline_loss)
+            self.schedule = build_schedule(stages, layout.schedule, layout.microbatches, self._pipeline_loss)
         self._embedding_group = self._tied_embedding_group() if dims.pp > 1 else None
         self.vocab_size = int(cfg.model.vocab_size)
         self.ranks_per_stage = dims.world_size // dims.pp
@@ -194,35 +164,37 @@ class Engine:
         cfg, dims = self.cfg, self.dims
         # Checkpointing first: TP's input hook on the first block must run inside the checkpointed region,
         # or recomputation replays it on already-sharded input.
-        apply_recompute(gpt, enum_value(cfg.parallel.recompute))
+        apply_recompute(gpt, self.layout.recompute)
         if dims.tp > 1:
-            apply_tp(gpt, dims.tp_mesh, bool(cfg.parallel.sequence_parallel))
+            apply_tp(gpt, dims.tp_mesh, self.layout.sequence_parallel)
         if cfg.parallel.compile:  # attn/mlp only: compiling whole blocks breaks TP's backward (torch 2.13)
             for block in gpt.layers.values():
                 block.attn.compile()
                 block.mlp.compile()
-        offload = cfg.zero.offload_optimizer or cfg.zero.offload_params
+        offload = self.layout.offload_optimizer or self.layout.offload_params
         if self.fsdp:
             if self.layout.zero_stage == 0:
-                apply_replicate(gpt, dims.dp_mesh, cfg)
+                apply_replicate(gpt, dims.dp_mesh, cfg.precision)
             else:
-                apply_fsdp(gpt, dims.fsdp_mesh, cfg, reshard_after_forward=self.layout.zero_stage == 3)
+                apply_fsdp(gpt, dims.fsdp_mesh, cfg.zero, cfg.precision,
+                           reshard_after_forward=self.layout.zero_stage == 3)
         gpt.to_empty(device=torch.device("cpu") if self.fsdp and offload else self.device)
         gpt.init_weights(seed=cfg.train.seed)
         if self.ddp:
-            return apply_ddp(gpt, dims.dp_mesh, cfg)
+            return apply_ddp(gpt, dims.dp_mesh, cfg.zero, cfg.precision)
         return gpt
 
     def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
         if self.zero1:
-            return zero1_optimizer(param_groups(part.parameters(), self.cfg), self.dims.dp_mesh,
-                                   torch.optim.AdamW, optimizer_defaults(self.cfg, self.device.type))
-        return build_optimizer(part.parameters(), self.cfg)
+            return zero1_optimizer(param_groups(part.parameters(), self.cfg.optim), self.dims.dp_mesh,
+                                   torch.optim.AdamW, optimizer_defaults(self.cfg.optim, self.device.type))
+        return build_optimizer(part.parameters(), self.cfg.optim)
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
         """Ranks holding the first or last stage with this rank's DP/TP coordinates (None: one rank has both)."""
         pp = self.dims.pp
-        last_rank = 0 if self.cfg.parallel.schedule == "zbv" else (self.dims.n_stages - 1) % pp
+        last_rank = next(r for r in range(pp) if self.dims.n_stages - 1 in
+                         self.pipeline_schedule.stage_ids(r, pp, self.dims.virtual_stages))
         if last_rank == 0:
             return None
         if pp == 2:
@@ -264,7 +236,7 @@ class Engine:
         if not finite and not self.scaler.enabled:
             self._zero_grad()
             raise TrainingDiverged(self.steps_done, self.last_good_step, loss, grad_norm,
-                                   likely_cause(self.cfg, lr, grad_norm))
+                                   likely_cause(self.cfg.optim, self.cfg.precision, lr, grad_norm))
         if finite:
             clip_grads_(params, self.cfg.optim.grad_clip, grad_norm)
             for opt in self.optimizers:
@@ -294,7 +266,7 @@ class Engine:
         total = torch.zeros((), device=self.device)
         n = inputs.shape[0]
         for i in range(n):
-            with self._grad_sync(model, i == n - 1), autocast(self.cfg, self.device, not self.fsdp):
+            with self._grad_sync(model, i == n - 1), autocast(self.cfg.precision, self.device, not self.fsdp):
                 loss = token_loss(model(inputs[i]), targets[i], self.vocab_size)
             self.scaler.scale_loss(loss / n).backward()
             total += loss.detach()
@@ -317,7 +289,7 @@ class Engine:
         args = (x,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = dict(target=y, losses=losses) if self.has_last else {}
-        with autocast(self.cfg, self.device, not self.fsdp):
+        with autocast(self.cfg.precision, self.device, not self.fsdp):
             self.schedule.step(*args, return_outputs=False, **kwargs)
         if not self.has_last:
             return torch.zeros((), device=self.device)
@@ -406,6 +378,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def build_engine(cfg: Any, layout: Layout, device: torch.device) -> Engine:
+def build_engine(cfg: Config, layout: Layout, device: torch.device) -> Engine:
     """The single entry point the training loop uses, for every layout the config checks accept."""
     return Engine(cfg, layout, device)

@@ -1,4 +1,8 @@
-"""Per-step efficiency figures for the progress line and the tracker: MFU and peak memory."""
+"""Per-step efficiency figures for the progress line and the tracker: MFU and peak memory.
+
+Task side: the FLOPs per token come from hpctrain.models.params and the peak from hpctrain.hardware (both
+pure), not from the planner, so the training loop and the login-side plan do not depend on each other.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,19 @@ from typing import Any
 
 import torch
 
-from hpctrain.plan.flops import model_flops_per_token
-from hpctrain.plan.types import ModelShape, hardware
+from hpctrain.hardware import hardware
+from hpctrain.models.params import model_flops_per_token, param_count
 
 
 def flops_per_token(cfg: Any) -> float:
     """Model FLOPs per trained token: 6 N + 12 l s h (PaLM appendix B, no recomputation counted)."""
-    m = cfg.model
-    shape = ModelShape(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=cfg.train.seq_len,
-                       vocab_size=m.vocab_size, ffn_hidden=m.ffn_mult * m.d_model)
-    return model_flops_per_token(shape)
+    m, seq_len = cfg.model, cfg.train.seq_len
+    n = param_count(m.n_layers, m.d_model, m.vocab_size, seq_len, m.ffn_mult * m.d_model)
+    return model_flops_per_token(n, m.n_layers, seq_len, m.d_model)
 
 
 def mfu(cfg: Any, tokens_per_s: float, world_size: int) -> float:
-    """Model FLOPs utilisation against the dense peak of cfg.cluster.gpu_type (hpctrain.plan.types)."""
+    """Model FLOPs utilisation against the dense peak of cfg.cluster.gpu_type (hpctrain.hardware)."""
     return tokens_per_s * flops_per_token(cfg) / (world_size * hardware(cfg.cluster.gpu_type).peak_flops)
 
 

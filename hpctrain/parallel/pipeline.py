@@ -7,8 +7,9 @@ the first stage also holds the embeddings, the last the final LayerNorm and the 
 token embedding too: the first and last stages both keep `tok_emb` and the engine sums its gradients
 between them (Megatron's embedding group), so both copies take identical steps.
 
-Stage placement: looped schedules put stage s on pipeline rank s % pp; zbv runs a V: rank r holds stages r
-and 2 pp - 1 - r (so rank 0 holds the first and the last stage).
+Stage placement comes from the schedule's entry in hpctrain.schedules: looped schedules put stage s on
+pipeline rank s % pp; zbv runs a V: rank r holds stages r and 2 pp - 1 - r (rank 0 holds the first and the
+last stage).
 """
 
 from __future__ import annotations
@@ -16,26 +17,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
 
+from hpctrain import schedules
 from hpctrain.models.gpt import GPT
-from hpctrain.parallel.stages import stage_holds
-
-SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-MULTI_STAGE_SCHEDULES = {
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-}
+from hpctrain.models.params import stage_holds
 
 
 def prune_to_stage(model: GPT, stage: int, n_stages: int) -> GPT:
@@ -57,18 +43,18 @@ def stage_model(full: GPT, stage: int, n_stages: int) -> GPT:
 
 def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: int,
                    loss_fn: Any) -> Any:
-    """The schedule object for this rank's stages; `loss_fn` returns the loss of one microbatch.
+    """The schedule object for this rank's stages (the class named in hpctrain.schedules); `loss_fn`
+    returns the loss of one microbatch.
 
     scale_grads=True divides the gradients by the number of microbatches: the loss is a mean over them.
     """
-    if schedule in SINGLE_STAGE_SCHEDULES:
+    entry = schedules.get(schedule)
+    if not entry.runnable:
+        raise ValueError(f"schedule {schedule} is modelled by the planner only; runnable: {schedules.RUNNABLE}")
+    cls = getattr(torch_schedules, entry.torch_class)
+    if entry.chunks == "one":
         if len(stages) != 1:
             raise ValueError(f"schedule {schedule} runs one stage per rank, got {len(stages)}: use "
                              "interleaved_1f1b for virtual stages")
-        return SINGLE_STAGE_SCHEDULES[schedule](stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn,
-                                                scale_grads=True)
-    if schedule in MULTI_STAGE_SCHEDULES:
-        return MULTI_STAGE_SCHEDULES[schedule](stages, n_microbatches=n_microbatches, loss_fn=loss_fn,
-                                               scale_grads=True)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; known: "
-                     f"{sorted(SINGLE_STAGE_SCHEDULES) + sorted(MULTI_STAGE_SCHEDULES)}")
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)

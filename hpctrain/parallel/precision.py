@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from hpctrain.config.schema import PrecisionConfig
 from hpctrain.parallel.clipping import scale_grads_
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -25,12 +26,12 @@ def enum_value(value: Any) -> str:
     return value.value if hasattr(value, "value") else str(value)
 
 
-def compute_dtype(cfg: Any) -> torch.dtype:
-    return DTYPES[enum_value(cfg.precision.dtype)]
+def compute_dtype(precision: PrecisionConfig) -> torch.dtype:
+    return DTYPES[enum_value(precision.dtype)]
 
 
-def reduce_dtype(cfg: Any) -> torch.dtype:
-    return DTYPES[enum_value(cfg.precision.reduce_dtype)]
+def reduce_dtype(precision: PrecisionConfig) -> torch.dtype:
+    return DTYPES[enum_value(precision.reduce_dtype)]
 
 
 def configure_device_math(tf32: bool, device: torch.device) -> None:
@@ -42,16 +43,16 @@ def configure_device_math(tf32: bool, device: torch.device) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
-def fsdp_mp_policy(cfg: Any) -> MixedPrecisionPolicy:
-    if compute_dtype(cfg) == torch.float32:
+def fsdp_mp_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
+    if compute_dtype(precision) == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=compute_dtype(cfg), reduce_dtype=reduce_dtype(cfg))
+    return MixedPrecisionPolicy(param_dtype=compute_dtype(precision), reduce_dtype=reduce_dtype(precision))
 
 
 @contextlib.contextmanager
-def autocast(cfg: Any, device: torch.device, enabled: bool) -> Iterator[None]:
+def autocast(precision: PrecisionConfig, device: torch.device, enabled: bool) -> Iterator[None]:
     """Autocast to the compute dtype, for layouts without an FSDP2 mixed-precision policy."""
-    dtype = compute_dtype(cfg)
+    dtype = compute_dtype(precision)
     if not enabled or dtype == torch.float32:
         yield
         return
@@ -59,7 +60,7 @@ def autocast(cfg: Any, device: torch.device, enabled: bool) -> Iterator[None]:
         yield
 
 
-def ddp_comm_hook(cfg: Any) -> Any | None:
+def ddp_comm_hook(precision: PrecisionConfig) -> Any | None:
     """DDP gradient compression to reduce_dtype (None: reduce in fp32, DDP's default).
 
     torch's compression hooks need NCCL: on CPU/gloo DDP reduces in fp32 whatever reduce_dtype says."""
@@ -68,7 +69,7 @@ def ddp_comm_hook(cfg: Any) -> Any | None:
     if not torch.cuda.is_available():
         return None
     return {torch.bfloat16: default_hooks.bf16_compress_hook,
-            torch.float16: default_hooks.fp16_compress_hook}.get(reduce_dtype(cfg))
+            torch.float16: default_hooks.fp16_compress_hook}.get(reduce_dtype(precision))
 
 
 class LossScaler:
@@ -80,8 +81,7 @@ class LossScaler:
     every parallel dim anyway, so all ranks skip together without another collective.
     """
 
-    def __init__(self, cfg: Any) -> None:
-        p = cfg.precision
+    def __init__(self, p: PrecisionConfig) -> None:
         self.enabled = bool(p.loss_scaling)
         self.scale = float(p.initial_scale) if self.enabled else 1.0
         self.window = int(p.loss_scale_window)

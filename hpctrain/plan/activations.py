@@ -38,6 +38,8 @@ fp32 activations (precision=fp32) are approximated by doubling.
 
 from __future__ import annotations
 
+from hpctrain import schedules
+
 
 def korthikanti_bytes_per_layer(
     seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False,
@@ -136,22 +138,11 @@ def inflight_microbatches(pp: int, microbatches: int, virtual_stages: int, sched
     ZB-H2 about 2p - 1; ZB-V p on every stage (its V shape balances memory); looped BFS, like GPipe, all m
     (the zero-bubble interleaved schedule is counted like interleaved 1F1B).
     """
-    m, p, v = microbatches, pp, virtual_stages
-    if p == 1:
+    if pp == 1:
         return 1.0  # gradient accumulation runs micro-batches one after another
-    if schedule in ("gpipe", "looped_bfs"):
-        return float(m)
-    if schedule in ("1f1b", "zb_h1"):
-        return float(min(p - stage, m))
-    if schedule == "zb_h2":
-        return float(min(2 * (p - stage) - 1, m))
-    if schedule == "zbv":
-        return float(min(p, m))
-    # interleaved: Megatron warms up 2 (p - i - 1) + (v - 1) p model-chunk micro-batches, plus the one in flight
-    chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
-    return min(chunks / v, float(m))
+    return schedules.get(schedule).inflight(pp, microbatches, virtual_stages, stage)
 
 
 def logits_inflight(pp: int, microbatches: int, schedule: str) -> float:
     """Micro-batches whose logits the last stage holds: all m when every forward runs before any backward."""
-    return float(microbatches) if pp > 1 and schedule in ("gpipe", "looped_bfs") else 1.0
+    return float(microbatches) if pp > 1 and schedules.get(schedule).all_forwards_first else 1.0

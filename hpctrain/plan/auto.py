@@ -1,62 +1,84 @@
-"""The layout search applied to a config: rank layouts for the dry-run plan, or pick one for `parallel=auto`."""
+"""Decisions the planner makes for a run, as plain data: the layout `parallel=auto` takes, where the configured
+layout ranks, and a microbatch count worth suggesting.
+
+Pure: nothing here edits a config (hpctrain.launch applies `layout_overrides`), and a suggestion is only made
+when the planner's own estimate says it is faster.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
-from hpctrain.config.problems import ConfigError, Problem
-from hpctrain.plan.estimate import cluster_hardware, model_shape
-from hpctrain.plan.search import Candidate, evaluate, explain, search_layouts
+from hpctrain import schedules
+from hpctrain.plan.bubble import bubble_fraction
+from hpctrain.plan.memory import memory_per_gpu
+from hpctrain.plan.search import Candidate
+from hpctrain.plan.step_time import estimate_step
+from hpctrain.plan.types import Hardware, Layout, ModelShape
 
 
-def search(cfg: Any) -> list[Candidate]:
-    """Every legal layout of this model on this job's GPUs that fits, fastest first."""
-    n_gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
-    return search_layouts(model_shape(cfg), n_gpus, cluster_hardware(cfg), cfg.train.global_batch,
-                          dtype=cfg.precision.dtype.value)
-
-
-def apply_best(cfg: Any) -> Candidate:
-    """`parallel=auto`: set dp/tp/pp/virtual stages/micro-batch/ZeRO stage/recompute to the best layout."""
-    candidates = search(cfg)
-    if not candidates:
-        raise ConfigError([Problem(
-            "parallel.auto", f"no layout of {cfg.model.name} on {cfg.cluster.nodes} x {cfg.cluster.gpus_per_node} "
-            f"{cfg.cluster.gpu_type} with global batch {cfg.train.global_batch} fits in memory",
-            "add nodes, change train.global_batch, or use offload (zero=stage3_offload) with an explicit layout",
-        )])
-    best = candidates[0]
-    lay = best.layout
-    cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = lay.dp, lay.tp, lay.pp
-    cfg.parallel.virtual_stages = lay.virtual_stages
-    cfg.parallel.schedule = lay.schedule
-    cfg.parallel.sequence_parallel = lay.sequence_parallel
-    cfg.parallel.recompute = lay.recompute
-    cfg.parallel.dp_replicate = 1
-    cfg.parallel.microbatches = 0
-    cfg.zero.stage = lay.zero_stage
-    cfg.train.micro_batch, cfg.train.grad_accum = lay.micro_batch, lay.grad_accum
-    cfg.parallel.auto = False
-    return best
-
-
-def search_section(cfg: Any, estimates: Any, top_k: int) -> dict[str, Any]:
-    """The plan's search section: the top layouts and where the configured one ranks, and why."""
-    candidates = search(cfg)
-    lines = [f"layout search: {len(candidates)} layouts fit on {cfg.cluster.nodes * cfg.cluster.gpus_per_node} "
-             f"x {cfg.cluster.gpu_type}, fastest first (estimates)"]
-    lines += [f"  {i + 1:>3}. {c.why}" for i, c in enumerate(candidates[:top_k])]
-    mine = evaluate(estimates.model, estimates.layout, estimates.hw)
-    rank = 1 + sum(1 for c in candidates if c.tokens_per_s > mine.tokens_per_s)
-    lines.append(f"  the configured layout ranks {rank} of {len(candidates)}:")
-    lines += [f"    {line}" for line in explain(mine, candidates[0] if candidates else None).splitlines()]
+def layout_overrides(layout: Layout) -> dict[str, Any]:
+    """The config keys (dotted) and values that make a run use `layout` (what `parallel=auto` sets)."""
     return {
-        "title": "layout search",
-        "lines": lines,
-        "json": {"candidates": len(candidates), "configured_rank": rank,
-                 "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp,
-                          "virtual_stages": c.layout.virtual_stages, "micro_batch": c.layout.micro_batch,
-                          "grad_accum": c.layout.grad_accum, "zero_stage": c.layout.zero_stage,
-                          "recompute": c.layout.recompute, "est_tokens_per_s": c.tokens_per_s,
-                          "est_mfu": c.step.mfu, "why": c.why} for c in candidates[:top_k]]},
+        "parallel.dp": layout.dp, "parallel.tp": layout.tp, "parallel.pp": layout.pp,
+        "parallel.virtual_stages": layout.virtual_stages, "parallel.schedule": layout.schedule,
+        "parallel.sequence_parallel": layout.sequence_parallel, "parallel.recompute": layout.recompute,
+        "parallel.dp_replicate": 1, "parallel.microbatches": 0, "zero.stage": layout.zero_stage,
+        "train.micro_batch": layout.micro_batch, "train.grad_accum": layout.grad_accum, "parallel.auto": False,
     }
+
+
+def search_summary(candidates: list[Candidate], mine: Candidate, top_k: int) -> dict[str, Any]:
+    """The search as data: how many layouts fit, where the configured one ranks, the top ones."""
+    rank = 1 + sum(1 for c in candidates if c.tokens_per_s > mine.tokens_per_s)
+    return {"candidates": len(candidates), "configured_rank": rank,
+            "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp,
+                     "virtual_stages": c.layout.virtual_stages, "micro_batch": c.layout.micro_batch,
+                     "grad_accum": c.layout.grad_accum, "zero_stage": c.layout.zero_stage,
+                     "recompute": c.layout.recompute, "est_tokens_per_s": c.tokens_per_s,
+                     "est_mfu": c.step.mfu, "why": c.why} for c in candidates[:top_k]]}
+
+
+@dataclass(frozen=True)
+class MicrobatchTip:
+    """A micro-batch size (and so a microbatch count) for the same global batch that the estimate finds faster."""
+
+    micro_batch: int
+    microbatches: int
+    bubble_fraction: float
+    step_time_s: float
+    current_step_time_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.current_step_time_s / self.step_time_s
+
+
+def better_microbatches(model: ModelShape, layout: Layout, hw: Hardware,
+                        min_speedup: float = 1.02) -> MicrobatchTip | None:
+    """The fastest other split of each DP rank's batch into microbatches that fits and is legal for the
+    schedule, if the estimate says it is at least `min_speedup` times faster; None otherwise.
+
+    More microbatches shrink the bubble but, under ZeRO-3, re-gather the weights once more each: the step-time
+    estimate weighs both, a rule of thumb does not. Gains under 2% are below what the estimate can tell apart."""
+    if layout.pp == 1:
+        return None
+    entry = schedules.get(layout.schedule)
+    per_rank = layout.micro_batch * layout.grad_accum
+    current = estimate_step(model, layout, hw).step_time_s
+    best: MicrobatchTip | None = None
+    for micro in range(1, per_rank + 1):
+        m = per_rank // micro
+        if per_rank % micro or micro == layout.micro_batch or m < layout.pp:
+            continue
+        if entry.microbatches_multiple_of_pp and m % layout.pp:
+            continue
+        trial = replace(layout, micro_batch=micro, grad_accum=m)
+        if not memory_per_gpu(model, trial, hw).fits:
+            continue
+        step = estimate_step(model, trial, hw).step_time_s
+        if step * min_speedup <= current and (best is None or step < best.step_time_s):
+            frac = bubble_fraction(layout.pp, m, layout.virtual_stages, layout.schedule)
+            best = MicrobatchTip(micro, m, frac, step, current)
+    return best

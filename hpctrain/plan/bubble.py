@@ -29,26 +29,17 @@ into input-gradient (B) and weight-gradient (W) halves and fill the bubble with 
 
 from __future__ import annotations
 
-from hpctrain.plan.types import INTERLEAVED, MULTI_CHUNK, SCHEDULES
+from hpctrain import schedules
 
 
 def bubble_time_in_microbatches(pp: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:
-    """Idle time per step in units of one full-stage microbatch time t_mb (Narayanan 2021 sec. 2.2)."""
+    """Idle time per step in units of one full-stage microbatch time t_mb (the schedule's registry entry)."""
     if pp < 1 or virtual_stages < 1:
         raise ValueError("pp and virtual_stages must be >= 1")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-    if virtual_stages > 1 and schedule not in MULTI_CHUNK:
-        raise ValueError(f"virtual_stages > 1 only applies to the multi-chunk schedules {MULTI_CHUNK}")
-    if schedule in ("gpipe", "1f1b"):
-        return float(pp - 1)
-    if schedule == "interleaved_zero_bubble":
-        return (pp - 1) / (3.0 * virtual_stages)
-    if schedule in INTERLEAVED or schedule == "looped_bfs":
-        return (pp - 1) / virtual_stages
-    if schedule == "zb_h1":
-        return (pp - 1) / 3.0
-    return 0.0  # zb_h2, zbv: see the module docstring
+    entry = schedules.get(schedule)
+    if virtual_stages > 1 and entry.chunks == "one":
+        raise ValueError(f"virtual_stages > 1 only applies to the multi-chunk schedules, not {schedule}")
+    return float(entry.bubble(pp, virtual_stages))
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1, schedule: str = "1f1b") -> float:

@@ -21,6 +21,7 @@ counts the full s x s score matrix, as the Megatron formula does).
 
 from __future__ import annotations
 
+from hpctrain.models import params
 from hpctrain.plan.types import ModelShape
 
 
@@ -64,10 +65,8 @@ def narayanan_flops(batch: int, seq_len: int, n_layers: int, d_model: int, vocab
 
 
 def model_flops_per_token(model: ModelShape) -> float:
-    """MFU's numerator per token: 6 N + 12 l s h (PaLM appendix B), no recomputation counted.
-
-    N is the model's own parameter count (ModelShape.params): vocabulary padding is not useful work."""
-    return 6 * model.params + 12 * model.n_layers * model.seq_len * model.d_model
+    """MFU's numerator per token (hpctrain.models.params: 6 N + 12 l s h), N = ModelShape.params."""
+    return params.model_flops_per_token(model.params, model.n_layers, model.seq_len, model.d_model)
 
 
 def mfu(tokens_per_s: float, model: ModelShape, n_gpus: int, peak_flops: float) -> float:

@@ -16,11 +16,15 @@ Model (all per GPU, the most loaded one):
 Ignored: the optimizer step itself (memory-bound, small once sharded), kernel launch and latency terms,
 efficiency loss of small per-GPU matmuls at large TP, stragglers, data loading. Real runs are slower;
 the ranking between layouts is what this is for.
+
+Two constants carry the absolute numbers and no source pins them: the matmul efficiency (Hardware.efficiency,
+0.6) and the exposed share of overlappable DP traffic (DP_EXPOSED, 0.5). `step_range` moves each over a
+plausible interval (ASSUMED) and reports the span, so a plan shows a range, not a promise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.comm import CommBreakdown, comm_per_step
@@ -28,6 +32,27 @@ from hpctrain.plan.flops import flops_per_iteration, mfu
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
 BACKWARD_SHARE = 2.0 / 3.0  # backward is ~2x forward: 2/3 of compute without recomputation
+DP_EXPOSED = 0.5  # share of overlappable DP traffic left exposed: a middle guess, see ASSUMED
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """An unsourced constant of the estimate, the interval it plausibly takes, and why that interval."""
+
+    name: str
+    value: float
+    low: float
+    high: float
+    why: str
+
+
+# Intervals: Megatron-LM reached 44-52% of the A100's peak end to end (Narayanan et al. 2021, Table 1), so the
+# matmuls alone run at no less than ~0.45; large single GEMMs reach ~0.75 (cuBLAS on A100/H100). DP traffic is
+# hidden behind backward anywhere from mostly (bucketed overlap, 0.25 exposed) to not at all (1.0).
+EFFICIENCY = ("matmul_efficiency", 0.45, 0.75, "fraction of peak FLOP/s the matmuls reach: Megatron's 44-52% "
+              "end to end is a floor for the compute alone, large single GEMMs reach ~75%")
+EXPOSED = ("dp_exposed_share", 0.25, 1.0, "share of overlappable data-parallel traffic not hidden behind "
+           "compute: from bucketed overlap (0.25) to none (1.0)")
 
 
 @dataclass(frozen=True)
@@ -87,7 +112,7 @@ def estimate_step(
     model: ModelShape,
     layout: Layout,
     hw: Hardware,
-    dp_exposed: float = 0.5,
+    dp_exposed: float = DP_EXPOSED,
     tp_exposed: float = 1.0,
     pp_exposed: float = 1.0,
 ) -> StepEstimate:
@@ -122,4 +147,34 @@ def estimate_step(
         mfu=mfu(tokens_per_s, model, n, hw.peak_flops),
         hfu=flops / step / (n * hw.peak_flops),
         comm=comm,
+    )
+
+
+@dataclass(frozen=True)
+class StepRange:
+    """The estimate at its assumptions; at each assumption's ends with the other held (`alone`, in the order of
+    `assumptions`: (at low, at high)); and at the corners of both intervals (fastest and slowest)."""
+
+    assumptions: tuple[Assumption, ...]
+    point: StepEstimate
+    alone: tuple[tuple[StepEstimate, StepEstimate], ...]
+    fastest: StepEstimate
+    slowest: StepEstimate
+
+
+def step_range(model: ModelShape, layout: Layout, hw: Hardware, dp_exposed: float = DP_EXPOSED) -> StepRange:
+    """The span of `estimate_step` when the efficiency and the exposed DP share move over their intervals."""
+    eff, exp = (Assumption(name, value, min(lo, value), max(hi, value), why)
+                for (name, lo, hi, why), value in ((EFFICIENCY, hw.efficiency), (EXPOSED, dp_exposed)))
+
+    def at(e: float, x: float) -> StepEstimate:
+        return estimate_step(model, layout, replace(hw, efficiency=e), dp_exposed=x)
+
+    corners = [at(e, x) for e in (eff.low, eff.high) for x in (exp.low, exp.high)]
+    return StepRange(
+        assumptions=(eff, exp),
+        point=at(eff.value, exp.value),
+        alone=((at(eff.low, exp.value), at(eff.high, exp.value)), (at(eff.value, exp.low), at(eff.value, exp.high))),
+        fastest=min(corners, key=lambda st: st.step_time_s),
+        slowest=max(corners, key=lambda st: st.step_time_s),
     )

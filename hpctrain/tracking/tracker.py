@@ -1,41 +1,35 @@
 """Metrics out of the training loop: a JSONL file always, Weights & Biases when configured.
 
 Only one rank tracks. The W&B run id is the hpctrain run id, resumed with resume="allow", so a requeued or
-resubmitted job continues the same W&B run instead of starting a new one. The run's Slurm context (job id,
-restart count, nodes) goes into the W&B config; events (resume, stop on a signal) go to `events.jsonl` and to
-W&B at the step they happened. No credential is ever written: W&B reads its key from the environment.
+resubmitted job continues the same W&B run instead of starting a new one. The job's context (job id, restart
+count, nodes), from its scheduler and under the scheduler's name ("slurm"), goes into the W&B config; events
+(resume, stop on a signal) go to `events.jsonl` and to W&B at the step they happened. No credential is ever
+written: W&B reads its key from the environment.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from hpctrain.config.schema import TrackingMode
-
-METRICS_FILE = "metrics.jsonl"
-EVENTS_FILE = "events.jsonl"
-
-
-def slurm_context() -> dict[str, Any]:
-    env = os.environ
-    return {"job_id": env.get("SLURM_JOB_ID"), "restart_count": int(env.get("SLURM_RESTART_COUNT", 0)),
-            "nodelist": env.get("SLURM_JOB_NODELIST"), "num_nodes": env.get("SLURM_JOB_NUM_NODES")}
+from hpctrain.records.paths import RunPaths
+from hpctrain.scheduler import scheduler_for
 
 
 class Tracker:
     def __init__(self, cfg: Any, run_dir: Path, run_id: str, config: dict[str, Any]) -> None:
-        self._file = open(run_dir / METRICS_FILE, "a", buffering=1)
-        self._events = open(run_dir / EVENTS_FILE, "a", buffering=1)
+        self._file = open(RunPaths(run_dir).metrics, "a", buffering=1)
+        self._events = open(RunPaths(run_dir).events, "a", buffering=1)
         self._wandb = None
         self._step = 0
         mode = cfg.tracking.mode
         if mode != TrackingMode.disabled:
             import wandb
 
+            scheduler = scheduler_for()  # the one this task runs under
             self._wandb = wandb.init(
                 id=run_id,
                 resume="allow",
@@ -46,7 +40,7 @@ class Tracker:
                 group=cfg.tracking.group,
                 tags=list(cfg.tracking.tags) or None,
                 name=f"{cfg.run.name}-{run_id}",
-                config={**config, "slurm": slurm_context()},
+                config={**config, scheduler.name: scheduler.job_context()},
             )
 
     def log(self, metrics: dict[str, Any]) -> None:

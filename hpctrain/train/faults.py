@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpctrain.records.paths import RunPaths
+
 VARIABLE = "HPCTRAIN_INJECT_FAULT"
 
 
@@ -42,7 +44,7 @@ class Fault:
     def maybe_fire(self, step: int, rank: int, run_dir: Path) -> None:
         if step != self.step or rank != self.rank:
             return
-        marker = run_dir / "faults" / f"{self.kind}-{self.step}-{self.rank}.fired"
+        marker = RunPaths(run_dir).faults / f"{self.kind}-{self.step}-{self.rank}.fired"
         if self.once:
             if marker.exists():
                 return

@@ -4,22 +4,19 @@ Slurm sends SIGUSR2 `--signal` seconds before the time limit, and at preemption 
 preempt_send_user_signal); SIGTERM comes before a kill. Saving inside the handler could interrupt a
 collective half way and a sharded save needs every rank anyway, so nothing else happens here. submitit's
 own handlers are replaced for the duration of training (its checkpoint() runs only on rank 0, where a sharded
-save cannot happen) and restored afterwards.
+save cannot happen) and restored afterwards. Requeueing goes through the scheduler seam (hpctrain/scheduler/).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
-import subprocess
 import time
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger(__name__)
+from hpctrain.scheduler import scheduler_for
 
 REASONS = {signal.SIGUSR2: "time limit or preemption (SIGUSR2)", signal.SIGTERM: "terminated (SIGTERM)"}
 
@@ -66,22 +63,15 @@ def agree_any(flag: bool, device: torch.device) -> bool:
 
 
 def wait_to_be_ended(limit_s: float = 600.0) -> None:
-    """Sleep until Slurm's requeue kills this task (SIGTERM is only flagged here; SIGKILL follows)."""
+    """Sleep until the scheduler's requeue ends this task (SIGTERM is only flagged here; SIGKILL follows)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         time.sleep(1.0)
 
 
-def requeue_slurm_job() -> bool:
-    """Put this Slurm job back in the queue (it restarts from the same pickle and run directory)."""
-    job_id = os.environ.get("SLURM_ARRAY_JOB_ID") and (
-        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}")
-    job_id = job_id or os.environ.get("SLURM_JOB_ID")
-    if not job_id:
-        return False
-    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    if result.returncode:
-        log.error("scontrol requeue %s failed: %s", job_id, result.stderr.strip())
-        return False
-    log.info("requeued job %s", job_id)
-    return True
+def requeue_own_job() -> bool:
+    """Put the job this task runs in back in its queue (it restarts from the same pickle and run directory);
+    False where the scheduler has none (the local executor) or the requeue failed."""
+    return scheduler_for().requeue_self()
+
+

@@ -1,9 +1,16 @@
-"""The progress line a user watches: step, loss, lr, throughput and time to go."""
+"""What a step reports: the metrics row (metrics.jsonl, W&B), its events, and the progress line a user
+watches (step, loss, lr, throughput, time to go)."""
 
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
+
+import torch
+
+from hpctrain.config.schema import Config
+from hpctrain.parallel.metrics import mfu, peak_memory_gb
 
 
 class Progress:
@@ -24,3 +31,55 @@ class Progress:
         return (f"step {step}/{self.total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
                 f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
                 f"{step_time:.3f} s/step | ETA {eta}")
+
+
+class StepReporter:
+    """Rank 0's per-step report: one metrics row, the step's checkpoint and health events, and every
+    `train.log_every` steps the progress line."""
+
+    def __init__(self, cfg: Config, tokens_per_step: int, world_size: int, device: torch.device,
+                 start_step: int) -> None:
+        self.cfg, self.tokens_per_step, self.world_size, self.device = cfg, tokens_per_step, world_size, device
+        self.start_step = start_step
+        self.progress = Progress(total_steps=cfg.train.max_steps, start_step=start_step)
+
+    def step(self, tracker: Any, done: int, consumed: int, stats: Any, lr: float, step_time: float,
+             ckpt_events: list[dict[str, Any]], health: tuple[dict[str, float], list[dict[str, Any]]]) -> None:
+        tokens_per_s = self.tokens_per_step / step_time
+        metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
+                   "tokens_per_s": tokens_per_s, "step_time_s": step_time, "consumed_samples": consumed,
+                   "time": time.time(), "loss_scale": stats.loss_scale, "skipped": int(stats.skipped),
+                   "mfu": mfu(self.cfg, tokens_per_s, self.world_size), "peak_mem_gb": peak_memory_gb(self.device)}
+        metrics.update(checkpoint_metrics(ckpt_events))
+        for e in ckpt_events:
+            if e["event"] not in ("save_started", "save_committed"):
+                tracker.event(e["event"], **{k: v for k, v in e.items() if k != "event"})
+        health_metrics, health_events = health
+        metrics.update(health_metrics)
+        tracker.log(metrics)
+        for e in health_events:
+            tracker.event(e.pop("event"), **e)
+        self._print(done, step_time, metrics, stats)
+
+    def _print(self, done: int, step_time: float, metrics: dict[str, Any], stats: Any) -> None:
+        line = self.progress.update(done, step_time, metrics)
+        line += f" | MFU {metrics['mfu']:.2%} | peak mem {metrics['peak_mem_gb']:.2f} GB"
+        if self.cfg.precision.loss_scaling:
+            line += f" | loss scale {stats.loss_scale:g}" + (" (overflow: step skipped)" if stats.skipped else "")
+        t = self.cfg.train
+        if done % t.log_every == 0 or done == t.max_steps or done == self.start_step + 1:
+            print(line, flush=True)
+
+
+def checkpoint_metrics(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step's checkpoint figures as metrics: blocked and total seconds, bytes, skipped saves, per tier."""
+    out: dict[str, Any] = {}
+    for e in events:
+        if e["event"] == "save_started":
+            out[f"ckpt/{e['tier']}/blocked_s"] = e["blocked_s"]
+        elif e["event"] == "save_committed":
+            out[f"ckpt/{e['tier']}/total_s"] = e["total_s"]
+            out[f"ckpt/{e['tier']}/bytes"] = e["bytes"]
+        elif e["event"] == "save_skipped":
+            out[f"ckpt/{e['tier']}/skipped"] = 1
+    return out

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.inspect import export_model, find, list_checkpoints
 from hpctrain.checkpoint.layout import Committed, committed_in, verify
-from hpctrain.train.failure import read_failures
+from hpctrain.records.failures import read_failures
 from tests.checkpoint.training import consumed_samples, losses_by_step, train
 from tests.distributed_harness import DistributedTestError
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpctrain.config.layout import resolve_layout
 from hpctrain.distributed.environment import DistEnv
 from hpctrain.train import loop
 from tests.distributed_harness import run_distributed
@@ -48,7 +49,7 @@ def _rank_main(rank: int, world: int, config: dict[str, Any], run_dir: str, faul
 
         CheckpointManager._start = killing_start
     try:
-        return loop._train(cfg, Path(run_dir), env)
+        return loop._train(cfg, resolve_layout(cfg), Path(run_dir), env)
     except loop.Preempted as stopped:
         return {"preempted": str(stopped)}
 

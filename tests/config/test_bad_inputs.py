@@ -63,7 +63,7 @@ BAD = [
     ("zero-lr", ["optim.lr=0"], "optim.lr", "must be > 0"),
     ("min-lr-above-lr", ["optim.min_lr_ratio=2.0"], "optim.min_lr_ratio", "a fraction of optim.lr"),
     ("betas-out-of-range", ["optim.betas=[0.9,1.5]"], "optim.betas", "in [0, 1)"),
-    ("warmup-beyond-run", ["train.max_steps=10"], "optim.warmup_steps", "train.max_steps=10"),
+    ("negative-warmup", ["optim.warmup_steps=-1"], "optim.warmup_steps", "must be >= 0"),
     ("negative-clip", ["optim.grad_clip=-1"], "optim.grad_clip", "must be >= 0"),
     ("no-steps", ["train.max_steps=0", "optim.warmup_steps=0"], "train.max_steps", "must be >= 1"),
     ("zero-micro-batch", ["train.micro_batch=0"], "train.micro_batch", "must be >= 1"),
@@ -139,3 +139,36 @@ def test_warnings_carry_the_computed_bubble(compose_cfg) -> None:
     report = check_config(compose_cfg("+experiment=175b", "dry_run=true"))
     bubble = [w for w in report.warnings if w.key == "train.grad_accum"]
     assert bubble and "36.8%" in bubble[0].message  # (p-1)/(m+p-1) = 7/19
+
+
+@pytest.mark.parametrize("key", ["cluster.partition", "cluster.account", "run.name"])
+def test_a_newline_never_reaches_the_sbatch_script(compose_cfg, capsys, tmp_path: Path, key: str) -> None:
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg("cluster.partition=gpu", f"run.root={tmp_path}")
+    OmegaConf.update(cfg, key, "gpu\n#SBATCH --exclusive")  # would be a line of its own in the script
+    assert run(cfg).code == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert f"{key}: " in err and "control character" in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_setup_lines_may_hold_what_a_shell_line_holds(compose_cfg) -> None:
+    from hpctrain.config.checks import check_config
+
+    check_config(compose_cfg("cluster.partition=gpu", "cluster.setup=['module load cuda\tnccl']"))
+
+
+def test_warmup_longer_than_the_run_is_a_warning_and_the_run_trains(compose_cfg, tmp_path: Path) -> None:
+    """`python -m hpctrain train.max_steps=10` with the default 30 warmup steps: a trial run, not an error."""
+    from hpctrain.config.checks import check_config
+    from hpctrain.train.schedule import lr_at
+
+    report = check_config(compose_cfg("train.max_steps=10"))
+    assert [w.key for w in report.warnings if "warmup" in w.message] == ["optim.warmup_steps"]
+    cfg = compose_cfg("train.max_steps=10")
+    lrs = [lr_at(step, cfg.optim, 10) for step in range(10)]
+    assert lrs == sorted(lrs) and 0 < lrs[-1] < cfg.optim.lr  # still ramping up at the end
+    proc = run_hpctrain("train.max_steps=10", f"run.root={tmp_path}", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 10/10" in proc.stdout and "warning: optim.warmup_steps" in proc.stderr

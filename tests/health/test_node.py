@@ -8,19 +8,15 @@ from pathlib import Path
 import pytest
 
 from hpctrain.health import node
-from hpctrain.health.node import (
-    compare_nodes,
-    gpu_problems,
-    ib_problems,
-    ib_report,
-    nvlink_problems,
+from hpctrain.health.node import compare_nodes, ib_report
+from hpctrain.health.node_parse import (
     parse_ibstat,
     parse_nvidia_smi_xml,
     parse_nvlink_status,
     parse_topo_matrix,
     parse_xid_lines,
-    xid_problems,
 )
+from hpctrain.health.node_problems import gpu_problems, ib_problems, nvlink_problems, xid_problems
 
 FIX = Path(__file__).parent / "fixtures" / "node"
 

@@ -43,7 +43,7 @@ FAILING = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from hpctrain.health.watchdog import Watchdog
-    from hpctrain.train.failure import record_failure
+    from hpctrain.records.failures import record_failure
     run_dir = Path(sys.argv[1])
     dog = Watchdog(run_dir, "job1", 0, timeout_s=1.0, factor=5.0, startup_timeout_s=2.0, poll_s=0.1).start()
     dog.beat(1, 0.1)
@@ -76,7 +76,7 @@ def test_slope() -> None:
 def test_steady_memory_growth_is_reported(monkeypatch) -> None:
     values = iter(float(i * 2**20) for i in range(1000))  # +1 MiB per step
     monkeypatch.setattr(monitor_module, "memory_bytes", lambda device: next(values))
-    mon = RunMonitor(cfg(memory_window=50, leak_mb=20, straggler_every=0), 0, torch.device("cpu"))
+    mon = RunMonitor(cfg(memory_window=50, leak_mb=20, straggler_every=0).health, 0, torch.device("cpu"))
     events = [e for step in range(1, 101) for e in mon.after_step(step, 0.1)[1]]
     assert [e["event"] for e in events] == ["memory_leak", "memory_leak"]
     assert abs(events[0]["mb_per_window"] - 50) < 1e-6
@@ -84,12 +84,12 @@ def test_steady_memory_growth_is_reported(monkeypatch) -> None:
 
 def test_flat_memory_is_not_a_leak(monkeypatch) -> None:
     monkeypatch.setattr(monitor_module, "memory_bytes", lambda device: 1e9)
-    mon = RunMonitor(cfg(memory_window=20, leak_mb=1, straggler_every=0), 0, torch.device("cpu"))
+    mon = RunMonitor(cfg(memory_window=20, leak_mb=1, straggler_every=0).health, 0, torch.device("cpu"))
     assert not [e for step in range(1, 61) for e in mon.after_step(step, 0.1)[1]]
 
 
 def test_a_persistently_slow_rank_is_a_straggler() -> None:
-    mon = RunMonitor(cfg(straggler_patience=2, straggler_factor=1.3), 0, torch.device("cpu"))
+    mon = RunMonitor(cfg(straggler_patience=2, straggler_factor=1.3).health, 0, torch.device("cpu"))
     def probes(slow: float) -> list[dict]:
         return [{"rank": r, "host": f"n{r // 2}", "probe_s": 0.010 + 0.0002 * r + (slow if r == 5 else 0),
                  "step_s": 0.1} for r in range(8)]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpctrain.launch.supervise import ATTEMPTS, decide
-from hpctrain.train.failure import is_peer_failure, read_failures, record_failure
+from hpctrain.launch.supervise import decide
+from hpctrain.records.failures import is_peer_failure, read_failures, record_failure
+from hpctrain.records.paths import ATTEMPTS
 
 
 def fail(run_dir: Path, job: str, rank: int, step: int, exc: BaseException) -> None:
@@ -55,7 +56,7 @@ def test_a_different_step_is_retried_but_restarts_are_bounded(tmp_path: Path) ->
 
 
 def test_ranks_that_left_no_record_point_at_their_node(tmp_path: Path) -> None:
-    from hpctrain.train.failure import record_hosts
+    from hpctrain.records.failures import record_hosts
 
     record_hosts(tmp_path, "9", ["n1", "n1", "n2", "n2"])
     fail(tmp_path, "9", 0, 20, RuntimeError("[gloo] Connection closed by peer"))
@@ -65,7 +66,7 @@ def test_ranks_that_left_no_record_point_at_their_node(tmp_path: Path) -> None:
 
 
 def test_a_job_killed_whole_blames_no_node(tmp_path: Path) -> None:
-    from hpctrain.train.failure import record_hosts
+    from hpctrain.records.failures import record_hosts
 
     record_hosts(tmp_path, "9", ["n1", "n1", "n2", "n2"])
     d = decide(tmp_path, "9", 137, 3)

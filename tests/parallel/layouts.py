@@ -89,8 +89,8 @@ def reference(overrides: dict[str, Any], steps: int, world: int = 1) -> dict[str
 
     cfg = make_cfg(world, **overrides)
     torch.manual_seed(0)
-    model = build_model(cfg, torch.device("cpu"))
-    opt = build_optimizer(model.parameters(), cfg)
+    model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"), cfg.parallel.tp)
+    opt = build_optimizer(model.parameters(), cfg.optim)
     losses, norms = [], []
     for s in range(steps):
         x, y = global_batch(s, cfg)

@@ -124,7 +124,7 @@ def test_straggler_probes_travel_as_each_ranks_own_slots(monkeypatch) -> None:
 
     cfg = OmegaConf.merge(OmegaConf.structured(Config), {"health": {"straggler_every": 2, "straggler_patience": 1}})
     hosts = [f"n{r}" for r in range(6)]
-    monitors = [monitor_module.RunMonitor(cfg, r, torch.device("cpu"), hosts) for r in range(6)]
+    monitors = [monitor_module.RunMonitor(cfg.health, r, torch.device("cpu"), hosts) for r in range(6)]
     for r, mon in enumerate(monitors):
         monkeypatch.setattr(monitor_module, "matmul_seconds", lambda device, repeats, r=r: 0.05 if r == 4 else 0.01)
         assert mon.control_values(1) == []  # not a probe step: nothing travels

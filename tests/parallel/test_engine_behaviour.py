@@ -60,7 +60,7 @@ def test_fp16_scale_grows_after_window() -> None:
 
     cfg = make_cfg(1, precision__dtype="fp16", precision__loss_scaling=True, precision__initial_scale=8.0,
                    precision__loss_scale_window=2, precision__min_scale=4.0)
-    scaler = LossScaler(cfg)
+    scaler = LossScaler(cfg.precision)
     for overflow, expected in [(False, 8.0), (False, 16.0), (True, 8.0), (True, 4.0), (True, 4.0), (False, 4.0),
                                (False, 8.0)]:
         scaler.update(overflow)
@@ -165,14 +165,16 @@ def test_checkpoint_resumes_in_a_single_process(world: int, overrides: dict[str,
 # ---- pipeline stage sizes (the plan's numbers) ----------------------------------------------------------------
 
 def test_stage_param_counts_tiny_model_matches_engine() -> None:
+    """The plan's closed-form counts (no torch) are what the engine's ranks hold."""
     from hpctrain.models.params import padded_vocab, param_count
-    from hpctrain.parallel.stages import rank_param_counts, stage_param_counts
+    from hpctrain.plan.report import stage_counts
 
     overrides = {"parallel__pp": 2, "parallel__tp": 2, "parallel__schedule": "interleaved_1f1b",
                  "parallel__virtual_stages": 2, **PP}
     cfg = make_cfg(4, **overrides)
     layout = resolve_layout(cfg)
-    counts = stage_param_counts(cfg, layout)
+    plan = stage_counts(cfg.model, layout, cfg.parallel.schedule)
+    counts = plan["params_per_stage"]
     m = cfg.model
     rows = padded_vocab(m.vocab_size, m.vocab_pad_multiple, 2)  # the embedding as built: 64 -> 128 rows for tp=2
     total = param_count(m.n_layers, m.d_model, rows, m.context, m.ffn_mult * m.d_model)
@@ -181,13 +183,15 @@ def test_stage_param_counts_tiny_model_matches_engine() -> None:
     from tests.parallel.layouts import run_engine
 
     results = run_distributed(run_engine, 4, overrides, 1, timeout=120)
-    per_rank = rank_param_counts(cfg, layout)
+    per_rank = plan["params_per_gpu_before_zero"]
     # mesh (pp, dp_replicate, dp_shard, tp): ranks 0-1 are pipeline rank 0, ranks 2-3 pipeline rank 1
     assert [r["local_numel"] for r in results] == [per_rank[0], per_rank[0], per_rank[1], per_rank[1]]
 
 
 def test_stage_param_counts_175b_on_meta() -> None:
-    from hpctrain.parallel.stages import rank_param_counts, stage_param_counts
+    """The closed form for GPT-3 175B, against the model built on the meta device, stage by stage and shard."""
+    from hpctrain.parallel.stages import meta_stage_counts
+    from hpctrain.plan.report import stage_counts
 
     cfg = make_cfg(4096, model__n_layers=96, model__d_model=12288, model__n_heads=96, model__vocab_size=50257,
                    model__context=2048, parallel__tp=8, parallel__pp=8, parallel__dp=64,
@@ -195,9 +199,9 @@ def test_stage_param_counts_175b_on_meta() -> None:
                    data__vocab_size=50257)
     layout = resolve_layout(cfg)
     started = time.perf_counter()
-    counts = stage_param_counts(cfg, layout)
-    per_rank = rank_param_counts(cfg, layout)
-    assert time.perf_counter() - started < 30
+    plan = stage_counts(cfg.model, layout, cfg.parallel.schedule)
+    assert time.perf_counter() - started < 0.1
+    counts, per_rank = plan["params_per_stage"], plan["params_per_gpu_before_zero"]
     layer = 12 * 12288**2 + 13 * 12288
     assert counts[1:-1] == [12 * layer] * 6
     rows = 50688  # 50257 padded to a multiple of 64 x tp 8: the embedding as built on the GPUs
@@ -205,21 +209,28 @@ def test_stage_param_counts_175b_on_meta() -> None:
     assert counts[-1] == 12 * layer + rows * 12288 + 2 * 12288
     assert 174e9 < sum(counts) - rows * 12288 < 176e9
     assert 2.6e9 < per_rank[1] < 2.8e9  # 12 layers of ~1.8e9 split 8 ways (LayerNorms and row biases whole)
+    whole, shard = meta_stage_counts(cfg, 8, 8)
+    assert whole == counts and shard == per_rank  # 1F1B: one stage per pipeline rank
 
 
 # ---- dims and harness ----------------------------------------------------------------------------------------
 
 def test_parallel_dims_errors_say_what_to_change() -> None:
+    """The layout's own rules live in hpctrain.config.layout; ParallelDims checks it against the processes."""
+    from hpctrain.config.layout import Layout
+
     with pytest.raises(ParallelDimsError, match="product is the number of processes"):
-        ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, virtual_stages=1, world_size=8)
-    with pytest.raises(ParallelDimsError, match="virtual_stages=2 without pipeline"):
-        ParallelDims(dp_replicate=1, dp_shard=2, tp=1, pp=1, virtual_stages=2, world_size=2)
-    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=2, virtual_stages=1, world_size=16)
+        ParallelDims(Layout(dp=2, tp=2, pp=1), world_size=8)
+    with pytest.raises(ValueError, match="virtual_stages=2 without pipeline"):
+        Layout(dp=2, tp=1, pp=1, virtual_stages=2)
+    dims = ParallelDims(Layout(dp=4, tp=2, pp=2, dp_replicate=2), world_size=16)
     assert (dims.dp, dims.n_stages, dims.distributed) == (4, 2, True)
 
 
 def _dims_coordinates(rank: int, world: int) -> tuple[int, int, int]:
-    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=2, virtual_stages=1, world_size=world)
+    from hpctrain.config.layout import Layout
+
+    dims = ParallelDims(Layout(dp=2, tp=2, pp=2), world_size=world)
     return dims.pp_rank, dims.dp_rank, dims.tp_rank
 
 

@@ -45,6 +45,8 @@ LAYOUTS = {
     "pp2_zero_bubble": (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_zero_bubble",
                             "parallel__virtual_stages": 2, **PP}, 1),
     "pp2_zbv": (2, {"parallel__pp": 2, "parallel__schedule": "zbv", "parallel__virtual_stages": 2, **PP}, 1),
+    "pp2_dualpipev": (2, {"parallel__pp": 2, "parallel__schedule": "dualpipev", "parallel__virtual_stages": 2,
+                          **PP}, 1),
     "pp4_1f1b": (4, {"parallel__pp": 4, **PP}, 1),  # tied embedding summed between pipeline ranks 0 and 3
     "dp2xtp2": (4, {"parallel__tp": 2}, 2),
     "zero1_dp2xtp2": (4, {"parallel__tp": 2, "zero__stage": 1}, 2),
@@ -85,7 +87,8 @@ def single_process_modules() -> dict[str, str]:
     from hpctrain.parallel.engine import build_model
     from tests.parallel.layouts import make_cfg
 
-    return model_classes([build_model(make_cfg(1), torch.device("cpu"))])
+    cfg = make_cfg(1)
+    return model_classes([build_model(cfg.model, cfg.train.seed, torch.device("cpu"))])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def test_cpu_default_plan_has_estimates(compose_cfg, capsys) -> None:
 def test_plan_reports_the_model_count_and_the_vocabulary_padding_apart(compose_cfg, capsys) -> None:
     """GPT-3 175B keeps its own count (the tokenizer's 50257 rows); the embedding as built has 50688 rows
     (64 x TP 8 = 512 x 99), reported apart, in the JSON and in the text."""
-    from hpctrain.plan.report import render_text
+    from hpctrain.launch.plan_view import render_text
 
     plan = _plan(compose_cfg, capsys, "+experiment=175b")
     assert plan["params_total"] == 174_604_259_328
@@ -103,3 +104,76 @@ def test_gpt3_1_3b_without_recompute_fits(compose_cfg, capsys) -> None:
     assert 23 < layers["bytes"] / 2**30 < 26
     assert mem["fits"] and mem["total"] == pytest.approx(sum(p["bytes"] for p in plan["memory_parts_bytes"]))
     assert plan["vocab_padding"]["embedding_rows"] == 50304
+
+
+def test_a_dry_run_that_does_not_fit_prints_the_plan_then_the_errors(compose_cfg, capsys, tmp_path: Path) -> None:
+    """The memory table shows what does not fit; the errors follow on stderr and the exit code is 2."""
+    cfg = compose_cfg("+experiment=175b", "zero=stage0", "parallel.recompute=none", "dry_run=true",
+                      f"run.root={tmp_path}")
+    assert run(cfg).code == EXIT_CONFIG_ERROR
+    out, err = capsys.readouterr()
+    assert "per-GPU memory" in out and "DOES NOT FIT" in out and "step estimate" in out
+    assert "GiB per GPU" in err and "exceeds" in err and "parallel.recompute=selective" in err
+    assert not any(tmp_path.iterdir()), "a dry run creates nothing"
+
+
+def test_a_dry_run_with_errors_in_json_lists_them(compose_cfg, capsys, tmp_path: Path) -> None:
+    cfg = compose_cfg("+experiment=175b", "parallel.recompute=selective", "dry_run=true", "plan.format=json",
+                      f"run.root={tmp_path}")
+    assert run(cfg).code == EXIT_CONFIG_ERROR
+    plan = json.loads(capsys.readouterr().out)
+    assert not plan["memory_per_gpu_bytes"]["fits"]
+    assert [e["key"] for e in plan["errors"]] == ["parallel"]
+
+
+def test_the_step_estimate_shows_its_assumptions_and_range(compose_cfg, capsys) -> None:
+    """Two unsourced constants carry the absolute numbers: the plan names them and the range they span,
+    which holds the design article's 120 samples/s (no single point is a reproduction)."""
+    plan = _plan(compose_cfg, capsys, "+experiment=175b")
+    names = {a["name"]: a for a in plan["assumptions"]}
+    assert names["matmul_efficiency"]["value"] == 0.6 and names["matmul_efficiency"]["interval"] == [0.45, 0.75]
+    assert names["dp_exposed_share"]["value"] == 0.5 and names["dp_exposed_share"]["interval"] == [0.25, 1.0]
+    for a in plan["assumptions"]:
+        assert a["at_low"]["samples_per_s"] != a["at_high"]["samples_per_s"]
+    span = plan["est_range"]
+    assert span["slowest"]["samples_per_s"] < 120 < span["fastest"]["samples_per_s"]
+    assert span["slowest"]["samples_per_s"] <= plan["est_samples_per_s"] <= span["fastest"]["samples_per_s"]
+    text = "\n".join(next(s for s in plan["sections"] if s["title"] == "estimates")["lines"])
+    assert "matmul_efficiency 0.6, plausible 0.45-0.75" in text and "dp_exposed_share 0.5" in text
+    assert "range" in text and "samples/s" in text
+
+
+def test_175b_experiment_uses_the_recomputation_the_planner_needs(compose_cfg) -> None:
+    """docs/planner.md and conf/experiment/175b.yaml say what the planner computes: for the article's layout
+    (micro-batch 4) only full recomputation fits; selective keeps more than none (SP's partial sums)."""
+    from hpctrain.config.checks import check_config
+    from hpctrain.plan.memory import memory_per_gpu
+    from hpctrain.plan.search import cheapest_fitting
+
+    est = check_config(compose_cfg("+experiment=175b", "dry_run=true")).estimates
+    best = cheapest_fitting(est.model, est.layout, est.hw)
+    assert best is not None and best.layout.recompute == est.layout.recompute == "full"
+    gib = {rc: memory_per_gpu(est.model, replace(est.layout, recompute=rc), est.hw).total / 2**30
+           for rc in ("none", "selective", "full")}
+    assert round(gib["none"], 1) == 85.1 and round(gib["selective"], 1) == 112.0 and round(gib["full"], 1) == 24.0
+
+
+def test_microbatch_advice_must_improve_the_estimate() -> None:
+    """Under ZeRO-3 with PP more microbatches re-gather the weights: the article's layout gets no advice to go
+    to 32 microbatches (the estimate gets worse); with ZeRO-1 the advice is more microbatches, and faster."""
+    from hpctrain.plan.auto import better_microbatches
+    from hpctrain.plan.step_time import estimate_step
+    from hpctrain.plan.types import Layout, ModelShape, hardware
+
+    model = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257, vocab_pad_multiple=64)
+    hw = hardware("a100_80gb")
+    article = Layout(dp=64, tp=8, pp=8, zero_stage=3, micro_batch=4, grad_accum=12, sequence_parallel=True,
+                     recompute="full", reduce_dtype="fp32")
+    step = estimate_step(model, article, hw).step_time_s
+    for micro, m in ((2, 24), (1, 48)):  # >= 32 microbatches, or the nearest split below
+        assert estimate_step(model, replace(article, micro_batch=micro, grad_accum=m), hw).step_time_s > step
+    assert better_microbatches(model, article, hw) is None
+    tip = better_microbatches(model, replace(article, zero_stage=1), hw)
+    assert tip is not None and tip.microbatches > 12 and tip.speedup >= 1.02
+    assert tip.step_time_s < estimate_step(model, replace(article, zero_stage=1), hw).step_time_s
+    assert better_microbatches(model, replace(article, pp=1), hw) is None  # no pipeline, no bubble to weigh

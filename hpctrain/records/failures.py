@@ -1,8 +1,8 @@
-"""What a task leaves behind when it fails: one JSON record per rank, read by the job's supervisor.
+"""What a task leaves behind when it fails: one JSON record per rank, and the job's rank -> host map.
 
-The supervisor (sbatch side, after srun) decides from these records which node(s) to exclude on resubmission,
-and whether the failure is deterministic (the same error at the same step again), in which case resubmitting
-would only loop.
+The tasks write them (the training loop, the hang watchdog, the pre-flight); the supervisor (after srun)
+reads them to decide which node(s) to exclude on resubmission, and whether the failure is deterministic (the
+same error at the same step again), in which case resubmitting would only loop.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-FAILURES = "failures"
+from hpctrain.records.paths import RunPaths
 
 # Messages that mean "another rank went away", not "this rank is broken".
 PEER_MARKERS = (
@@ -33,7 +33,7 @@ def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseEx
                    peer: bool | None = None, blame: list[str] | None = None) -> Path:
     """Write this rank's record. `peer` overrides the guess from the message; `blame` names other hosts at
     fault (a health check run on this rank found them bad), instead of this rank's own."""
-    directory = run_dir / FAILURES / job_id
+    directory = RunPaths(run_dir).failures(job_id)
     directory.mkdir(parents=True, exist_ok=True)
     record = {
         "rank": rank,
@@ -54,18 +54,18 @@ def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseEx
 
 def record_hosts(run_dir: Path, job_id: str, hosts: list[str]) -> None:
     """Rank -> host of this attempt: ranks that die without a record (a dead node) are found through it."""
-    directory = run_dir / FAILURES / job_id
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "hosts.json").write_text(json.dumps(hosts))
+    path = RunPaths(run_dir).hosts(job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(hosts))
 
 
 def read_hosts(run_dir: Path, job_id: str) -> list[str]:
-    path = run_dir / FAILURES / job_id / "hosts.json"
+    path = RunPaths(run_dir).hosts(job_id)
     return json.loads(path.read_text()) if path.exists() else []
 
 
 def read_failures(run_dir: Path, job_id: str) -> list[dict[str, Any]]:
-    directory = run_dir / FAILURES / job_id
+    directory = RunPaths(run_dir).failures(job_id)
     if not directory.is_dir():
         return []
     return sorted((json.loads(p.read_text()) for p in directory.glob("rank*.json")), key=lambda r: r["time"])

@@ -1,4 +1,4 @@
-"""The plan as a picture: per-GPU memory breakdown and step-time split (needs matplotlib)."""
+"""The plan as a picture: per-GPU memory breakdown and step-time split (needs matplotlib). Login side."""
 
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ def write_chart(plan: dict[str, Any], path: Path) -> Path:
     parts = list(split)
     ax_time.bar(parts, [split[p] for p in parts], color="#4c72b0")
     ax_time.set_ylabel("seconds per step")
-    ax_time.set_title(f"step {plan['est_step_time_s']:.2f} s, MFU {plan['est_mfu']:.0%}")
+    span = plan.get("est_range")
+    spread = (f" ({span['fastest']['step_time_s']:.1f}-{span['slowest']['step_time_s']:.1f} s over the assumptions)"
+              if span else "")
+    ax_time.set_title(f"step {plan['est_step_time_s']:.2f} s{spread}, MFU {plan['est_mfu']:.0%}")
     lay = plan["layout"]
     fig.suptitle(f"{plan['model']['name']}: DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}, ZeRO-{lay['zero_stage']}")
     fig.tight_layout()

@@ -1,0 +1,118 @@
+"""The checks of where and how the job runs: the cluster, the local machine's GPUs, timeouts, and the string
+values that end up in the sbatch script."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from hpctrain.config.layout import Layout
+from hpctrain.config.problems import CheckReport
+from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, Executor
+
+
+def visible_gpus(environ: dict[str, str], driver: str = "/proc/driver/nvidia/gpus", dev: str = "/dev") -> int:
+    """GPUs this machine lets a process use, without importing torch: the NVIDIA driver's device list (or,
+    in containers without it, the /dev/nvidiaN device nodes), narrowed by CUDA_VISIBLE_DEVICES when set."""
+    if os.path.isdir(driver):
+        present = len(os.listdir(driver))
+    else:
+        present = sum(1 for n in (os.listdir(dev) if os.path.isdir(dev) else []) if n[6:].isdigit()
+                      and n.startswith("nvidia"))
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    return min(present, len([d for d in visible.split(",") if d.strip() not in ("", "-1")]))
+
+
+def _local_gpus(gpu_type: str, per_node: int, visible: int, r: CheckReport) -> None:
+    """The local executor gives each task a GPU only when gpu_type names one; say so when GPUs sit idle."""
+    if gpu_type != "cpu" and visible < per_node:
+        r.error("cluster.gpus_per_node", f"cluster.gpu_type={gpu_type} runs one task per GPU, {per_node} tasks, "
+                f"but this machine shows {visible} GPU(s)", f"set cluster.gpus_per_node={max(visible, 1)}"
+                + ("" if visible else " and cluster.gpu_type=cpu"))
+    elif gpu_type == "cpu" and visible:
+        r.warn("cluster.gpu_type", f"this machine has {visible} GPU(s) but cluster.gpu_type=cpu: the tasks "
+               "train on the CPU", f"set cluster.gpu_type to the GPU's type (e.g. h100) and "
+               f"cluster.gpus_per_node={visible}")
+
+
+def _control_characters(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """String values end up in the sbatch script (one #SBATCH line each) and in paths: a newline in
+    cluster.partition would start a line of its own. cluster.setup lines are shell lines by design."""
+    def walk(node: Any, key: str) -> None:
+        if key == "cluster.setup":
+            return
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(str(k), f"{key}.{k}" if key else str(k))  # keys become #SBATCH options and variables too
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{key}[{i}]")
+        elif isinstance(node, str) and any(ord(ch) < 32 or ord(ch) == 127 for ch in node):
+            r.error(key, f"{node!r} holds a control character (a newline or tab would end up in the sbatch script "
+                    "or a path)", f"remove it from {key}")
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+
+
+def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    c = cfg.cluster
+    if c.executor == Executor.local and c.nodes != 1:
+        r.error("cluster.nodes", f"the local executor runs on this one machine, got nodes={c.nodes}",
+                "set cluster.nodes=1, or submit to Slurm with cluster=slurm (or cluster=dev)")
+    if c.executor == Executor.local:
+        _local_gpus(c.gpu_type, c.gpus_per_node, visible_gpus(dict(os.environ)), r)
+    if c.cpus_per_task < 1:
+        r.error("cluster.cpus_per_task", f"must be >= 1, got {c.cpus_per_task}", "set cluster.cpus_per_task=1")
+    if c.time_min < 1:
+        r.error("cluster.time_min", f"must be >= 1 minute, got {c.time_min}", "set cluster.time_min=60")
+    elif c.signal_delay_s >= c.time_min * 60:
+        r.error("cluster.signal_delay_s", f"the warning signal {c.signal_delay_s} s before the end would come before "
+                f"the job starts (time limit {c.time_min} min)", f"use cluster.signal_delay_s<={c.time_min * 60 // 4}")
+    elif c.executor == Executor.slurm and c.signal_delay_s < 30:
+        r.warn("cluster.signal_delay_s", f"{c.signal_delay_s} s may be too short to finish a step and save",
+               "allow a step plus a fast-tier save, e.g. cluster.signal_delay_s=120")
+    if c.executor == Executor.slurm and c.requeue and c.time_min <= 10:
+        r.warn("cluster.time_min", "submitit counts every signal to a job of <= 10 minutes as a timeout, using up "
+               "cluster.max_num_timeout on preemptions", "use cluster.time_min>10")
+    h = cfg.health
+    if h.preflight not in ("off", "warn", "exclude", "drain"):
+        r.error("health.preflight", f"must be off, warn, exclude or drain, got {h.preflight!r}",
+                "use health.preflight=warn")
+    if h.hang_timeout_s and h.hang_timeout_s < 10:
+        r.error("health.hang_timeout_s", f"{h.hang_timeout_s} s would fire on a slow step", "use at least 60 s, or 0 to disable")
+    if h.straggler_factor <= 1.0:
+        r.error("health.straggler_factor", f"must be > 1, got {h.straggler_factor}", "use health.straggler_factor=1.3")
+    if cfg.launcher.max_restarts < 0:
+        r.error("launcher.max_restarts", f"must be >= 0, got {cfg.launcher.max_restarts}", "use launcher.max_restarts=3")
+    if cfg.train.threads_per_rank > c.cpus_per_task and c.executor == Executor.slurm:
+        r.warn("train.threads_per_rank", f"{cfg.train.threads_per_rank} threads on {c.cpus_per_task} CPUs per task",
+               "set train.threads_per_rank<=cluster.cpus_per_task")
+
+
+def _timeouts(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """hpctrain's hang watchdog must fire before NCCL's own (the collective timeout): it dumps stacks and the
+    flight recorder and writes the failure record the supervisor blames a node by; NCCL's ends the process
+    without any of that."""
+    h, timeout = cfg.health, cfg.launcher.collective_timeout_s
+    if timeout < 30:
+        r.error("launcher.collective_timeout_s", f"{timeout} s is shorter than a checkpoint load or a slow "
+                "first step", "use launcher.collective_timeout_s=1800")
+        return
+    if not h.hang_timeout_s:  # the watchdog is off: NCCL's timeout is the only one
+        return
+    key, longest = max((("health.hang_timeout_s", h.hang_timeout_s),
+                        ("health.startup_timeout_s", h.startup_timeout_s)), key=lambda kv: kv[1])
+    if timeout < longest + TIMEOUT_MARGIN_S:
+        r.error("launcher.collective_timeout_s", f"{timeout} s does not outlast {key}={longest:g} s by "
+                f"{TIMEOUT_MARGIN_S:g} s: NCCL's own watchdog would end the ranks of a hang first, leaving no "
+                "stacks, flight recorder or failure record", f"set launcher.collective_timeout_s>="
+                f"{math.ceil(longest + TIMEOUT_MARGIN_S)}, or lower {key}")
+
+
+cluster_checks = [_cluster, _timeouts, _control_characters]

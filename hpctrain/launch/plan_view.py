@@ -1,0 +1,142 @@
+"""The dry-run plan on the login node: what would run, where, and with what, before anything is queued.
+
+`build_plan` gathers the planner's data (hpctrain.plan: pure), the run, the task environment, the checks'
+warnings and errors, and the sbatch script into one JSON-ready dict; `render` prints it as text or JSON. A
+launched run stores the same dict as plan.json.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from hpctrain.config.problems import CheckReport
+from hpctrain.config.schema import Executor
+from hpctrain.distributed.task_env import task_environment
+from hpctrain.launch.executor import sbatch_preview
+from hpctrain.launch.plan_tables import memory_lines, search_lines, stage_lines, step_lines
+from hpctrain.launch.rundir import RunDir
+from hpctrain.plan.auto import search_summary
+from hpctrain.plan.estimate import Estimates, as_json
+from hpctrain.plan.report import model_params, model_summary, stage_counts, vocab_padding
+from hpctrain.plan.search import evaluate, search_layouts
+
+if TYPE_CHECKING:
+    from hpctrain.config.layout import Layout
+    from hpctrain.config.schema import ClusterConfig, ParallelConfig, ZeroConfig
+
+
+def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
+    """The whole plan; with errors in the report, as much of it as the config allows (and the errors)."""
+    lay = report.layout
+    plan: dict[str, Any] = {
+        "run": {"name": cfg.run.name, "id": run.run_id, "directory": str(run.path), "resumed": run.resumed},
+        "params_total": model_params(cfg.model),
+        "vocab_padding": vocab_padding(cfg.model, lay.tp),
+        "model": model_summary(cfg.model),
+        "world_size": lay.world_size,
+        "layout": layout_summary(lay, cfg.parallel, cfg.zero, cfg.train.seq_len),
+        "precision": cfg.precision.dtype.value,
+        "executor": cfg.cluster.executor.value,
+        "environment": task_environment(cfg),
+        "warnings": [{"key": w.key, "message": w.message, "fix": w.fix} for w in report.warnings],
+    }
+    if report.errors:
+        plan["errors"] = [{"key": e.key, "message": e.message, "fix": e.fix} for e in report.errors]
+    sections = []
+    counts = stage_counts(cfg.model, lay, cfg.parallel.schedule) if lay.pp > 1 or lay.tp > 1 else None
+    if counts is not None:
+        plan.update(counts)
+        sections.append({"title": "stages", "lines": stage_lines(counts, lay.tp)})
+    est = report.estimates
+    if est is not None:
+        plan.update(as_json(est))
+        sections.append({"title": "estimates", "lines": memory_lines(est) + [""] + step_lines(est)})
+        if cfg.plan.search > 0:
+            plan["layout_search"], lines = _search(est, cfg.cluster, cfg.train.global_batch, cfg.plan.search)
+            sections.append({"title": "layout search", "lines": lines})
+    if sections:
+        plan["sections"] = sections
+    if cfg.cluster.executor == Executor.slurm:
+        plan["sbatch"] = sbatch_preview(cfg, lay, run.run_id, run.submitit_folder)
+    return plan
+
+
+def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_len: int) -> dict[str, Any]:
+    return {"nodes": lay.nodes, "gpus_per_node": lay.gpus_per_node, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
+            "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages, "schedule": parallel.schedule,
+            "sequence_parallel": parallel.sequence_parallel, "zero_stage": lay.zero_stage,
+            "offload_optimizer": zero.offload_optimizer, "offload_params": zero.offload_params,
+            "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "global_batch": lay.global_batch,
+            "tokens_per_step": lay.global_batch * seq_len}
+
+
+def _search(est: Estimates, cluster: ClusterConfig, global_batch: int, top_k: int) -> tuple[dict[str, Any], list[str]]:
+    """The layout search's data and its text lines: the top layouts, and where the configured one ranks."""
+    n_gpus = cluster.nodes * cluster.gpus_per_node
+    candidates = search_layouts(est.model, n_gpus, est.hw, global_batch, dtype=est.layout.dtype)
+    mine = evaluate(est.model, est.layout, est.hw)
+    data = search_summary(candidates, mine, top_k)
+    return data, search_lines(candidates, mine, data["configured_rank"], top_k, f"{n_gpus} x {cluster.gpu_type}")
+
+
+def render_text(plan: dict[str, Any]) -> str:
+    lay, m = plan["layout"], plan["model"]
+    out = [
+        f"hpctrain plan: {plan['run']['name']} (run id {plan['run']['id']}, not submitted)",
+        f"  run directory   {plan['run']['directory']}",
+        f"  model           {m['name']}: {m['n_layers']} layers, d_model {m['d_model']}, {m['n_heads']} heads, "
+        f"vocab {m['vocab_size']}, context {m['context']}",
+        f"  parameters      {plan['params_total']:,} ({_human(plan['params_total'])})",
+        *_padding_lines(plan),
+        f"  cluster         {lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = {plan['world_size']} "
+        f"({plan['executor']} executor)",
+        f"  layout          DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}"
+        + (f" (HSDP: {lay['dp_replicate']} replicas)" if lay["dp_replicate"] > 1 else "")
+        + (f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else "")
+        + (f", schedule {lay['schedule']}" if lay["pp"] > 1 else "")
+        + (", sequence parallel" if lay["sequence_parallel"] else ""),
+        f"  ZeRO            stage {lay['zero_stage']}"
+        + (", optimizer offload" if lay["offload_optimizer"] else "")
+        + (", parameter offload" if lay["offload_params"] else ""),
+        f"  batch           global {lay['global_batch']} = micro-batch {lay['micro_batch']} x grad accum "
+        f"{lay['grad_accum']} x DP {lay['dp']} ({lay['tokens_per_step']:,} tokens/step)",
+        f"  precision       {plan['precision']}",
+    ]
+    for section in plan.get("sections", []):
+        out += ["", *section["lines"]]
+    out += ["", "task environment", *(f"  {k}={v}" for k, v in plan["environment"].items())]
+    out += _problem_lines("warnings", plan["warnings"])
+    if "sbatch" in plan:
+        out += ["", "sbatch script (as submitit would write it)", plan["sbatch"].rstrip()]
+    return "\n".join(out)
+
+
+def _problem_lines(title: str, problems: list[dict[str, str]]) -> list[str]:
+    if not problems:
+        return []
+    out = ["", f"{title} ({len(problems)})"]
+    for p in problems:
+        out += [f"  - {p['key']}: {p['message']}", f"      fix: {p['fix']}"]
+    return out
+
+
+def _padding_lines(plan: dict[str, Any]) -> list[str]:
+    """The vocabulary padding, apart from the model's own parameter count (none when nothing is padded)."""
+    pad = plan.get("vocab_padding")
+    if not pad or not pad["extra_rows"]:
+        return []
+    built = plan["params_total"] + pad["extra_params"]
+    return [f"  vocab padding   embedding padded {pad['vocab_size']} -> {pad['embedding_rows']} rows (multiple of "
+            f"{pad['multiple']} x TP {pad['tp']}): +{pad['extra_params']:,} params, {built:,} as built"]
+
+
+def render(plan: dict[str, Any], fmt: str) -> str:
+    return json.dumps(plan, indent=1) if fmt == "json" else render_text(plan)
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)

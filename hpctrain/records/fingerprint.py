@@ -1,0 +1,88 @@
+"""What a checkpoint must share with the run that loads it: a named structure, saved in its manifest.
+
+The model shape must match for the weights to load at all; the batch, sequence length, seed and data must
+match for the resume to continue the same training exactly (else it is refused unless forced). The manifest
+holds `Fingerprint.to_dict()`. Manifests written before the fields had names hold the model and the data as
+positional lists; `from_dict` still reads those, and only there is a position meaningful.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import DataConfig, ModelConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What decides the shape of every weight (the vocabulary is the tokenizer's, before padding)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    context: int
+    ffn_mult: int
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any] | list[int]) -> "ModelShape":
+        """From a manifest: named fields, or the positional list of older manifests (same field order)."""
+        if isinstance(value, dict):
+            return cls(**{f.name: int(value[f.name]) for f in fields(cls)})
+        return cls(*(int(v) for v in value))
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Which token stream: its kind and what identifies it (the file, or the corpus size for text_bytes)."""
+
+    kind: str
+    source: str | int | None
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any] | list[Any]) -> "DataSource":
+        if isinstance(value, dict):
+            return cls(value["kind"], value["source"])
+        kind, source = value
+        return cls(kind, source)
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    model: ModelShape
+    global_batch: int
+    seq_len: int
+    seed: int
+    data: DataSource
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Fingerprint":
+        return cls(ModelShape.from_value(d["model"]), int(d["global_batch"]), int(d["seq_len"]), int(d["seed"]),
+                   DataSource.from_value(d["data"]))
+
+
+def fingerprint_of(model: "ModelConfig", train: "TrainConfig", data: "DataConfig") -> Fingerprint:
+    """The fingerprint of a run's config sections."""
+    kind = getattr(data.kind, "value", data.kind)
+    shape = ModelShape(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.context,
+                       model.ffn_mult)
+    return Fingerprint(shape, train.global_batch, train.seq_len, train.seed,
+                       DataSource(kind, data.max_bytes if kind == "text_bytes" else data.path))
+
+
+def upgrade_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's fingerprint in today's named form, field by field (old positional lists converted,
+    anything else kept as it is), so that it compares equal to `Fingerprint.to_dict()` of the same run."""
+    out = dict(saved)
+    for key, kind in (("model", ModelShape), ("data", DataSource)):
+        if isinstance(out.get(key), (list, tuple)):
+            try:
+                out[key] = asdict(kind.from_value(list(out[key])))
+            except (TypeError, ValueError):
+                pass  # not a fingerprint this code wrote: left for the comparison to report
+    return out

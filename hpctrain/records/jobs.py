@@ -1,0 +1,49 @@
+"""The run's job history: every job submitted for it, the supervisor's resubmissions, and its final report.
+
+The launcher appends the first job and the supervisor each resubmission to `jobs.jsonl`; the supervisor
+reads its own earlier decisions back from `attempts.jsonl` (how many restarts, which hosts were excluded,
+the previous failure's signature) and writes `FAILED.json` when it stops.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hpctrain.records.paths import RunPaths
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def append_job(run_dir: Path, job_id: str, executor: str, **fields: Any) -> None:
+    """One submitted job: its id, the executor, the time, and what the submitter adds (resumed, exclude...)."""
+    _append(RunPaths(run_dir).jobs, {"job_id": job_id, "executor": executor, "submitted": time.time(), **fields})
+
+
+def read_jobs(run_dir: Path) -> list[dict[str, Any]]:
+    return _read(RunPaths(run_dir).jobs)
+
+
+def append_attempt(run_dir: Path, record: dict[str, Any]) -> None:
+    """A failed job the supervisor resubmitted, with its decision (signature, excluded hosts, new id)."""
+    _append(RunPaths(run_dir).attempts, record)
+
+
+def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
+    return _read(RunPaths(run_dir).attempts)
+
+
+def write_report(run_dir: Path, record: dict[str, Any]) -> Path:
+    """Why the supervisor stopped: the last job's decision, for the user to read."""
+    path = RunPaths(run_dir).failed
+    path.write_text(json.dumps(record, indent=1))
+    return path

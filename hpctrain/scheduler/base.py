@@ -1,0 +1,69 @@
+"""The scheduler seam: everything hpctrain asks of a batch system, as one small interface.
+
+Like submitit's per-backend modules (`submitit.slurm`, `submitit.local`), a backend is one module of this
+package implementing `Scheduler`. The launcher, the supervisor, and on the tasks training, health checks and
+tracking ask `hpctrain.scheduler.scheduler_for(...)`; none of them runs sbatch, scontrol or sinfo, or reads
+SLURM_* variables, itself. Supporting PBS would be one module and one entry in `scheduler_for`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import submitit
+
+    from hpctrain.config.schema import ClusterConfig
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the launcher asks for one run, in no backend's terms (`cluster` holds the site's settings)."""
+
+    name: str
+    folder: Path  # submitit's folder: batch scripts, pickles, task logs
+    nodes: int
+    tasks_per_node: int
+    # Run once after the tasks end, with the job id and the tasks' exit status appended as its last two
+    # arguments (the supervisor). A backend without a batch script has no "after" and ignores it.
+    after: tuple[str, ...] = ()
+
+
+class Scheduler(ABC):
+    """One batch system: submission on the login node, the supervisor's queries, the tasks' requests."""
+
+    name: str
+
+    # The login node.
+    @abstractmethod
+    def executor(self, cluster: "ClusterConfig", job: JobSpec) -> "submitit.Executor":
+        """The submitit executor that submits the job."""
+
+    @abstractmethod
+    def script(self, cluster: "ClusterConfig", job: JobSpec) -> str | None:
+        """The batch script the executor would submit (for the dry-run plan); None without one."""
+
+    # The supervisor, in the batch script after the tasks.
+    @abstractmethod
+    def partition_nodes(self, partition: str | None) -> list[str]:
+        """Every node of a partition (the default one when None), whatever its state; [] when unknown."""
+
+    @abstractmethod
+    def resubmit(self, folder: Path, job_id: str, exclude: list[str]) -> str:
+        """Submit a finished job again (same script, same pickle) without `exclude`; the new job id."""
+
+    # The tasks.
+    @abstractmethod
+    def requeue_self(self) -> bool:
+        """Put the job this task belongs to back in the queue; False when that is not possible."""
+
+    @abstractmethod
+    def drain(self, hosts: list[str], reason: str) -> bool:
+        """Take nodes out of service for every job; False when that is not possible."""
+
+    @abstractmethod
+    def job_context(self) -> dict[str, Any]:
+        """The job this task runs in (id, restarts, nodes), for the run's tracking."""

@@ -1,0 +1,134 @@
+"""Slurm: submission through submitit's SlurmExecutor, and the scontrol / sinfo / sbatch calls hpctrain makes.
+
+The sbatch preview renders through submitit's private `_make_sbatch_string`: submitit has no public sbatch
+renderer, and that function is what `SlurmExecutor` itself writes the script with, so the preview is the
+submitted script. tests/launch/test_submitit_private.py pins its signature and output, and checks the preview
+against the script SlurmExecutor really submits, so a submitit release that changes it fails there first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpctrain.scheduler.base import JobSpec, Scheduler
+
+if TYPE_CHECKING:
+    import submitit
+
+    from hpctrain.config.schema import ClusterConfig
+
+log = logging.getLogger(__name__)
+TIMEOUT_S = 60  # for every Slurm command: a wedged slurmctld must not hang the caller for ever
+
+
+def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
+    """submitit's Slurm parameters (sbatch option names) from conf/cluster."""
+    c = cluster
+    params: dict[str, Any] = {
+        "job_name": job.name,
+        "nodes": job.nodes,
+        "ntasks_per_node": job.tasks_per_node,
+        "cpus_per_task": c.cpus_per_task,
+        "time": c.time_min,
+        "signal_delay_s": c.signal_delay_s,
+        "setup": list(c.setup),
+        "srun_args": list(c.srun_args),
+        "stderr_to_stdout": False,
+    }
+    if job.after:  # `$?` is srun's exit code on the line right after it
+        params["teardown"] = [" ".join([*map(shlex.quote, job.after), "$SLURM_JOB_ID $?"])]
+    if c.gpu_type != "cpu":
+        params["gpus_per_node"] = job.tasks_per_node
+    if c.mem_gb > 0:
+        params["mem"] = f"{c.mem_gb}GB"
+    elif c.exclusive:
+        params["mem"] = "0"  # all of each node's memory
+    for key in ("partition", "account", "qos", "constraint", "exclude"):
+        value = getattr(c, key)
+        if value:
+            params[key] = value
+    if c.exclusive:
+        params["exclusive"] = True
+    extra: dict[str, Any] = {}
+    if c.requeue:
+        extra["requeue"] = True
+    extra.update(dict(c.sbatch_extra))
+    if extra:
+        params["additional_parameters"] = extra
+    return params
+
+
+def _run(args: list[str], check: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, check=check)
+
+
+class SlurmScheduler(Scheduler):
+    name = "slurm"
+
+    def executor(self, cluster: "ClusterConfig", job: JobSpec) -> "submitit.Executor":
+        import submitit
+
+        executor = submitit.SlurmExecutor(folder=job.folder, max_num_timeout=cluster.max_num_timeout)
+        executor.update_parameters(**slurm_parameters(cluster, job))
+        return executor
+
+    def script(self, cluster: "ClusterConfig", job: JobSpec) -> str:
+        # Private, pinned by tests/launch/test_submitit_private.py: see the module docstring.
+        from submitit.slurm.slurm import _make_sbatch_string
+
+        command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(job.folder))])
+        return _make_sbatch_string(command=command, folder=job.folder, **slurm_parameters(cluster, job))
+
+    def partition_nodes(self, partition: str | None) -> list[str]:
+        try:
+            out = _run(["sinfo", "-h", "-o", "%P|%N"], check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return []
+        lists = [nodes for name, _, nodes in (line.partition("|") for line in out.splitlines())
+                 if (name.rstrip("*") == partition if partition else name.endswith("*")) and nodes]
+        if not lists:
+            return []
+        hosts = _run(["scontrol", "show", "hostnames", ",".join(lists)])
+        return sorted(set(hosts.stdout.split())) if hosts.returncode == 0 else []
+
+    def resubmit(self, folder: Path, job_id: str, exclude: list[str]) -> str:
+        """sbatch --hold the job's script, give the new id the same pickle (submitit's file names), release."""
+        script = folder / f"{job_id}_submission.sh"
+        out = _run(["sbatch", "--hold", "--parsable"] + ([f"--exclude={','.join(exclude)}"] if exclude else [])
+                   + [str(script)], check=True).stdout.strip()
+        new_id = out.split(";")[0]
+        shutil.copy(folder / f"{job_id}_submitted.pkl", folder / f"{new_id}_submitted.pkl")
+        shutil.copy(script, folder / f"{new_id}_submission.sh")
+        _run(["scontrol", "release", new_id], check=True)
+        return new_id
+
+    def requeue_self(self) -> bool:
+        env = os.environ
+        job_id = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+        job_id = job_id or env.get("SLURM_JOB_ID")
+        if not job_id:
+            return False
+        result = _run(["scontrol", "requeue", job_id])
+        if result.returncode:
+            log.error("scontrol requeue %s failed: %s", job_id, result.stderr.strip())
+            return False
+        log.info("requeued job %s", job_id)
+        return True
+
+    def drain(self, hosts: list[str], reason: str) -> bool:
+        result = _run(["scontrol", "update", f"nodename={','.join(hosts)}", "state=drain", f"reason={reason}"])
+        if result.returncode:
+            log.warning("could not drain %s: %s", hosts, result.stderr.strip())
+        return result.returncode == 0
+
+    def job_context(self) -> dict[str, Any]:
+        env = os.environ
+        return {"job_id": env.get("SLURM_JOB_ID"), "restart_count": int(env.get("SLURM_RESTART_COUNT", 0)),
+                "nodelist": env.get("SLURM_JOB_NODELIST"), "num_nodes": env.get("SLURM_JOB_NUM_NODES")}

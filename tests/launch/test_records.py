@@ -1,0 +1,105 @@
+"""The run's records: the on-disk names everyone shares, the job history, and the checkpoint fingerprint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpctrain.records.fingerprint import (
+    Fingerprint,
+    ModelShape,
+    fingerprint_of,
+    upgrade_fingerprint,
+)
+from hpctrain.records.jobs import (
+    append_attempt,
+    append_job,
+    read_attempts,
+    read_jobs,
+    write_report,
+)
+from hpctrain.records.paths import RunPaths
+
+
+def test_the_run_directory_keeps_its_names(tmp_path: Path) -> None:
+    """The on-disk contract (tests/slurm and users' scripts read these names literally)."""
+    files = RunPaths(tmp_path)
+    named = {files.config: "config.yaml", files.submitit: "submitit", files.plan: "plan.json",
+             files.jobs: "jobs.jsonl", files.attempts: "attempts.jsonl", files.failed: "FAILED.json",
+             files.metrics: "metrics.jsonl", files.events: "events.jsonl", files.faults: "faults",
+             files.failures("7"): "failures/7", files.hosts("7"): "failures/7/hosts.json",
+             files.hangs("7"): "hangs/7", files.preflight("7"): "health/7/preflight.json",
+             files.archived_config("20260101-000000"): "config.20260101-000000.yaml"}
+    assert {str(p.relative_to(tmp_path)): name for p, name in named.items()} == {v: v for v in named.values()}
+
+
+def test_the_job_history_appends_and_reads_back(tmp_path: Path) -> None:
+    append_job(tmp_path, "1", "slurm", resumed=False)
+    append_job(tmp_path, "2", "slurm", resubmission_of="1", exclude=["n2"])
+    append_attempt(tmp_path, {"job_id": "1", "action": "resubmit", "resubmitted_as": "2"})
+    jobs = read_jobs(tmp_path)
+    assert [j["job_id"] for j in jobs] == ["1", "2"] and jobs[1]["exclude"] == ["n2"]
+    assert list(jobs[0]) == ["job_id", "executor", "submitted", "resumed"]
+    assert read_attempts(tmp_path) == [{"job_id": "1", "action": "resubmit", "resubmitted_as": "2"}]
+    assert json.loads(write_report(tmp_path, {"why": "x"}).read_text()) == {"why": "x"}
+
+
+def legacy(cfg) -> dict:
+    """The fingerprint as manifests held it before its fields had names (positional lists)."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    return {"model": [m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.context, m.ffn_mult],
+            "global_batch": t.global_batch, "seq_len": t.seq_len, "seed": t.seed,
+            "data": [d.kind.value, d.max_bytes]}
+
+
+def test_the_fingerprint_has_names_and_reads_old_manifests(compose_cfg) -> None:
+    cfg = compose_cfg()
+    fp = fingerprint_of(cfg.model, cfg.train, cfg.data)
+    assert fp.model == ModelShape(cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.vocab_size,
+                                  cfg.model.context, cfg.model.ffn_mult)
+    saved = json.loads(json.dumps(fp.to_dict()))  # as a manifest holds it
+    assert saved["model"]["n_layers"] == cfg.model.n_layers and saved["data"]["kind"] == "text_bytes"
+    assert Fingerprint.from_dict(saved) == fp == Fingerprint.from_dict(legacy(cfg))
+    assert upgrade_fingerprint(legacy(cfg)) == saved  # an old checkpoint still resumes exactly
+    assert upgrade_fingerprint({"model": "other"}) == {"model": "other"}
+
+
+def test_a_changed_field_still_differs(compose_cfg) -> None:
+    cfg = compose_cfg("train.global_batch=32")
+    old = upgrade_fingerprint(legacy(compose_cfg()))
+    new = fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()
+    assert {k for k in new if new[k] != old[k]} == {"global_batch"}
+
+
+def as_legacy_manifests(root: Path) -> int:
+    """Rewrite every manifest's fingerprint in the positional form of older hpctrain versions."""
+    manifests = list(root.rglob("manifest.json"))
+    for path in manifests:
+        manifest = json.loads(path.read_text())
+        fp = manifest["fingerprint"]
+        if isinstance(fp["model"], dict):
+            fp["model"] = [fp["model"][k] for k in ("n_layers", "d_model", "n_heads", "vocab_size", "context",
+                                                     "ffn_mult")]
+            fp["data"] = [fp["data"]["kind"], fp["data"]["source"]]
+        path.write_text(json.dumps(manifest))
+    return len(manifests)
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_an_older_version_resumes_and_still_refuses_a_change(compose_cfg, tmp_path: Path) -> None:
+    from tests.checkpoint.test_checkpoint import config, tiers
+    from tests.checkpoint.training import train
+    from tests.distributed_harness import DistributedTestError
+
+    run_dir = tmp_path / "run"
+    train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=4", *tiers(tmp_path, 2, 100, 100)), run_dir)
+    assert as_legacy_manifests(tmp_path)
+    changed = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16",
+                     *tiers(tmp_path, 2, 100, 100))
+    with pytest.raises(DistributedTestError, match="global_batch: 8 -> 16"):
+        train(2, changed, run_dir, timeout=60)
+    train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=6", *tiers(tmp_path, 2, 100, 100)), run_dir)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [5, 6]

@@ -1,0 +1,63 @@
+"""The plan's per-stage parameter counts (closed form, no torch) against the model built on the meta device."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from hpctrain.config.schema import Config
+from hpctrain.models.params import param_count, stage_param_counts, tp_local_numel
+from hpctrain.plan.report import stage_counts
+
+
+def _cfg(tp: int, pad_multiple: int = 8, vocab: int = 250) -> object:
+    """A small GPT with 8 layers (room for pp x virtual stages up to 8); vocab 250 with no padding splits unevenly."""
+    model = {"name": "t", "n_layers": 8, "d_model": 48, "n_heads": 4, "vocab_size": vocab, "context": 40,
+             "vocab_pad_multiple": pad_multiple}
+    return OmegaConf.merge(OmegaConf.structured(Config), {"model": model, "parallel": {"tp": tp}})
+
+
+LAYOUTS = [  # tp, pp, virtual stages, schedule
+    (1, 1, 1, "1f1b"), (2, 1, 1, "1f1b"), (4, 1, 1, "1f1b"), (1, 2, 1, "1f1b"), (2, 2, 1, "gpipe"),
+    (4, 4, 1, "1f1b"), (2, 2, 2, "interleaved_1f1b"), (1, 4, 2, "interleaved_1f1b"), (4, 2, 4, "looped_bfs"),
+    (2, 2, 2, "zbv"), (1, 4, 2, "zbv"),
+]
+
+
+@pytest.mark.parametrize("tp,pp,v,schedule", LAYOUTS)
+@pytest.mark.parametrize("pad", [8, 1])
+def test_closed_form_matches_the_meta_device_model(tp: int, pp: int, v: int, schedule: str, pad: int) -> None:
+    from hpctrain.parallel.stages import meta_stage_counts
+
+    cfg = _cfg(tp, pad)
+    whole, shard = meta_stage_counts(cfg, pp * v, tp)
+    assert stage_param_counts(cfg.model, pp * v, tp) == whole
+    assert stage_param_counts(cfg.model, pp * v, tp, per_gpu=True) == shard
+    plan = stage_counts(cfg.model, SimpleNamespace(tp=tp, pp=pp, virtual_stages=v), schedule)
+    assert plan["params_per_stage"] == whole
+    assert sum(plan["params_per_gpu_before_zero"]) == sum(shard)
+
+
+def test_zbv_puts_the_first_and_the_last_stage_on_rank_0() -> None:
+    """The V: rank r holds stages r and 2p - 1 - r, so rank 0 keeps the embedding and its tied copy."""
+    cfg = _cfg(2)
+    plan = stage_counts(cfg.model, SimpleNamespace(tp=2, pp=2, virtual_stages=2), "zbv")
+    assert plan["stages_of_rank"] == [[0, 3], [1, 2]]
+    shard = stage_param_counts(cfg.model, 4, 2, per_gpu=True)
+    assert plan["params_per_gpu_before_zero"] == [shard[0] + shard[3], shard[1] + shard[2]]
+    assert plan["params_per_gpu_before_zero"][0] > plan["params_per_gpu_before_zero"][1]
+
+
+def test_one_stage_holds_the_whole_model_once() -> None:
+    """Without PP the tied head adds nothing: the count is the model's, with the padded rows."""
+    cfg = _cfg(1, pad_multiple=64)
+    m = cfg.model
+    assert stage_param_counts(m, 1) == [param_count(m.n_layers, m.d_model, 256, m.context, 4 * m.d_model)]
+
+
+def test_uneven_tp_split_counts_the_largest_shard() -> None:
+    assert tp_local_numel("tok_emb.weight", (250, 48), 4) == 63 * 48
+    assert tp_local_numel("layers.0.attn.proj.weight", (48, 48), 4) == 48 * 12
+    assert tp_local_numel("layers.0.norm1.weight", (48,), 4) == 48
