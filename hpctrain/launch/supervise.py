@@ -31,8 +31,10 @@ from hpctrain.records.jobs import (
     append_attempt,
     append_job,
     read_attempts,
+    read_jobs,
     write_report,
 )
+from hpctrain.records.lease import current_lease, superseded
 from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import Scheduler, scheduler_for
 
@@ -98,6 +100,10 @@ def cannot_fit(partition_nodes: list[str], exclude: list[str], needed: int, part
 def main(argv: list[str]) -> int:
     run_dir, job_id, exit_code = Path(argv[0]), argv[1], int(argv[2]) % 256
     cfg = OmegaConf.load(RunPaths(run_dir).config)
+    if exit_code and superseded(run_dir, job_id, [j["job_id"] for j in read_jobs(run_dir)]):
+        print(f"hpctrain supervisor: job {job_id} failed, but a later job holds the run "
+              f"({current_lease(run_dir).job_id}): not resubmitting", flush=True)
+        return exit_code
     decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts))
     if decision["action"] == "done":
         return 0

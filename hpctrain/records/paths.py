@@ -24,6 +24,7 @@ PREFLIGHT = "preflight.json"
 FAULTS = "faults"  # markers of injected faults that fire once
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
+LEASE = "lease.json"  # the fencing token of the one live attempt (records/lease.py)
 SWEEP_TABLE = "sweep.json"  # in the Hydra sweep directory, not in a run directory
 
 
@@ -48,6 +49,7 @@ class RunPaths:
     faults = _entry(FAULTS)
     metrics = _entry(METRICS)
     events = _entry(EVENTS)
+    lease = _entry(LEASE)
 
     def archived_config(self, stamp: str) -> Path:
         """Where a resume moves the previous config (the new one takes its name)."""

@@ -8,8 +8,10 @@ part contributes values that mean something when summed over ranks (counts, or a
 engine carries the vector in the one all-reduce it does every step for the loss and the gradient norm, on its
 own device. The vector's layout, identical on every rank:
 
-    [SIGUSR2 count, SIGTERM count] + checkpoint values (CheckpointManager.control_values) + probe block
-    (RunMonitor.control_values: 2 x world on probe steps, empty otherwise)
+    [SIGUSR2 count, SIGTERM count, lease lost] + checkpoint values (CheckpointManager.control_values) + probe
+    block (RunMonitor.control_values: 2 x world on probe steps, empty otherwise)
+
+"lease lost" is rank 0's: a newer attempt of the run took the lease (hpctrain.records.lease).
 
 Values are taken before the step, so what happens during a step (a signal, a background write finishing) is
 acted on at the next boundary.
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.health.monitor import RunMonitor
+from hpctrain.records.lease import Lease, holds
 from hpctrain.train.preemption import StopFlag
 
 
@@ -30,13 +34,16 @@ class Agreed:
     """The step's control values as every rank sees them."""
 
     signum: int | None  # the stop signal some rank received (None: go on)
+    stale: bool  # a newer attempt holds the run: stop without writing
     checkpoint: list[float]  # for CheckpointManager.after_step
     probes: list[float] | None  # for RunMonitor.after_step (probe steps only)
 
 
 class StepControl:
-    def __init__(self, stop: StopFlag, ckpt: CheckpointManager, monitor: RunMonitor) -> None:
+    def __init__(self, stop: StopFlag, ckpt: CheckpointManager, monitor: RunMonitor,
+                 lease: tuple[Path, Lease] | None = None) -> None:
         self.stop, self.ckpt, self.monitor = stop, ckpt, monitor
+        self.lease = lease  # rank 0's (run directory, lease taken at start); None on the other ranks
         self._sizes: tuple[int, int] = (0, 0)
 
     def values(self, step: int) -> list[float]:
@@ -44,9 +51,10 @@ class StepControl:
         checkpoint = self.ckpt.control_values(time.monotonic())
         probes = self.monitor.control_values(step)
         self._sizes = (len(checkpoint), len(probes))
-        return self.stop.control_values() + checkpoint + probes
+        lost = float(self.lease is not None and not holds(*self.lease))
+        return self.stop.control_values() + [lost] + checkpoint + probes
 
     def decode(self, summed: list[float]) -> Agreed:
         n_ckpt, n_probes = self._sizes
-        return Agreed(signum=StopFlag.agreed(summed[:2]), checkpoint=summed[2:2 + n_ckpt],
-                      probes=summed[2 + n_ckpt:2 + n_ckpt + n_probes] or None)
+        return Agreed(signum=StopFlag.agreed(summed[:2]), stale=summed[2] > 0, checkpoint=summed[3:3 + n_ckpt],
+                      probes=summed[3 + n_ckpt:3 + n_ckpt + n_probes] or None)

@@ -33,6 +33,7 @@ from hpctrain.parallel.precision import configure_device_math
 from hpctrain.tracking.tracker import Tracker
 from hpctrain.records.failures import record_failure, record_hosts
 from hpctrain.records.fingerprint import fingerprint_of
+from hpctrain.records.lease import StaleAttempt, current_lease, holds, take_lease
 from hpctrain.train.control import StepControl
 from hpctrain.train.faults import Fault
 from hpctrain.train.preemption import (
@@ -75,6 +76,9 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None) ->
     except UnhealthyNodes as exc:  # the supervisor resubmits without the nodes named here
         record_failure(Path(run_dir), env.job_id, env.rank, 0, exc, peer=False, blame=exc.hosts)
         raise
+    except StaleAttempt as exc:  # ends cleanly (exit 0): the newer attempt carries the run on
+        log.warning("rank %d: %s; this attempt stops without writing", env.rank, exc)
+        return {"rank": env.rank, "stale": True}
     finally:
         shutdown()
 
@@ -86,7 +90,9 @@ class Preempted(Exception):
 def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any) -> dict[str, Any]:
     device = task_device(env.local_rank)
     configure_device_math(bool(cfg.precision.tf32), device)
-    hosts = _record_hosts(run_dir, env)
+    taken = take_lease(run_dir, env.job_id) if env.is_main else None  # this attempt now holds the run
+    hosts = _record_hosts(run_dir, env)  # a collective: every rank reads the lease after rank 0 took it
+    lease = taken or current_lease(run_dir)
     # Started before the pre-flight (whose collectives can hang too), with a limit below the collective
     # timeout: it must fire before NCCL's own watchdog, to leave stacks, the flight recorder and a record.
     watchdog = Watchdog(run_dir, env.job_id, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
@@ -107,7 +113,7 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any) -> dict[str, An
         t = cfg.train
         reporter = StepReporter(cfg, layout.global_batch * t.seq_len, env.world_size, device, start_step)
         fault = Fault.from_env()
-        control = StepControl(stop, ckpt, monitor)
+        control = StepControl(stop, ckpt, monitor, (run_dir, lease) if env.is_main else None)
         stop.install()
         for step in range(start_step, t.max_steps):
             started = time.perf_counter()
@@ -118,6 +124,8 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any) -> dict[str, An
             lr = lr_at(step, cfg.optim, t.max_steps)
             stats = engine.step(batches, lr, control.values(step + 1))
             agreed = control.decode(stats.control)
+            if agreed.stale:
+                raise StaleAttempt(f"a newer attempt of this run took the lease before step {step + 1}")
             step_time = time.perf_counter() - started
             done, consumed = step + 1, consumed + layout.global_batch
             watchdog.beat(done, step_time)
@@ -131,9 +139,11 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any) -> dict[str, An
                 tracker = _close_tracker(tracker, reason=REASONS[signum], step=done)
                 _stop_for_signal(signum, ckpt, engine, done, consumed, env, device)
         ckpt.finish(done, engine, {"consumed_samples": consumed})
-    except Preempted:
+    except (Preempted, StaleAttempt):
         raise
     except Exception as exc:
+        if lease is not None and not holds(run_dir, lease):  # e.g. its start removed our unfinished saves
+            raise StaleAttempt(f"a newer attempt of this run took the lease ({type(exc).__name__}: {exc})") from exc
         _record_own_failure(watchdog, run_dir, env, done + 1, exc)
         raise
     finally:

@@ -17,6 +17,7 @@ from typing import Any
 
 from hpctrain.config.layout import resolve_layout
 from hpctrain.distributed.environment import DistEnv
+from hpctrain.records.lease import StaleAttempt, take_lease
 from hpctrain.train import loop
 from tests.distributed_harness import run_distributed
 
@@ -34,6 +35,8 @@ def _rank_main(rank: int, world: int, config: dict[str, Any], run_dir: str, faul
             f.write(json.dumps({"consumed": consumed, "dp_rank": dp_rank, "samples": list(samples)}) + "\n")
         if faults.get("signal_at") == consumed // global_batch and rank == faults.get("signal_rank", 0):
             os.kill(os.getpid(), faults.get("signum", signal.SIGUSR2))
+        if faults.get("lease_taken_at") == consumed // global_batch and rank == 0:  # a newer attempt starts
+            take_lease(Path(run_dir), "newer-attempt")
         return samples
 
     loop.step_samples = recording
@@ -52,6 +55,8 @@ def _rank_main(rank: int, world: int, config: dict[str, Any], run_dir: str, faul
         return loop._train(cfg, resolve_layout(cfg), Path(run_dir), env)
     except loop.Preempted as stopped:
         return {"preempted": str(stopped)}
+    except StaleAttempt as stale:
+        return {"stale": str(stale)}
 
 
 def train(world: int, config: dict[str, Any], run_dir: Path, timeout: float = 240, **faults: Any) -> list[Any]:

@@ -55,3 +55,32 @@ def test_resume_continues_in_the_same_directory(tmp_path: Path) -> None:
     steps = [m["step"] for m in _metrics(run_dir)]
     assert steps == list(range(1, 11))
     assert len((run_dir / "jobs.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_second_attempt_of_a_live_run_takes_it_over(tmp_path: Path) -> None:
+    """Started by hand while the first attempt still trains: the new attempt takes the lease, the old one
+    stops at its next step (exit 0) and writes nothing more; the metrics hold one block per attempt."""
+    import subprocess
+    import sys
+    import time
+
+    common = [f"run.root={tmp_path}", "optim.warmup_steps=2", "checkpoint.tiers.0.interval_steps=10", "run.id=twice",
+              "train.max_steps=150", "train.log_every=1000"]
+    env = {**__import__("os").environ, "WANDB_MODE": "offline"}
+    first = subprocess.Popen([sys.executable, "-m", "hpctrain", *common], cwd=tmp_path, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "smoke" / "twice"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists() or len(_metrics(run_dir)) < 25:
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        time.sleep(0.5)
+    second = run_hpctrain(*common[:-2], "run.resume=twice", "train.max_steps=150", cwd=tmp_path)
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and second.returncode == 0, err[-2000:] + second.stderr[-2000:]
+    assert "a newer attempt of this run took the lease" in out + err
+    steps = [m["step"] for m in _metrics(run_dir)]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # where the new attempt begins
+    assert steps[:restart] == list(range(1, restart + 1)) and steps[restart:] == list(range(steps[restart], 151))
+    assert steps[restart] - 1 in (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140)  # a checkpoint

@@ -1,0 +1,48 @@
+"""One live attempt per run: a newer attempt takes the lease, the older one stops at its next step without
+writing, and its supervisor resubmits nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from hpctrain.launch import supervise
+from hpctrain.records.jobs import append_job
+from hpctrain.records.lease import current_lease, holds, superseded, take_lease
+from tests.checkpoint.test_checkpoint import config, steps_in, tiers
+from tests.checkpoint.training import metrics, train
+
+
+def test_tokens_go_up_and_only_the_newest_holds(tmp_path: Path) -> None:
+    first = take_lease(tmp_path, "100")
+    second = take_lease(tmp_path, "101")
+    assert (first.token, second.token) == (1, 2) and current_lease(tmp_path).job_id == "101"
+    assert holds(tmp_path, second) and not holds(tmp_path, first)
+
+
+def test_an_attempt_that_lost_the_lease_stops_without_writing(compose_cfg, tmp_path: Path) -> None:
+    """A newer attempt takes the lease while step 4 is being prepared: step 4 is not applied, and no metrics,
+    checkpoint or failure record follow from the old attempt."""
+    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=8", *tiers(tmp_path, ram=2, local=4, shared=8))
+    run_dir = tmp_path / "run"
+    results = train(2, cfg, run_dir, lease_taken_at=3)
+    assert all("newer attempt" in r["stale"] for r in results)
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]
+    # the step-2 save commits only if every rank's write was seen finished before step 4; nothing after it
+    assert steps_in(tmp_path / "shm" / "test") in ([], [2]) and steps_in(tmp_path / "ssd" / "test") == []
+    assert not list((run_dir / "failures").rglob("rank*.json")), "a stale attempt leaves no failure record"
+    assert current_lease(run_dir).job_id == "newer-attempt"
+
+
+def test_the_supervisor_of_a_superseded_job_resubmits_nothing(compose_cfg, tmp_path: Path, capsys) -> None:
+    OmegaConf.save(compose_cfg(), tmp_path / "config.yaml")
+    for job in ("7", "8"):  # 8: the supervisor's resubmission of 7, which Slurm then requeued too
+        append_job(tmp_path, job, "slurm")
+    take_lease(tmp_path, "8")
+    assert superseded(tmp_path, "7", ["7", "8"]) and not superseded(tmp_path, "8", ["7", "8"])
+    assert supervise.main([str(tmp_path), "7", "1"]) == 1
+    assert "a later job holds the run (8): not resubmitting" in capsys.readouterr().out
+    assert not (tmp_path / "attempts.jsonl").exists() and len((tmp_path / "jobs.jsonl").read_text().splitlines()) == 2
+    assert json.loads((tmp_path / "lease.json").read_text())["token"] == 1
