@@ -33,11 +33,13 @@ def reduce_partial_grads_(params: Iterable[torch.Tensor]) -> None:
             groups[(g.device_mesh, tuple(g.placements), g.dtype)].append(p)
     for (mesh, placements, _), members in groups.items():
         locals_ = [p.grad.to_local() for p in members]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
+        # On the mesh's device: offloaded (CPU) gradients must not meet the mesh's NCCL groups as CPU tensors.
+        flat = torch.cat([t.reshape(-1) for t in locals_]).to(mesh.device_type)
         for dim, pl in enumerate(placements):
             if isinstance(pl, Partial):
                 op = dist.ReduceOp.AVG if pl.reduce_op == "avg" else dist.ReduceOp.SUM
                 dist.all_reduce(flat, op=op, group=mesh.get_group(dim))
+        flat = flat.to(locals_[0].device)
         reduced = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
         for p, local, chunk in zip(members, locals_, flat.split([t.numel() for t in locals_])):
             p.grad = DTensor.from_local(chunk.view_as(local), mesh, reduced, run_check=False,
