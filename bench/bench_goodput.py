@@ -3,10 +3,12 @@
 
 The smoke model trains on the dev cluster (slurm/dev-cluster.sh up first) with a RAM checkpoint tier every
 `--interval` steps. A failure is injected at exponentially distributed times (mean `--mtbf` seconds, seeded,
-at most `--failures`). Measured: goodput (time in steps that count, each
-step once, over the wall time from the first step to the last), the blocked time per save, the restart cost
-(failure to the first step of the next attempt) and the work lost per failure. `--kind crash` (default)
-SIGKILLs every task (the supervisor resubmits), `--kind preempt` requeues (hpctrain saves at the signal). The model
+at most `--failures`): `--kind rank-crash` (default) SIGKILLs one worker and the agents restart every worker
+in the allocation; `--kind crash` SIGKILLs every process of the job and the supervisor resubmits it
+(`launcher.in_allocation=false`); `--kind preempt` requeues (hpctrain saves at the signal). Measured: goodput
+(time in steps that count, each step once, over the wall time from the first step to the last), the blocked
+time per save, the restart cost (failure to the first step of the next attempt) and the work lost per
+failure. The model
 (hpctrain/goodput/model.py, exact renewal form) predicts goodput from the same measured costs and MTBF.
 The measured costs are written in the `hpctrain.goodput.costs/1` schema for tools/goodput.py.
 
@@ -38,22 +40,56 @@ from devcluster import metrics, state, submit_smoke  # noqa: E402
 from hpctrain.goodput.model import goodput_exact  # noqa: E402
 
 
-def kill_tasks(job: str) -> int:
-    """A crash: SIGKILL every training task of the job (the processes of its step 0 on this machine's nodes),
-    leaving slurmd, srun and the batch script alone, so srun fails and the supervisor resubmits."""
-    killed = 0
+def job_processes(job: str) -> dict[int, dict[bytes, bytes]]:
+    """The processes of the job's step 0 on this machine's nodes (tasks, and the workers their agents start),
+    by pid, with their environments; slurmd, srun and the batch script are not among them."""
+    found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
         except OSError:
             continue
         if env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"SLURM_STEP_ID") == b"0" and b"SUBMITIT_EXECUTOR" in env:
-            try:
-                os.kill(int(proc.name), signal.SIGKILL)
-                killed += 1
-            except ProcessLookupError:
-                pass
+            found[int(proc.name)] = env
+    return found
+
+
+def kill(pids: list[int]) -> int:
+    killed = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
     return killed
+
+
+def kill_tasks(job: str) -> int:
+    """A job crash: SIGKILL every process of the job's step (agents and workers), so srun fails and the
+    supervisor resubmits: the path out of the allocation."""
+    return kill(list(job_processes(job)))
+
+
+def job_workers(job: str) -> list[int]:
+    """The training workers of the job: the children of its agents (forked, so their environment in /proc is
+    the agent's), in the order the agents started them (by pid)."""
+    procs = job_processes(job)
+
+    def parent(pid: int) -> int:
+        try:
+            return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return -1
+
+    return sorted(pid for pid in procs if parent(pid) in procs)
+
+
+def kill_rank(job: str, rng: random.Random) -> int:
+    """A rank crash: SIGKILL one training worker (as the OOM killer would); its node's agent restarts every
+    worker inside the allocation."""
+    workers = job_workers(job)
+    return kill([rng.choice(workers)]) if workers else 0
 
 
 def current_job(run_dir: Path) -> str:
@@ -88,15 +124,17 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=50, help="RAM tier interval in steps")
     parser.add_argument("--mtbf", type=float, default=60.0)
     parser.add_argument("--failures", type=int, default=4)
-    parser.add_argument("--kind", choices=["crash", "preempt"], default="crash",
-                        help="crash: SIGKILL every task (work since the last checkpoint is lost, the supervisor "
-                        "resubmits); preempt: scontrol requeue (SIGTERM: hpctrain saves at the step boundary)")
+    parser.add_argument("--kind", choices=["rank-crash", "crash", "preempt"], default="rank-crash",
+                        help="rank-crash: SIGKILL one worker (the agents restart every worker inside the "
+                        "allocation); crash: SIGKILL every process of the job (the supervisor resubmits, "
+                        "launcher.in_allocation=false); preempt: scontrol requeue (SIGTERM: hpctrain saves at the "
+                        "step boundary). Work since the last checkpoint is lost by both crashes")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/goodput_costs.json"))
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpctrain-bench-goodput-"))
     _, run_dir = submit_smoke(root, "goodput", args.steps, args.interval, 500, "health.preflight=off",
-                              "launcher.max_restarts=100")
+                              "launcher.max_restarts=100", f"launcher.in_allocation={args.kind != 'crash'}")
     failures = inject_failures(run_dir, args)
     rows = metrics(run_dir)
     (run_dir / "injected_failures.json").write_text(json.dumps(failures))
@@ -123,7 +161,9 @@ def inject_failures(run_dir: Path, args: argparse.Namespace) -> list[float]:
         if training and next_failure is None and len(failures) < args.failures:
             next_failure = time.time() + rng.expovariate(1 / args.mtbf)
         if training and next_failure is not None and time.time() >= next_failure:
-            if args.kind == "crash":
+            if args.kind == "rank-crash":
+                kill_rank(job, rng)
+            elif args.kind == "crash":
                 kill_tasks(job)
             else:
                 subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
@@ -187,7 +227,7 @@ def costs(m: Measured, kind: str) -> dict[str, Any]:
 
 def predict(kind: str, tau: float, m: Measured, mtbf: float) -> tuple[float, float, str]:
     """The model's goodput at --mtbf and at the observed failure rate, and which form it used."""
-    if kind == "crash":
+    if kind != "preempt":
         return (goodput_exact(tau, m.c, mtbf, m.r, m.w), goodput_exact(tau, m.c, m.observed_mtbf, m.r, m.w),
                 "exact renewal form: lost work + restart + blocking")
     # a graceful stop saves at the signal: no work is lost, each failure costs the restart only

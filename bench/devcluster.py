@@ -31,5 +31,8 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def state(job: str) -> str:
-    return subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True,
-                          text=True).stdout.strip()
+    """The job's current state: sacct's last record (a job that lost a node under --no-kill has a RESIZING
+    record before it; a requeued one, the earlier attempts')."""
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True,
+                         text=True).stdout.split()
+    return out[-1] if out else ""

@@ -33,11 +33,13 @@ def test_one_gpu_per_task_sites_bind_device_zero() -> None:
 @pytest.mark.parametrize("gpu_type,expected", [("h100", "0,1"), ("cpu", "")])
 def test_local_executor_gives_each_task_its_gpus(compose_cfg, tmp_path: Path, gpu_type: str, expected: str) -> None:
     """A real submitit local job: without gpus_per_node submitit exports CUDA_VISIBLE_DEVICES="" and a GPU
-    workstation trains on its CPUs."""
-    cfg = compose_cfg(f"cluster.gpu_type={gpu_type}")
-    executor = build_executor(cfg, resolve_layout(cfg), "test", tmp_path)
-    # os.getenv pickles by reference: the task process need not import this test module
-    assert executor.submit(os.getenv, "CUDA_VISIBLE_DEVICES", "<unset>").results() == [expected, expected]
+    workstation trains on its CPUs. The node's one task (its elastic agent) sees every GPU of the node, or one
+    task per rank does with launcher.in_allocation=false."""
+    for in_allocation, tasks in ((True, 1), (False, 2)):
+        cfg = compose_cfg(f"cluster.gpu_type={gpu_type}", f"launcher.in_allocation={in_allocation}")
+        executor = build_executor(cfg, resolve_layout(cfg), "test", tmp_path)
+        # os.getenv pickles by reference: the task process need not import this test module
+        assert executor.submit(os.getenv, "CUDA_VISIBLE_DEVICES", "<unset>").results() == [expected] * tasks
 
 
 def test_local_gpu_checks(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ two) and from a Monte-Carlo simulation (mean and 95% CI), with what dominates th
     python tools/goodput.py                                  # 175B, 0.1%/GPU/day, default bandwidths
     python tools/goodput.py --costs costs.json --png goodput.png
     python tools/goodput.py --rate 0.005 --p-fast 0.5 --json
+    python tools/goodput.py --gpus 4096,16384 --queue-wait-s 3600 --p-stay 0.3   # a busy cluster
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hpctrain.goodput.model import (
     loss_split,
     mtbf_s,
     optimal_plan,
+    restart_cost,
     young_interval,
 )
 from hpctrain.goodput.simulate import simulate
@@ -68,6 +70,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weibull-shape", type=float, help="Weibull times between failures (default exponential)")
     p.add_argument("--delay-s", type=float, default=0.0, help="mean of an exponential scheduler delay per restart")
+    p.add_argument("--queue-wait-s", type=float, default=0.0,
+                   help="time a job that leaves its allocation waits in the queue before it runs again")
+    p.add_argument("--p-stay", type=float, default=0.0,
+                   help="share of failures recovered inside the allocation (launcher.in_allocation: a crashed or "
+                   "hung rank; node deaths too with hot spares); the rest are resubmitted and wait in the queue")
+    p.add_argument("--in-allocation-s", type=float, default=10.0,
+                   help="restart cost inside the allocation (bench/bench_restart.py), without the load")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--png", type=Path, help="plot goodput vs GPU count (needs matplotlib)")
     return p.parse_args(argv)
@@ -88,7 +97,8 @@ def rows(args: argparse.Namespace) -> list[dict]:
                   for name, tier in measured.tiers.items()}
         slow = scaled[slow_name]
         fast = scaled[fast_name] if fast_name else None
-        failures = Failures(mtbf_s(args.rate, n), p_fast, restart + args.delay_s)
+        restart_s = restart_cost(restart, args.queue_wait_s, args.p_stay, args.in_allocation_s)
+        failures = Failures(mtbf_s(args.rate, n), p_fast, restart_s + args.delay_s)
         plans = {"ram+shared": optimal_plan(slow, failures, fast, rule),
                  "shared only": optimal_plan(slow, failures, None, rule),
                  "fixed": Plan(slow, 60.0 * args.fixed_min)}
@@ -99,7 +109,7 @@ def rows(args: argparse.Namespace) -> list[dict]:
             entry = {"tau_fast_s": plan.tau_fast_s if plan.fast else None, "tau_slow_s": plan.tau_slow_s,
                      "model": expected_goodput(plan, failures), "loss": asdict(loss), "dominant": loss.dominant}
             if args.reps > 0:
-                sim = simulate(plan, Failures(failures.mtbf_s, p_fast, restart), args.days * 86400.0,
+                sim = simulate(plan, Failures(failures.mtbf_s, p_fast, restart_s), args.days * 86400.0,
                                args.reps, args.seed, args.weibull_shape, args.delay_s)
                 entry["sim"] = asdict(sim)
             row["policies"][name] = entry

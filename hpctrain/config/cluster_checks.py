@@ -9,8 +9,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hpctrain.config.layout import Layout
-from hpctrain.config.problems import CheckReport
+from hpctrain.config.layout import Layout, layout_on_nodes
+from hpctrain.config.problems import CheckReport, ConfigError
 from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, Executor
 
 
@@ -95,11 +95,21 @@ def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
                "set train.threads_per_rank<=cluster.cpus_per_task")
 
 
+AGENT_SHUTDOWN_S = 30  # torch.distributed.elastic's LocalElasticAgent: SIGTERM, then SIGKILL after this
+MIN_RENDEZVOUS_S = 2 * AGENT_SHUTDOWN_S
+
+
 def _timeouts(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """hpctrain's hang watchdog must fire before NCCL's own (the collective timeout): it dumps stacks and the
     flight recorder and writes the failure record the supervisor blames a node by; NCCL's ends the process
     without any of that."""
     h, timeout = cfg.health, cfg.launcher.collective_timeout_s
+    rendezvous = cfg.launcher.rendezvous_timeout_s
+    if cfg.launcher.in_allocation and rendezvous < MIN_RENDEZVOUS_S:
+        r.error("launcher.rendezvous_timeout_s", f"{rendezvous} s: a restart inside the allocation stops every "
+                f"worker (torch's agent waits up to {AGENT_SHUTDOWN_S} s before SIGKILL) and starts new ones; "
+                "agents that wait less give up on a node that is only slow to restart",
+                f"use launcher.rendezvous_timeout_s>={MIN_RENDEZVOUS_S} (default 600)")
     if timeout < 30:
         r.error("launcher.collective_timeout_s", f"{timeout} s is shorter than a checkpoint load or a slow "
                 "first step", "use launcher.collective_timeout_s=1800")
@@ -115,4 +125,35 @@ def _timeouts(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 f"{math.ceil(longest + TIMEOUT_MARGIN_S)}, or lower {key}")
 
 
-cluster_checks = [_cluster, _timeouts, _control_characters]
+def _elastic(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """Spares and shrinking need the agents (and spares a batch system with nodes); every node count the run
+    may shrink to must hold the same global batch (DP divides it, TP x PP fit)."""
+    low, nodes, spare = cfg.elastic.min_nodes, cfg.cluster.nodes, cfg.cluster.spare_nodes
+    if spare < 0:
+        r.error("cluster.spare_nodes", f"must be >= 0, got {spare}", "use cluster.spare_nodes=0")
+    elif spare and not cfg.launcher.in_allocation:
+        r.error("cluster.spare_nodes", "a spare replaces a node inside the allocation, but launcher.in_allocation="
+                "false", "set launcher.in_allocation=true, or cluster.spare_nodes=0")
+    elif spare and cfg.cluster.executor == Executor.local:
+        r.error("cluster.spare_nodes", "the local executor runs one node: there is no node to spare",
+                "use cluster.spare_nodes=0, or cluster=slurm")
+    if not low:
+        return
+    if not cfg.launcher.in_allocation:
+        r.error("elastic.min_nodes", "shrinking happens inside the allocation, but launcher.in_allocation=false",
+                "set launcher.in_allocation=true, or elastic.min_nodes=0")
+        return
+    if not 1 <= low <= nodes:
+        r.error("elastic.min_nodes", f"must be between 1 and cluster.nodes={nodes}, got {low}",
+                f"use elastic.min_nodes={max(1, nodes - 1)}, or 0 to never shrink")
+        return
+    for n in range(low, nodes):
+        try:
+            layout_on_nodes(cfg, n)
+        except ConfigError as e:
+            r.error("elastic.min_nodes", f"on {n} of {nodes} nodes the run does not fit: {e.problems[0].message}",
+                    f"use elastic.min_nodes={n + 1}, or a global batch that every DP size from {low} nodes divides")
+            return
+
+
+cluster_checks = [_cluster, _timeouts, _elastic, _control_characters]

@@ -14,7 +14,6 @@ from hpctrain import schedules
 from hpctrain.config.problems import ConfigError, Problem
 from hpctrain.config.schema import Config
 
-
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -153,6 +152,15 @@ def resolve_layout(cfg: Config) -> Layout:
         raise ConfigError([Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix)
                            for key, message, fix in broken])
     return Layout(**values)
+
+
+def layout_on_nodes(cfg: Config, nodes: int) -> Layout:
+    """The layout of the same run on `nodes` nodes: DP from the world size, gradient accumulation from the
+    (unchanged) global batch. What an elastic job runs on after losing nodes (elastic.min_nodes)."""
+    from omegaconf import OmegaConf
+
+    smaller = OmegaConf.merge(cfg, {"cluster": {"nodes": nodes}, "parallel": {"dp": -1}, "train": {"grad_accum": -1}})
+    return resolve_layout(smaller)
 
 
 def _require_positive(cfg: Config) -> None:

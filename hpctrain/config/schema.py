@@ -169,6 +169,7 @@ class ClusterConfig:
     name: str = MISSING
     executor: Executor = Executor.local
     nodes: int = 1
+    spare_nodes: int = 0  # hot spares the job also asks for: one takes a dead node's place (launcher.in_allocation)
     gpus_per_node: int = 2  # tasks per node; on CPU these are processes
     gpu_type: str = "cpu"
     cpus_per_task: int = 1
@@ -197,12 +198,26 @@ TIMEOUT_MARGIN_S = 120.0
 
 @dataclass
 class LauncherConfig:
-    # Resubmissions of a failed job (a rank crashed, a collective timed out), excluding the failed node(s).
-    # Requeues after preemption or the time limit do not count (see cluster.max_num_timeout).
+    # One elastic agent per node restarts every worker in the allocation when one fails (a rank raises or
+    # dies, a collective times out, the hang watchdog fires): seconds instead of a trip through the queue.
+    # false: one task per rank, and a failed job leaves the allocation (the supervisor resubmits it).
+    in_allocation: bool = True
+    # Restarts inside the allocation, and resubmissions of a failed job (excluding the failed node(s)):
+    # each bounded by this. Requeues after preemption or the time limit do not count (cluster.max_num_timeout).
     max_restarts: int = 3
+    # How long the agents wait for each other in a rendezvous (all nodes must come back after a restart).
+    rendezvous_timeout_s: int = 600
     # A collective that waits longer raises (NCCL's own watchdog). Longer than health.hang_timeout_s and
     # health.startup_timeout_s, so that hpctrain's watchdog fires first and leaves stacks and a record.
     collective_timeout_s: int = 1800
+
+
+@dataclass
+class ElasticConfig:
+    # A node lost inside the allocation (launcher.in_allocation) with no spare: go on with at least this many
+    # nodes, DP smaller and gradient accumulation larger so the global batch and the sample order stay the
+    # same. 0: never shrink (the job is requeued by Slurm, NODE_FAIL, and runs on all cluster.nodes again).
+    min_nodes: int = 0
 
 
 @dataclass
@@ -269,6 +284,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -1,8 +1,9 @@
 """Where this task sits in the job, and joining torch.distributed.
 
-Ranks come from submitit's JobEnvironment (Slurm or the local executor), else from torchrun's variables,
-else a single process. The rendezvous address is the job's first node and the port is derived from the job
-id, so every task of a job computes the same address without talking to the others.
+Ranks come from the variables an elastic agent (hpctrain's own, distributed/elastic.py, or torchrun) sets,
+else from submitit's JobEnvironment (Slurm or the local executor, one task per rank), else a single process.
+Without an agent, the rendezvous address is the job's first node and the port is derived from the job id,
+so every task of a job computes the same address without talking to the others.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from hpctrain.records.failures import attempt_key
 
 PORT_RANGE = (20000, 60000)
 
@@ -32,10 +35,16 @@ class DistEnv:
     master_port: int
     hostname: str
     job_id: str
+    restart: int = 0  # restarts of the workers inside this job's allocation (the elastic agent counts them)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def attempt(self) -> str:
+        """The key of this attempt's records (failures, hangs, health): the job, and the restart in it."""
+        return attempt_key(self.job_id, self.restart)
 
 
 def port_for_job(job_id: str) -> int:
@@ -46,6 +55,23 @@ def port_for_job(job_id: str) -> int:
 
 def discover() -> DistEnv:
     hostname = socket.gethostname()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # an elastic agent's worker (or torchrun)
+        world = int(os.environ["WORLD_SIZE"])
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return DistEnv(
+            rank=int(os.environ["RANK"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            world_size=world,
+            local_world_size=local_world,
+            node_rank=int(os.environ.get("GROUP_RANK", 0)),
+            num_nodes=max(1, world // local_world),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(os.environ.get("MASTER_PORT", 29500)),
+            hostname=hostname,
+            # hpctrain's agents name the scheduler's job; plain torchrun has only its run id
+            job_id=os.environ.get("HPCTRAIN_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "torchrun"),
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        )
     if os.environ.get("SUBMITIT_EXECUTOR"):
         import submitit
 
@@ -62,21 +88,6 @@ def discover() -> DistEnv:
             master_port=int(os.environ.get("MASTER_PORT") or port_for_job(str(je.job_id))),
             hostname=hostname,
             job_id=str(je.job_id),
-        )
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        world = int(os.environ["WORLD_SIZE"])
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return DistEnv(
-            rank=int(os.environ["RANK"]),
-            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-            world_size=world,
-            local_world_size=local_world,
-            node_rank=int(os.environ.get("GROUP_RANK", 0)),
-            num_nodes=max(1, world // local_world),
-            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(os.environ.get("MASTER_PORT", 29500)),
-            hostname=hostname,
-            job_id=os.environ.get("TORCHELASTIC_RUN_ID", "torchrun"),
         )
     return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", port_for_job(str(os.getpid())), hostname, str(os.getpid()))
 

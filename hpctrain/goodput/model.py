@@ -82,6 +82,15 @@ def mtbf_s(rate_per_gpu_day: float, n_gpus: int) -> float:
     return SECONDS_PER_DAY / (rate_per_gpu_day * n_gpus)
 
 
+def restart_cost(resubmit_s: float, queue_wait_s: float = 0.0, p_stay: float = 0.0,
+                 in_allocation_s: float = 0.0) -> float:
+    """Mean restart cost R when a share `p_stay` of failures is recovered inside the allocation
+    (`in_allocation_s` each: the agents restart the workers) and the rest leave it: a resubmission
+    (`resubmit_s`) that waits `queue_wait_s` in the queue first. On a busy cluster the queue wait, not the
+    checkpoint, decides the goodput of a job that leaves its allocation on every failure."""
+    return p_stay * in_allocation_s + (1.0 - p_stay) * (resubmit_s + queue_wait_s)
+
+
 def young_interval(c: float, m: float) -> float:
     """Young (1974): tau = sqrt(2 C M), the exact minimiser of the first-order waste C/tau + tau/(2M)."""
     return math.sqrt(2.0 * c * m)

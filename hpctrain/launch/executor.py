@@ -20,16 +20,26 @@ if TYPE_CHECKING:
 SUPERVISOR = "hpctrain.launch.supervise"  # runs after the tasks: resubmit a failed job or stop with a report
 
 
-def job_spec(run_name: str, run_id: str, layout: Layout, folder: Path) -> JobSpec:
-    """The job for a run; `folder` is the run's submitit folder (its parent is the run directory)."""
-    return JobSpec(name=f"hpctrain-{run_name}-{run_id}", folder=folder, nodes=layout.nodes,
-                   tasks_per_node=layout.gpus_per_node, after=(sys.executable, "-m", SUPERVISOR, str(folder.parent)))
+def job_spec(cfg: Any, run_id: str, layout: Layout, folder: Path) -> JobSpec:
+    """The job for a run; `folder` is the run's submitit folder (its parent is the run directory).
+
+    With `launcher.in_allocation` a node runs one task, its elastic agent, which starts the node's ranks
+    (and gets their CPUs), and the job also asks for `cluster.spare_nodes` hot spares; otherwise one task
+    per rank."""
+    ranks_per_task = layout.gpus_per_node if cfg.launcher.in_allocation else 1
+    spares = cfg.cluster.spare_nodes if cfg.launcher.in_allocation else 0
+    return JobSpec(name=f"hpctrain-{cfg.run.name}-{run_id}", folder=folder, nodes=layout.nodes + spares,
+                   tasks_per_node=layout.gpus_per_node // ranks_per_task,
+                   gpus_per_node=0 if cfg.cluster.gpu_type == "cpu" else layout.gpus_per_node,
+                   cpus_per_task=cfg.cluster.cpus_per_task * ranks_per_task,
+                   survive_node_loss=bool(cfg.launcher.in_allocation and (spares or cfg.elastic.min_nodes)),
+                   after=(sys.executable, "-m", SUPERVISOR, str(folder.parent)))
 
 
 def sbatch_preview(cfg: Any, layout: Layout, run_id: str, folder: Path) -> str:
     """The sbatch script Slurm would get for this run (whatever cluster.executor says)."""
-    return SlurmScheduler().script(cfg.cluster, job_spec(cfg.run.name, run_id, layout, folder))
+    return SlurmScheduler().script(cfg.cluster, job_spec(cfg, run_id, layout, folder))
 
 
 def build_executor(cfg: Any, layout: Layout, run_id: str, folder: Path) -> "submitit.Executor":
-    return scheduler_for(cfg.cluster.executor).executor(cfg.cluster, job_spec(cfg.run.name, run_id, layout, folder))
+    return scheduler_for(cfg.cluster.executor).executor(cfg.cluster, job_spec(cfg, run_id, layout, folder))

@@ -38,6 +38,7 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
         "layout": layout_summary(lay, cfg.parallel, cfg.zero, cfg.train.seq_len),
         "precision": cfg.precision.dtype.value,
         "executor": cfg.cluster.executor.value,
+        "recovery": recovery_summary(cfg),
         "environment": task_environment(cfg),
         "warnings": [{"key": w.key, "message": w.message, "fix": w.fix} for w in report.warnings],
     }
@@ -60,6 +61,19 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
     if cfg.cluster.executor == Executor.slurm:
         plan["sbatch"] = sbatch_preview(cfg, lay, run.run_id, run.submitit_folder)
     return plan
+
+
+def recovery_summary(cfg: Any) -> str:
+    """How a failure is recovered: inside the allocation (agents, spares, shrinking) or by resubmission."""
+    launcher, restarts = cfg.launcher, cfg.launcher.max_restarts
+    if not launcher.in_allocation:
+        return f"one task per rank; a failed job is resubmitted without its bad nodes (up to {restarts} times)"
+    parts = [f"1 agent per node restarts failed ranks in the allocation (up to {restarts} times)"]
+    if cfg.cluster.spare_nodes:
+        parts.append(f"{cfg.cluster.spare_nodes} hot spare node(s) replace dead ones")
+    if cfg.elastic.min_nodes:
+        parts.append(f"shrinks to {cfg.elastic.min_nodes} node(s) at least, same global batch")
+    return "; ".join(parts)
 
 
 def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_len: int) -> dict[str, Any]:
@@ -91,6 +105,7 @@ def render_text(plan: dict[str, Any]) -> str:
         *_padding_lines(plan),
         f"  cluster         {lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = {plan['world_size']} "
         f"({plan['executor']} executor)",
+        f"  recovery        {plan['recovery']}",
         f"  layout          DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}"
         + (f" (HSDP: {lay['dp_replicate']} replicas)" if lay["dp_replicate"] > 1 else "")
         + (f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else "")

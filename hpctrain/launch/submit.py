@@ -42,11 +42,12 @@ def launch(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any]) -> tuple
     """Submit; follow a local job. Returns the exit code and the job id."""
     job = submit(cfg, layout, run, plan)
     if cfg.cluster.executor == Executor.local:
-        print(f"local job {job.job_id}: {layout.world_size} processes, logs in {run.submitit_folder}", flush=True)
+        print(f"local job {job.job_id}: {layout.world_size} ranks, logs in {run.submitit_folder}", flush=True)
         code = follow(job)
         print(f"run directory: {run.path}", flush=True)
         return code, str(job.job_id)
-    print(f"submitted job {job.job_id} ({layout.nodes} nodes x {layout.gpus_per_node} tasks)")
+    per_node = "1 agent starting" if cfg.launcher.in_allocation else "with"
+    print(f"submitted job {job.job_id} ({layout.nodes} nodes, each {per_node} {layout.gpus_per_node} ranks)")
     print(f"follow it with: tail -F {job.paths.stdout}  (squeue -j {job.job_id})")
     print(f"run directory: {run.path}", flush=True)
     return 0, str(job.job_id)

@@ -4,6 +4,11 @@ Runs inside the batch script, right after srun returns (a teardown line of the s
 writes): `python -m hpctrain.launch.supervise RUN_DIR JOB_ID SRUN_EXIT_CODE`. A preempted or requeued job
 never gets here (Slurm kills the batch script when it requeues); a job whose tasks all succeeded exits 0.
 
+With `launcher.in_allocation` (the default) the nodes' elastic agents restart failed workers inside the
+allocation first (hpctrain/distributed/elastic.py); a job gets here failed only when they gave up
+(`launcher.max_restarts` restarts spent, or the workers reported a deterministic failure in FAILED.json, and
+then nothing is resubmitted), or when one task per rank runs (`launcher.in_allocation=false`).
+
 For a failed job:
 - the ranks' failure records (hpctrain/records/failures.py) name the hosts whose own code failed (as opposed
   to ranks that only lost a peer): those hosts are excluded from the next attempt, with every host excluded
@@ -13,8 +18,9 @@ For a failed job:
 - never a resubmission that can not start: when the partition has fewer nodes than the job needs once the
   excluded ones are left out, Slurm would keep it pending forever, so the supervisor stops and says so.
 The resubmission runs the same sbatch script and pickle under a new job id (the scheduler's `resubmit`),
-in the same run directory, so it resumes from the newest checkpoint. Every Slurm call goes through
-hpctrain/scheduler/; every file read or written here is named in hpctrain/records/.
+in the same run directory, so it resumes from the newest checkpoint; the failed job's own requeue is turned
+off first (a dead node would otherwise have Slurm requeue it too: two attempts of one run). Every Slurm call
+goes through hpctrain/scheduler/; every file read or written here is named in hpctrain/records/.
 """
 
 from __future__ import annotations
@@ -26,12 +32,20 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hpctrain.records.failures import read_failures, read_hosts
+from hpctrain.records.failures import (
+    diagnose,
+    last_attempt,
+    read_failures,
+    read_hosts,
+    same_failure,
+)
 from hpctrain.records.jobs import (
     append_attempt,
     append_job,
     read_attempts,
+    read_completed,
     read_jobs,
+    read_report,
     write_report,
 )
 from hpctrain.records.lease import current_lease, superseded
@@ -39,37 +53,13 @@ from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import Scheduler, scheduler_for
 
 
-def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = None
-             ) -> tuple[list[str], dict[str, Any] | None]:
-    """The hosts to blame and the root error (the first record that is not a consequence of a lost peer).
-
-    With no such record, the ranks that left no record at all (killed with their node, or by the kernel)
-    are the suspects; when no rank left one, the whole job was killed from outside (scancel, the OOM killer
-    of a login policy...) and no node is to blame.
-    """
-    own = [r for r in records if not r["peer"]]
-    root = own[0] if own else (records[0] if records else None)
-    hosts = sorted({h for r in own for h in (r.get("blame") or [r["host"]])})
-    if not own and hosts_by_rank:
-        silent = set(range(len(hosts_by_rank))) - {r["rank"] for r in records}
-        if len(silent) < len(hosts_by_rank):
-            hosts = sorted({hosts_by_rank[r] for r in silent})
-    signature = None if root is None else {"type": root["type"], "message": root["message"][:500],
-                                           "step": root["step"], "rank": root["rank"], "host": root["host"]}
-    return hosts, signature
-
-
-def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    return a is not None and b is not None and (a["type"], a["message"], a["step"]) == (
-        b["type"], b["message"], b["step"])
-
-
 def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int) -> dict[str, Any]:
     """Pure decision from the records on disk: {"action": "done"|"stop"|"resubmit", ...}."""
     if exit_code == 0:
         return {"action": "done"}
     attempts = read_attempts(run_dir)
-    hosts, signature = diagnose(read_failures(run_dir, job_id), read_hosts(run_dir, job_id))
+    key = last_attempt(run_dir, job_id)  # after any restarts inside the allocation
+    hosts, signature = diagnose(read_failures(run_dir, key), read_hosts(run_dir, key))
     excluded = sorted(set(hosts).union(*(a.get("excluded", []) for a in attempts)))
     failed_before = [a for a in attempts if a.get("signature")]
     if failed_before and same_failure(failed_before[-1]["signature"], signature):
@@ -104,6 +94,15 @@ def main(argv: list[str]) -> int:
         print(f"hpctrain supervisor: job {job_id} failed, but a later job holds the run "
               f"({current_lease(run_dir).job_id}): not resubmitting", flush=True)
         return exit_code
+    completed = read_completed(run_dir)
+    if exit_code and completed and completed["job_id"] == job_id:  # e.g. srun --no-kill after a lost node
+        print(f"hpctrain supervisor: job {job_id} trained the run to step {completed['step']} (srun exit "
+              f"{exit_code}: a node lost on the way)", flush=True)
+        return 0
+    report = read_report(run_dir)
+    if exit_code and report and report.get("job_id") == job_id:  # its workers stopped a restart loop
+        print(f"hpctrain supervisor: job {job_id} stopped inside the allocation: {report['why']}", flush=True)
+        return exit_code
     decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts))
     if decision["action"] == "done":
         return 0
@@ -125,8 +124,17 @@ def main(argv: list[str]) -> int:
 
 
 def _resubmit(scheduler: Scheduler, run_dir: Path, record: dict[str, Any], exclude: list[str]) -> None:
-    """Submit the failed job again without `exclude`, and record the attempt and the new job."""
+    """Submit the failed job again without `exclude`, and record the attempt and the new job.
+
+    A node that died takes the job into NODE_FAIL a little later, and Slurm would requeue it (`--requeue`)
+    while the resubmission starts: two attempts of one run. The job's own requeue is turned off first, so
+    the resubmission is the only next attempt (the lease would stop the older one, but only at a step).
+    """
     job_id = record["job_id"]
+    if not scheduler.cancel_requeue(job_id):
+        print(f"hpctrain supervisor: job {job_id} failed and will be requeued by the scheduler: not resubmitting",
+              flush=True)
+        return
     new_id = scheduler.resubmit(RunPaths(run_dir).submitit, job_id, exclude)
     append_attempt(run_dir, {**record, "resubmitted_as": new_id})
     append_job(run_dir, new_id, scheduler.name, resubmission_of=job_id, exclude=exclude)

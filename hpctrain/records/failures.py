@@ -64,6 +64,45 @@ def read_hosts(run_dir: Path, job_id: str) -> list[str]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
+def attempt_key(job_id: str, restart: int) -> str:
+    """The records' folder name of one attempt: the job id, then `<job>.<n>` for the n-th restart of its
+    workers inside the allocation (each attempt keeps its own records: a restart must not overwrite them)."""
+    return job_id if restart == 0 else f"{job_id}.{restart}"
+
+
+def last_attempt(run_dir: Path, job_id: str) -> str:
+    """The records' key of the job's last attempt (its last restart inside the allocation)."""
+    restarts = [int(p.name.rpartition(".")[2]) for p in RunPaths(run_dir).failures(job_id).parent.glob(f"{job_id}.*")
+                if p.name.rpartition(".")[2].isdigit()]
+    return attempt_key(job_id, max(restarts, default=0))
+
+
+def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = None
+             ) -> tuple[list[str], dict[str, Any] | None]:
+    """The hosts to blame and the root error (the first record that is not a consequence of a lost peer).
+
+    With no such record, the ranks that left no record at all (killed with their node, or by the kernel)
+    are the suspects; when no rank left one, the whole job was killed from outside (scancel, the OOM killer
+    of a login policy...) and no node is to blame.
+    """
+    own = [r for r in records if not r["peer"]]
+    root = own[0] if own else (records[0] if records else None)
+    hosts = sorted({h for r in own for h in (r.get("blame") or [r["host"]])})
+    if not own and hosts_by_rank:
+        silent = set(range(len(hosts_by_rank))) - {r["rank"] for r in records}
+        if len(silent) < len(hosts_by_rank):
+            hosts = sorted({hosts_by_rank[r] for r in silent})
+    signature = None if root is None else {"type": root["type"], "message": root["message"][:500],
+                                           "step": root["step"], "rank": root["rank"], "host": root["host"]}
+    return hosts, signature
+
+
+def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Two attempts ended with the same error at the same step: a deterministic failure, retrying loops."""
+    return a is not None and b is not None and (a["type"], a["message"], a["step"]) == (
+        b["type"], b["message"], b["step"])
+
+
 def read_failures(run_dir: Path, job_id: str) -> list[dict[str, Any]]:
     directory = RunPaths(run_dir).failures(job_id)
     if not directory.is_dir():

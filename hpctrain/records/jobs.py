@@ -42,8 +42,24 @@ def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     return _read(RunPaths(run_dir).attempts)
 
 
+def write_completed(run_dir: Path, job_id: str, step: int) -> None:
+    """The run reached its last step in this job: whatever srun says after (a node lost on the way with
+    `--no-kill` makes its status non-zero), there is nothing to resubmit."""
+    RunPaths(run_dir).completed.write_text(json.dumps({"job_id": job_id, "step": step, "time": time.time()}))
+
+
+def read_completed(run_dir: Path) -> dict[str, Any] | None:
+    path = RunPaths(run_dir).completed
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_report(run_dir: Path) -> dict[str, Any] | None:
+    path = RunPaths(run_dir).failed
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def write_report(run_dir: Path, record: dict[str, Any]) -> Path:
-    """Why the supervisor stopped: the last job's decision, for the user to read."""
+    """Why the run stopped (the supervisor, or the workers inside the allocation), for the user to read."""
     path = RunPaths(run_dir).failed
     path.write_text(json.dumps(record, indent=1))
     return path

@@ -16,6 +16,7 @@ PLAN_CHART = "plan.png"
 JOBS = "jobs.jsonl"  # one line per job submitted for the run (first submission and resubmissions)
 ATTEMPTS = "attempts.jsonl"  # one line per failed job the supervisor resubmitted
 FAILED = "FAILED.json"  # why the supervisor stopped resubmitting
+COMPLETED = "COMPLETED.json"  # the job whose ranks trained the run to its last step
 FAILURES = "failures"  # failures/<job>/rank<R>.json, and the job's host map
 HOSTS = "hosts.json"
 HANGS = "hangs"  # hangs/<job>/: the watchdog's stacks and flight-recorder dumps
@@ -46,6 +47,7 @@ class RunPaths:
     jobs = _entry(JOBS)
     attempts = _entry(ATTEMPTS)
     failed = _entry(FAILED)
+    completed = _entry(COMPLETED)
     faults = _entry(FAULTS)
     metrics = _entry(METRICS)
     events = _entry(EVENTS)

@@ -26,7 +26,11 @@ class JobSpec:
     name: str
     folder: Path  # submitit's folder: batch scripts, pickles, task logs
     nodes: int
-    tasks_per_node: int
+    tasks_per_node: int  # one per rank, or one per node (an elastic agent starts the node's ranks)
+    gpus_per_node: int = 0  # GPUs the job asks each node for (0: a CPU job)
+    cpus_per_task: int = 1
+    # Keep the job and its tasks running when one of its nodes dies (the others go on without it).
+    survive_node_loss: bool = False
     # Run once after the tasks end, with the job id and the tasks' exit status appended as its last two
     # arguments (the supervisor). A backend without a batch script has no "after" and ignores it.
     after: tuple[str, ...] = ()
@@ -54,6 +58,10 @@ class Scheduler(ABC):
     @abstractmethod
     def resubmit(self, folder: Path, job_id: str, exclude: list[str]) -> str:
         """Submit a finished job again (same script, same pickle) without `exclude`; the new job id."""
+
+    @abstractmethod
+    def cancel_requeue(self, job_id: str) -> bool:
+        """Make sure the batch system will not requeue this (failing) job by itself; False if it can't."""
 
     # The tasks.
     @abstractmethod

@@ -23,13 +23,13 @@ log = logging.getLogger(__name__)
 
 
 def local_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
-    """submitit's local executor parameters. With `cluster.gpu_type` a GPU, each task gets one GPU: submitit
+    """submitit's local executor parameters. With `cluster.gpu_type` a GPU, the job gets its GPUs: submitit
     sets CUDA_VISIBLE_DEVICES to the GPUs requested, and to nothing when none are, so without `gpus_per_node`
     a GPU workstation would train on its CPUs (the checks warn when GPUs are visible and gpu_type=cpu)."""
     params: dict[str, Any] = {"tasks_per_node": job.tasks_per_node, "nodes": 1, "timeout_min": cluster.time_min,
                               "signal_delay_s": cluster.signal_delay_s}
-    if cluster.gpu_type != "cpu":
-        params["gpus_per_node"] = job.tasks_per_node
+    if job.gpus_per_node:
+        params["gpus_per_node"] = job.gpus_per_node
     return params
 
 
@@ -51,6 +51,9 @@ class LocalScheduler(Scheduler):
 
     def resubmit(self, folder: Path, job_id: str, exclude: list[str]) -> str:
         raise NotImplementedError("the local executor has no queue to resubmit a job to")
+
+    def cancel_requeue(self, job_id: str) -> bool:
+        return True  # nothing requeues a local job
 
     def requeue_self(self) -> bool:
         return False

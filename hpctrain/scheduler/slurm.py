@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -35,7 +36,7 @@ def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
         "job_name": job.name,
         "nodes": job.nodes,
         "ntasks_per_node": job.tasks_per_node,
-        "cpus_per_task": c.cpus_per_task,
+        "cpus_per_task": job.cpus_per_task,
         "time": c.time_min,
         "signal_delay_s": c.signal_delay_s,
         "setup": list(c.setup),
@@ -44,8 +45,8 @@ def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
     }
     if job.after:  # `$?` is srun's exit code on the line right after it
         params["teardown"] = [" ".join([*map(shlex.quote, job.after), "$SLURM_JOB_ID $?"])]
-    if c.gpu_type != "cpu":
-        params["gpus_per_node"] = job.tasks_per_node
+    if job.gpus_per_node:
+        params["gpus_per_node"] = job.gpus_per_node
     if c.mem_gb > 0:
         params["mem"] = f"{c.mem_gb}GB"
     elif c.exclusive:
@@ -59,6 +60,9 @@ def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if c.requeue:
         extra["requeue"] = True
+    if job.survive_node_loss:  # neither the job nor the step ends when a node dies
+        extra["no_kill"] = True
+        params["srun_args"].append("--no-kill")
     extra.update(dict(c.sbatch_extra))
     if extra:
         params["additional_parameters"] = extra
@@ -108,6 +112,18 @@ class SlurmScheduler(Scheduler):
         shutil.copy(script, folder / f"{new_id}_submission.sh")
         _run(["scontrol", "release", new_id], check=True)
         return new_id
+
+    def cancel_requeue(self, job_id: str) -> bool:
+        """`Requeue=0` on the running job, so a NODE_FAIL that follows does not put it back in the queue; False
+        when that failed or came too late: slurmctld requeued the job already (its restart count went past the
+        one this batch script runs as; seen on the dev cluster 0.3 s before the update)."""
+        result = _run(["scontrol", "update", f"jobid={job_id}", "requeue=0"])
+        if result.returncode:
+            log.error("scontrol update jobid=%s requeue=0 failed: %s", job_id, result.stderr.strip())
+            return False
+        shown = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+        restarts = re.search(r"\bRestarts=(\d+)", shown)
+        return restarts is not None and int(restarts.group(1)) <= int(os.environ.get("SLURM_RESTART_COUNT", 0))
 
     def requeue_self(self) -> bool:
         env = os.environ

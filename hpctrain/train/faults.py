@@ -1,7 +1,8 @@
 """Deliberate faults for testing recovery end to end (a rank that raises, hangs or dies at a given step).
 
 Set in the task environment, e.g. `+cluster.env.HPCTRAIN_INJECT_FAULT=raise:step=15:rank=1`; kinds are
-`raise`, `exit` (os._exit(1), like a segfault) and `hang` (sleeps forever, for the watchdog). A trailing
+`raise`, `exit` (os._exit(1), like a segfault), `kill` (SIGKILL, like the OOM killer) and `hang` (sleeps
+forever, for the watchdog). A trailing
 `:once` fires only in the first attempt of the run (a marker in the run directory), so a resubmission
 succeeds. Unset, nothing happens.
 """
@@ -9,6 +10,7 @@ succeeds. Unset, nothing happens.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 from hpctrain.records.paths import RunPaths
 
 VARIABLE = "HPCTRAIN_INJECT_FAULT"
+KINDS = ("raise", "exit", "kill", "hang")
 
 
 class InjectedFault(RuntimeError):
@@ -37,8 +40,8 @@ class Fault:
         kind, *fields = spec.split(":")
         once = "once" in fields
         values = dict(f.split("=", 1) for f in fields if f != "once")
-        if kind not in ("raise", "exit", "hang"):
-            raise ValueError(f"{VARIABLE}={spec!r}: kind must be raise, exit or hang")
+        if kind not in KINDS:
+            raise ValueError(f"{VARIABLE}={spec!r}: kind must be one of {', '.join(KINDS)}")
         return cls(kind, int(values["step"]), int(values.get("rank", 0)), once)
 
     def maybe_fire(self, step: int, rank: int, run_dir: Path) -> None:
@@ -54,5 +57,7 @@ class Fault:
             raise InjectedFault(f"injected fault at step {step} on rank {rank}")
         if self.kind == "exit":
             os._exit(1)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         while True:
             time.sleep(60)

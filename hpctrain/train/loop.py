@@ -6,6 +6,7 @@ steps (data, step, metrics, periodic save) -> tracking. Nothing here imports the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -19,21 +20,36 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hpctrain.checkpoint.manager import CheckpointManager
-from hpctrain.config.layout import Layout, resolve_layout
+from hpctrain.config.layout import Layout, layout_on_nodes, resolve_layout
 from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config
 from hpctrain.data.sampler import SampleIndex, micro_batches, step_samples
 from hpctrain.data.sources import open_tokens
-from hpctrain.distributed.environment import discover, init_distributed, shutdown, task_device
+from hpctrain.distributed.environment import (
+    DistEnv,
+    discover,
+    init_distributed,
+    shutdown,
+    task_device,
+)
 from hpctrain.distributed.task_env import task_environment
 from hpctrain.health.monitor import RunMonitor
 from hpctrain.health.preflight import UnhealthyNodes, run_preflight
 from hpctrain.health.watchdog import Watchdog
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.precision import configure_device_math
-from hpctrain.tracking.tracker import Tracker
-from hpctrain.records.failures import record_failure, record_hosts
+from hpctrain.records.failures import (
+    attempt_key,
+    diagnose,
+    read_failures,
+    read_hosts,
+    record_failure,
+    record_hosts,
+    same_failure,
+)
 from hpctrain.records.fingerprint import fingerprint_of
+from hpctrain.records.jobs import write_completed, write_report
 from hpctrain.records.lease import StaleAttempt, current_lease, holds, take_lease
+from hpctrain.tracking.tracker import Tracker
 from hpctrain.train.control import StepControl
 from hpctrain.train.faults import Fault
 from hpctrain.train.preemption import (
@@ -54,9 +70,12 @@ def load_config(config: dict[str, Any]) -> Any:
     return OmegaConf.merge(OmegaConf.structured(Config), config)
 
 
-def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None) -> dict[str, Any]:
+def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None,
+          process_started: float | None = None) -> dict[str, Any]:
     """One task's whole run. `layout` is the one the login node resolved and checked (tools and tests that
-    call this directly may leave it to be resolved here from the same config)."""
+    call this directly may leave it to be resolved here from the same config). `process_started`: when the
+    process began (an elastic worker's), the first mark of the attempt's start-up timeline."""
+    timeline = {"process_started": process_started or time.time(), "imported": time.time()}
     cfg = load_config(config)
     layout = layout or resolve_layout(cfg)
     os.environ.update(task_environment(cfg))
@@ -65,16 +84,31 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None) ->
     device = task_device(env.local_rank)
     if device.type == "cuda":  # NCCL reads these when its communicators start: set them before
         os.environ.update(node_nccl_environment(cfg, env.local_rank))
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,  # a forked worker: the agent's too
                         format=f"[rank{env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("submitit").propagate = False  # submitit prints its own lines already
-    log.info("task rank %d/%d local %d on %s (job %s), rendezvous %s:%d", env.rank, env.world_size,
-             env.local_rank, env.hostname, env.job_id, env.master_addr, env.master_port)
+    log.info("task rank %d/%d local %d on %s (job %s, restart %d), rendezvous %s:%d", env.rank, env.world_size,
+             env.local_rank, env.hostname, env.job_id, env.restart, env.master_addr, env.master_port)
+    if env.world_size != layout.world_size:  # the agents went on without lost nodes (elastic.min_nodes)
+        smaller = layout_on_nodes(cfg, env.num_nodes)
+        log.warning("running on %d of %d nodes: DP %d -> %d, gradient accumulation %d -> %d (global batch %d)",
+                    env.num_nodes, layout.nodes, layout.dp, smaller.dp, layout.grad_accum, smaller.grad_accum,
+                    smaller.global_batch)
+        layout = smaller
     init_distributed(env, device, timeout_s=cfg.launcher.collective_timeout_s)
+    env = agree_on_restart(env)
+    timeline["joined"] = time.time()
+    repeated = repeated_failure(Path(run_dir), env)
+    if repeated:  # every rank reads the same records: all stop together
+        log.error("rank %d: not starting restart %d: %s", env.rank, env.restart, repeated["why"])
+        if env.is_main:
+            write_report(Path(run_dir), repeated)
+        shutdown()
+        return {"rank": env.rank, "stopped": repeated["why"]}
     try:
-        return _train(cfg, layout, Path(run_dir), env)
+        return _train(cfg, layout, Path(run_dir), env, timeline)
     except UnhealthyNodes as exc:  # the supervisor resubmits without the nodes named here
-        record_failure(Path(run_dir), env.job_id, env.rank, 0, exc, peer=False, blame=exc.hosts)
+        record_failure(Path(run_dir), env.attempt, env.rank, 0, exc, peer=False, blame=exc.hosts)
         raise
     except StaleAttempt as exc:  # ends cleanly (exit 0): the newer attempt carries the run on
         log.warning("rank %d: %s; this attempt stops without writing", env.rank, exc)
@@ -83,11 +117,39 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None) ->
         shutdown()
 
 
+def agree_on_restart(env: DistEnv) -> DistEnv:
+    """The job's restart number, the same on every rank: each agent counts its own restarts, and a hot spare
+    that just took a dead node's place starts at 0 where the others are at 1 or more. One all-reduce (MAX)
+    of one CPU number on the default group's gloo backend, once per attempt."""
+    if not dist.is_initialized() or env.world_size == 1:
+        return env
+    count = torch.tensor([env.restart], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return dataclasses.replace(env, restart=int(count.item()))
+
+
+def repeated_failure(run_dir: Path, env: Any) -> dict[str, Any] | None:
+    """The report that stops a restart loop inside the allocation: the two attempts before this restart
+    ended with the same error at the same step (a deterministic failure); None when this restart may run."""
+    if env.restart < 2:
+        return None
+    sigs = [diagnose(read_failures(run_dir, key), read_hosts(run_dir, key))[1]
+            for key in (attempt_key(env.job_id, env.restart - 2), attempt_key(env.job_id, env.restart - 1))]
+    if not same_failure(*sigs):
+        return None
+    sig = sigs[1]
+    return {"job_id": env.job_id, "action": "stop", "time": time.time(), "signature": sig, "restarts": env.restart - 1,
+            "why": f"deterministic failure: the same error at step {sig['step']} on two attempts in a row "
+                   f"({sig['type']}: {sig['message'][:200]}); restarting would loop. Fix the cause, then resume "
+                   "with run.resume"}
+
+
 class Preempted(Exception):
     """Training stopped at a step boundary on a signal, after a checkpoint; the job was requeued if possible."""
 
 
-def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any) -> dict[str, Any]:
+def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[str, float] | None = None
+           ) -> dict[str, Any]:
     device = task_device(env.local_rank)
     configure_device_math(bool(cfg.precision.tf32), device)
     taken = take_lease(run_dir, env.job_id) if env.is_main else None  # this attempt now holds the run
@@ -95,14 +157,15 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any) -> dict[str, An
     lease = taken or current_lease(run_dir)
     # Started before the pre-flight (whose collectives can hang too), with a limit below the collective
     # timeout: it must fire before NCCL's own watchdog, to leave stacks, the flight recorder and a record.
-    watchdog = Watchdog(run_dir, env.job_id, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
+    watchdog = Watchdog(run_dir, env.attempt, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
                         cfg.health.startup_timeout_s,
                         ceiling_s=cfg.launcher.collective_timeout_s - TIMEOUT_MARGIN_S).start()
-    run_preflight(cfg, env.rank, env.local_rank, env.job_id, run_dir, device)
+    run_preflight(cfg, env.rank, env.local_rank, env.attempt, run_dir, device)
     stop, tracker, stats, done = StopFlag(), None, None, 0
     try:  # from here every error leaves a failure record: start-up (engine, resume) as much as the steps
         monitor = RunMonitor(cfg.health, env.rank, device, hosts)
         engine, ckpt, start_step, consumed = _resume(cfg, layout, run_dir, env, device)
+        timeline = {**(timeline or {}), "resumed": time.time()}
         done = start_step
         data = SampleIndex(open_tokens(cfg.data), cfg.train.seq_len, cfg.train.seed, cfg.data.vocab_size)
         if env.is_main:
@@ -133,12 +196,17 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any) -> dict[str, An
             monitor_out = monitor.after_step(done, step_time, agreed.probes)
             if tracker is not None:
                 reporter.step(tracker, done, consumed, stats, lr, step_time, ckpt.events, monitor_out)
+                if done == start_step + 1:  # how long this attempt took to train again, part by part
+                    tracker.event("attempt", job_id=env.job_id, restart=env.restart, from_step=start_step,
+                                  **timeline, first_step=time.time())
             ckpt.events.clear()
             signum = agreed.signum
             if signum is not None and done < t.max_steps:
                 tracker = _close_tracker(tracker, reason=REASONS[signum], step=done)
                 _stop_for_signal(signum, ckpt, engine, done, consumed, env, device)
         ckpt.finish(done, engine, {"consumed_samples": consumed})
+        if env.is_main and done == t.max_steps:
+            write_completed(run_dir, env.job_id, done)
     except (Preempted, StaleAttempt):
         raise
     except Exception as exc:
@@ -159,7 +227,7 @@ def _record_own_failure(watchdog: Watchdog, run_dir: Path, env: Any, step: int, 
     """This rank's own failure record (the supervisor reads them to exclude nodes and to spot deterministic
     errors); the watchdog stands down first, so it cannot call a failing rank hung."""
     watchdog.stand_down()
-    path = record_failure(run_dir, env.job_id, env.rank, step, exc)
+    path = record_failure(run_dir, env.attempt, env.rank, step, exc)
     log.error("rank %d failed at step %d: %s: %s (record: %s)", env.rank, step, type(exc).__name__, exc, path)
 
 
@@ -215,5 +283,5 @@ def _record_hosts(run_dir: Path, env: Any) -> list[str]:
         hosts = [None] * env.world_size
         dist.all_gather_object(hosts, env.hostname)
     if env.is_main:
-        record_hosts(run_dir, env.job_id, hosts)
+        record_hosts(run_dir, env.attempt, hosts)
     return hosts

@@ -7,6 +7,7 @@ resolved and checked), so unpickling on a compute node needs nothing from the lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hpctrain.config.layout import Layout
@@ -19,6 +20,24 @@ class TrainTask:
     layout: Layout
 
     def __call__(self) -> dict[str, Any]:
-        from hpctrain.train.loop import train
+        launcher = self.config["launcher"]
+        if not launcher["in_allocation"]:
+            from hpctrain.train.loop import train
 
-        return train(self.config, self.run_dir, self.layout)
+            return train(self.config, self.run_dir, self.layout)
+        # This task is its node's agent: it starts the node's workers and restarts them in the allocation.
+        from hpctrain.distributed.elastic import agent_from_submitit, run_agent
+        from hpctrain.records.jobs import read_report
+        from hpctrain.records.paths import RunPaths
+
+        agent = agent_from_submitit(self.layout.nodes, self.layout.gpus_per_node, int(launcher["max_restarts"]),
+                                    int(launcher["rendezvous_timeout_s"]), int(self.config["elastic"]["min_nodes"]))
+        results = run_agent(agent, self)
+        report = read_report(Path(self.run_dir))
+        if report and report.get("job_id") == agent.job_id:  # the workers stopped a restart loop
+            raise RunStopped(f"run stopped: {report['why']} (report: {RunPaths(Path(self.run_dir)).failed})")
+        return {"node": agent.node, "workers": results}
+
+
+class RunStopped(RuntimeError):
+    """The workers found the same failure twice in a row and wrote FAILED.json: the job ends FAILED."""

@@ -79,6 +79,13 @@ BAD = [
      "NCCL's own watchdog would end the ranks of a hang first"),
     ("nccl-timeout-before-startup-limit", ["health.startup_timeout_s=1800"], "launcher.collective_timeout_s",
      "does not outlast health.startup_timeout_s=1800 s"),
+    ("impatient-rendezvous", ["launcher.rendezvous_timeout_s=20"], "launcher.rendezvous_timeout_s",
+     "slow to restart"),
+    ("shrink-breaks-the-batch", ["cluster=dev", "cluster.nodes=3", "train.global_batch=24", "train.micro_batch=4",
+                                 "elastic.min_nodes=1"], "elastic.min_nodes", "on 2 of 3 nodes the run does not fit"),
+    ("shrink-without-agents", ["elastic.min_nodes=1", "launcher.in_allocation=false"], "elastic.min_nodes",
+     "shrinking happens inside the allocation"),
+    ("spare-on-one-machine", ["cluster.spare_nodes=1"], "cluster.spare_nodes", "no node to spare"),
     ("busy-policy", ["checkpoint.when_busy=queue"], "checkpoint.when_busy", "skip or wait"),
     ("resume-unknown-run", ["run.resume=no-such-run"], "run.resume", "no run 'no-such-run' found"),
 ]

@@ -38,8 +38,9 @@ def test_sbatch_matches_golden(compose_cfg, name: str) -> None:
 
 
 def test_golden_175b_has_the_reference_resources() -> None:
+    """One task per node, the node's elastic agent, with the node's 8 GPUs and its CPUs (8 ranks x 12)."""
     text = (GOLDEN / "175b.sbatch").read_text()
-    for line in ("--nodes=512", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR2@120", "--requeue",
-                 "--exclusive"):
+    for line in ("--nodes=512", "--ntasks-per-node=1", "--gpus-per-node=8", "--cpus-per-task=96", "--signal=USR2@120",
+                 "--requeue", "--exclusive"):
         assert f"#SBATCH {line}\n" in text
     assert "srun --unbuffered" in text and "submitit.core._submit" in text

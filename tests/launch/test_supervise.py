@@ -81,3 +81,35 @@ def test_a_resubmission_that_can_never_start_is_refused() -> None:
     why = cannot_fit(nodes, ["n1", "n2"], 3, "debug")
     assert why and "debug has 4 node(s)" in why and "only 2 remain" in why and "needs 3 (cluster.nodes)" in why
     assert cannot_fit(nodes, ["n9"], 4, None) is None  # a node outside the partition takes nothing from it
+
+
+def test_restarts_inside_the_allocation_keep_their_own_records(tmp_path: Path) -> None:
+    """Each restart of the workers in a job writes under `<job>.<n>`; the supervisor decides from the last."""
+    from hpctrain.records.failures import attempt_key, last_attempt
+
+    assert [attempt_key("9", n) for n in (0, 1, 12)] == ["9", "9.1", "9.12"]
+    assert last_attempt(tmp_path, "9") == "9"
+    fail(tmp_path, "9", 0, 5, OSError("disk full"))
+    fail(tmp_path, "9.1", 1, 8, OSError("disk full"))
+    fail(tmp_path, "9.12", 1, 11, ValueError("bad shape"))
+    fail(tmp_path, "99", 1, 3, ValueError("another job"))
+    assert last_attempt(tmp_path, "9") == "9.12"
+    d = decide(tmp_path, "9", 1, 3)
+    assert d["signature"]["step"] == 11 and d["signature"]["type"] == "ValueError"
+
+
+def test_a_restart_loop_the_workers_stopped_is_not_resubmitted(tmp_path: Path, capsys) -> None:
+    """The workers wrote FAILED.json for this job (the same failure twice in the allocation): no resubmission,
+    not even a call to the scheduler (the local executor could not resubmit anyway)."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.config.schema import Config
+    from hpctrain.launch.supervise import main
+    from hpctrain.records.jobs import append_job, write_report
+
+    OmegaConf.save(OmegaConf.structured(Config), tmp_path / "config.yaml")
+    append_job(tmp_path, "5", "slurm")
+    write_report(tmp_path, {"job_id": "5", "action": "stop", "why": "deterministic failure: the same error"})
+    assert main([str(tmp_path), "5", "1"]) == 1
+    assert "stopped inside the allocation: deterministic failure" in capsys.readouterr().out
+    assert not (tmp_path / ATTEMPTS).exists()

@@ -1,5 +1,6 @@
 """hpctrain on the real multi-node Slurm dev cluster: training, USR2 and preemption requeues with exact resume,
-a node going down, and a deterministic failure that must not loop.
+a crashed rank restarted inside the allocation, a node dying (with agents and with resubmission), and a
+deterministic failure that must not loop.
 
 Each test submits with `python -m hpctrain ... cluster=dev` (which returns right after submission) and then
 watches the job through sacct and the run directory, as a user would.
@@ -23,7 +24,8 @@ from tests.conftest import run_hpctrain
 
 pytestmark = [pytest.mark.slurm]
 
-COMMON = ["+experiment=smoke", "cluster=dev", "train.max_steps=150", "optim.warmup_steps=5",
+STEPS = 100
+COMMON = ["+experiment=smoke", "cluster=dev", f"train.max_steps={STEPS}", "optim.warmup_steps=5",
           "train.log_every=10", "checkpoint.when_busy=wait"]
 
 
@@ -111,12 +113,12 @@ def test_two_nodes_two_tasks_train_to_completion(reference: Path) -> None:
     ranks = re.findall(r"task rank (\d)/4 local \d on (\S+) ", logs)
     assert {r for r, _ in ranks} == {"0", "1", "2", "3"}
     assert len({host for _, host in ranks}) == 2
-    assert last_step(reference) == 150 and losses(reference)[150] < losses(reference)[1]
+    assert last_step(reference) == STEPS and losses(reference)[STEPS] < losses(reference)[1]
 
 
 def assert_exact_continuation(run_dir: Path, reference: Path) -> None:
     a, b = losses(reference), losses(run_dir)
-    assert all(a[s] == b[s] for s in range(1, 151)), [(s, a[s], b[s]) for s in range(1, 151) if a[s] != b[s]][:5]
+    assert all(a[s] == b[s] for s in range(1, STEPS + 1)), [(s, a[s], b[s]) for s in range(1, STEPS + 1) if a[s] != b[s]][:5]
     wa, wb = final_weights(reference), final_weights(run_dir)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -137,9 +139,10 @@ def test_usr2_saves_requeues_and_resumes_exactly(slurm_cluster: Any, reference: 
     runs = [run_info(p) for p in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))]
     assert len(runs) == 2 and {r["run_id"] for r in runs} == {"usr2"}
     steps = [[h["_step"] for h in r["history"] if "loss" in h] for r in runs]
-    assert steps[0] == list(range(1, saved + 1)) and steps[1] == list(range(saved + 1, 151))
+    assert steps[0] == list(range(1, saved + 1)) and steps[1] == list(range(saved + 1, STEPS + 1))
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["stop", "resume"] and events[1]["tier"] == "ram"
+    # each attempt says when it trained again ("attempt"); the requeue's resume read the RAM tier
+    assert [e["event"] for e in events] == ["attempt", "stop", "resume", "attempt"] and events[2]["tier"] == "ram"
 
 
 @pytest.mark.timeout(400)
@@ -158,9 +161,10 @@ def test_partition_preemption_requeues_and_resumes_exactly(slurm_cluster: Any, r
     assert_exact_continuation(run_dir, reference)
 
 
-def running_with_victim(slurm_cluster: Any, tmp_path: Path, run_id: str) -> tuple[str, Path, str, int]:
+def running_with_victim(slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str
+                        ) -> tuple[str, Path, str, int]:
     """A run that has trained 20 steps, the last node of its job (to fail) and the step it reached."""
-    job, run_dir = submit(slurm_cluster, tmp_path, run_id)
+    job, run_dir = submit(slurm_cluster, tmp_path, run_id, *overrides)
     wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
     node = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
     victim = slurm_cluster.run("scontrol", "show", "hostnames", node).stdout.split()[-1]
@@ -168,25 +172,32 @@ def running_with_victim(slurm_cluster: Any, tmp_path: Path, run_id: str) -> tupl
 
 
 @pytest.mark.timeout(400)
-def test_node_down_requeues_elsewhere_and_redoes_at_most_one_interval(slurm_cluster: Any, tmp_path: Path) -> None:
-    job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "nodedown")
-    slurm_cluster.run("scontrol", "update", f"nodename={victim}", "state=down", "reason=hpctrain-test")
-    try:
-        states = wait_done(slurm_cluster, run_dir)
-        nodes_after = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", job).stdout.strip()
-    finally:
-        slurm_cluster.run("scontrol", "update", f"nodename={victim}", "state=resume", check=False)
-    assert states == {job: "COMPLETED"}, states
-    assert victim not in slurm_cluster.run("scontrol", "show", "hostnames", nodes_after).stdout.split()
-    steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
-    redone = len(steps) - len(set(steps))
-    assert steps[-1] == 150 and redone <= 10 + (before - before // 10 * 10), (redone, before)
+def test_a_crashed_rank_is_restarted_inside_the_allocation_exactly(slurm_cluster: Any, reference: Path,
+                                                                   tmp_path: Path) -> None:
+    """Rank 3 (second node) raises at step 15: the agents restart all four workers in the same job (no
+    sbatch, no requeue), from the RAM tier's step 10, and the run ends as the uninterrupted one. The job's
+    hot spare stays out (every node is alive) and leaves when the run ends."""
+    job, run_dir = submit(slurm_cluster, tmp_path, "crash", "cluster.spare_nodes=1",
+                          "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3:once'")
+    states = wait_done(slurm_cluster, run_dir)
+    assert states == {job: "COMPLETED"} and restarts(slurm_cluster, job) == 0, states
+    logs = (run_dir / "submitit" / f"{job}_0_log.out").read_text()
+    assert "restart 1" in logs and "resuming at step 10" in logs
+    spare = (run_dir / "submitit" / f"{job}_2_log.err").read_text()  # its nodes were all alive: it stayed out
+    assert "hot spare, waiting" in spare and "takes slot" not in spare
+    assert_exact_continuation(run_dir, reference)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    attempt = [e for e in events if e["event"] == "attempt" and e["restart"] == 1]
+    failed_at = min(json.loads(p.read_text())["time"] for p in (run_dir / "failures" / job).glob("rank*.json"))
+    assert attempt and attempt[0]["first_step"] - failed_at < 60  # seconds, not a trip through the queue
 
 
 @pytest.mark.timeout(500)
 def test_a_deterministic_failure_is_retried_once_then_reported(slurm_cluster: Any, tmp_path: Path) -> None:
+    """One task per rank (launcher.in_allocation=false): the supervisor resubmits without the failed node,
+    once; the same error at the same step again stops the run (inside the allocation: tests/e2e)."""
     job, run_dir = submit(slurm_cluster, tmp_path, "broken", "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3'",
-                          "launcher.max_restarts=3")
+                          "launcher.max_restarts=3", "launcher.in_allocation=false")
     report = wait_for("the failure report", lambda: (run_dir / "FAILED.json").exists(), 300, every=2)
     assert report
     states = wait_done(slurm_cluster, run_dir)
@@ -221,22 +232,84 @@ def test_a_sweep_submits_one_job_per_point_and_returns(slurm_cluster: Any, tmp_p
     assert len({i["run_id"] for i in infos}) == 3 and len({i["group"] for i in infos}) == 1
 
 
-@pytest.mark.timeout(500)
-def test_a_node_that_dies_is_left_out_and_the_run_finishes(slurm_cluster: Any, tmp_path: Path) -> None:
-    job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "nodedeath")
+def kill_node_until_done(slurm_cluster: Any, run_dir: Path, job: str, victim: str) -> tuple[dict[str, str], int]:
+    """Kill a whole node (slurmd and every process in its namespace), wait for the run to finish, bring the
+    node back; the run's job states and how often Slurm requeued `job`."""
     subprocess.run(["bash", str(slurm_cluster.script), "kill-node", victim], check=True, capture_output=True)
     try:
-        def done() -> dict[str, str] | None:
-            states = job_states(slurm_cluster, run_dir)
-            return states if last_step(run_dir) == 150 and finished(slurm_cluster, run_dir) else None
-
-        states = wait_for("the run to finish without the dead node", done, 400, every=2)
+        states = wait_for(f"the run to finish without {victim}",
+                          lambda: last_step(run_dir) == STEPS and finished(slurm_cluster, run_dir)
+                          and job_states(slurm_cluster, run_dir), 400, every=2)
+        return states, restarts(slurm_cluster, job)
     finally:
         subprocess.run(["bash", str(slurm_cluster.script), "revive-node", victim], capture_output=True)
-    assert "COMPLETED" in states.values(), states
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("in_allocation", [True, False], ids=["agents", "resubmission"])
+def test_a_node_that_dies_is_left_out_and_the_run_finishes_once(slurm_cluster: Any, tmp_path: Path,
+                                                                in_allocation: bool) -> None:
+    """A whole node dies (slurmd and every process in its namespace). With agents, Slurm requeues the job for
+    NODE_FAIL onto the other nodes; with one task per rank, the supervisor resubmits it without the node and
+    first turns Slurm's own requeue off, or leaves the job to Slurm when slurmctld requeued it first. Either
+    way exactly one attempt trains at a time (issue 14: both did), and the run finishes."""
+    job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "nodedeath",
+                                                       f"launcher.in_allocation={in_allocation}")
+    states, requeued = kill_node_until_done(slurm_cluster, run_dir, job, victim)
     last_job = list(states)[-1]
+    assert states[last_job] == "COMPLETED", states
+    if in_allocation:
+        assert list(states) == [job] and requeued == 1, (states, requeued)  # the same job, requeued by Slurm
+    else:  # whoever is first: the supervisor (it turns Slurm's requeue off) or slurmctld (the supervisor sees it)
+        resubmitted = len(states) == 2 and requeued == 0
+        assert resubmitted or (list(states) == [job] and requeued == 1), (states, requeued)
     assert victim not in slurm_cluster.run("scontrol", "show", "hostnames", slurm_cluster.run(
         "sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", last_job).stdout.strip()).stdout.split()
     steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
-    redone = len(steps) - len(set(steps))
-    assert redone <= 10 + (before - before // 10 * 10) + 5, (redone, before)
+    # One attempt after the other: the first ran to where the node died, the second from a checkpoint on.
+    second = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[:second] == list(range(1, second + 1)) and steps[second:] == list(range(steps[second], STEPS + 1))
+    assert steps[second] - 1 in range(0, STEPS, 10) and second - steps[second] + 1 <= 10 + 5, (second, steps[second])
+
+
+@pytest.mark.timeout(500)
+def test_without_a_spare_the_run_shrinks_to_min_nodes_with_the_same_batch(slurm_cluster: Any, reference: Path,
+                                                                           tmp_path: Path) -> None:
+    """elastic.min_nodes=1: a node dies and the agent left goes on alone in the same job (sbatch and srun
+    --no-kill): DP 4 -> 2, gradient accumulation 1 -> 2, so every step still trains on the same 16 samples."""
+    job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "shrink", "elastic.min_nodes=1")
+    states, requeued = kill_node_until_done(slurm_cluster, run_dir, job, victim)
+    assert states == {job: "COMPLETED"} and requeued == 0, (states, requeued)
+    logs = (run_dir / "submitit" / f"{job}_0_log.out").read_text()
+    assert "running on 1 of 2 nodes: DP 4 -> 2, gradient accumulation 1 -> 2 (global batch 16)" in logs
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["consumed_samples"] == 16 * r["step"] for r in rows)  # the samples of each step: unchanged
+    steps = [r["step"] for r in rows]
+    second = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[second:] == list(range(steps[second], STEPS + 1)) and steps[second] - 1 in range(0, STEPS, 10)
+    ref, got = losses(reference), losses(run_dir)
+    assert all(got[s] == ref[s] for s in range(1, steps[second]))  # before the loss: the same run
+    assert abs(got[STEPS] - ref[STEPS]) < 0.05 * ref[STEPS]  # after: other reduction order, the same samples
+
+
+@pytest.mark.timeout(500)
+def test_a_hot_spare_takes_a_dead_nodes_place_in_the_same_job(slurm_cluster: Any, reference: Path,
+                                                              tmp_path: Path) -> None:
+    """cluster.spare_nodes=1: the job has 3 nodes, 2 train. The second dies (slurmd and every process): the
+    spare claims its slot, joins the rendezvous, and the run goes on at the same size in the same job, ending
+    bit-identical to the uninterrupted run."""
+    job, run_dir = submit(slurm_cluster, tmp_path, "spare", "cluster.spare_nodes=1")
+    wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
+    nodes = slurm_cluster.run("scontrol", "show", "hostnames", slurm_cluster.run(
+        "squeue", "-h", "-j", job, "-o", "%N").stdout.strip()).stdout.split()
+    victim, spare = nodes[1], nodes[2]
+    killed = time.time()
+    states, requeued = kill_node_until_done(slurm_cluster, run_dir, job, victim)
+    assert states == {job: "COMPLETED"} and requeued == 0, (states, requeued)
+    assert "takes slot 1" in (run_dir / "submitit" / f"{job}_2_log.err").read_text()
+    hosts = json.loads((run_dir / "failures" / f"{job}.1" / "hosts.json").read_text())
+    assert victim not in hosts and spare in hosts and len(hosts) == 4
+    assert_exact_continuation(run_dir, reference)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    back = next(e for e in events if e["event"] == "attempt" and e["restart"] >= 1)
+    assert back["first_step"] - killed < 30, back["first_step"] - killed  # the issue's bound for a node death

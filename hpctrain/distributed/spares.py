@@ -1,0 +1,103 @@
+"""Hot spare nodes: agents that wait outside the rendezvous until a node of the job is gone.
+
+A spare agent cannot simply wait in torch's rendezvous: the running agents see a node waiting and restart
+every worker to admit it, about every second, for ever (measured here, shared/facts/in-allocation-restart.md).
+So the job's nodes are `slots` (cluster.nodes of them) and every agent that holds one beats a counter in the
+rendezvous store (the TCP store node 0's agent hosts for torch's c10d rendezvous, under keys of its own).
+A spare watches the counters; when one stops moving for `VACANT_S` (the node died with its agent), the spare
+claims the slot with one compare-and-set (two spares never take the same one), beats for it, and only then
+joins the rendezvous, where the surviving agents wait for the job's node count. When the run ends, its
+agents say so in the store and the spares that were never needed leave.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 0.5  # how often a slot's holder moves its counter
+VACANT_S = 3.0  # a counter that has not moved for this long: its node is gone
+POLL_S = 0.25
+
+
+def _key(job_id: str, *parts: object) -> str:
+    return "/".join(["hpctrain", job_id, *map(str, parts)])
+
+
+def connect(host: str, port: int, timeout_s: float) -> Any:
+    """A client of the rendezvous store (waits up to `timeout_s` for node 0's agent to open it)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                    wait_for_workers=False)
+
+
+class Heartbeat:
+    """The holder of a slot moves its counter every BEAT_S, in a thread of its own (its own store client)."""
+
+    def __init__(self, host: str, port: int, job_id: str, slot: int, node: int, timeout_s: float) -> None:
+        self.args = (host, port, timeout_s)
+        self.key = _key(job_id, "alive", slot)
+        self.node = node
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="hpctrain-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _beat(self) -> None:
+        try:
+            store = connect(*self.args)
+            count = 0
+            while not self._stop.is_set():
+                store.set(self.key, f"{self.node}:{count}")
+                count += 1
+                self._stop.wait(BEAT_S)
+        except Exception as exc:  # the store went away with node 0: the job is ending
+            log.info("heartbeat stopped: %s", exc)
+
+
+def announce_end(store: Any, job_id: str) -> None:
+    """The run is over (done or given up): spares that were never needed leave."""
+    store.set(_key(job_id, "ended"), "1")
+
+
+def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int) -> int | None:
+    """As spare `node`: the slot whose holder died and that this spare claimed, or None when the run ended."""
+    seen: dict[int, tuple[str, float]] = {}
+    while True:
+        try:
+            if store.check([_key(job_id, "ended")]):
+                return None
+            now = time.monotonic()
+            for slot in range(slots):
+                key = _key(job_id, "alive", slot)
+                if not store.check([key]):
+                    continue  # its holder has not started yet
+                value = store.get(key).decode()
+                if slot not in seen or seen[slot][0] != value:
+                    seen[slot] = (value, now)
+                elif now - seen[slot][1] > VACANT_S and _claim(store, job_id, slot, value, node):
+                    log.warning("spare node %d takes slot %d (its holder stopped beating %.1f s ago)", node, slot,
+                                now - seen[slot][1])
+                    return slot
+        except Exception as exc:  # the store is gone: node 0's agent ended, and with it the run
+            log.info("spare node %d leaves: %s", node, exc)
+            return None
+        time.sleep(POLL_S)
+
+
+def _claim(store: Any, job_id: str, slot: int, beat: str, node: int) -> bool:
+    """One compare-and-set on the slot's owner: the dead holder (by its last beat) -> this spare."""
+    holder = beat.split(":")[0]
+    expected = "" if holder == str(slot) else holder  # a slot's first holder never wrote an owner
+    return store.compare_set(_key(job_id, "owner", slot), expected, str(node)).decode() == str(node)

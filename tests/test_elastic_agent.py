@@ -1,0 +1,87 @@
+"""The elastic agent's settings and a worker's view of the job (the agents run for real in tests/e2e and
+tests/slurm), and the check that stops a restart loop inside the allocation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain.distributed.elastic import NodeAgent
+from hpctrain.distributed.environment import discover, port_for_job
+from hpctrain.records.failures import record_failure
+from hpctrain.train.loop import repeated_failure
+
+
+def test_the_agents_avoid_the_documented_traps() -> None:
+    """A fixed node count with a 1 s last call (else every rendezvous waits 30 s), node 0 hosts the store,
+    and the rendezvous port is not the one a job without agents uses for its process group."""
+    agent = NodeAgent(job_id="42", node=0, nodes=3, workers=8, store_host="10.0.0.1", max_restarts=3,
+                      join_timeout_s=600)
+    config = agent.launch_config()
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (3, 3, 8, 3)
+    assert config.rdzv_backend == "c10d" and config.run_id == "42"
+    assert config.rdzv_configs["is_host"] and config.rdzv_configs["last_call_timeout"] == 1
+    assert config.rdzv_configs["join_timeout"] == 600
+    assert config.rdzv_endpoint.startswith("10.0.0.1:") and config.rdzv_endpoint != f"10.0.0.1:{port_for_job('42')}"
+    other = NodeAgent(job_id="42", node=2, nodes=3, workers=8, store_host="10.0.0.1", max_restarts=3,
+                      join_timeout_s=600)
+    assert not other.launch_config().rdzv_configs["is_host"] and other.endpoint == agent.endpoint
+
+
+def test_a_worker_reads_its_place_and_its_restart_from_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # the agent's own variables are inherited: ignored
+    for key, value in {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
+                       "MASTER_ADDR": "10.0.0.3", "MASTER_PORT": "4242", "TORCHELASTIC_RESTART_COUNT": "2",
+                       "TORCHELASTIC_RUN_ID": "77", "HPCTRAIN_JOB_ID": "77"}.items():
+        monkeypatch.setenv(key, value)
+    env = discover()
+    assert (env.rank, env.local_rank, env.world_size, env.node_rank, env.num_nodes) == (5, 1, 8, 2, 4)
+    assert (env.master_addr, env.master_port, env.job_id, env.restart, env.attempt) == (
+        "10.0.0.3", 4242, "77", 2, "77.2")
+
+
+def test_the_same_failure_in_two_restarts_in_a_row_stops_the_next(tmp_path: Path) -> None:
+    class Env:
+        job_id = "7"
+
+        def __init__(self, restart: int) -> None:
+            self.restart = restart
+
+    assert repeated_failure(tmp_path, Env(1)) is None  # the first restart always runs
+    record_failure(tmp_path, "7", 1, 15, ValueError("bad shape"))
+    record_failure(tmp_path, "7.1", 1, 12, ValueError("bad shape"))
+    assert repeated_failure(tmp_path, Env(2)) is None  # another step: not deterministic
+    record_failure(tmp_path, "7.2", 1, 12, ValueError("bad shape"))
+    report = repeated_failure(tmp_path, Env(3))
+    assert report and report["job_id"] == "7" and report["restarts"] == 2 and "step 12" in report["why"]
+
+
+def test_a_job_that_may_shrink_lets_the_rendezvous_close_with_fewer_nodes(compose_cfg) -> None:
+    agent = NodeAgent(job_id="42", node=1, nodes=4, workers=2, store_host="h", max_restarts=3, join_timeout_s=600,
+                      min_nodes=2)
+    config = agent.launch_config()
+    assert (config.min_nodes, config.max_nodes) == (2, 4) and config.rdzv_configs["last_call_timeout"] == 3
+
+    from hpctrain.config.layout import layout_on_nodes, resolve_layout
+
+    cfg = compose_cfg("cluster=dev", "cluster.nodes=4", "train.global_batch=32", "train.micro_batch=4")
+    full, half = resolve_layout(cfg), layout_on_nodes(cfg, 2)
+    assert (full.dp, full.grad_accum, half.dp, half.grad_accum) == (8, 1, 4, 2)
+    assert full.global_batch == half.global_batch == 32
+
+
+def test_the_supervisor_leaves_a_completed_run_alone(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """srun --no-kill reports the lost node's task as failed after the others trained the run to its end."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.config.schema import Config
+    from hpctrain.launch.supervise import main
+    from hpctrain.records.jobs import append_job, write_completed
+
+    OmegaConf.save(OmegaConf.structured(Config), tmp_path / "config.yaml")
+    append_job(tmp_path, "5", "slurm")
+    write_completed(tmp_path, "5", 100)
+    assert main([str(tmp_path), "5", "1"]) == 0
+    assert "trained the run to step 100" in capsys.readouterr().out
+    assert not (tmp_path / "attempts.jsonl").exists()
