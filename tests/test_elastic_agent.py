@@ -85,3 +85,14 @@ def test_the_supervisor_leaves_a_completed_run_alone(tmp_path: Path, capsys: pyt
     assert main([str(tmp_path), "5", "1"]) == 0
     assert "trained the run to step 100" in capsys.readouterr().out
     assert not (tmp_path / "attempts.jsonl").exists()
+
+
+def test_a_restart_after_a_condemned_node_leaves_the_allocation(tmp_path: Path) -> None:
+    from hpctrain.records.failures import condemned_hosts, last_attempt
+
+    record_failure(tmp_path, "7", 0, 0, RuntimeError("pre-flight: n2 is slow"), peer=False, blame=["n2"])
+    record_failure(tmp_path, "7", 1, 0, RuntimeError("Connection closed by peer"))
+    assert condemned_hosts(tmp_path, "7", 0) == [] and condemned_hosts(tmp_path, "7", 1) == ["n2"]
+    (tmp_path / "failures" / "7.1").mkdir()  # the restart that left at once: a host map, no records
+    (tmp_path / "failures" / "7.1" / "hosts.json").write_text("[]")
+    assert last_attempt(tmp_path, "7") == "7"  # the supervisor decides from the attempt that failed

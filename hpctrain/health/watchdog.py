@@ -24,6 +24,7 @@ import faulthandler
 import logging
 import os
 import pickle
+import re
 import statistics
 import sys
 import threading
@@ -80,6 +81,16 @@ def _describe(entry: dict[str, Any], now_ns: int) -> str:
     return f"{entry.get('profiling_name')} #{seq} of group {name} ({desc}), enqueued {age:.0f} s ago"
 
 
+def _inner_frames(stack: str) -> list[str]:
+    """The files of the frames hpctrain's innermost frame called (all of them without an hpctrain frame).
+
+    What called the training code does not say where it waits: a worker forked by torch's elastic agent has
+    torch/distributed/elastic frames at the bottom of every stack, a rank asleep in Python included."""
+    files = re.findall(r'File "([^"]+)"', stack)
+    ours = [i for i, f in enumerate(files) if "/hpctrain/" in f]
+    return files[ours[-1] + 1:] if ours else files
+
+
 def decide(trace: dict[str, Any] | None, main_stack: str, backend: str | None, now_ns: int) -> Verdict:
     """Waiting for a peer, or stuck itself, from this rank's flight recorder (parsed `_dump_*_trace` pickle,
     onlyActive or not) and its main thread's stack (rules in the module docstring)."""
@@ -90,7 +101,7 @@ def decide(trace: dict[str, Any] | None, main_stack: str, backend: str | None, n
             return Verdict(True, f"waiting for another rank in {_describe(oldest, now_ns)}; "
                                  f"{len(pending)} collective(s) in flight (flight recorder)")
     nccl = "nccl" in (backend or "")
-    if any(frame in main_stack for frame in (NCCL_BLOCKING_FRAMES if nccl else BLOCKING_FRAMES)):
+    if any(b in frame for frame in _inner_frames(main_stack) for b in (NCCL_BLOCKING_FRAMES if nccl else BLOCKING_FRAMES)):
         return Verdict(True, "waiting for another rank in torch.distributed (main thread's stack)")
     source = "flight recorder and main thread's stack" if recorder_on(trace) else "main thread's stack"
     return Verdict(False, f"stuck outside collectives: nothing in flight ({source})")

@@ -71,10 +71,20 @@ def attempt_key(job_id: str, restart: int) -> str:
 
 
 def last_attempt(run_dir: Path, job_id: str) -> str:
-    """The records' key of the job's last attempt (its last restart inside the allocation)."""
+    """The records' key of the job's last attempt that failed (its last restart inside the allocation with
+    failure records; a restart that left at once, without training, has none)."""
     restarts = [int(p.name.rpartition(".")[2]) for p in RunPaths(run_dir).failures(job_id).parent.glob(f"{job_id}.*")
-                if p.name.rpartition(".")[2].isdigit()]
+                if p.name.rpartition(".")[2].isdigit() and any(p.glob("rank*.json"))]
     return attempt_key(job_id, max(restarts, default=0))
+
+
+def condemned_hosts(run_dir: Path, job_id: str, restart: int) -> list[str]:
+    """Hosts the health checks condemned in the attempt before `restart` (records with `blame`): restarting on
+    the same nodes cannot help, the job must leave the allocation to run without them."""
+    if restart < 1:
+        return []
+    records = read_failures(run_dir, attempt_key(job_id, restart - 1))
+    return sorted({h for r in records for h in (r.get("blame") or [])})
 
 
 def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = None

@@ -39,6 +39,7 @@ from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.precision import configure_device_math
 from hpctrain.records.failures import (
     attempt_key,
+    condemned_hosts,
     diagnose,
     read_failures,
     read_hosts,
@@ -105,6 +106,11 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None,
             write_report(Path(run_dir), repeated)
         shutdown()
         return {"rank": env.rank, "stopped": repeated["why"]}
+    condemned = condemned_hosts(Path(run_dir), env.job_id, env.restart)
+    if condemned:  # the same nodes again cannot pass: leave the allocation, the supervisor excludes them
+        log.error("rank %d: not restarting on %s, condemned by the health checks", env.rank, ",".join(condemned))
+        shutdown()
+        return {"rank": env.rank, "leave": condemned}
     try:
         return _train(cfg, layout, Path(run_dir), env, timeline)
     except UnhealthyNodes as exc:  # the supervisor resubmits without the nodes named here

@@ -36,7 +36,14 @@ class TrainTask:
         report = read_report(Path(self.run_dir))
         if report and report.get("job_id") == agent.job_id:  # the workers stopped a restart loop
             raise RunStopped(f"run stopped: {report['why']} (report: {RunPaths(Path(self.run_dir)).failed})")
+        leave = sorted({h for r in results.values() if isinstance(r, dict) for h in r.get("leave", [])})
+        if leave:  # the job fails, and its supervisor resubmits it without these hosts
+            raise LeaveAllocation(f"the health checks condemned {','.join(leave)}: leaving the allocation")
         return {"node": agent.node, "workers": results}
+
+
+class LeaveAllocation(RuntimeError):
+    """Nodes of the job were condemned (pre-flight, hang blame): restarting on them cannot help."""
 
 
 class RunStopped(RuntimeError):

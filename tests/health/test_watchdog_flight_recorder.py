@@ -129,3 +129,18 @@ def test_a_real_gloo_hang_blames_the_stuck_rank_not_the_waiting_one(tmp_path: Pa
     assert "verdict: waiting for another rank" in (tmp_path / "hangs" / "job1" / "rank0.txt").read_text()
     full = pickle.loads((tmp_path / "hangs" / "job1" / f"gloo{TRACE_SUFFIX}0").read_bytes())  # for post-mortems
     assert [e["collective_seq_id"] for e in full["entries"]] == [1, 2] and "frames" in full["entries"][0]
+
+
+def test_a_forked_workers_outer_torch_frames_do_not_make_it_a_peer() -> None:
+    """An elastic agent's worker has torch/distributed/elastic frames below the training code: only the frames
+    the training code called say whether the rank waits in a collective."""
+    outer = ('  File "/usr/lib/python3.11/multiprocessing/process.py", line 108, in run\n'
+             '  File "/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 611, in _wrap\n'
+             '  File "/work/hpctrain/train/worker.py", line 27, in run_worker\n'
+             '  File "/work/hpctrain/train/loop.py", line 190, in _train\n')
+    asleep = outer + '  File "/work/hpctrain/train/faults.py", line 70, in maybe_fire\n'
+    waiting = outer + ('  File "/work/hpctrain/parallel/engine.py", line 329, in _reduce\n'
+                       '  File "/site-packages/torch/distributed/c10d_logger.py", line 81, in wrapper\n'
+                       '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2900, in all_reduce\n')
+    assert not decide(None, asleep, "gloo", 0).peer
+    assert decide(None, waiting, "gloo", 0).peer
