@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpctrain.distributed import spares
-from hpctrain.distributed.environment import _first_host_address, port_for_job
+from hpctrain.distributed.environment import first_node_address, port_for_job
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,7 @@ def agent_from_submitit(nodes: int, workers: int, max_restarts: int, join_timeou
     import submitit
 
     je = submitit.JobEnvironment()
-    local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
-    return NodeAgent(job_id=str(je.job_id), node=je.node, nodes=nodes, workers=workers,
-                     store_host="127.0.0.1" if local else _first_host_address(je.hostnames[0]),
+    return NodeAgent(job_id=str(je.job_id), node=je.node, nodes=nodes, workers=workers, store_host=first_node_address(je),
                      max_restarts=max_restarts, join_timeout_s=join_timeout_s, min_nodes=min_nodes,
                      spares=je.num_nodes - nodes)
 

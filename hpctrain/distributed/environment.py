@@ -13,12 +13,16 @@ import hashlib
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hpctrain.records.failures import attempt_key
+
+if TYPE_CHECKING:
+    import submitit
 
 PORT_RANGE = (20000, 60000)
 
@@ -76,7 +80,7 @@ def discover() -> DistEnv:
         import submitit
 
         je = submitit.JobEnvironment()
-        master = "127.0.0.1" if os.environ["SUBMITIT_EXECUTOR"] == "local" else _first_host_address(je.hostnames[0])
+        master = first_node_address(je)
         return DistEnv(
             rank=je.global_rank,
             local_rank=je.local_rank,
@@ -90,6 +94,12 @@ def discover() -> DistEnv:
             job_id=str(je.job_id),
         )
     return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", port_for_job(str(os.getpid())), hostname, str(os.getpid()))
+
+
+def first_node_address(je: "submitit.JobEnvironment") -> str:
+    """The job's first node as every node reaches it: its routable address, loopback for the local executor
+    (the process group's rendezvous without agents, the agents' rendezvous store with them)."""
+    return "127.0.0.1" if os.environ.get("SUBMITIT_EXECUTOR") == "local" else _first_host_address(je.hostnames[0])
 
 
 def _first_host_address(host: str) -> str:

@@ -1,6 +1,7 @@
 """Recovery inside the allocation, end to end on the local executor: one elastic agent per node restarts the
-workers when a rank raises or is SIGKILLed, in the same job, from the newest RAM-tier checkpoint, and the run
-ends bit-identical to an uninterrupted one; a failure that repeats stops the run instead of looping."""
+workers when a rank is SIGKILLed (a raise: tests/slurm), in the same job, from the newest RAM-tier
+checkpoint, and the run ends bit-identical to an uninterrupted one; a failure that repeats stops the run
+instead of looping."""
 
 from __future__ import annotations
 
