@@ -34,8 +34,12 @@ class RunDir:
 
 
 def new_run_id() -> str:
-    """Sortable by start time, unique without coordination."""
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    """Sortable by start time, unique without coordination.
+
+    A sweep draws all its ids in the same second, so the random part carries 32 bits: 16 bits gave two
+    of 50 ids in one second the same name about once in 50 draws (the birthday bound).
+    """
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
 
 
 def resolve_run_dir(cfg: DictConfig) -> RunDir:
@@ -43,9 +47,13 @@ def resolve_run_dir(cfg: DictConfig) -> RunDir:
     root = Path(cfg.run.root).expanduser().resolve()
     if cfg.run.resume:
         return _find_existing(root, str(cfg.run.resume))
-    run_id = cfg.run.id or new_run_id()
-    path = root / cfg.run.name / run_id
-    return RunDir(run_id=run_id, path=path, resumed=RunPaths(path).config.exists())
+    if cfg.run.id:
+        path = root / cfg.run.name / str(cfg.run.id)
+        return RunDir(run_id=str(cfg.run.id), path=path, resumed=RunPaths(path).config.exists())
+    run_id = new_run_id()
+    while (root / cfg.run.name / run_id).exists():  # a fresh id never resumes somebody else's run
+        run_id = new_run_id()
+    return RunDir(run_id=run_id, path=root / cfg.run.name / run_id, resumed=False)
 
 
 def _find_existing(root: Path, resume: str) -> RunDir:

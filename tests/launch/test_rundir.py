@@ -11,8 +11,20 @@ from hpctrain.launch.rundir import create_run_dir, new_run_id, resolve_run_dir
 
 
 def test_new_ids_are_unique_and_sortable() -> None:
-    ids = {new_run_id() for _ in range(50)}
-    assert len(ids) == 50
+    ids = [new_run_id() for _ in range(2000)]  # a large sweep draws its ids within a second or two
+    assert len(set(ids)) == len(ids)
+    assert sorted(ids, key=lambda i: i[:15]) == ids  # the time prefix orders them by start
+
+
+def test_a_fresh_id_never_lands_in_an_existing_run(compose_cfg, tmp_path: Path, monkeypatch) -> None:
+    import hpctrain.launch.rundir as rundir
+
+    cfg = compose_cfg(f"run.root={tmp_path}", "run.id=20261130-101500-00000000")
+    taken = create_run_dir(cfg, resolve_run_dir(cfg))
+    draws = iter(["20261130-101500-00000000", "20261130-101500-00000001"])
+    monkeypatch.setattr(rundir, "new_run_id", lambda: next(draws))
+    fresh = resolve_run_dir(compose_cfg(f"run.root={tmp_path}"))
+    assert fresh.run_id == "20261130-101500-00000001" and not fresh.resumed and taken.parent != fresh.path
 
 
 def test_fixed_id_lands_in_the_same_directory(compose_cfg, tmp_path: Path) -> None:
