@@ -99,7 +99,7 @@ def main() -> None:
     engine.step([(x, x)], 1e-4)  # optimizer states exist from here on
     params = sum(p.numel() for p in engine.model.parameters())
 
-    manager = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, args.dir, "bench", 0, 1, 0,
+    manager = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, args.dir, "bench", 0, 1,
                                 {"model": "bench"})
     raw_file = args.dir / "raw.bin"
     saves = measure_saves(args, engine, manager, raw_file)

@@ -64,23 +64,31 @@ def list_files(directory: Path) -> dict[str, int]:
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
-def publish(partial: Path, final: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest last (atomically), then rename the directory into place."""
-    tmp = partial / f".{MANIFEST}.{os.getpid()}"
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Atomically: a reader sees no manifest or a whole one."""
+    tmp = directory / f".{MANIFEST}.{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, partial / MANIFEST)
+    os.replace(tmp, directory / MANIFEST)
+
+
+def publish(partial: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest last, then rename the directory into place."""
+    write_manifest(partial, manifest)
     if final.exists():  # a rerun of the same step (e.g. after a crash between commit and retention)
         shutil.rmtree(final)
     os.rename(partial, final)
 
 
 def verify(ckpt: Committed) -> list[str]:
-    """Problems of a committed checkpoint: files missing or of the wrong size (empty when it is sound)."""
+    """Problems of a committed checkpoint: files missing or of the wrong size (empty when it is sound).
+    A node-local copy holds only its node's files and its peer's (`peers.py`): there, only those are checked."""
     problems = []
+    node_local = ckpt.manifest.get("shared") is False
     for name, size in ckpt.manifest.get("files", {}).items():
         path = ckpt.path / name
         if not path.is_file():
-            problems.append(f"missing {name}")
+            if not node_local or name == ".metadata":
+                problems.append(f"missing {name}")
         elif path.stat().st_size != size:
             problems.append(f"{name}: {path.stat().st_size} bytes, manifest says {size}")
     if ".metadata" not in ckpt.manifest.get("files", {}):

@@ -9,7 +9,9 @@ that interval skipped, not queued.
 Every decision that could differ between ranks (a clock-based interval, whether a background write has
 finished) is agreed at a step boundary with one small all-reduce, so all ranks start, commit and skip the
 same saves. A save is committed (manifest written last, directory renamed) only once every rank's write has
-finished; see `layout.py` for the on-disk protocol.
+finished; see `layout.py` for the on-disk protocol. A node-local tier (RAM, local SSD: not every rank sees the
+same directory) is copied to the next node as part of the save, and read back from peers at resume
+(`peers.py`), so it outlives one lost node.
 
 DCP writes each tensor with torch.save, which by default computes a CRC32 of every record: on CPU that is
 most of the write (a 268 MB tensor: about 0.6-1.1 s with it, 0.2 s without, against 0.2 s for a plain
@@ -23,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -38,7 +39,9 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
+from hpctrain.checkpoint import peers
 from hpctrain.checkpoint.layout import (
+    MANIFEST,
     Committed,
     committed_in,
     list_files,
@@ -48,7 +51,9 @@ from hpctrain.checkpoint.layout import (
     step_dir,
     tier_path,
     verify,
+    write_manifest,
 )
+from hpctrain.checkpoint.peers import METADATA, Nodes
 from hpctrain.checkpoint.reshard import load_state
 from hpctrain.config.schema import CheckpointConfig
 from hpctrain.records.fingerprint import upgrade_fingerprint
@@ -64,9 +69,14 @@ class Tier:
     interval_steps: int
     interval_minutes: float
     keep_last: int
-    shared: bool = True  # every rank sees the same directory (else node-local: one copy per node)
+    nodes: Nodes = Nodes(((0,),))  # ranks grouped by the directory they see: one group when shared
     auto: bool = False  # interval_minutes follows Daly's optimum for the measured cost
     last_save: float = field(default_factory=time.monotonic)
+
+    @property
+    def shared(self) -> bool:
+        """Every rank sees the same directory (else node-local: each node holds its part and a peer's)."""
+        return self.nodes.shared
 
     def due_by_steps(self, step: int) -> bool:
         return self.interval_steps > 0 and step % self.interval_steps == 0
@@ -127,14 +137,14 @@ class CheckpointManager:
     """Saves, commits, retains and finds checkpoints of an engine (state_dict() / load_state_dict())."""
 
     def __init__(self, config: CheckpointConfig, failure_rate_per_gpu_day: float, run_dir: Path, run_id: str,
-                 rank: int, world_size: int, local_rank: int, fingerprint: dict[str, Any],
+                 rank: int, world_size: int, fingerprint: dict[str, Any],
                  device: torch.device = torch.device("cpu")) -> None:
         self.enabled = bool(config.enabled)
         self.save_final = bool(config.save_final)
         self.force_resume = bool(config.force_resume)
         self.wait_when_busy = config.when_busy == "wait"
         self.write_threads = config.write_threads
-        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.rank, self.world_size = rank, world_size
         self.device = device
         self.run_id = run_id
         self.fingerprint = upgrade_fingerprint(fingerprint)
@@ -148,6 +158,8 @@ class CheckpointManager:
         self.control_group = dist.new_group(backend="gloo") if self.distributed else None
         self.save_groups = {t.name: dist.new_group(backend="gloo") if self.distributed else None for t in self.tiers}
         self.stagers = {t.name: ReusingStager() for t in self.tiers}
+        # A save's future: DCP's write, then (node-local tiers) the copy to the next node, on the tier's group.
+        self._writers = ThreadPoolExecutor(max_workers=max(1, len(self.tiers)), thread_name_prefix="hpctrain-save")
         self.in_flight: dict[str, InFlight] = {}
         # Retention deletes whole checkpoints (a rmtree of GBs takes a noticeable time): in the background, so
         # that a commit at a step boundary costs training only the manifest and a rename.
@@ -177,23 +189,15 @@ class CheckpointManager:
             dist.barrier(group=self.control_group)
 
     def _leader(self, tier: Tier) -> bool:
-        """Who publishes a tier's directories: rank 0 on shared storage, one rank per node otherwise."""
-        return self.rank == 0 if tier.shared else self.local_rank == 0
+        """Who publishes a tier's directories: rank 0 on shared storage, the first rank of each node otherwise."""
+        return tier.nodes.leader(self.rank) == self.rank
 
     # ---------------------------------------------------------------- start-up
     def _probe_tiers(self) -> None:
-        """Find which tiers all ranks share (rank 0's probe file visible everywhere); clean partial saves."""
-        probe = f".probe-{socket.gethostname()}-{time.time_ns()}"
-        probe = self._all_gather(probe if self.rank == 0 else None)[0]
+        """Find which ranks see the same directory of each tier (its nodes); clean partial saves."""
         for tier in self.tiers:
             tier.path.mkdir(parents=True, exist_ok=True)
-            if self.rank == 0:
-                (tier.path / probe).touch()
-            self._barrier()
-            missing = 0.0 if (tier.path / probe).exists() else 1.0
-            tier.shared = self._all_reduce_max([missing])[0] == 0.0
-            if self.rank == 0:
-                (tier.path / probe).unlink()
+            tier.nodes = peers.find_nodes(tier.path, self.rank, self.world_size, self.control_group)
             if self._leader(tier):
                 for stale in tier.path.glob("step_*.partial"):  # a save that was killed half way
                     log.info("removing partial checkpoint %s", stale)
@@ -205,13 +209,15 @@ class CheckpointManager:
         """Load the newest checkpoint that every rank can read, over all tiers; None for a fresh start."""
         if not self.enabled:
             return None
-        candidates = sorted(((c.step, -i, i, c.path.name) for i, t in enumerate(self.tiers)
-                             for c in committed_in(t.path, t.name)), reverse=True)
-        candidates = self._all_gather(candidates if self.rank == 0 else None)[0]
+        here = [(c.step, -i, i, c.path.name) for i, t in enumerate(self.tiers) for c in committed_in(t.path, t.name)]
+        candidates = sorted({tuple(c) for part in self._all_gather(here) for c in part}, reverse=True)
         for step, _, index, name in candidates:
             tier = self.tiers[index]
-            ckpt = next((c for c in committed_in(tier.path, tier.name) if c.path.name == name), None)
-            problems = ["not committed on this node"] if ckpt is None else verify(ckpt)
+            if tier.shared:
+                ckpt = next((c for c in committed_in(tier.path, tier.name) if c.path.name == name), None)
+                problems = ["not committed on this node"] if ckpt is None else verify(ckpt)
+            else:
+                ckpt, problems = self._from_nodes(tier, step)
             unusable = self._all_reduce_max([1.0 if problems else 0.0])[0]
             if unusable:
                 reasons = [p for p in self._all_gather(problems) if p]
@@ -222,10 +228,12 @@ class CheckpointManager:
             assert ckpt is not None
             self._check_fingerprint(ckpt)
             started = time.perf_counter()
-            self._load(ckpt, engine)
+            fetched = self._load(ckpt, engine, tier)
             seconds = time.perf_counter() - started
-            log.info("resumed from tier %s step %d (%s) in %.2f s", tier.name, step, ckpt.path, seconds)
-            self.events.append({"event": "resume", "tier": tier.name, "step": step, "load_s": seconds})
+            log.info("resumed from tier %s step %d (%s) in %.2f s%s", tier.name, step, ckpt.path, seconds,
+                     f"; the nodes fetched {fetched / 1e6:.1f} MB of it from their peers" if fetched else "")
+            self.events.append({"event": "resume", "tier": tier.name, "step": step, "load_s": seconds,
+                                "fetched_bytes": fetched})
             self.last_saved_step = step
             return ckpt.manifest
         return None
@@ -244,17 +252,58 @@ class CheckpointManager:
         if changed:
             log.warning("forced resume despite changes: %s", changed)
 
-    def _load(self, ckpt: Committed, engine: Any) -> None:
+    def _from_nodes(self, tier: Tier, step: int) -> tuple[Committed | None, list[str]]:
+        """A node-local checkpoint as the nodes together hold it: usable when every file is whole somewhere.
+        Every node ends up with `.metadata` (DCP plans a load from it); the rest is fetched in `_load`."""
+        path = step_dir(tier.path, step)
+        leader = self._leader(tier)
+        local = next((c for c in committed_in(tier.path, tier.name) if c.path == path), None)
+        manifests = self._all_gather(local.manifest if local and leader else None)
+        manifest = next(m for m in manifests if m)  # the candidate came from a node that has it
+        required: dict[str, int] = manifest["files"]
+        held = peers.by_node(self._all_gather(peers.holdings(path, required) if leader else None), tier.nodes)
+        lost = peers.missing_from(required, held)
+        if lost or METADATA not in required:
+            return None, [f"no node holds {', '.join(lost[:3]) or METADATA}"]
+        plan = peers.fetch_plan(required, held, [{METADATA}] * len(held), tier.nodes)
+        peers.run_transfers(plan, self.rank, path, path, self.control_group)
+        self._barrier()
+        return Committed(tier.name, step, path, manifest), []
+
+    def _fetch_missing(self, tier: Tier, ckpt: Committed, files: set[str]) -> int:
+        """Bring the files each node's ranks will read from the nodes that hold them; each node then holds a
+        committed copy of its own. Returns the bytes moved between nodes, job-wide (every rank has the plan)."""
+        required: dict[str, int] = ckpt.manifest["files"]
+        needed = self._all_gather(sorted(files))
+        per_node = [set().union(*(needed[r] for r in group)) for group in tier.nodes.groups]
+        leader = self._leader(tier)
+        held = peers.by_node(self._all_gather(peers.holdings(ckpt.path, required) if leader else None), tier.nodes)
+        plan = peers.fetch_plan(required, held, per_node, tier.nodes)
+        peers.run_transfers(plan, self.rank, ckpt.path, ckpt.path, self.control_group)
+        if leader and not (ckpt.path / MANIFEST).exists():
+            write_manifest(ckpt.path, ckpt.manifest)
+        self._barrier()
+        return sum(t.size for t in plan)
+
+    def _load(self, ckpt: Committed, engine: Any, tier: Tier) -> int:
+        """Load a committed checkpoint into the engine (and this rank's RNG); the bytes fetched from peers."""
         state = {"train": engine.state_dict()}
         same_world = ckpt.manifest.get("world_size") == self.world_size
         if same_world:  # RNG streams are per rank: only meaningful with the same ranks (and devices saved)
             streams = _rng_state(self.device)
             state["rng"] = {f"rank{self.rank}": {k: v for k, v in streams.items()
                                                  if k in ckpt.manifest.get("rng_streams", ["cpu"])}}
-        load_state(state, str(ckpt.path), self.control_group, no_dist=not self.distributed)
+        fetched = [0]
+
+        def fetch(files: set[str]) -> None:
+            fetched[0] = self._fetch_missing(tier, ckpt, files)
+
+        load_state(state, str(ckpt.path), self.control_group, no_dist=not self.distributed,
+                   before_read=None if tier.shared else fetch)
         engine.load_state_dict(state["train"])
         if same_world:
             _set_rng_state(state["rng"][f"rank{self.rank}"], self.device)
+        return fetched[0]
 
     # ---------------------------------------------------------------- saving
     def control_values(self, now: float) -> list[float]:
@@ -340,9 +389,10 @@ class CheckpointManager:
         state = {"train": engine.state_dict(), "rng": {f"rank{self.rank}": _rng_state(self.device)}}
         writer = dcp.FileSystemWriter(str(partial), thread_count=self.write_threads)
         writer.fs = _NoCrcFileSystem()
-        future = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
-                                async_stager=self.stagers[tier.name],
-                                no_dist=not self.distributed)
+        written = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
+                                 async_stager=self.stagers[tier.name],
+                                 no_dist=not self.distributed)
+        future = self._writers.submit(self._write_and_copy, written, tier, partial)
         blocked = time.perf_counter() - started
         tier.last_save = now
         meta = {"step": step, "run_id": self.run_id, "world_size": self.world_size, "time": time.time(),
@@ -351,9 +401,17 @@ class CheckpointManager:
         self.in_flight[tier.name] = InFlight(step, partial, future, started, blocked, meta)
         self.events.append({"event": "save_started", "tier": tier.name, "step": step, "blocked_s": blocked})
 
+    def _write_and_copy(self, written: Future, tier: Tier, partial: Path) -> int:
+        """The background part of a save: DCP's write, then a node-local tier's copy to the next node (the
+        bytes this rank received from the node before it)."""
+        written.result()
+        if tier.shared:
+            return 0
+        return peers.replicate(partial, tier.nodes, self.rank, self.world_size, self.save_groups[tier.name])
+
     def _commit(self, name: str) -> None:
         job = self.in_flight.pop(name)
-        job.future.result()  # re-raises a failed write on this rank
+        replica = job.future.result()  # re-raises a failed write on this rank
         tier = next(t for t in self.tiers if t.name == name)
         leader = self._leader(tier)
         files = self._all_gather(list_files(job.partial) if leader else None)
@@ -372,7 +430,7 @@ class CheckpointManager:
         log.info("checkpoint step %d committed to tier %s (%.1f MB, blocked %.3f s, %.2f s in all)",
                  job.step, name, size / 1e6, job.blocked_s, seconds)
         self.events.append({"event": "save_committed", "tier": name, "step": job.step, "bytes": size,
-                            "blocked_s": job.blocked_s, "total_s": seconds})
+                            "blocked_s": job.blocked_s, "total_s": seconds, "replica_bytes": replica})
         if tier.auto:
             self._retune(tier, job.blocked_s, seconds)
 

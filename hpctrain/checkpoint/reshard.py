@@ -11,12 +11,13 @@ zeroed. Every other tensor loads through DCP as usual.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
@@ -48,16 +49,27 @@ def _copy_rows(target: torch.Tensor, saved: torch.Tensor) -> None:
             target.copy_(full.to(target.device))
 
 
+def files_read(state: dict[str, Any], metadata: Metadata) -> set[str]:
+    """The checkpoint's files a `dcp.load` of `state` on this rank reads (DCP's own load plan for it)."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    return {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+
+
 def load_state(state: dict[str, Any], checkpoint_id: str, process_group: dist.ProcessGroup | None,
-               no_dist: bool = False) -> None:
-    """`dcp.load` into `state` in place, tolerating a different number of (padding) rows per tensor."""
-    saved_meta = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+               no_dist: bool = False, before_read: Callable[[set[str]], None] | None = None) -> None:
+    """`dcp.load` into `state` in place, tolerating a different number of (padding) rows per tensor.
+    `before_read` is given the files this rank will read, first (a node-local tier fetches the missing ones)."""
+    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    saved_meta = metadata.state_dict_metadata
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for fqn, container, key in _leaves(state):
         saved = saved_meta.get(fqn)
         if _rows_differ(saved, container[key]):
             swapped.append((container, key, container[key]))
             container[key] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
+    if before_read is not None:
+        before_read(files_read(state, metadata))
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=process_group, no_dist=no_dist)
     for container, key, target in swapped:
         _copy_rows(target, container[key])

@@ -249,7 +249,7 @@ def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.
     """The engine, its checkpoint manager, and where training goes on: (step, samples consumed)."""
     engine = build_engine(cfg, layout, device)
     ckpt = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, run_dir, str(cfg.run.id), env.rank,
-                             env.world_size, env.local_rank,
+                             env.world_size,
                              fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict(), device)
     manifest = ckpt.resume(engine)
     if not manifest:

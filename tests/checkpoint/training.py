@@ -2,7 +2,8 @@
 
 Each rank calls `hpctrain.train.loop._train`, the function every Slurm or local task runs, with the config
 the parent composed. Hooks patch the child process only (it is a fork), to record the sample ids each rank
-consumes, to deliver a signal at a given step, or to kill a rank in the middle of a save.
+consumes, to deliver a signal at a given step, to kill a rank in the middle of a save, or to give each simulated
+node a directory of its own for a node-local tier.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from tests.distributed_harness import run_distributed
 def _rank_main(rank: int, world: int, config: dict[str, Any], run_dir: str, faults: dict[str, Any]) -> Any:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
                         format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    for tier in config["checkpoint"]["tiers"]:  # each simulated node sees a directory of its own, as nodes do
+        if tier["name"] in faults.get("node_local", ()):
+            tier["path"] = f"{tier['path']}/node{rank // faults.get('ranks_per_node', 1)}"
     cfg = loop.load_config(config)
     env = DistEnv(rank, rank, world, world, 0, 1, "127.0.0.1", 0, "localhost", "test")
     original = loop.step_samples

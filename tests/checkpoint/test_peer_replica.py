@@ -1,0 +1,105 @@
+"""Node-local tiers outlive a node: each node's files are copied to the next node, and a resume fetches what
+a node lacks from its peers. Real gloo ranks, each simulated node with a RAM directory of its own."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpctrain.checkpoint.layout import Committed, verify
+from hpctrain.checkpoint.peers import Nodes, Transfer, fetch_plan, group_by_view, missing_from, replica_plan
+from tests.checkpoint.test_checkpoint import SMALL, config, model_weights, steps_in
+from tests.checkpoint.training import consumed_samples, losses_by_step, train
+
+
+def resumes(run_dir: Path) -> list[dict]:
+    return [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == "resume"]
+
+
+def test_the_ring_sends_each_ranks_files_to_the_next_node_and_metadata_everywhere() -> None:
+    nodes = group_by_view([[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5]])
+    assert nodes.groups == ((0, 1), (2, 3), (4, 5)) and not nodes.shared and nodes.leader(3) == 2
+    files = [{"__0_0.distcp": 5, ".metadata": 2}, {"__1_0.distcp": 6}, {"__2_0.distcp": 7}, {}, {}, {"__5_0.distcp": 8}]
+    assert replica_plan(files, nodes) == [
+        Transfer(0, 2, ".metadata", 2), Transfer(0, 4, ".metadata", 2), Transfer(0, 2, "__0_0.distcp", 5),
+        Transfer(1, 3, "__1_0.distcp", 6), Transfer(2, 4, "__2_0.distcp", 7), Transfer(5, 1, "__5_0.distcp", 8)]
+
+
+def test_a_node_fetches_only_what_it_reads_and_lacks_from_the_nearest_holder() -> None:
+    nodes = Nodes(((0,), (1,), (2,)))
+    required = {"a": 1, "b": 2, "c": 3}
+    held = [{"a": 1, "c": 3}, {"b": 2, "a": 1}, {}]  # node 2 is a fresh spare
+    assert missing_from(required, held) == []
+    assert fetch_plan(required, held, [{"a"}, {"a", "c"}, {"b", "c"}], nodes) == [
+        Transfer(0, 1, "c", 3), Transfer(1, 2, "b", 2), Transfer(0, 2, "c", 3)]
+    assert missing_from(required, [{"a": 1}, {"b": 1}, {}]) == ["b", "c"]  # a torn copy does not count
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_nodes_ram_comes_from_its_peer_and_the_run_continues_exactly(compose_cfg, tmp_path: Path) -> None:
+    def cfg_for(root: Path, world: int, steps: int = 12, *extra: str) -> dict:
+        tiers = (f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: 4, keep_last: 2}},"
+                 f"{{name: shared, path: checkpoints, interval_steps: 100, keep_last: 1}}]")
+        return config(compose_cfg, root, world, f"train.max_steps={steps}", "train.global_batch=12",
+                      "train.micro_batch=1", tiers, *extra)
+
+    local = {"node_local": ["ram"]}  # one rank per simulated node: 4 nodes
+    straight = tmp_path / "a" / "run"
+    train(4, cfg_for(tmp_path / "a", 4), straight, **local)
+    stopped = tmp_path / "b" / "run"
+    first = train(4, cfg_for(tmp_path / "b", 4), stopped, signal_at=9, **local)  # USR2 in step 10: saves to RAM
+    assert all("preempted" in r for r in first), first
+    ram = [tmp_path / "b" / "shm" / f"node{n}" / "test" / "step_00000010" for n in range(4)]
+    for n, step_dir in enumerate(ram):  # its own shard file, its predecessor's, and DCP's metadata
+        names = {p.name for p in step_dir.iterdir()}
+        assert {f"__{n}_0.distcp", f"__{(n - 1) % 4}_0.distcp", ".metadata", "manifest.json"} <= names, names
+        assert not any(name.startswith(f"__{(n + 1) % 4}_") for name in names)  # no full copies
+    manifest = json.loads((ram[0] / "manifest.json").read_text())
+    assert {f"__{r}_0.distcp" for r in range(4)} <= set(manifest["files"])
+    assert verify(Committed("ram", 10, ram[0], manifest)) == []  # a node's copy checks what it holds
+    assert not (stopped / "checkpoints").exists() or not steps_in(stopped / "checkpoints")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+
+    shutil.rmtree(ram[2].parent)  # node 2 dies; a spare with empty RAM takes its place
+    train(4, cfg_for(tmp_path / "b", 4), stopped, **local)
+    resumed = resumes(stopped)
+    assert resumed[-1]["tier"] == "ram" and resumed[-1]["step"] == 10 and resumed[-1]["fetched_bytes"] > 0, resumed
+    a, b = losses_by_step(straight), losses_by_step(stopped)
+    assert list(b) == list(range(1, 13)) and all(a[s] == b[s] for s in a), [(s, a[s], b[s]) for s in a]
+    wa, wb = (model_weights(r / "checkpoints" / "step_00000012") for r in (straight, stopped))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert consumed_samples(stopped) == list(range(12 * 12))
+    assert (ram[2] / "manifest.json").exists()  # the spare now holds a committed copy of what it read
+
+    shrunk = tmp_path / "c" / "run"  # the same stop, node 3 dies, no spare: 3 nodes go on, DP 4 -> 3
+    shutil.rmtree(tmp_path / "c" / "shm" / "node3")
+    train(3, cfg_for(tmp_path / "c", 3), shrunk, **local)
+    resumed = resumes(shrunk)
+    assert resumed[-1]["tier"] == "ram" and resumed[-1]["step"] == 10, resumed
+    assert list(losses_by_step(shrunk)) == list(range(1, 13))
+    assert consumed_samples(shrunk) == list(range(12 * 12))
+
+
+@pytest.mark.timeout(200)
+def test_two_neighbours_lost_make_the_tier_unusable_and_the_resume_says_why(compose_cfg, tmp_path: Path,
+                                                                             capfd) -> None:
+    tiers = (f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 1}},"
+             f"{{name: shared, path: checkpoints, interval_steps: 3, keep_last: 1}}]")
+    cfg = config(compose_cfg, tmp_path, 4, "train.max_steps=4", "checkpoint.save_final=false", "train.micro_batch=1",
+                 tiers)
+    run_dir = tmp_path / "run"
+    train(4, cfg, run_dir, node_local=["ram"])
+    for n in (1, 2):
+        shutil.rmtree(tmp_path / "shm" / f"node{n}")
+    capfd.readouterr()
+    cfg = config(compose_cfg, tmp_path, 4, "train.max_steps=5", "checkpoint.save_final=false", "train.micro_batch=1",
+                 tiers)
+    train(4, cfg, run_dir, node_local=["ram"])
+    logs = "".join(capfd.readouterr())
+    assert "skipping tier ram step 4" in logs and "no node holds __1_0.distcp" in logs, logs[-3000:]
+    assert "resumed from tier shared step 3" in logs
+    assert consumed_samples(run_dir)[-8:] == list(range(4 * 8, 5 * 8))
