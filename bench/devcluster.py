@@ -14,11 +14,13 @@ from hpctrain.records.paths import RunPaths
 
 def submit_smoke(root: Path, run_id: str, steps: int, ram_interval: int, shared_interval: int,
                  *overrides: str) -> tuple[str, Path]:
-    """Submit `+experiment=smoke cluster=dev` with a RAM and a shared tier; returns (job id, run dir)."""
+    """Submit `+experiment=smoke cluster=dev` with a RAM tier (each node's own /dev/shm, replicated to a peer)
+    and a shared tier; returns (job id, run dir)."""
     proc = subprocess.run([sys.executable, "-m", "hpctrain", "+experiment=smoke", "cluster=dev",
                            f"train.max_steps={steps}", "optim.warmup_steps=20", f"run.root={root}",
                            f"run.id={run_id}", "train.log_every=50", *overrides,
-                           f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: {ram_interval}, "
+                           f"checkpoint.tiers=[{{name: ram, path: /dev/shm/hpctrain-bench/{root.name}, "
+                           f"interval_steps: {ram_interval}, "
                            f"keep_last: 2}}, {{name: shared, path: checkpoints, interval_steps: {shared_interval}, "
                            "keep_last: 1}]"],
                           capture_output=True, text=True, check=True)

@@ -24,6 +24,7 @@ S=${HPCTRAIN_SLURM_DIR:-/tmp/hpctrain-slurm}
 NNODES=${HPCTRAIN_SLURM_NODES:-4}
 NODE_CPUS=${HPCTRAIN_SLURM_NODE_CPUS:-4}
 NODE_MEM_MB=4096
+NODE_SHM=2g                  # each node's private /dev/shm (its RAM checkpoint tier)
 SUBNET=${HPCTRAIN_SLURM_SUBNET:-10.213.77}
 UP_TIMEOUT=${HPCTRAIN_SLURM_TIMEOUT:-60}
 CLUSTER=hpctrain-dev
@@ -439,8 +440,12 @@ start_slurmd() {  # node
     mkdir -p "$S/nodes/$n/spool"
     say "starting slurmd $n ($(node_addr "$n"), namespace $ns)"
     # Not `ip netns exec`: it remounts /sys and slurmd dies ("No filesystem mounted on /sys/fs/cgroup").
+    # /dev/shm is the node's own RAM, as on real nodes: a tmpfs in its mount namespace, gone when the node dies
+    # (kill-node ends every process holding it), empty when it comes back.
     nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private \
-        sh -c "hostname $n && mount --bind $S/nodes/$n/hosts /etc/hosts && exec slurmd -f $CONF -N $n" 9>&- </dev/null \
+        sh -c "hostname $n && mount --bind $S/nodes/$n/hosts /etc/hosts \
+               && mount -t tmpfs -o size=$NODE_SHM,mode=1777 tmpfs /dev/shm \
+               && exec slurmd -f $CONF -N $n" 9>&- </dev/null \
         || { tail -20 "$LOG/slurmd-$n.log" >&2 || true; die "slurmd $n failed to start"; }
 }
 

@@ -166,7 +166,6 @@ class CheckpointManager:
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-retention")
         self._retaining: list[Future] = []
         self.events: list[dict[str, Any]] = []  # for metrics/tracking; drained by the loop
-        self.last_saved_step = -1
         if self.enabled:
             self._probe_tiers()
 
@@ -234,7 +233,6 @@ class CheckpointManager:
                      f"; the nodes fetched {fetched / 1e6:.1f} MB of it from their peers" if fetched else "")
             self.events.append({"event": "resume", "tier": tier.name, "step": step, "load_s": seconds,
                                 "fetched_bytes": fetched})
-            self.last_saved_step = step
             return ckpt.manifest
         return None
 
@@ -340,9 +338,15 @@ class CheckpointManager:
             return
         tier = next(t for t in self.tiers if t.name == tier_name) if tier_name else self.tiers[0]
         self.wait_all()
-        if self.last_saved_step != step or not committed_in(tier.path, tier.name):
+        here = any(c.step == step for c in committed_in(tier.path, tier.name))
+        if self._all_reduce_max([0.0 if here else 1.0])[0]:  # not yet in this tier (on some node)
             self._start(tier, step, engine, progress, time.monotonic())
         self.wait_all()
+
+    def stop_tier(self) -> str | None:
+        """Where a stop for a signal saves: the fastest tier every rank shares, else the fastest. A requeued job
+        may start on other nodes, where a node-local tier (RAM, local SSD) holds nothing."""
+        return next((t.name for t in self.tiers if t.shared), self.tiers[0].name if self.tiers else None)
 
     def finish(self, step: int, engine: Any, progress: dict[str, Any]) -> None:
         """End of training: the final state goes to the most durable tier; nothing is left in flight."""
@@ -426,7 +430,6 @@ class CheckpointManager:
         self._barrier()
         seconds = time.perf_counter() - job.started
         size = sum(merged.values())
-        self.last_saved_step = max(self.last_saved_step, job.step)
         log.info("checkpoint step %d committed to tier %s (%.1f MB, blocked %.3f s, %.2f s in all)",
                  job.step, name, size / 1e6, job.blocked_s, seconds)
         self.events.append({"event": "save_committed", "tier": name, "step": job.step, "bytes": size,

@@ -180,7 +180,8 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
                 tracker.event(e.pop("event"), **e)
             ckpt.events.clear()
         t = cfg.train
-        reporter = StepReporter(cfg, layout.global_batch * t.seq_len, env.world_size, device, start_step)
+        reporter = StepReporter(cfg, layout.global_batch * t.seq_len, env.world_size, device, start_step,
+                                ckpt.stop_tier())
         fault = Fault.from_env()
         control = StepControl(stop, ckpt, monitor, (run_dir, lease) if env.is_main else None)
         stop.install()
@@ -261,9 +262,10 @@ def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.
 
 def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: int, consumed: int, env: Any,
                      device: torch.device) -> None:
-    """All ranks: save to the fastest tier and wait for the commit; rank 0 requeues on SIGUSR2; then stop."""
+    """All ranks: save to the fastest tier that outlives the allocation, wait for the commit; rank 0 requeues
+    on SIGUSR2; then stop."""
     log.warning("%s at step %d: saving and stopping", REASONS[signum], done)
-    ckpt.save_now(done, engine, {"consumed_samples": consumed})
+    ckpt.save_now(done, engine, {"consumed_samples": consumed}, ckpt.stop_tier())
     requeued = env.is_main and signum == signal.SIGUSR2 and requeue_own_job()
     if agree_any(requeued, device):
         # Slurm ends every task of a requeued job; exiting first would make srun report a failure.

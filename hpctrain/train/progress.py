@@ -4,13 +4,17 @@ watches (step, loss, lr, throughput, time to go)."""
 from __future__ import annotations
 
 import datetime
+import logging
+import math
 import time
 from typing import Any
 
 import torch
 
-from hpctrain.config.schema import Config
+from hpctrain.config.schema import Config, Executor
 from hpctrain.parallel.metrics import mfu, peak_memory_gb
+
+log = logging.getLogger(__name__)
 
 
 class Progress:
@@ -38,10 +42,12 @@ class StepReporter:
     `train.log_every` steps the progress line."""
 
     def __init__(self, cfg: Config, tokens_per_step: int, world_size: int, device: torch.device,
-                 start_step: int) -> None:
+                 start_step: int, stop_tier: str | None = None) -> None:
         self.cfg, self.tokens_per_step, self.world_size, self.device = cfg, tokens_per_step, world_size, device
         self.start_step = start_step
         self.progress = Progress(total_steps=cfg.train.max_steps, start_step=start_step)
+        self.stop_tier = stop_tier  # where a stop for a signal saves (CheckpointManager.stop_tier)
+        self._lead_checked = cfg.cluster.executor != Executor.slurm  # only Slurm sends a warning signal
 
     def step(self, tracker: Any, done: int, consumed: int, stats: Any, lr: float, step_time: float,
              ckpt_events: list[dict[str, Any]], health: tuple[dict[str, float], list[dict[str, Any]]]) -> None:
@@ -51,6 +57,7 @@ class StepReporter:
                    "time": time.time(), "loss_scale": stats.loss_scale, "skipped": int(stats.skipped),
                    "mfu": mfu(self.cfg, tokens_per_s, self.world_size), "peak_mem_gb": peak_memory_gb(self.device)}
         metrics.update(checkpoint_metrics(ckpt_events))
+        self._check_signal_lead(tracker, done, step_time, ckpt_events)
         for e in ckpt_events:
             if e["event"] not in ("save_started", "save_committed"):
                 tracker.event(e["event"], **{k: v for k, v in e.items() if k != "event"})
@@ -60,6 +67,25 @@ class StepReporter:
         for e in health_events:
             tracker.event(e.pop("event"), **e)
         self._print(done, step_time, metrics, stats)
+
+    def _check_signal_lead(self, tracker: Any, done: int, step_time: float,
+                           ckpt_events: list[dict[str, Any]]) -> None:
+        """Once, from the first measured save to the stop's tier: the warning signal (`cluster.signal_delay_s`
+        before the time limit) must leave time for the step in flight and that save, or Slurm kills the stop
+        before it commits. The plan can only guess these; the run measures them."""
+        saved = next((e for e in ckpt_events if e["event"] == "save_committed" and e["tier"] == self.stop_tier), None)
+        if self._lead_checked or saved is None:
+            return
+        self._lead_checked = True
+        lead, needed = self.cfg.cluster.signal_delay_s, step_time + saved["total_s"]
+        if needed <= lead:
+            return
+        message = (f"cluster.signal_delay_s={lead} s is shorter than a step ({step_time:.1f} s) plus a save to tier "
+                   f"{self.stop_tier} ({saved['total_s']:.1f} s, measured at step {done}): a stop at the time limit "
+                   f"would be killed before its checkpoint commits; set cluster.signal_delay_s>={math.ceil(2 * needed)}")
+        log.warning(message)
+        tracker.event("timeout_inconsistent", key="cluster.signal_delay_s", needed_s=needed, lead_s=lead,
+                      message=message)
 
     def _print(self, done: int, step_time: float, metrics: dict[str, Any], stats: Any) -> None:
         line = self.progress.update(done, step_time, metrics)

@@ -12,8 +12,9 @@ import torch
 
 from hpctrain.checkpoint.layout import Committed, verify
 from hpctrain.checkpoint.peers import Nodes, Transfer, fetch_plan, group_by_view, missing_from, replica_plan
-from tests.checkpoint.test_checkpoint import SMALL, config, model_weights, steps_in
+from tests.checkpoint.test_checkpoint import config, model_weights, steps_in
 from tests.checkpoint.training import consumed_samples, losses_by_step, train
+from tests.distributed_harness import DistributedTestError
 
 
 def resumes(run_dir: Path) -> list[dict]:
@@ -51,23 +52,22 @@ def test_a_lost_nodes_ram_comes_from_its_peer_and_the_run_continues_exactly(comp
     straight = tmp_path / "a" / "run"
     train(4, cfg_for(tmp_path / "a", 4), straight, **local)
     stopped = tmp_path / "b" / "run"
-    first = train(4, cfg_for(tmp_path / "b", 4), stopped, signal_at=9, **local)  # USR2 in step 10: saves to RAM
-    assert all("preempted" in r for r in first), first
-    ram = [tmp_path / "b" / "shm" / f"node{n}" / "test" / "step_00000010" for n in range(4)]
+    with pytest.raises(DistributedTestError, match="died"):  # rank 1 dies in step 12's save: RAM holds 4 and 8
+        train(4, cfg_for(tmp_path / "b", 4), stopped, timeout=120, kill_rank_in_save=1, kill_step=12, **local)
+    ram = [tmp_path / "b" / "shm" / f"node{n}" / "test" / "step_00000008" for n in range(4)]
     for n, step_dir in enumerate(ram):  # its own shard file, its predecessor's, and DCP's metadata
         names = {p.name for p in step_dir.iterdir()}
         assert {f"__{n}_0.distcp", f"__{(n - 1) % 4}_0.distcp", ".metadata", "manifest.json"} <= names, names
         assert not any(name.startswith(f"__{(n + 1) % 4}_") for name in names)  # no full copies
     manifest = json.loads((ram[0] / "manifest.json").read_text())
     assert {f"__{r}_0.distcp" for r in range(4)} <= set(manifest["files"])
-    assert verify(Committed("ram", 10, ram[0], manifest)) == []  # a node's copy checks what it holds
-    assert not (stopped / "checkpoints").exists() or not steps_in(stopped / "checkpoints")
+    assert verify(Committed("ram", 8, ram[0], manifest)) == []  # a node's copy checks what it holds
     shutil.copytree(tmp_path / "b", tmp_path / "c")
 
     shutil.rmtree(ram[2].parent)  # node 2 dies; a spare with empty RAM takes its place
     train(4, cfg_for(tmp_path / "b", 4), stopped, **local)
     resumed = resumes(stopped)
-    assert resumed[-1]["tier"] == "ram" and resumed[-1]["step"] == 10 and resumed[-1]["fetched_bytes"] > 0, resumed
+    assert resumed[-1]["tier"] == "ram" and resumed[-1]["step"] == 8 and resumed[-1]["fetched_bytes"] > 0, resumed
     a, b = losses_by_step(straight), losses_by_step(stopped)
     assert list(b) == list(range(1, 13)) and all(a[s] == b[s] for s in a), [(s, a[s], b[s]) for s in a]
     wa, wb = (model_weights(r / "checkpoints" / "step_00000012") for r in (straight, stopped))
@@ -75,11 +75,11 @@ def test_a_lost_nodes_ram_comes_from_its_peer_and_the_run_continues_exactly(comp
     assert consumed_samples(stopped) == list(range(12 * 12))
     assert (ram[2] / "manifest.json").exists()  # the spare now holds a committed copy of what it read
 
-    shrunk = tmp_path / "c" / "run"  # the same stop, node 3 dies, no spare: 3 nodes go on, DP 4 -> 3
+    shrunk = tmp_path / "c" / "run"  # the same failure, node 3 dies, no spare: 3 nodes go on, DP 4 -> 3
     shutil.rmtree(tmp_path / "c" / "shm" / "node3")
     train(3, cfg_for(tmp_path / "c", 3), shrunk, **local)
     resumed = resumes(shrunk)
-    assert resumed[-1]["tier"] == "ram" and resumed[-1]["step"] == 10, resumed
+    assert resumed[-1]["tier"] == "ram" and resumed[-1]["step"] == 8, resumed
     assert list(losses_by_step(shrunk)) == list(range(1, 13))
     assert consumed_samples(shrunk) == list(range(12 * 12))
 
@@ -103,3 +103,16 @@ def test_two_neighbours_lost_make_the_tier_unusable_and_the_resume_says_why(comp
     assert "skipping tier ram step 4" in logs and "no node holds __1_0.distcp" in logs, logs[-3000:]
     assert "resumed from tier shared step 3" in logs
     assert consumed_samples(run_dir)[-8:] == list(range(4 * 8, 5 * 8))
+
+
+@pytest.mark.timeout(200)
+def test_a_stop_saves_where_a_job_on_other_nodes_finds_it(compose_cfg, tmp_path: Path) -> None:
+    """USR2 (time limit, preemption): the requeued job may start on other nodes, whose RAM holds nothing, so
+    the stop saves to the fastest shared tier, not to the node-local RAM."""
+    tiers = (f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 1}},"
+             f"{{name: shared, path: checkpoints, interval_steps: 100, keep_last: 1}}]")
+    run_dir = tmp_path / "run"
+    first = train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=6", tiers), run_dir, signal_at=2,
+                  node_local=["ram"])
+    assert all("preempted" in r and "step 3" in r["preempted"] for r in first), first
+    assert steps_in(run_dir / "checkpoints") == [3] and steps_in(tmp_path / "shm" / "node0" / "test") == [2]

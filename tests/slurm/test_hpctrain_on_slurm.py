@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import subprocess
 import time
 from pathlib import Path
@@ -29,13 +30,22 @@ COMMON = ["+experiment=smoke", "cluster=dev", f"train.max_steps={STEPS}", "optim
           "train.log_every=10", "checkpoint.when_busy=wait"]
 
 
-def tiers(root: Path) -> str:
-    return (f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: 10, keep_last: 2}},"
-            f"{{name: shared, path: checkpoints, interval_steps: 1000, keep_last: 1}}]")
+# Each dev-cluster node's own RAM (a tmpfs per node): node-local, replicated to a peer node by hpctrain. A fresh
+# folder per session and test, since node RAM outlives a test session while the cluster stays up.
+RAM = f"/dev/shm/hpctrain-tests-{secrets.token_hex(4)}"
 
 
-def submit(slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str) -> tuple[str, Path]:
-    proc = run_hpctrain(*COMMON, f"run.root={tmp_path}", f"run.id={run_id}", tiers(tmp_path / run_id), *overrides,
+def tiers(root: Path, shared_every: int) -> str:
+    return (f"checkpoint.tiers=[{{name: ram, path: {RAM}/{root.parent.name}, interval_steps: 10, keep_last: 2}},"
+            f"{{name: shared, path: checkpoints, interval_steps: {shared_every}, keep_last: 1}}]")
+
+
+def submit(slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str, shared_every: int = 1000
+           ) -> tuple[str, Path]:
+    """A run whose RAM tier saves every 10 steps; one that leaves the allocation (resubmission) lands on other
+    nodes, whose RAM holds nothing of it: it resumes from the shared tier, so those tests save there too."""
+    proc = run_hpctrain(*COMMON, f"run.root={tmp_path}", f"run.id={run_id}", tiers(tmp_path / run_id, shared_every),
+                        *overrides,
                         cwd=tmp_path, timeout=60, env=slurm_cluster.env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
@@ -141,8 +151,8 @@ def test_usr2_saves_requeues_and_resumes_exactly(slurm_cluster: Any, reference: 
     steps = [[h["_step"] for h in r["history"] if "loss" in h] for r in runs]
     assert steps[0] == list(range(1, saved + 1)) and steps[1] == list(range(saved + 1, STEPS + 1))
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    # each attempt says when it trained again ("attempt"); the requeue's resume read the RAM tier
-    assert [e["event"] for e in events] == ["attempt", "stop", "resume", "attempt"] and events[2]["tier"] == "ram"
+    # each attempt says when it trained again ("attempt"); the stop saved where a requeue on other nodes finds it
+    assert [e["event"] for e in events] == ["attempt", "stop", "resume", "attempt"] and events[2]["step"] == saved
 
 
 @pytest.mark.timeout(400)
@@ -161,10 +171,10 @@ def test_partition_preemption_requeues_and_resumes_exactly(slurm_cluster: Any, r
     assert_exact_continuation(run_dir, reference)
 
 
-def running_with_victim(slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str
+def running_with_victim(slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str, shared_every: int = 1000
                         ) -> tuple[str, Path, str, int]:
     """A run that has trained 20 steps, the last node of its job (to fail) and the step it reached."""
-    job, run_dir = submit(slurm_cluster, tmp_path, run_id, *overrides)
+    job, run_dir = submit(slurm_cluster, tmp_path, run_id, *overrides, shared_every=shared_every)
     wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
     node = slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
     victim = slurm_cluster.run("scontrol", "show", "hostnames", node).stdout.split()[-1]
@@ -197,7 +207,7 @@ def test_a_deterministic_failure_is_retried_once_then_reported(slurm_cluster: An
     """One task per rank (launcher.in_allocation=false): the supervisor resubmits without the failed node,
     once; the same error at the same step again stops the run (inside the allocation: tests/e2e)."""
     job, run_dir = submit(slurm_cluster, tmp_path, "broken", "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3'",
-                          "launcher.max_restarts=3", "launcher.in_allocation=false")
+                          "launcher.max_restarts=3", "launcher.in_allocation=false", shared_every=10)
     report = wait_for("the failure report", lambda: (run_dir / "FAILED.json").exists(), 300, every=2)
     assert report
     states = wait_done(slurm_cluster, run_dir)
@@ -252,7 +262,7 @@ def test_a_node_that_dies_is_left_out_and_the_run_finishes_once(slurm_cluster: A
     when slurmctld requeued it first (NODE_FAIL: the path agents without a spare take too, bench_restart.py's
     node-requeue). Either way exactly one attempt trains at a time (issue 14: both did), and the run finishes."""
     job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "nodedeath",
-                                                       "launcher.in_allocation=false")
+                                                       "launcher.in_allocation=false", shared_every=10)
     states, requeued = kill_node_until_done(slurm_cluster, run_dir, job, victim)
     last_job = list(states)[-1]
     assert states[last_job] == "COMPLETED", states
@@ -307,5 +317,7 @@ def test_a_hot_spare_takes_a_dead_nodes_place_in_the_same_job(slurm_cluster: Any
     assert victim not in hosts and spare in hosts and len(hosts) == 4
     assert_exact_continuation(run_dir, reference)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["event"] == "resume"][-1]  # the spare's RAM was empty: its peer's copy
+    assert resumed["tier"] == "ram" and resumed["fetched_bytes"] > 0, resumed
     back = next(e for e in events if e["event"] == "attempt" and e["restart"] >= 1)
     assert back["first_step"] - killed < 30, back["first_step"] - killed  # the issue's bound for a node death

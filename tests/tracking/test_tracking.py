@@ -53,3 +53,30 @@ def test_a_local_sweep_gives_one_run_per_point_in_one_group(tmp_path: Path) -> N
     assert {t for i in infos for t in i["tags"]} == {"optim.lr=0.001", "optim.lr=0.002"}  # the swept values only
     table = json.loads(next((tmp_path / "sweeps").glob("*/sweep.json")).read_text())
     assert sorted(r["run_dir"] for r in table) == [str(d) for d in run_dirs]
+
+
+def test_a_signal_lead_shorter_than_a_measured_stop_is_reported_once(compose_cfg, tmp_path: Path) -> None:
+    """The warning signal must cover the step in flight plus the save a stop makes; the run measures both."""
+    import torch
+
+    from hpctrain.parallel.engine import StepStats
+    from hpctrain.tracking.tracker import Tracker
+    from hpctrain.train.progress import StepReporter
+
+    cfg = compose_cfg("cluster=dev", "cluster.signal_delay_s=30", "tracking.mode=disabled", f"run.root={tmp_path}")
+    tracker = Tracker(cfg, tmp_path, "lead", {})
+    reporter = StepReporter(cfg, 1024, 4, torch.device("cpu"), 0, stop_tier="shared")
+    stats = StepStats(loss=1.0, grad_norm=1.0)
+    for step, tier, total in ((1, "ram", 50.0), (2, "shared", 12.0), (3, "shared", 40.0), (4, "shared", 40.0)):
+        reporter.step(tracker, step, step * 8, stats, 1e-3, 2.0, [{"event": "save_committed", "tier": tier,
+                      "step": step, "bytes": 1, "blocked_s": 0.1, "total_s": total}], ({}, []))
+    ok = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert ok == []  # the stop's tier measured 12 s + a 2 s step: inside 30 s; checked once, at its first save
+    reporter = StepReporter(cfg, 1024, 4, torch.device("cpu"), 0, stop_tier="shared")
+    for step in (5, 6):
+        reporter.step(tracker, step, step * 8, stats, 1e-3, 2.0, [{"event": "save_committed", "tier": "shared",
+                      "step": step, "bytes": 1, "blocked_s": 0.1, "total_s": 40.0}], ({}, []))
+    tracker.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["key"] for e in events] == ["cluster.signal_delay_s"] and events[0]["needed_s"] == 42.0
+    assert "set cluster.signal_delay_s>=84" in events[0]["message"]
