@@ -16,17 +16,17 @@ from hpctrain.train.loop import repeated_failure
 def test_the_agents_avoid_the_documented_traps() -> None:
     """A fixed node count with a 1 s last call (else every rendezvous waits 30 s), node 0 hosts the store,
     and the rendezvous port is not the one a job without agents uses for its process group."""
-    agent = NodeAgent(job_id="42", node=0, nodes=3, workers=8, store_host="10.0.0.1", max_restarts=3,
-                      join_timeout_s=600)
-    config = agent.launch_config()
+    hosts = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+    agent = NodeAgent(job_id="42", node=0, nodes=3, workers=8, hosts=hosts, max_restarts=3, join_timeout_s=600)
+    config = agent.launch_config(3)
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node, config.max_restarts) == (3, 3, 8, 3)
     assert config.rdzv_backend == "c10d" and config.run_id == "42"
     assert config.rdzv_configs["is_host"] and config.rdzv_configs["last_call_timeout"] == 1
     assert config.rdzv_configs["join_timeout"] == 600
     assert config.rdzv_endpoint.startswith("10.0.0.1:") and config.rdzv_endpoint != f"10.0.0.1:{port_for_job('42')}"
-    other = NodeAgent(job_id="42", node=2, nodes=3, workers=8, store_host="10.0.0.1", max_restarts=3,
-                      join_timeout_s=600)
-    assert not other.launch_config().rdzv_configs["is_host"] and other.endpoint == agent.endpoint
+    other = NodeAgent(job_id="42", node=2, nodes=3, workers=8, hosts=hosts, max_restarts=3, join_timeout_s=600)
+    assert not other.launch_config(3).rdzv_configs["is_host"] and other.endpoint == agent.endpoint
+    assert config.rdzv_configs["read_timeout"] == 10  # a dead store host is given up on in 10 s, not 60
 
 
 def test_a_worker_reads_its_place_and_its_restart_from_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,9 +58,9 @@ def test_the_same_failure_in_two_restarts_in_a_row_stops_the_next(tmp_path: Path
 
 
 def test_a_job_that_may_shrink_lets_the_rendezvous_close_with_fewer_nodes(compose_cfg) -> None:
-    agent = NodeAgent(job_id="42", node=1, nodes=4, workers=2, store_host="h", max_restarts=3, join_timeout_s=600,
+    agent = NodeAgent(job_id="42", node=1, nodes=4, workers=2, hosts=("h",) * 4, max_restarts=3, join_timeout_s=600,
                       min_nodes=2)
-    config = agent.launch_config()
+    config = agent.launch_config(3)
     assert (config.min_nodes, config.max_nodes) == (2, 4) and config.rdzv_configs["last_call_timeout"] == 3
 
     from hpctrain.config.layout import layout_on_nodes, resolve_layout
@@ -96,3 +96,44 @@ def test_a_restart_after_a_condemned_node_leaves_the_allocation(tmp_path: Path) 
     (tmp_path / "failures" / "7.1").mkdir()  # the restart that left at once: a host map, no records
     (tmp_path / "failures" / "7.1" / "hosts.json").write_text("[]")
     assert last_attempt(tmp_path, "7") == "7"  # the supervisor decides from the attempt that failed
+
+
+def test_the_store_moves_to_the_next_node_that_answers(tmp_path: Path) -> None:
+    """The rendezvous store's host died: every agent walks the same line of nodes after it; a live node opens
+    the moved store (a new port per move), one that does not answer is skipped, and the agent next in line
+    after a dead candidate hosts it itself."""
+    import datetime
+    from dataclasses import replace
+
+    from torch.distributed import TCPStore
+
+    from hpctrain.distributed.elastic import next_store
+
+    hosts = ("127.0.0.1",) * 4
+    agent = NodeAgent(job_id="9", node=3, nodes=4, workers=1, hosts=hosts, max_restarts=3, join_timeout_s=60)
+    moved = replace(agent, store_node=1, generation=1)
+    server = TCPStore("127.0.0.1", moved.port, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=5))  # node 1 noticed first and opened the new store
+    assert next_store(agent, wait_s=2) == moved and moved.port != agent.port
+    del server
+    skipped = next_store(agent, wait_s=0.5)  # node 1 does not answer now: node 2 neither, node 3 is this one
+    assert (skipped.store_node, skipped.generation) == (3, 3)
+
+
+def test_a_spare_takes_the_slot_nobody_took_in_a_moved_store() -> None:
+    """In the store a dead host's successor opened, the slots start empty: the live agents take theirs at once
+    (compare-and-set), and the dead node's stays empty; the spare claims it VACANT_S later, never a held one."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from hpctrain.distributed import spares
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    assert spares.hold(store, "5", 1, node=1) and not spares.hold(store, "5", 1, node=7)  # one owner per slot
+    beat = spares.Heartbeat("127.0.0.1", store.port, "5", 1, 1, 5).start()
+    try:
+        assert spares.wait_for_vacancy(store, "5", 2, node=2, moved=True) == 0  # slot 0's node died
+    finally:
+        beat.stop()
+    assert not spares.hold(store, "5", 0, node=0)  # the dead node, back late, finds its slot taken: a spare

@@ -14,8 +14,11 @@ Traps this module avoids (measured on this machine, shared/facts/in-allocation-r
   fresh store on worker rank 0;
 - min_nodes < max_nodes makes every rendezvous wait `last_call_timeout` (30 s): the node count is fixed
   and the last call is 1 s, or 3 s when the job may shrink (elastic.min_nodes);
-- the rendezvous store lives in node 0's agent, the node that also runs the batch script: Slurm ends the
-  job when that node dies anyway, so it adds no point of failure of its own;
+- the rendezvous store must not die with one node: it starts in node 0's agent and, when its host stops
+  answering, moves to the next live node (a new store, a new port; the agents there start a new launch that
+  numbers its restarts after the old one's). Under `--no-kill` Slurm keeps a job whose batch host died
+  (measured on the dev cluster), so node 0, rank 0's node, is survived like any other; the batch script
+  died with it, so the agent then hosting the store ends the job when the run is done;
 - a new interpreter per worker would import torch again on every restart (2.5-4 s of each): the workers are
   forked from the agent, which never touches CUDA or runs a torch op, so forking it is safe;
 - a spare agent waiting in the rendezvous makes the running agents restart every second: spares wait outside
@@ -31,11 +34,14 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from hpctrain.distributed import spares
-from hpctrain.distributed.environment import first_node_address, port_for_job
+from hpctrain.distributed.environment import node_addresses, port_for_job
+from hpctrain.records.failures import last_restart
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +53,8 @@ LAST_CALL_S = 1  # a fixed node count never needs the rendezvous' last call
 SHRINK_LAST_CALL_S = 3
 KEEP_ALIVE_S = 1  # a dead agent is noticed after KEEP_ALIVE_S x KEEP_ALIVE_MISSES
 KEEP_ALIVE_MISSES = 3
+STORE_READ_TIMEOUT_S = 10  # a store host that does not answer this long is gone (torch's default: 60 s)
+NEXT_HOST_WAIT_S = 10  # how long an agent waits for the next node in line to open the moved store
 
 
 @dataclass(frozen=True)
@@ -57,16 +65,22 @@ class NodeAgent:
     node: int  # this agent's node in the job: 0 .. nodes + spares - 1
     nodes: int  # the nodes that train (cluster.nodes); the ones after them are hot spares
     workers: int  # per node: one per GPU (processes on CPU)
-    store_host: str  # the rendezvous store: node 0's agent hosts it
+    hosts: tuple[str, ...]  # every node's address, by node index
     max_restarts: int
     join_timeout_s: int
     min_nodes: int = 0  # elastic.min_nodes: go on with this many after losing nodes (0: all `nodes`)
     spares: int = 0  # hot spare nodes after the `nodes` that train (cluster.spare_nodes)
+    store_node: int = 0  # the node whose agent hosts the rendezvous store
+    generation: int = 0  # how often the store moved (each move: a new store on a new port)
+
+    @property
+    def store_host(self) -> str:
+        return self.hosts[self.store_node]
 
     @property
     def port(self) -> int:
         # Not port_for_job itself: the same job's workers (without agents) rendezvous there.
-        return port_for_job(self.job_id + "/rendezvous")
+        return port_for_job(self.job_id + "/rendezvous" + (f"/{self.generation}" if self.generation else ""))
 
     @property
     def endpoint(self) -> str:
@@ -76,18 +90,18 @@ class NodeAgent:
     def spare(self) -> bool:
         return self.node >= self.nodes
 
-    def launch_config(self) -> Any:
+    def launch_config(self, max_restarts: int) -> Any:
         from torch.distributed.launcher.api import LaunchConfig
 
         low = self.min_nodes or self.nodes
         return LaunchConfig(
             min_nodes=low, max_nodes=self.nodes, nproc_per_node=self.workers, run_id=self.job_id,
             role="hpctrain", rdzv_backend="c10d", rdzv_endpoint=self.endpoint,
-            rdzv_configs={"is_host": self.node == 0, "join_timeout": self.join_timeout_s,
+            rdzv_configs={"is_host": self.node == self.store_node, "join_timeout": self.join_timeout_s,
                           "last_call_timeout": LAST_CALL_S if low == self.nodes else SHRINK_LAST_CALL_S,
                           "keep_alive_interval": KEEP_ALIVE_S,
-                          "keep_alive_max_attempt": KEEP_ALIVE_MISSES},
-            max_restarts=self.max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="fork")
+                          "keep_alive_max_attempt": KEEP_ALIVE_MISSES, "read_timeout": STORE_READ_TIMEOUT_S},
+            max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="fork")
 
 
 def agent_from_submitit(nodes: int, workers: int, max_restarts: int, join_timeout_s: int, min_nodes: int = 0
@@ -96,7 +110,7 @@ def agent_from_submitit(nodes: int, workers: int, max_restarts: int, join_timeou
     import submitit
 
     je = submitit.JobEnvironment()
-    return NodeAgent(job_id=str(je.job_id), node=je.node, nodes=nodes, workers=workers, store_host=first_node_address(je),
+    return NodeAgent(job_id=str(je.job_id), node=je.node, nodes=nodes, workers=workers, hosts=node_addresses(je),
                      max_restarts=max_restarts, join_timeout_s=join_timeout_s, min_nodes=min_nodes,
                      spares=je.num_nodes - nodes)
 
@@ -105,37 +119,122 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
     """Run this node's workers until they finish, restarting all of them on any failure (every node alike).
 
     `task` (config, run directory, layout) goes to every worker. Returns the workers' results by local rank;
-    raises torch's ChildFailedError once `max_restarts` restarts are spent.
+    raises torch's ChildFailedError once `max_restarts` restarts are spent. When the rendezvous store's host
+    dies, the store moves to the next live node and the agents go on there.
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    _log_to_stderr(agent.node)
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ["HPCTRAIN_JOB_ID"] = agent.job_id
+    signal.signal(signal.SIGUSR2, _leave_to_workers)
+    slot: int | None = None if agent.spare else agent.node
+    while True:
+        server = _host_store(agent) if agent.node == agent.store_node else None  # torch's store reuses it
+        base = last_restart(Path(task.run_dir), agent.job_id) + 1 if agent.generation else 0
+        os.environ["HPCTRAIN_RESTART_BASE"] = str(base)
+        try:
+            results, slot = _launch(agent, task, slot, agent.max_restarts - base)
+        except ChildFailedError:
+            if agent.generation and server is not None:
+                _end_job_after_run()
+            raise
+        except Exception as error:
+            if server is not None or _answers(agent, 3):
+                raise
+            log.warning("node %d: the rendezvous store on node %d stopped answering (%s): moving it",
+                        agent.node, agent.store_node, type(error).__name__)
+            agent = next_store(agent)
+            log.warning("node %d: the rendezvous store is now on node %d (%s)", agent.node, agent.store_node,
+                        agent.endpoint)
+            continue
+        if agent.generation and server is not None:  # node 0, the batch host, is gone: no one else ends the job
+            _end_job_after_run()
+        return results
+
+
+def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) -> tuple[dict[int, Any], int | None]:
+    """One launch of torch's agent against the current store: (the workers' results, the slot this node held)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     from hpctrain.train.worker import (
         run_worker,  # torch and the training stack, imported once, before forking
     )
 
-    _log_to_stderr(agent.node)
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    os.environ["HPCTRAIN_JOB_ID"] = agent.job_id
-    signal.signal(signal.SIGUSR2, _leave_to_workers)
-    slot = agent.node
-    if agent.spare:
-        log.info("node %d: hot spare, waiting for one of %d nodes to go", agent.node, agent.nodes)
-        slot = spares.wait_for_vacancy(spares.connect(agent.store_host, agent.port, agent.join_timeout_s),
-                                       agent.job_id, agent.nodes, agent.node)
-        if slot is None:
-            return {}
-    log.info("node %d (slot %d of %d): agent for %d worker(s), rendezvous %s, up to %d restarts in the allocation",
-             agent.node, slot, agent.nodes, agent.workers, agent.endpoint, agent.max_restarts)
+    if max_restarts < 0:
+        raise RuntimeError(f"node {agent.node}: the restarts of launcher.max_restarts={agent.max_restarts} are spent")
     if not agent.spares:
-        return elastic_launch(agent.launch_config(), run_worker)(task)
+        log.info("node %d: agent for %d worker(s), rendezvous %s, up to %d restarts in the allocation",
+                 agent.node, agent.workers, agent.endpoint, max_restarts)
+        return elastic_launch(agent.launch_config(max_restarts), run_worker)(task), slot
+    store = spares.connect(agent.store_host, agent.port, agent.join_timeout_s)
+    if slot is not None and not spares.hold(store, agent.job_id, slot, agent.node):
+        log.info("node %d: slot %d was taken while the store moved; this node is a spare now", agent.node, slot)
+        slot = None
+    if slot is None:
+        log.info("node %d: hot spare, waiting for one of %d nodes to go", agent.node, agent.nodes)
+        slot = spares.wait_for_vacancy(store, agent.job_id, agent.nodes, agent.node, moved=agent.generation > 0)
+        if slot is None:
+            return {}, None
+    log.info("node %d (slot %d of %d): agent for %d worker(s), rendezvous %s, up to %d restarts in the allocation",
+             agent.node, slot, agent.nodes, agent.workers, agent.endpoint, max_restarts)
     beat = spares.Heartbeat(agent.store_host, agent.port, agent.job_id, slot, agent.node, agent.join_timeout_s)
     beat.start()
     try:
-        return elastic_launch(agent.launch_config(), run_worker)(task)
+        results = elastic_launch(agent.launch_config(max_restarts), run_worker)(task)
+    except ChildFailedError:  # the run is over, failed: the spares leave (a lost store is no end: no word)
+        _announce_end(agent)
+        raise
     finally:
         beat.stop()
-        with contextlib.suppress(Exception):  # node 0's agent may have closed the store already
-            spares.announce_end(spares.connect(agent.store_host, agent.port, 5), agent.job_id)
+    _announce_end(agent)
+    return results, slot
+
+
+def _announce_end(agent: NodeAgent) -> None:
+    with contextlib.suppress(Exception):  # the store's host may have closed it already
+        spares.announce_end(spares.connect(agent.store_host, agent.port, 5), agent.job_id)
+
+
+def next_store(agent: NodeAgent, wait_s: float = NEXT_HOST_WAIT_S) -> NodeAgent:
+    """The next node in line after the store's dead host that answers (or this one): every agent walks the same
+    line, and a live node opens the new store as soon as it notices the old one is gone."""
+    count = len(agent.hosts)
+    for step in range(1, count):
+        moved = replace(agent, store_node=(agent.store_node + step) % count, generation=agent.generation + step)
+        if moved.store_node == agent.node or _answers(moved, wait_s):
+            return moved
+    raise RuntimeError(f"node {agent.node}: no node of the job answers for the rendezvous store")
+
+
+def _host_store(agent: NodeAgent) -> Any:
+    """Open the store's server in this process before torch's rendezvous does: torch's own TCPStore for the
+    endpoint (multi_tenant) then shares it, and a spare that waits outside the rendezvous can host it too."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("0.0.0.0", agent.port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=STORE_READ_TIMEOUT_S))
+
+
+def _answers(agent: NodeAgent, wait_s: float) -> bool:
+    """Whether the agent's store takes connections within `wait_s`."""
+    try:
+        spares.connect(agent.store_host, agent.port, wait_s)
+        return True
+    except Exception:
+        return False
+
+
+def _end_job_after_run() -> None:
+    """The run is over (done, or its restarts spent), but the batch script died with node 0 and Slurm would
+    hold the other nodes until the time limit: end the job, once the other agents had a moment to return."""
+    from hpctrain.scheduler import scheduler_for
+
+    time.sleep(2)
+    scheduler_for().end_self()
 
 
 def _log_to_stderr(node: int) -> None:

@@ -74,7 +74,9 @@ def discover() -> DistEnv:
             hostname=hostname,
             # hpctrain's agents name the scheduler's job; plain torchrun has only its run id
             job_id=os.environ.get("HPCTRAIN_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "torchrun"),
-            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            # the restarts before the agent's current launch (its store moved), then the launch's own
+            restart=int(os.environ.get("HPCTRAIN_RESTART_BASE", 0))
+            + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         )
     if os.environ.get("SUBMITIT_EXECUTOR"):
         import submitit
@@ -98,12 +100,20 @@ def discover() -> DistEnv:
 
 def first_node_address(je: "submitit.JobEnvironment") -> str:
     """The job's first node as every node reaches it: its routable address, loopback for the local executor
-    (the process group's rendezvous without agents, the agents' rendezvous store with them)."""
-    return "127.0.0.1" if os.environ.get("SUBMITIT_EXECUTOR") == "local" else _first_host_address(je.hostnames[0])
+    (the process group's rendezvous without agents)."""
+    return node_addresses(je)[0]
 
 
-def _first_host_address(host: str) -> str:
-    """Resolve the first node's name the way the other nodes can reach it (never 127.0.0.1)."""
+def node_addresses(je: "submitit.JobEnvironment") -> tuple[str, ...]:
+    """Every node of the job as the others reach it, by node index (the agents' rendezvous store starts on
+    the first and moves along them when its host dies)."""
+    if os.environ.get("SUBMITIT_EXECUTOR") == "local":
+        return ("127.0.0.1",)
+    return tuple(_host_address(h) for h in je.hostnames)
+
+
+def _host_address(host: str) -> str:
+    """Resolve a node's name the way the other nodes can reach it (never 127.0.0.1)."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
     except socket.gaierror:

@@ -2,12 +2,14 @@
 
 A spare agent cannot simply wait in torch's rendezvous: the running agents see a node waiting and restart
 every worker to admit it, about every second, for ever (measured here, shared/facts/in-allocation-restart.md).
-So the job's nodes are `slots` (cluster.nodes of them) and every agent that holds one beats a counter in the
-rendezvous store (the TCP store node 0's agent hosts for torch's c10d rendezvous, under keys of its own).
-A spare watches the counters; when one stops moving for `VACANT_S` (the node died with its agent), the spare
-claims the slot with one compare-and-set (two spares never take the same one), beats for it, and only then
-joins the rendezvous, where the surviving agents wait for the job's node count. When the run ends, its
-agents say so in the store and the spares that were never needed leave.
+So the job's nodes are `slots` (cluster.nodes of them): every agent that trains first takes its slot with a
+compare-and-set on the slot's owner, then beats a counter in the rendezvous store (the TCP store of torch's
+c10d rendezvous, under keys of its own). A spare watches the counters; when one stops moving for `VACANT_S`
+(the node died with its agent), the spare claims the slot with one compare-and-set on its owner (two spares
+never take the same one), beats for it, and only then joins the rendezvous, where the surviving agents wait
+for the job's node count. When the store itself moved to another node (its host died, `elastic.py`), every
+slot starts anew there: a slot nobody took within `VACANT_S` of the spare's arrival is the dead node's. When
+the run ends, its agents say so in the store and the spares that were never needed leave.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Heartbeat:
                 store.set(self.key, f"{self.node}:{count}")
                 count += 1
                 self._stop.wait(BEAT_S)
-        except Exception as exc:  # the store went away with node 0: the job is ending
+        except Exception as exc:  # the store went away with its node: the agents move it, with a new beat
             log.info("heartbeat stopped: %s", exc)
 
 
@@ -71,33 +73,37 @@ def announce_end(store: Any, job_id: str) -> None:
     store.set(_key(job_id, "ended"), "1")
 
 
-def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int) -> int | None:
-    """As spare `node`: the slot whose holder died and that this spare claimed, or None when the run ended."""
+def hold(store: Any, job_id: str, slot: int, node: int) -> bool:
+    """As a training agent: take `slot` in this store; False when a spare took it first (this agent, slow to
+    come back after the store moved, is then the spare)."""
+    return store.compare_set(_key(job_id, "owner", slot), "", str(node)).decode() == str(node)
+
+
+def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool = False) -> int | None:
+    """As spare `node`: the slot whose holder died and that this spare claimed, or None when the run ended.
+    In a store that `moved`, a slot no agent took within VACANT_S is vacant too (its holder died with the
+    store's old host). A store that stops answering raises: the agent moves to the next one."""
     seen: dict[int, tuple[str, float]] = {}
     while True:
-        try:
-            if store.check([_key(job_id, "ended")]):
-                return None
-            now = time.monotonic()
-            for slot in range(slots):
-                key = _key(job_id, "alive", slot)
-                if not store.check([key]):
-                    continue  # its holder has not started yet
-                value = store.get(key).decode()
-                if slot not in seen or seen[slot][0] != value:
-                    seen[slot] = (value, now)
-                elif now - seen[slot][1] > VACANT_S and _claim(store, job_id, slot, value, node):
-                    log.warning("spare node %d takes slot %d (its holder stopped beating %.1f s ago)", node, slot,
-                                now - seen[slot][1])
-                    return slot
-        except Exception as exc:  # the store is gone: node 0's agent ended, and with it the run
-            log.info("spare node %d leaves: %s", node, exc)
+        if store.check([_key(job_id, "ended")]):
             return None
+        now = time.monotonic()
+        for slot in range(slots):
+            key = _key(job_id, "alive", slot)
+            value = store.get(key).decode() if store.check([key]) else ""
+            if not value and not moved:
+                continue  # its holder has not started yet
+            if slot not in seen or seen[slot][0] != value:
+                seen[slot] = (value, now)
+            elif now - seen[slot][1] > VACANT_S and _claim(store, job_id, slot, value, node):
+                log.warning("spare node %d takes slot %d (%s %.1f s)", node, slot,
+                            "its holder stopped beating" if value else "nobody took it in the moved store",
+                            now - seen[slot][1])
+                return slot
         time.sleep(POLL_S)
 
 
 def _claim(store: Any, job_id: str, slot: int, beat: str, node: int) -> bool:
-    """One compare-and-set on the slot's owner: the dead holder (by its last beat) -> this spare."""
-    holder = beat.split(":")[0]
-    expected = "" if holder == str(slot) else holder  # a slot's first holder never wrote an owner
-    return store.compare_set(_key(job_id, "owner", slot), expected, str(node)).decode() == str(node)
+    """One compare-and-set on the slot's owner: the dead holder (by its last beat; none: nobody) -> this spare."""
+    holder = beat.split(":")[0] if beat else ""
+    return store.compare_set(_key(job_id, "owner", slot), holder, str(node)).decode() == str(node)

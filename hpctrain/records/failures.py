@@ -78,6 +78,13 @@ def last_attempt(run_dir: Path, job_id: str) -> str:
     return attempt_key(job_id, max(restarts, default=0))
 
 
+def last_restart(run_dir: Path, job_id: str) -> int:
+    """The job's highest restart inside the allocation so far (every attempt writes its records folder at
+    start); 0 when there was none."""
+    names = (p.name.rpartition(".")[2] for p in RunPaths(run_dir).failures(job_id).parent.glob(f"{job_id}.*"))
+    return max((int(n) for n in names if n.isdigit()), default=0)
+
+
 def condemned_hosts(run_dir: Path, job_id: str, restart: int) -> list[str]:
     """Hosts the health checks condemned in the attempt before `restart` (records with `blame`): restarting on
     the same nodes cannot help, the job must leave the allocation to run without them."""

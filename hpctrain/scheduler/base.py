@@ -69,6 +69,11 @@ class Scheduler(ABC):
         """Put the job this task belongs to back in the queue; False when that is not possible."""
 
     @abstractmethod
+    def end_self(self) -> bool:
+        """End the job this task belongs to, from inside: its batch script, which would have ended it, died with
+        its node (the run itself is done); False when that is not possible."""
+
+    @abstractmethod
     def drain(self, hosts: list[str], reason: str) -> bool:
         """Take nodes out of service for every job; False when that is not possible."""
 

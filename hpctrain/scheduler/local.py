@@ -58,6 +58,9 @@ class LocalScheduler(Scheduler):
     def requeue_self(self) -> bool:
         return False
 
+    def end_self(self) -> bool:
+        return False  # the local executor's job ends with its process
+
     def drain(self, hosts: list[str], reason: str) -> bool:
         log.warning("not draining %s: the local executor has no nodes to take out of service", hosts)
         return False

@@ -69,6 +69,12 @@ def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
     return params
 
 
+def _own_job_id() -> str | None:
+    env = os.environ
+    array = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return array or env.get("SLURM_JOB_ID")
+
+
 def _run(args: list[str], check: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT_S, check=check)
 
@@ -126,9 +132,7 @@ class SlurmScheduler(Scheduler):
         return restarts is not None and int(restarts.group(1)) <= int(os.environ.get("SLURM_RESTART_COUNT", 0))
 
     def requeue_self(self) -> bool:
-        env = os.environ
-        job_id = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-        job_id = job_id or env.get("SLURM_JOB_ID")
+        job_id = _own_job_id()
         if not job_id:
             return False
         result = _run(["scontrol", "requeue", job_id])
@@ -136,6 +140,19 @@ class SlurmScheduler(Scheduler):
             log.error("scontrol requeue %s failed: %s", job_id, result.stderr.strip())
             return False
         log.info("requeued job %s", job_id)
+        return True
+
+    def end_self(self) -> bool:
+        """scancel: under --no-kill a job whose batch host died keeps its other nodes until the time limit
+        (measured on the dev cluster: the batch step never reports its end)."""
+        job_id = _own_job_id()
+        if not job_id:
+            return False
+        result = _run(["scancel", job_id])
+        if result.returncode:
+            log.error("scancel %s failed: %s", job_id, result.stderr.strip())
+            return False
+        log.info("ended job %s (its batch host is gone)", job_id)
         return True
 
     def drain(self, hosts: list[str], reason: str) -> bool:
