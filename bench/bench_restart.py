@@ -9,7 +9,11 @@ One run per incident (`+experiment=smoke cluster=dev`: 2 nodes x 2 workers, a RA
   ends it;
 - node-spare, node-shrink, node-requeue: the job's second node dies at step 35 (`slurm/dev-cluster.sh
   kill-node`: slurmd and every process in its namespace) and a hot spare takes its place
-  (cluster.spare_nodes=1), or the job goes on with one node (elastic.min_nodes=1), or Slurm requeues it.
+  (cluster.spare_nodes=1), or the job goes on with one node (elastic.min_nodes=1), or Slurm requeues it;
+- node0-spare: the job's first node dies (rank 0's, the batch host, the rendezvous store's host): the store
+  moves to the next node and the spare takes the dead node's slot there.
+Every node's RAM tier is its own /dev/shm (replicated to the next node): after a node death its state
+comes from the peers' copies.
 Each incident is broken down like nvidia-resiliency-ext's restart-latency table, from the run's own records
 (failure records, the watchdog's record, the restarted attempt's "attempt" event): detection, teardown +
 rendezvous + process spawn (the agents' part), imports, joining the process group, state load (engine build and
@@ -47,7 +51,9 @@ STEPS = 80
 DEV_CLUSTER = Path(__file__).resolve().parents[1] / "slurm" / "dev-cluster.sh"
 # A whole node dies (slurmd and every process in its namespace): a hot spare takes its place, or the job
 # shrinks to the node left, or (neither) Slurm requeues the job for NODE_FAIL onto other nodes.
-NODE_DEATHS = {"node-spare": ["cluster.spare_nodes=1"], "node-shrink": ["elastic.min_nodes=1"], "node-requeue": []}
+# kind -> (the victim: its node index in the job, the run's overrides)
+NODE_DEATHS = {"node-spare": (1, ["cluster.spare_nodes=1"]), "node0-spare": (0, ["cluster.spare_nodes=1"]),
+               "node-shrink": (1, ["elastic.min_nodes=1"]), "node-requeue": (1, [])}
 
 
 def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: int = 0,
@@ -58,7 +64,7 @@ def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: in
         overrides.append(f"+cluster.env.HPCTRAIN_INJECT_FAULT='{kind}:step={STEP}:rank=1:once'")
     if kind == "hang":
         overrides += ["health.hang_timeout_s=10", "health.hang_factor=5"]
-    overrides += NODE_DEATHS.get(kind, [])
+    overrides += NODE_DEATHS[kind][1] if kind in NODE_DEATHS else []
     name = f"{kind}-{'agents' if in_allocation else 'resubmit'}" + (f"-busy{blockers}" if blockers else "")
     job, run_dir = submit_smoke(root, name, STEPS, 10, 1000, *overrides)
     for i in range(blockers):  # behind the run in the queue: they get its nodes whenever it leaves them
@@ -72,11 +78,13 @@ def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: in
             os.kill(job_workers(job)[1], signal.SIGKILL)  # the first agent's second worker
             killed_at = time.time()
         if kind in NODE_DEATHS and killed_at is None and rows and rows[-1]["step"] >= STEP:
-            victim = job_nodes(job)[1]  # not node 0: its death ends the job (the batch script runs there)
+            victim = job_nodes(job)[NODE_DEATHS[kind][0]]
             subprocess.run(["bash", str(DEV_CLUSTER), "kill-node", victim], check=True, capture_output=True)
             killed_at = time.time()
         rows = metrics(run_dir)
-        if rows and rows[-1]["step"] == STEPS and state(latest_job(run_dir)) in ("COMPLETED", "FAILED"):
+        # (a job whose batch host died is ended by hpctrain once the run is over: CANCELLED)
+        if rows and rows[-1]["step"] == STEPS and state(latest_job(run_dir)).split()[0] in ("COMPLETED", "FAILED",
+                                                                                            "CANCELLED"):
             break
         time.sleep(0.1)
     if kind in NODE_DEATHS:
@@ -126,6 +134,7 @@ def breakdown(run_dir: Path, job: str, kind: str, killed_at: float | None) -> di
     }
     return {"kind": kind, "job": job, "state": state(latest_job(run_dir)), "parts": parts, "total": attempt["first_step"] - failed,
             "tier": resume[-1]["tier"] if resume else None, "from_step": attempt["from_step"],
+            "fetched_bytes": resume[-1].get("fetched_bytes", 0) if resume else 0,
             "redone": len(steps) - len(set(steps)), "jobs": len(paths.jobs.read_text().splitlines())}
 
 

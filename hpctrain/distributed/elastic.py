@@ -42,6 +42,7 @@ from typing import Any
 from hpctrain.distributed import spares
 from hpctrain.distributed.environment import node_addresses, port_for_job
 from hpctrain.records.failures import last_restart
+from hpctrain.records.jobs import read_completed
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,8 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
                 _end_job_after_run()
             raise
         except Exception as error:
+            if _run_completed(task, agent.job_id):  # the store closed with the run's end: nothing to move
+                return {}
             if server is not None or _answers(agent, 3):
                 raise
             log.warning("node %d: the rendezvous store on node %d stopped answering (%s): moving it",
@@ -193,8 +196,17 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
 
 
 def _announce_end(agent: NodeAgent) -> None:
+    """The run is over: the spares leave. The store's host keeps it open a moment longer, so that a spare reads
+    the word before the store goes (else it would take the closed store for a dead host and move it)."""
     with contextlib.suppress(Exception):  # the store's host may have closed it already
         spares.announce_end(spares.connect(agent.store_host, agent.port, 5), agent.job_id)
+    if agent.node == agent.store_node:
+        time.sleep(4 * spares.POLL_S)
+
+
+def _run_completed(task: Any, job_id: str) -> bool:
+    completed = read_completed(Path(task.run_dir))
+    return bool(completed) and completed.get("job_id") == job_id
 
 
 def next_store(agent: NodeAgent, wait_s: float = NEXT_HOST_WAIT_S) -> NodeAgent:

@@ -82,16 +82,16 @@ def hold(store: Any, job_id: str, slot: int, node: int) -> bool:
 def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool = False) -> int | None:
     """As spare `node`: the slot whose holder died and that this spare claimed, or None when the run ended.
     In a store that `moved`, a slot no agent took within VACANT_S is vacant too (its holder died with the
-    store's old host). A store that stops answering raises: the agent moves to the next one."""
+    store's old host), as long as another slot is held (else no one is left to train with: the run is over).
+    A store that stops answering raises: the agent moves to the next one."""
     seen: dict[int, tuple[str, float]] = {}
     while True:
         if store.check([_key(job_id, "ended")]):
             return None
         now = time.monotonic()
-        for slot in range(slots):
-            key = _key(job_id, "alive", slot)
-            value = store.get(key).decode() if store.check([key]) else ""
-            if not value and not moved:
+        beats = {slot: _beat(store, job_id, slot) for slot in range(slots)}
+        for slot, value in beats.items():
+            if not value and not (moved and any(beats.values())):
                 continue  # its holder has not started yet
             if slot not in seen or seen[slot][0] != value:
                 seen[slot] = (value, now)
@@ -101,6 +101,11 @@ def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool
                             now - seen[slot][1])
                 return slot
         time.sleep(POLL_S)
+
+
+def _beat(store: Any, job_id: str, slot: int) -> str:
+    key = _key(job_id, "alive", slot)
+    return store.get(key).decode() if store.check([key]) else ""
 
 
 def _claim(store: Any, job_id: str, slot: int, beat: str, node: int) -> bool:
