@@ -15,8 +15,13 @@ anyway (loss and gradient norm), on the engine's device. This measures, on forke
   (d) what hpctrain did before: (a) plus three small all-reduces of their own (stop flag, checkpoint
       agreement, lease), the pattern of most hand-written trainers.
 
-Timings are medians of rank 0's per-iteration times, the variants interleaved so the machine's noise hits
-them alike; results are ratios against (a) in the same run, and go to bench/control_plane.json. A gloo ring
+It also times one all-reduce of n values (n = 2 .. 1024) per world size: gloo's ring splits the vector in
+one chunk per rank, so fewer values than ranks is cheaper (empty chunks), and from n >= world on the cost is
+flat: the vector's length is not what a step pays for.
+
+Timings are rank 0's mean step time over a block of steps of one variant, the median over 5 rounds that
+rotate the order of the variants; results are ratios against (a) in the same run, and go to
+bench/control_plane.json. A gloo ring
 all-reduce of a few values is latency-bound: 2(W-1) sequential hops, so each collective grows linearly with
 the world size; (b) adds no collective, (d) adds three per step.
 """
@@ -40,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from tests.distributed_harness import run_distributed  # noqa: E402
 
 STEP_VALUES = 2  # loss, squared gradient norm
+SIZES = (2, 7, 16, 64, 1024)
 CONTROL_VALUES = 3 + 2  # SIGUSR2, SIGTERM, lease lost; one save in flight, one clock-timed tier
 
 
@@ -52,24 +58,45 @@ def _variants(world: int) -> dict[str, list[int]]:
 
 
 def _rank(rank: int, world: int, iters: int, warmup: int) -> dict[str, float] | None:
+    """Each variant in blocks of `iters` steps after a barrier, the blocks rotated over 5 rounds: on an
+    oversubscribed machine a collective's time is mostly waiting for the last rank to be scheduled, so
+    variants are compared block against block, never step against the next step."""
     variants = _variants(world)
     tensors = {name: [torch.zeros(n, dtype=torch.float64) for n in sizes] for name, sizes in variants.items()}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for i in range(warmup + iters):
-        for name, step in tensors.items():
-            started = time.perf_counter()
-            for t in step:
-                dist.all_reduce(t)  # CPU tensors on the gloo default group: this benchmark's only group
-            if i >= warmup:
-                times[name].append(time.perf_counter() - started)
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()} if rank == 0 else None
+    per_step: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for round_ in range(5):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            for i in range(warmup + iters):
+                if i == warmup:
+                    dist.barrier()
+                    started = time.perf_counter()
+                for t in tensors[name]:
+                    dist.all_reduce(t)  # CPU tensors on the gloo default group: this benchmark's only group
+            per_step[name].append((time.perf_counter() - started) / iters)
+    return {name: statistics.median(ts) * 1e3 for name, ts in per_step.items()} if rank == 0 else None
+
+
+def _sizes(rank: int, world: int, iters: int, warmup: int) -> dict[int, float] | None:
+    """One gloo all-reduce of n values, for n around the world size: what the vector's length costs."""
+    out = {}
+    for n in SIZES:
+        t = torch.zeros(n, dtype=torch.float64)
+        for _ in range(warmup):
+            dist.all_reduce(t)
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)  # CPU tensor, gloo default group
+        out[n] = (time.perf_counter() - started) / iters * 1e3
+    return out if rank == 0 else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--iters", type=int, default=300)
-    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "control_plane.json")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
@@ -83,7 +110,11 @@ def main() -> None:
         rows.append(row)
         print(f"{world:>5} | {a:>11.3f} | {ms['b_hpctrain']:>12.3f} | {ms['c_probe_step']:>9.3f} | "
               f"{ms['d_separate']:>12.3f} | {row['b_over_a']:>5.2f} | {row['c_over_a']:>5.2f} | {row['d_over_a']:>5.2f}")
-    args.out.write_text(json.dumps({"iters": args.iters, "rows": rows}, indent=1) + "\n")
+    sizes = {world: run_distributed(_sizes, world, args.iters, args.warmup, timeout=900)[0] for world in args.worlds}
+    print("one all-reduce of n values, ms: " + "; ".join(
+        f"world {w}: " + ", ".join(f"n={n} {ms:.2f}" for n, ms in by_n.items()) for w, by_n in sizes.items()))
+    args.out.write_text(json.dumps({"iters": args.iters, "rows": rows, "allreduce_ms_by_size": sizes}, indent=1)
+                        + "\n")
     print(f"wrote {args.out}")
 
 

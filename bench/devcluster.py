@@ -36,5 +36,5 @@ def state(job: str) -> str:
     """The job's current state: sacct's last record (a job that lost a node under --no-kill has a RESIZING
     record before it; a requeued one, the earlier attempts')."""
     out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "State", "-j", job], capture_output=True,
-                         text=True).stdout.split()
-    return out[-1] if out else ""
+                         text=True).stdout.splitlines()  # one record a line ("CANCELLED by 0" has spaces)
+    return out[-1].strip() if out else ""
