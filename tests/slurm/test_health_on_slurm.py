@@ -66,7 +66,7 @@ def test_a_hung_rank_is_detected_and_restarted_inside_the_allocation(slurm_clust
     """The watchdog ends the hung rank with its stack and a record; the agents restart every rank in the same
     job (a hang is a process failure: the nodes stay)."""
     job, run_dir = submit(slurm_cluster, tmp_path, "hang", "train.max_steps=40",
-                          "+cluster.env.HPCTRAIN_INJECT_FAULT='hang:step=15:rank=3:once'",
+                          "+cluster.env.HPCTRAIN_INJECT_FAULT='hang:step=25:rank=3:once'",
                           "health.hang_timeout_s=15")
     assert wait_done(slurm_cluster, run_dir, 300) == {job: "COMPLETED"}
     assert jobs(run_dir) == [job] and not (run_dir / "attempts.jsonl").exists()
@@ -77,7 +77,8 @@ def test_a_hung_rank_is_detected_and_restarted_inside_the_allocation(slurm_clust
     assert records[3]["type"] == "Hang" and not records[3]["peer"]
     assert all(r["peer"] for rank, r in records.items() if rank != 3)  # the others only waited for rank 3
     logs = (run_dir / "submitit" / f"{job}_0_log.out").read_text()
-    assert "restart 1" in logs and "resuming at step 10" in logs
+    # from the newest RAM step committed before the hang (the save and its copy to the peer node take ~1 s)
+    assert "restart 1" in logs and ("resuming at step 10" in logs or "resuming at step 20" in logs)
 
 
 @pytest.mark.timeout(400)
