@@ -3,7 +3,7 @@
 1. One task per node reports what the node says about itself (GPUs, ECC, NVLink, InfiniBand, versions;
    `node.py`); "not present" passes on a machine without GPUs or IB.
 2. Rank 0 compares the nodes (versions and firmware must agree; the odd node is named).
-3. Every rank times the same matmul (on its GPU, or its CPU threads), all ranks at once, and the job times an
+3. Every rank times the same matmul (on its GPU, or one CPU thread), all ranks at once, and the job times an
    all-reduce; a node whose matmul is an outlier by median and MAD (`outliers.py`) is named: uneven clocks
    from rack power or a sick GPU slow the whole synchronous job. A node is named only when a second round,
    timed again by every rank, finds it slow again: a hiccup (a daemon waking up, a page fault storm) costs a
@@ -57,21 +57,32 @@ class Preflight:
 
 
 def matmul_seconds(device: torch.device, repeats: int = 5) -> float:
-    """Fastest of `repeats` timings of a fixed matmul workload: large on GPUs (bf16), small on CPU threads
-    (fp32). The fastest, not the median: contention only ever adds time, a slow clock slows every repeat."""
-    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (384, torch.float32)
+    """Fastest of `repeats` timings of a fixed matmul workload: large on GPUs (bf16, wall clock), small on one
+    CPU thread (fp32, that thread's CPU time). The fastest, not the median: contention only ever adds time, a
+    slow clock slows every repeat. On CPU, ranks may share cores (more ranks than cores, other jobs): wall
+    time would measure the wait for a core (3 ranks on 2 cores: up to 3x between healthy nodes), a thread's
+    CPU time measures the core itself."""
+    cuda = device.type == "cuda"
+    n, dtype = (8192, torch.bfloat16) if cuda else (384, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
+    clock = time.perf_counter if cuda else time.thread_time
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)  # the matmul then runs in this thread: its CPU time is all of it
     times = []
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
+    try:
+        for _ in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize(device)
+            started = clock()
+            for _ in range(4):
+                a @ b
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(clock() - started)
+    finally:
+        torch.set_num_threads(threads)
     seconds = min(times[1:])
     if os.environ.get(SLOW_HOST_VARIABLE) == socket.gethostname():
         time.sleep(9 * seconds)

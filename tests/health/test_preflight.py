@@ -71,6 +71,21 @@ class Recorder:
         return self.now
 
 
+def test_a_cpu_node_is_timed_on_one_thread_and_the_rank_keeps_its_threads(monkeypatch) -> None:
+    """Ranks sharing cores would time the wait for a core: the CPU timing is one thread's CPU time, and the
+    rank's thread count is back as it was afterwards (the straggler probe runs it mid-training)."""
+    seen = []
+    clock = preflight.time.thread_time
+    monkeypatch.setattr(preflight.time, "thread_time", lambda: seen.append(torch.get_num_threads()) or clock())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert preflight.matmul_seconds(torch.device("cpu"), repeats=2) > 0
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_bandwidth_clock_starts_after_the_warmup_finished_on_the_device(monkeypatch) -> None:
     rec, group = Recorder(), object()
     monkeypatch.setattr(preflight.dist, "is_initialized", lambda: True)
