@@ -16,8 +16,9 @@ Every node's RAM tier is its own /dev/shm (replicated to the next node): after a
 comes from the peers' copies.
 Each incident is broken down like nvidia-resiliency-ext's restart-latency table, from the run's own records
 (failure records, the watchdog's record, the restarted attempt's "attempt" event): detection, teardown +
-rendezvous + process spawn (the agents' part), imports, joining the process group, state load (engine build and
-checkpoint read, with the tier), first step; and the total from the failure to the next completed step.
+rendezvous + process spawn (the agents' part), imports, joining the process group, then the state load part by
+part (lease and host list, watchdog and pre-flight, engine build, checkpoint manager, state read, with the tier;
+data and tracker), the first step; and the total from the failure to the next completed step.
 
 With `--busy N`, a raise is also run with N jobs of the whole cluster queued behind the run, once with agents
 and once with resubmission: the resubmitted job waits for the queue, the agents do not leave the allocation.
@@ -28,6 +29,7 @@ and once with resubmission: the resubmitted job waits for the queue, the agents 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -45,7 +47,11 @@ from bench_goodput import job_workers  # noqa: E402
 from devcluster import metrics, state, submit_smoke  # noqa: E402
 
 from hpctrain.records.paths import RunPaths  # noqa: E402
+from hpctrain.train.loop import ATTEMPT_MARKS  # noqa: E402
 
+# what each pair of the attempt's marks in a row (hpctrain.train.loop.ATTEMPT_MARKS) spans
+ATTEMPT_PARTS = ("imports", "join process group", "lease, hosts", "watchdog, pre-flight", "engine build",
+                 "checkpoint manager", "state read", "data, tracker", "first step")
 STEP = 35  # the failing step; the RAM tier's last save before it is step 30
 STEPS = 80
 DEV_CLUSTER = Path(__file__).resolve().parents[1] / "slurm" / "dev-cluster.sh"
@@ -124,14 +130,10 @@ def breakdown(run_dir: Path, job: str, kind: str, killed_at: float | None) -> di
     attempt = next(e for e in events if e["event"] == "attempt" and e["process_started"] > failed)
     resume = [e for e in events if e["event"] == "resume"]
     steps = [m["step"] for m in metrics(run_dir)]
-    parts = {
-        "detection": noticed - failed,
-        "teardown to spawn (rendezvous or queue)": attempt["process_started"] - noticed,
-        "imports": attempt["imported"] - attempt["process_started"],
-        "join process group": attempt["joined"] - attempt["imported"],
-        "state load": attempt["resumed"] - attempt["joined"],
-        "first step": attempt["first_step"] - attempt["resumed"],
-    }
+    parts = {"detection": noticed - failed,
+             "teardown to spawn (rendezvous or queue)": attempt["process_started"] - noticed}
+    for label, (start, end) in zip(ATTEMPT_PARTS, itertools.pairwise(ATTEMPT_MARKS)):
+        parts[label] = attempt[end] - attempt[start]
     return {"kind": kind, "job": job, "state": state(latest_job(run_dir)), "parts": parts, "total": attempt["first_step"] - failed,
             "tier": resume[-1]["tier"] if resume else None, "from_step": attempt["from_step"],
             "fetched_bytes": resume[-1].get("fetched_bytes", 0) if resume else 0,
@@ -153,9 +155,9 @@ def main() -> None:
         results += [run_incident(root, "raise", agents, args.busy, args.blocker_s) for agents in (True, False)]
     args.out.write_text(json.dumps(results, indent=1))
     names = list(results[0]["parts"])
-    print(f"{'incident':<22}" + "".join(f" {n:>30}" for n in names) + f"{'total':>9}  tier, resumed at, job")
+    print(f"{'incident':<22}" + "".join(f" {n:>{len(n) + 1}}" for n in names) + f"{'total':>9}  tier, resumed at, job")
     for r in results:
-        print(f"{r['name']:<22}" + "".join(f"{r['parts'][n]:>30.2f}s" for n in names) + f"{r['total']:>8.2f}s  "
+        print(f"{r['name']:<22}" + "".join(f" {r['parts'][n]:>{len(n)}.2f}s" for n in names) + f"{r['total']:>8.2f}s  "
               f"{r['tier']}, step {r['from_step']}, {r['jobs']} job(s) ({r['state']})")
 
 

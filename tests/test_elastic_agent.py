@@ -137,3 +137,104 @@ def test_a_spare_takes_the_slot_nobody_took_in_a_moved_store() -> None:
     finally:
         beat.stop()
     assert not spares.hold(store, "5", 0, node=0)  # the dead node, back late, finds its slot taken: a spare
+
+
+# ---- what a restart waits for (bench/bench_restart.py measures it; these check the decisions) ----------------
+
+def test_the_rendezvous_reads_its_state_at_the_agents_pace_not_every_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's c10d rendezvous waits 1 s between state reads and serves a 1 s old cached state: the agents'
+    hook makes both the job's poll period (about 500 reads a second at any size, torch's 1 s from 500 nodes),
+    and a real rendezvous built by torch's registry runs with it."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from hpctrain.distributed.elastic import _poll_rendezvous_every, rendezvous_poll_s
+
+    assert (rendezvous_poll_s(2), rendezvous_poll_s(100), rendezvous_poll_s(500), rendezvous_poll_s(4000)) == (
+        0.05, 0.2, 1.0, 1.0)
+    waits: list = []
+    monkeypatch.setattr(rdzv, "_delay", lambda seconds: waits.append(seconds))  # torch's, recording
+    monkeypatch.setattr(rdzv, "_BackendRendezvousStateHolder", rdzv._BackendRendezvousStateHolder)  # restored after
+    _poll_rendezvous_every(0.05)
+    _poll_rendezvous_every(0.05)  # each launch of the agent calls it again: wrapped once
+    rdzv._delay(seconds=1)
+    rdzv._delay(seconds=(0, 0.3))  # the first round's random skew is left alone
+    assert waits == [0.05, (0, 0.3)]
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+    handler = get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{server.port}", run_id="poll", min_nodes=1, max_nodes=1,
+        is_host=False, last_call_timeout=1))
+    assert handler._state_holder._cache_duration == 0.05
+    info = handler.next_rendezvous()  # torch's own join, on the hooked state holder
+    assert (info.rank, info.world_size) == (0, 1)
+    handler.shutdown()
+
+
+def test_a_rank_waits_for_rank_0s_store_to_listen_instead_of_backing_off(tmp_path: Path) -> None:
+    """Every rank but 0 starts before rank 0's store listens after a restart; torch's client, refused, backs
+    off about 0.5 s: `wait_for_listener` polls the port instead, and leaves a store that never comes to
+    torch's own connect (and its error)."""
+    import datetime
+    import socket
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from hpctrain.distributed.environment import wait_for_listener
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started: list = []
+    opener = threading.Timer(0.3, lambda: started.append(TCPStore("127.0.0.1", port, is_master=True,
+                                                                   wait_for_workers=False)))
+    opener.start()
+    wait_for_listener("127.0.0.1", port, timeout_s=30)
+    opener.join()
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    client.set("k", "v")
+    assert started[0].get("k") == b"v"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        unused = probe.getsockname()[1]
+    wait_for_listener("127.0.0.1", unused, timeout_s=0.2)  # returns: torch's connect reports it
+
+
+def test_the_failure_path_imports_nothing_the_agent_did_not(tmp_path: Path) -> None:
+    """A worker forked from the agent loads a checkpoint, and the agent logs the failed worker's traceback,
+    without importing anything new: DCP, left to choose its reader, imports fsspec (0.6 s), and torch's log
+    formatter imports torch._dynamo for a traceback (1.1 s), each time in every new worker or agent."""
+    import subprocess
+    import sys
+
+    script = f"""
+import logging, sys
+import torch
+import torch.distributed.checkpoint as dcp
+import hpctrain.train.worker  # what the agent imports before forking its workers
+from hpctrain.checkpoint.reshard import load_state
+from hpctrain.distributed.elastic import _plain_torch_log_format
+
+before = set(sys.modules)
+dcp.save({{"w": torch.arange(4.0)}}, storage_writer=dcp.FileSystemWriter({str(tmp_path)!r}), no_dist=True)
+state = {{"w": torch.zeros(4)}}
+load_state(state, {str(tmp_path)!r}, None, no_dist=True)
+assert state["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+_plain_torch_log_format()
+try:
+    raise RuntimeError("a worker failed")
+except RuntimeError:
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").exception("failed (exitcode: 1)")
+print(sorted({{m.split(".")[0] + ("._dynamo" if m.startswith("torch._dynamo") else "")
+              for m in set(sys.modules) - before}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "a worker failed" in proc.stderr  # the traceback is still logged
+    new = proc.stdout.strip()
+    assert "fsspec" not in new and "torch._dynamo" not in new, new

@@ -177,11 +177,7 @@ class CheckpointManager:
         return t.tolist()
 
     def _all_gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.control_group)
-        return out
+        return peers.all_gather(obj, self.world_size, self.control_group) if self.distributed else [obj]
 
     def _barrier(self) -> None:
         if self.distributed:

@@ -14,10 +14,12 @@ A "node" here is the set of ranks that see the same tier directory, found by a p
 nodes, and tests that give each simulated node a directory of its own on one machine, take the same path.
 All transfers carry CPU uint8 tensors on a gloo group created for that purpose (never the training's NCCL
 group); every rank derives the same transfer list from the same gathered facts, so sends and receives pair up.
+Files move in pieces of 64 MiB, all transfers' next pieces at once: a rank never holds a whole shard in memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 METADATA = ".metadata"  # DCP's global metadata file, written by the coordinator (rank 0) only
+PIECE_BYTES = 64 << 20  # a copy between nodes moves in pieces of this size: the memory it holds per file
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,12 @@ def find_nodes(directory: Path, rank: int, world_size: int, group: dist.ProcessG
     """Which ranks see the same `directory`: each rank drops a probe file, every rank looks for all of them."""
     if group is None:
         return Nodes(((0,),))
-    nonce = _all_gather(f"{time.time_ns()}-{os.getpid()}" if rank == 0 else None, world_size, group)[0]
+    nonce = all_gather(f"{time.time_ns()}-{os.getpid()}" if rank == 0 else None, world_size, group)[0]
     probe = directory / f".probe-{nonce}-{rank}"
     probe.touch()
     dist.barrier(group=group)
     seen = [r for r in range(world_size) if (directory / f".probe-{nonce}-{r}").exists()]
-    views = _all_gather(seen, world_size, group)
+    views = all_gather(seen, world_size, group)
     probe.unlink()
     return group_by_view(views)
 
@@ -100,7 +103,7 @@ def own_files(directory: Path, rank: int) -> dict[str, int]:
 
 def replicate(directory: Path, nodes: Nodes, rank: int, world_size: int, group: dist.ProcessGroup) -> int:
     """After this rank's DCP write: copy it to the next node. Returns the bytes this rank received."""
-    everyone = _all_gather(own_files(directory, rank), world_size, group)
+    everyone = all_gather(own_files(directory, rank), world_size, group)
     return run_transfers(replica_plan(everyone, nodes), rank, directory, directory, group)
 
 
@@ -137,27 +140,36 @@ def holdings(directory: Path, required: dict[str, int]) -> dict[str, int]:
 
 
 def run_transfers(transfers: list[Transfer], rank: int, src_dir: Path, dst_dir: Path,
-                  group: dist.ProcessGroup) -> int:
-    """This rank's side of a transfer list: post every send and receive at once, then write what came in.
-    Returns the bytes this rank received."""
-    works, incoming = [], []
-    for tag, t in enumerate(transfers):
-        if t.src == rank and t.size:
-            data = torch.frombuffer(bytearray((src_dir / t.name).read_bytes()), dtype=torch.uint8)
-            works.append(dist.isend(data, dst=t.dst, group=group, tag=tag))
-        elif t.dst == rank:
-            buffer = torch.empty(t.size, dtype=torch.uint8)
-            if t.size:
-                works.append(dist.irecv(buffer, src=t.src, group=group, tag=tag))
-            incoming.append((t.name, buffer))
-    for work in works:
-        work.wait()
+                  group: dist.ProcessGroup | None, piece_bytes: int = PIECE_BYTES) -> int:
+    """This rank's side of a transfer list, piece by piece: each round posts the next piece (at most
+    `piece_bytes`) of every transfer at once, sends and receives, then writes what came in. A rank holds one
+    piece per file it moves, never a whole shard (GBs on a real run). Returns the bytes this rank received."""
+    mine = [(tag, t) for tag, t in enumerate(transfers) if rank in (t.src, t.dst)]
     dst_dir.mkdir(parents=True, exist_ok=True)
-    for name, buffer in incoming:
-        tmp = dst_dir / f".{name}.incoming"
-        tmp.write_bytes(buffer.numpy().tobytes())
-        os.replace(tmp, dst_dir / name)
-    return sum(buffer.numel() for _, buffer in incoming)
+    with contextlib.ExitStack() as files:
+        sources = {tag: files.enter_context(open(src_dir / t.name, "rb")) for tag, t in mine if t.src == rank}
+        sinks = {tag: files.enter_context(open(dst_dir / f".{t.name}.incoming", "wb"))
+                 for tag, t in mine if t.dst == rank}
+        for start in range(0, max((t.size for _, t in mine), default=0), piece_bytes):
+            works, landed = [], []
+            for tag, t in mine:
+                if start >= t.size:
+                    continue
+                piece = torch.empty(min(piece_bytes, t.size - start), dtype=torch.uint8)
+                if tag in sources:
+                    sources[tag].readinto(piece.numpy())
+                    works.append(dist.isend(piece, dst=t.dst, group=group, tag=tag))
+                else:
+                    works.append(dist.irecv(piece, src=t.src, group=group, tag=tag))
+                    landed.append((tag, piece))
+            for work in works:
+                work.wait()
+            for tag, piece in landed:
+                sinks[tag].write(piece.numpy().data)
+    for tag, t in mine:
+        if t.dst == rank:
+            os.replace(dst_dir / f".{t.name}.incoming", dst_dir / t.name)
+    return sum(t.size for _, t in mine if t.dst == rank)
 
 
 def by_node(per_rank: list[Any], nodes: Nodes) -> list[Any]:
@@ -165,7 +177,8 @@ def by_node(per_rank: list[Any], nodes: Nodes) -> list[Any]:
     return [per_rank[g[0]] for g in nodes.groups]
 
 
-def _all_gather(obj: Any, world_size: int, group: dist.ProcessGroup) -> list[Any]:
+def all_gather(obj: Any, world_size: int, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's `obj`, by rank (pickled, on `group`: the checkpoint's gloo groups carry CPU objects)."""
     out: list[Any] = [None] * world_size
     dist.all_gather_object(out, obj, group=group)
     return out

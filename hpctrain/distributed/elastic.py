@@ -30,6 +30,7 @@ Traps this module avoids (measured on this machine, shared/facts/in-allocation-r
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -46,7 +47,7 @@ from hpctrain.records.jobs import read_completed
 
 log = logging.getLogger(__name__)
 
-MONITOR_INTERVAL_S = 0.2  # how often the agent polls its workers: part of the detection time of a crash
+MONITOR_INTERVAL_S = 0.1  # how often the agent polls its workers (and the rendezvous, cached): part of detecting a crash
 LAST_CALL_S = 1  # a fixed node count never needs the rendezvous' last call
 # A job that may shrink closes a round once min_nodes are in and no one came for this long: long enough for
 # every agent's start-up skew (one who misses the first round is admitted by one more restart), short
@@ -54,6 +55,12 @@ LAST_CALL_S = 1  # a fixed node count never needs the rendezvous' last call
 SHRINK_LAST_CALL_S = 3
 KEEP_ALIVE_S = 1  # a dead agent is noticed after KEEP_ALIVE_S x KEEP_ALIVE_MISSES
 KEEP_ALIVE_MISSES = 3
+# torch's rendezvous polls its state every 1 s while it waits for the others: each restart waits up to that
+# much longer than the last agent's arrival, twice (the round, then the workers' process group). Polled at
+# 2 ms a node instead (50 ms on a small job, torch's 1 s from 500 nodes on): about 500 reads a second reach
+# the store at any job size.
+RENDEZVOUS_POLL_S_PER_NODE = 0.002
+RENDEZVOUS_POLL_MIN_S = 0.05
 STORE_READ_TIMEOUT_S = 10  # a store host that does not answer this long is gone (torch's default: 60 s)
 NEXT_HOST_WAIT_S = 10  # how long an agent waits for the next node in line to open the moved store
 
@@ -126,9 +133,11 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _log_to_stderr(agent.node)
+    _plain_torch_log_format()
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ["HPCTRAIN_JOB_ID"] = agent.job_id
     signal.signal(signal.SIGUSR2, _leave_to_workers)
+    _poll_rendezvous_every(rendezvous_poll_s(len(agent.hosts)))
     slot: int | None = None if agent.spare else agent.node
     while True:
         server = _host_store(agent) if agent.node == agent.store_node else None  # torch's store reuses it
@@ -165,6 +174,10 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
         run_worker,  # torch and the training stack, imported once, before forking
     )
 
+    # What the agent holds now (torch, the training stack: 300k objects) is never garbage: out of the
+    # collector's sight, a worker's full collections stop scanning it (0.19 s each, several in a resume) and
+    # stop touching, hence copying, the pages it shares with the agent (the gc module's advice for forking).
+    gc.freeze()
     if max_restarts < 0:
         raise RuntimeError(f"node {agent.node}: the restarts of launcher.max_restarts={agent.max_restarts} are spent")
     if not agent.spares:
@@ -220,6 +233,38 @@ def next_store(agent: NodeAgent, wait_s: float = NEXT_HOST_WAIT_S) -> NodeAgent:
     raise RuntimeError(f"node {agent.node}: no node of the job answers for the rendezvous store")
 
 
+def rendezvous_poll_s(nodes: int) -> float:
+    """How often an agent waiting in the rendezvous reads its state, for a job of `nodes` agents."""
+    return min(1.0, max(RENDEZVOUS_POLL_MIN_S, nodes * RENDEZVOUS_POLL_S_PER_NODE))
+
+
+def _poll_rendezvous_every(poll_s: float) -> None:
+    """Make torch's c10d rendezvous read its state every `poll_s` instead of every 1 s. Two fixed seconds pace
+    it: `_delay(seconds=1)` between the reads of an agent that waits, and a state holder that serves its cached
+    copy for `cache_duration=1` s; both are module globals of torch's dynamic_rendezvous, looked up at each
+    call, so both are replaced here (the first round's random 0-0.3 s skew stays). Without those hooks
+    (another torch), the rendezvous keeps its 1 s: slower restarts, nothing else."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    delay, holder = getattr(rdzv, "_delay", None), getattr(rdzv, "_BackendRendezvousStateHolder", None)
+    if not callable(delay) or not isinstance(holder, type):
+        return
+    delay = getattr(delay, "__wrapped__", delay)  # once per process, however often the agent launches
+    holder = getattr(holder, "__wrapped__", holder)
+
+    def polled(seconds: float | tuple[float, float]) -> None:  # torch calls it by keyword
+        delay(seconds=seconds if isinstance(seconds, tuple) else min(float(seconds), poll_s))
+
+    class FreshStateHolder(holder):  # type: ignore[misc, valid-type]
+        __wrapped__ = holder
+
+        def __init__(self, backend: Any, settings: Any, cache_duration: float = 1) -> None:
+            super().__init__(backend, settings, cache_duration=min(cache_duration, poll_s))
+
+    polled.__wrapped__ = delay  # type: ignore[attr-defined]
+    rdzv._delay, rdzv._BackendRendezvousStateHolder = polled, FreshStateHolder
+
+
 def _host_store(agent: NodeAgent) -> Any:
     """Open the store's server in this process before torch's rendezvous does: torch's own TCPStore for the
     endpoint (multi_tenant) then shares it, and a spare that waits outside the rendezvous can host it too."""
@@ -258,6 +303,21 @@ def _log_to_stderr(node: int) -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+
+def _plain_torch_log_format() -> None:
+    """torch's own log formatter imports torch._dynamo (and sympy) the first time it formats a traceback: 1.1 s
+    spent in the agent at the first failed worker, every agent alike, before any restart. The agent's torch
+    lines get the standard formatter instead (what TORCH_LOGS_FORMAT would choose, had it been set before
+    torch was imported)."""
+    plain = logging.Formatter("%(levelname).1s%(asctime)s.%(msecs)03d %(process)d %(name)s:%(lineno)d] %(message)s",
+                              "%m%d %H:%M:%S")
+    torch_loggers = [logger for name, logger in logging.Logger.manager.loggerDict.items()
+                     if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger)]
+    for handler in (h for logger in torch_loggers for h in logger.handlers):
+        formatter = handler.formatter
+        if type(formatter).__name__ == "TorchLogsFormatter" and not getattr(formatter, "_is_trace", False):
+            handler.setFormatter(plain)
 
 
 def _leave_to_workers(signum: int, frame: Any) -> None:

@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -152,6 +153,8 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.
     # Every group made later (mesh dims, pipeline pairs, checkpoint groups) takes torch's module default,
     # 10 min for NCCL and 30 for the rest, not the default group's: make it the job's collective timeout.
     c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=timeout_s)
+    if env.rank != 0:
+        wait_for_listener(env.master_addr, env.master_port, timeout_s)
     dist.init_process_group(
         backend=process_group_backend(device),
         init_method=f"tcp://{env.master_addr}:{env.master_port}",
@@ -160,6 +163,20 @@ def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float, poll_s: float = 0.01) -> None:
+    """Return once rank 0's store takes connections. torch's store client, refused because it came first,
+    backs off about 0.5 s before it tries again: after a restart every rank but 0 would pay that."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                return  # torch's own connect gives the error, with its own wording
+            time.sleep(poll_s)
 
 
 def shutdown() -> None:

@@ -14,6 +14,11 @@ is enqueued but not finished ("scheduled"/"started", not retired) means some pee
 rank with nothing in flight while its step is overdue is stuck itself. Under gloo collectives block the
 caller, so the main thread's stack still counts there (as it does when the recorder is off).
 
+A stop signal (SIGTERM, SIGUSR2) shortens the limit: the loop acts on it at the next step boundary, so the step
+in progress must end within a few step times (`stop_signalled`). One that does not is waiting for peers that are
+gone: torch's elastic agent sends SIGTERM to every worker when it restarts the group, and a worker blocked in a
+collective that will never finish would otherwise hold the restart up until the agent's SIGKILL, 30 s later.
+
 A rank whose main thread is already failing (a peer went away, an error of its own) writes its own record:
 the loop calls `stand_down()` first, so the watchdog cannot fire half-way and call a failing rank hung.
 """
@@ -41,6 +46,9 @@ from hpctrain.records.paths import RunPaths
 log = logging.getLogger(__name__)
 
 EXIT_HANG = 3
+# After a stop signal the step in progress must end within this many typical steps (at least the minimum).
+STOP_GRACE_STEPS = 3
+STOP_GRACE_MIN_S = 3.0
 FLIGHT_RECORDER_WAIT_S = 30.0  # a dump that queries a wedged GPU's events must not stop the record
 RECORDERS = {"nccl": "_dump_nccl_trace", "gloo": "_dump_fr_trace"}  # backend -> torch's dump function
 # hangs/<job>/nccl_trace_rank_<r> (and gloo_...): `python -m torch.distributed.flight_recorder.fr_trace
@@ -117,6 +125,7 @@ class Watchdog:
         self.step = 0
         self.last = time.monotonic()
         self.recent: deque[float] = deque(maxlen=50)
+        self.boundary_due: float | None = None  # monotonic: a stop signal came, the next step must end by then
         self._stop = threading.Event()
         self._firing = threading.Lock()  # held from the decision to fire until the process exits
         self._main = threading.main_thread()
@@ -131,6 +140,16 @@ class Watchdog:
         self.step = step
         self.recent.append(step_time)
         self.last = time.monotonic()
+        self.boundary_due = None
+
+    def stop_signalled(self) -> None:
+        """A stop signal came (called from its handler: sets state only). The loop acts on it at the next step
+        boundary, all ranks together; a rank that does not reach it within a few step times is waiting for
+        peers that are gone (an agent tearing the group down for a restart sends exactly this), and waiting
+        out its hang limit would hold up the restart: it fires now."""
+        if self.boundary_due is None:
+            typical = statistics.median(self.recent) if self.recent else 0.0
+            self.boundary_due = time.monotonic() + max(STOP_GRACE_MIN_S, STOP_GRACE_STEPS * typical)
 
     def limit(self) -> float:
         if not self.recent:
@@ -142,6 +161,11 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
+    def _why(self) -> str:
+        if self.boundary_due is not None and time.monotonic() > self.boundary_due:
+            return "a stop signal came and the step did not end"
+        return f"limit {self.limit():.0f} s"
+
     def stand_down(self) -> None:
         """The main thread is failing on its own: from here its record, not a hang's, says what happened.
         Blocks (until the process exits) when the watchdog has already fired."""
@@ -150,9 +174,10 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
-            waited = time.monotonic() - self.last
-            if waited > self.limit():
-                self._fire(waited)
+            now = time.monotonic()
+            due = self.boundary_due
+            if now - self.last > self.limit() or (due is not None and now > due):
+                self._fire(now - self.last)
 
     def _fire(self, waited: float) -> None:
         with self._firing:
@@ -165,7 +190,7 @@ class Watchdog:
         dump = directory / f"rank{self.rank}.txt"
         with open(dump, "w") as f:
             f.write(f"rank {self.rank}: no step completed for {waited:.0f} s after step {self.step} "
-                    f"(limit {self.limit():.0f} s)\n")
+                    f"({self._why()})\n")
             faulthandler.dump_traceback(file=f, all_threads=True)
         main_stack = "".join(traceback.format_stack(sys._current_frames()[self._main.ident]))
         backend = _backend()
@@ -173,7 +198,7 @@ class Watchdog:
         verdict = decide(active, main_stack, backend, time.time_ns())
         with open(dump, "a") as f:
             f.write(f"\nverdict: {verdict.reason}\n")
-        exc = Hang(f"no step completed in {waited:.0f} s after step {self.step} (limit {self.limit():.0f} s); "
+        exc = Hang(f"no step completed in {waited:.0f} s after step {self.step} ({self._why()}); "
                    f"{verdict.reason}; stacks in {dump}")
         record_failure(self.run_dir, self.job_id, self.rank, self.step + 1, exc, peer=verdict.peer)
         log.error("%s", exc)

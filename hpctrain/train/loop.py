@@ -65,6 +65,13 @@ from hpctrain.train.schedule import lr_at
 
 log = logging.getLogger("hpctrain")
 
+# An attempt's start-up, mark by mark, in the "attempt" event of its first step (bench/bench_restart.py breaks
+# a restart down with them): the process began (forked by the agent), imported, joined the process group,
+# holds the lease, watchdog and pre-flight done, engine built, checkpoint manager ready, state loaded, data
+# and tracker ready, first step done.
+ATTEMPT_MARKS = ("process_started", "imported", "joined", "leased", "checked", "engine_built", "manager_ready",
+                 "resumed", "ready", "first_step")
+
 
 def load_config(config: dict[str, Any]) -> Any:
     """Rebuild the typed config on the task from the plain dict the launcher pickled."""
@@ -161,17 +168,19 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
     taken = take_lease(run_dir, env.job_id) if env.is_main else None  # this attempt now holds the run
     hosts = _record_hosts(run_dir, env)  # a collective: every rank reads the lease after rank 0 took it
     lease = taken or current_lease(run_dir)
+    timeline = {**(timeline or {}), "leased": time.time()}
     # Started before the pre-flight (whose collectives can hang too), with a limit below the collective
     # timeout: it must fire before NCCL's own watchdog, to leave stacks, the flight recorder and a record.
     watchdog = Watchdog(run_dir, env.attempt, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
                         cfg.health.startup_timeout_s,
                         ceiling_s=cfg.launcher.collective_timeout_s - TIMEOUT_MARGIN_S).start()
     run_preflight(cfg, env.rank, env.local_rank, env.attempt, run_dir, device)
-    stop, tracker, stats, done = StopFlag(), None, None, 0
+    stop, tracker, stats, done = StopFlag(on_signal=lambda _: watchdog.stop_signalled()), None, None, 0
     try:  # from here every error leaves a failure record: start-up (engine, resume) as much as the steps
+        timeline["checked"] = time.time()  # the watchdog started, the pre-flight passed
         monitor = RunMonitor(cfg.health, env.rank, device, hosts)
-        engine, ckpt, start_step, consumed = _resume(cfg, layout, run_dir, env, device)
-        timeline = {**(timeline or {}), "resumed": time.time()}
+        engine, ckpt, start_step, consumed = _resume(cfg, layout, run_dir, env, device, timeline)
+        timeline["resumed"] = time.time()
         done = start_step
         data = SampleIndex(open_tokens(cfg.data), cfg.train.seq_len, cfg.train.seed, cfg.data.vocab_size)
         if env.is_main:
@@ -185,6 +194,7 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
         fault = Fault.from_env()
         control = StepControl(stop, ckpt, monitor, (run_dir, lease) if env.is_main else None)
         stop.install()
+        timeline["ready"] = time.time()  # data, tracker, reporter
         for step in range(start_step, t.max_steps):
             started = time.perf_counter()
             if fault is not None:
@@ -245,13 +255,16 @@ def _close_tracker(tracker: Tracker | None, **stop: Any) -> None:
         tracker.close()
 
 
-def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.device
+def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.device, timeline: dict[str, float]
             ) -> tuple[Any, CheckpointManager, int, int]:
-    """The engine, its checkpoint manager, and where training goes on: (step, samples consumed)."""
+    """The engine, its checkpoint manager, and where training goes on: (step, samples consumed); `timeline`
+    gets the marks of the parts (engine built, manager ready)."""
     engine = build_engine(cfg, layout, device)
+    timeline["engine_built"] = time.time()
     ckpt = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, run_dir, str(cfg.run.id), env.rank,
                              env.world_size,
                              fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict(), device)
+    timeline["manager_ready"] = time.time()
     manifest = ckpt.resume(engine)
     if not manifest:
         return engine, ckpt, 0, 0

@@ -67,3 +67,19 @@ def test_text_bytes_is_real_python_source(tmp_path) -> None:
     assert len(data) == 200_000
     assert b"def " in data and b"import " in data
     assert build_text_bytes(max_bytes=200_000, cache_dir=tmp_path) == path  # cached
+
+
+def test_a_cached_corpus_is_found_without_walking_the_standard_library(tmp_path, monkeypatch) -> None:
+    """Every restarted worker opens the corpus: once it is built, finding it must not list the library's
+    files (0.6 s)."""
+    from hpctrain.data import sources
+
+    path = build_text_bytes(max_bytes=50_000, cache_dir=tmp_path)
+
+    def walked() -> list:
+        raise AssertionError("the standard library was walked for a cached corpus")
+
+    monkeypatch.setattr(sources, "stdlib_sources", walked)
+    assert build_text_bytes(max_bytes=50_000, cache_dir=tmp_path) == path
+    with pytest.raises(AssertionError, match="walked"):  # another size is another corpus: built
+        build_text_bytes(max_bytes=60_000, cache_dir=tmp_path)

@@ -65,6 +65,56 @@ def test_a_rank_failing_on_its_own_is_not_called_hung(tmp_path: Path) -> None:
     assert record["type"] == "RuntimeError" and record["peer"] is True
 
 
+SIGNALLED = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    from hpctrain.health.watchdog import Watchdog
+    from hpctrain.train.preemption import StopFlag
+    rank, port, run_dir = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dog = Watchdog(run_dir, "job1", rank, timeout_s=120.0, factor=5.0, startup_timeout_s=120.0, poll_s=0.1).start()
+    stop = StopFlag(on_signal=lambda _: dog.stop_signalled()).install()
+    for step in range(1, 4):      # healthy steps; a stop signal in the middle of one is acted on at its end
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        dist.all_reduce(torch.ones(2))
+        dog.beat(step, 0.05)
+    assert stop.signum == signal.SIGTERM  # flagged, not fatal: the stop would be agreed here
+    print("boundary reached", flush=True)
+    if rank == 0:
+        dist.all_reduce(torch.ones(2))  # rank 1 never comes: its peer is gone, as after a crash
+    else:
+        time.sleep(60)
+""")
+
+
+def test_a_rank_told_to_stop_that_cannot_reach_the_step_boundary_leaves_at_once(tmp_path: Path) -> None:
+    """An agent restarting the group sends SIGTERM to workers whose peers are gone. The flag alone would
+    leave them waiting in a collective for the hang limit (120 s here; the agent SIGKILLs after 30 s): the
+    watchdog gives the step a few step times (3 s at least), then records and ends the rank."""
+    import os
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", SIGNALLED, str(r), port, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    # the signal in a healthy step ended nothing: the rank reached the boundary (else it printed nothing)
+    assert procs[0].stdout.readline().strip() == "boundary reached"
+    time.sleep(1)
+    os.kill(procs[0].pid, signal.SIGTERM)  # the agent's teardown, while rank 0 waits for rank 1
+    _, err = procs[0].communicate(timeout=60)
+    procs[1].kill()
+    procs[1].communicate()
+    assert procs[0].returncode == EXIT_HANG, err
+    record = json.loads((tmp_path / "failures" / "job1" / "rank0.json").read_text())
+    assert record["type"] == "Hang" and record["peer"] is True and "a stop signal came" in record["message"]
+
+
 def cfg(**health: float) -> object:
     return OmegaConf.merge(OmegaConf.structured(Config), {"health": health})
 

@@ -162,6 +162,33 @@ def test_checkpoint_resumes_in_a_single_process(world: int, overrides: dict[str,
         torch.testing.assert_close(value, ref["weights"][name][: value.shape[0]], rtol=1e-5, atol=1e-6)
 
 
+def test_a_checkpoint_holds_no_hyperparameters_and_a_load_keeps_the_runs_own() -> None:
+    """The optimizer's hyperparameters are configuration: a state dict leaves them out (they were 11 pickled
+    entries per parameter), a load takes them from the run's optimizer, also over the stale ones an older
+    checkpoint holds, and the next step is the same as the unbroken run's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    cfg, trained = _engine(1, {})
+    for s in range(2):
+        trained.step(rank_batches(s, cfg, 0, 1), cfg.optim.lr)
+    state = trained.state_dict()
+    assert state["optim"] and not [k for k in state["optim"] if k.startswith("param_groups.")]
+    older = get_optimizer_state_dict(trained.model_parts[0], trained.optimizers[0],
+                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+    def copy(v: Any) -> Any:  # what a load from disk gives: tensors of their own
+        return v.clone() if isinstance(v, torch.Tensor) else v
+
+    stale = {k: (0.5 if k.endswith(".eps") else copy(v)) for k, v in older.items()}
+    assert any(k.endswith(".eps") for k in stale)
+    _, resumed = _engine(1, {})
+    resumed.load_state_dict({"model": {k: copy(v) for k, v in state["model"].items()}, "optim": stale})
+    assert {g["eps"] for g in resumed.optimizers[0].param_groups} == {cfg.optim.eps}
+    following = [e.step(rank_batches(2, cfg, 0, 1), cfg.optim.lr).loss for e in (trained, resumed)]
+    assert following[0] == following[1]
+    for (name, a), (_, b) in zip(trained.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 # ---- pipeline stage sizes (the plan's numbers) ----------------------------------------------------------------
 
 def test_stage_param_counts_tiny_model_matches_engine() -> None:

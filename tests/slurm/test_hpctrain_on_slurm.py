@@ -21,6 +21,7 @@ import torch
 
 from hpctrain.checkpoint.inspect import export_model, find
 from hpctrain.tracking.wandb_file import run_info
+from hpctrain.train.loop import ATTEMPT_MARKS
 from tests.conftest import run_hpctrain
 
 pytestmark = [pytest.mark.slurm]
@@ -200,6 +201,8 @@ def test_a_crashed_rank_is_restarted_inside_the_allocation_exactly(slurm_cluster
     attempt = [e for e in events if e["event"] == "attempt" and e["restart"] == 1]
     failed_at = min(json.loads(p.read_text())["time"] for p in (run_dir / "failures" / job).glob("rank*.json"))
     assert attempt and attempt[0]["first_step"] - failed_at < 60  # seconds, not a trip through the queue
+    marks = [attempt[0][mark] for mark in ATTEMPT_MARKS]  # the restart's start-up, part by part
+    assert marks == sorted(marks) and marks[0] > failed_at, attempt[0]
 
 
 @pytest.mark.timeout(500)
