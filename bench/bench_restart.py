@@ -11,7 +11,9 @@ One run per incident (`+experiment=smoke cluster=dev`: 2 nodes x 2 workers, a RA
   kill-node`: slurmd and every process in its namespace) and a hot spare takes its place
   (cluster.spare_nodes=1), or the job goes on with one node (elastic.min_nodes=1), or Slurm requeues it;
 - node0-spare: the job's first node dies (rank 0's, the batch host, the rendezvous store's host): the store
-  moves to the next node and the spare takes the dead node's slot there.
+  moves to the next node and the spare takes the dead node's slot there;
+- node-spare-silent: as node-spare, but the node's link goes down before its processes die (a power loss):
+  the survivors' connections to it go silent instead of closing.
 Every node's RAM tier is its own /dev/shm (replicated to the next node): after a node death its state
 comes from the peers' copies.
 Each incident is broken down like nvidia-resiliency-ext's restart-latency table, from the run's own records
@@ -59,7 +61,11 @@ DEV_CLUSTER = Path(__file__).resolve().parents[1] / "slurm" / "dev-cluster.sh"
 # shrinks to the node left, or (neither) Slurm requeues the job for NODE_FAIL onto other nodes.
 # kind -> (the victim: its node index in the job, the run's overrides)
 NODE_DEATHS = {"node-spare": (1, ["cluster.spare_nodes=1"]), "node0-spare": (0, ["cluster.spare_nodes=1"]),
-               "node-shrink": (1, ["elastic.min_nodes=1"]), "node-requeue": (1, [])}
+               "node-shrink": (1, ["elastic.min_nodes=1"]), "node-requeue": (1, []),
+               "node-spare-silent": (1, ["cluster.spare_nodes=1"])}
+# These die as a node losing power does: its link goes down first, so its peers see silence, not closed
+# connections (`kill-node --silent`).
+SILENT = {"node-spare-silent"}
 
 
 def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: int = 0,
@@ -85,7 +91,8 @@ def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: in
             killed_at = time.time()
         if kind in NODE_DEATHS and killed_at is None and rows and rows[-1]["step"] >= STEP:
             victim = job_nodes(job)[NODE_DEATHS[kind][0]]
-            subprocess.run(["bash", str(DEV_CLUSTER), "kill-node", victim], check=True, capture_output=True)
+            subprocess.run(["bash", str(DEV_CLUSTER), "kill-node", victim, *(["--silent"] if kind in SILENT else [])],
+                           check=True, capture_output=True)
             killed_at = time.time()
         rows = metrics(run_dir)
         # (a job whose batch host died is ended by hpctrain once the run is over: CANCELLED)

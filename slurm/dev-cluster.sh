@@ -624,8 +624,11 @@ node_ns_pids() {  # node -> every process in that node's network namespace (slur
     return 0
 }
 
-cmd_kill_node() {  # node: a node dies: SIGKILL its slurmd and everything running on it, nothing else
-    local n=${1:?usage: dev-cluster.sh kill-node nI} pids
+cmd_kill_node() {  # node [--silent]: a node dies: SIGKILL its slurmd and everything running on it, nothing else
+    local n=${1:?usage: dev-cluster.sh kill-node nI [--silent]} pids
+    # --silent: its link goes down first, as when a node loses power: its peers get no FIN or RST, only
+    # silence (without it the kernel closes the killed processes' connections, which a real death does not)
+    if [[ ${2:-} == --silent ]]; then ip link set "$VETH_PREFIX$n" down; fi
     pids=$(live_pids $(node_ns_pids "$n"))
     say "killing node $n: $(echo $pids | wc -w) process(es)"
     # shellcheck disable=SC2086
@@ -634,6 +637,7 @@ cmd_kill_node() {  # node: a node dies: SIGKILL its slurmd and everything runnin
 
 cmd_revive_node() {  # node: start its slurmd again (ReturnToService=1 brings it back once it registers)
     local n=${1:?usage: dev-cluster.sh revive-node nI}
+    ip link set "$VETH_PREFIX$n" up  # after kill-node --silent
     start_slurmd "$n"
     timeout 10 scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true
 }
@@ -648,7 +652,7 @@ case "${1:-}" in
     status) cmd_status ;;
     env) cmd_env ;;
     purge) cmd_purge ;;
-    kill-node) cmd_kill_node "${2:-}" ;;
+    kill-node) cmd_kill_node "${2:-}" "${3:-}" ;;
     revive-node) cmd_revive_node "${2:-}" ;;
-    *) echo "usage: $0 up|down|status|env|purge|kill-node nI|revive-node nI" >&2; exit 2 ;;
+    *) echo "usage: $0 up|down|status|env|purge|kill-node nI [--silent]|revive-node nI" >&2; exit 2 ;;
 esac
