@@ -238,3 +238,33 @@ print(sorted({{m.split(".")[0] + ("._dynamo" if m.startswith("torch._dynamo") el
     assert "a worker failed" in proc.stderr  # the traceback is still logged
     new = proc.stdout.strip()
     assert "fsspec" not in new and "torch._dynamo" not in new, new
+
+
+def test_an_agent_restarts_its_workers_when_a_peer_node_goes_silent_and_only_then() -> None:
+    """A job that may shrink and has no spare: each training agent watches the others' beats. A slot whose
+    beats stop (a node that lost power: its peers block, nothing fails) makes the agent stop its workers, once;
+    not when its workers already changed since that slot's last beat (the group restarted on its own, as after
+    a death that closed the connections)."""
+    import datetime
+    import time
+
+    from torch.distributed import TCPStore
+
+    from hpctrain.distributed import spares
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    beats = {slot: spares.Heartbeat("127.0.0.1", store.port, "7", slot, slot, 5).start() for slot in (0, 1, 2)}
+    told: list[int] = []
+    workers = {"pids": {101, 102}}
+    watch = spares.PeerWatch("127.0.0.1", store.port, "7", 3, 0, 5, lambda: set(workers["pids"]), told.append)
+    watch.start()
+    time.sleep(1.0)
+    beats[1].stop()  # node 1 goes silent
+    time.sleep(spares.VACANT_S + 1.5)
+    assert told == [1]  # once, though it stays silent
+    workers["pids"] = {201, 202}  # node 2 then dies, and the group restarts on its own first
+    beats[2].stop()
+    time.sleep(spares.VACANT_S + 1.5)
+    assert told == [1]
+    watch.stop()
+    beats[0].stop()

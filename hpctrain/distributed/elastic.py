@@ -23,6 +23,10 @@ Traps this module avoids (measured on this machine, shared/facts/in-allocation-r
   forked from the agent, which never touches CUDA or runs a torch op, so forking it is safe;
 - a spare agent waiting in the rendezvous makes the running agents restart every second: spares wait outside
   it until a node is gone (hpctrain/distributed/spares.py);
+- a node that loses power fails nothing (its peers block in collectives): a spare notices its beats stop, and
+  in a job that may shrink without spares the training agents watch each other's beats;
+- torch's rendezvous paces itself with a fixed 1 s (a sleep between reads, a 1 s state cache): both follow
+  the job's size instead (`rendezvous_poll_s`);
 - submitit's USR2 handler would requeue from the agent: the agent ignores USR2, and the workers (which
   Slurm signals too, as every process of the step) save and requeue as without agents.
 """
@@ -180,7 +184,8 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
     gc.freeze()
     if max_restarts < 0:
         raise RuntimeError(f"node {agent.node}: the restarts of launcher.max_restarts={agent.max_restarts} are spent")
-    if not agent.spares:
+    may_shrink = 0 < agent.min_nodes < agent.nodes
+    if not agent.spares and not may_shrink:
         log.info("node %d: agent for %d worker(s), rendezvous %s, up to %d restarts in the allocation",
                  agent.node, agent.workers, agent.endpoint, max_restarts)
         return elastic_launch(agent.launch_config(max_restarts), run_worker)(task), slot
@@ -197,15 +202,41 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
              agent.node, slot, agent.nodes, agent.workers, agent.endpoint, max_restarts)
     beat = spares.Heartbeat(agent.store_host, agent.port, agent.job_id, slot, agent.node, agent.join_timeout_s)
     beat.start()
+    # No spare to notice a node that went silent (power lost: its peers block, nothing fails): the agents
+    # watch each other's beats and restart the group without it.
+    watch = None
+    if may_shrink and not agent.spares:
+        watch = spares.PeerWatch(agent.store_host, agent.port, agent.job_id, agent.nodes, slot,
+                                 agent.join_timeout_s, own_workers, lambda _: _stop(own_workers())).start()
     try:
         results = elastic_launch(agent.launch_config(max_restarts), run_worker)(task)
+        _announce_end(agent)  # before the beat stops: a watching peer must not take the end for a silence
     except ChildFailedError:  # the run is over, failed: the spares leave (a lost store is no end: no word)
         _announce_end(agent)
         raise
     finally:
+        if watch is not None:
+            watch.stop()
         beat.stop()
-    _announce_end(agent)
     return results, slot
+
+
+def own_workers() -> set[int]:
+    """This agent's workers: its child processes (torch's agent forks them from its main thread)."""
+    children: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            children.update(int(pid) for pid in (task / "children").read_text().split())
+    return children
+
+
+def _stop(workers: set[int]) -> None:
+    """SIGTERM the workers: they stop at the step boundary, or, blocked on a peer that is gone, leave through
+    the watchdog within a few step times; torch's agent then restarts the group, and the rendezvous drops the
+    silent node once its keep-alive lapses."""
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def _announce_end(agent: NodeAgent) -> None:

@@ -10,14 +10,19 @@ never take the same one), beats for it, and only then joins the rendezvous, wher
 for the job's node count. When the store itself moved to another node (its host died, `elastic.py`), every
 slot starts anew there: a slot nobody took within `VACANT_S` of the spare's arrival is the dead node's. When
 the run ends, its agents say so in the store and the spares that were never needed leave.
+A job that may shrink and has no spare uses the same counters the other way round (`PeerWatch`): a training
+agent that sees another node's counter stop restarts the group, since a node that loses power leaves its
+peers blocked in collectives rather than failing them.
 """
 
 from __future__ import annotations
 
+import abc
 import datetime
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -39,33 +44,51 @@ def connect(host: str, port: int, timeout_s: float) -> Any:
                     wait_for_workers=False)
 
 
-class Heartbeat:
-    """The holder of a slot moves its counter every BEAT_S, in a thread of its own (its own store client)."""
+class _StoreThread(abc.ABC):
+    """A daemon thread with a store client of its own, until `stop()`. A store that goes away (with its node)
+    ends it quietly: the agents move the store and start new ones there."""
 
-    def __init__(self, host: str, port: int, job_id: str, slot: int, node: int, timeout_s: float) -> None:
+    name = "hpctrain-store-thread"
+
+    def __init__(self, host: str, port: int, timeout_s: float) -> None:
         self.args = (host, port, timeout_s)
-        self.key = _key(job_id, "alive", slot)
-        self.node = node
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="hpctrain-heartbeat", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> "_StoreThread":
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _beat(self) -> None:
+    def _main(self) -> None:
         try:
-            store = connect(*self.args)
-            count = 0
-            while not self._stop.is_set():
-                store.set(self.key, f"{self.node}:{count}")
-                count += 1
-                self._stop.wait(BEAT_S)
-        except Exception as exc:  # the store went away with its node: the agents move it, with a new beat
-            log.info("heartbeat stopped: %s", exc)
+            self._run(connect(*self.args))
+        except Exception as exc:
+            log.info("%s stopped: %s", self.name, exc)
+
+    @abc.abstractmethod
+    def _run(self, store: Any) -> None:
+        """The thread's work with its store client, until `self._stop` is set."""
+
+
+class Heartbeat(_StoreThread):
+    """The holder of a slot moves its counter every BEAT_S."""
+
+    name = "hpctrain-heartbeat"
+
+    def __init__(self, host: str, port: int, job_id: str, slot: int, node: int, timeout_s: float) -> None:
+        super().__init__(host, port, timeout_s)
+        self.key = _key(job_id, "alive", slot)
+        self.node = node
+
+    def _run(self, store: Any) -> None:
+        count = 0
+        while not self._stop.is_set():
+            store.set(self.key, f"{self.node}:{count}")
+            count += 1
+            self._stop.wait(BEAT_S)
 
 
 def announce_end(store: Any, job_id: str) -> None:
@@ -101,6 +124,45 @@ def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool
                             now - seen[slot][1])
                 return slot
         time.sleep(POLL_S)
+
+
+class PeerWatch(_StoreThread):
+    """A training agent's eye on the other slots, for a job that may shrink (`elastic.min_nodes`) and has no
+    spare to notice: a node that loses power goes silent, its peers' collectives block instead of failing, and
+    nothing else would notice before the hang watchdog's limit. When another slot's counter stops moving for
+    VACANT_S (and the run has not ended), `on_silent(slot)` runs once for that slot, unless this node's
+    `workers()` (their pids) changed since the slot's last beat: the group restarted already (a node whose
+    processes died closed its connections, and its peers failed at once). The agent then stops its own
+    workers, which restarts the group without the silent node."""
+
+    name = "hpctrain-peer-watch"
+
+    def __init__(self, host: str, port: int, job_id: str, slots: int, own: int, timeout_s: float,
+                 workers: Callable[[], set[int]], on_silent: Callable[[int], None]) -> None:
+        super().__init__(host, port, timeout_s)
+        self.job_id, self.slots, self.own = job_id, slots, own
+        self.workers, self.on_silent = workers, on_silent
+
+    def _run(self, store: Any) -> None:
+        seen: dict[int, tuple[str, float, set[int]]] = {}  # slot -> its last beat, when, our workers then
+        told: set[int] = set()
+        while not self._stop.wait(POLL_S):
+            if store.check([_key(self.job_id, "ended")]):
+                return
+            now, workers = time.monotonic(), self.workers()
+            for slot in range(self.slots):
+                value = _beat(store, self.job_id, slot)
+                if slot == self.own or not value or slot in told:
+                    continue  # never beat here (not started, or the store moved): not silent
+                if slot not in seen or seen[slot][0] != value:
+                    seen[slot] = (value, now, workers)
+                elif now - seen[slot][1] > VACANT_S:
+                    told.add(slot)
+                    if workers != seen[slot][2]:
+                        continue  # new workers since its last beat: the group restarted without it
+                    log.warning("slot %d (node %s) has been silent for %.1f s: stopping this node's workers",
+                                slot, value.split(":")[0], now - seen[slot][1])
+                    self.on_silent(slot)
 
 
 def _beat(store: Any, job_id: str, slot: int) -> str:

@@ -245,10 +245,13 @@ def test_a_sweep_submits_one_job_per_point_and_returns(slurm_cluster: Any, tmp_p
     assert len({i["run_id"] for i in infos}) == 3 and len({i["group"] for i in infos}) == 1
 
 
-def kill_node_until_done(slurm_cluster: Any, run_dir: Path, job: str, victim: str) -> tuple[dict[str, str], int]:
-    """Kill a whole node (slurmd and every process in its namespace), wait for the run to finish, bring the
-    node back; the run's job states and how often Slurm requeued `job`."""
-    subprocess.run(["bash", str(slurm_cluster.script), "kill-node", victim], check=True, capture_output=True)
+def kill_node_until_done(slurm_cluster: Any, run_dir: Path, job: str, victim: str, silent: bool = False
+                         ) -> tuple[dict[str, str], int]:
+    """Kill a whole node (slurmd and every process in its namespace; `silent`: its link down first, as in a
+    power loss), wait for the run to finish, bring the node back; the run's job states and how often Slurm
+    requeued `job`."""
+    subprocess.run(["bash", str(slurm_cluster.script), "kill-node", victim, *(["--silent"] if silent else [])],
+                   check=True, capture_output=True)
     try:
         states = wait_for(f"the run to finish without {victim}",
                           lambda: last_step(run_dir) == STEPS and finished(slurm_cluster, run_dir)
@@ -282,15 +285,20 @@ def test_a_node_that_dies_is_left_out_and_the_run_finishes_once(slurm_cluster: A
 
 
 @pytest.mark.timeout(500)
+@pytest.mark.parametrize("silent", [False, True], ids=["dies", "loses-power"])
 def test_without_a_spare_the_run_shrinks_to_min_nodes_with_the_same_batch(slurm_cluster: Any, reference: Path,
-                                                                           tmp_path: Path) -> None:
+                                                                           tmp_path: Path, silent: bool) -> None:
     """elastic.min_nodes=1: a node dies and the agent left goes on alone in the same job (sbatch and srun
-    --no-kill): DP 4 -> 2, gradient accumulation 1 -> 2, so every step still trains on the same 16 samples."""
+    --no-kill): DP 4 -> 2, gradient accumulation 1 -> 2, so every step still trains on the same 16 samples.
+    A node that loses power leaves its peers blocked, not failed: the agent left sees its beats stop and
+    restarts the group (else only the hang watchdog, 600 s later, would)."""
     job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "shrink", "elastic.min_nodes=1")
-    states, requeued = kill_node_until_done(slurm_cluster, run_dir, job, victim)
+    states, requeued = kill_node_until_done(slurm_cluster, run_dir, job, victim, silent)
     assert states == {job: "COMPLETED"} and requeued == 0, (states, requeued)
     logs = (run_dir / "submitit" / f"{job}_0_log.out").read_text()
     assert "running on 1 of 2 nodes: DP 4 -> 2, gradient accumulation 1 -> 2 (global batch 16)" in logs
+    agent = (run_dir / "submitit" / f"{job}_0_log.err").read_text()
+    assert ("has been silent" in agent) == silent  # a node whose processes died: its peers failed at once
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["consumed_samples"] == 16 * r["step"] for r in rows)  # the samples of each step: unchanged
     steps = [r["step"] for r in rows]
