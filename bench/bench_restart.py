@@ -12,8 +12,9 @@ One run per incident (`+experiment=smoke cluster=dev`: 2 nodes x 2 workers, a RA
   (cluster.spare_nodes=1), or the job goes on with one node (elastic.min_nodes=1), or Slurm requeues it;
 - node0-spare: the job's first node dies (rank 0's, the batch host, the rendezvous store's host): the store
   moves to the next node and the spare takes the dead node's slot there;
-- node-spare-silent, node-shrink-silent: as node-spare and node-shrink, but the node's link goes down before
-  its processes die (a power loss): the survivors' connections to it go silent instead of closing.
+- node-spare-silent, node-shrink-silent, node0-spare-silent: as node-spare, node-shrink and node0-spare, but
+  the node's link goes down before its processes die (a power loss): the survivors' connections to it go
+  silent instead of closing.
 Every node's RAM tier is its own /dev/shm (replicated to the next node): after a node death its state
 comes from the peers' copies.
 Each incident is broken down like nvidia-resiliency-ext's restart-latency table, from the run's own records
@@ -62,10 +63,11 @@ DEV_CLUSTER = Path(__file__).resolve().parents[1] / "slurm" / "dev-cluster.sh"
 # kind -> (the victim: its node index in the job, the run's overrides)
 NODE_DEATHS = {"node-spare": (1, ["cluster.spare_nodes=1"]), "node0-spare": (0, ["cluster.spare_nodes=1"]),
                "node-shrink": (1, ["elastic.min_nodes=1"]), "node-requeue": (1, []),
-               "node-spare-silent": (1, ["cluster.spare_nodes=1"]), "node-shrink-silent": (1, ["elastic.min_nodes=1"])}
+               "node-spare-silent": (1, ["cluster.spare_nodes=1"]), "node-shrink-silent": (1, ["elastic.min_nodes=1"]),
+               "node0-spare-silent": (0, ["cluster.spare_nodes=1"])}
 # These die as a node losing power does: its link goes down first, so its peers see silence, not closed
 # connections (`kill-node --silent`).
-SILENT = {"node-spare-silent", "node-shrink-silent"}
+SILENT = {"node-spare-silent", "node-shrink-silent", "node0-spare-silent"}
 
 
 def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: int = 0,
