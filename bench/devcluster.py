@@ -28,8 +28,9 @@ def submit_smoke(root: Path, run_id: str, steps: int, ram_interval: int, shared_
 
 
 def metrics(run_dir: Path) -> list[dict]:
+    """The rows written so far (a row still being written, without its newline, is left for the next read)."""
     path = RunPaths(run_dir).metrics
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
 def state(job: str) -> str:

@@ -629,10 +629,20 @@ cmd_kill_node() {  # node [--silent]: a node dies: SIGKILL its slurmd and everyt
     # --silent: its link goes down first, as when a node loses power: its peers get no FIN or RST, only
     # silence (without it the kernel closes the killed processes' connections, which a real death does not)
     if [[ ${2:-} == --silent ]]; then ip link set "$VETH_PREFIX$n" down; fi
-    pids=$(live_pids $(node_ns_pids "$n"))
-    say "killing node $n: $(echo $pids | wc -w) process(es)"
+    # A node dies at once: none of its processes may see another die first and act on it (srun forks a child
+    # that ends the whole step, on every node, when its parent dies before it). So all of them are stopped
+    # before any is killed; a second look stops what was forked meanwhile.
+    local stopped="" _
+    for _ in 1 2; do
+        pids=$(live_pids $(node_ns_pids "$n"))
+        # shellcheck disable=SC2086
+        [[ -z $pids ]] || kill -STOP $pids 2>/dev/null || true
+        stopped="$stopped $pids"
+    done
+    stopped=$(echo $stopped | tr ' ' '\n' | sort -un | xargs)
+    say "killing node $n: $(echo $stopped | wc -w) process(es)"
     # shellcheck disable=SC2086
-    [[ -z $pids ]] || kill -KILL $pids 2>/dev/null || true
+    [[ -z $stopped ]] || kill -KILL $stopped 2>/dev/null || true
 }
 
 cmd_revive_node() {  # node: start its slurmd again (ReturnToService=1 brings it back once it registers)

@@ -120,6 +120,34 @@ def test_the_store_moves_to_the_next_node_that_answers(tmp_path: Path) -> None:
     assert (skipped.store_node, skipped.generation) == (3, 3)
 
 
+
+def test_a_store_that_failed_a_call_is_given_up_on_at_once_when_nothing_answers() -> None:
+    """After a failed call, an agent asks whether the store still answers before moving it: a refused port
+    says no at once (a store client would retry it for seconds), a port that takes connections but answers
+    nothing (a process in its last moments) says no within the probe's wait, a live store says yes."""
+    import datetime
+    import socket
+    import time
+
+    from torch.distributed import TCPStore
+
+    from hpctrain.distributed.elastic import _still_answers
+
+    agent = NodeAgent(job_id="11", node=1, nodes=2, workers=1, hosts=("127.0.0.1",) * 2, max_restarts=3,
+                      join_timeout_s=60)
+    start = time.monotonic()
+    assert not _still_answers(agent)
+    assert time.monotonic() - start < 0.5
+    mute = socket.create_server(("127.0.0.1", agent.port))  # listens, never accepts, never answers
+    start = time.monotonic()
+    assert not _still_answers(agent, wait_s=1.0)
+    assert time.monotonic() - start < 5
+    mute.close()
+    server = TCPStore("127.0.0.1", agent.port, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=5))
+    assert _still_answers(agent)
+    del server
+
 def test_a_spare_takes_the_slot_nobody_took_in_a_moved_store() -> None:
     """In the store a dead host's successor opened, the slots start empty: the live agents take theirs at once
     (compare-and-set), and the dead node's stays empty; the spare claims it VACANT_S later, never a held one."""
@@ -138,6 +166,58 @@ def test_a_spare_takes_the_slot_nobody_took_in_a_moved_store() -> None:
         beat.stop()
     assert not spares.hold(store, "5", 0, node=0)  # the dead node, back late, finds its slot taken: a spare
 
+
+
+def test_a_store_whose_host_goes_silent_fails_its_clients_in_seconds_not_never(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node that loses power leaves its store's clients with silence, not a closed socket. torch's TCPStore
+    client then never returns: its read times out, but it blocks for good in the cancellation of its wait.
+    The spares' clients (here: a spare waiting for a vacancy) and torch's c10d rendezvous backend (the agent's
+    every state read) give each call a bound instead, and a client that missed it fails every later call at
+    once. The store's host here is a stopped process (SIGSTOP): its connections stay open, nothing answers."""
+    import datetime
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    from hpctrain.distributed import elastic, spares
+
+    monkeypatch.setattr(spares, "READ_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(C10dRendezvousBackend, "_call_store", C10dRendezvousBackend._call_store)  # undone after
+    elastic._bound_rendezvous_store_calls(2.0)
+    host = subprocess.Popen([sys.executable, "-c", "import time\n"
+                             "from torch.distributed import TCPStore\n"
+                             "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+                             "print(s.port, flush=True)\ntime.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        spare = spares.connect("127.0.0.1", port, 600)  # 600 s to connect (the join timeout), 1 + 2 s a call
+        spare.set("hpctrain/1/alive/0", "0:1")
+        agent = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=1))
+        backend = C10dRendezvousBackend(agent, "1")
+        assert backend.get_state() is None  # a live store: the calls go through
+        host.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(spares.StoreSilent):
+            spares.wait_for_vacancy(spare, "1", 2, node=2)
+        with pytest.raises(RendezvousConnectionError, match="did not answer"):
+            backend.get_state()
+        assert time.monotonic() - start < 10  # 3 s + 2 s, where the unbounded clients would wait for ever
+        start = time.monotonic()
+        with pytest.raises(spares.StoreSilent):
+            spare.check(["hpctrain/1/ended"])
+        with pytest.raises(RendezvousConnectionError, match="earlier"):
+            backend.set_state(b"state")
+        assert time.monotonic() - start < 0.5  # given up on: no second wait
+    finally:
+        host.send_signal(signal.SIGCONT)
+        host.kill()
+        host.wait()
 
 # ---- what a restart waits for (bench/bench_restart.py measures it; these check the decisions) ----------------
 

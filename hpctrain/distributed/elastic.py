@@ -38,6 +38,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -65,7 +66,6 @@ KEEP_ALIVE_MISSES = 3
 # the store at any job size.
 RENDEZVOUS_POLL_S_PER_NODE = 0.002
 RENDEZVOUS_POLL_MIN_S = 0.05
-STORE_READ_TIMEOUT_S = 10  # a store host that does not answer this long is gone (torch's default: 60 s)
 NEXT_HOST_WAIT_S = 10  # how long an agent waits for the next node in line to open the moved store
 
 
@@ -112,7 +112,7 @@ class NodeAgent:
             rdzv_configs={"is_host": self.node == self.store_node, "join_timeout": self.join_timeout_s,
                           "last_call_timeout": LAST_CALL_S if low == self.nodes else SHRINK_LAST_CALL_S,
                           "keep_alive_interval": KEEP_ALIVE_S,
-                          "keep_alive_max_attempt": KEEP_ALIVE_MISSES, "read_timeout": STORE_READ_TIMEOUT_S},
+                          "keep_alive_max_attempt": KEEP_ALIVE_MISSES, "read_timeout": int(spares.READ_TIMEOUT_S)},
             max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="fork")
 
 
@@ -142,6 +142,7 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
     os.environ["HPCTRAIN_JOB_ID"] = agent.job_id
     signal.signal(signal.SIGUSR2, _leave_to_workers)
     _poll_rendezvous_every(rendezvous_poll_s(len(agent.hosts)))
+    _bound_rendezvous_store_calls(spares.READ_TIMEOUT_S + spares.CALL_MARGIN_S)
     slot: int | None = None if agent.spare else agent.node
     while True:
         server = _host_store(agent) if agent.node == agent.store_node else None  # torch's store reuses it
@@ -156,7 +157,7 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
         except Exception as error:
             if _run_completed(task, agent.job_id):  # the store closed with the run's end: nothing to move
                 return {}
-            if server is not None or _answers(agent, 3):
+            if server is not None or _still_answers(agent):
                 raise
             log.warning("node %d: the rendezvous store on node %d stopped answering (%s): moving it",
                         agent.node, agent.store_node, type(error).__name__)
@@ -296,6 +297,34 @@ def _poll_rendezvous_every(poll_s: float) -> None:
     rdzv._delay, rdzv._BackendRendezvousStateHolder = polled, FreshStateHolder
 
 
+def _bound_rendezvous_store_calls(seconds: float) -> None:
+    """Give every store call of torch's c10d rendezvous `seconds` at most. Its backend sends them all through
+    `C10dRendezvousBackend._call_store`; a store whose host lost power would otherwise hold the agent for
+    good in its first read (spares.within says why), its workers blocked on the same silent node, and the job
+    with them. A call that does not return raises torch's own RendezvousConnectionError, which ends the
+    agent's launch like a closed store does (the store then moves); so does every later call of that backend,
+    at once. Without that method (another torch), calls are not bounded: a silent store host hangs the job."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    call = getattr(c10d.C10dRendezvousBackend, "_call_store", None)
+    if not callable(call):
+        return
+    call = getattr(call, "__wrapped__", call)  # once per process, however often the agent launches
+
+    def bounded(backend: Any, store_op: str, *args: Any, **kwargs: Any) -> Any:
+        if getattr(backend, "_hpctrain_silent", False):
+            raise RendezvousConnectionError("The C10d store stopped answering earlier.")
+        try:
+            return spares.within(seconds, call, backend, store_op, *args, **kwargs)
+        except spares.StoreSilent as exc:
+            backend._hpctrain_silent = True
+            raise RendezvousConnectionError(f"The C10d store did not answer a {store_op} in {seconds:.0f} s.") from exc
+
+    bounded.__wrapped__ = call  # type: ignore[attr-defined]
+    c10d.C10dRendezvousBackend._call_store = bounded
+
+
 def _host_store(agent: NodeAgent) -> Any:
     """Open the store's server in this process before torch's rendezvous does: torch's own TCPStore for the
     endpoint (multi_tenant) then shares it, and a spare that waits outside the rendezvous can host it too."""
@@ -304,7 +333,24 @@ def _host_store(agent: NodeAgent) -> Any:
     from torch.distributed import TCPStore
 
     return TCPStore("0.0.0.0", agent.port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=STORE_READ_TIMEOUT_S))
+                    timeout=datetime.timedelta(seconds=spares.READ_TIMEOUT_S))
+
+
+def _still_answers(agent: NodeAgent, wait_s: float = 1.0) -> bool:
+    """Whether the store, which just failed a call, still answers one: nothing takes a connection on its port
+    (refused, or silent for `wait_s`) and it is gone at once; a socket that connects may still belong to a
+    process in its last moments (its memory freed before its files are closed), so the store must also answer
+    a call. (A store client alone would retry a refused connection for its whole timeout and back off once
+    more: 5.5 s for a 3 s timeout, spent by every agent before the store moves.)"""
+    try:
+        socket.create_connection((agent.store_host, agent.port), timeout=wait_s).close()
+    except OSError:
+        return False
+    try:
+        spares.connect(agent.store_host, agent.port, wait_s).check(["hpctrain/ping"])
+        return True
+    except Exception:
+        return False
 
 
 def _answers(agent: NodeAgent, wait_s: float) -> bool:

@@ -30,18 +30,77 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.5  # how often a slot's holder moves its counter
 VACANT_S = 3.0  # a counter that has not moved for this long: its node is gone
 POLL_S = 0.25
+READ_TIMEOUT_S = 10.0  # a store host that does not answer a read this long is gone (torch's default: 60 s)
+CALL_MARGIN_S = 2.0  # beyond the client's own timeout, before a call is given up on (see `within`)
 
 
 def _key(job_id: str, *parts: object) -> str:
     return "/".join(["hpctrain", job_id, *map(str, parts)])
 
 
-def connect(host: str, port: int, timeout_s: float) -> Any:
-    """A client of the rendezvous store (waits up to `timeout_s` for node 0's agent to open it)."""
+def connect(host: str, port: int, timeout_s: float) -> BoundedStore:
+    """A client of the rendezvous store: waits up to `timeout_s` for the store to open; then each call gets
+    READ_TIMEOUT_S (a store whose host lost power never answers: its clients must notice, not block for the
+    whole join timeout)."""
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                    wait_for_workers=False)
+    # its handshake, too, can wait for ever on a port that takes connections and never answers
+    store = within(timeout_s + CALL_MARGIN_S, TCPStore, host, port, is_master=False,
+                   timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    store.set_timeout(datetime.timedelta(seconds=min(timeout_s, READ_TIMEOUT_S)))
+    return BoundedStore(store, min(timeout_s, READ_TIMEOUT_S) + CALL_MARGIN_S)
+
+
+class StoreSilent(TimeoutError):
+    """The store did not answer a call in time: its host is gone or hangs."""
+
+
+def within(seconds: float, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)` on a store client, given `seconds` at most, else StoreSilent.
+
+    torch's TCPStore client keeps its timeout only while it waits for a reply: a read that timed out then
+    cancels its wait and blocks in recv() for the cancellation's own reply, with no timeout, and holds the
+    client's lock meanwhile. Against a host that lost power (or hangs) that is forever, for every later call of
+    that client too. So the call runs in a daemon thread, left behind when it does not return in time."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["value"] = call(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="hpctrain-store-call", daemon=True).start()
+    if not done.wait(seconds):
+        raise StoreSilent(f"the rendezvous store did not answer within {seconds:.0f} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+class BoundedStore:
+    """A store client whose every call returns within `seconds` or raises StoreSilent; once one has not, the
+    client is stuck for good (see `within`) and every later call raises at once."""
+
+    def __init__(self, store: Any, seconds: float) -> None:
+        self._store, self._seconds, self._silent = store, seconds, False
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._store, name)
+
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            if self._silent:
+                raise StoreSilent("the rendezvous store stopped answering earlier")
+            try:
+                return within(self._seconds, method, *args, **kwargs)
+            except StoreSilent:
+                self._silent = True
+                raise
+
+        return bounded
 
 
 class _StoreThread(abc.ABC):
