@@ -2,12 +2,17 @@
 """Checkpoint costs, measured against references taken in the same run (this machine is noisy).
 
 For a GPT whose model + AdamW state is a few hundred MB:
-  (a) time training is blocked by a synchronous DCP save (dcp.save);
-  (b) time training is blocked by hpctrain's asynchronous tiered save (CheckpointManager, staging only);
-  write throughput of the save against the disk's own sequential write of the same bytes (a plain file),
-  each repeat measuring both, one after the other;
-  load throughput (the manager's resume) against a plain sequential read of the same bytes.
-Targets: (b) <= 10% of (a); save throughput >= 70% of the raw disk figure.
+  (a) time training is blocked by a synchronous DCP save (dcp.save, torch.save's record CRC32 on, its default),
+      and by the same save without any checksum, and with hpctrain's writer (CRC32C per file and record): the
+      checksum's cost;
+  (b) time training is blocked by hpctrain's asynchronous tiered save: everything the training thread waits
+      for at the step boundaries of a save (staging at the start, booking the commit at a later boundary:
+      the whole `after_step` calls), in steady state;
+  write throughput of the save (start to durable commit) against the disk's own sequential write of the same
+  bytes (a plain file, fsynced), each repeat measuring both, one after the other;
+  load throughput (the manager's resume: find, check, load, set state; records verified as they are read, and
+  without verification) against a plain sequential read of the same bytes, interleaved.
+Targets: (b) <= 10% of (a); save throughput >= 80% of the raw disk; resume >= 80% of the raw read.
 
     python bench/bench_checkpoint.py [--layers 12 --d-model 640] [--dir /tmp/hpctrain-bench-ckpt]
 """
@@ -20,18 +25,21 @@ import shutil
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hpctrain.checkpoint.integrity import SummingWriter  # noqa: E402
 from hpctrain.checkpoint.layout import committed_in  # noqa: E402
-from hpctrain.checkpoint.manager import CheckpointManager, _NoCrcFileSystem  # noqa: E402
+from hpctrain.checkpoint.manager import CheckpointManager  # noqa: E402
 from hpctrain.config.layout import resolve_layout  # noqa: E402
 from hpctrain.config.schema import Config  # noqa: E402
 from hpctrain.parallel.engine import build_engine  # noqa: E402
@@ -44,6 +52,7 @@ def dir_bytes(path: Path) -> int:
 def raw_write(path: Path, nbytes: int, block: int = 64 << 20) -> float:
     """Seconds to write nbytes sequentially and fsync: the disk's own figure for this amount."""
     buf = os.urandom(min(block, nbytes))
+    os.sync()
     started = time.perf_counter()
     with open(path, "wb") as f:
         left = nbytes
@@ -55,12 +64,25 @@ def raw_write(path: Path, nbytes: int, block: int = 64 << 20) -> float:
     return time.perf_counter() - started
 
 
-def raw_read(path: Path, block: int = 64 << 20) -> float:
+def raw_read(paths: list[Path], block: int = 64 << 20) -> float:
+    """Seconds to read files sequentially into one reused buffer: the bytes' own read speed, no allocation."""
+    buf = memoryview(bytearray(block))
     started = time.perf_counter()
-    with open(path, "rb") as f:
-        while f.read(block):
-            pass
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
     return time.perf_counter() - started
+
+
+def drop_page_cache() -> bool:
+    """Make the next reads come from the disk (root only); False where that is not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def fsync_tree(path: Path) -> None:
@@ -76,6 +98,7 @@ class Saves:
 
     sync_blocked: list[float] = field(default_factory=list)
     sync_nocrc: list[float] = field(default_factory=list)
+    sync_crc32c: list[float] = field(default_factory=list)
     async_blocked: list[float] = field(default_factory=list)
     async_total: list[float] = field(default_factory=list)
     raw_write: list[float] = field(default_factory=list)
@@ -103,8 +126,10 @@ def main() -> None:
                                 {"model": "bench"})
     raw_file = args.dir / "raw.bin"
     saves = measure_saves(args, engine, manager, raw_file)
-    load_s, raw_read_s = measure_loads(args, engine, manager, raw_file)
-    print_results(args.dir, params, saves, load_s, raw_read_s)
+    loads = {"page cache": measure_loads(args, engine, manager, cold=False)}
+    if drop_page_cache():
+        loads["disk (cache dropped)"] = measure_loads(args, engine, manager, cold=True)
+    print_results(args.dir, params, saves, loads)
     shutil.rmtree(args.dir, ignore_errors=True)
 
 
@@ -122,71 +147,129 @@ def bench_config(args: argparse.Namespace) -> Any:
     })
 
 
-def measure_saves(args: argparse.Namespace, engine: Any, manager: CheckpointManager, raw_file: Path) -> Saves:
-    """(a), (a) without record CRC32s, (b) and the raw write, interleaved per repeat, so that each figure sees the
-    same disk weather."""
-    saves = Saves()
-    for step in range(1, args.repeats + 1):
-        target = args.dir / f"sync{step}"
-        saves.sync_blocked.append(
-            synchronous(lambda: dcp.save(engine.state_dict(), checkpoint_id=str(target), no_dist=True), target))
-        saves.sync_bytes = dir_bytes(target)
-        shutil.rmtree(target)
-        writer = dcp.FileSystemWriter(str(target))
-        writer.fs = _NoCrcFileSystem()
-        saves.sync_nocrc.append(
-            synchronous(lambda: dcp.save(engine.state_dict(), storage_writer=writer, no_dist=True), target))
-        shutil.rmtree(target)
+class _NoChecksumFileSystem(FileSystem):
+    """DCP's file system with torch.save's record CRC32 off and nothing in its place: the reference for the
+    checksum's cost."""
 
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" in mode:
+            torch.serialization.set_crc32_options(False)  # thread-local: in the writer thread
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
+
+def measure_saves(args: argparse.Namespace, engine: Any, manager: CheckpointManager, raw_file: Path) -> Saves:
+    """(a) three ways, (b) and the raw write, interleaved per repeat, so that each figure sees the same disk
+    weather. (b) is the time of a whole `after_step` that starts a save and books the previous one (finished
+    meanwhile, as it would be during the training steps between two saves); the first has nothing to book and
+    allocates the staging buffers, so it is left out."""
+    saves = Saves()
+    for step in range(1, args.repeats + 2):
+        target = args.dir / f"sync{step}"
+
+        def default() -> dcp.FileSystemWriter:
+            return dcp.FileSystemWriter(str(target))
+
+        def unsummed() -> dcp.FileSystemWriter:
+            writer = dcp.FileSystemWriter(str(target))
+            writer.fs = _NoChecksumFileSystem()
+            return writer
+
+        ways = [(saves.sync_blocked, default), (saves.sync_nocrc, unsummed),
+                (saves.sync_crc32c, lambda: SummingWriter(target, thread_count=1))]
+        for times, make in ways[step % 3:] + ways[: step % 3]:  # each way first in turn: no order bias
+            writer = make()
+            times.append(synchronous(lambda: dcp.save(engine.state_dict(), storage_writer=writer, no_dist=True),
+                                     target))
+            if make is default:
+                saves.sync_bytes = dir_bytes(target)
+            shutil.rmtree(target)
+
+        manager._reap_retention(wait=True)  # the previous checkpoint's deletion: between saves, off the clock
+        os.sync()
+        started = time.perf_counter()
         manager.after_step(step, engine, {"consumed_samples": step}, manager.control_values(time.monotonic()))
-        started_event = [e for e in manager.events if e["event"] == "save_started"][-1]
-        saves.async_blocked.append(started_event["blocked_s"])
-        manager.wait_all()
-        committed = [e for e in manager.events if e["event"] == "save_committed"][-1]
-        saves.async_total.append(committed["total_s"])
+        blocked = time.perf_counter() - started
+        for running in manager.in_flight.values():  # the steps between two saves: the write finishes
+            running.future.result()
+        if step > 1:
+            saves.async_blocked.append(blocked)
+            committed = [e for e in manager.events if e["event"] == "save_committed"][-1]
+            saves.async_total.append(committed["total_s"])
+            saves.size = committed["bytes"]
+            saves.raw_write.append(raw_write(raw_file, saves.size))
         manager.events.clear()
-        saves.size = committed["bytes"]
-        saves.raw_write.append(raw_write(raw_file, saves.size))
+    manager.wait_all()
     return saves
 
 
 def synchronous(save: Callable[[], None], target: Path) -> float:
-    """Seconds a synchronous save blocks training: from the call until its files are on disk."""
+    """Seconds a synchronous save blocks training: from the call until its files are on disk (the disk idle
+    at the start: nothing left to write back from the figure before)."""
+    os.sync()
     started = time.perf_counter()
     save()
     fsync_tree(target)
     return time.perf_counter() - started
 
 
-def measure_loads(args: argparse.Namespace, engine: Any, manager: CheckpointManager, raw_file: Path
-                  ) -> tuple[float, float]:
-    """Median seconds of the manager's resume and of a plain sequential read of the same bytes."""
+@dataclass
+class Loads:
+    """Median seconds of the manager's resume, with and without verifying each record as it is read, and of a
+    plain sequential read of the same files."""
+
+    verified: float
+    unverified: float
+    raw: float
+
+
+def measure_loads(args: argparse.Namespace, engine: Any, manager: CheckpointManager, cold: bool) -> Loads:
+    """The three, one after the other per repeat; `cold`: each from the disk (page cache dropped before it),
+    else from the page cache (as from a RAM tier, or a file just written)."""
     ckpt = committed_in(args.dir / "tier" / "bench")[-1]  # an absolute tier path gets the run id appended
-    raw_r = statistics.median(raw_read(raw_file) for _ in range(args.repeats))
-    load_times = []
-    for _ in range(args.repeats):  # what a restart does: find the newest checkpoint, verify it, load it
-        started = time.perf_counter()
-        assert manager.resume(engine)["step"] == ckpt.step
-        load_times.append(time.perf_counter() - started)
-    return statistics.median(load_times), raw_r
+    files = sorted(ckpt.path.iterdir())
+    times: dict[str, list[float]] = {"raw": [], "verified": [], "unverified": []}
+    raw_read(files)  # warm: the cache holds the files from here on
+    for _ in range(args.repeats):  # what a restart does: find the newest checkpoint, check it, load it
+        for way in times:
+            if cold:
+                drop_page_cache()
+            if way == "raw":
+                times[way].append(raw_read(files))
+                continue
+            manager.verify_on_load = way == "verified"
+            started = time.perf_counter()
+            assert manager.resume(engine)["step"] == ckpt.step
+            times[way].append(time.perf_counter() - started)
+    manager.verify_on_load = True
+    return Loads(**{way: statistics.median(t) for way, t in times.items()})
 
 
-def print_results(disk: Path, params: int, saves: Saves, lt: float, raw_r: float) -> None:
-    sb, ab = statistics.median(saves.sync_blocked), statistics.median(saves.async_blocked)
-    sn, raw_w = statistics.median(saves.sync_nocrc), statistics.median(saves.raw_write)
-    at = statistics.median(saves.async_total)
+def print_results(disk: Path, params: int, saves: Saves, loads: dict[str, Loads]) -> None:
+    med = statistics.median
+    sb, sn, sc, ab = med(saves.sync_blocked), med(saves.sync_nocrc), med(saves.sync_crc32c), med(saves.async_blocked)
+    raw_w, at = med(saves.raw_write), med(saves.async_total)
     sync_bytes, mb = saves.sync_bytes, saves.size / 1e6
     print(f"model {params / 1e6:.1f}M params; checkpoint {mb:.0f} MB (model + AdamW states); disk {disk}")
-    print(f"(a) synchronous dcp.save, blocked:        {sb:8.3f} s  ({sync_bytes / 1e6 / sb:7.0f} MB/s)")
-    print(f"    the same without record CRC32s:       {sn:8.3f} s  ({sync_bytes / 1e6 / sn:7.0f} MB/s)  "
-          f"-> (b) is {ab / sn:.1%} of it")
-    print(f"(b) hpctrain async save, blocked:         {ab:8.3f} s  = {ab / sb:6.1%} of (a)   [target <= 10%]")
-    print(f"    hpctrain async save, start to commit: {at:8.3f} s  ({mb / at:7.0f} MB/s)")
-    print(f"raw sequential write of {mb:.0f} MB + fsync:  {raw_w:8.3f} s  ({mb / raw_w:7.0f} MB/s)")
-    print(f"save throughput vs raw write:             {raw_w / at:8.1%}   [target >= 70%]")
-    print(f"resume (find, verify, load, set state):   {lt:8.3f} s  ({mb / lt:7.0f} MB/s)")
-    print(f"raw sequential read:                      {raw_r:8.3f} s  ({mb / raw_r:7.0f} MB/s)  -> load at "
-          f"{raw_r / lt:.1%} of raw")
+    print(f"(a) synchronous dcp.save, blocked:         {sb:8.3f} s  ({sync_bytes / 1e6 / sb:7.0f} MB/s)  "
+          f"torch.save's CRC32 on (default)")
+    print(f"    the same without any checksum:         {sn:8.3f} s  ({sync_bytes / 1e6 / sn:7.0f} MB/s)")
+    print(f"    the same with hpctrain's CRC32C:       {sc:8.3f} s  ({sync_bytes / 1e6 / sc:7.0f} MB/s)  "
+          f"-> checksum cost {sc / sn - 1:+.1%}")
+    print(f"(b) hpctrain async save, training blocked: {ab:8.3f} s  = {ab / sb:6.1%} of (a), {ab / sn:6.1%} of (a) "
+          f"without checksums   [target <= 10%]")
+    print(f"    hpctrain async save, start to durable commit: {at:8.3f} s  ({mb / at:7.0f} MB/s)")
+    print(f"raw sequential write of {mb:.0f} MB + fsync:   {raw_w:8.3f} s  ({mb / raw_w:7.0f} MB/s)")
+    print(f"save throughput vs raw write:              {raw_w / at:8.1%}   [target >= 80%]")
+    for where, ld in loads.items():
+        print(f"from the {where}:")
+        print(f"  resume (find, check, load, set state):   {ld.verified:8.3f} s  ({mb / ld.verified:7.0f} MB/s)  "
+              "records verified")
+        print(f"    the same without verification:         {ld.unverified:8.3f} s  ({mb / ld.unverified:7.0f} MB/s)  "
+              f"-> verification costs {ld.verified / ld.unverified - 1:+.1%} of the load")
+        print(f"  raw sequential read:                     {ld.raw:8.3f} s  ({mb / ld.raw:7.0f} MB/s)  -> resume at "
+              f"{ld.raw / ld.verified:.1%} of raw   [target >= 80%]")
 
 
 if __name__ == "__main__":

@@ -21,14 +21,20 @@ os.environ.setdefault("WANDB_MODE", "offline")
 register()
 
 
+def _compose(*overrides: str) -> DictConfig:
+    with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 @pytest.fixture
 def compose_cfg() -> Callable[..., DictConfig]:
     """compose_cfg("+experiment=175b", "parallel.tp=4") -> the composed, schema-checked config."""
+    return _compose
 
-    def _compose(*overrides: str) -> DictConfig:
-        with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
-            return compose(config_name="config", overrides=list(overrides))
 
+@pytest.fixture(scope="module")
+def compose_cfg_module() -> Callable[..., DictConfig]:
+    """compose_cfg, for module-scoped fixtures (a run several tests share)."""
     return _compose
 
 

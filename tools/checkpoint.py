@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
-"""hpctrain checkpoints of a run: list per tier, verify one against its manifest, export the model.
+"""hpctrain checkpoints of a run: list per tier, verify their content, export the model.
 
     python tools/checkpoint.py list   RUN_DIR
     python tools/checkpoint.py verify RUN_DIR [--step N] [--tier NAME]
     python tools/checkpoint.py export RUN_DIR OUT.pt [--step N] [--tier NAME]
+
+`verify` reads every byte of the checkpoints it is given (default: all of the run's) and checks each file's
+size and CRC32C against the manifest; for a damaged file it names the tensor records hit (each record's CRC32C
+is in `.metadata`). Exit status 1 when any checkpoint is damaged, 2 when there is none to check.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from hpctrain.checkpoint.inspect import describe, export_model, find, list_checkpoints
+from hpctrain.checkpoint.inspect import describe, export_model, find, list_checkpoints, unusable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             rows = [describe(c) for c in list_checkpoints(args.run_dir)]
             if args.json:
-                print(json.dumps(rows, indent=1))
+                print(json.dumps(rows + unusable(args.run_dir), indent=1))
             else:
                 print(f"{'tier':<10} {'step':>8} {'time':<19} {'MB':>9} {'ranks':>5} {'samples':>9}  status")
                 for r in rows:
@@ -42,20 +46,37 @@ def main(argv: list[str] | None = None) -> int:
                     status = "ok" if not r["problems"] else "BROKEN: " + "; ".join(r["problems"][:2])
                     print(f"{r['tier']:<10} {r['step']:>8} {when:<19} {r['bytes'] / 1e6:>9.1f} {r['world_size']:>5} "
                           f"{r['consumed_samples']:>9}  {status}")
+                for r in unusable(args.run_dir):
+                    print(f"{r['tier']:<10} {r['step']:>8} {'':<19} {'':>9} {'':>5} {'':>9}  BROKEN: {r['problems'][0]}")
             return 0
-        ckpt = find(args.run_dir, args.step, args.tier)
         if args.command == "verify":
-            info = describe(ckpt)
-            print(json.dumps(info, indent=1) if args.json else
-                  f"{ckpt.path}: step {ckpt.step}, {len(ckpt.manifest['files'])} files, "
-                  + ("ok" if not info["problems"] else "BROKEN:\n  " + "\n  ".join(info["problems"])))
-            return 0 if not info["problems"] else 1
+            return verify(args)
+        ckpt = find(args.run_dir, args.step, args.tier)
         for path in export_model(ckpt, args.out):
             print(f"wrote {path}")
         return 0
     except FileNotFoundError as err:
         print(f"checkpoint: {err}", file=sys.stderr)
         return 2
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Every matching checkpoint's content, newest first; 1 if any is damaged."""
+    def wanted(row: dict) -> bool:
+        return (args.step is None or row["step"] == args.step) and (args.tier is None or row["tier"] == args.tier)
+
+    rows = [describe(c, content=True) for c in list_checkpoints(args.run_dir) if wanted({"step": c.step, "tier": c.tier})]
+    rows += [r for r in unusable(args.run_dir) if wanted(r)]
+    if not rows:
+        raise FileNotFoundError(f"no checkpoint in {args.run_dir}" + (f" at step {args.step}" if args.step else "")
+                                + (f" in tier {args.tier}" if args.tier else ""))
+    rows.sort(key=lambda r: (-r["step"], r["tier"]))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    for r in rows if not args.json else []:
+        print(f"{r['tier']} step {r['step']} ({r['path']}): "
+              + ("ok" if not r["problems"] else "BROKEN\n  " + "\n  ".join(r["problems"])))
+    return 1 if any(r["problems"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpctrain.checkpoint.layout import Committed, committed_in, tier_path, verify
+from hpctrain.checkpoint.integrity import check_files
+from hpctrain.checkpoint.layout import CORRUPT, PREFIX, Committed, broken_in, committed_in, tier_path, verify
 from hpctrain.records.fingerprint import ModelShape
 from hpctrain.records.paths import RunPaths
 
@@ -32,11 +33,25 @@ def find(run_dir: Path, step: int | None = None, tier: str | None = None) -> Com
     return max(found, key=lambda c: c.step)
 
 
-def describe(c: Committed) -> dict[str, Any]:
+def describe(c: Committed, content: bool = False) -> dict[str, Any]:
+    """A checkpoint's facts and problems: structural ones (files missing or of the wrong size), and with
+    `content` every byte against its CRC32C, naming the records a damaged file holds."""
     m = c.manifest
+    problems = verify(c) + ([str(d) for d in check_files(c.path, m)] if content else [])
     return {"tier": c.tier, "step": c.step, "time": m.get("time"), "bytes": sum(m.get("files", {}).values()),
             "world_size": m.get("world_size"), "consumed_samples": m.get("consumed_samples"),
-            "path": str(c.path), "problems": verify(c)}
+            "path": str(c.path), "problems": list(dict.fromkeys(problems))}
+
+
+def unusable(run_dir: Path) -> list[dict[str, Any]]:
+    """Checkpoints no resume will load: a manifest that cannot be trusted, or quarantined by a resume."""
+    rows = []
+    for name, path in run_tiers(run_dir):
+        rows += [{"tier": name, "step": int(sub.name[len(PREFIX):]), "path": str(sub), "problems": [why]}
+                 for sub, why in broken_in(path)]
+        rows += [{"tier": name, "step": int(sub.name[len(PREFIX):-len(CORRUPT)]), "path": str(sub),
+                  "problems": ["quarantined: a resume found it damaged"]} for sub in sorted(path.glob(f"*{CORRUPT}"))]
+    return rows
 
 
 def export_model(c: Committed, out: Path) -> list[Path]:

@@ -1,9 +1,17 @@
-"""Where checkpoints live on disk, and what makes one complete.
+"""Where checkpoints live on disk, and what makes one complete and durable.
 
-A tier directory holds `step_<N>/` directories. A save writes into `step_<N>.partial/`; it is published by
-writing `manifest.json` (step, layout, world size, every file with its size) last and renaming the
-directory to `step_<N>/`. So `step_<N>/manifest.json` exists only for complete checkpoints, and anything
-still named `.partial` is the debris of a save that was killed half way.
+A tier directory holds `step_<N>/` directories. A save writes into `step_<N>.partial/` (DCP fsyncs every file it
+writes); it is published by the steps of `commit_steps`: the manifest (step, layout, world size, every file with
+its size and CRC32C, sealed with a CRC32C of its own) is written to a temporary name and fsynced, renamed into
+place, the directory fsynced (its entries: the shards, `.metadata`, the manifest), renamed to `step_<N>/`, and
+the tier directory fsynced (the rename). Without the fsyncs a node that crashes or loses power right after a
+commit can come back with a `step_<N>/` whose manifest or files never reached the disk. A crash between any two
+steps leaves the previous checkpoint and either debris or the new checkpoint, complete (`test_integrity.py`
+kills a save at each point).
+
+So `step_<N>/manifest.json` exists only for complete checkpoints; anything named `.partial` (a save killed half
+way) or `.deleting` (retention killed half way) is debris, removed at start-up; `.corrupt` is a checkpoint a
+resume found damaged, kept for inspection and never loaded again.
 """
 
 from __future__ import annotations
@@ -13,11 +21,16 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
+
+from hpctrain.checkpoint.integrity import seal, seal_problem
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
 PARTIAL = ".partial"
+DELETING = ".deleting"
+CORRUPT = ".corrupt"
+DEBRIS = (PARTIAL, DELETING)
 
 
 @dataclass(frozen=True)
@@ -42,45 +55,91 @@ def tier_path(path: str, run_dir: Path, run_id: str) -> Path:
     return p / run_id if p.is_absolute() else run_dir / p
 
 
+def _step_dirs(directory: Path) -> Iterator[Path]:
+    if directory.is_dir():
+        yield from (sub for sub in directory.iterdir() if sub.name.startswith(PREFIX) and sub.name[len(PREFIX):].isdigit()
+                    and (sub / MANIFEST).is_file())
+
+
+def read_manifest(sub: Path) -> tuple[dict[str, Any] | None, str]:
+    """A checkpoint directory's manifest, or None and why it cannot be trusted (unreadable, not JSON, no step,
+    or its seal does not match its content)."""
+    try:
+        meta = json.loads((sub / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"manifest unreadable: {err}"
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or not isinstance(meta.get("files"), dict):
+        return None, "manifest has no step or file list"
+    problem = seal_problem(meta)
+    return (None, problem) if problem else (meta, "")
+
+
 def committed_in(directory: Path, tier: str = "") -> list[Committed]:
-    """Complete checkpoints in a tier directory, oldest first."""
+    """Complete checkpoints in a tier directory, oldest first (a manifest that cannot be trusted: see `broken_in`)."""
     found = []
-    if not directory.is_dir():
-        return found
-    for sub in directory.iterdir():
-        manifest = sub / MANIFEST
-        if sub.name.startswith(PREFIX) and not sub.name.endswith(PARTIAL) and manifest.is_file():
-            try:
-                meta = json.loads(manifest.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            found.append(Committed(tier=tier, step=int(meta["step"]), path=sub, manifest=meta))
+    for sub in _step_dirs(directory):
+        meta, _ = read_manifest(sub)
+        if meta is not None:
+            found.append(Committed(tier=tier, step=meta["step"], path=sub, manifest=meta))
     return sorted(found, key=lambda c: c.step)
 
 
-def list_files(directory: Path) -> dict[str, int]:
-    """Relative path -> size of every file under a checkpoint directory (the manifest excluded)."""
-    return {str(p.relative_to(directory)): p.stat().st_size
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+def broken_in(directory: Path) -> list[tuple[Path, str]]:
+    """Checkpoint directories whose manifest exists but cannot be trusted, with the reason."""
+    return sorted((sub, why) for sub in _step_dirs(directory) for meta, why in [read_manifest(sub)] if meta is None)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a directory's entries (files created or renamed in it) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Atomically: a reader sees no manifest or a whole one."""
+    """Atomically and durably: a reader sees no manifest or a whole one, and a whole one is on the disk."""
     tmp = directory / f".{MANIFEST}.{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1))
+    _write_durably(tmp, json.dumps(seal(manifest), indent=1))
     os.replace(tmp, directory / MANIFEST)
+    fsync_dir(directory)
+
+
+def commit_steps(partial: Path, final: Path, manifest: dict[str, Any]) -> list[tuple[str, Callable[[], None]]]:
+    """The commit protocol, step by step (named, so that a test can kill a save between any two of them)."""
+    tmp = partial / f".{MANIFEST}.{os.getpid()}"
+
+    def replace_final() -> None:
+        if final.exists():  # a rerun of the same step (e.g. after a crash between commit and retention)
+            shutil.rmtree(final)
+        os.rename(partial, final)
+
+    return [
+        ("write manifest", lambda: _write_durably(tmp, json.dumps(seal(manifest), indent=1))),
+        ("rename manifest", lambda: os.replace(tmp, partial / MANIFEST)),
+        ("fsync checkpoint directory", lambda: fsync_dir(partial)),
+        ("rename checkpoint directory", replace_final),
+        ("fsync tier directory", lambda: fsync_dir(final.parent)),
+    ]
 
 
 def publish(partial: Path, final: Path, manifest: dict[str, Any]) -> None:
-    """Write the manifest last, then rename the directory into place."""
-    write_manifest(partial, manifest)
-    if final.exists():  # a rerun of the same step (e.g. after a crash between commit and retention)
-        shutil.rmtree(final)
-    os.rename(partial, final)
+    """Write the manifest last, durably, then rename the directory into place, durably."""
+    for _, step in commit_steps(partial, final, manifest):
+        step()
 
 
 def verify(ckpt: Committed) -> list[str]:
-    """Problems of a committed checkpoint: files missing or of the wrong size (empty when it is sound).
+    """Structural problems of a committed checkpoint: files missing or of the wrong size (empty when it is sound);
+    the content is checked by `integrity.check_files` and, on resume, as the records are read.
     A node-local copy holds only its node's files and its peer's (`peers.py`): there, only those are checked."""
     problems = []
     node_local = ckpt.manifest.get("shared") is False
@@ -96,14 +155,38 @@ def verify(ckpt: Committed) -> list[str]:
     return problems
 
 
+def quarantine(path: Path) -> Path:
+    """Take a damaged checkpoint out of every later search (a resume, a resubmitted job), keeping its files."""
+    target = path.with_name(path.name + CORRUPT)
+    if target.exists():
+        shutil.rmtree(target)
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+def remove_debris(directory: Path) -> list[Path]:
+    """Saves and deletions that a crash cut short (nothing else writes to a tier while a run starts)."""
+    stale = [sub for suffix in DEBRIS for sub in directory.glob(f"{PREFIX}*{suffix}")]
+    for sub in stale:
+        shutil.rmtree(sub, ignore_errors=True)
+    return stale
+
+
 def retain(directory: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest keep_last committed checkpoints, and partial saves older than the newest."""
+    """Delete all but the newest keep_last committed checkpoints, and partial, half-deleted or quarantined ones
+    of a step no newer than the newest. Each goes out of the committed set with one rename first: a deletion
+    killed half way must not leave a manifest beside missing files."""
     committed = committed_in(directory)
     removed = [c.path for c in committed[: max(0, len(committed) - keep_last)]]
     newest = committed[-1].step if committed else -1
-    for sub in directory.glob(f"{PREFIX}*{PARTIAL}"):
-        if int(sub.name[len(PREFIX):-len(PARTIAL)]) <= newest:
-            removed.append(sub)
+    for suffix in (*DEBRIS, CORRUPT):
+        for sub in directory.glob(f"{PREFIX}*{suffix}"):
+            if int(sub.name[len(PREFIX):-len(suffix)]) <= newest:
+                removed.append(sub)
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        doomed = path if path.name.endswith((*DEBRIS, CORRUPT)) else path.with_name(path.name + DELETING)
+        if doomed != path:
+            os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return removed

@@ -13,47 +13,55 @@ finished; see `layout.py` for the on-disk protocol. A node-local tier (RAM, loca
 same directory) is copied to the next node as part of the save, and read back from peers at resume
 (`peers.py`), so it outlives one lost node.
 
+The whole of a save after staging runs in its background thread, on the tier's group: DCP's write, the copy to
+the next node, the gather of every rank's file sums, the leader's durable commit (`layout.commit_steps`) and a
+barrier. At the step boundary where every rank's future is done, the training thread only books it: the time it
+waits for a save is the staging, and the `blocked_s` of a committed save counts both.
+
 DCP writes each tensor with torch.save, which by default computes a CRC32 of every record: on CPU that is
 most of the write (a 268 MB tensor: about 0.6-1.1 s with it, 0.2 s without, against 0.2 s for a plain
-write), and torch.load never checks it (a flipped byte loads silently). So hpctrain's writes leave it out;
-what guards a checkpoint is the commit protocol and the manifest's file sizes (`verify`). The switch is
-thread-local in torch, so it is set in each of DCP's writer threads, as it opens a file (`_NoCrcFileSystem`).
+write), and torch.load never checks it (a flipped byte loads silently). So hpctrain's writes leave it out and
+compute CRC32C instead, per file and per record, as the bytes are written (`integrity.py`): a resume checks
+`.metadata` against the manifest and each record as it reads it (`reader.py`), skips a damaged checkpoint with
+the reason (log, `events.jsonl`), quarantines it (`step_<N>.corrupt`: no later attempt tries it again) and
+loads the next newest one, same tier first, then slower tiers.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.utils import CheckpointException
 
-from hpctrain.checkpoint import peers
+from hpctrain.checkpoint import integrity, peers
 from hpctrain.checkpoint.layout import (
     MANIFEST,
     Committed,
+    broken_in,
     committed_in,
-    list_files,
     partial_dir,
     publish,
+    quarantine,
+    remove_debris,
     retain,
     step_dir,
     tier_path,
     verify,
     write_manifest,
 )
-from hpctrain.checkpoint.peers import METADATA, Nodes
+from hpctrain.checkpoint.integrity import METADATA
+from hpctrain.checkpoint.peers import Nodes
+from hpctrain.checkpoint.reader import CorruptCheckpoint
 from hpctrain.checkpoint.reshard import load_state
 from hpctrain.config.schema import CheckpointConfig
 from hpctrain.records.fingerprint import upgrade_fingerprint
@@ -88,11 +96,8 @@ class Tier:
 @dataclass
 class InFlight:
     step: int
-    partial: Path
-    future: Future
-    started: float
+    future: Future  # of `_write_and_commit`'s summary, once the save is committed
     blocked_s: float
-    meta: dict[str, Any]
 
 
 class ReusingStager(BlockingAsyncStager):
@@ -112,17 +117,6 @@ class ReusingStager(BlockingAsyncStager):
         return _copy_state_dict(state_dict, self.state_dict_cache)
 
 
-class _NoCrcFileSystem(FileSystem):
-    """DCP's file system, with torch.save's record CRC32 off in whichever writer thread opens a file."""
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        if "w" in mode:
-            torch.serialization.set_crc32_options(False)  # thread-local; see the module docstring
-        with super().create_stream(path, mode) as stream:
-            yield stream
-
-
 def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
     if isinstance(tree, dict):
         return [k for key, value in tree.items() for k in _flat_keys(value, f"{prefix}{key}.")]
@@ -131,6 +125,17 @@ def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used to resume exactly (and the user did not force it)."""
+
+
+def _load_failure(err: BaseException) -> str | None:
+    """Why a load failed, when the checkpoint's bytes are to blame (None for any other error: re-raised).
+    DCP gathers every rank's read error and raises the same exception on all of them."""
+    if isinstance(err, CorruptCheckpoint):
+        return str(err)
+    if isinstance(err, CheckpointException):
+        found = [exc for exc, _ in err.failures.values() if isinstance(exc, CorruptCheckpoint)]
+        return "; ".join(dict.fromkeys(str(e) for e in found)) if found else None
+    return None
 
 
 class CheckpointManager:
@@ -144,6 +149,7 @@ class CheckpointManager:
         self.force_resume = bool(config.force_resume)
         self.wait_when_busy = config.when_busy == "wait"
         self.write_threads = config.write_threads
+        self.verify_on_load = bool(config.verify_on_load)
         self.rank, self.world_size = rank, world_size
         self.device = device
         self.run_id = run_id
@@ -194,43 +200,82 @@ class CheckpointManager:
             tier.path.mkdir(parents=True, exist_ok=True)
             tier.nodes = peers.find_nodes(tier.path, self.rank, self.world_size, self.control_group)
             if self._leader(tier):
-                for stale in tier.path.glob("step_*.partial"):  # a save that was killed half way
-                    log.info("removing partial checkpoint %s", stale)
-                    shutil.rmtree(stale, ignore_errors=True)
+                for stale in remove_debris(tier.path):  # a save, or a deletion, killed half way
+                    log.info("removed the debris of an interrupted save or deletion: %s", stale)
             self._barrier()
 
     # ---------------------------------------------------------------- resume
     def resume(self, engine: Any) -> dict[str, Any] | None:
-        """Load the newest checkpoint that every rank can read, over all tiers; None for a fresh start."""
+        """Load the newest checkpoint that every rank can read and that is sound, over all tiers; None for a fresh
+        start. A damaged one is skipped (and quarantined), the next newest tried: same tier first, then slower."""
         if not self.enabled:
             return None
+        self._quarantine_broken_manifests()
         here = [(c.step, -i, i, c.path.name) for i, t in enumerate(self.tiers) for c in committed_in(t.path, t.name)]
         candidates = sorted({tuple(c) for part in self._all_gather(here) for c in part}, reverse=True)
+        overwritten = ""
         for step, _, index, name in candidates:
             tier = self.tiers[index]
             if tier.shared:
                 ckpt = next((c for c in committed_in(tier.path, tier.name) if c.path.name == name), None)
-                problems = ["not committed on this node"] if ckpt is None else verify(ckpt)
+                problems, damaged = (["not committed on this node"], False) if ckpt is None else self._problems(ckpt)
             else:
-                ckpt, problems = self._from_nodes(tier, step)
-            unusable = self._all_reduce_max([1.0 if problems else 0.0])[0]
-            if unusable:
-                reasons = [p for p in self._all_gather(problems) if p]
-                log.warning("skipping tier %s step %d: %s", tier.name, step, reasons[0][:3] if reasons else "?")
-                self.events.append({"event": "resume_skip", "tier": tier.name, "step": step,
-                                    "reason": "; ".join(reasons[0][:3]) if reasons else ""})
+                ckpt, problems, damaged = self._from_nodes(tier, step)
+            if self._all_reduce_max([1.0 if problems else 0.0])[0]:
+                self._skip(tier, step, self._all_gather(problems), self._all_reduce_max([float(damaged)])[0] > 0)
                 continue
             assert ckpt is not None
             self._check_fingerprint(ckpt)
             started = time.perf_counter()
-            fetched = self._load(ckpt, engine, tier)
+            try:
+                fetched = self._load(ckpt, engine, tier)
+            except (Exception, CheckpointException) as err:
+                reason = _load_failure(err)
+                if reason is None:
+                    raise
+                overwritten = f"tier {tier.name} step {step}: {reason}"
+                self._skip(tier, step, [[reason]], damaged=True)
+                continue
             seconds = time.perf_counter() - started
             log.info("resumed from tier %s step %d (%s) in %.2f s%s", tier.name, step, ckpt.path, seconds,
                      f"; the nodes fetched {fetched / 1e6:.1f} MB of it from their peers" if fetched else "")
             self.events.append({"event": "resume", "tier": tier.name, "step": step, "load_s": seconds,
-                                "fetched_bytes": fetched})
+                                "fetched_bytes": fetched, "verified": self.verify_on_load})
             return ckpt.manifest
+        if overwritten:  # part of the state came from a damaged checkpoint: never train on from it
+            raise CheckpointError(f"no sound checkpoint is left after a damaged one was partly loaded ({overwritten});"
+                                  " it is quarantined, so the next attempt starts afresh")
         return None
+
+    def _problems(self, ckpt: Committed) -> tuple[list[str], bool]:
+        """What makes a checkpoint visible on every rank unusable, and whether it is damage (vs. visibility):
+        missing or truncated files, a `.metadata` whose bytes are not those written."""
+        problems = verify(ckpt) + [str(d) for d in integrity.check_files(ckpt.path, ckpt.manifest, [METADATA])]
+        return problems, bool(problems)
+
+    def _skip(self, tier: Tier, step: int, reasons_by_rank: list[list[str]], damaged: bool) -> None:
+        """A candidate every rank gives up on: say why (log, events), and quarantine it when it is damaged."""
+        reasons = list(dict.fromkeys(r for part in reasons_by_rank for r in part))
+        log.warning("skipping tier %s step %d%s: %s", tier.name, step,
+                    " (damaged: quarantined)" if damaged else "", "; ".join(reasons[:3]))
+        self.events.append({"event": "resume_skip", "tier": tier.name, "step": step, "damaged": damaged,
+                            "reason": "; ".join(reasons[:3])})
+        path = step_dir(tier.path, step)
+        if damaged and self._leader(tier) and path.exists():
+            quarantine(path)
+        self._barrier()
+
+    def _quarantine_broken_manifests(self) -> None:
+        """A manifest that cannot be trusted (torn, garbage, its seal broken) hides its checkpoint from
+        `committed_in`; say so once, and move it out of the way of every later attempt."""
+        for tier in self.tiers:
+            broken = broken_in(tier.path) if self._leader(tier) else []
+            for path, why in broken:
+                log.warning("checkpoint %s of tier %s is damaged (quarantined): %s", path, tier.name, why)
+                self.events.append({"event": "resume_skip", "tier": tier.name, "step": int(path.name[5:]),
+                                    "damaged": True, "reason": why})
+                quarantine(path)
+        self._barrier()
 
     def _check_fingerprint(self, ckpt: Committed) -> None:
         saved = upgrade_fingerprint(ckpt.manifest.get("fingerprint", {}))
@@ -246,7 +291,7 @@ class CheckpointManager:
         if changed:
             log.warning("forced resume despite changes: %s", changed)
 
-    def _from_nodes(self, tier: Tier, step: int) -> tuple[Committed | None, list[str]]:
+    def _from_nodes(self, tier: Tier, step: int) -> tuple[Committed | None, list[str], bool]:
         """A node-local checkpoint as the nodes together hold it: usable when every file is whole somewhere.
         Every node ends up with `.metadata` (DCP plans a load from it); the rest is fetched in `_load`."""
         path = step_dir(tier.path, step)
@@ -258,11 +303,12 @@ class CheckpointManager:
         held = peers.by_node(self._all_gather(peers.holdings(path, required) if leader else None), tier.nodes)
         lost = peers.missing_from(required, held)
         if lost or METADATA not in required:
-            return None, [f"no node holds {', '.join(lost[:3]) or METADATA}"]
+            return None, [f"no node holds {', '.join(lost[:3]) or METADATA}"], False
         plan = peers.fetch_plan(required, held, [{METADATA}] * len(held), tier.nodes)
         peers.run_transfers(plan, self.rank, path, path, self.control_group)
         self._barrier()
-        return Committed(tier.name, step, path, manifest), []
+        damage = [str(d) for d in integrity.check_files(path, manifest, [METADATA])]
+        return Committed(tier.name, step, path, manifest), damage, bool(damage)
 
     def _fetch_missing(self, tier: Tier, ckpt: Committed, files: set[str]) -> int:
         """Bring the files each node's ranks will read from the nodes that hold them; each node then holds a
@@ -293,7 +339,7 @@ class CheckpointManager:
             fetched[0] = self._fetch_missing(tier, ckpt, files)
 
         load_state(state, str(ckpt.path), self.control_group, no_dist=not self.distributed,
-                   before_read=None if tier.shared else fetch)
+                   before_read=None if tier.shared else fetch, verify=self.verify_on_load)
         engine.load_state_dict(state["train"])
         if same_world:
             _set_rng_state(state["rng"][f"rank{self.rank}"], self.device)
@@ -355,7 +401,6 @@ class CheckpointManager:
     def wait_all(self) -> None:
         for name in list(self.in_flight):
             self.in_flight[name].future.result()
-            self._barrier()
             self._commit(name)
         self._reap_retention(wait=True)
 
@@ -379,7 +424,6 @@ class CheckpointManager:
                         tier.name, running.step, step)
             waited = time.perf_counter()
             running.future.result()
-            self._barrier()
             self._commit(tier.name)
             self.events.append({"event": "save_waited", "tier": tier.name, "step": step,
                                 "waited_s": time.perf_counter() - waited})
@@ -387,51 +431,53 @@ class CheckpointManager:
         partial.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         state = {"train": engine.state_dict(), "rng": {f"rank{self.rank}": _rng_state(self.device)}}
-        writer = dcp.FileSystemWriter(str(partial), thread_count=self.write_threads)
-        writer.fs = _NoCrcFileSystem()
+        meta = {"step": step, "run_id": self.run_id, "world_size": self.world_size, "time": time.time(),
+                "fingerprint": self.fingerprint, "rng_streams": sorted(state["rng"][f"rank{self.rank}"]),
+                **progress, "tier": tier.name, "shared": tier.shared}
+        writer = integrity.SummingWriter(partial, thread_count=self.write_threads)
         written = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
                                  async_stager=self.stagers[tier.name],
                                  no_dist=not self.distributed)
-        future = self._writers.submit(self._write_and_copy, written, tier, partial)
+        future = self._writers.submit(self._write_and_commit, written, writer, tier, step, meta, started)
         blocked = time.perf_counter() - started
         tier.last_save = now
-        meta = {"step": step, "run_id": self.run_id, "world_size": self.world_size, "time": time.time(),
-                "fingerprint": self.fingerprint, "rng_streams": sorted(state["rng"][f"rank{self.rank}"]),
-                **progress}
-        self.in_flight[tier.name] = InFlight(step, partial, future, started, blocked, meta)
+        self.in_flight[tier.name] = InFlight(step, future, blocked)
         self.events.append({"event": "save_started", "tier": tier.name, "step": step, "blocked_s": blocked})
 
-    def _write_and_copy(self, written: Future, tier: Tier, partial: Path) -> int:
-        """The background part of a save: DCP's write, then a node-local tier's copy to the next node (the
-        bytes this rank received from the node before it)."""
+    def _write_and_commit(self, written: Future, writer: integrity.SummingWriter, tier: Tier, step: int,
+                          meta: dict[str, Any], started: float) -> dict[str, float]:
+        """A save after staging, in its background thread: DCP's write, a node-local tier's copy to the next
+        node, every rank's file sums to the leaders, their durable commit; back once every rank is past it."""
         written.result()
-        if tier.shared:
-            return 0
-        return peers.replicate(partial, tier.nodes, self.rank, self.world_size, self.save_groups[tier.name])
+        group = self.save_groups[tier.name]
+        partial = partial_dir(tier.path, step)
+        replica = 0 if tier.shared else peers.replicate(partial, tier.nodes, self.rank, self.world_size, group)
+        sums: dict[str, tuple[int, str]] = {}
+        for part in peers.all_gather(writer.written(), self.world_size, group) if self.distributed else [writer.written()]:
+            sums.update(part)
+        if self._leader(tier):
+            publish(partial, step_dir(tier.path, step), {**meta, "files": {n: s for n, (s, _) in sums.items()},
+                                                          integrity.ALGORITHM: {n: c for n, (_, c) in sums.items()}})
+        if self.distributed:
+            dist.barrier(group=group)
+        return {"bytes": sum(size for size, _ in sums.values()), "replica_bytes": replica,
+                "total_s": time.perf_counter() - started}
 
     def _commit(self, name: str) -> None:
+        """Book a save every rank has committed (in its background thread): retention, the event."""
+        booked = time.perf_counter()
         job = self.in_flight.pop(name)
-        replica = job.future.result()  # re-raises a failed write on this rank
+        done = job.future.result()  # re-raises a failed write or commit on this rank
         tier = next(t for t in self.tiers if t.name == name)
-        leader = self._leader(tier)
-        files = self._all_gather(list_files(job.partial) if leader else None)
-        merged: dict[str, int] = {}
-        for part in files:
-            merged.update(part or {})
-        if leader:
-            publish(job.partial, step_dir(tier.path, job.step), {**job.meta, "tier": name, "files": merged,
-                                                                  "shared": tier.shared})
+        if self._leader(tier):
             self._reap_retention(wait=False)
             self._retaining.append(self._janitor.submit(retain, tier.path, tier.keep_last))
-        self._barrier()
-        seconds = time.perf_counter() - job.started
-        size = sum(merged.values())
+        blocked = job.blocked_s + time.perf_counter() - booked
         log.info("checkpoint step %d committed to tier %s (%.1f MB, blocked %.3f s, %.2f s in all)",
-                 job.step, name, size / 1e6, job.blocked_s, seconds)
-        self.events.append({"event": "save_committed", "tier": name, "step": job.step, "bytes": size,
-                            "blocked_s": job.blocked_s, "total_s": seconds, "replica_bytes": replica})
+                 job.step, name, done["bytes"] / 1e6, blocked, done["total_s"])
+        self.events.append({"event": "save_committed", "tier": name, "step": job.step, **done, "blocked_s": blocked})
         if tier.auto:
-            self._retune(tier, job.blocked_s, seconds)
+            self._retune(tier, blocked, done["total_s"])
 
     def _retune(self, tier: Tier, blocked_s: float, write_s: float) -> None:
         """Daly's optimal interval for this tier's measured blocking cost and the job's MTBF; never shorter

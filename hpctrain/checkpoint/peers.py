@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-METADATA = ".metadata"  # DCP's global metadata file, written by the coordinator (rank 0) only
+from hpctrain.checkpoint.integrity import METADATA
+from hpctrain.checkpoint.layout import fsync_dir
+
 PIECE_BYTES = 64 << 20  # a copy between nodes moves in pieces of this size: the memory it holds per file
 
 
@@ -166,9 +168,14 @@ def run_transfers(transfers: list[Transfer], rank: int, src_dir: Path, dst_dir: 
                 work.wait()
             for tag, piece in landed:
                 sinks[tag].write(piece.numpy().data)
+        for sink in sinks.values():  # a copy is as durable as the original before it takes the name
+            sink.flush()
+            os.fsync(sink.fileno())
     for tag, t in mine:
         if t.dst == rank:
             os.replace(dst_dir / f".{t.name}.incoming", dst_dir / t.name)
+    if any(t.dst == rank for _, t in mine):
+        fsync_dir(dst_dir)
     return sum(t.size for _, t in mine if t.dst == rank)
 
 

@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hpctrain.checkpoint.reader import FastReader
+
 
 def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, dict[str, Any], str]]:
     """(DCP's flattened key, container, key) of every leaf of a nested state dict."""
@@ -57,10 +59,13 @@ def files_read(state: dict[str, Any], metadata: Metadata) -> set[str]:
 
 
 def load_state(state: dict[str, Any], checkpoint_id: str, process_group: dist.ProcessGroup | None,
-               no_dist: bool = False, before_read: Callable[[set[str]], None] | None = None) -> None:
+               no_dist: bool = False, before_read: Callable[[set[str]], None] | None = None,
+               verify: bool = True) -> None:
     """`dcp.load` into `state` in place, tolerating a different number of (padding) rows per tensor.
-    `before_read` is given the files this rank will read, first (a node-local tier fetches the missing ones)."""
-    reader = dcp.FileSystemReader(checkpoint_id)  # named: DCP would otherwise import fsspec to probe (0.6 s)
+    `before_read` is given the files this rank will read, first (a node-local tier fetches the missing ones).
+    `verify` checks each record's CRC32C as it is read (`reader.py`): a damaged record fails the load with a
+    `CorruptCheckpoint` (in DCP's `CheckpointException`, which gathers every rank's)."""
+    reader = FastReader(checkpoint_id, verify=verify)  # named: DCP would otherwise import fsspec to probe (0.6 s)
     metadata = reader.read_metadata()
     saved_meta = metadata.state_dict_metadata
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []

@@ -149,6 +149,8 @@ class CheckpointConfig:
     # "wait" for it (every interval saved, training may block).
     when_busy: str = "skip"
     write_threads: int = 2  # files each rank writes in parallel (DCP FileSystemWriter thread_count)
+    # Check each record's CRC32C as a resume reads it (a damaged checkpoint is skipped, the next one loaded).
+    verify_on_load: bool = True
 
 
 @dataclass

@@ -74,7 +74,8 @@ def test_a_changed_field_still_differs(compose_cfg) -> None:
 
 
 def as_legacy_manifests(root: Path) -> int:
-    """Rewrite every manifest's fingerprint in the positional form of older hpctrain versions."""
+    """Rewrite every manifest's fingerprint in the positional form of older hpctrain versions (which wrote no
+    checksums and no seal either)."""
     manifests = list(root.rglob("manifest.json"))
     for path in manifests:
         manifest = json.loads(path.read_text())
@@ -83,6 +84,8 @@ def as_legacy_manifests(root: Path) -> int:
             fp["model"] = [fp["model"][k] for k in ("n_layers", "d_model", "n_heads", "vocab_size", "context",
                                                      "ffn_mult")]
             fp["data"] = [fp["data"]["kind"], fp["data"]["source"]]
+        for key in ("crc32c", "manifest_crc32c"):
+            manifest.pop(key, None)
         path.write_text(json.dumps(manifest))
     return len(manifests)
 
