@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{r['tier']:<10} {r['step']:>8} {when:<19} {r['bytes'] / 1e6:>9.1f} {r['world_size']:>5} "
                           f"{r['consumed_samples']:>9}  {status}")
                 for r in unusable(args.run_dir):
-                    print(f"{r['tier']:<10} {r['step']:>8} {'':<19} {'':>9} {'':>5} {'':>9}  BROKEN: {r['problems'][0]}")
+                    print(f"{r['tier']:<10} {r['step']:>8} {'':<19} {'':>9} {'':>5} {'':>9}  "
+                          f"BROKEN: {r['problems'][0]}")
             return 0
         if args.command == "verify":
             return verify(args)
@@ -65,7 +66,8 @@ def verify(args: argparse.Namespace) -> int:
     def wanted(row: dict) -> bool:
         return (args.step is None or row["step"] == args.step) and (args.tier is None or row["tier"] == args.tier)
 
-    rows = [describe(c, content=True) for c in list_checkpoints(args.run_dir) if wanted({"step": c.step, "tier": c.tier})]
+    rows = [describe(c, content=True) for c in list_checkpoints(args.run_dir)
+            if wanted({"step": c.step, "tier": c.tier})]
     rows += [r for r in unusable(args.run_dir) if wanted(r)]
     if not rows:
         raise FileNotFoundError(f"no checkpoint in {args.run_dir}" + (f" at step {args.step}" if args.step else "")

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint.integrity import check_files
-from hpctrain.checkpoint.layout import CORRUPT, PREFIX, Committed, broken_in, committed_in, tier_path, verify
+from hpctrain.checkpoint.layout import CORRUPT, Committed, broken_in, committed_in, step_of, tier_path, verify
 from hpctrain.records.fingerprint import ModelShape
 from hpctrain.records.paths import RunPaths
 
@@ -47,9 +47,9 @@ def unusable(run_dir: Path) -> list[dict[str, Any]]:
     """Checkpoints no resume will load: a manifest that cannot be trusted, or quarantined by a resume."""
     rows = []
     for name, path in run_tiers(run_dir):
-        rows += [{"tier": name, "step": int(sub.name[len(PREFIX):]), "path": str(sub), "problems": [why]}
+        rows += [{"tier": name, "step": step_of(sub), "path": str(sub), "problems": [why]}
                  for sub, why in broken_in(path)]
-        rows += [{"tier": name, "step": int(sub.name[len(PREFIX):-len(CORRUPT)]), "path": str(sub),
+        rows += [{"tier": name, "step": step_of(sub), "path": str(sub),
                   "problems": ["quarantined: a resume found it damaged"]} for sub in sorted(path.glob(f"*{CORRUPT}"))]
     return rows
 

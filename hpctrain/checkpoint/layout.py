@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from hpctrain.checkpoint.integrity import seal, seal_problem
+from hpctrain.checkpoint.integrity import METADATA, seal, seal_problem
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -55,10 +55,15 @@ def tier_path(path: str, run_dir: Path, run_id: str) -> Path:
     return p / run_id if p.is_absolute() else run_dir / p
 
 
+def step_of(path: Path) -> int:
+    """The step a checkpoint directory holds, whatever its state (committed, partial, deleting, corrupt)."""
+    return int(path.name[len(PREFIX):].split(".")[0])
+
+
 def _step_dirs(directory: Path) -> Iterator[Path]:
     if directory.is_dir():
-        yield from (sub for sub in directory.iterdir() if sub.name.startswith(PREFIX) and sub.name[len(PREFIX):].isdigit()
-                    and (sub / MANIFEST).is_file())
+        yield from (sub for sub in directory.iterdir() if sub.name.startswith(PREFIX)
+                    and sub.name[len(PREFIX):].isdigit() and (sub / MANIFEST).is_file())
 
 
 def read_manifest(sub: Path) -> tuple[dict[str, Any] | None, str]:
@@ -105,17 +110,24 @@ def _write_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _manifest_steps(directory: Path, manifest: dict[str, Any]) -> list[tuple[str, Callable[[], None]]]:
+    """A manifest written atomically and durably: to a temporary name, fsynced, renamed, the directory fsynced."""
+    tmp = directory / f".{MANIFEST}.{os.getpid()}"
+    return [
+        ("write manifest", lambda: _write_durably(tmp, json.dumps(seal(manifest), indent=1))),
+        ("rename manifest", lambda: os.replace(tmp, directory / MANIFEST)),
+        ("fsync checkpoint directory", lambda: fsync_dir(directory)),
+    ]
+
+
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Atomically and durably: a reader sees no manifest or a whole one, and a whole one is on the disk."""
-    tmp = directory / f".{MANIFEST}.{os.getpid()}"
-    _write_durably(tmp, json.dumps(seal(manifest), indent=1))
-    os.replace(tmp, directory / MANIFEST)
-    fsync_dir(directory)
+    for _, step in _manifest_steps(directory, manifest):
+        step()
 
 
 def commit_steps(partial: Path, final: Path, manifest: dict[str, Any]) -> list[tuple[str, Callable[[], None]]]:
     """The commit protocol, step by step (named, so that a test can kill a save between any two of them)."""
-    tmp = partial / f".{MANIFEST}.{os.getpid()}"
 
     def replace_final() -> None:
         if final.exists():  # a rerun of the same step (e.g. after a crash between commit and retention)
@@ -123,9 +135,7 @@ def commit_steps(partial: Path, final: Path, manifest: dict[str, Any]) -> list[t
         os.rename(partial, final)
 
     return [
-        ("write manifest", lambda: _write_durably(tmp, json.dumps(seal(manifest), indent=1))),
-        ("rename manifest", lambda: os.replace(tmp, partial / MANIFEST)),
-        ("fsync checkpoint directory", lambda: fsync_dir(partial)),
+        *_manifest_steps(partial, manifest),
         ("rename checkpoint directory", replace_final),
         ("fsync tier directory", lambda: fsync_dir(final.parent)),
     ]
@@ -146,11 +156,11 @@ def verify(ckpt: Committed) -> list[str]:
     for name, size in ckpt.manifest.get("files", {}).items():
         path = ckpt.path / name
         if not path.is_file():
-            if not node_local or name == ".metadata":
+            if not node_local or name == METADATA:
                 problems.append(f"missing {name}")
         elif path.stat().st_size != size:
             problems.append(f"{name}: {path.stat().st_size} bytes, manifest says {size}")
-    if ".metadata" not in ckpt.manifest.get("files", {}):
+    if METADATA not in ckpt.manifest.get("files", {}):
         problems.append("no DCP .metadata in the manifest")
     return problems
 
@@ -182,7 +192,7 @@ def retain(directory: Path, keep_last: int) -> list[Path]:
     newest = committed[-1].step if committed else -1
     for suffix in (*DEBRIS, CORRUPT):
         for sub in directory.glob(f"{PREFIX}*{suffix}"):
-            if int(sub.name[len(PREFIX):-len(suffix)]) <= newest:
+            if step_of(sub) <= newest:
                 removed.append(sub)
     for path in removed:
         doomed = path if path.name.endswith((*DEBRIS, CORRUPT)) else path.with_name(path.name + DELETING)

@@ -55,6 +55,7 @@ from hpctrain.checkpoint.layout import (
     remove_debris,
     retain,
     step_dir,
+    step_of,
     tier_path,
     verify,
     write_manifest,
@@ -218,11 +219,14 @@ class CheckpointManager:
             tier = self.tiers[index]
             if tier.shared:
                 ckpt = next((c for c in committed_in(tier.path, tier.name) if c.path.name == name), None)
-                problems, damaged = (["not committed on this node"], False) if ckpt is None else self._problems(ckpt)
+                problems = ["not committed on this node"] if ckpt is None else self._problems(ckpt)
             else:
-                ckpt, problems, damaged = self._from_nodes(tier, step)
-            if self._all_reduce_max([1.0 if problems else 0.0])[0]:
-                self._skip(tier, step, self._all_gather(problems), self._all_reduce_max([float(damaged)])[0] > 0)
+                ckpt, problems = self._from_nodes(tier, step)
+            # damage: what a checkpoint that is there holds is not what was written (vs. not there, not whole)
+            unusable, damaged = self._all_reduce_max([float(bool(problems)),
+                                                      float(ckpt is not None and bool(problems))])
+            if unusable:
+                self._skip(tier, step, self._all_gather(problems), damaged > 0)
                 continue
             assert ckpt is not None
             self._check_fingerprint(ckpt)
@@ -247,11 +251,10 @@ class CheckpointManager:
                                   " it is quarantined, so the next attempt starts afresh")
         return None
 
-    def _problems(self, ckpt: Committed) -> tuple[list[str], bool]:
-        """What makes a checkpoint visible on every rank unusable, and whether it is damage (vs. visibility):
-        missing or truncated files, a `.metadata` whose bytes are not those written."""
-        problems = verify(ckpt) + [str(d) for d in integrity.check_files(ckpt.path, ckpt.manifest, [METADATA])]
-        return problems, bool(problems)
+    def _problems(self, ckpt: Committed) -> list[str]:
+        """What makes a checkpoint visible on every rank unusable: missing or truncated files, a `.metadata` whose
+        bytes are not those written."""
+        return verify(ckpt) + [str(d) for d in integrity.check_files(ckpt.path, ckpt.manifest, [METADATA])]
 
     def _skip(self, tier: Tier, step: int, reasons_by_rank: list[list[str]], damaged: bool) -> None:
         """A candidate every rank gives up on: say why (log, events), and quarantine it when it is damaged."""
@@ -272,7 +275,7 @@ class CheckpointManager:
             broken = broken_in(tier.path) if self._leader(tier) else []
             for path, why in broken:
                 log.warning("checkpoint %s of tier %s is damaged (quarantined): %s", path, tier.name, why)
-                self.events.append({"event": "resume_skip", "tier": tier.name, "step": int(path.name[5:]),
+                self.events.append({"event": "resume_skip", "tier": tier.name, "step": step_of(path),
                                     "damaged": True, "reason": why})
                 quarantine(path)
         self._barrier()
@@ -291,7 +294,7 @@ class CheckpointManager:
         if changed:
             log.warning("forced resume despite changes: %s", changed)
 
-    def _from_nodes(self, tier: Tier, step: int) -> tuple[Committed | None, list[str], bool]:
+    def _from_nodes(self, tier: Tier, step: int) -> tuple[Committed | None, list[str]]:
         """A node-local checkpoint as the nodes together hold it: usable when every file is whole somewhere.
         Every node ends up with `.metadata` (DCP plans a load from it); the rest is fetched in `_load`."""
         path = step_dir(tier.path, step)
@@ -303,12 +306,12 @@ class CheckpointManager:
         held = peers.by_node(self._all_gather(peers.holdings(path, required) if leader else None), tier.nodes)
         lost = peers.missing_from(required, held)
         if lost or METADATA not in required:
-            return None, [f"no node holds {', '.join(lost[:3]) or METADATA}"], False
+            return None, [f"no node holds {', '.join(lost[:3]) or METADATA}"]
         plan = peers.fetch_plan(required, held, [{METADATA}] * len(held), tier.nodes)
         peers.run_transfers(plan, self.rank, path, path, self.control_group)
         self._barrier()
-        damage = [str(d) for d in integrity.check_files(path, manifest, [METADATA])]
-        return Committed(tier.name, step, path, manifest), damage, bool(damage)
+        return Committed(tier.name, step, path, manifest), [str(d) for d in integrity.check_files(path, manifest,
+                                                                                                 [METADATA])]
 
     def _fetch_missing(self, tier: Tier, ckpt: Committed, files: set[str]) -> int:
         """Bring the files each node's ranks will read from the nodes that hold them; each node then holds a
@@ -451,10 +454,10 @@ class CheckpointManager:
         written.result()
         group = self.save_groups[tier.name]
         partial = partial_dir(tier.path, step)
-        replica = 0 if tier.shared else peers.replicate(partial, tier.nodes, self.rank, self.world_size, group)
-        sums: dict[str, tuple[int, str]] = {}
-        for part in peers.all_gather(writer.written(), self.world_size, group) if self.distributed else [writer.written()]:
-            sums.update(part)
+        by_rank = peers.all_gather(writer.written(), self.world_size, group) if self.distributed else [writer.written()]
+        replica = 0 if tier.shared else peers.replicate(
+            partial, tier.nodes, self.rank, [{n: size for n, (size, _) in part.items()} for part in by_rank], group)
+        sums = {name: sized for part in by_rank for name, sized in part.items()}
         if self._leader(tier):
             publish(partial, step_dir(tier.path, step), {**meta, "files": {n: s for n, (s, _) in sums.items()},
                                                           integrity.ALGORITHM: {n: c for n, (_, c) in sums.items()}})
