@@ -454,9 +454,10 @@ class CheckpointManager:
         written.result()
         group = self.save_groups[tier.name]
         partial = partial_dir(tier.path, step)
+        replica = 0 if tier.shared else peers.replicate(partial, tier.nodes, self.rank, self.world_size, group)
+        # After the copies: this gather is also what keeps a leader from renaming the directory while a rank of
+        # its node still writes a copy into it.
         by_rank = peers.all_gather(writer.written(), self.world_size, group) if self.distributed else [writer.written()]
-        replica = 0 if tier.shared else peers.replicate(
-            partial, tier.nodes, self.rank, [{n: size for n, (size, _) in part.items()} for part in by_rank], group)
         sums = {name: sized for part in by_rank for name, sized in part.items()}
         if self._leader(tier):
             publish(partial, step_dir(tier.path, step), {**meta, "files": {n: s for n, (s, _) in sums.items()},

@@ -97,11 +97,16 @@ def replica_plan(files_by_rank: list[dict[str, int]], nodes: Nodes) -> list[Tran
     return transfers
 
 
-def replicate(directory: Path, nodes: Nodes, rank: int, files_by_rank: list[dict[str, int]],
-              group: dist.ProcessGroup) -> int:
-    """After the DCP write: copy each rank's files (name -> size, by rank) to the next node. Returns the bytes
-    this rank received."""
-    return run_transfers(replica_plan(files_by_rank, nodes), rank, directory, directory, group)
+def own_files(directory: Path, rank: int) -> dict[str, int]:
+    """The files this rank wrote into a DCP directory: DCP names them `__<rank>_<i>.distcp`."""
+    return {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()
+            and (p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == METADATA))}
+
+
+def replicate(directory: Path, nodes: Nodes, rank: int, world_size: int, group: dist.ProcessGroup) -> int:
+    """After this rank's DCP write: copy it to the next node. Returns the bytes this rank received."""
+    everyone = all_gather(own_files(directory, rank), world_size, group)
+    return run_transfers(replica_plan(everyone, nodes), rank, directory, directory, group)
 
 
 # ---------------------------------------------------------------- resuming: fetch what a node lacks
