@@ -119,7 +119,7 @@ def main() -> None:
     cfg = bench_config(args)
     engine = build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))
     x = torch.randint(0, 50257, (1, 64))
-    engine.step([(x, x)], 1e-4)  # optimizer states exist from here on
+    engine.step(torch.stack([x, x])[:, None], 1e-4)  # optimizer states exist from here on
     params = sum(p.numel() for p in engine.model.parameters())
 
     manager = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, args.dir, "bench", 0, 1,

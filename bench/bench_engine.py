@@ -82,7 +82,7 @@ def engine_loop(rank: int, world: int, steps: int, warmup: int) -> float:
     cfg = make_cfg(world)
     engine = build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))
     per = 16 // world
-    return timed(lambda s: engine.step([batch(s, per, engine.dp_rank * per)], 1e-3), steps, warmup)
+    return timed(lambda s: engine.step(torch.stack(batch(s, per, engine.dp_rank * per))[:, None], 1e-3), steps, warmup)
 
 
 def main() -> None:

@@ -105,7 +105,7 @@ def _train(vocab_pad_multiple: int, steps: int = 3) -> tuple[list[float], torch.
     losses = []
     for step in range(steps):
         x, y = global_batch(step, cfg)
-        losses.append(engine.step([(x % 50, y % 50)], cfg.optim.lr).loss)
+        losses.append(engine.step(torch.stack([x % 50, y % 50])[:, None], cfg.optim.lr).loss)
     return losses, engine.model.tok_emb.weight.detach().clone()
 
 

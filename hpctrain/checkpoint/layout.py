@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from hpctrain.checkpoint.integrity import METADATA, seal, seal_problem
+from hpctrain.durable import fsync_dir
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -92,15 +93,6 @@ def committed_in(directory: Path, tier: str = "") -> list[Committed]:
 def broken_in(directory: Path) -> list[tuple[Path, str]]:
     """Checkpoint directories whose manifest exists but cannot be trusted, with the reason."""
     return sorted((sub, why) for sub in _step_dirs(directory) for meta, why in [read_manifest(sub)] if meta is None)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a directory's entries (files created or renamed in it) durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_durably(path: Path, text: str) -> None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hpctrain.checkpoint.integrity import METADATA
-from hpctrain.checkpoint.layout import fsync_dir
+from hpctrain.durable import fsync_dir
 
 PIECE_BYTES = 64 << 20  # a copy between nodes moves in pieces of this size: the memory it holds per file
 

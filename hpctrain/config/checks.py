@@ -17,7 +17,7 @@ from hpctrain import schedules
 from hpctrain.config.layout import Layout, resolve_layout
 from hpctrain.config.cluster_checks import cluster_checks
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
-from hpctrain.config.schema import SCHEDULES, Config, DataKind, DType
+from hpctrain.config.schema import SCHEDULES, Config, DataConfig, DataKind, DType, TrainConfig, parse_blend
 from hpctrain.hardware import KNOWN_HARDWARE
 
 
@@ -242,6 +242,67 @@ def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
             message = f"{d.path} does not exist on this machine"
             fix = "check the path; it must be readable from every node"
             (r.warn if cfg.dry_run else r.error)("data.path", message, fix)
+    if d.kind == DataKind.indexed:
+        _indexed_data(d, cfg.dry_run, r)
+    _validation(t, d, r)
+
+
+def _indexed_data(d: DataConfig, dry_run: bool, r: CheckReport) -> None:
+    """The blend parses and its datasets exist (or data.prepare will make the one it names)."""
+    prepare = list(d.prepare.inputs)
+    for key in ("blend", "valid_blend"):
+        text = getattr(d, key)
+        if not text:
+            if key == "blend":
+                r.error("data.blend", "data=indexed needs the prefix of a Megatron-format dataset (PREFIX.bin + "
+                        "PREFIX.idx), or several with weights", "set data.blend=/data/pile_text_document or "
+                        "data.blend='0.3 /data/a 0.7 /data/b' (make one with python -m hpctrain.data.prepare)")
+            continue
+        try:
+            pairs = parse_blend(text)
+        except ValueError as exc:
+            r.error(f"data.{key}", str(exc), f"set data.{key}='0.3 /data/a_text_document 0.7 /data/b_text_document'")
+            continue
+        if prepare and key == "blend":
+            if len(pairs) != 1:
+                r.error("data.prepare.inputs", f"data.prepare makes one dataset, but data.blend names {len(pairs)}",
+                        "set data.blend to the one prefix data.prepare writes, or prepare each with "
+                        "python -m hpctrain.data.prepare")
+            continue  # made on the login node before the job starts
+        for _, prefix in pairs:
+            missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.exists(f"{prefix}{ext}")]
+            if missing:
+                (r.warn if dry_run else r.error)(f"data.{key}", f"{' and '.join(missing)} not found on this machine",
+                                                 "check the prefix (without .bin/.idx); it must be readable from "
+                                                 "every node, or make it with python -m hpctrain.data.prepare")
+    for source in prepare:
+        if source != "stdlib" and not os.path.exists(source):
+            r.error("data.prepare.inputs", f"{source} does not exist", "name text or jsonl files, directories, "
+                    "a saved datasets directory, or stdlib")
+    if prepare and d.prepare.tokenizer and not os.path.exists(d.prepare.tokenizer):
+        r.error("data.prepare.tokenizer", f"{d.prepare.tokenizer} does not exist",
+                "give a tokenizers tokenizer.json, or leave it unset to train a byte-level BPE on the inputs")
+    if d.valid_blend and d.valid_fraction:
+        r.error("data.valid_fraction", "both data.valid_blend and data.valid_fraction hold out validation data",
+                "keep one: data.valid_fraction=0 to validate on data.valid_blend")
+
+
+def _validation(t: TrainConfig, d: DataConfig, r: CheckReport) -> None:
+    if not 0.0 <= d.valid_fraction < 1.0:
+        r.error("data.valid_fraction", f"must be in [0, 1), got {d.valid_fraction}", "use e.g. data.valid_fraction=0.01")
+    if d.valid_blend and d.kind != DataKind.indexed:
+        r.error("data.valid_blend", f"validation prefixes are for data=indexed, not {d.kind.value}",
+                "use data.valid_fraction to hold out part of this data")
+    if d.prefetch < 0:
+        r.error("data.prefetch", f"must be >= 0 steps, got {d.prefetch}", "use data.prefetch=1 (0: no read-ahead)")
+    if t.eval_every < 0:
+        r.error("train.eval_every", f"must be >= 0 (0: no validation), got {t.eval_every}", "use e.g. train.eval_every=100")
+    elif t.eval_every:
+        if t.eval_batches < 1:
+            r.error("train.eval_batches", f"must be >= 1, got {t.eval_batches}", "use e.g. train.eval_batches=4")
+        if not d.valid_fraction and not d.valid_blend:
+            r.error("train.eval_every", f"validation every {t.eval_every} steps, but no validation data is held out",
+                    "set data.valid_fraction=0.01 (the last 1% of the documents), or data.valid_blend (indexed)")
 
 
 def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:

@@ -34,6 +34,7 @@ class DType(str, Enum):
 class DataKind(str, Enum):
     text_bytes = "text_bytes"
     tokens = "tokens"
+    indexed = "indexed"
     synthetic = "synthetic"
 
 
@@ -118,12 +119,52 @@ class PrecisionConfig:
 
 
 @dataclass
+class PrepareConfig:
+    """indexed: make the dataset on the login node before the job starts, if it is not there yet."""
+
+    inputs: list[str] = field(default_factory=list)  # text/jsonl files, dirs, a datasets dir, or "stdlib"
+    tokenizer: Optional[str] = None  # a tokenizers tokenizer.json; None: a byte-level BPE trained on the inputs
+    vocab_size: int = 8192  # of the trained BPE
+    workers: int = 2
+    text_key: str = "text"  # the field of a JSON line that holds the text
+
+
+@dataclass
 class DataConfig:
     kind: DataKind = DataKind.text_bytes
     path: Optional[str] = None  # tokens: a .bin file; text_bytes: where the token file is cached
     token_dtype: str = "uint16"  # tokens: uint16 | uint32
     vocab_size: int = 256  # vocabulary the data is encoded in
     max_bytes: int = 16_000_000  # text_bytes: cap on corpus size
+    # indexed: Megatron-LM datasets (PREFIX.bin + PREFIX.idx), blended Megatron's way: "0.3 /d/a 0.7 /d/b", or
+    # one prefix alone
+    blend: Optional[str] = None
+    valid_blend: Optional[str] = None  # indexed: validation prefixes of their own (else valid_fraction)
+    # Held out for validation: the last fraction of each prefix's documents (indexed) or of the tokens (flat)
+    valid_fraction: float = 0.0
+    prefetch: int = 1  # steps of batches read ahead in a background thread (0: read on the training thread)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+
+def parse_blend(text: str) -> list[tuple[float, str]]:
+    """Megatron's blend syntax: "W1 PREFIX1 W2 PREFIX2 ..." or a single "PREFIX" (weight 1). Raises ValueError
+    with what is wrong, for the config check to report."""
+    words = text.split()
+    if len(words) == 1:
+        return [(1.0, words[0])]
+    if not words or len(words) % 2:
+        raise ValueError(f"{text!r} is not weight/prefix pairs")
+    pairs = []
+    for weight, prefix in zip(words[::2], words[1::2]):
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ValueError(f"{weight!r} is not a weight (pairs of a weight and a prefix: 0.3 /data/a 0.7 /data/b)") \
+                from None
+        if not w > 0:
+            raise ValueError(f"the weight of {prefix} must be > 0, got {weight}")
+        pairs.append((w, prefix))
+    return pairs
 
 
 @dataclass
@@ -256,6 +297,8 @@ class TrainConfig:
     grad_accum: int = -1  # -1: inferred as global_batch / (micro_batch * dp)
     seq_len: int = 128
     log_every: int = 1
+    eval_every: int = 0  # steps between validation losses (0: none); also at the last step
+    eval_batches: int = 4  # global batches of validation samples, the same ones every time
     threads_per_rank: int = 1  # torch intra-op threads per task (CPU)
 
 

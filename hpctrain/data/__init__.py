@@ -1,1 +1,2 @@
-"""Token sources and the deterministic global-index sampler."""
+"""Data: token sources, Megatron-format indexed datasets (read, write, prepare from a corpus), packing and
+blending, the global-index sampler, and the read-ahead batch reader."""

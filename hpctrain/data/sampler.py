@@ -11,9 +11,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
+
+
+class Samples(Protocol):
+    """What the training loop reads: global sample id -> seq_len + 1 token ids, the same on every rank."""
+
+    seq_len: int
+
+    @property
+    def samples_per_epoch(self) -> int: ...
+
+    def sample(self, sample: int) -> np.ndarray: ...
+
+    def describe(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -37,7 +51,8 @@ class AffinePermutation:
 
 
 class SampleIndex:
-    """Maps global sample ids to token windows of seq_len + 1 (inputs and shifted targets)."""
+    """Maps global sample ids to token windows of seq_len + 1 (inputs and shifted targets) of one flat array
+    of tokens (a split of it is a slice: the memory map is not read)."""
 
     def __init__(self, tokens: np.ndarray | None, seq_len: int, seed: int, vocab_size: int) -> None:
         self.tokens = tokens
@@ -57,17 +72,27 @@ class SampleIndex:
             perm = self._perms.setdefault(epoch, AffinePermutation.seeded(self.windows, self.seed * 100003 + epoch))
         return perm(j)
 
-    def sample(self, sample: int) -> torch.Tensor:
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.windows
+
+    def describe(self) -> str:
+        if self.tokens is None:
+            return f"random tokens below {self.vocab_size}"
+        return f"{len(self.tokens):,} tokens, {self.windows:,} samples per epoch"
+
+    def sample(self, sample: int) -> np.ndarray:
         """seq_len + 1 token ids of global sample `sample`."""
         if self.tokens is None:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + sample)
-            return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen)
+            return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=gen).numpy()
         start = self.window_of(sample) * self.seq_len
-        return torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
-    def batch(self, samples: range) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.stack([self.sample(s) for s in samples])
-        return rows[:, :-1], rows[:, 1:]
+
+def rows(dataset: "Samples", samples: range) -> np.ndarray:
+    """[len(samples), seq_len + 1] token ids: each row an input and, shifted by one, its targets."""
+    return np.stack([dataset.sample(s) for s in samples])
 
 
 def step_samples(consumed: int, global_batch: int, dp: int, dp_rank: int) -> range:

@@ -142,6 +142,10 @@ class Watchdog:
         self.last = time.monotonic()
         self.boundary_due = None
 
+    def touch(self) -> None:
+        """Progress that is not a step (a validation pass): the clock restarts, no step time is recorded."""
+        self.last = time.monotonic()
+
     def stop_signalled(self) -> None:
         """A stop signal came (called from its handler: sets state only). The loop acts on it at the next step
         boundary, all ranks together; a rank that does not reach it within a few step times is waiting for

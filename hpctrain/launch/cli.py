@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.config.checks import run_checks
 from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.launch.data import prepare_data
 from hpctrain.launch.plan_view import build_plan, render
 from hpctrain.launch.rundir import resolve_run_dir
 
@@ -57,6 +58,12 @@ def run(cfg: DictConfig) -> Outcome:
     for w in report.warnings:
         print(f"warning: {w.key}: {w.message} (fix: {w.fix})", file=sys.stderr)
     from hpctrain.launch.submit import launch
+
+    try:
+        prepare_data(cfg.data)
+    except ConfigError as err:
+        print(f"hpctrain: {err}", file=sys.stderr)
+        return Outcome(EXIT_CONFIG_ERROR, run_dir.run_id, str(run_dir.path))
 
     code, job_id = launch(cfg, report.layout, run_dir, plan)
     return Outcome(code, run_dir.run_id, str(run_dir.path), job_id)

@@ -47,6 +47,7 @@ from hpctrain.parallel.data_parallel import (
 )
 from hpctrain.parallel.dims import ParallelDims
 from hpctrain.parallel.pipeline import build_schedule, stage_model
+from hpctrain.parallel.pipeline import evaluate as evaluate_pipeline
 from hpctrain.parallel.optimizer import build_optimizer, optimizer_defaults, param_groups
 from hpctrain.parallel.precision import LossScaler, autocast, enum_value
 from hpctrain.parallel.recompute import apply_recompute
@@ -154,7 +155,6 @@ class Engine:
         self._embedding_group = self._tied_embedding_group() if dims.pp > 1 else None
         self.vocab_size = int(cfg.model.vocab_size)
         self.ranks_per_stage = dims.world_size // dims.pp
-        self._host_batches: torch.Tensor | None = None  # reused (pinned on GPUs) staging buffer for batches
         self.steps_done = 0
         self.last_good_step = 0
 
@@ -210,9 +210,9 @@ class Engine:
 
     # ---- one optimizer step -------------------------------------------------------------------------------
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]], lr: float,
-             control: list[float] | tuple[float, ...] = ()) -> StepStats:
-        """One optimizer step over this rank's microbatches.
+    def step(self, batches: torch.Tensor, lr: float, control: list[float] | tuple[float, ...] = ()) -> StepStats:
+        """One optimizer step over this rank's microbatches: `batches` is [2 (inputs, targets), microbatches,
+        micro_batch, seq].
 
         `control` rides along with the step's only reduction over all ranks (loss and gradient norm share
         one small float64 tensor on this rank's device): StepStats.control holds its sum over every rank.
@@ -247,18 +247,45 @@ class Engine:
             self.last_good_step = self.steps_done
         return StepStats(loss=loss, grad_norm=grad_norm, skipped=not finite, loss_scale=scale, control=agreed)
 
-    def _to_device(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """All microbatches in one host buffer (pinned on GPUs) and one asynchronous copy to the device.
+    @torch.no_grad()
+    def evaluate(self, batches: list[torch.Tensor]) -> float:
+        """Mean token loss over validation batches (each shaped as step's), the same on every rank: forward
+        only, dropout off, and one all-reduce of one number for the whole evaluation."""
+        for part in self.model_parts:
+            part.eval()
+        try:
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
+            for batch in batches:
+                inputs, targets = self._to_device(batch)
+                total += self._eval_loss(inputs, targets)
+        finally:
+            for part in self.model_parts:
+                part.train()
+        if self.dims.distributed:
+            dist.all_reduce(total)
+        copies = self.dims.dp * self.dims.tp if self.dims.distributed else 1
+        return total.item() / (copies * len(batches))
 
-        Returns [microbatches, micro_batch, seq] inputs and targets. The buffer is reused: by the next step
-        the previous copy has finished (the step's reduction synchronises the host)."""
-        shape = (2, len(batches), *batches[0][0].shape)
-        if self._host_batches is None or self._host_batches.shape != shape:
-            self._host_batches = torch.empty(shape, dtype=batches[0][0].dtype,
-                                             pin_memory=self.device.type == "cuda")
-        torch.stack([torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches])],
-                    out=self._host_batches)
-        both = self._host_batches.to(self.device, non_blocking=True)
+    def _eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss over one batch's microbatches (0 on pipeline ranks without the last stage)."""
+        with autocast(self.cfg.precision, self.device, not self.fsdp):
+            if self.schedule is None:
+                model = self.model_parts[0]
+                losses = [token_loss(model(x), y, self.vocab_size) for x, y in zip(inputs, targets)]
+            else:
+                losses = []
+                kwargs: dict[str, Any] = dict(target=targets.flatten(0, 1), losses=losses) if self.has_last else {}
+                evaluate_pipeline(self.schedule, self.pipeline_schedule.placement,
+                                  (inputs.flatten(0, 1),) if self.has_first else (), **kwargs)
+                losses = [loss / self.scaler.scale for loss in losses]  # _pipeline_loss scaled them
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([loss.detach().double() for loss in losses]).mean()
+
+    def _to_device(self, batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[2, microbatches, micro_batch, seq] inputs and targets on the device: one copy, asynchronous from
+        the data reader's pinned buffer on GPUs (hpctrain.data.loader.BatchReader)."""
+        both = batches.to(self.device, non_blocking=True)
         return both[0], both[1]
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

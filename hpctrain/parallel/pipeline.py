@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
+
 from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
 
 from hpctrain import schedules
@@ -58,3 +60,34 @@ def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: i
                              "interleaved_1f1b for virtual stages")
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def evaluate(schedule: Any, placement: str, args: tuple[torch.Tensor, ...], **kwargs: Any) -> None:
+    """Forward-only through the pipeline (`schedule.eval`). torch 2.13's eval on a V schedule (zbv, dualpipev)
+    still runs its backward actions and fails where two stages share a rank ("can't steal_bwd_input if this
+    stage doesn't have backward"): those run their own lowered plan with everything of the backward taken
+    out (the forwards and their sends and receives keep their order, so the pairing between ranks holds)."""
+    if placement != "v":
+        schedule.eval(*args, **kwargs)
+        return
+    training = schedule.pipeline_order_with_comms
+    forward = {rank: _forwards(actions) for rank, actions in training.items()}
+    schedule.pipeline_order_with_comms = forward
+    try:
+        schedule.eval(*args, **kwargs)
+    finally:
+        schedule.pipeline_order_with_comms = training
+
+
+_FORWARD_KINDS = {torch_schedules.FORWARD, torch_schedules.SEND_F, torch_schedules.RECV_F, torch_schedules.UNSHARD,
+                  torch_schedules.RESHARD}
+
+
+def _forwards(actions: list[Any]) -> list[Any]:
+    """A rank's lowered actions without the backward (overlapped forward/backward pairs keep their forward)."""
+    out = []
+    for action in actions:
+        for a in action.sub_actions or (action,):
+            if a.computation_type in _FORWARD_KINDS:
+                out.append(a)
+    return out

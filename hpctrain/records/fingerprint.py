@@ -36,7 +36,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class DataSource:
-    """Which token stream: its kind and what identifies it (the file, or the corpus size for text_bytes)."""
+    """Which token stream: its kind and what identifies it (the file, the blend of indexed datasets, or the
+    corpus size for text_bytes), with the validation split when one is held out."""
 
     kind: str
     source: str | int | None
@@ -71,8 +72,10 @@ def fingerprint_of(model: "ModelConfig", train: "TrainConfig", data: "DataConfig
     kind = getattr(data.kind, "value", data.kind)
     shape = ModelShape(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.context,
                        model.ffn_mult)
-    return Fingerprint(shape, train.global_batch, train.seq_len, train.seed,
-                       DataSource(kind, data.max_bytes if kind == "text_bytes" else data.path))
+    source = {"text_bytes": data.max_bytes, "indexed": data.blend}.get(kind, data.path)
+    if data.valid_fraction:  # the held-out part is not trained on: another split is other training data
+        source = f"{source} valid_fraction={data.valid_fraction:g}"
+    return Fingerprint(shape, train.global_batch, train.seq_len, train.seed, DataSource(kind, source))
 
 
 def upgrade_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:

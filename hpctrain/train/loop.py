@@ -22,8 +22,7 @@ from omegaconf import OmegaConf
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config.layout import Layout, layout_on_nodes, resolve_layout
 from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config
-from hpctrain.data.sampler import SampleIndex, micro_batches, step_samples
-from hpctrain.data.sources import open_tokens
+from hpctrain.data.loader import BatchReader, open_datasets, validation_batches
 from hpctrain.distributed.environment import (
     DistEnv,
     discover,
@@ -176,19 +175,26 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
                         ceiling_s=cfg.launcher.collective_timeout_s - TIMEOUT_MARGIN_S).start()
     run_preflight(cfg, env.rank, env.local_rank, env.attempt, run_dir, device)
     stop, tracker, stats, done = StopFlag(on_signal=lambda _: watchdog.stop_signalled()), None, None, 0
+    reader: BatchReader | None = None
     try:  # from here every error leaves a failure record: start-up (engine, resume) as much as the steps
         timeline["checked"] = time.time()  # the watchdog started, the pre-flight passed
         monitor = RunMonitor(cfg.health, env.rank, device, hosts)
         engine, ckpt, start_step, consumed = _resume(cfg, layout, run_dir, env, device, timeline)
         timeline["resumed"] = time.time()
         done = start_step
-        data = SampleIndex(open_tokens(cfg.data), cfg.train.seq_len, cfg.train.seed, cfg.data.vocab_size)
+        t = cfg.train
+        data = open_datasets(cfg.data, t.seq_len, t.seed)
+        if env.is_main:
+            log.info("data: train %s; validation %s", data.train.describe(),
+                     data.valid.describe() if data.valid is not None else "none")
+        reader = BatchReader(data.train, layout.global_batch, layout.micro_batch, engine.dp_size, engine.dp_rank,
+                             pin=device.type == "cuda", ahead=cfg.data.prefetch, vocab_size=cfg.data.vocab_size)
+        validation = Validation(cfg, layout, engine, data.valid) if t.eval_every else None
         if env.is_main:
             tracker = Tracker(cfg, run_dir, str(cfg.run.id), OmegaConf.to_container(cfg, resolve=True))
             for e in ckpt.events:  # what the resume did: the tier used and the ones skipped, and why
                 tracker.event(e.pop("event"), **e)
             ckpt.events.clear()
-        t = cfg.train
         reporter = StepReporter(cfg, layout.global_batch * t.seq_len, env.world_size, device, start_step,
                                 ckpt.stop_tier())
         fault = Fault.from_env()
@@ -199,8 +205,7 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
             started = time.perf_counter()
             if fault is not None:
                 fault.maybe_fire(step + 1, env.rank, run_dir)
-            samples = step_samples(consumed, layout.global_batch, engine.dp_size, engine.dp_rank)
-            batches = [data.batch(r) for r in micro_batches(samples, layout.micro_batch)]
+            batches = reader.batches(consumed)
             lr = lr_at(step, cfg.optim, t.max_steps)
             stats = engine.step(batches, lr, control.values(step + 1))
             agreed = control.decode(stats.control)
@@ -211,8 +216,12 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
             watchdog.beat(done, step_time)
             ckpt.after_step(done, engine, {"consumed_samples": consumed}, agreed.checkpoint)
             monitor_out = monitor.after_step(done, step_time, agreed.probes)
+            evaluated = validation.after_step(done) if validation is not None else {}
+            if evaluated:
+                watchdog.touch()  # the next step's hang limit starts after the evaluation
             if tracker is not None:
-                reporter.step(tracker, done, consumed, stats, lr, step_time, ckpt.events, monitor_out)
+                reporter.step(tracker, done, consumed, stats, lr, step_time, ckpt.events, monitor_out,
+                              {"data_wait_s": reader.wait_s, **evaluated})
                 if done == start_step + 1:  # how long this attempt took to train again, part by part
                     tracker.event("attempt", job_id=env.job_id, restart=env.restart, from_step=start_step,
                                   **timeline, first_step=time.time())
@@ -232,12 +241,37 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
         _record_own_failure(watchdog, run_dir, env, done + 1, exc)
         raise
     finally:
+        if reader is not None:
+            reader.close()
         watchdog.stop()
         stop.restore()
         if tracker is not None:
             tracker.close()
     return {"rank": env.rank, "steps": t.max_steps, "start_step": start_step,
             "final_loss": stats.loss if stats else None}
+
+
+class Validation:
+    """The validation loss every `train.eval_every` steps and at the last one: the same samples each time
+    (read once, kept), averaged over every DP rank by the engine."""
+
+    def __init__(self, cfg: Config, layout: Layout, engine: Any, valid: Any) -> None:
+        self.every, self.last, self.engine = cfg.train.eval_every, cfg.train.max_steps, engine
+        self.batches = validation_batches(valid, cfg.train.eval_batches, layout.global_batch, layout.micro_batch,
+                                          engine.dp_size, engine.dp_rank, cfg.data.vocab_size)
+        wanted = cfg.train.eval_batches * layout.global_batch
+        if wanted > valid.samples_per_epoch:
+            log.warning("validation: %d samples asked for (train.eval_batches=%d x global batch %d), the split "
+                        "holds %d: some are repeated", wanted, cfg.train.eval_batches, layout.global_batch,
+                        valid.samples_per_epoch)
+
+    def after_step(self, done: int) -> dict[str, float]:
+        """{"val_loss", "eval_s"} at an evaluation step, else {}."""
+        if done % self.every and done != self.last:
+            return {}
+        started = time.perf_counter()
+        loss = self.engine.evaluate(self.batches)
+        return {"val_loss": loss, "eval_s": time.perf_counter() - started}
 
 
 def _record_own_failure(watchdog: Watchdog, run_dir: Path, env: Any, step: int, exc: Exception) -> None:

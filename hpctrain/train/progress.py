@@ -50,12 +50,15 @@ class StepReporter:
         self._lead_checked = cfg.cluster.executor != Executor.slurm  # only Slurm sends a warning signal
 
     def step(self, tracker: Any, done: int, consumed: int, stats: Any, lr: float, step_time: float,
-             ckpt_events: list[dict[str, Any]], health: tuple[dict[str, float], list[dict[str, Any]]]) -> None:
+             ckpt_events: list[dict[str, Any]], health: tuple[dict[str, float], list[dict[str, Any]]],
+             data: dict[str, float] | None = None) -> None:
+        """`data`: the step's wait for its batches (`data_wait_s`) and, at an evaluation, `val_loss`, `eval_s`."""
         tokens_per_s = self.tokens_per_step / step_time
         metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
                    "tokens_per_s": tokens_per_s, "step_time_s": step_time, "consumed_samples": consumed,
                    "time": time.time(), "loss_scale": stats.loss_scale, "skipped": int(stats.skipped),
                    "mfu": mfu(self.cfg, tokens_per_s, self.world_size), "peak_mem_gb": peak_memory_gb(self.device)}
+        metrics.update(data or {})
         metrics.update(checkpoint_metrics(ckpt_events))
         self._check_signal_lead(tracker, done, step_time, ckpt_events)
         for e in ckpt_events:
@@ -90,10 +93,14 @@ class StepReporter:
     def _print(self, done: int, step_time: float, metrics: dict[str, Any], stats: Any) -> None:
         line = self.progress.update(done, step_time, metrics)
         line += f" | MFU {metrics['mfu']:.2%} | peak mem {metrics['peak_mem_gb']:.2f} GB"
+        if "data_wait_s" in metrics:
+            line += f" | data wait {metrics['data_wait_s'] / step_time:.1%}"
         if self.cfg.precision.loss_scaling:
             line += f" | loss scale {stats.loss_scale:g}" + (" (overflow: step skipped)" if stats.skipped else "")
+        if "val_loss" in metrics:
+            line += f" | val loss {metrics['val_loss']:.4f}"
         t = self.cfg.train
-        if done % t.log_every == 0 or done == t.max_steps or done == self.start_step + 1:
+        if done % t.log_every == 0 or done == t.max_steps or done == self.start_step + 1 or "val_loss" in metrics:
             print(line, flush=True)
 
 

@@ -13,10 +13,15 @@ import logging
 import os
 import signal
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hpctrain.config.layout import resolve_layout
+from hpctrain.data.loader import BatchReader
+from hpctrain.data.sampler import step_samples
 from hpctrain.distributed.environment import DistEnv
 from hpctrain.records.lease import StaleAttempt, take_lease
 from hpctrain.train import loop
@@ -31,19 +36,22 @@ def _rank_main(rank: int, world: int, config: dict[str, Any], run_dir: str, faul
             tier["path"] = f"{tier['path']}/node{rank // faults.get('ranks_per_node', 1)}"
     cfg = loop.load_config(config)
     env = DistEnv(rank, rank, world, world, 0, 1, "127.0.0.1", 0, "localhost", "test")
-    original = loop.step_samples
+    original = BatchReader.batches
 
-    def recording(consumed: int, global_batch: int, dp: int, dp_rank: int) -> range:
-        samples = original(consumed, global_batch, dp, dp_rank)
+    def recording(reader: BatchReader, consumed: int) -> Any:
+        """At the start of each step, on the training thread (the reader reads ahead in its own)."""
+        samples = step_samples(consumed, reader.global_batch, reader.dp, reader.dp_rank)
+        batch = original(reader, consumed)
         with open(Path(run_dir) / f"samples.rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"consumed": consumed, "dp_rank": dp_rank, "samples": list(samples)}) + "\n")
-        if faults.get("signal_at") == consumed // global_batch and rank == faults.get("signal_rank", 0):
+            f.write(json.dumps({"consumed": consumed, "dp_rank": reader.dp_rank, "samples": list(samples),
+                                "tokens": row_sums(batch)}) + "\n")
+        if faults.get("signal_at") == consumed // reader.global_batch and rank == faults.get("signal_rank", 0):
             os.kill(os.getpid(), faults.get("signum", signal.SIGUSR2))
-        if faults.get("lease_taken_at") == consumed // global_batch and rank == 0:  # a newer attempt starts
+        if faults.get("lease_taken_at") == consumed // reader.global_batch and rank == 0:  # a newer attempt starts
             take_lease(Path(run_dir), "newer-attempt")
-        return samples
+        return batch
 
-    loop.step_samples = recording
+    BatchReader.batches = recording
     if "kill_rank_in_save" in faults:
         from hpctrain.checkpoint.manager import CheckpointManager
 
@@ -75,6 +83,23 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
 def losses_by_step(run_dir: Path) -> dict[int, float]:
     """The loss of each step; a step redone after a resume keeps its last value."""
     return {m["step"]: m["loss"] for m in metrics(run_dir)}
+
+
+def row_sums(batch: Any) -> list[int]:
+    """CRC32 of each sample's seq_len + 1 tokens in a [2, microbatches, micro_batch, seq] batch, in order."""
+    seq = batch.shape[-1]
+    x, y = batch[0].reshape(-1, seq), batch[1].reshape(-1, seq)
+    return [zlib.crc32(torch.cat([a, b[-1:]]).numpy().tobytes()) for a, b in zip(x, y)]
+
+
+def consumed_tokens(run_dir: Path) -> dict[int, int]:
+    """Sample id -> the CRC32 of the tokens the rank that trained on it read (the last reading wins)."""
+    out: dict[int, int] = {}
+    for f in sorted(run_dir.glob("samples.rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            out.update(zip(r["samples"], r["tokens"]))
+    return out
 
 
 def consumed_samples(run_dir: Path) -> list[int]:

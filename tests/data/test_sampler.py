@@ -11,6 +11,7 @@ from hpctrain.data.sampler import (
     micro_batches,
     step_samples,
 )
+from hpctrain.data.loader import batch_of
 from hpctrain.data.sources import build_text_bytes, stdlib_sources
 
 
@@ -50,8 +51,10 @@ def test_windows_cover_each_epoch_once() -> None:
     index = SampleIndex(tokens, seq_len=10, seed=0, vocab_size=2000)
     starts = sorted(index.window_of(s) for s in range(index.windows))
     assert starts == list(range(index.windows))
-    x, y = index.batch(range(3))
-    assert x.shape == (3, 10) and (y[:, :-1] == x[:, 1:]).all()
+    batch = batch_of(index, range(4), micro_batch=2)
+    x, y = batch[0].reshape(4, 10), batch[1].reshape(4, 10)
+    assert batch.shape == (2, 2, 2, 10) and (y[:, :-1] == x[:, 1:]).all()
+    assert [int(x[i, 0]) for i in range(4)] == [index.window_of(s) * 10 for s in range(4)]
 
 
 def test_synthetic_samples_are_reproducible() -> None:

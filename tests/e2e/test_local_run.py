@@ -86,3 +86,26 @@ def test_a_second_attempt_of_a_live_run_takes_it_over(tmp_path: Path) -> None:
     restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # where the new attempt begins
     assert steps[:restart] == list(range(1, restart + 1)) and steps[restart:] == list(range(steps[restart], 151))
     assert steps[restart] - 1 in (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140)  # a checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_full_data_path_from_a_corpus(tmp_path: Path) -> None:
+    """`+experiment=stdlib_bpe`: the login node prepares a Megatron-format dataset (a BPE trained on the
+    standard library's sources), the job trains on it with a validation loss; a second run finds the dataset."""
+    env = {"HPCTRAIN_CACHE": str(tmp_path / "cache")}
+    common = ["+experiment=stdlib_bpe", f"run.root={tmp_path}", "train.max_steps=40", "train.eval_every=20"]
+    first = run_hpctrain(*common, cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    prefix = tmp_path / "cache" / "stdlib_bpe4096" / "stdlib"
+    assert f"data: preparing {prefix} from stdlib" in first.stdout
+    assert all(Path(f"{prefix}{ext}").is_file() for ext in (".bin", ".idx", ".tokenizer.json"))
+    assert "| val loss" in first.stdout and "data wait" in first.stdout
+    metrics = _metrics(_run_dir(first.stdout))
+    evaluated = [m for m in metrics if "val_loss" in m]
+    assert [m["step"] for m in evaluated] == [20, 40]
+    assert evaluated[1]["val_loss"] < evaluated[0]["val_loss"] < math.log(4096) + 0.5
+    assert all("data_wait_s" in m for m in metrics)
+    second = run_hpctrain(*common, "train.max_steps=2", "train.eval_every=1", cwd=tmp_path, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "data: preparing" not in second.stdout

@@ -12,6 +12,8 @@ from hpctrain.config.schema import Config
 
 SEQ = 16
 VOCAB = 64
+VALIDATION = 100  # validation batches are global_batch(VALIDATION + b): never trained on
+EVAL_AFTER = (1,)  # steps (0-based) after which the engine evaluates, besides the last
 
 
 def make_cfg(world: int, **overrides: Any) -> Any:
@@ -34,13 +36,13 @@ def global_batch(step: int, cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return rows[:, :-1], rows[:, 1:]
 
 
-def rank_batches(step: int, cfg: Any, dp_rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This DP rank's slice of the global batch, cut into microbatches (as the training loop does)."""
+def rank_batches(step: int, cfg: Any, dp_rank: int, dp: int) -> torch.Tensor:
+    """This DP rank's slice of the global batch, cut into microbatches (as the training loop does):
+    [2 (inputs, targets), microbatches, micro_batch, seq]."""
     x, y = global_batch(step, cfg)
     per = cfg.train.global_batch // dp
     x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
-    mb = cfg.train.micro_batch
-    return [(x[i:i + mb], y[i:i + mb]) for i in range(0, per, mb)]
+    return torch.stack([x, y]).reshape(2, -1, cfg.train.micro_batch, SEQ)
 
 
 def run_engine(rank: int, world: int, overrides: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -55,13 +57,18 @@ def run_engine(rank: int, world: int, overrides: dict[str, Any], steps: int) -> 
     cfg = make_cfg(world, **overrides)
     layout = resolve_layout(cfg)
     engine = build_engine(cfg, layout, torch.device("cpu"))
-    stats = [engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr) for s in range(steps)]
+    stats, val_loss = [], []
+    validation = [rank_batches(VALIDATION + b, cfg, engine.dp_rank, engine.dp_size) for b in range(2)]
+    for s in range(steps):
+        stats.append(engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr))
+        if s in EVAL_AFTER or s == steps - 1:  # mid-run too: training must go on exactly after an evaluation
+            val_loss.append(engine.evaluate(validation))
     weights: dict[str, torch.Tensor] = {}
     for part in engine.model_parts:
         sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         weights.update({k: v.detach().clone() for k, v in sd.items()})
     return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats],
-            "skipped": [s.skipped for s in stats], "loss_scale": [s.loss_scale for s in stats],
+            "skipped": [s.skipped for s in stats], "loss_scale": [s.loss_scale for s in stats], "val_loss": val_loss,
             "weights": weights, "modules": model_classes(engine.gpts), "dp": (engine.dp_rank, engine.dp_size),
             "local_numel": sum(_local_numel(p) for g in engine.gpts for p in g.parameters())}
 
@@ -91,7 +98,7 @@ def reference(overrides: dict[str, Any], steps: int, world: int = 1) -> dict[str
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"), cfg.parallel.tp)
     opt = build_optimizer(model.parameters(), cfg.optim)
-    losses, norms = [], []
+    losses, norms, val_loss = [], [], []
     for s in range(steps):
         x, y = global_batch(s, cfg)
         loss = token_loss(model(x), y, cfg.model.vocab_size)
@@ -100,5 +107,9 @@ def reference(overrides: dict[str, Any], steps: int, world: int = 1) -> dict[str
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {"loss": losses, "grad_norm": norms,
+        if s in EVAL_AFTER or s == steps - 1:
+            with torch.no_grad():
+                val_loss.append(sum(token_loss(model(x), y, cfg.model.vocab_size).item()
+                                    for x, y in (global_batch(VALIDATION + b, cfg) for b in range(2))) / 2)
+    return {"loss": losses, "grad_norm": norms, "val_loss": val_loss,
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -2,7 +2,7 @@
 
 Each case trains a tiny GPT (4 layers, d 64, fp32) for 5 steps on forked gloo ranks and compares, step by
 step, the loss and the (pre-clipping) global gradient norm with `reference()` (plain PyTorch, whole global
-batch at once, stock clip_grad_norm_), then the final weights. Clipping is active (max norm 1.0, the first
+batch at once, stock clip_grad_norm_), then the final weights, and the validation loss (forward only, evaluated mid-run and at the end). Clipping is active (max norm 1.0, the first
 steps' norms are ~2.3), so the clipped update is checked too.
 
 Bounds: fp32 losses and norms within 1e-5 relative (measured ~1e-7, summation order only). The weights are
@@ -104,6 +104,9 @@ def test_layout_matches_single_process(name: str, single_process_modules: dict[s
     assert sorted({r["dp"] for r in results}) == [(i, dp) for i in range(dp)], "DP coordinates must cover 0..dp-1"
     assert _rel(results[0]["loss"], ref["loss"]) <= 1e-5, (results[0]["loss"], ref["loss"])
     assert _rel(results[0]["grad_norm"], ref["grad_norm"]) <= 1e-5, (results[0]["grad_norm"], ref["grad_norm"])
+    # The validation loss: forward only, averaged over DP ranks, the same on every rank, mid-run and at the end.
+    assert all(r["val_loss"] == results[0]["val_loss"] for r in results)
+    assert _rel(results[0]["val_loss"], ref["val_loss"]) <= 1e-5, (results[0]["val_loss"], ref["val_loss"])
 
     weights: dict[str, torch.Tensor] = {}
     for r in results:  # pipeline ranks each hold their stages' weights
