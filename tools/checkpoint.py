@@ -4,10 +4,16 @@
     python tools/checkpoint.py list   RUN_DIR
     python tools/checkpoint.py verify RUN_DIR [--step N] [--tier NAME]
     python tools/checkpoint.py export RUN_DIR OUT.pt [--step N] [--tier NAME]
+    python tools/checkpoint.py export RUN_DIR OUT_DIR --format hf [--max-shard-mb MB] [--step N] [--tier NAME]
 
 `verify` reads every byte of the checkpoints it is given (default: all of the run's) and checks each file's
 size and CRC32C against the manifest; for a damaged file it names the tensor records hit (each record's CRC32C
 is in `.metadata`). Exit status 1 when any checkpoint is damaged, 2 when there is none to check.
+
+`export` consolidates the model of a checkpoint of any layout: `--format torch` (default) into one file (torch.save
+and .safetensors), `--format hf` into a Hugging Face model directory (config.json from the run's config.yaml,
+safetensors weights, sharded above --max-shard-mb) that transformers.AutoModelForCausalLM.from_pretrained loads
+and `model.init_from=OUT_DIR` starts a run from.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import json
 import sys
 from pathlib import Path
 
+from hpctrain.checkpoint.hf import MAX_SHARD_BYTES, export_hf, run_model_config
 from hpctrain.checkpoint.inspect import describe, export_model, find, list_checkpoints, unusable
+from hpctrain.models.hf import HFMismatch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("run_dir", type=Path)
         if name == "export":
             p.add_argument("out", type=Path)
+            p.add_argument("--format", choices=("torch", "hf"), default="torch")
+            p.add_argument("--max-shard-mb", type=float, default=MAX_SHARD_BYTES / 1e6,
+                           help="hf: largest safetensors file before the weights are split (as save_pretrained)")
         if name != "list":
             p.add_argument("--step", type=int)
             p.add_argument("--tier")
@@ -53,10 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             return verify(args)
         ckpt = find(args.run_dir, args.step, args.tier)
-        for path in export_model(ckpt, args.out):
+        if args.format == "hf":
+            written = export_hf(ckpt, run_model_config(args.run_dir), args.out, int(args.max_shard_mb * 1e6))
+        else:
+            written = export_model(ckpt, args.out)
+        for path in written:
             print(f"wrote {path}")
         return 0
-    except FileNotFoundError as err:
+    except (FileNotFoundError, FileExistsError, HFMismatch) as err:
         print(f"checkpoint: {err}", file=sys.stderr)
         return 2
 

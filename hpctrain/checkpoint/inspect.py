@@ -54,28 +54,52 @@ def unusable(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def export_model(c: Committed, out: Path) -> list[Path]:
-    """Consolidate the model weights into one file (torch.save; also .safetensors if installed)."""
+MODEL_PREFIX = "train.model."  # where a checkpoint holds the model's weights (the engine's state under "train")
+
+
+def model_tensors(c: Committed) -> dict[str, Any]:
+    """A checkpoint's model weights as empty tensors on the meta device, by name, with their whole shapes and
+    dtypes, whatever layout saved them and whatever the model's architecture (from the checkpoint's own
+    metadata); the vocabulary-row tensors cut to the tokenizer's vocabulary: TP padding is not part of the model."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from hpctrain.checkpoint.reader import FastReader
+    from hpctrain.models.hf import VOCAB_ROWS
+
+    vocab = ModelShape.from_value(c.manifest["fingerprint"]["model"]).vocab_size
+    out = {}
+    for key, item in FastReader(str(c.path)).read_metadata().state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata):
+            name, size = key[len(MODEL_PREFIX):], list(item.size)
+            if name in VOCAB_ROWS:
+                size[0] = vocab
+            out[name] = torch.empty(size, dtype=item.properties.dtype, device="meta")
+    return dict(sorted(out.items()))
+
+
+def consolidated_model(c: Committed, names: list[str] | None = None) -> dict[str, Any]:
+    """A checkpoint's model weights (`names` of them, all when None), whole, read from any layout (DCP reshards),
+    shaped as `model_tensors` says."""
     import torch
 
     from hpctrain.checkpoint.reshard import load_state
-    from hpctrain.models.gpt import GPT, GPTArgs
 
-    m = ModelShape.from_value(c.manifest["fingerprint"]["model"])
-    with torch.device("meta"):  # the tokenizer's vocabulary: the padding rows are not exported
-        model = GPT(GPTArgs(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, vocab_size=m.vocab_size,
-                            seq_len=m.context, ffn_hidden=m.ffn_mult * m.d_model))
-    model.to_empty(device="cpu")
-    state = {name: p.detach() for name, p in model.state_dict().items()}
+    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model_tensors(c).items()
+             if names is None or k in names}
     load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)
+    return state
+
+
+def export_model(c: Committed, out: Path) -> list[Path]:
+    """Consolidate the model weights into one file, torch.save's and safetensors' (the latter loads without
+    unpickling anything)."""
+    import torch
+    from safetensors.torch import save_file
+
+    state = consolidated_model(c)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, out)
-    written = [out]
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        return written
     safe = out.with_suffix(".safetensors")
     save_file({k: v.contiguous() for k, v in state.items()}, str(safe), metadata={"step": str(c.step)})
-    written.append(safe)
-    return written
+    return [out, safe]

@@ -17,8 +17,9 @@ from hpctrain import schedules
 from hpctrain.config.layout import Layout, resolve_layout
 from hpctrain.config.cluster_checks import cluster_checks
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
-from hpctrain.config.schema import SCHEDULES, Config, DataConfig, DataKind, DType, TrainConfig, parse_blend
+from hpctrain.config.schema import SCHEDULES, Config, DataConfig, DataKind, DType, ModelArch, TrainConfig, parse_blend
 from hpctrain.hardware import KNOWN_HARDWARE
+from hpctrain.models.params import ffn_hidden_of, kv_heads_of
 
 
 
@@ -76,6 +77,29 @@ def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 f"use a d_model that is a multiple of {m.n_heads} (e.g. {m.n_heads * max(1, m.d_model // m.n_heads)})")
     if not 0.0 <= m.dropout < 1.0:
         r.error("model.dropout", f"must be in [0, 1), got {m.dropout}", "set model.dropout=0.0")
+    if m.arch == ModelArch.llama:
+        _llama_shape(cfg, r)
+    elif m.n_kv_heads not in (0, m.n_heads):
+        r.error("model.n_kv_heads", f"model.arch=gpt has multi-head attention only, got n_kv_heads={m.n_kv_heads} "
+                f"for n_heads={m.n_heads}", "set model.n_kv_heads=0, or model.arch=llama for grouped-query attention")
+    if m.init_from and not os.path.exists(m.init_from):
+        (r.warn if cfg.dry_run else r.error)("model.init_from", f"{m.init_from} does not exist on this machine",
+                                             "give a Hugging Face model directory readable from every node")
+
+
+def _llama_shape(cfg: Config, r: CheckReport) -> None:
+    m = cfg.model
+    kv = kv_heads_of(m)
+    if m.n_heads >= 1 and (kv < 1 or m.n_heads % kv):
+        r.error("model.n_kv_heads", f"model.n_heads={m.n_heads} is not divisible by n_kv_heads={kv}: each key/value "
+                "head serves a whole group of query heads", f"use an n_kv_heads that divides {m.n_heads} (0: as many "
+                "as query heads)")
+    if m.n_heads >= 1 and m.d_model % m.n_heads == 0 and (m.d_model // m.n_heads) % 2:
+        r.error("model.d_model", f"the head dimension d_model / n_heads = {m.d_model // m.n_heads} is odd: RoPE "
+                "rotates pairs of dimensions", "choose d_model and n_heads with an even d_model / n_heads")
+    if m.dropout:
+        r.error("model.dropout", f"model.arch=llama has no dropout (Llama 2/3 train without), got {m.dropout}",
+                "set model.dropout=0.0")
 
 
 def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -83,9 +107,13 @@ def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if m.n_heads % tp:
         r.error("parallel.tp", f"model.n_heads={m.n_heads} is not divisible by tp={tp}: each TP rank must own "
                 "whole attention heads", f"use a tp that divides {m.n_heads}")
-    if (m.ffn_mult * m.d_model) % tp:
-        r.error("parallel.tp", f"the MLP hidden size {m.ffn_mult * m.d_model} is not divisible by tp={tp}",
-                "use a tp that divides the MLP hidden size")
+    if m.arch == ModelArch.llama and kv_heads_of(m) % tp:
+        r.error("parallel.tp", f"model.n_kv_heads={kv_heads_of(m)} is not divisible by tp={tp}: each TP rank must "
+                "own whole key/value heads (grouped-query attention)",
+                f"use a tp that divides {kv_heads_of(m)}, or more key/value heads (model.n_kv_heads)")
+    if ffn_hidden_of(m) % tp:
+        r.error("parallel.tp", f"the MLP hidden size {ffn_hidden_of(m)} is not divisible by tp={tp}",
+                "use a tp that divides the MLP hidden size (model.ffn_hidden)")
     if tp > lay.gpus_per_node:
         r.error("parallel.tp", f"tp={tp} is larger than cluster.gpus_per_node={lay.gpus_per_node}: TP's per-layer "
                 "all-reduces would cross the network instead of NVLink", f"use tp <= {lay.gpus_per_node} and add "

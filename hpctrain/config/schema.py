@@ -55,18 +55,39 @@ class PlanFormat(str, Enum):
     json = "json"
 
 
+class ModelArch(str, Enum):
+    gpt = "gpt"  # GPT-2/3: learned positions, LayerNorm, GELU MLP, tied embeddings
+    llama = "llama"  # Llama 2/3: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, untied embeddings
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0  # base of the rotary frequencies (Llama 3: 500000)
+    # Llama 3's frequency scaling (HF rope_type "llama3"); 0: none
+    scaling_factor: float = 0.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+
 @dataclass
 class ModelConfig:
     name: str = MISSING
+    arch: ModelArch = ModelArch.gpt
     n_layers: int = MISSING
     d_model: int = MISSING
     n_heads: int = MISSING
+    n_kv_heads: int = 0  # llama: key/value heads of grouped-query attention (0: n_heads)
     vocab_size: int = 50257  # the tokenizer's vocabulary (what the loss and exports use)
     vocab_pad_multiple: int = 64  # embedding rows padded to a multiple of this x TP (<= 1: no padding)
-    context: int = 2048  # longest sequence the position table covers
+    context: int = 2048  # longest sequence the model is trained on (gpt: the position table's size)
     ffn_mult: int = 4
+    ffn_hidden: int = 0  # the MLP's hidden size (0: ffn_mult x d_model)
+    norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)  # llama
     dropout: float = 0.0
     init_std: float = 0.02
+    init_from: Optional[str] = None  # a Hugging Face model directory to start from (continued pretraining)
 
 
 @dataclass

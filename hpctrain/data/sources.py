@@ -20,9 +20,12 @@ from hpctrain.config.schema import DataConfig, DataKind
 
 
 def stdlib_sources() -> list[Path]:
-    """The standard library's .py files in a fixed order (tests excluded: they hold odd encodings)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts]
+    """The standard library's .py files in a fixed order (tests excluded: they hold odd encodings). Installed
+    packages (site-packages, often inside the library's directory) are never walked into."""
+    files = []
+    for directory, subdirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "test")]
+        files += [Path(directory, n) for n in names if n.endswith(".py")]
     return sorted(files)
 
 

@@ -77,7 +77,8 @@ def apply_auto(cfg: DictConfig) -> None:
 
     c = cfg.cluster
     candidates = search_layouts(model_shape(cfg.model, cfg.train.seq_len), c.nodes * c.gpus_per_node,
-                                cluster_hardware(c), cfg.train.global_batch, dtype=cfg.precision.dtype.value)
+                                cluster_hardware(c), cfg.train.global_batch, dtype=cfg.precision.dtype.value,
+                                reduce_dtype=cfg.precision.reduce_dtype.value)
     if not candidates:
         raise ConfigError([Problem(
             "parallel.auto", f"no layout of {cfg.model.name} on {c.nodes} x {c.gpus_per_node} {c.gpu_type} with "

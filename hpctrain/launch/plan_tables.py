@@ -11,10 +11,10 @@ from hpctrain.plan.search import Candidate, explain
 from hpctrain.plan.types import GiB
 
 
-def stage_lines(counts: dict[str, list[Any]], tp: int) -> list[str]:
+def stage_lines(counts: dict[str, Any], tp: int) -> list[str]:
     """Parameters per pipeline rank and per GPU after the TP split (closed form, hpctrain.models.params)."""
     stages, ranks = counts["params_per_stage"], counts["stages_of_rank"]
-    lines = [f"parameters per pipeline rank: {len(stages)} stages, TP {tp} (the tied head's embedding copy on the "
+    lines = [f"parameters per pipeline rank: {len(stages)} stages, TP {tp} ({counts['last_stage_head']} on the "
              "last stage)"]
     for r, (mine, per_gpu) in enumerate(zip(ranks, counts["params_per_gpu_before_zero"])):
         lines.append(f"  pipeline rank {r}: stage(s) {','.join(map(str, mine))} "

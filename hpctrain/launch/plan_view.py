@@ -88,7 +88,8 @@ def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_
 def _search(est: Estimates, cluster: ClusterConfig, global_batch: int, top_k: int) -> tuple[dict[str, Any], list[str]]:
     """The layout search's data and its text lines: the top layouts, and where the configured one ranks."""
     n_gpus = cluster.nodes * cluster.gpus_per_node
-    candidates = search_layouts(est.model, n_gpus, est.hw, global_batch, dtype=est.layout.dtype)
+    candidates = search_layouts(est.model, n_gpus, est.hw, global_batch, dtype=est.layout.dtype,
+                                reduce_dtype=est.layout.reduce_dtype)
     mine = evaluate(est.model, est.layout, est.hw)
     data = search_summary(candidates, mine, top_k)
     return data, search_lines(candidates, mine, data["configured_rank"], top_k, f"{n_gpus} x {cluster.gpu_type}")
@@ -99,8 +100,9 @@ def render_text(plan: dict[str, Any]) -> str:
     out = [
         f"hpctrain plan: {plan['run']['name']} (run id {plan['run']['id']}, not submitted)",
         f"  run directory   {plan['run']['directory']}",
-        f"  model           {m['name']}: {m['n_layers']} layers, d_model {m['d_model']}, {m['n_heads']} heads, "
-        f"vocab {m['vocab_size']}, context {m['context']}",
+        f"  model           {m['name']} ({m['arch']}): {m['n_layers']} layers, d_model {m['d_model']}, "
+        f"{m['n_heads']} heads" + (f" ({m['n_kv_heads']} key/value)" if m["n_kv_heads"] != m["n_heads"] else "")
+        + f", MLP {m['ffn_hidden']}, vocab {m['vocab_size']}, context {m['context']}",
         f"  parameters      {plan['params_total']:,} ({_human(plan['params_total'])})",
         *_padding_lines(plan),
         f"  cluster         {lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = {plan['world_size']} "

@@ -5,8 +5,8 @@ this file has no process groups, no DTensor and no rank logic. Choices that keep
 - `layers` is a ModuleDict keyed by the global layer index: a pipeline stage deletes the layers it does
   not own and the remaining parameter names stay the same, so checkpoints load into any layout.
 - `tok_emb`, `pos_emb`, `norm_f` may be set to None on stages that do not hold them; forward skips them.
-  The stage that embeds is the one holding `pos_emb`: the last pipeline stage keeps `tok_emb` only as the
-  tied output head.
+  The stage that embeds (`embeds`) is the one holding `pos_emb`: the last pipeline stage keeps `tok_emb` only
+  as the tied output head.
 - The fused QKV projection's output is laid out head by head ([h0: q k v][h1: q k v]...) and attention
   reshapes with `view(B, T, -1, 3, head_dim)`, so a colwise TP split gives each rank whole heads.
 - Weights are created by `init_weights()`, so a model built on the meta device is materialised per shard.
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.models.params import padded_vocab
+from hpctrain.models.params import ffn_hidden_of, padded_vocab
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class GPTArgs:
     ffn_hidden: int
     dropout: float = 0.0
     init_std: float = 0.02
+    norm_eps: float = 1e-5  # LayerNorm's (GPT-2's layer_norm_epsilon)
     padded_vocab: int = 0  # embedding rows (0: vocab_size); extra rows stay zero and are cut from the logits
 
     @property
@@ -51,9 +52,10 @@ def gpt_args(m: Any, tp: int = 1) -> GPTArgs:
         n_heads=m.n_heads,
         vocab_size=m.vocab_size,
         seq_len=m.context,
-        ffn_hidden=m.ffn_mult * m.d_model,
+        ffn_hidden=ffn_hidden_of(m),
         dropout=m.dropout,
         init_std=m.init_std,
+        norm_eps=m.norm_eps,
         padded_vocab=padded_vocab(m.vocab_size, m.vocab_pad_multiple, tp),
     )
 
@@ -92,9 +94,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, args: GPTArgs) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(args.d_model)
+        self.norm1 = nn.LayerNorm(args.d_model, eps=args.norm_eps)
         self.attn = Attention(args)
-        self.norm2 = nn.LayerNorm(args.d_model)
+        self.norm2 = nn.LayerNorm(args.d_model, eps=args.norm_eps)
         self.mlp = MLP(args)
         self.drop = nn.Dropout(args.dropout)
 
@@ -104,6 +106,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    tied_embeddings = True  # the head is the token embedding
+
     def __init__(self, args: GPTArgs) -> None:
         super().__init__()
         self.args = args
@@ -111,7 +115,12 @@ class GPT(nn.Module):
         self.pos_emb: nn.Embedding | None = nn.Embedding(args.seq_len, args.d_model)
         self.drop = nn.Dropout(args.dropout)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
-        self.norm_f: nn.LayerNorm | None = nn.LayerNorm(args.d_model)
+        self.norm_f: nn.LayerNorm | None = nn.LayerNorm(args.d_model, eps=args.norm_eps)
+
+    @property
+    def embeds(self) -> bool:
+        """Whether this part looks the tokens up (the whole model, or the first pipeline stage)."""
+        return self.pos_emb is not None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (first stage) or hidden states [B, T, d] (later stages) -> logits or hidden.
@@ -119,7 +128,7 @@ class GPT(nn.Module):
         The logits cover the padded vocabulary; `logits[..., :vocab_size]` are the real ones (the loss cuts
         them there, after TP has gathered the vocabulary-sharded logits)."""
         h = tokens
-        if self.pos_emb is not None:
+        if self.embeds:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for layer in self.layers.values():
@@ -135,28 +144,34 @@ class GPT(nn.Module):
             raise RuntimeError("this stage holds the head but not the embedding it is tied to")
         return self.tok_emb.weight
 
-    @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layers).
+        """GPT-2 initialisation (init_by_name)."""
+        init_by_name(self, seed, self.args.init_std, self.args.n_layers, self.args.vocab_size)
 
-        Each parameter draws from a generator seeded by (seed, name), so every layout (a pipeline
-        stage, a TP shard materialised from meta) gets exactly the weights of the single-process model.
-        """
-        std = self.args.init_std
-        resid_std = std / math.sqrt(2 * self.args.n_layers)
-        base = 0 if seed is None else seed
-        for name, p in self.named_parameters():
-            gen = torch.Generator().manual_seed(_stable_hash(f"{base}:{name}"))
-            if name.endswith("bias"):
-                value = torch.zeros(p.shape)
-            elif ".norm" in name or name.startswith("norm"):
-                value = torch.ones(p.shape)
-            else:
-                scale = resid_std if name.endswith("proj.weight") else std
-                value = torch.randn(p.shape, generator=gen) * scale
-                if name == "tok_emb.weight":  # padding rows: never looked up, zero logits, zero gradient
-                    value[self.args.vocab_size:] = 0.0
-            _assign(p, value)
+
+@torch.no_grad()
+def init_by_name(model: nn.Module, seed: int | None, std: float, n_layers: int, vocab_size: int) -> None:
+    """GPT-2 initialisation: N(0, std), residual projections (`*proj.weight`) scaled by 1/sqrt(2 n_layers),
+    biases 0, norms 1, and the rows of the embedding and head past the vocabulary 0 (never looked up: zero
+    logits, zero gradient).
+
+    Each parameter draws from a generator seeded by (seed, name), so every layout (a pipeline stage, a TP
+    shard materialised from meta) gets exactly the weights of the single-process model.
+    """
+    resid_std = std / math.sqrt(2 * n_layers)
+    base = 0 if seed is None else seed
+    for name, p in model.named_parameters():
+        gen = torch.Generator().manual_seed(_stable_hash(f"{base}:{name}"))
+        if name.endswith("bias"):
+            value = torch.zeros(p.shape)
+        elif ".norm" in name or name.startswith("norm"):
+            value = torch.ones(p.shape)
+        else:
+            scale = resid_std if name.endswith("proj.weight") else std
+            value = torch.randn(p.shape, generator=gen) * scale
+            if name in ("tok_emb.weight", "output.weight"):
+                value[vocab_size:] = 0.0
+        _assign(p, value)
 
 
 def _stable_hash(text: str) -> int:

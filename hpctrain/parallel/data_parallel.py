@@ -18,7 +18,7 @@ communication volume: reduce-scatter + all-gather instead of all-reduce).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,8 +27,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hpctrain.config.schema import PrecisionConfig, ZeroConfig
-from hpctrain.models.gpt import GPT
 from hpctrain.parallel.precision import ddp_comm_hook, fsdp_mp_policy
+
+if TYPE_CHECKING:
+    from hpctrain.models import Transformer
 
 
 def uses_fsdp(zero_stage: int, tp: int, pp: int) -> bool:
@@ -36,9 +38,9 @@ def uses_fsdp(zero_stage: int, tp: int, pp: int) -> bool:
     return zero_stage >= 2 or tp > 1 or pp > 1
 
 
-def apply_fsdp(model: GPT, mesh: DeviceMesh, zero: ZeroConfig, precision: PrecisionConfig,
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, zero: ZeroConfig, precision: PrecisionConfig,
                reshard_after_forward: bool) -> None:
-    """fully_shard each block, then the root (embeddings, final norm): one all-gather per block."""
+    """fully_shard each block, then the root (embeddings, final norm, head): one all-gather per block."""
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
                               if zero.offload_optimizer or zero.offload_params else OffloadPolicy())
     kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(precision), offload_policy=offload)
@@ -47,7 +49,7 @@ def apply_fsdp(model: GPT, mesh: DeviceMesh, zero: ZeroConfig, precision: Precis
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
-def apply_replicate(model: GPT, mesh: DeviceMesh, precision: PrecisionConfig) -> None:
+def apply_replicate(model: Transformer, mesh: DeviceMesh, precision: PrecisionConfig) -> None:
     """DDP semantics for DTensor (TP) parameters, from FSDP2's replicate."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 

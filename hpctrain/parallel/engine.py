@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from hpctrain import schedules
 from hpctrain.config.layout import Layout
 from hpctrain.config.schema import Config, ModelConfig, OptimConfig, PrecisionConfig
-from hpctrain.models.gpt import GPT, gpt_args
+from hpctrain.models import create_model
 from hpctrain.parallel.clipping import clip_grads_, reduce_partial_grads_, squared_norm_share
 from hpctrain.parallel.data_parallel import (
     apply_ddp,
@@ -52,6 +52,9 @@ from hpctrain.parallel.optimizer import build_optimizer, optimizer_defaults, par
 from hpctrain.parallel.precision import LossScaler, autocast, enum_value
 from hpctrain.parallel.recompute import apply_recompute
 from hpctrain.parallel.tensor_parallel import apply_tp
+
+if TYPE_CHECKING:
+    from hpctrain.models import Transformer
 
 
 @dataclass
@@ -90,10 +93,10 @@ def likely_cause(optim: OptimConfig, precision: PrecisionConfig, lr: float, grad
     return f"the learning rate ({lr:g} at this step) is too high for this batch, or the data holds a bad sample"
 
 
-def build_model(model_cfg: ModelConfig, seed: int, device: torch.device, tp: int = 1) -> GPT:
-    """The single-process model: built on meta, then materialised (no layout)."""
+def build_model(model_cfg: ModelConfig, seed: int, device: torch.device, tp: int = 1) -> Transformer:
+    """The single-process model of model.arch: built on meta, then materialised (no layout)."""
     with torch.device("meta"):
-        model = GPT(gpt_args(model_cfg, tp))
+        model = create_model(model_cfg, tp)
     model.to_empty(device=device)
     model.init_weights(seed=seed)
     return model
@@ -131,15 +134,16 @@ class Engine:
                 "parallel.schedule=interleaved_1f1b")
 
         with torch.device("meta"):
-            full = GPT(gpt_args(cfg.model, layout.tp))
+            full = create_model(cfg.model, layout.tp)
+        self.tied_embeddings = full.tied_embeddings
         self.stage_ids = self.pipeline_schedule.stage_ids(dims.pp_rank, dims.pp, dims.virtual_stages) \
             if dims.pp > 1 else [0]
-        self.gpts: list[GPT] = []  # the GPT module of each part (inside DDP when DDP wraps it)
+        self.stage_models: list[Transformer] = []  # the model module of each part (inside DDP when DDP wraps it)
         self.model_parts: list[nn.Module] = []
         for sid in self.stage_ids:
-            gpt = stage_model(full, sid, dims.n_stages) if dims.pp > 1 else full
-            self.gpts.append(gpt)
-            self.model_parts.append(self._parallelize(gpt))
+            model = stage_model(full, sid, dims.n_stages) if dims.pp > 1 else full
+            self.stage_models.append(model)
+            self.model_parts.append(self._parallelize(model))
         self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
             else self.model_parts
         self.optimizers = [self._optimizer(part) for part in self.model_parts]
@@ -152,7 +156,7 @@ class Engine:
             stages = [PipelineStage(part, sid, dims.n_stages, device, group=self.pp_group)
                       for part, sid in zip(self.model_parts, self.stage_ids)]
             self.schedule = build_schedule(stages, layout.schedule, layout.microbatches, self._pipeline_loss)
-        self._embedding_group = self._tied_embedding_group() if dims.pp > 1 else None
+        self._embedding_group = self._tied_embedding_group() if dims.pp > 1 and self.tied_embeddings else None
         self.vocab_size = int(cfg.model.vocab_size)
         self.ranks_per_stage = dims.world_size // dims.pp
         self.steps_done = 0
@@ -160,29 +164,29 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------------------------
 
-    def _parallelize(self, gpt: GPT) -> nn.Module:
+    def _parallelize(self, model: Transformer) -> nn.Module:
         cfg, dims = self.cfg, self.dims
         # Checkpointing first: TP's input hook on the first block must run inside the checkpointed region,
         # or recomputation replays it on already-sharded input.
-        apply_recompute(gpt, self.layout.recompute)
+        apply_recompute(model, self.layout.recompute)
         if dims.tp > 1:
-            apply_tp(gpt, dims.tp_mesh, self.layout.sequence_parallel)
+            apply_tp(model, dims.tp_mesh, self.layout.sequence_parallel)
         if cfg.parallel.compile:  # attn/mlp only: compiling whole blocks breaks TP's backward (torch 2.13)
-            for block in gpt.layers.values():
+            for block in model.layers.values():
                 block.attn.compile()
                 block.mlp.compile()
         offload = self.layout.offload_optimizer or self.layout.offload_params
         if self.fsdp:
             if self.layout.zero_stage == 0:
-                apply_replicate(gpt, dims.dp_mesh, cfg.precision)
+                apply_replicate(model, dims.dp_mesh, cfg.precision)
             else:
-                apply_fsdp(gpt, dims.fsdp_mesh, cfg.zero, cfg.precision,
+                apply_fsdp(model, dims.fsdp_mesh, cfg.zero, cfg.precision,
                            reshard_after_forward=self.layout.zero_stage == 3)
-        gpt.to_empty(device=torch.device("cpu") if self.fsdp and offload else self.device)
-        gpt.init_weights(seed=cfg.train.seed)
+        model.to_empty(device=torch.device("cpu") if self.fsdp and offload else self.device)
+        model.init_weights(seed=cfg.train.seed)
         if self.ddp:
-            return apply_ddp(gpt, dims.dp_mesh, cfg.zero, cfg.precision)
-        return gpt
+            return apply_ddp(model, dims.dp_mesh, cfg.zero, cfg.precision)
+        return model
 
     def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
         if self.zero1:
@@ -324,10 +328,10 @@ class Engine:
 
     @torch.no_grad()
     def _sync_tied_embeddings(self) -> None:
-        """Sum the token embedding's gradient over the first and last stage (input lookup + output head)."""
-        if self.schedule is None:
+        """Sum the tied token embedding's gradient over the first and last stage (input lookup + output head)."""
+        if self.schedule is None or not self.tied_embeddings:
             return
-        grads = [_local(_grad_as_param(g.tok_emb.weight)) for g in self.gpts if g.tok_emb is not None]
+        grads = [_local(_grad_as_param(m.tok_emb.weight)) for m in self.stage_models if m.tok_emb is not None]
         if not grads:
             return
         total = grads[0].clone() if len(grads) == 1 else torch.stack(grads).sum(0)
@@ -337,9 +341,10 @@ class Engine:
             grad.copy_(total)
 
     def _norm_params(self) -> list[torch.Tensor]:
-        """Each parameter once per pipeline: the last stage's copy of the tied embedding is left out."""
-        return [p for g in self.gpts for name, p in g.named_parameters()
-                if not (name == "tok_emb.weight" and g.pos_emb is None)]
+        """Each parameter once per pipeline: the tied embedding's copy on a stage that does not embed (the last,
+        where it is the head) is left out."""
+        return [p for m in self.stage_models for name, p in m.named_parameters()
+                if not (name == "tok_emb.weight" and not m.embeds)]
 
     def _reduce(self, local_loss: torch.Tensor, control: list[float] | tuple[float, ...]) -> tuple[float, float, list[float]]:
         """The step's one reduction over all ranks and its one host sync: [loss, squared-norm share,

@@ -1,11 +1,12 @@
-"""Pipeline parallelism: cutting the GPT into stages and running them with torch.distributed.pipelining.
+"""Pipeline parallelism: cutting the model into stages and running them with torch.distributed.pipelining.
 
 A stage is the full model (built on meta) with the layers it does not own deleted and the modules it does
 not need set to None, so parameter names stay those of the single-process model and checkpoints load into
 any layout. Layers are split evenly (the config checks require pp x virtual_stages to divide n_layers);
-the first stage also holds the embeddings, the last the final LayerNorm and the tied head, which needs the
-token embedding too: the first and last stages both keep `tok_emb` and the engine sums its gradients
-between them (Megatron's embedding group), so both copies take identical steps.
+the first stage also holds the embeddings, the last the final norm and the head. GPT's head is tied to the
+token embedding: the first and last stages both keep `tok_emb` and the engine sums its gradients between
+them (Megatron's embedding group), so both copies take identical steps. Llama's head, `output`, is the last
+stage's alone.
 
 Stage placement comes from the schedule's entry in hpctrain.schedules: looped schedules put stage s on
 pipeline rank s % pp; zbv runs a V: rank r holds stages r and 2 pp - 1 - r (rank 0 holds the first and the
@@ -15,30 +16,34 @@ last stage).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
 
 from hpctrain import schedules
-from hpctrain.models.gpt import GPT
 from hpctrain.models.params import stage_holds
 
+if TYPE_CHECKING:
+    from hpctrain.models import Transformer
 
-def prune_to_stage(model: GPT, stage: int, n_stages: int) -> GPT:
+TOP_MODULES = ("pos_emb", "tok_emb", "norm_f", "output")  # outside the blocks, in either model
+
+
+def prune_to_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
     """Keep only what `stage` computes (in place); parameter names do not change."""
     n_layers = len(model.layers)
     for name in list(model.layers):
         if not stage_holds(f"layers.{name}", stage, n_stages, n_layers):
             del model.layers[name]
-    for name in ("pos_emb", "tok_emb", "norm_f"):
-        if not stage_holds(name, stage, n_stages, n_layers):
+    for name in TOP_MODULES:
+        if hasattr(model, name) and not stage_holds(name, stage, n_stages, n_layers, model.tied_embeddings):
             setattr(model, name, None)
     return model
 
 
-def stage_model(full: GPT, stage: int, n_stages: int) -> GPT:
+def stage_model(full: Transformer, stage: int, n_stages: int) -> Transformer:
     """A stage cut from a full model built on the meta device (the full model is left as it was)."""
     return prune_to_stage(copy.deepcopy(full), stage, n_stages)
 

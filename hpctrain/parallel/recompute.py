@@ -4,7 +4,7 @@
   Narayanan 2021 eq. 3 counts this as a fourth forward pass).
 - selective: each block saves the outputs of its matmuls (and of TP collectives, so recomputation never
   communicates) and recomputes everything else: the attention core (softmax(QK^T)V, whose s x s
-  intermediates dominate activation memory), GELU, LayerNorm and dropout. This is Korthikanti et al.
+  intermediates dominate activation memory), GELU/SwiGLU, the norms, RoPE and dropout. This is Korthikanti et al.
   2022's selective recomputation, the cost hpctrain.plan.flops counts as "selective".
 
 The composable `checkpoint` keeps parameter names unchanged (no `_checkpoint_wrapped_module` prefix), so
@@ -14,7 +14,7 @@ weight initialisation and checkpoints see the same names in every layout.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed._composable import checkpoint
@@ -23,7 +23,8 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from hpctrain.models.gpt import GPT
+if TYPE_CHECKING:
+    from hpctrain.models import Transformer
 
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
@@ -40,7 +41,7 @@ def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_recompute(model: GPT, mode: str) -> None:
+def apply_recompute(model: Transformer, mode: str) -> None:
     """Checkpoint every block of `model` ("none" | "selective" | "full"), in place."""
     if mode == "none":
         return

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hpctrain.models.gpt import GPT, gpt_args
+from hpctrain.models import create_model
 from hpctrain.models.params import SHARDED_DIMS, stage_holds, stage_layers, tp_local_numel
 
 __all__ = ["SHARDED_DIMS", "meta_stage_counts", "stage_holds", "stage_layers", "tp_local_numel"]
@@ -21,14 +21,16 @@ __all__ = ["SHARDED_DIMS", "meta_stage_counts", "stage_holds", "stage_layers", "
 def meta_stage_counts(cfg: Any, n_stages: int, tp: int) -> tuple[list[int], list[int]]:
     """(parameters per stage, per GPU of each stage after the TP split), from the model built on the meta device.
 
-    Nothing is allocated; the last stage counts the tied head's copy of the token embedding. `cfg` is the run's
-    config (the model as gpt_args builds it for cfg.parallel.tp)."""
+    Nothing is allocated; with a tied head (GPT) the last stage counts its copy of the token embedding. `cfg` is
+    the run's config (the model of model.arch as built for cfg.parallel.tp)."""
     with torch.device("meta"):
-        named = list(GPT(gpt_args(cfg.model, cfg.parallel.tp)).named_parameters())
+        model = create_model(cfg.model, cfg.parallel.tp)
+    named = list(model.named_parameters())
     n_layers = cfg.model.n_layers
     whole, shard = [], []
     for s in range(n_stages):
-        mine = [(name, p) for name, p in named if stage_holds(_module_of(name), s, n_stages, n_layers)]
+        mine = [(name, p) for name, p in named
+                if stage_holds(_module_of(name), s, n_stages, n_layers, model.tied_embeddings)]
         whole.append(sum(p.numel() for _, p in mine))
         shard.append(sum(tp_local_numel(name, tuple(p.shape), tp) for name, p in mine))
     return whole, shard

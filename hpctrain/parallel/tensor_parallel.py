@@ -1,13 +1,15 @@
-"""Megatron-style tensor parallelism for hpctrain's GPT, with DTensor's `parallelize_module`.
+"""Megatron-style tensor parallelism for hpctrain's models (GPT, Llama), with DTensor's `parallelize_module`.
 
-Per block: QKV and MLP-in are split by columns (each TP rank owns whole heads, thanks to the head-major QKV
-layout of the model), the attention and MLP output projections by rows, so each block costs one all-reduce
-forward and one backward per sub-layer. With sequence parallelism the LayerNorm/dropout regions are split
-along the sequence instead of replicated: the all-reduces become reduce-scatter + all-gather (same volume)
-and those activations take 1/tp of the memory.
+Per block: QKV and MLP-in are split by columns (each TP rank owns whole heads, or whole KV groups of Llama's
+grouped-query attention, and whole gate/up pairs of its SwiGLU, thanks to the models' row layouts), the
+attention and MLP output projections by rows, so each block costs one all-reduce forward and one backward per
+sub-layer. With sequence parallelism the norm/dropout regions are split along the sequence instead of
+replicated: the all-reduces become reduce-scatter + all-gather (same volume) and those activations take 1/tp
+of the memory.
 
-The token embedding is split by vocabulary rows (masked lookup + all-reduce); the tied output head reuses
-that sharded weight, so the logits come out split by vocabulary and are gathered on the way out of the model.
+The token embedding is split by vocabulary rows (masked lookup + all-reduce); GPT's tied output head reuses
+that sharded weight, Llama's own head (`output`) is split by vocabulary rows the same way, so the logits come
+out split by vocabulary and are gathered on the way out of the model.
 (Loss parallelism would save that gather, but the pipeline schedule hands its loss function plain tensors,
 and on the vocabularies used here the gather is small next to the layers.) Position embeddings and the
 embedding dropout stay replicated: dropout > 0 with TP relies on TP peers seeding their RNG alike (the
@@ -16,7 +18,7 @@ engine seeds by DP rank).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,9 +33,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hpctrain.models.gpt import GPT
-
-# Which weight dim each TP-split parameter is cut along (used by the plan's per-rank parameter counts).
+if TYPE_CHECKING:
+    from hpctrain.models import Transformer
 
 
 def block_plan(sequence_parallel: bool) -> dict[str, Any]:
@@ -55,24 +56,26 @@ def block_plan(sequence_parallel: bool) -> dict[str, Any]:
     return plan
 
 
-def apply_tp(model: GPT, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Split a (possibly pipeline-pruned) GPT across the TP mesh, in place; works on the meta device."""
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Split a (possibly pipeline-pruned) model across the TP mesh, in place; works on the meta device."""
     if model.tok_emb is not None:
         parallelize_module(model.tok_emb, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     for index, block in model.layers.items():
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
-        if sequence_parallel and model.pos_emb is not None and index == next(iter(model.layers)):
-            # The embedding sum is replicated: the first block takes its own sequence slice (no communication).
+        if sequence_parallel and model.embeds and index == next(iter(model.layers)):
+            # The embedding is replicated: the first block takes its own sequence slice (no communication).
             parallelize_module(block, tp_mesh, PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
     if model.norm_f is not None:
         if sequence_parallel:
             parallelize_module(model.norm_f, tp_mesh, SequenceParallel())
-        # The tied head multiplies by the vocabulary-sharded embedding: its input must be a replicated DTensor.
+        # The head multiplies by a vocabulary-sharded weight: its input must be a replicated DTensor.
         parallelize_module(model.norm_f, tp_mesh, PrepareModuleOutput(
             output_layouts=Shard(1) if sequence_parallel else Replicate(),
             desired_output_layouts=Replicate(), use_local_output=False))
+        if not model.tied_embeddings:
+            parallelize_module(model.output, tp_mesh, ColwiseParallel(use_local_output=False))
         model.register_forward_hook(_gather_logits)
 
 

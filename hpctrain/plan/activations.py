@@ -34,6 +34,23 @@ hpctrain.models.gpt.Block on CPU: 32 s b h with dropout 0, 20 s b h with t = 2, 
     (6 + 2 f / h) / t, the two row-parallel outputs (partial sums, full size) 4, and with TP the collective
     outputs: all-reduces 4, or with SP all-gathers 4 + reduce-scatters 4 / t. (20 s b h without TP.)
 fp32 activations (precision=fp32) are approximated by doubling.
+
+hpctrain's Llama block (hpctrain.models.llama; g key/value heads of head_dim, so K and V are k = g h / a wide; a
+SwiGLU MLP of width f; no biases), counted the same way from what autograd saves on CPU (sbh units, 16-bit):
+  * RMSNorm (Hugging Face's: normalised in fp32) keeps an fp32 copy of its input 4 and the normalised tensor
+    for the weight's gradient 2 (4 under autocast), besides its output, the QKV/MLP-in input 2: 2 x 6 + 4 = 16
+    where GPT's LayerNorms and matmul inputs keep 8.
+  * Attention: V is a view of the QKV output, so SDPA keeps that whole output alive, 2 (h + 2k) / h; RoPE makes
+    new Q 2 and K 2 k / h, which SDPA saves (enable_gqa: K and V with their g heads); RoPE's own multiplications
+    by constant cos/sin save only the tables (4 s head_dim x 2 bytes per layer, left out). With the output 2 and
+    the log-sum-exp 4 a / h: 6 + 6 k / h + 4 a / h, against GPT's 8 + 4 a / h (k = h).
+  * SwiGLU: the fused gate/up output 4 f / h (silu's input and the product's other factor are its halves),
+    silu's output 2 f / h, the product (the down projection's input) 2 f / h: 8 f / h, against GELU's 4 f / h.
+So GPT's 32 becomes 22 + 6 k / h + 8 f / h: 51.5 sbh for Llama 3 8B (k = h / 4, f = 3.5 h), all but the 16
+norm and matmul-input bytes split by TP (the norms by SP). Measured on CPU for d 256, 8 heads, 2 key/value
+heads, f 704: 46.16 sbh, the formula's 45.63 + the RoPE tables 0.5 + the per-token 1/rms 0.03 (tested).
+Selective recompute keeps the QKV output
+2 (h + 2k) / h and the gate/up output 4 f / h per TP rank, + the block input and the row-parallel outputs.
 """
 
 from __future__ import annotations
@@ -63,10 +80,10 @@ def korthikanti_bytes_per_layer(
     return sbh * (replicated + (split + scores) / t)
 
 
-def _selective_bytes(sbh: float, t: int, sp: bool, f_over_h: float, input_bytes: int) -> float:
+def _selective_bytes(sbh: float, t: int, sp: bool, qkv: float, fc_out: float, input_bytes: int) -> float:
     """hpctrain.parallel.recompute's selective policy: block input + matmul and collective outputs."""
     shard = t if sp else 1
-    stored = input_bytes / shard + (6 + 2 * f_over_h) / t + 4  # input, QKV/MLP-in outputs, row-parallel outputs
+    stored = input_bytes / shard + (qkv + fc_out) / t + 4  # input, QKV/MLP-in outputs, row-parallel outputs
     if t > 1:
         stored += 4 + 4 / t if sp else 4  # all-gather + reduce-scatter outputs, or all-reduce outputs
     return sbh * stored
@@ -76,8 +93,10 @@ def activation_bytes_per_layer(
     seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: str = "none", ffn_hidden: int | None = None, *, flash_attention: bool = True,
     dropout: bool = False, sp_keeps_gathered: bool = True, fp32_residual: bool = False,
+    arch: str = "gpt", n_kv_heads: int | None = None,
 ) -> float:
-    """Bytes hpctrain's GPT block saves for backward per micro-batch (16-bit activations); see the module docstring.
+    """Bytes hpctrain's GPT or Llama block (`arch`) saves for backward per micro-batch (16-bit activations); see
+    the module docstring. n_kv_heads: the Llama's key/value heads (grouped-query attention), n_heads when None.
 
     flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula.
     """
@@ -85,15 +104,22 @@ def activation_bytes_per_layer(
     f = ffn_hidden if ffn_hidden is not None else 4 * h
     sbh, shard = s * b * h, (t if sequence_parallel else 1)
     norm_bytes = 4 if fp32_residual else 2
+    llama = arch == "llama"
+    kv = (n_kv_heads or a) / a  # k / h
+    qkv_out = 2 + 4 * kv  # the fused QKV output (Q, K, V as views of it: 6 without grouped-query attention)
+    fc_out = (4 if llama else 2) * f / h  # the MLP-in output: gate and up fused, or GELU's input
     if recompute == "full":
         return norm_bytes * sbh / shard
     if recompute == "selective":
-        return _selective_bytes(sbh, t, sequence_parallel, f / h, norm_bytes)
+        return _selective_bytes(sbh, t, sequence_parallel, qkv_out, fc_out, norm_bytes)
     if recompute != "none":
         raise ValueError(f"unknown recompute {recompute!r}")
-    by_sp = 2 * norm_bytes + (2 if dropout else 0)  # LayerNorm inputs, residual dropout masks
+    norm = 4 + norm_bytes if llama else norm_bytes  # RMSNorm: fp32 input copy + normalised; LayerNorm: input
+    by_sp = 2 * norm + (2 if dropout else 0)  # the two norms, residual dropout masks
     gathered = 4  # QKV and MLP-in inputs: replicated over TP; DTensor SP saves them gathered
-    split = 8 + 4 * f / h
+    rope = 2 + 2 * kv if llama else 0  # the rotated Q and K SDPA saves (V stays a view of the QKV output)
+    mlp = fc_out + (4 if llama else 2) * f / h  # + silu's output and the down projection's input (GELU: the latter)
+    split = qkv_out + rope + 2 + mlp  # + the attention output (the projection's input)
     if flash_attention:
         split += 4 * a / h  # fp32 log-sum-exp per head and token
     else:

@@ -17,14 +17,17 @@ Data parallelism (G = this GPU's gradient shard after TP/PP, in `reduce_dtype`; 
 Tensor parallelism (Megatron, Shoeybi et al. 2019): 2 all-reduces in forward and 2 in backward per
 layer per micro-batch, each of s b h activations (2 more with full recomputation, which reruns the
 forward). Sequence parallelism replaces each all-reduce by a reduce-scatter + all-gather: same bytes
-(Korthikanti 2022 sec. 4.2.2).
+(Korthikanti 2022 sec. 4.2.2). Llama's grouped-query attention changes none of this: the reduced tensors are
+the outputs of the attention projection and the MLP (s b h, whatever the K/V width), and the inputs TP/SP
+gathers are the block's; the MLP's width and its gate only change the GEMMs.
 Pipeline parallelism: per micro-batch and model chunk, a point-to-point send of s b h activations
 forward and of their gradient backward, divided by t with Megatron's scatter/gather optimisation
 (Narayanan 2021 sec. 4.1; with SP the tensor is already split). Interleaving multiplies it by v.
 
 Links: ranks are ordered TP innermost, then DP, then PP (Megatron's default). A group uses NVLink when
 all its ranks fit in one node and the network (per-GPU NIC bandwidth) otherwise. Ignored: latency
-terms, the tied-embedding all-reduce between first and last stage, vocab-parallel loss reductions.
+terms, the tied-embedding all-reduce between first and last stage (GPT; Llama's head is untied and has
+none), vocab-parallel loss reductions.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FLOPs of a GPT training iteration, and MFU.
+"""FLOPs of a GPT or Llama training iteration, and MFU.
 
 Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", sec. 5.1 / appendix) count only matrix multiplications. One layer's forward pass on a
@@ -14,6 +14,12 @@ Without recomputation the layers cost 3x instead of 4x forward: F = 72 B s l h^2
 (Korthikanti et al. 2022) recomputes only the attention core, adding 4 B s^2 h per layer: 2.7% more
 than no recomputation for GPT-3 175B. For an MLP of width f, "24 h^2" is 8 h^2 + 4 h f.
 
+Llama: grouped-query attention makes the K and V projections k = n_kv_heads x head_dim wide, and the SwiGLU MLP
+has three h x f matrices (gate, up, down), so "24 h^2" becomes 2 (2 h^2 + 2 h k + 3 h f) = 4 h^2 + 4 h k + 6 h f
+(Llama 3 405B: k = h / 16, f = 3.25 h: 23.75 h^2). The attention core is unchanged: each of the a query heads
+still forms its s x s scores and their product with V, 4 B s^2 h, GQA only sharing K and V between heads.
+Elementwise work (RMSNorm, RoPE, silu, the gate product) is not counted, as LayerNorm and GELU are not.
+
 These are "hardware FLOPs" (what the GPUs execute). MFU (Chowdhery et al. 2022, PaLM, appendix B) counts
 "model FLOPs" only, no recomputation: 6 N + 12 l s h per token (N parameters; the attention term
 counts the full s x s score matrix, as the Megatron formula does).
@@ -25,11 +31,15 @@ from hpctrain.models import params
 from hpctrain.plan.types import ModelShape
 
 
-def layer_forward_flops(tokens: float, seq_len: int, d_model: int, ffn_hidden: int | None = None) -> float:
-    """Matmul FLOPs of one layer's forward pass over `tokens` tokens in sequences of seq_len."""
+def layer_forward_flops(tokens: float, seq_len: int, d_model: int, ffn_hidden: int | None = None,
+                        kv_dim: int | None = None, gated: bool = False) -> float:
+    """Matmul FLOPs of one layer's forward pass over `tokens` tokens in sequences of seq_len.
+
+    kv_dim: the width of K and V (grouped-query attention), d_model when None; gated: a SwiGLU MLP (3 matrices)."""
     h = d_model
     f = ffn_hidden if ffn_hidden is not None else 4 * h
-    dense = 2 * tokens * (4 * h * h + 2 * h * f)  # QKV + output projection + 2 MLP matmuls
+    k = kv_dim if kv_dim is not None else h
+    dense = 2 * tokens * (h * (h + 2 * k) + h * h + (3 if gated else 2) * h * f)  # QKV, projection, MLP
     attention = 4 * tokens * seq_len * h  # Q K^T and scores x V
     return dense + attention
 
@@ -45,7 +55,7 @@ def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "
     The logit layer multiplies by the embedding as built: its rows padded for TP (ModelShape.vocab_rows).
     """
     tokens = global_batch * model.seq_len
-    layer_fwd = layer_forward_flops(tokens, model.seq_len, model.d_model, model.ffn)
+    layer_fwd = layer_forward_flops(tokens, model.seq_len, model.d_model, model.ffn, model.kv_dim, model.gated)
     logits_fwd = 2 * tokens * model.d_model * model.vocab_rows(tp)
     if recompute == "none":
         layer_passes = 3.0 * layer_fwd

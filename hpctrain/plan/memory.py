@@ -8,14 +8,16 @@ parallelism, the selective-recompute policy of hpctrain.parallel.recompute).
 
 In-flight micro-batches multiply a stage's layer activations (activations.inflight_microbatches). The first
 stage adds the embedding dropout mask (s b h bytes per in-flight micro-batch, when dropout > 0; the embedding
-sum stays replicated over TP). The last stage adds the final LayerNorm input (/t with SP), the output head's
+sum stays replicated over TP). The last stage adds the final norm's saved input (/t with SP), the output head's
 input (gathered, whole on each TP rank) and the logits and loss (activations.logits_bytes: full padded
 vocabulary on every TP rank, fp32 copies and gradients).
 
 The layout's weights live where it puts them: layers split evenly over pipeline stages and their matrices over
-TP ranks (biases of row-parallel layers and LayerNorms are replicated); the word embedding, with its rows
-padded for TP (ModelShape.vocab_rows), is vocab-parallel on the first stage and, tied or not, a copy on the
-last stage (Megatron). We evaluate the first and the last stage and report the more loaded GPU.
+TP ranks (biases of row-parallel layers and the norms are replicated: hpctrain.models.params.SHARDED_DIMS); the
+word embedding, with its rows padded for TP (ModelShape.vocab_rows), is vocab-parallel on the first stage and
+the output head on the last: tied (GPT), a copy of the embedding (Megatron) when there is more than one stage;
+untied (Llama), a vocab-parallel matrix of its own. We evaluate the first and the last stage and report the more
+loaded GPU.
 
 Headroom: CUDA context, NCCL buffers and allocator fragmentation take memory the formulas don't see;
 `reserve_fraction` (10% by default) of the GPU is set aside for them and `fits` compares against the rest.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpctrain.models.params import layer_params
+from hpctrain.models.params import sharded_dim, stage_holds
 from hpctrain.plan.activations import (
     activation_bytes_per_layer,
     inflight_microbatches,
@@ -57,11 +59,16 @@ __all__ = [
 # ---------------------------------------------------------------- where the parameters live
 
 
+def _per_rank(shapes: dict[str, tuple[int, ...]], tp: int) -> float:
+    """Elements on one TP rank: what SHARDED_DIMS splits, divided by tp, plus the replicated rest."""
+    split = sum(math.prod(shape) for name, shape in shapes.items() if sharded_dim(name) is not None)
+    return split / tp + sum(math.prod(shape) for name, shape in shapes.items() if sharded_dim(name) is None)
+
+
 def layer_params_per_gpu(model: ModelShape, tp: int) -> float:
-    """One layer's parameters on one TP rank: matrices and column-parallel biases split, the rest replicated."""
-    h = model.d_model
-    replicated = 6 * h  # attention-projection and MLP-output biases (row-parallel) + 2 LayerNorms
-    return (layer_params(h, model.ffn) - replicated) / tp + replicated
+    """One layer's parameters on one TP rank: matrices and column-parallel biases split, the rest replicated
+    (GPT: the row-parallel biases and 2 LayerNorms, 6 h; Llama: the 2 RMSNorm weights, 2 h)."""
+    return _per_rank(model.block_shapes(), tp)
 
 
 def layers_on_stage(model: ModelShape, pp: int) -> int:
@@ -71,15 +78,10 @@ def layers_on_stage(model: ModelShape, pp: int) -> int:
 
 def stage_params_per_gpu(model: ModelShape, tp: int, pp: int, stage: int) -> float:
     """Parameters one GPU of pipeline stage `stage` holds (its TP shard), padding rows of the embedding included."""
-    h, v = model.d_model, model.vocab_rows(tp)
     n = layers_on_stage(model, pp) * layer_params_per_gpu(model, tp)
-    if stage == 0:
-        n += v * h / tp + model.seq_len * h  # vocab-parallel word embedding, replicated positions
-    if stage == pp - 1:
-        n += 2 * h  # final LayerNorm
-        if pp > 1 or not model.tied_embeddings:
-            n += v * h / tp  # output head: its own matrix, or Megatron's copy of the tied embedding
-    return n
+    held = {name: shape for name, shape in model.top_shapes(tp).items()
+            if stage_holds(name.split(".")[0], stage, pp, model.n_layers, model.tied_embeddings)}
+    return n + _per_rank(held, tp)
 
 
 # ---------------------------------------------------------------- activations
@@ -96,7 +98,7 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | N
     return scale * activation_bytes_per_layer(
         model.seq_len, layout.micro_batch, model.d_model, model.n_heads, layout.tp, layout.sequence_parallel,
         recompute or layout.recompute, model.ffn, dropout=model.dropout > 0,
-        fp32_residual=autocast_forward(layout))
+        fp32_residual=autocast_forward(layout), arch=model.arch, n_kv_heads=model.kv_heads)
 
 
 def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:
@@ -107,10 +109,11 @@ def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:
 
 
 def _head_bytes(model: ModelShape, layout: Layout) -> float:
-    """Last stage: final LayerNorm input, the head's gathered input, logits and loss (activations.logits_bytes)."""
+    """Last stage: final norm's saved input (RMSNorm: + its fp32 copy), the head's gathered input, logits and loss
+    (activations.logits_bytes)."""
     s, b, h, c = model.seq_len, layout.micro_batch, model.d_model, layout.compute_bytes
     held = logits_inflight(layout.pp, layout.microbatches, layout.schedule)
-    norm_in = 4 if autocast_forward(layout) else c
+    norm_in = (4 if autocast_forward(layout) else c) + (4 if model.arch == "llama" else 0)
     hidden = s * b * h * (norm_in / (layout.tp if layout.sequence_parallel else 1) + c) * held
     return hidden + logits_bytes(b, s, model.vocab_rows(layout.tp), c, held, layout.pp > 1)
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hpctrain import schedules
-from hpctrain.models.params import padded_vocab, param_count, stage_param_counts
+from hpctrain.models.params import (
+    arch_of,
+    ffn_hidden_of,
+    kv_heads_of,
+    model_param_count,
+    padded_vocab,
+    stage_param_counts,
+    tied_of,
+)
 
 if TYPE_CHECKING:
     from hpctrain.config.layout import Layout
@@ -17,28 +25,33 @@ if TYPE_CHECKING:
 
 
 def model_params(m: ModelConfig) -> int:
-    """The model's own parameter count, with the tokenizer's vocabulary (what papers publish: GPT-3 175B)."""
-    return param_count(m.n_layers, m.d_model, m.vocab_size, m.context, m.ffn_mult * m.d_model)
+    """The model's own parameter count, with the tokenizer's vocabulary (what papers publish: GPT-3 175B,
+    Llama 3 405B)."""
+    return model_param_count(m)
 
 
 def vocab_padding(m: ModelConfig, tp: int) -> dict[str, int]:
-    """The embedding as built (hpctrain.models.gpt: padded_vocab rows, tied head): rows and parameters it adds."""
+    """The embedding as built (padded_vocab rows; GPT's head tied to it, Llama's a second matrix of as many rows):
+    rows and parameters the padding adds."""
     rows = padded_vocab(m.vocab_size, m.vocab_pad_multiple, tp)
+    matrices = 1 if tied_of(m) else 2
     return {"vocab_size": m.vocab_size, "embedding_rows": rows, "multiple": m.vocab_pad_multiple, "tp": tp,
-            "extra_rows": rows - m.vocab_size, "extra_params": (rows - m.vocab_size) * m.d_model}
+            "extra_rows": rows - m.vocab_size, "extra_params": matrices * (rows - m.vocab_size) * m.d_model}
 
 
 def model_summary(m: ModelConfig) -> dict[str, Any]:
-    return {"name": m.name, "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
-            "vocab_size": m.vocab_size, "context": m.context}
+    return {"name": m.name, "arch": arch_of(m), "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+            "n_kv_heads": kv_heads_of(m), "ffn_hidden": ffn_hidden_of(m), "vocab_size": m.vocab_size,
+            "context": m.context}
 
 
-def stage_counts(m: ModelConfig, lay: Layout, schedule: str) -> dict[str, list[Any]] | None:
+def stage_counts(m: ModelConfig, lay: Layout, schedule: str) -> dict[str, Any] | None:
     """Parameters of each pipeline stage, the stages each pipeline rank holds (the schedule's placement), and
     what one GPU of each rank holds after the TP split, before ZeRO; None when the layers do not split evenly.
 
-    Closed form (hpctrain.models.params), exact: the tied head's copy of the embedding counts on the last stage,
-    a rank with several virtual stages sums them, and zbv's V puts the first and the last stage on rank 0."""
+    Closed form (hpctrain.models.params), exact: the output head counts on the last stage (GPT: the tied head's
+    copy of the embedding; Llama: its own matrix), a rank with several virtual stages sums them, and zbv's V puts
+    the first and the last stage on rank 0."""
     n_stages = lay.pp * lay.virtual_stages
     if m.n_layers % n_stages:
         return None
@@ -46,5 +59,6 @@ def stage_counts(m: ModelConfig, lay: Layout, schedule: str) -> dict[str, list[A
     shard = stage_param_counts(m, n_stages, lay.tp, per_gpu=True)
     placement = schedules.get(schedule).stage_ids
     ranks = [placement(r, lay.pp, lay.virtual_stages) for r in range(lay.pp)] if lay.pp > 1 else [[0]]
-    return {"params_per_stage": whole, "stages_of_rank": ranks,
+    head = "the tied head's embedding copy" if tied_of(m) else "the output head"
+    return {"params_per_stage": whole, "stages_of_rank": ranks, "last_stage_head": head,
             "params_per_gpu_before_zero": [sum(shard[s] for s in ids) for ids in ranks]}

@@ -1,7 +1,8 @@
 """Enumerate the 3D layouts a job could use, keep those that fit in memory, rank them by estimated speed.
 
 Rules a candidate obeys (Megatron's, plus the global batch):
-  * tp divides gpus_per_node (TP stays on NVLink) and n_heads;
+  * tp divides gpus_per_node (TP stays on NVLink), n_heads and the key/value heads (each rank keeps whole
+    K/V heads of grouped-query attention: Megatron's num_query_groups % tp);
   * n_layers is divisible by pp * virtual_stages; dp = n_gpus / (tp * pp) is a whole number;
   * global_batch = micro_batch * grad_accum * dp, and microbatches (= grad_accum) >= pp;
   * interleaving (v > 1) needs pp >= 2 and microbatches divisible by pp.
@@ -48,8 +49,9 @@ def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int
     bad = []
     if layout.n_gpus != n_gpus:
         bad.append(f"dp*tp*pp = {layout.n_gpus} != {n_gpus} GPUs")
-    if hw.gpus_per_node % layout.tp or model.n_heads % layout.tp:
-        bad.append(f"tp {layout.tp} must divide gpus_per_node {hw.gpus_per_node} and n_heads {model.n_heads}")
+    if hw.gpus_per_node % layout.tp or model.n_heads % layout.tp or model.kv_heads % layout.tp:
+        bad.append(f"tp {layout.tp} must divide gpus_per_node {hw.gpus_per_node}, n_heads {model.n_heads} and "
+                   f"the {model.kv_heads} key/value heads")
     if model.n_layers % (layout.pp * layout.virtual_stages):
         bad.append(f"n_layers {model.n_layers} not divisible by pp*v = {layout.pp * layout.virtual_stages}")
     if layout.global_batch != global_batch:
@@ -104,16 +106,18 @@ def search_layouts(
     global_batch: int,
     seq_len: int | None = None,
     dtype: str = "bf16",
+    reduce_dtype: str | None = None,
     zero_stages: tuple[int, ...] = (0, 1, 2, 3),
     max_micro_batch: int = 16,
     max_virtual_stages: int = 8,
     top_k: int | None = None,
     **step_kwargs: float,
 ) -> list[Candidate]:
-    """All legal layouts of `model` on n_gpus that fit in memory, fastest first (see module docstring)."""
+    """All legal layouts of `model` on n_gpus that fit in memory, fastest first (see module docstring); gradients
+    reduced in `reduce_dtype` (precision.reduce_dtype; None: in `dtype`), as the run will."""
     if seq_len is not None and seq_len != model.seq_len:
         model = replace(model, seq_len=seq_len)
-    tps = [t for t in _divisors(hw.gpus_per_node) if model.n_heads % t == 0 and n_gpus % t == 0]
+    tps = [t for t in _divisors(hw.gpus_per_node) if model.kv_heads % t == 0 and n_gpus % t == 0]
     out: list[Candidate] = []
     for tp in tps:
         for pp in _divisors(model.n_layers):
@@ -138,6 +142,7 @@ def search_layouts(
                             dp=dp, tp=tp, pp=pp, virtual_stages=v, zero_stage=z, micro_batch=micro,
                             grad_accum=m, sequence_parallel=tp > 1,
                             schedule="interleaved_1f1b" if v > 1 else "1f1b", dtype=dtype,
+                            reduce_dtype=reduce_dtype,
                         )
                         cand = cheapest_fitting(model, layout, hw, **step_kwargs)
                         if cand is not None:

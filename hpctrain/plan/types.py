@@ -9,15 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.config.layout import DTYPES, RECOMPUTE, Layout, dtype_bytes  # noqa: F401 (the planner's types)
-from hpctrain.models.params import ffn_hidden_size, padded_vocab, param_count
+from hpctrain.models.params import block_shapes, ffn_hidden_size, padded_vocab, param_count, top_shapes
 
 
 from hpctrain.hardware import GB, GiB, KNOWN_HARDWARE, Hardware, hardware  # noqa: F401 (the planner's types)
 
 
+ARCHS = ("gpt", "llama")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """A GPT's shape: what the memory, FLOP and communication formulas need (h = d_model, a = n_heads)."""
+    """A model's shape: what the memory, FLOP and communication formulas need (h = d_model, a = n_heads).
+
+    arch "gpt": LayerNorm, biases, a GELU MLP (2 matrices), learned positions. arch "llama": RMSNorm, no biases,
+    a SwiGLU MLP (3 matrices, `gated`), RoPE, grouped-query attention (n_kv_heads < n_heads: K and V `kv_dim`
+    wide). Which parameters exist is hpctrain.models.params' block_shapes/top_shapes of the arch."""
 
     n_layers: int
     d_model: int
@@ -28,6 +35,8 @@ class ModelShape:
     tied_embeddings: bool = True
     vocab_pad_multiple: int = 1  # embedding rows: vocab_size padded to a multiple of this x TP (<= 1: none)
     dropout: float = 0.0  # > 0: dropout masks are stored for backward (memory.py)
+    arch: str = "gpt"
+    n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: n_heads
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
@@ -37,10 +46,30 @@ class ModelShape:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelShape.dropout must be in [0, 1), got {self.dropout}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelShape.arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.arch == "gpt" and self.kv_heads != self.n_heads:
+            raise ValueError("grouped-query attention (n_kv_heads < n_heads) is the llama arch's, not gpt's")
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden if self.ffn_hidden is not None else ffn_hidden_size(self.d_model)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K and V: kv_heads x head_dim (d_model without grouped-query attention)."""
+        return self.kv_heads * (self.d_model // self.n_heads)
+
+    @property
+    def gated(self) -> bool:
+        """A gated (SwiGLU) MLP: three d x f matrices instead of two."""
+        return self.arch == "llama"
 
     @property
     def params(self) -> int:
@@ -48,9 +77,16 @@ class ModelShape:
 
         Padding rows are left out (see `padding_params`): this is the count papers publish (GPT-3 175B).
         """
-        return param_count(
-            self.n_layers, self.d_model, self.vocab_size, self.seq_len, self.ffn, self.tied_embeddings
-        )
+        return param_count(self.n_layers, self.d_model, self.vocab_size, self.seq_len, self.ffn,
+                           self.tied_embeddings, self.arch, self.kv_dim)
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One block's parameters and shapes, as the arch builds them (hpctrain.models.params.block_shapes)."""
+        return block_shapes(self.d_model, self.ffn, self.arch, self.kv_dim)
+
+    def top_shapes(self, tp: int = 1) -> dict[str, tuple[int, ...]]:
+        """The parameters outside the blocks, the embedding (and an untied head) padded for `tp`."""
+        return top_shapes(self.d_model, self.vocab_rows(tp), self.seq_len, self.arch, self.tied_embeddings)
 
     def vocab_rows(self, tp: int = 1) -> int:
         """Rows of the embedding (and columns of the logits) as built: the vocabulary padded for TP

@@ -3,12 +3,14 @@
 The model shape must match for the weights to load at all; the batch, sequence length, seed and data must
 match for the resume to continue the same training exactly (else it is refused unless forced). The manifest
 holds `Fingerprint.to_dict()`. Manifests written before the fields had names hold the model and the data as
-positional lists; `from_dict` still reads those, and only there is a position meaningful.
+positional lists; `from_dict` still reads those, and only there is a position meaningful. Manifests written
+before the model had an architecture lack `arch`, `n_kv_heads` and `ffn_hidden`: they were GPT runs, and read
+as such (multi-head attention, an MLP of ffn_mult x d_model), equal to today's fingerprint of the same run.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -17,7 +19,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What decides the shape of every weight (the vocabulary is the tokenizer's, before padding)."""
+    """What decides the shape of every weight (the vocabulary is the tokenizer's, before padding).
+
+    n_kv_heads and ffn_hidden are stored resolved (0 in a config means n_heads, ffn_mult x d_model), so the same
+    weights give the same fingerprint however the config spells them, and a GPT run's equals its older one's."""
 
     n_layers: int
     d_model: int
@@ -25,12 +30,22 @@ class ModelShape:
     vocab_size: int
     context: int
     ffn_mult: int
+    arch: str = "gpt"
+    n_kv_heads: int = 0
+    ffn_hidden: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arch", str(getattr(self.arch, "value", self.arch)))
+        object.__setattr__(self, "n_kv_heads", int(self.n_kv_heads) or self.n_heads)
+        object.__setattr__(self, "ffn_hidden", int(self.ffn_hidden) or self.ffn_mult * self.d_model)
 
     @classmethod
     def from_value(cls, value: dict[str, Any] | list[int]) -> "ModelShape":
-        """From a manifest: named fields, or the positional list of older manifests (same field order)."""
+        """From a manifest: named fields (those added later may be absent), or the positional list of older
+        manifests (same field order)."""
         if isinstance(value, dict):
-            return cls(**{f.name: int(value[f.name]) for f in fields(cls)})
+            return cls(**{f.name: (str if f.type == "str" else int)(value[f.name]) for f in fields(cls)
+                          if f.name in value or f.default is MISSING})
         return cls(*(int(v) for v in value))
 
 
@@ -70,8 +85,10 @@ class Fingerprint:
 def fingerprint_of(model: "ModelConfig", train: "TrainConfig", data: "DataConfig") -> Fingerprint:
     """The fingerprint of a run's config sections."""
     kind = getattr(data.kind, "value", data.kind)
+    arch = getattr(model.arch, "value", model.arch)
+    kv_heads = model.n_kv_heads if arch == "llama" else 0  # GPT's attention has no key/value groups
     shape = ModelShape(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.context,
-                       model.ffn_mult)
+                       model.ffn_mult, arch, kv_heads, model.ffn_hidden)
     source = {"text_bytes": data.max_bytes, "indexed": data.blend}.get(kind, data.path)
     if data.valid_fraction:  # the held-out part is not trained on: another split is other training data
         source = f"{source} valid_fraction={data.valid_fraction:g}"
@@ -79,13 +96,17 @@ def fingerprint_of(model: "ModelConfig", train: "TrainConfig", data: "DataConfig
 
 
 def upgrade_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's fingerprint in today's named form, field by field (old positional lists converted,
-    anything else kept as it is), so that it compares equal to `Fingerprint.to_dict()` of the same run."""
+    """A manifest's fingerprint in today's named form, field by field (old positional lists converted, named
+    models completed with the fields added since, anything else kept as it is), so that it compares equal to
+    `Fingerprint.to_dict()` of the same run."""
     out = dict(saved)
     for key, kind in (("model", ModelShape), ("data", DataSource)):
-        if isinstance(out.get(key), (list, tuple)):
-            try:
-                out[key] = asdict(kind.from_value(list(out[key])))
-            except (TypeError, ValueError):
-                pass  # not a fingerprint this code wrote: left for the comparison to report
+        value = out.get(key)
+        try:
+            if isinstance(value, (list, tuple)):
+                out[key] = asdict(kind.from_value(list(value)))
+            elif key == "model" and isinstance(value, dict):
+                out[key] = {**asdict(ModelShape.from_value(value)), **value}
+        except (KeyError, TypeError, ValueError):
+            pass  # not a fingerprint this code wrote: left for the comparison to report
     return out

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from hpctrain.checkpoint.hf import load_hf
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config.layout import Layout, layout_on_nodes, resolve_layout
 from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config
@@ -301,6 +302,8 @@ def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.
     timeline["manager_ready"] = time.time()
     manifest = ckpt.resume(engine)
     if not manifest:
+        if cfg.model.init_from:  # continued pretraining: a fresh run starts from a Hugging Face model's weights
+            load_hf(engine.model_parts, cfg.model.init_from, cfg.model)
         return engine, ckpt, 0, 0
     step, consumed = int(manifest["step"]), int(manifest["consumed_samples"])
     log.info("resuming at step %d (%d samples consumed) from %s tier", step, consumed, manifest["tier"])

@@ -22,6 +22,17 @@ BAD = [
     ("batch-arithmetic", ["train.grad_accum=3"], "train.global_batch", "micro_batch x grad_accum x dp"),
     ("heads-vs-hidden", ["model.n_heads=3"], "model.d_model", "not divisible by n_heads"),
     ("heads-vs-tp", ["cluster.gpus_per_node=8", "parallel.tp=8"], "parallel.tp", "whole attention heads"),
+    ("kv-heads-vs-heads", ["model=llama_tiny", "model.n_kv_heads=3"], "model.n_kv_heads",
+     "not divisible by n_kv_heads=3"),
+    ("kv-heads-vs-tp", ["model=llama_tiny", "cluster.gpus_per_node=4", "parallel.tp=4"], "parallel.tp",
+     "model.n_kv_heads=2 is not divisible by tp=4"),
+    ("ffn-hidden-vs-tp", ["model=llama_tiny", "model.ffn_hidden=353", "parallel.tp=2"], "parallel.tp",
+     "MLP hidden size 353 is not divisible by tp=2"),
+    ("odd-rope-head-dim", ["model=llama_tiny", "model.d_model=132"], "model.d_model", "RoPE rotates pairs"),
+    ("llama-dropout", ["model=llama_tiny", "model.dropout=0.1"], "model.dropout", "has no dropout"),
+    ("gpt-kv-heads", ["model.n_kv_heads=2"], "model.n_kv_heads", "multi-head attention only"),
+    ("init-from-missing", ["model=llama_tiny", "model.init_from=/nonexistent/Llama-3.1-8B"], "model.init_from",
+     "/nonexistent/Llama-3.1-8B does not exist"),
     ("layers-vs-pp", ["model.n_layers=3", "parallel.pp=2", "train.micro_batch=4"], "parallel.pp",
      "not divisible by pp"),
     ("tp-across-nodes", ["+experiment=175b", "cluster.gpus_per_node=4", "parallel.dp=-1", "train.grad_accum=-1"],
@@ -158,6 +169,15 @@ def test_config_error_exit_code_on_the_command_line(tmp_path: Path) -> None:
     assert proc.returncode == EXIT_CONFIG_ERROR
     assert "parallel.dp: dp x tp x pp = 3 x 1 x 1 = 3 GPUs" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_llama_tiny_passes_the_checks(compose_cfg) -> None:
+    """The model checks accept the Llama they were written for; a missing init_from only warns on a dry run."""
+    from hpctrain.config.checks import check_config
+
+    check_config(compose_cfg("model=llama_tiny", "parallel.tp=2"))
+    report = check_config(compose_cfg("model=llama_tiny", "model.init_from=/nonexistent/x", "dry_run=true"))
+    assert [w.key for w in report.warnings if "does not exist" in w.message] == ["model.init_from"]
 
 
 def test_warnings_carry_the_computed_bubble(compose_cfg) -> None:

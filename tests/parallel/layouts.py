@@ -16,8 +16,14 @@ VALIDATION = 100  # validation batches are global_batch(VALIDATION + b): never t
 EVAL_AFTER = (1,)  # steps (0-based) after which the engine evaluates, besides the last
 
 
+# A tiny Llama of the same size: grouped-query attention (2 key/value heads for 4 query heads), SwiGLU
+# (hidden 176 = 2.75 d), RoPE with Llama 3's base.
+LLAMA = {"model__arch": "llama", "model__n_kv_heads": 2, "model__ffn_hidden": 176, "model__rope__theta": 500000.0}
+
+
 def make_cfg(world: int, **overrides: Any) -> Any:
-    """A tiny GPT (4 layers, d 64) on `world` processes; overrides are dotted keys, e.g. parallel__tp=2."""
+    """A tiny GPT (4 layers, d 64; **LLAMA: a Llama) on `world` processes; overrides are dotted keys, e.g.
+    parallel__tp=2."""
     base = {
         "model": {"name": "test", "n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": VOCAB, "context": 32},
         "cluster": {"name": "test", "nodes": 1, "gpus_per_node": world},
@@ -69,8 +75,8 @@ def run_engine(rank: int, world: int, overrides: dict[str, Any], steps: int) -> 
         weights.update({k: v.detach().clone() for k, v in sd.items()})
     return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats],
             "skipped": [s.skipped for s in stats], "loss_scale": [s.loss_scale for s in stats], "val_loss": val_loss,
-            "weights": weights, "modules": model_classes(engine.gpts), "dp": (engine.dp_rank, engine.dp_size),
-            "local_numel": sum(_local_numel(p) for g in engine.gpts for p in g.parameters())}
+            "weights": weights, "modules": model_classes(engine.stage_models), "dp": (engine.dp_rank, engine.dp_size),
+            "local_numel": sum(_local_numel(p) for m in engine.stage_models for p in m.parameters())}
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -79,11 +85,11 @@ def _local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def model_classes(gpts: list[Any]) -> dict[str, str]:
-    """Module name -> the model's own class (hpctrain.models.gpt or torch.nn) under any layout wrapper."""
+def model_classes(models: list[Any]) -> dict[str, str]:
+    """Module name -> the model's own class (hpctrain.models or torch.nn) under any layout wrapper."""
     out = {}
-    for gpt in gpts:
-        for name, module in gpt.named_modules():
+    for model in models:
+        for name, module in model.named_modules():
             own = next(c for c in type(module).__mro__
                        if c.__module__.startswith(("hpctrain.models", "torch.nn.modules")))
             out[name] = f"{own.__module__}.{own.__qualname__}"
@@ -91,7 +97,8 @@ def model_classes(gpts: list[Any]) -> dict[str, str]:
 
 
 def reference(overrides: dict[str, Any], steps: int, world: int = 1) -> dict[str, Any]:
-    """Plain PyTorch, one process, the whole global batch at once: what every layout must reproduce."""
+    """Plain PyTorch, one process, the whole global batch at once: what every layout must reproduce (the model
+    of model.arch, built by build_model)."""
     from hpctrain.parallel.engine import build_model, build_optimizer, token_loss
 
     cfg = make_cfg(world, **overrides)

@@ -11,7 +11,7 @@ import torch
 from hpctrain.config.layout import resolve_layout
 from hpctrain.parallel.dims import ParallelDims, ParallelDimsError
 from tests.distributed_harness import DistributedTestError, run_distributed
-from tests.parallel.layouts import make_cfg, rank_batches, reference
+from tests.parallel.layouts import LLAMA, make_cfg, rank_batches, reference
 
 PP = {"train__micro_batch": 2}
 
@@ -29,9 +29,9 @@ def _overflow_run(rank: int, world: int, overrides: dict[str, Any]) -> dict[str,
     from hpctrain.parallel.engine import _local
 
     cfg, engine = _engine(world, overrides)
-    before = {n: _local(p).detach().clone() for g in engine.gpts for n, p in g.named_parameters()}
+    before = {n: _local(p).detach().clone() for m in engine.stage_models for n, p in m.named_parameters()}
     first = engine.step(rank_batches(0, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr)
-    unchanged = all(torch.equal(_local(p), before[n]) for g in engine.gpts for n, p in g.named_parameters())
+    unchanged = all(torch.equal(_local(p), before[n]) for m in engine.stage_models for n, p in m.named_parameters())
     rest = [engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr) for s in range(1, 8)]
     return {"first": first, "unchanged": unchanged, "rest": rest}
 
@@ -143,7 +143,9 @@ def _train_and_save(rank: int, world: int, overrides: dict[str, Any], path: str)
     (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
     (8, {"parallel__pp": 2, "parallel__tp": 2, "zero__stage": 0, "parallel__schedule": "zbv",
          "parallel__virtual_stages": 2, **PP}),
-], ids=["zero1", "zero3", "tp2_sp", "pp2_interleaved", "3d_zbv"])
+    (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True}),
+    (2, {**LLAMA, "parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
+], ids=["zero1", "zero3", "tp2_sp", "pp2_interleaved", "3d_zbv", "llama_tp2_sp", "llama_pp2_interleaved"])
 def test_checkpoint_resumes_in_a_single_process(world: int, overrides: dict[str, Any], tmp_path: Any) -> None:
     """Save after 2 steps in a layout, load into a plain single process (DCP reshards), take step 3: model
     and optimizer state must both have survived for the loss and the weights to match an unbroken run."""

@@ -1,6 +1,6 @@
 """Numerical acceptance: every layout reproduces a plain single-process run of the same global batch.
 
-Each case trains a tiny GPT (4 layers, d 64, fp32) for 5 steps on forked gloo ranks and compares, step by
+Each case trains a tiny GPT or Llama (4 layers, d 64, fp32) for 5 steps on forked gloo ranks and compares, step by
 step, the loss and the (pre-clipping) global gradient norm with `reference()` (plain PyTorch, whole global
 batch at once, stock clip_grad_norm_), then the final weights, and the validation loss (forward only, evaluated mid-run and at the end). Clipping is active (max norm 1.0, the first
 steps' norms are ~2.3), so the clipped update is checked too.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.distributed_harness import run_distributed
-from tests.parallel.layouts import model_classes, reference, run_engine
+from tests.parallel.layouts import LLAMA, make_cfg, model_classes, reference, run_engine
 
 STEPS = 5
 PP = {"train__micro_batch": 2}  # grad_accum >= pp: 2 microbatches of 2 per DP rank
@@ -67,6 +67,13 @@ LAYOUTS = {
                                        "parallel__sequence_parallel": True}, 1),
     "recompute_full_tp2xpp2": (4, {"parallel__recompute": "full", "parallel__tp": 2, "parallel__pp": 2, **PP}, 1),
 }
+# The Llama family through the same layouts: grouped-query attention split over TP (one key/value head per rank),
+# the untied head split by vocabulary like the embedding, and held by the last pipeline stage alone.
+LLAMA_LAYOUTS = ["single", "dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero3_offload", "tp2", "tp2_sp", "pp2_1f1b",
+                 "pp2_interleaved", "pp2_zbv", "dp2xtp2", "dp2xpp2", "tp2xpp2", "zero3_dp2xtp2xpp2_sp",
+                 "recompute_full_dp2", "recompute_selective_tp2_sp"]
+LAYOUTS.update({f"llama_{name}": (LAYOUTS[name][0], {**LLAMA, **LAYOUTS[name][1]}, LAYOUTS[name][2])
+                for name in LLAMA_LAYOUTS})
 
 _REFERENCES: dict[tuple, dict] = {}
 
@@ -82,17 +89,23 @@ def _rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.fixture(scope="module")
-def single_process_modules() -> dict[str, str]:
-    from hpctrain.parallel.engine import build_model
-    from tests.parallel.layouts import make_cfg
+_MODULES: dict[tuple, dict[str, str]] = {}
 
-    cfg = make_cfg(1)
-    return model_classes([build_model(cfg.model, cfg.train.seed, torch.device("cpu"))])
+
+def _single_process_modules(overrides: dict) -> dict[str, str]:
+    """Module name -> class of the single-process model of the overrides' model."""
+    from hpctrain.parallel.engine import build_model
+
+    model = {k: v for k, v in overrides.items() if k.startswith("model__")}
+    key = tuple(sorted(model.items()))
+    if key not in _MODULES:
+        cfg = make_cfg(1, **model)
+        _MODULES[key] = model_classes([build_model(cfg.model, cfg.train.seed, torch.device("cpu"))])
+    return _MODULES[key]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name: str, single_process_modules: dict[str, str]) -> None:
+def test_layout_matches_single_process(name: str) -> None:
     world, overrides, dp = LAYOUTS[name]
     ref = _reference(overrides, world)
     results = run_distributed(run_engine, world, overrides, STEPS, timeout=240)
@@ -115,11 +128,12 @@ def test_layout_matches_single_process(name: str, single_process_modules: dict[s
     for key, expected in ref["weights"].items():
         got = weights[key]
         if got.shape != expected.shape:  # TP pads the vocabulary to 64 x tp rows: the padding stays zero
-            assert key == "tok_emb.weight" and not got[expected.shape[0]:].any(), key
+            assert key in ("tok_emb.weight", "output.weight") and not got[expected.shape[0]:].any(), key
             got = got[: expected.shape[0]]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
     # The layout is applied from outside: every module keeps the single-process model's class and name.
+    single_process_modules = _single_process_modules(overrides)
     for r in results:
         for module, cls in r["modules"].items():
             assert single_process_modules[module] == cls, (module, cls)
@@ -131,6 +145,9 @@ MIXED = {
     "bf16_zero3_mp_policy": (2, {"precision__dtype": "bf16", "zero__stage": 3}, 2e-3, 2e-2),
     "bf16_tp2_sp": (2, {"precision__dtype": "bf16", "parallel__tp": 2, "parallel__sequence_parallel": True},
                     2e-3, 2e-2),
+    "llama_bf16_tp2_sp": (2, {**LLAMA, "precision__dtype": "bf16", "parallel__tp": 2,
+                              "parallel__sequence_parallel": True}, 2e-3, 2e-2),
+    "llama_bf16_zero3_mp_policy": (2, {**LLAMA, "precision__dtype": "bf16", "zero__stage": 3}, 2e-3, 2e-2),
     "fp16_dp2": (2, {"precision__dtype": "fp16", "precision__loss_scaling": True}, 5e-4, 5e-3),
     "fp16_zero3": (2, {"precision__dtype": "fp16", "precision__loss_scaling": True, "zero__stage": 3}, 5e-4, 5e-3),
     "fp16_tp2xpp2": (4, {"precision__dtype": "fp16", "precision__loss_scaling": True, "parallel__tp": 2,

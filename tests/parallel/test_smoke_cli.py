@@ -1,4 +1,5 @@
-"""The training loop path end to end: `python -m hpctrain` with a pipeline layout, local executor, 2 processes."""
+"""The training loop path end to end: `python -m hpctrain` with a pipeline layout (GPT) or tensor and sequence
+parallelism (Llama), local executor, 2 processes."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_smoke_run_with_pipeline_parallelism(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "hpctrain", "+experiment=smoke", "parallel.pp=2", "train.micro_batch=4",
-           "train.max_steps=12", "optim.warmup_steps=4", "train.log_every=4", f"run.root={tmp_path / 'runs'}"]
+@pytest.mark.parametrize("layout", [["parallel.pp=2"],
+                                    ["model=llama_tiny", "parallel.tp=2", "parallel.sequence_parallel=true"]],
+                         ids=["gpt_pp2", "llama_tp2_sp"])
+def test_smoke_run(tmp_path: Path, layout: list[str]) -> None:
+    cmd = [sys.executable, "-m", "hpctrain", "+experiment=smoke", *layout, "train.micro_batch=4", "train.max_steps=12",
+           "optim.warmup_steps=4", "train.log_every=4", f"run.root={tmp_path / 'runs'}"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

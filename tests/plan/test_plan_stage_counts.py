@@ -12,10 +12,13 @@ from hpctrain.models.params import param_count, stage_param_counts, tp_local_num
 from hpctrain.plan.report import stage_counts
 
 
-def _cfg(tp: int, pad_multiple: int = 8, vocab: int = 250) -> object:
-    """A small GPT with 8 layers (room for pp x virtual stages up to 8); vocab 250 with no padding splits unevenly."""
+def _cfg(tp: int, pad_multiple: int = 8, vocab: int = 250, arch: str = "gpt") -> object:
+    """A small GPT or Llama with 8 layers (room for pp x virtual stages up to 8); vocab 250 with no padding splits
+    unevenly. The Llama has grouped-query attention (8 query heads, 4 key/value heads) and a SwiGLU MLP of 80."""
     model = {"name": "t", "n_layers": 8, "d_model": 48, "n_heads": 4, "vocab_size": vocab, "context": 40,
              "vocab_pad_multiple": pad_multiple}
+    if arch == "llama":
+        model.update(arch="llama", n_heads=8, n_kv_heads=4, ffn_hidden=80)
     return OmegaConf.merge(OmegaConf.structured(Config), {"model": model, "parallel": {"tp": tp}})
 
 
@@ -28,10 +31,12 @@ LAYOUTS = [  # tp, pp, virtual stages, schedule
 
 @pytest.mark.parametrize("tp,pp,v,schedule", LAYOUTS)
 @pytest.mark.parametrize("pad", [8, 1])
-def test_closed_form_matches_the_meta_device_model(tp: int, pp: int, v: int, schedule: str, pad: int) -> None:
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_closed_form_matches_the_meta_device_model(tp: int, pp: int, v: int, schedule: str, pad: int,
+                                                   arch: str) -> None:
     from hpctrain.parallel.stages import meta_stage_counts
 
-    cfg = _cfg(tp, pad)
+    cfg = _cfg(tp, pad, arch=arch)
     whole, shard = meta_stage_counts(cfg, pp * v, tp)
     assert stage_param_counts(cfg.model, pp * v, tp) == whole
     assert stage_param_counts(cfg.model, pp * v, tp, per_gpu=True) == shard
@@ -55,6 +60,14 @@ def test_one_stage_holds_the_whole_model_once() -> None:
     cfg = _cfg(1, pad_multiple=64)
     m = cfg.model
     assert stage_param_counts(m, 1) == [param_count(m.n_layers, m.d_model, 256, m.context, 4 * m.d_model)]
+
+
+def test_llama_stages_hold_the_embedding_first_and_the_head_last() -> None:
+    """Untied: the first stage holds tok_emb, the last norm_f and output, each once (no embedding copy)."""
+    cfg = _cfg(1, pad_multiple=64, arch="llama")
+    block = 48 * (48 + 2 * 24) + 48 * 48 + 3 * 48 * 80 + 2 * 48  # QKV with 4 of 8 heads for K and V, SwiGLU
+    assert stage_param_counts(cfg.model, 2) == [4 * block + 256 * 48, 4 * block + 48 + 256 * 48]
+    assert stage_param_counts(cfg.model, 1) == [8 * block + 2 * 256 * 48 + 48]
 
 
 def test_uneven_tp_split_counts_the_largest_shard() -> None:

@@ -1,0 +1,259 @@
+"""The planner on the Llama architecture: parameter counts against the published ones, FLOPs against the Llama 3
+paper (Grattafiori et al. 2024, "The Llama 3 Herd of Models"), the Llama block's activations, and the 405B plan on
+thousands of GPUs."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hpctrain.launch.cli import run
+from hpctrain.models.params import (
+    block_shapes,
+    model_param_count,
+    param_count,
+    top_shapes,
+)
+from hpctrain.plan.activations import activation_bytes_per_layer
+from hpctrain.plan.estimate import model_shape
+from hpctrain.plan.flops import (
+    flops_per_iteration,
+    layer_forward_flops,
+    model_flops_per_token,
+)
+from hpctrain.plan.memory import (
+    layer_params_per_gpu,
+    memory_per_gpu,
+    stage_params_per_gpu,
+)
+from hpctrain.plan.search import search_layouts
+from hpctrain.plan.step_time import estimate_step
+from hpctrain.plan.types import Layout, ModelShape, hardware
+from tests.conftest import run_hpctrain
+
+# Hugging Face's counts of meta-llama/Llama-3.1-{8B,70B,405B} (sum of numel, untied head, vocabulary 128256).
+PUBLISHED = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800}
+# The Llama 3 paper's 405B pre-training: 15.6T tokens, "3.8 x 10^25 FLOPs"; Table 4: 16,384 H100s as TP 8 x PP 16
+# x DP 128, sequences of 8192, 16 per DP rank (global batch 2048 = 16M tokens), BF16 MFU 38-43%.
+LLAMA_405B = ModelShape(126, 16384, 128, 8192, 128256, ffn_hidden=53248, tied_embeddings=False,
+                        vocab_pad_multiple=64, arch="llama", n_kv_heads=8)
+H100 = hardware("h100_80gb")
+GPUS_405B = ["model=llama3_405b", "cluster=slurm", "cluster.nodes=2048", "cluster.gpus_per_node=8",
+             "cluster.gpu_type=h100_80gb", "precision=bf16", "data=synthetic", "data.vocab_size=128256",
+             "train.seq_len=8192", "train.global_batch=2048", "train.micro_batch=1"]
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_llama3_parameter_counts_are_the_published_ones(compose_cfg, name: str) -> None:
+    """l (2 h^2 + 2 h k + 3 h f + 2 h) + 2 V h + h: QKV (h + 2k) x h, projection h x h, SwiGLU 3 h x f, 2 RMSNorms
+    per layer; embedding and untied head V x h; the final RMSNorm. k = n_kv_heads x head_dim."""
+    m = compose_cfg(f"model={name}").model
+    l, h, f, v = m.n_layers, m.d_model, m.ffn_hidden, m.vocab_size
+    k = m.n_kv_heads * h // m.n_heads
+    assert l * (2 * h * h + 2 * h * k + 3 * h * f + 2 * h) + 2 * v * h + h == PUBLISHED[name]
+    assert model_param_count(m) == PUBLISHED[name]
+    assert model_shape(m, m.context).params == PUBLISHED[name]
+
+
+def test_llama_shapes_are_the_models() -> None:
+    """The names and shapes hpctrain.models.llama builds (no biases; gate and up fused), and GPT's unchanged."""
+    d, f, k = 48, 128, 24
+    assert block_shapes(d, f, "llama", k) == {
+        "norm1.weight": (d,), "attn.qkv.weight": (d + 2 * k, d), "attn.proj.weight": (d, d), "norm2.weight": (d,),
+        "mlp.fc.weight": (2 * f, d), "mlp.proj.weight": (d, f)}
+    assert top_shapes(d, 256, 40, "llama", tied=False) == {
+        "tok_emb.weight": (256, d), "norm_f.weight": (d,), "output.weight": (256, d)}
+    assert param_count(2, d, 256, 40, 4 * d) == 2 * (12 * d * d + 13 * d) + (256 + 40) * d + 2 * d
+
+
+def test_meta_device_llama_3_8b_matches_the_closed_form_per_stage_and_rank(compose_cfg) -> None:
+    """Llama 3 8B as built for TP 8 (vocabulary 128256 -> 128512 rows, embedding and head) on the meta device."""
+    import torch
+
+    from hpctrain.models import create_model
+    from hpctrain.models.params import padded_vocab, stage_param_counts
+    from hpctrain.parallel.stages import meta_stage_counts
+
+    cfg = compose_cfg("model=llama3_8b", "parallel.tp=8")
+    with torch.device("meta"):
+        model = create_model(cfg.model, 8)
+    rows = padded_vocab(128256, 64, 8)
+    assert rows == 128512
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED["llama3_8b"] + 2 * (rows - 128256) * 4096
+    whole, shard = meta_stage_counts(cfg, 4, 8)
+    assert stage_param_counts(cfg.model, 4, 8) == whole
+    assert stage_param_counts(cfg.model, 4, 8, per_gpu=True) == shard
+    # the planner's per-GPU figure is the same closed form: stage 0 embeds, stage 3 holds norm_f and the head
+    shape = model_shape(cfg.model, 8192)
+    assert [stage_params_per_gpu(shape, 8, 4, s) for s in range(4)] == shard
+
+
+def test_405b_training_flops_are_the_papers() -> None:
+    """6 N D with N = 405.85B and D = 15.6T tokens is the paper's 3.8e25; the attention term 12 l s h (s = 8192)
+    adds 8% (4.1e25), which the paper's figure leaves out."""
+    n, tokens = LLAMA_405B.params, 15.6e12
+    assert round(6 * n * tokens / 1e25, 1) == 3.8
+    per_token = model_flops_per_token(LLAMA_405B)
+    assert per_token == 6 * n + 12 * 126 * 8192 * 16384
+    assert round(per_token * tokens / 1e25, 1) == 4.1
+
+
+def test_the_training_loops_mfu_counts_the_llama(compose_cfg) -> None:
+    """The progress line's MFU (hpctrain.parallel.metrics) uses the same 6 N + 12 l s h, N the Llama count."""
+    from hpctrain.parallel.metrics import flops_per_token
+
+    cfg = compose_cfg("model=llama3_8b", "train.seq_len=8192")
+    assert flops_per_token(cfg) == 6 * PUBLISHED["llama3_8b"] + 12 * 32 * 8192 * 4096
+
+
+def test_llama_matmul_flops_are_six_times_the_matrices() -> None:
+    """Forward matmuls per token: 2 x every matrix's parameters (QKV (h + 2k) h, projection h^2, SwiGLU 3 h f, head
+    V h) + the attention core 4 s h; training without recomputation 3x that: 6 (N - V h - norms) + 12 l s h per
+    token, the MFU numerator less the embedding lookup and the norms."""
+    m = replace(LLAMA_405B, vocab_pad_multiple=1)
+    h, k, f, s, l, v = 16384, 1024, 53248, 8192, 126, 128256
+    assert layer_forward_flops(s, s, h, f, k, gated=True) == 2 * s * (h * (h + 2 * k) + h * h + 3 * h * f) + 4 * s * s * h
+    assert 4 * h * h + 4 * h * k + 6 * h * f == 23.75 * h * h  # "24 h^2" of a GPT layer with f = 4h
+    tokens = 2048 * s
+    matrices = m.params - v * h - (2 * l + 1) * h
+    assert flops_per_iteration(m, 2048, "none") == pytest.approx(tokens * (6 * matrices + 12 * l * s * h), rel=1e-12)
+    gpt = ModelShape(4, 64, 4, 32, 100)  # kv_dim = h, not gated: the GPT count
+    assert layer_forward_flops(32, 32, 64, 256, 64) == layer_forward_flops(32, 32, 64, 256) == 24 * 32 * 64 * 64 \
+        + 4 * 32 * 32 * 64  # Narayanan's 24 B s h^2 + 4 B s^2 h
+    assert gpt.kv_dim == 64 and not gpt.gated
+
+
+def test_llama_block_activations() -> None:
+    """sbh units, 16-bit, no TP: two RMSNorms 12 (fp32 input copy 4 + normalised 2 each), QKV/MLP-in inputs 4, the
+    QKV output 2 + 4 k / h (V is a view of it), RoPE's Q 2 and K 2 k / h, attention output 2, log-sum-exp 4 a / h,
+    SwiGLU 8 f / h. Llama 3 8B (k = h / 4, f = 3.5 h): 51.5 + lse, where a GPT block of the same h keeps 32;
+    selective keeps the block input 2, the QKV output 3, the gate/up output 14 and the row-parallel outputs 4."""
+    s, h, a = 8192, 4096, 32
+    sbh, lse = s * h, 4 * a / h
+    llama = {"ffn_hidden": 14336, "arch": "llama", "n_kv_heads": 8}
+    assert activation_bytes_per_layer(s, 1, h, a, **llama) == pytest.approx(sbh * (51.5 + lse))
+    assert activation_bytes_per_layer(s, 1, h, a, recompute="selective", **llama) == pytest.approx(sbh * 23)
+    assert activation_bytes_per_layer(s, 1, h, a, recompute="full", **llama) == 2 * sbh
+    # TP 4 + SP: the norms split by SP, the gathered QKV/MLP-in inputs whole, the rest split by TP
+    assert activation_bytes_per_layer(s, 1, h, a, 4, True, **llama) == pytest.approx(
+        sbh * (12 / 4 + 4 + (3 + 2.5 + 2 + 28 + lse) / 4))
+    # grouped-query attention: the QKV output 4 x 3/4 and the rotated K 2 x 3/4 smaller than multi-head's
+    mha = activation_bytes_per_layer(s, 1, h, a, ffn_hidden=14336, arch="llama")
+    assert mha - activation_bytes_per_layer(s, 1, h, a, **llama) == pytest.approx(4.5 * sbh)
+
+
+def test_llama_block_saves_what_the_formula_counts(compose_cfg) -> None:
+    """The tensors autograd saves for hpctrain.models.llama's Block in bf16 on CPU (storages counted once,
+    parameters left out): the formula, plus RoPE's cos/sin tables and RMSNorm's per-token fp32 1/rms."""
+    import torch
+
+    from hpctrain.models import create_model
+
+    d, a, g, f, s, b = 256, 8, 2, 704, 512, 2
+    cfg = compose_cfg("model=llama_tiny", f"model.d_model={d}", f"model.n_heads={a}", f"model.n_kv_heads={g}",
+                      f"model.ffn_hidden={f}", "model.n_layers=1")
+    block = create_model(cfg.model).to(torch.bfloat16).layers["0"]
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(b, s, d, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    rope_tables, inv_rms = 4 * s * (d // a) * 2, 2 * b * s * 4
+    formula = activation_bytes_per_layer(s, b, d, a, ffn_hidden=f, arch="llama", n_kv_heads=g)
+    assert sum(saved.values()) == formula + rope_tables + inv_rms
+
+
+def test_llama_weights_per_tp_rank() -> None:
+    """Norm weights are the only replicated parameters of a Llama layer (2 h); the head is split like the embedding."""
+    h = 16384
+    block = sum(a * b for a, b in ((h + 2048, h), (h, h), (2 * 53248, h), (h, 53248)))
+    assert layer_params_per_gpu(LLAMA_405B, 8) == block / 8 + 2 * h
+    rows = LLAMA_405B.vocab_rows(8)
+    assert stage_params_per_gpu(LLAMA_405B, 8, 2, 1) == 63 * (block / 8 + 2 * h) + rows * h / 8 + h
+    assert stage_params_per_gpu(LLAMA_405B, 8, 1, 0) == 126 * (block / 8 + 2 * h) + 2 * rows * h / 8 + h
+
+
+def test_the_papers_405b_layout_estimate() -> None:
+    """TP 8 x PP 16 x DP 128, micro-batch 1, 16 microbatches (Table 4: 41% MFU at this size). The planner takes 8
+    layers on the most loaded stage (126 do not split over 16; the paper cuts one from the first and the last).
+    Without recomputation 1F1B idles 15/31 of the pipeline (27%); interleaving brings the estimate to the paper's
+    figure (4 chunks: 41%). hpctrain's own stack would not fit that (DTensor SP's gathered inputs, 16 microbatches
+    in flight): only full recomputation does, at 20-34%. docs/planner.md has the table."""
+    base = Layout(dp=128, tp=8, pp=16, micro_batch=1, grad_accum=16, zero_stage=1, sequence_parallel=True,
+                  recompute="none", reduce_dtype="fp32")
+
+    def at(v: int, recompute: str = "none") -> Layout:
+        return replace(base, virtual_stages=v, schedule="interleaved_1f1b" if v > 1 else "1f1b", recompute=recompute)
+
+    mfu = {v: estimate_step(LLAMA_405B, at(v), H100).mfu for v in (1, 2, 4, 8)}
+    assert estimate_step(LLAMA_405B, base, H100).bubble_fraction == pytest.approx(15 / 31)
+    assert [round(mfu[v], 2) for v in (1, 2, 4, 8)] == [0.27, 0.35, 0.41, 0.45]
+    assert not memory_per_gpu(LLAMA_405B, base, H100).fits
+    assert not memory_per_gpu(LLAMA_405B, at(8, "selective"), H100).fits
+    full = {v: estimate_step(LLAMA_405B, at(v, "full"), H100).mfu for v in (1, 8)}
+    assert memory_per_gpu(LLAMA_405B, at(8, "full"), H100).fits
+    assert [round(full[v], 2) for v in (1, 8)] == [0.20, 0.34]
+
+
+def test_405b_dry_run_prints_the_plan(tmp_path: Path) -> None:
+    """The command line on 2048 nodes of 8 H100s, with the layout parallel=auto finds (below)."""
+    proc = run_hpctrain(*GPUS_405B, "parallel.tp=8", "parallel.sequence_parallel=true", "parallel.recompute=full",
+                        "zero=stage3", "dry_run=true", f"run.root={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for words in ("llama3_405b (llama)", "128 heads (8 key/value)", "MLP 53248", "405,853,388,800 (405.85B)",
+                  "128256 -> 128512 rows (multiple of 64 x TP 8): +8,388,608 params", "the output head on the last",
+                  "DP 2048 x TP 8 x PP 1", "per-GPU memory", "MFU"):
+        assert words in out, words
+
+
+def test_405b_parallel_auto_finds_a_layout_on_16384_gpus(compose_cfg, capsys) -> None:
+    """PP must divide 126 layers and 16384 / TP GPUs: 1 or 2. Two stages of 405B / 16 per GPU do not fit (hpctrain's
+    FSDP2 keeps a stage's bf16 weights and fp32 gradients unsharded under PP: ~140 GiB), so the one layout that fits
+    is ZeRO-3 over DP 2048 with TP 8 and full recomputation. The speed auto announces is the plan's (both
+    reduce gradients in precision.reduce_dtype)."""
+    assert run(compose_cfg(*GPUS_405B, "parallel=auto", "dry_run=true", "plan.format=json")).code == 0
+    captured = capsys.readouterr()
+    plan = json.loads(captured.out)
+    announced = re.search(r"parallel=auto chose: .*?; ([\d,]+) tok/s", captured.err)
+    assert announced and int(announced.group(1).replace(",", "")) == round(plan["est_tokens_per_s"])
+    lay = plan["layout"]
+    assert (lay["dp"], lay["tp"], lay["pp"], lay["zero_stage"]) == (2048, 8, 1, 3)
+    assert lay["micro_batch"] * lay["grad_accum"] * lay["dp"] == 2048
+    assert plan["memory_per_gpu_bytes"]["fits"] and plan["params_total"] == PUBLISHED["llama3_405b"]
+    assert 0.15 < plan["est_mfu"] < 0.4
+
+
+def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
+    """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 65.5 GiB, within 2% of the
+    fastest layout the search finds; FSDP over 32 GPUs needs selective recomputation and is 1.7x slower."""
+    from hpctrain.config.checks import check_config
+    from hpctrain.plan.search import cheapest_fitting
+
+    est = check_config(compose_cfg("+experiment=llama3_8b_4node", "dry_run=true")).estimates
+    lay = est.layout
+    assert (lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.recompute) == (16, 2, 1, 1, "none")
+    assert round(est.memory.total / 2**30, 1) == 65.5 and est.memory.fits
+    best = search_layouts(est.model, 32, est.hw, 512, top_k=1)[0]
+    assert est.step.tokens_per_s > best.tokens_per_s / 1.02
+    fsdp = cheapest_fitting(est.model, replace(lay, dp=32, tp=1, grad_accum=16, zero_stage=3,
+                                                sequence_parallel=False), est.hw)
+    assert fsdp is not None and fsdp.layout.recompute == "selective"
+    assert round(est.step.tokens_per_s / fsdp.tokens_per_s, 1) == 1.7
+
+
+def test_search_keeps_whole_key_value_heads_per_tp_rank() -> None:
+    """TP may not split a key/value head: with 2 of them, TP 4 and 8 are no candidates."""
+    tiny = ModelShape(4, 128, 8, 256, 256, ffn_hidden=352, tied_embeddings=False, arch="llama", n_kv_heads=2)
+    tps = {c.layout.tp for c in search_layouts(tiny, 8, H100, global_batch=16)}
+    assert tps == {1, 2}
