@@ -83,9 +83,16 @@ def test_a_second_attempt_of_a_live_run_takes_it_over(tmp_path: Path) -> None:
     assert first.returncode == 0 and second.returncode == 0, err[-2000:] + second.stderr[-2000:]
     assert "a newer attempt of this run took the lease" in out + err
     steps = [m["step"] for m in _metrics(run_dir)]
-    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])  # where the new attempt begins
-    assert steps[:restart] == list(range(1, restart + 1)) and steps[restart:] == list(range(steps[restart], 151))
-    assert steps[restart] - 1 in (0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120, 130, 140)  # a checkpoint
+    # Where the new attempt began, from its own record (the steps alone cannot tell when the old attempt's last
+    # step is the very checkpoint the new one resumes from: then no step repeats).
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    attempts = [e["from_step"] for e in events if e["event"] == "attempt"]
+    assert len(attempts) == 2 and attempts[0] == 0, attempts
+    resumed = attempts[1]
+    assert resumed in range(10, 150, 10)  # a checkpoint of the first attempt (it trained 25 steps or more)
+    restart = len(steps) - (150 - resumed)  # the new attempt wrote steps resumed + 1 .. 150
+    assert steps[:restart] == list(range(1, restart + 1)) and restart >= resumed
+    assert steps[restart:] == list(range(resumed + 1, 151))
 
 
 @pytest.mark.slow
