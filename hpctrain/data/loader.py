@@ -59,8 +59,8 @@ def _indexed(data: DataConfig, seq_len: int, seed: int) -> Datasets:
     if data.valid_blend:
         valid_pairs = parse_blend(data.valid_blend)
         valid_weights = [w for w, _ in valid_pairs]
-        valid = [PackedSamples(IndexedDataset(p), range(len(IndexedDataset(p))), seq_len, seed, (i, VALID))
-                 for i, (_, p) in enumerate(valid_pairs)]
+        opened_valid = [IndexedDataset(p) for _, p in valid_pairs]  # each open checks the whole index: once
+        valid = [PackedSamples(ds, range(len(ds)), seq_len, seed, (i, VALID)) for i, ds in enumerate(opened_valid)]
     return Datasets(_blended(train, weights), _blended(valid, valid_weights) if valid else None)
 
 
