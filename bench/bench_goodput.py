@@ -1,18 +1,24 @@
 #!/usr/bin/env python3
-"""Goodput under injected failures on the real local Slurm cluster, against the model's prediction.
+"""Goodput under injected failures on the real local Slurm cluster: measured here, by the run's own ledger
+(`python -m hpctrain.status`), and predicted by the model.
 
 The smoke model trains on the dev cluster (slurm/dev-cluster.sh up first) with a RAM checkpoint tier every
-`--interval` steps. A failure is injected at exponentially distributed times (mean `--mtbf` seconds, seeded,
-at most `--failures`): `--kind rank-crash` (default) SIGKILLs one worker and the agents restart every worker
-in the allocation; `--kind crash` SIGKILLs every process of the job and the supervisor resubmits it
-(`launcher.in_allocation=false`); `--kind preempt` requeues (hpctrain saves at the signal). Measured: goodput
-(time in steps that count, each step once, over the wall time from the first step to the last), the blocked
-time per save, the restart cost (failure to the first step of the next attempt) and the work lost per
-failure. The model
-(hpctrain/goodput/model.py, exact renewal form) predicts goodput from the same measured costs and MTBF.
-The measured costs are written in the `hpctrain.goodput.costs/1` schema for tools/goodput.py.
+`--interval` steps. Failures are injected at exponentially distributed times (mean `--mtbf` seconds, seeded,
+at most `--failures`), their kinds taken in turn from `--kinds`:
+- rank-crash (default): SIGKILL one worker; the agents restart every worker inside the allocation;
+- crash: SIGKILL every process of the job (agents and workers): srun fails and the supervisor resubmits it;
+- usr2: `scancel --signal=USR2` (a preemption's or time limit's warning): hpctrain saves, requeues itself;
+- preempt: `scontrol requeue` (SIGTERM): hpctrain saves at the step boundary, Slurm requeues;
+- node-death: the job's last node dies (slurm/dev-cluster.sh kill-node; revived once the run trains again):
+  Slurm requeues the job (NODE_FAIL) onto the nodes left.
+Measured here, independently of hpctrain's ledger: goodput over the allocations (time in the steps that count,
+each once, less their data wait, over the node-seconds Slurm's accounting says the run's jobs held), goodput
+over the training window (first step to last), the blocked time per save, the restart cost and the work lost
+per failure. The ledger's goodput is compared with the first, its parts' sum with the accounted wall time.
+The model (hpctrain/goodput/model.py, exact renewal form) predicts goodput from the same measured costs
+and MTBF. The measured costs are written in the `hpctrain.goodput.costs/1` schema for tools/goodput.py.
 
-    python bench/bench_goodput.py [--steps 1500 --interval 12 --mtbf 60 --failures 4 --out costs.json]
+    python bench/bench_goodput.py [--steps 1500 --interval 12 --mtbf 60 --failures 4 --kinds rank-crash ...]
 """
 
 from __future__ import annotations
@@ -63,12 +69,6 @@ def kill(pids: list[int]) -> int:
         except ProcessLookupError:
             pass
     return killed
-
-
-def kill_tasks(job: str) -> int:
-    """A job crash: SIGKILL every process of the job's step (agents and workers), so srun fails and the
-    supervisor resubmits: the path out of the allocation."""
-    return kill(list(job_processes(job)))
 
 
 def job_workers(job: str) -> list[int]:
@@ -126,32 +126,69 @@ def main() -> None:
                         "measured C (20 ms blocked per save) at an MTBF of 60 s")
     parser.add_argument("--mtbf", type=float, default=60.0)
     parser.add_argument("--failures", type=int, default=4)
-    parser.add_argument("--kind", choices=["rank-crash", "crash", "preempt"], default="rank-crash",
-                        help="rank-crash: SIGKILL one worker (the agents restart every worker inside the "
-                        "allocation); crash: SIGKILL every process of the job (the supervisor resubmits, "
-                        "launcher.in_allocation=false); preempt: scontrol requeue (SIGTERM: hpctrain saves at the "
-                        "step boundary). Work since the last checkpoint is lost by both crashes")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["rank-crash"],
+                        help="the failures, taken in turn (see the module docstring); work since the last "
+                        "checkpoint is lost by crashes and node deaths, not by usr2 and preempt")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/goodput_costs.json"))
+    parser.add_argument("--ledger-out", type=Path, help="also write the run's ledger (status --json) here")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpctrain-bench-goodput-"))
     _, run_dir = submit_smoke(root, "goodput", args.steps, args.interval, 500, "health.preflight=off",
-                              "launcher.max_restarts=100", f"launcher.in_allocation={args.kind != 'crash'}")
+                              "launcher.max_restarts=100")
     failures = inject_failures(run_dir, args)
     rows = metrics(run_dir)
     (run_dir / "injected_failures.json").write_text(json.dumps(failures))
     m = measure(rows, failures)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(costs(m, args.kind), indent=1))
     jobs = [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
+    held = allocated_node_s(jobs)
+    ledger = json.loads(subprocess.run([sys.executable, "-m", "hpctrain.status", str(run_dir), "--json"],
+                                       capture_output=True, text=True, check=True).stdout)
+    if args.ledger_out:
+        args.ledger_out.write_text(json.dumps(ledger, indent=1))
+    if set(args.kinds) <= {"rank-crash", "crash", "preempt"} and len(set(args.kinds)) == 1:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(costs(m, args.kinds[0]), indent=1))
+        print(f"measured costs written to {args.out}")
+    print(subprocess.run([sys.executable, "-m", "hpctrain.status", str(run_dir)], capture_output=True, text=True,
+                         check=True).stdout)
     print_results(args, jobs, failures, m)
+    print_ledger_check(m, held, ledger)
+
+
+KINDS = ("rank-crash", "crash", "usr2", "preempt", "node-death")
+DEV_CLUSTER = Path(__file__).resolve().parents[1] / "slurm" / "dev-cluster.sh"
+
+
+def job_nodes(job: str) -> list[str]:
+    listed = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(["scontrol", "show", "hostnames", listed], capture_output=True, text=True).stdout.split()
+
+
+def inject(kind: str, job: str, rng: random.Random) -> str | None:
+    """One failure of `kind` to the run's current job; the node killed, for a node death."""
+    if kind == "rank-crash":
+        kill_rank(job, rng)
+    elif kind == "crash":  # every process of the job's tasks: srun fails, the supervisor resubmits
+        subprocess.run(["bash", str(DEV_CLUSTER), "kill-job", job], check=True, capture_output=True)
+    elif kind == "usr2":
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, capture_output=True)
+    elif kind == "preempt":
+        subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+    else:
+        victim = job_nodes(job)[-1]
+        subprocess.run(["bash", str(DEV_CLUSTER), "kill-node", victim], check=True, capture_output=True)
+        return victim
+    return None
 
 
 def inject_failures(run_dir: Path, args: argparse.Namespace) -> list[float]:
-    """Failures at exponentially distributed times while the run trains, until it completes; their times."""
+    """Failures at exponentially distributed times while the run trains, until it completes; their times. A
+    killed node is revived 10 s later (Slurm has requeued its job by then)."""
     rng = random.Random(args.seed)
     failures: list[float] = []
     next_failure = None
+    dead: str | None = None
     while True:
         rows = metrics(run_dir)
         job = current_job(run_dir)
@@ -160,25 +197,35 @@ def inject_failures(run_dir: Path, args: argparse.Namespace) -> list[float]:
         if (run_dir / "FAILED.json").exists():
             raise SystemExit(f"the run failed: {(run_dir / 'FAILED.json').read_text()}")
         training = rows and time.time() - rows[-1]["time"] < 2
+        if dead is not None and time.time() > failures[-1] + 10:  # the requeue may need it (excluded nodes)
+            subprocess.run(["bash", str(DEV_CLUSTER), "revive-node", dead], capture_output=True)
+            dead = None
         if training and next_failure is None and len(failures) < args.failures:
             next_failure = time.time() + rng.expovariate(1 / args.mtbf)
         if training and next_failure is not None and time.time() >= next_failure:
-            if args.kind == "rank-crash":
-                kill_rank(job, rng)
-            elif args.kind == "crash":
-                kill_tasks(job)
-            else:
-                subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+            dead = inject(args.kinds[len(failures) % len(args.kinds)], job, rng) or dead
             failures.append(time.time())
             next_failure = None
         time.sleep(0.2)
+
+
+def allocated_node_s(jobs: list[str]) -> float:
+    """Node-seconds the jobs held, every run of each (requeues), from Slurm's accounting directly."""
+    out = subprocess.run(["sacct", "-X", "-D", "-P", "-n", "-o", "Start,End,NNodes", "-j", ",".join(jobs)],
+                         capture_output=True, text=True, check=True, env={**os.environ, "SLURM_TIME_FORMAT": "%s"})
+    held = 0.0
+    for line in out.stdout.splitlines():
+        start, end, nodes = line.split("|")
+        if start.isdigit() and end.isdigit():
+            held += (int(end) - int(start)) * int(nodes)
+    return held
 
 
 def measure(rows: list[dict[str, Any]], failures: list[float]) -> Measured:
     start = rows[0]["time"] - rows[0]["step_time_s"]
     end = rows[-1]["time"]
     final = {r["step"]: r for r in rows}
-    useful = sum(r["step_time_s"] for r in final.values())
+    useful = sum(r["step_time_s"] - r.get("data_wait_s", 0.0) for r in final.values())
     step_s = statistics.median(r["step_time_s"] for r in rows)
     blocked = [r["ckpt/ram/blocked_s"] for r in rows if "ckpt/ram/blocked_s" in r]
     totals = [r["ckpt/ram/total_s"] for r in rows if "ckpt/ram/total_s" in r]
@@ -224,12 +271,12 @@ def costs(m: Measured, kind: str) -> dict[str, Any]:
             "tiers": {"ram": {"blocked_s": m.c, "write_s": m.w, "durable": False},
                       "shared": {"blocked_s": m.shared_blocked, "write_s": m.shared_write, "durable": True}},
             "restart_s": m.r,  # p_fast is not measured here: a node failure loses the RAM tier with the node
-            "source": f"bench/bench_goodput.py --kind {kind} on the dev cluster, {time.strftime('%Y-%m-%d %H:%M')}"}
+            "source": f"bench/bench_goodput.py --kinds {kind} on the dev cluster, {time.strftime('%Y-%m-%d %H:%M')}"}
 
 
 def predict(kind: str, tau: float, m: Measured, mtbf: float) -> tuple[float, float, str]:
     """The model's goodput at --mtbf and at the observed failure rate, and which form it used."""
-    if kind != "preempt":
+    if kind not in ("preempt", "usr2"):
         return (goodput_exact(tau, m.c, mtbf, m.r, m.w), goodput_exact(tau, m.c, m.observed_mtbf, m.r, m.w),
                 "exact renewal form: lost work + restart + blocking")
     # a graceful stop saves at the signal: no work is lost, each failure costs the restart only
@@ -239,24 +286,35 @@ def predict(kind: str, tau: float, m: Measured, mtbf: float) -> tuple[float, flo
 
 def print_results(args: argparse.Namespace, jobs: list[str], failures: list[float], m: Measured) -> None:
     tau = args.interval * m.step_s
-    predicted, plug_in, form = predict(args.kind, tau, m, args.mtbf)
+    kind = args.kinds[0] if len(set(args.kinds)) == 1 else "mixed"
+    predicted, plug_in, form = predict(kind, tau, m, args.mtbf)
     measured = m.useful / m.wall
     print(f"jobs {', '.join(jobs)}: {args.steps} steps of {m.step_s:.3f} s, RAM tier every {args.interval} steps "
-          f"({tau:.1f} s), {len(failures)} injected {args.kind}es (mean {args.mtbf:.0f} s apart)")
+          f"({tau:.1f} s), {len(failures)} injected failures ({', '.join(args.kinds)}; mean {args.mtbf:.0f} s apart)")
     print(f"checkpoint blocked per save C = {m.c * 1e3:.1f} ms (median of {len(m.blocked)}), commit after {m.w:.2f} s")
     print(f"restart cost R = {m.r:.1f} s (failure -> first step of the next attempt: "
           f"{', '.join(f'{x:.1f}' for x in m.restarts)})")
     print(f"lost steps per failure: {m.lost} (expected about interval/2 = {args.interval / 2:.0f} for crashes)")
-    print(f"measured goodput: {m.useful:.1f} s of unique steps / {m.wall:.1f} s wall = {measured:.1%}")
+    print(f"measured goodput in the training window: {m.useful:.1f} s of unique steps / {m.wall:.1f} s from the "
+          f"first step to the last = {measured:.1%}")
     print(f"loop overhead outside the timed step: {statistics.mean(m.gaps) * 1e3:.1f} ms per step "
           f"({1 - m.in_step:.1%} of running time)")
     print(f"model ({form}): {predicted:.1%} at MTBF {args.mtbf:.0f} s; with the observed failure rate (one per "
           f"{m.observed_mtbf:.0f} s of running): {plug_in:.1%}; measured - model = {(measured - plug_in) * 100:+.1f} pp")
     print(f"model x time in steps ({m.in_step:.1%}): {plug_in * m.in_step:.1%}; measured - model = "
           f"{(measured - plug_in * m.in_step) * 100:+.1f} pp")
-    print(f"measured costs written to {args.out}")
 
 
+def print_ledger_check(m: Measured, held: float, ledger: dict[str, Any]) -> None:
+    """The ledger against this bench: its parts against the node-seconds Slurm accounted, its goodput against
+    the one measured here over the same allocations (2 nodes: each step's time counts on both)."""
+    nodes = 2
+    measured = m.useful * nodes / held
+    parts = sum(ledger["parts"].values())
+    print(f"allocated (sacct, every run of every job): {held:.0f} node-s; the ledger's parts sum to {parts:.1f} "
+          f"node-s ({(parts - held) / held:+.2%})")
+    print(f"goodput over the allocations: measured here {measured:.2%}, ledger {ledger['goodput']:.2%} "
+          f"(ledger - measured = {(ledger['goodput'] - measured) * 100:+.2f} pp)")
 
 
 if __name__ == "__main__":

@@ -50,11 +50,8 @@ from bench_goodput import job_workers  # noqa: E402
 from devcluster import metrics, state, submit_smoke  # noqa: E402
 
 from hpctrain.records.paths import RunPaths  # noqa: E402
-from hpctrain.train.loop import ATTEMPT_MARKS  # noqa: E402
+from hpctrain.records.history import ATTEMPT_MARKS, ATTEMPT_PARTS  # noqa: E402
 
-# what each pair of the attempt's marks in a row (hpctrain.train.loop.ATTEMPT_MARKS) spans
-ATTEMPT_PARTS = ("imports", "join process group", "lease, hosts", "watchdog, pre-flight", "engine build",
-                 "checkpoint manager", "state read", "data, tracker", "first step")
 STEP = 35  # the failing step; the RAM tier's last save before it is step 30
 STEPS = 80
 DEV_CLUSTER = Path(__file__).resolve().parents[1] / "slurm" / "dev-cluster.sh"

@@ -645,6 +645,20 @@ cmd_kill_node() {  # node [--silent]: a node dies: SIGKILL its slurmd and everyt
     [[ -z $stopped ]] || kill -KILL $stopped 2>/dev/null || true
 }
 
+cmd_kill_job() {  # job: the job crashes: SIGKILL every process of its first step (its tasks, and the workers
+    # their agents forked), as an OOM killer or a segfault in all of them would; srun then fails and the batch
+    # script goes on (hpctrain's supervisor). Not slurmstepd, not srun, not the batch script.
+    local job=${1:?usage: dev-cluster.sh kill-job JOBID} pids="" p env
+    for p in /proc/[0-9]*; do
+        env=$(tr '\0' '\n' < "$p/environ" 2>/dev/null) || continue
+        grep -qx "SLURM_JOB_ID=$job" <<< "$env" && grep -qx "SLURM_STEP_ID=0" <<< "$env" \
+            && grep -q "^SUBMITIT_EXECUTOR=" <<< "$env" && pids="$pids ${p#/proc/}"
+    done
+    say "killing job $job: $(echo $pids | wc -w) process(es)"
+    # shellcheck disable=SC2086
+    [[ -z $pids ]] || kill -KILL $pids 2>/dev/null || true
+}
+
 cmd_revive_node() {  # node: start its slurmd again (ReturnToService=1 brings it back once it registers)
     local n=${1:?usage: dev-cluster.sh revive-node nI}
     ip link set "$VETH_PREFIX$n" up  # after kill-node --silent
@@ -664,5 +678,6 @@ case "${1:-}" in
     purge) cmd_purge ;;
     kill-node) cmd_kill_node "${2:-}" "${3:-}" ;;
     revive-node) cmd_revive_node "${2:-}" ;;
-    *) echo "usage: $0 up|down|status|env|purge|kill-node nI [--silent]|revive-node nI" >&2; exit 2 ;;
+    kill-job) cmd_kill_job "${2:-}" ;;
+    *) echo "usage: $0 up|down|status|env|purge|kill-node nI [--silent]|revive-node nI|kill-job JOBID" >&2; exit 2 ;;
 esac

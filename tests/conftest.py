@@ -38,9 +38,9 @@ def compose_cfg_module() -> Callable[..., DictConfig]:
     return _compose
 
 
-def run_hpctrain(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None
-                 ) -> subprocess.CompletedProcess:
-    """Run the real command line, as a user would."""
+def run_hpctrain(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,
+                 module: str = "hpctrain") -> subprocess.CompletedProcess:
+    """Run the real command line (`python -m hpctrain`, or another of its modules), as a user would."""
     full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "hpctrain", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)

@@ -126,6 +126,7 @@ class Watchdog:
         self.last = time.monotonic()
         self.recent: deque[float] = deque(maxlen=50)
         self.boundary_due: float | None = None  # monotonic: a stop signal came, the next step must end by then
+        self.leaving = False  # the loop is saving for a stop and leaving (`leave`)
         self._stop = threading.Event()
         self._firing = threading.Lock()  # held from the decision to fire until the process exits
         self._main = threading.main_thread()
@@ -151,7 +152,7 @@ class Watchdog:
         boundary, all ranks together; a rank that does not reach it within a few step times is waiting for
         peers that are gone (an agent tearing the group down for a restart sends exactly this), and waiting
         out its hang limit would hold up the restart: it fires now."""
-        if self.boundary_due is None:
+        if self.boundary_due is None and not self.leaving:
             typical = statistics.median(self.recent) if self.recent else 0.0
             self.boundary_due = time.monotonic() + max(STOP_GRACE_MIN_S, STOP_GRACE_STEPS * typical)
 
@@ -161,6 +162,15 @@ class Watchdog:
         else:
             limit = max(self.timeout_s, self.factor * statistics.median(self.recent))
         return min(limit, self.ceiling_s) if self.ceiling_s > 0 else limit
+
+    def leave(self) -> None:
+        """The loop took a stop at the step boundary: it saves, then leaves. Signals from here on are the
+        scheduler ending the job it requeued (SIGTERM to every task), not a teardown around a rank stuck in a
+        collective: only the hang limit still applies, to the save. Without this, a requeue's SIGTERM fired
+        the watchdog during the save or the wait to be ended, and its Hang records named healthy nodes."""
+        self.leaving = True
+        self.boundary_due = None
+        self.touch()
 
     def stop(self) -> None:
         self._stop.set()

@@ -56,13 +56,18 @@ def resolve_run_dir(cfg: DictConfig) -> RunDir:
     return RunDir(run_id=run_id, path=root / cfg.run.name / run_id, resumed=False)
 
 
+def find_run(root: Path, ref: str) -> Path | None:
+    """A run directory by path, or by id under `root` (`<root>/<name>/<id>`); None when there is none."""
+    as_path = Path(ref).expanduser()
+    candidates = [as_path] if as_path.is_absolute() or "/" in ref or as_path.is_dir() else []
+    candidates += sorted(root.glob(f"*/{ref}"))
+    return next((path.resolve() for path in candidates if RunPaths(path).config.exists()), None)
+
+
 def _find_existing(root: Path, resume: str) -> RunDir:
-    as_path = Path(resume).expanduser()
-    candidates = [as_path] if as_path.is_absolute() or "/" in resume else []
-    candidates += sorted(root.glob(f"*/{resume}"))
-    for path in candidates:
-        if RunPaths(path).config.exists():
-            return RunDir(run_id=path.resolve().name, path=path.resolve(), resumed=True)
+    path = find_run(root, resume)
+    if path is not None:
+        return RunDir(run_id=path.name, path=path, resumed=True)
     raise ConfigError([Problem(
         "run.resume", f"no run {resume!r} found (looked for {CONFIG} in {resume} and in {root}/*/{resume})",
         "pass a run directory path or the id of a run under run.root (ls the run root to see them)",

@@ -53,13 +53,14 @@ from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import Scheduler, scheduler_for
 
 
-def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int) -> dict[str, Any]:
-    """Pure decision from the records on disk: {"action": "done"|"stop"|"resubmit", ...}."""
+def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int, since: float = 0.0) -> dict[str, Any]:
+    """Pure decision from the records on disk: {"action": "done"|"stop"|"resubmit", ...}. `since`: when the
+    job's current run started (records of its earlier runs, before a requeue, are not this failure's)."""
     if exit_code == 0:
         return {"action": "done"}
     attempts = read_attempts(run_dir)
-    key = last_attempt(run_dir, job_id)  # after any restarts inside the allocation
-    hosts, signature = diagnose(read_failures(run_dir, key), read_hosts(run_dir, key))
+    key = last_attempt(run_dir, job_id, since)  # after any restarts inside the allocation
+    hosts, signature = diagnose(read_failures(run_dir, key, since), read_hosts(run_dir, key))
     excluded = sorted(set(hosts).union(*(a.get("excluded", []) for a in attempts)))
     failed_before = [a for a in attempts if a.get("signature")]
     if failed_before and same_failure(failed_before[-1]["signature"], signature):
@@ -103,10 +104,10 @@ def main(argv: list[str]) -> int:
     if exit_code and report and report.get("job_id") == job_id:  # its workers stopped a restart loop
         print(f"hpctrain supervisor: job {job_id} stopped inside the allocation: {report['why']}", flush=True)
         return exit_code
-    decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts))
+    scheduler = scheduler_for(cfg.cluster.executor)
+    decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts), _run_started(scheduler, job_id))
     if decision["action"] == "done":
         return 0
-    scheduler = scheduler_for(cfg.cluster.executor)
     exclude = sorted(set(decision["excluded"]) | set(_csv(cfg.cluster.exclude)))
     if decision["action"] == "resubmit":
         why = cannot_fit(scheduler.partition_nodes(cfg.cluster.partition), exclude, int(cfg.cluster.nodes),
@@ -140,6 +141,13 @@ def _resubmit(scheduler: Scheduler, run_dir: Path, record: dict[str, Any], exclu
     append_job(run_dir, new_id, scheduler.name, resubmission_of=job_id, exclude=exclude)
     print(f"hpctrain supervisor: job {job_id} failed (exit {record['exit_code']}); resubmitted as {new_id}"
           + (f" excluding {','.join(exclude)}" if exclude else ""), flush=True)
+
+
+def _run_started(scheduler: Scheduler, job_id: str) -> float:
+    """When this run of the job started (its newest accounting record; a requeued job has one per run); 0
+    (every record counts) without accounting."""
+    runs = [r for r in scheduler.accounting([job_id]) or [] if r.job_id == job_id and r.start is not None]
+    return max((r.start for r in runs), default=0.0)
 
 
 def _csv(value: str | None) -> list[str]:

@@ -70,11 +70,13 @@ def attempt_key(job_id: str, restart: int) -> str:
     return job_id if restart == 0 else f"{job_id}.{restart}"
 
 
-def last_attempt(run_dir: Path, job_id: str) -> str:
+def last_attempt(run_dir: Path, job_id: str, since: float = 0.0) -> str:
     """The records' key of the job's last attempt that failed (its last restart inside the allocation with
-    failure records; a restart that left at once, without training, has none)."""
+    failure records; a restart that left at once, without training, has none). `since`: the start of the
+    job's current run: a requeued job numbers its restarts from 0 again, under the same keys, so records older
+    than its run are an earlier run's and do not count."""
     restarts = [int(p.name.rpartition(".")[2]) for p in RunPaths(run_dir).failures(job_id).parent.glob(f"{job_id}.*")
-                if p.name.rpartition(".")[2].isdigit() and any(p.glob("rank*.json"))]
+                if p.name.rpartition(".")[2].isdigit() and read_failures(run_dir, p.name, since)]
     return attempt_key(job_id, max(restarts, default=0))
 
 
@@ -120,8 +122,10 @@ def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
         b["type"], b["message"], b["step"])
 
 
-def read_failures(run_dir: Path, job_id: str) -> list[dict[str, Any]]:
+def read_failures(run_dir: Path, job_id: str, since: float = 0.0) -> list[dict[str, Any]]:
+    """An attempt's records, oldest first; only those written at `since` or later."""
     directory = RunPaths(run_dir).failures(job_id)
     if not directory.is_dir():
         return []
-    return sorted((json.loads(p.read_text()) for p in directory.glob("rank*.json")), key=lambda r: r["time"])
+    records = (json.loads(p.read_text()) for p in directory.glob("rank*.json"))
+    return sorted((r for r in records if r["time"] >= since), key=lambda r: r["time"])

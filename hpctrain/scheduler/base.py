@@ -36,6 +36,24 @@ class JobSpec:
     after: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """One run of a job on its nodes, as the batch system accounted it: a requeued job has one per run, the
+    same id each time. Times are seconds since the epoch (whole seconds under Slurm); None where the batch
+    system has none (`end` while the job runs, `start` while it waits)."""
+
+    job_id: str
+    state: str  # the batch system's word: COMPLETED, REQUEUED, PREEMPTED, TIMEOUT, NODE_FAIL, FAILED, RUNNING...
+    submit: float | None
+    eligible: float | None  # when it could have started: a requeued job is held a while first
+    start: float | None
+    end: float | None
+    nodes: int
+    node_list: str = ""  # the batch system's compact form: n[1-2,4]
+    exit_code: str = ""
+    reason: str = ""
+
+
 class Scheduler(ABC):
     """One batch system: submission on the login node, the supervisor's queries, the tasks' requests."""
 
@@ -62,6 +80,12 @@ class Scheduler(ABC):
     @abstractmethod
     def cancel_requeue(self, job_id: str) -> bool:
         """Make sure the batch system will not requeue this (failing) job by itself; False if it can't."""
+
+    # The supervisor, the tasks and `python -m hpctrain.status`.
+    @abstractmethod
+    def accounting(self, job_ids: list[str], timeout_s: float = 60) -> list[Allocation] | None:
+        """Every run of these jobs (requeues included), oldest first; None when the batch system keeps no
+        accounting (the local executor): the queue wait is then unknown, not zero."""
 
     # The tasks.
     @abstractmethod

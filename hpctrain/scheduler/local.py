@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.scheduler.base import JobSpec, Scheduler
+from hpctrain.scheduler.base import Allocation, JobSpec, Scheduler
 
 if TYPE_CHECKING:
     import submitit
@@ -54,6 +54,9 @@ class LocalScheduler(Scheduler):
 
     def cancel_requeue(self, job_id: str) -> bool:
         return True  # nothing requeues a local job
+
+    def accounting(self, job_ids: list[str], timeout_s: float = 60) -> list[Allocation] | None:
+        return None  # no queue, no records: the run's own files tell when a local job ran
 
     def requeue_self(self) -> bool:
         return False

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.scheduler.base import JobSpec, Scheduler
+from hpctrain.scheduler.base import Allocation, JobSpec, Scheduler
 
 if TYPE_CHECKING:
     import submitit
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TIMEOUT_S = 60  # for every Slurm command: a wedged slurmctld must not hang the caller for ever
+# sacct's fields for `accounting`, in this order; -D keeps every run of a requeued job, -X the allocation only.
+SACCT_FIELDS = ("JobIDRaw", "State", "Submit", "Eligible", "Start", "End", "NNodes", "NodeList", "ExitCode", "Reason")
 
 
 def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
@@ -131,6 +133,23 @@ class SlurmScheduler(Scheduler):
         restarts = re.search(r"\bRestarts=(\d+)", shown)
         return restarts is not None and int(restarts.group(1)) <= int(os.environ.get("SLURM_RESTART_COUNT", 0))
 
+    def accounting(self, job_ids: list[str], timeout_s: float = TIMEOUT_S) -> list[Allocation] | None:
+        """sacct's record of each run, with times as epoch seconds (SLURM_TIME_FORMAT=%s: no time zone to
+        guess); [] when sacct fails or knows none of them (a cluster without slurmdbd)."""
+        if not job_ids:
+            return []
+        command = ["sacct", "-X", "-D", "-P", "-n", "-o", ",".join(SACCT_FIELDS), "-j", ",".join(job_ids)]
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                                 env={**os.environ, "SLURM_TIME_FORMAT": "%s"})
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("sacct failed: %s", exc)
+            return []
+        if out.returncode:
+            log.warning("sacct failed: %s", out.stderr.strip())
+            return []
+        return parse_sacct(out.stdout)
+
     def requeue_self(self) -> bool:
         job_id = _own_job_id()
         if not job_id:
@@ -165,3 +184,25 @@ class SlurmScheduler(Scheduler):
         env = os.environ
         return {"job_id": env.get("SLURM_JOB_ID"), "restart_count": int(env.get("SLURM_RESTART_COUNT", 0)),
                 "nodelist": env.get("SLURM_JOB_NODELIST"), "num_nodes": env.get("SLURM_JOB_NUM_NODES")}
+
+
+def parse_sacct(text: str) -> list[Allocation]:
+    """`sacct -X -D -P -n -o SACCT_FIELDS` with epoch times -> one Allocation per line, oldest start first
+    ("CANCELLED by 0" keeps its first word; "None assigned": no nodes yet)."""
+    runs = []
+    for line in text.splitlines():
+        fields = line.split("|")
+        if len(fields) != len(SACCT_FIELDS):
+            continue
+        job, state, submit, eligible, start, end, nodes, node_list, exit_code, reason = fields
+        runs.append(Allocation(job_id=job, state=state.split()[0] if state else "", submit=_epoch(submit),
+                               eligible=_epoch(eligible), start=_epoch(start), end=_epoch(end),
+                               nodes=int(nodes) if nodes.isdigit() else 0,
+                               node_list="" if node_list in ("None assigned", "(null)") else node_list,
+                               exit_code=exit_code, reason=reason))
+    return sorted(runs, key=lambda r: (r.start is None, r.start or r.submit or 0))
+
+
+def _epoch(value: str) -> float | None:
+    """sacct's time with SLURM_TIME_FORMAT=%s; "Unknown" (not yet) and "None" -> None."""
+    return float(value) if value.isdigit() else None

@@ -10,13 +10,18 @@ written: W&B reads its key from the environment.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from hpctrain.config.schema import TrackingMode
+from hpctrain.goodput.measure import RowCache, measure
 from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import scheduler_for
+
+log = logging.getLogger(__name__)
+ACCOUNTING_TIMEOUT_S = 5  # the ledger at a stop must not eat the time left before the kill
 
 
 class Tracker:
@@ -25,6 +30,8 @@ class Tracker:
         self._events = open(RunPaths(run_dir).events, "a", buffering=1)
         self._wandb = None
         self._step = 0
+        self._closed = False
+        self._rows = RowCache()  # the ledger's rows, parsed once per attempt
         mode = cfg.tracking.mode
         if mode != TrackingMode.disabled:
             import wandb
@@ -56,7 +63,26 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log({f"events/{name}": 1}, step=max(record["step"], self._step), commit=False)
 
+    def ledger(self, run_dir: Path) -> None:
+        """The run's goodput ledger so far (hpctrain/goodput/ledger.py): one log line, the "ledger" event, and
+        W&B summary metrics (`ledger/*`), so goodput stands beside the loss across requeues. A ledger that
+        cannot be made (a record being rewritten, the accounting down) is logged and skipped: it must never
+        stop training or a stop's requeue."""
+        try:
+            ledger = measure(run_dir, accounting_timeout_s=ACCOUNTING_TIMEOUT_S, cache=self._rows)
+        except Exception as exc:  # noqa: BLE001 -- a report, not a reason to fail the attempt
+            log.warning("no goodput ledger this time: %s: %s", type(exc).__name__, exc)
+            return
+        log.info("%s", ledger.line())
+        summary = ledger.summary()
+        self.event("ledger", **summary)
+        if self._wandb is not None:
+            self._wandb.summary.update({f"ledger/{k}": v for k, v in summary.items()})
+
     def close(self) -> None:
+        if self._closed:  # a stop closes it before its requeue; the loop's own end comes after
+            return
+        self._closed = True
         self._file.close()
         self._events.close()
         if self._wandb is not None:

@@ -47,8 +47,8 @@ def records(path: Path) -> Iterator[Any]:
 
 
 def run_info(path: Path) -> dict[str, Any]:
-    """The run's id and group, and its history rows (as logged, `_step` included)."""
-    info: dict[str, Any] = {"history": []}
+    """The run's id and group, its history rows (as logged, `_step` included) and its summary as last updated."""
+    info: dict[str, Any] = {"history": [], "summary": {}}
     for record in records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -57,4 +57,7 @@ def run_info(path: Path) -> dict[str, Any]:
         elif kind == "history":
             info["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                                     for item in record.history.item})
+        elif kind == "summary":
+            info["summary"].update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                    for item in record.summary.update})
     return info

@@ -48,6 +48,7 @@ from hpctrain.records.failures import (
     same_failure,
 )
 from hpctrain.records.fingerprint import fingerprint_of
+from hpctrain.records.history import ATTEMPT_MARKS
 from hpctrain.records.jobs import write_completed, write_report
 from hpctrain.records.lease import StaleAttempt, current_lease, holds, take_lease
 from hpctrain.tracking.tracker import Tracker
@@ -64,14 +65,6 @@ from hpctrain.train.progress import StepReporter
 from hpctrain.train.schedule import lr_at
 
 log = logging.getLogger("hpctrain")
-
-# An attempt's start-up, mark by mark, in the "attempt" event of its first step (bench/bench_restart.py breaks
-# a restart down with them): the process began (forked by the agent), imported, joined the process group,
-# holds the lease, watchdog and pre-flight done, engine built, checkpoint manager ready, state loaded, data
-# and tracker ready, first step done.
-ATTEMPT_MARKS = ("process_started", "imported", "joined", "leased", "checked", "engine_built", "manager_ready",
-                 "resumed", "ready", "first_step")
-
 
 def load_config(config: dict[str, Any]) -> Any:
     """Rebuild the typed config on the task from the plain dict the launcher pickled."""
@@ -215,25 +208,36 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
             step_time = time.perf_counter() - started
             done, consumed = step + 1, consumed + layout.global_batch
             watchdog.beat(done, step_time)
+            saving = time.perf_counter()
             ckpt.after_step(done, engine, {"consumed_samples": consumed}, agreed.checkpoint)
+            ckpt_s = time.perf_counter() - saving  # training stopped for a save (staging, a busy tier)
             monitor_out = monitor.after_step(done, step_time, agreed.probes)
             evaluated = validation.after_step(done) if validation is not None else {}
             if evaluated:
                 watchdog.touch()  # the next step's hang limit starts after the evaluation
             if tracker is not None:
                 reporter.step(tracker, done, consumed, stats, lr, step_time, ckpt.events, monitor_out,
-                              {"data_wait_s": reader.wait_s, **evaluated})
+                              {"data_wait_s": reader.wait_s, "ckpt_s": ckpt_s, **evaluated})
                 if done == start_step + 1:  # how long this attempt took to train again, part by part
+                    timeline["first_step"] = time.time()
                     tracker.event("attempt", job_id=env.job_id, restart=env.restart, from_step=start_step,
-                                  **timeline, first_step=time.time())
+                                  **{mark: timeline[mark] for mark in ATTEMPT_MARKS if mark in timeline})
+                    tracker.ledger(run_dir)  # with the previous attempt's end, now that it is known
             ckpt.events.clear()
             signum = agreed.signum
             if signum is not None and done < t.max_steps:
-                tracker = _close_tracker(tracker, reason=REASONS[signum], step=done)
-                _stop_for_signal(signum, ckpt, engine, done, consumed, env, device)
+                if tracker is not None:
+                    tracker.event("stop", reason=REASONS[signum], step=done)
+                watchdog.leave()
+                _stop_for_signal(signum, ckpt, engine, done, consumed, env, device, tracker, run_dir, watchdog)
+        saving = time.perf_counter()
         ckpt.finish(done, engine, {"consumed_samples": consumed})
         if env.is_main and done == t.max_steps:
             write_completed(run_dir, env.job_id, done)
+        if tracker is not None:
+            tracker.event("attempt_end", how="completed" if done == t.max_steps else "ended",
+                          save_s=time.perf_counter() - saving, step=done)
+            tracker.ledger(run_dir)
     except (Preempted, StaleAttempt):
         raise
     except Exception as exc:
@@ -283,13 +287,6 @@ def _record_own_failure(watchdog: Watchdog, run_dir: Path, env: Any, step: int, 
     log.error("rank %d failed at step %d: %s: %s (record: %s)", env.rank, step, type(exc).__name__, exc, path)
 
 
-def _close_tracker(tracker: Tracker | None, **stop: Any) -> None:
-    """The stop event, then close the tracker (before the stop's save and requeue): its files are complete."""
-    if tracker is not None:
-        tracker.event("stop", **stop)
-        tracker.close()
-
-
 def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.device, timeline: dict[str, float]
             ) -> tuple[Any, CheckpointManager, int, int]:
     """The engine, its checkpoint manager, and where training goes on: (step, samples consumed); `timeline`
@@ -311,11 +308,19 @@ def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.
 
 
 def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: int, consumed: int, env: Any,
-                     device: torch.device) -> None:
-    """All ranks: save to the fastest tier that outlives the allocation, wait for the commit; rank 0 requeues
+                     device: torch.device, tracker: Tracker | None, run_dir: Path, watchdog: Watchdog) -> None:
+    """All ranks: save to the fastest tier that outlives the allocation, wait for the commit; rank 0 books the
+    save and the ledger and closes its tracker (its files complete before Slurm ends the tasks), then requeues
     on SIGUSR2; then stop."""
     log.warning("%s at step %d: saving and stopping", REASONS[signum], done)
+    saving = time.perf_counter()
     ckpt.save_now(done, engine, {"consumed_samples": consumed}, ckpt.stop_tier())
+    watchdog.stop()  # saved: waiting to be ended is not a hang
+    if tracker is not None:
+        tracker.event("attempt_end", how="stopped", reason=REASONS[signum], save_s=time.perf_counter() - saving,
+                      step=done)
+        tracker.ledger(run_dir)
+        tracker.close()
     requeued = env.is_main and signum == signal.SIGUSR2 and requeue_own_job()
     if agree_any(requeued, device):
         # Slurm ends every task of a requeued job; exiting first would make srun report a failure.

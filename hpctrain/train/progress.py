@@ -111,6 +111,7 @@ def checkpoint_metrics(events: list[dict[str, Any]]) -> dict[str, Any]:
         if e["event"] == "save_started":
             out[f"ckpt/{e['tier']}/blocked_s"] = e["blocked_s"]
         elif e["event"] == "save_committed":
+            out[f"ckpt/{e['tier']}/step"] = e["step"]  # the newest checkpoint of the tier (hpctrain.status)
             out[f"ckpt/{e['tier']}/total_s"] = e["total_s"]
             out[f"ckpt/{e['tier']}/bytes"] = e["bytes"]
         elif e["event"] == "save_skipped":

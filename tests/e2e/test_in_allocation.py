@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hpctrain.checkpoint.inspect import export_model, find
+from hpctrain.tracking.wandb_file import run_info
 from tests.conftest import run_hpctrain
 
 STEPS = 30
@@ -46,8 +47,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_failed_rank_is_restarted_in_the_allocation_and_ends_bit_identical(
         reference: Path, tmp_path: Path, fault: str) -> None:
     kind = fault.split(":")[0]
-    proc = run_hpctrain(*_common(tmp_path, kind), f"+cluster.env.HPCTRAIN_INJECT_FAULT='{fault}'", cwd=tmp_path,
-                        timeout=300)
+    proc = run_hpctrain(*_common(tmp_path, kind), f"+cluster.env.HPCTRAIN_INJECT_FAULT='{fault}'", "tracking=wandb",
+                        "tracking.mode=offline", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "smoke" / kind
     jobs = (run_dir / "jobs.jsonl").read_text().splitlines()
@@ -63,6 +64,33 @@ def test_a_failed_rank_is_restarted_in_the_allocation_and_ends_bit_identical(
     assert all(m["loss"] == ref[m["step"]] for m in _metrics(run_dir))
     expected, got = _final_weights(reference), _final_weights(run_dir)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert_ledger(run_dir, job, tmp_path)
+
+
+def assert_ledger(run_dir: Path, job: str, cwd: Path) -> None:
+    """`python -m hpctrain.status` on the run: one local job (no queue: no accounting), one restart inside it
+    that redid steps 11-14, the parts tiling the job's time; and the ledger each attempt wrote as it went."""
+    shown = run_hpctrain(str(run_dir), module="hpctrain.status", cwd=cwd, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "restart in the allocation" in shown.stdout and "the run is complete" in shown.stdout
+    as_json = run_hpctrain("--json", run_dir.name, "--root", str(run_dir.parents[1]), module="hpctrain.status",
+                           cwd=cwd, timeout=60)
+    ledger = json.loads(as_json.stdout)
+    assert [j["job_id"] for j in ledger["jobs"]] == [job] and ledger["jobs"][0]["ended"] == "finished the run"
+    assert ledger["queue_s"] is None and ledger["accounting"] is False
+    assert abs(ledger["unattributed_node_s"]) < 1e-6 * ledger["allocated_node_s"]
+    (incident,) = ledger["incidents"]
+    assert incident["kind"] == "restart in the allocation" and incident["lost_steps"] == 4
+    assert (incident["last_step"], incident["resumed_from"], incident["tier"]) == (14, 10, "ram")
+    assert ledger["steps_done"] == STEPS and ledger["steps_redone"] == 4 and ledger["parts"]["lost"] > 0
+    assert 0 < ledger["goodput"] < 1 and ledger["parts"]["recovery"] > 0
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    written = [e for e in events if e["event"] == "ledger"]
+    assert len(written) == 3 and written[1]["incidents"] == 1  # at each attempt's first step, and at the end
+    assert abs(written[-1]["goodput"] - ledger["goodput"]) < 0.01
+    summaries = [run_info(p)["summary"] for p in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))]
+    assert summaries[-1]["ledger/goodput"] == written[-1]["goodput"]
+    assert summaries[-1]["ledger/incidents"] == 1
 
 
 @pytest.mark.slow

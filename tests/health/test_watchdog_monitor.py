@@ -149,3 +149,17 @@ def test_a_persistently_slow_rank_is_a_straggler() -> None:
     assert metrics["health/probe_max_over_median"] > 2
     _, third = mon._judge(probes(0.0), 30)  # recovered: the count starts over
     assert third == [] and mon.flags == {}
+
+
+def test_a_rank_saving_for_a_stop_is_not_hung_when_the_requeue_signals_it(tmp_path: Path) -> None:
+    """After the loop took a stop at the boundary (`leave`), the SIGTERM of the requeue that ends the job is
+    expected: no boundary deadline is set, and the hang clock restarts for the save."""
+    from hpctrain.health.watchdog import Watchdog
+
+    dog = Watchdog(tmp_path, "job1", 0, timeout_s=60, factor=5, startup_timeout_s=60)
+    dog.beat(7, 0.1)
+    dog.stop_signalled()
+    assert dog.boundary_due is not None  # a rank that must reach the boundary soon
+    dog.leave()
+    dog.stop_signalled()
+    assert dog.boundary_due is None and dog.leaving

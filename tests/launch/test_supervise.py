@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from hpctrain.launch.supervise import decide
@@ -113,3 +114,15 @@ def test_a_restart_loop_the_workers_stopped_is_not_resubmitted(tmp_path: Path, c
     assert main([str(tmp_path), "5", "1"]) == 1
     assert "stopped inside the allocation: deterministic failure" in capsys.readouterr().out
     assert not (tmp_path / ATTEMPTS).exists()
+
+
+def test_records_of_a_requeued_jobs_earlier_run_do_not_count(tmp_path: Path) -> None:
+    """A requeued job runs again under its id and numbers its restarts from 0 again: the records its first
+    run left under `9.1` are not the second run's failure, which left none (killed whole)."""
+    from hpctrain.records.failures import last_attempt
+
+    fail(tmp_path, "9.1", 1, 8, OSError("disk full"))
+    started = time.time() + 1
+    assert last_attempt(tmp_path, "9") == "9.1" and last_attempt(tmp_path, "9", since=started) == "9"
+    d = decide(tmp_path, "9", 137, 3, since=started)
+    assert d["action"] == "resubmit" and d["signature"] is None and d["excluded"] == []

@@ -21,7 +21,7 @@ import torch
 
 from hpctrain.checkpoint.inspect import export_model, find
 from hpctrain.tracking.wandb_file import run_info
-from hpctrain.train.loop import ATTEMPT_MARKS
+from hpctrain.records.history import ATTEMPT_MARKS
 from tests.conftest import run_hpctrain
 
 pytestmark = [pytest.mark.slurm]
@@ -151,9 +151,12 @@ def test_usr2_saves_requeues_and_resumes_exactly(slurm_cluster: Any, reference: 
     assert len(runs) == 2 and {r["run_id"] for r in runs} == {"usr2"}
     steps = [[h["_step"] for h in r["history"] if "loss" in h] for r in runs]
     assert steps[0] == list(range(1, saved + 1)) and steps[1] == list(range(saved + 1, STEPS + 1))
+    assert not (run_dir / "hangs").exists()  # the requeue's SIGTERM during the stop's save is not a hang
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     # each attempt says when it trained again ("attempt"); the stop saved where a requeue on other nodes finds it
-    assert [e["event"] for e in events] == ["attempt", "stop", "resume", "attempt"] and events[2]["step"] == saved
+    # and each attempt's end, with the goodput ledger as it stood (issue 18)
+    assert [e["event"] for e in events] == ["attempt", "ledger", "stop", "attempt_end", "ledger", "resume", "attempt",
+                                            "ledger", "attempt_end", "ledger"] and events[5]["step"] == saved
 
 
 @pytest.mark.timeout(400)

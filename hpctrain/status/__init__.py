@@ -1,0 +1,1 @@
+"""`python -m hpctrain.status RUN`: where a run stands and where its allocated time went."""

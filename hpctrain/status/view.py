@@ -1,0 +1,137 @@
+"""The ledger as a terminal page: progress, checkpoints, the jobs, where the time went, each interruption."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from hpctrain.goodput.ledger import PARTS, Ledger
+
+# What each part holds, for the reader of the table (hpctrain/goodput/ledger.py has the exact rules).
+PART_NOTES = {
+    "productive": "inside the steps that count",
+    "data_wait": "those steps waiting for batches",
+    "checkpoint": "training stopped for saves",
+    "evaluation": "validation",
+    "step_overhead": "the loop between steps (logging, probes)",
+    "lost": "steps later redone",
+    "startup": "job start, imports, process group, pre-flight, load",
+    "recovery": "failure to the next attempt's processes",
+    "shutdown": "after the final save",
+    "pending": "since the last step of a live job",
+}
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    seconds = round(seconds)
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600}:{rest // 60 % 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
+def clock(t: float | None, now: float) -> str:
+    """Local wall-clock time; with the date when it is not today's."""
+    if t is None:
+        return "-"
+    at = datetime.datetime.fromtimestamp(t)
+    same_day = at.date() == datetime.datetime.fromtimestamp(now).date()
+    return at.strftime("%H:%M:%S" if same_day else "%m-%d %H:%M:%S")
+
+
+def render(ledger: Ledger, run: dict[str, Any]) -> str:
+    """`run`: {"id", "path", "name", "executor"}."""
+    lines = [f"run {run['id']}  ({run['executor']}, {run['path']})"]
+    lines += _progress(ledger)
+    lines += ["", "jobs"] + _jobs(ledger)
+    unit, per = ("node-hours", 3600.0) if ledger.allocated_node_s >= 3600 else ("node-seconds", 1.0)
+    lines += ["", f"where the allocated time went ({unit})"] + _parts(ledger, per)
+    if ledger.incidents:
+        lines += ["", "interruptions (seconds)"] + _incidents(ledger)
+    return "\n".join(lines)
+
+
+def _progress(ledger: Ledger) -> list[str]:
+    done, total = ledger.steps_done, ledger.max_steps
+    line = f"step {done}/{total} ({done / total:.1%})" if total else f"step {done}"
+    line += f", {ledger.steps_redone} redone"
+    if ledger.rate_steps_per_s:
+        line += f"; {ledger.rate_steps_per_s:.3g} steps/s now"
+    if done < total:
+        line += (f"; ETA {duration(ledger.eta_s)} at this rate, {duration(ledger.eta_at_pace_s)} at the run's pace "
+                 "so far (its interruptions included)")
+    out = [line]
+    if ledger.checkpoints:
+        out.append("newest checkpoints: " + ", ".join(
+            f"{tier} step {c['step']:.0f} ({duration(ledger.now - c['time'])} ago)"
+            for tier, c in sorted(ledger.checkpoints.items())))
+    else:
+        out.append("newest checkpoints: none committed yet")
+    return out
+
+
+def _jobs(ledger: Ledger) -> list[str]:
+    header = (f"  {'job':<12}{'nodes':>6}  {'node list':<14}{'submitted':>15}{'queued':>10}{'start':>15}{'end':>15}"
+              f"{'wall':>10}{'steps':>13}{'goodput':>9}  ended")
+    out = [header]
+    for j in ledger.jobs:
+        name = j.job_id + (f" ({j.run})" if j.run else "")
+        steps = f"{j.steps[0]}-{j.steps[1]}" if j.steps else "-"
+        goodput = "-" if j.goodput is None else f"{j.goodput:.1%}"
+        queued = "-" if j.queue_s is None or not ledger.accounting else duration(j.queue_s)
+        out.append(f"  {name:<12}{j.nodes:>6}  {j.node_list or '-':<14}{clock(j.submit, ledger.now):>15}{queued:>10}"
+                   f"{clock(j.start, ledger.now):>15}{clock(j.end, ledger.now):>15}{duration(j.wall_s):>10}"
+                   f"{steps:>13}{goodput:>9}  {j.ended}")
+    if not ledger.jobs:
+        out.append("  (no job has started yet)")
+    return out
+
+
+def _parts(ledger: Ledger, per: float) -> list[str]:
+    total = ledger.allocated_node_s
+    out = []
+    for name in PARTS:
+        value = ledger.parts.get(name, 0.0)
+        if value or name in ("productive", "lost", "recovery", "checkpoint", "startup"):
+            share = value / total if total else 0.0
+            out.append(f"  {name.replace('_', ' '):<15}{value / per:>10.2f}{share:>8.1%}  {PART_NOTES[name]}")
+    out.append(f"  {'allocated':<15}{total / per:>10.2f}{1 if total else 0:>8.1%}  "
+               f"{len(ledger.jobs)} job run(s), {duration(ledger.wall_s)} of wall time")
+    if abs(ledger.unattributed_node_s) > 0.001 * max(total, 1.0):
+        out.append(f"  {'unattributed':<15}{ledger.unattributed_node_s / per:>10.2f}"
+                   f"{ledger.unattributed_node_s / total:>8.1%}  (the parts do not tile the allocations)")
+    if ledger.queue_s is None:
+        out.append("  queue wait     unknown (no batch-system accounting: a local run)")
+    else:
+        out.append(f"  queue wait     {duration(ledger.queue_s)} between jobs, {duration(ledger.first_queue_s)} "
+                   "before the first (not allocated)")
+    goodput = "-" if ledger.goodput is None else f"{ledger.goodput:.1%}"
+    out.append(f"  goodput        {goodput} (productive / allocated)")
+    if ledger.goodput_with_queue is not None and ledger.queue_s:
+        out.append(f"                 {ledger.goodput_with_queue:.1%} counting the queue between jobs as lost too")
+    return out
+
+
+def _incidents(ledger: Ledger) -> list[str]:
+    names = ["detection", "stop save", "teardown", "teardown, rendezvous, spawn", "queue", "restart", "load",
+             "first step"]
+    shown = [n for n in names if any(i.parts.get(n) is not None for i in ledger.incidents)]
+    out = [f"  {'#':<3}{'attempt':<10}{'kind':<27}{'step':>6}{'lost':>6}"
+           + "".join(f"{n:>{max(len(n), 6) + 2}}" for n in shown) + f"{'total':>9}  cause"]
+    for n, i in enumerate(ledger.incidents, 1):
+        attempt = i.job_id + (f".{i.restart}" if i.restart else "")
+        cells = "".join(f"{_seconds(i.parts.get(p)):>{max(len(p), 6) + 2}}" for p in shown)
+        out.append(f"  {n:<3}{attempt:<10}{i.kind:<27}{i.last_step:>6}{i.lost_steps:>6}{cells}"
+                   f"{_seconds(i.total_s):>9}  {i.cause}")
+        if i.next_job:
+            resumed = f"step {i.resumed_from}" + (f" from the {i.tier} tier" if i.tier else "")
+            load = ", ".join(f"{k} {v:.2f}" for k, v in i.load.items() if v >= 0.005)
+            out.append(f"  {'':<3}{'':<10}-> {i.next_job} resumed at {resumed}; load: {load}")
+    return out
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"

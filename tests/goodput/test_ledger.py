@@ -1,0 +1,186 @@
+"""The goodput ledger on hand-built run records whose every second is known: each part, each incident's
+breakdown, the queue, and the parts tiling the allocations exactly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hpctrain.goodput.ledger import MARKS, build_ledger, local_allocations
+from hpctrain.scheduler.base import Allocation
+from hpctrain.scheduler.slurm import parse_sacct
+
+
+def attempt(job: str, restart: int, from_step: int, started: float, ready: float, first_step: float
+            ) -> dict[str, Any]:
+    """An "attempt" event whose start-up marks are spread evenly from `started` to `ready`."""
+    between = MARKS[1:-2]
+    marks = {m: started + (ready - started) * (i + 1) / (len(between) + 1) for i, m in enumerate(between)}
+    return {"event": "attempt", "time": first_step, "job_id": job, "restart": restart, "from_step": from_step,
+            "process_started": started, **marks, "ready": ready, "first_step": first_step, "step": from_step + 1}
+
+
+def rows(first: int, last: int, t0: float, step_s: float = 0.8, data_wait_s: float = 0.05,
+         saves: dict[int, float] | None = None, commits: dict[int, tuple[str, int]] | None = None
+         ) -> list[dict[str, Any]]:
+    """One row a second: step `first` written at t0 + 1 ... ; `saves` step -> blocked seconds."""
+    out = []
+    for i, step in enumerate(range(first, last + 1), 1):
+        row = {"step": step, "time": t0 + i, "step_time_s": step_s, "data_wait_s": data_wait_s,
+               "ckpt_s": (saves or {}).get(step, 0.0)}
+        if step in (commits or {}):
+            tier, saved = commits[step]
+            row[f"ckpt/{tier}/step"] = saved
+        out.append(row)
+    return out
+
+
+def nonzero(parts: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in parts.items() if abs(v) > 1e-9}
+
+
+def test_a_restart_inside_the_allocation_every_second_in_its_place() -> None:
+    """2 nodes, 45 s: the job starts, trains 10 steps, rank 1 fails, the workers restart from step 5 (the RAM
+    tier) and train steps 6-20, then a 2 s final save and 3 s of exit."""
+    events = [attempt("7", 0, 0, 1002, 1008, 1009.5),
+              {"event": "resume", "time": 1024.5, "tier": "ram", "step": 5},
+              attempt("7", 1, 5, 1021, 1025, 1026.1),
+              {"event": "attempt_end", "time": 1043, "how": "completed", "save_s": 2.0, "step": 20}]
+    metrics = rows(1, 10, 1008, saves={5: 0.1}, commits={6: ("ram", 5)}) + rows(6, 20, 1025, saves={10: 0.1, 20: 0.1})
+    failed = [{"rank": 1, "host": "n2", "type": "RuntimeError", "message": "boom", "step": 11, "peer": False,
+               "time": 1019.5},
+              {"rank": 0, "host": "n1", "type": "RuntimeError", "message": "Connection closed by peer", "step": 11,
+               "peer": True, "time": 1019.7}]
+    alloc = Allocation("7", "COMPLETED", submit=990, eligible=990, start=1000, end=1045, nodes=2, node_list="n[1-2]")
+    ledger = build_ledger(events=events, rows=metrics, allocations=[alloc], accounting=True, now=2000, max_steps=20,
+                          completed={"job_id": "7", "step": 20}, failures=lambda key: failed if key == "7" else [],
+                          hosts=lambda key: ["n1", "n1", "n2", "n2"])
+    seconds = {k: v / 2 for k, v in ledger.parts.items() if v}  # 2 nodes
+    assert seconds == pytest.approx({
+        "productive": 20 * 0.75,  # steps 1-5 of the first attempt, 6-20 of the second, less their data wait
+        "data_wait": 20 * 0.05,
+        "checkpoint": 0.1 + 0.2 + 2.0,  # step 5, steps 10 and 20 of the second attempt, the final save
+        "step_overhead": 5 * 0.2 - 0.1 + 15 * 0.2 - 0.2,
+        "lost": 5.0,  # steps 6-10 of the first attempt, redone
+        "startup": 2 + 6 + 4,  # Slurm to the first process, then each attempt's own start
+        "recovery": 1021 - 1018,  # the last step of the first attempt to the second's first process
+        "shutdown": 3.0,
+    })
+    assert ledger.allocated_node_s == 90 and ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
+    assert ledger.goodput == pytest.approx(15 / 45) and ledger.jobs[0].goodput == pytest.approx(15 / 45)
+    assert ledger.steps_done == 20 and ledger.steps_redone == 5 and ledger.queue_s == 0
+    assert ledger.first_queue_s == 10 and ledger.jobs[0].ended == "finished the run"
+    assert ledger.checkpoints == {"ram": {"step": 5, "time": 1014}}
+    assert ledger.eta_s == 0 and ledger.rate_steps_per_s == pytest.approx(1.0)
+    (incident,) = ledger.incidents
+    assert incident.kind == "restart in the allocation" and incident.last_step == 10 and incident.lost_steps == 5
+    assert incident.resumed_from == 5 and incident.tier == "ram" and incident.next_job == "7.1"
+    assert incident.cause.startswith("RuntimeError at step 11 on n2 (rank 1): boom")
+    assert incident.parts == pytest.approx({"detection": 1.5, "teardown, rendezvous, spawn": 1.5, "load": 4.0,
+                                            "first step": 1.1})
+    assert sum(incident.load.values()) == pytest.approx(4.0) and incident.total_s == pytest.approx(8.1)
+    assert incident.lost_s == pytest.approx(5.0)
+
+
+def test_a_usr2_requeue_its_stop_save_queue_and_second_run() -> None:
+    """One node; the job is requeued at step 10 (USR2: a 3 s save, then Slurm ends it) and runs again under the
+    same id after 15 s in the queue (held, then waiting)."""
+    reason = "time limit or preemption (SIGUSR2)"
+    events = [attempt("8", 0, 0, 1001, 1005, 1006.5),
+              {"event": "stop", "time": 1015.2, "reason": reason, "step": 10},
+              {"event": "attempt_end", "time": 1018.2, "how": "stopped", "reason": reason, "save_s": 3.0, "step": 10},
+              {"event": "resume", "time": 1049.9, "tier": "shared", "step": 10},
+              attempt("8", 0, 10, 1047, 1050, 1051.4),
+              {"event": "attempt_end", "time": 1071, "how": "completed", "save_s": 1.0, "step": 30}]
+    metrics = rows(1, 10, 1005, step_s=1.0, data_wait_s=0.0) + rows(11, 30, 1050, step_s=1.0, data_wait_s=0.0)
+    allocs = parse_sacct("8|REQUEUED|900|900|1000|1030|1|n1|0:0|None\n8|COMPLETED|1031|1041|1045|1080|1|n3|0:0|None\n")
+    ledger = build_ledger(events=events, rows=metrics, allocations=allocs, accounting=True, now=2000, max_steps=30,
+                          completed={"job_id": "8", "step": 30})
+    first, second = ledger.jobs
+    assert (first.job_id, first.run, second.job_id, second.run) == ("8", 0, "8", 1)
+    assert nonzero(first.parts) == pytest.approx({"startup": 5, "productive": 10, "checkpoint": 3, "recovery": 12})
+    assert nonzero(second.parts) == pytest.approx({"startup": 5, "productive": 20, "checkpoint": 1, "shutdown": 9})
+    assert first.ended == f"requeued: {reason}" and second.ended == "finished the run"
+    assert (first.queue_s, second.queue_s, ledger.queue_s, ledger.first_queue_s) == (100, 15, 15, 100)
+    assert ledger.goodput == pytest.approx(30 / 65) and first.goodput == pytest.approx(10 / 30)
+    (incident,) = ledger.incidents
+    assert incident.kind == "requeue" and incident.cause == reason and incident.lost_steps == 0
+    assert incident.parts == pytest.approx({"detection": 0.2, "stop save": 3.0, "teardown": 11.8, "queue": 15,
+                                            "restart": 2, "load": 3, "first step": 1.4})
+    assert incident.tier == "shared" and incident.total_s == pytest.approx(36.4)
+
+
+def test_a_crash_resubmitted_without_the_node_at_fault() -> None:
+    events = [attempt("9", 0, 0, 1001, 1003, 1004.5), attempt("10", 0, 4, 1042, 1044, 1045.5)]
+    metrics = rows(1, 6, 1003, step_s=1.0, data_wait_s=0.0) + rows(5, 10, 1044, step_s=1.0, data_wait_s=0.0)
+    allocs = [Allocation("9", "FAILED", 995, 995, 1000, 1012, 2, "n[1-2]"),
+              Allocation("10", "COMPLETED", 1011, 1011, 1040, 1051, 2, "n[3-4]")]
+    decision = {"job_id": "9", "excluded": ["n2"], "resubmitted_as": "10", "action": "resubmit"}
+    record = {"rank": 3, "host": "n2", "type": "OSError", "message": "disk", "step": 7, "peer": False, "time": 1009.4}
+    ledger = build_ledger(events=events, rows=metrics, allocations=allocs, accounting=True, now=2000, max_steps=10,
+                          completed={"job_id": "10", "step": 10}, resubmissions=[decision],
+                          failures=lambda key: [record] if key == "9" else [])
+    (incident,) = ledger.incidents
+    assert incident.kind == "resubmission" and incident.next_job == "10" and incident.lost_steps == 2
+    assert incident.cause == "FAILED: OSError at step 7 on n2 (rank 3): disk; resubmitted as 10 excluding n2"
+    assert incident.parts == pytest.approx({"detection": 0.4, "teardown": 2.6, "queue": 28, "restart": 2,
+                                            "load": 2, "first step": 1.5})
+    assert ledger.jobs[0].ended == "failed: " + incident.cause.removeprefix("FAILED: ")
+    assert ledger.parts["lost"] == pytest.approx(2 * 2)
+    assert ledger.parts["recovery"] == pytest.approx(2 * 3)  # step 6 at 1009 to the job's end at 1012
+    assert ledger.allocated_node_s == 2 * (12 + 11) and ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
+
+
+def test_a_local_run_has_no_queue_and_ends_with_its_records() -> None:
+    jobs = [{"job_id": "4242", "submitted": 1000.0}]
+    events = [attempt("4242", 0, 0, 1001, 1002, 1003.2),
+              {"event": "attempt_end", "time": 1013.5, "how": "completed", "save_s": 0.5, "step": 10}]
+    ledger = build_ledger(events=events, rows=rows(1, 10, 1002), allocations=local_allocations(jobs, lambda j: False),
+                          accounting=False, now=5000, max_steps=10)
+    assert ledger.queue_s is None and ledger.first_queue_s is None and not ledger.accounting
+    (job,) = ledger.jobs
+    assert job.end == 1013.5 and job.wall_s == 13.5 and job.ended == "finished the run"
+    assert ledger.parts["shutdown"] == pytest.approx(1.0) and ledger.parts["checkpoint"] == pytest.approx(0.5)
+    assert ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
+
+
+def test_a_live_run_counts_its_step_in_flight_as_pending_and_has_an_eta() -> None:
+    jobs = [{"job_id": "4243", "submitted": 1000.0}]
+    events = [attempt("4243", 0, 0, 1001, 1002, 1003.2)]
+    ledger = build_ledger(events=events, rows=rows(1, 10, 1002), allocations=local_allocations(jobs, lambda j: True),
+                          accounting=False, now=1012.5, max_steps=100)
+    assert ledger.parts["pending"] == pytest.approx(0.5) and ledger.jobs[0].ended == "running"
+    assert ledger.incidents == [] and ledger.rate_steps_per_s == pytest.approx(1.0)
+    assert ledger.eta_s == pytest.approx(90) and ledger.eta_at_pace_s == pytest.approx(90 * 12.5 / 10)
+    assert ledger.summary()["goodput"] == pytest.approx(10 * 0.75 / 12.5)
+
+
+def test_sacct_lines_as_the_dev_cluster_prints_them() -> None:
+    """Real `sacct -X -D -P -n` output (SLURM_TIME_FORMAT=%s) of a job requeued once, the second run still
+    running; a pending job; a cancelled one."""
+    text = ("223|REQUEUED|1796138455|1796138455|1796138456|1796138458|2|n[1-2]|0:0|None\n"
+            "223|RUNNING|1796138459|1796138470|1796138470|Unknown|2|n[1-2]|0:0|BeginTime\n"
+            "224|PENDING|1796138579|1796138579|Unknown|Unknown|1|None assigned|0:0|Resources\n"
+            "225|CANCELLED by 0|1796138600|1796138600|1796138601|1796138630|2|n[3-4]|0:15|None\n")
+    runs = parse_sacct(text)
+    assert [(r.job_id, r.state, r.start, r.end) for r in runs] == [
+        ("223", "REQUEUED", 1796138456, 1796138458), ("223", "RUNNING", 1796138470, None),
+        ("225", "CANCELLED", 1796138601, 1796138630), ("224", "PENDING", None, None)]
+    assert runs[1].eligible == 1796138470 and runs[0].node_list == "n[1-2]" and runs[3].node_list == ""
+
+
+def test_a_task_parses_each_metrics_row_once(tmp_path) -> None:
+    """RowCache: the rows of a file read in pieces, a line still being written left for the next read."""
+    import json
+
+    from hpctrain.goodput.measure import RowCache
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps(r) for r in rows(1, 5, 1000)]
+    path.write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
+    cache = RowCache()
+    assert [r.step for r in cache.read(tmp_path)] == [1, 2, 3]
+    path.write_text("\n".join(lines) + "\n")
+    assert [r.step for r in cache.read(tmp_path)] == [1, 2, 3, 4, 5]
+    assert cache.read(tmp_path)[-1].ckpt_s == 0.0 and cache.offset == path.stat().st_size
