@@ -111,6 +111,8 @@ class JobRun:
     eligible: float | None
     start: float | None
     end: float | None  # None: still running (the ledger counts it up to `now`)
+    # (start, end, nodes) of each stretch at one node count: one, unless the job shrank after a lost node
+    pieces: list[tuple[float, float | None, int]] = field(default_factory=list)
     ended: str = ""  # how it ended, in words
     queue_s: float | None = None  # the wait before it started: after the previous run ended, or its submission
     wall_s: float = 0.0
@@ -316,15 +318,22 @@ def _count_row(attempt: Attempt, row: Row, start: float, lost: bool) -> None:
 
 
 def _job_runs(allocations: list[Allocation]) -> list[JobRun]:
-    """One JobRun per allocation that started, oldest first, with the queue wait before each."""
+    """One JobRun per allocation that started, oldest first, with the queue wait before each. A job that lost a
+    node and went on smaller (sbatch --no-kill, elastic.min_nodes) is accounted as a RESIZING record and a new
+    one from that moment on its fewer nodes: one run, its node count changing (`pieces`)."""
     runs: list[JobRun] = []
     count: dict[str, int] = {}
     for a in sorted(allocations, key=lambda x: (x.start is None, x.start or x.submit or 0)):
         if a.start is None:
             continue  # still pending: no allocation yet
+        before = runs[-1] if runs else None
+        if before is not None and before.job_id == a.job_id and before.state == "RESIZING":
+            before.pieces.append((a.start, a.end, max(1, a.nodes)))
+            before.state, before.end = a.state, a.end
+            continue
         runs.append(JobRun(job_id=a.job_id, run=count.get(a.job_id, 0), state=a.state, nodes=max(1, a.nodes),
                            node_list=a.node_list, submit=a.submit, eligible=a.eligible, start=a.start,
-                           end=a.end))
+                           end=a.end, pieces=[(a.start, a.end, max(1, a.nodes))]))
         count[a.job_id] = count.get(a.job_id, 0) + 1
     for before, run in zip([None, *runs], runs):
         since = before.end if before is not None and before.end is not None else run.submit
@@ -354,28 +363,44 @@ def _fill_run(run: JobRun, attempts: list[Attempt], completed: dict[str, Any] | 
     live = run.end is None
     end = run.end if run.end is not None else now
     run.wall_s = max(0.0, end - run.start)
-    run.node_s = run.wall_s * run.nodes
+    pieces = [(a, b if b is not None else end, n) for a, b, n in run.pieces] or [(run.start, end, run.nodes)]
+    pieces[-1] = (pieces[-1][0], end, pieces[-1][2])  # a local run's end is found only now
+
+    def held(a: float, b: float) -> float:
+        """Node-seconds the job held from a to b."""
+        return sum(n * max(0.0, min(b, hi) - max(a, lo)) for lo, hi, n in pieces)
+
+    def nodes_over(a: float, b: float) -> float:
+        return held(a, b) / (b - a) if b > a else held(a - 1e-6, a + 1e-6) / 2e-6
+
+    run.node_s = held(run.start, end)
     parts: dict[str, float] = {}
+
+    def add(name: str, node_s: float) -> None:
+        parts[name] = parts.get(name, 0.0) + node_s
+
     t = run.start
     for a in attempts:
         began = max(t, min(a.marks["process_started"], end))
-        gap = "startup" if a is attempts[0] else "recovery"  # before the first: the job's start; else a restart
-        parts[gap] = parts.get(gap, 0.0) + (began - t)
-        parts["startup"] = parts.get("startup", 0.0) + max(0.0, min(a.marks["ready"], end) - began)
+        add("startup" if a is attempts[0] else "recovery", held(t, began))  # the job's start, or a restart
+        ready = max(began, min(a.marks["ready"], end))
+        add("startup", held(began, ready))
+        rows_end = max(began, min(end, a.last_row.time if a.last_row else a.marks["ready"]))
+        width = nodes_over(ready, rows_end)  # a job resizes between attempts, not during one's steps
         for name, value in a.parts.items():
-            parts[name] = parts.get(name, 0.0) + value
-        t = max(began, min(end, a.last_row.time if a.last_row else a.marks["ready"]))
+            add(name, value * width)
+        t = rows_end
     if last is None:  # never trained: all of it was getting started (or failing to)
-        parts["startup"] = run.wall_s
+        add("startup", held(t, end))
         t = end
     tail = max(0.0, end - t)
     saved = min(tail, float((last.end or {}).get("save_s", 0.0))) if last is not None else 0.0
     finished = last is not None and _finished(last, run, completed)
-    parts["checkpoint"] = parts.get("checkpoint", 0.0) + saved
+    add("checkpoint", held(t, t + saved))
     ended_itself = last is not None and (last.stop is not None or last.end is not None)
     after = "shutdown" if finished else "pending" if live and not ended_itself else "recovery"
-    parts[after] = parts.get(after, 0.0) + tail - saved
-    run.parts = {k: v * run.nodes for k, v in parts.items()}
+    add(after, held(t + saved, end))
+    run.parts = parts
     run.goodput = run.parts.get("productive", 0.0) / run.node_s if run.node_s else None
     steps = [(a.first_row.step, a.last_row.step) for a in attempts if a.first_row and a.last_row]
     run.steps = (min(s for s, _ in steps), max(e for _, e in steps)) if steps else None

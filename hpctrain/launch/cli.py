@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hpctrain.config.checks import run_checks
 from hpctrain.config.problems import ConfigError, Problem
@@ -35,6 +35,8 @@ class Outcome:
 def run(cfg: DictConfig) -> Outcome:
     """A dry run prints the plan, then any errors (exit 2); otherwise errors stop it before anything is created."""
     try:
+        if "deepspeed" in cfg:
+            apply_deepspeed(cfg, _explicit_keys())
         if cfg.parallel.auto:
             apply_auto(cfg)
         report = run_checks(cfg)
@@ -67,6 +69,37 @@ def run(cfg: DictConfig) -> Outcome:
 
     code, job_id = launch(cfg, report.layout, run_dir, plan)
     return Outcome(code, run_dir.run_id, str(run_dir.path), job_id)
+
+
+def apply_deepspeed(cfg: DictConfig, explicit: set[str]) -> None:
+    """`+deepspeed=PATH`: the DeepSpeed config's settings (hpctrain.config.deepspeed) onto the composed config,
+    except where the command line set a key itself (or chose its group: `zero=stage3` keeps every zero.* key);
+    what has no equivalent is listed, never dropped. The `deepspeed` key itself goes: the tasks never see it."""
+    from hpctrain.config.deepspeed import load, translate
+
+    path = str(cfg.deepspeed)
+    with open_dict(cfg):  # Hydra added the key to a struct config: only open, it can go again
+        del cfg["deepspeed"]
+    translation = translate(load(path), cfg)
+    kept = []
+    for key, value in translation.overrides.items():
+        if any(key == k or key.startswith(k + ".") for k in explicit):
+            kept.append(key)
+            continue
+        OmegaConf.update(cfg, key, value, merge=False)
+    print(f"deepspeed: {path}\n" + "\n".join(f"  {line}" for line in translation.report().splitlines())
+          + "".join(f"\n  (the command line's {key}={OmegaConf.select(cfg, key)} kept over the file's "
+                    f"{translation.overrides[key]})" for key in kept), file=sys.stderr)
+
+
+def _explicit_keys() -> set[str]:
+    """The keys (and config groups) the command line set itself."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task
+            if "=" in o and o.split("=", 1)[0].lstrip("+~") not in ("deepspeed", "experiment")}
 
 
 def apply_auto(cfg: DictConfig) -> None:

@@ -82,7 +82,8 @@ def _jobs(ledger: Ledger) -> list[str]:
         steps = f"{j.steps[0]}-{j.steps[1]}" if j.steps else "-"
         goodput = "-" if j.goodput is None else f"{j.goodput:.1%}"
         queued = "-" if j.queue_s is None or not ledger.accounting else duration(j.queue_s)
-        out.append(f"  {name:<12}{j.nodes:>6}  {j.node_list or '-':<14}{clock(j.submit, ledger.now):>15}{queued:>10}"
+        nodes = ">".join(str(n) for _, _, n in j.pieces) if len(j.pieces) > 1 else str(j.nodes)  # shrank
+        out.append(f"  {name:<12}{nodes:>6}  {j.node_list or '-':<14}{clock(j.submit, ledger.now):>15}{queued:>10}"
                    f"{clock(j.start, ledger.now):>15}{clock(j.end, ledger.now):>15}{duration(j.wall_s):>10}"
                    f"{steps:>13}{goodput:>9}  {j.ended}")
     if not ledger.jobs:

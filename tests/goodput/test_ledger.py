@@ -132,6 +132,25 @@ def test_a_crash_resubmitted_without_the_node_at_fault() -> None:
     assert ledger.allocated_node_s == 2 * (12 + 11) and ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
 
 
+def test_a_job_that_shrank_after_a_lost_node_counts_each_stretch_at_its_nodes() -> None:
+    """sacct's records of a job that went on with one of its two nodes (RESIZING, then the rest of the job, as
+    the dev cluster printed them for elastic.min_nodes=1): one job run, 2 nodes until the resize, 1 after."""
+    events = [attempt("268", 0, 0, 1002, 1005, 1006.5), attempt("268", 1, 20, 1032, 1035, 1036.5),
+              {"event": "attempt_end", "time": 1056, "how": "completed", "save_s": 1.0, "step": 40}]
+    metrics = rows(1, 20, 1005, step_s=1.0, data_wait_s=0.0) + rows(21, 40, 1035, step_s=1.0, data_wait_s=0.0)
+    allocs = parse_sacct("268|RESIZING|990|990|1000|1030|2|n[1-2]|0:0|None\n"
+                         "268|COMPLETED|1030|1030|1030|1060|1|n1|0:0|None\n")
+    ledger = build_ledger(events=events, rows=metrics, allocations=allocs, accounting=True, now=2000, max_steps=40,
+                          completed={"job_id": "268", "step": 40}, hosts=lambda key: ["n1", "n2"] if key == "268"
+                          else ["n1"])
+    (job,) = ledger.jobs
+    assert job.pieces == [(1000, 1030, 2), (1030, 1060, 1)] and job.node_s == 2 * 30 + 30
+    assert nonzero(job.parts) == pytest.approx({"startup": 2 * 2 + 3 * 2 + 3, "productive": 20 * 2 + 20,
+                                                "recovery": 5 * 2 + 2, "checkpoint": 1, "shutdown": 4})
+    assert ledger.unattributed_node_s == pytest.approx(0, abs=1e-9) and job.ended == "finished the run"
+    assert ledger.incidents[0].cause.endswith("went on without n2")
+
+
 def test_a_local_run_has_no_queue_and_ends_with_its_records() -> None:
     jobs = [{"job_id": "4242", "submitted": 1000.0}]
     events = [attempt("4242", 0, 0, 1001, 1002, 1003.2),

@@ -1,0 +1,146 @@
+"""DeepSpeed configs read as hpctrain settings (hpctrain/config/deepspeed.py), on real configs from DeepSpeed's
+own repositories and Hugging Face (tests/config/deepspeed/README.md): what each key becomes, that no key is
+dropped without a word, DeepSpeed's batch arithmetic, and `+deepspeed=` on the command line end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpctrain.config.deepspeed import leaves, load, translate
+from hpctrain.config.problems import ConfigError
+from tests.conftest import run_hpctrain
+
+HERE = Path(__file__).parent / "deepspeed"
+REPO = Path(__file__).resolve().parents[2]
+REAL = sorted(HERE.glob("*.json"))
+
+
+def covered(translation: Any, leaf: str) -> bool:
+    """The leaf is in one of the three lists (a section's entry covers the keys under it)."""
+    keys = [k for sources in translation.sources.values() for k in sources]
+    keys += list(translation.same) + list(translation.unmapped)
+    return any(leaf == k or leaf.startswith(k + ".") for k in keys)
+
+
+@pytest.mark.parametrize("path", REAL, ids=[p.stem for p in REAL])
+def test_every_key_of_a_real_config_is_mapped_or_said_why_not(path: Path, compose_cfg: Callable[..., Any]) -> None:
+    ds = load(path)
+    translation = translate(ds, compose_cfg("cluster.gpus_per_node=2"))
+    assert all(covered(translation, leaf) for leaf in leaves(ds)), [
+        leaf for leaf in leaves(ds) if not covered(translation, leaf)]
+    assert all(why for why in translation.unmapped.values()) and all(why for why in translation.same.values())
+    assert translation.report()
+
+
+def test_zero_infinity_from_deepspeedexamples(compose_cfg: Callable[..., Any]) -> None:
+    """Stage 3, optimizer and parameters to NVMe (to the CPU here, said so), fp16 with a static scale, buckets
+    in elements -> bytes."""
+    t = translate(load(HERE / "megatron_zero_infinity.json"), compose_cfg("cluster.gpus_per_node=2"))
+    o = t.overrides
+    assert (o["zero.stage"], o["zero.offload_optimizer"], o["zero.offload_params"]) == (3, True, True)
+    assert "nvme" in t.notes["zero.offload_optimizer"]
+    assert (o["train.micro_batch"], o["train.grad_accum"], o["train.global_batch"]) == (4, 1, 8)  # dp 2
+    assert o["precision.dtype"] == "fp16" and o["precision.loss_scaling"] is True
+    assert o["precision.initial_scale"] == 1024.0 and "static" in t.notes["precision.initial_scale"]
+    assert o["zero.reduce_bucket_size"] == 90_000_000 * 4  # fp32 reduction: 4 bytes an element
+    assert o["optim.grad_clip"] == 1.0 and o["train.log_every"] == 1
+    for key in ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.offload_optimizer.nvme_path",
+                "fp16.hysteresis", "aio"):
+        assert key in t.unmapped
+    assert "wall_clock_breakdown" in t.same and "zero_optimization.overlap_comm" in t.same
+
+
+def test_cifar_adam_warmup_and_legacy_cpu_offload(compose_cfg: Callable[..., Any]) -> None:
+    t = translate(load(HERE / "cifar.json"), compose_cfg("cluster.gpus_per_node=2"))
+    o = t.overrides
+    assert (o["optim.name"], o["optim.lr"], o["optim.betas"], o["optim.eps"], o["optim.weight_decay"]) == (
+        "adamw", 0.001, [0.8, 0.999], 1e-8, 3e-7)
+    assert (o["optim.warmup_steps"], o["optim.decay"]) == (1000, "constant")
+    assert o["zero.offload_optimizer"] is True and o["zero.stage"] == 2
+    assert o["precision.initial_scale"] == 2.0 ** 15 and o["precision.loss_scale_window"] == 500
+    assert (o["train.global_batch"], o["train.micro_batch"], o["train.grad_accum"]) == (4, 2, 1)
+    assert o["zero.allgather_bucket_size"] == 50_000_000 * 2  # all-gathered in fp16
+    assert "log" in t.unmapped["scheduler.params.warmup_type (default)"]
+    assert "fp16.fp16_master_weights_and_grads" in t.unmapped
+
+
+def test_an_optimizer_hpctrain_does_not_have_is_listed_not_mapped(compose_cfg: Callable[..., Any]) -> None:
+    t = translate(load(HERE / "bert_lamb.json"), compose_cfg("cluster.nodes=64", "cluster.gpus_per_node=16"))
+    assert "Lamb" in t.unmapped["optimizer"] and not any(k.startswith("optim.") and k != "optim.grad_clip"
+                                                          for k in t.overrides)
+    assert (t.overrides["train.global_batch"], t.overrides["train.grad_accum"]) == (65536, 1)  # 64 x 1 x 1024
+    assert "sparse_attention" in t.unmapped
+
+
+def test_auto_takes_hpctrains_own_values(compose_cfg: Callable[..., Any]) -> None:
+    cfg = compose_cfg("cluster.gpus_per_node=2", "train.micro_batch=3", "train.global_batch=12")
+    t = translate(load(HERE / "autotuning_fp16_z3.json"), cfg)
+    # DeepSpeed: only the micro-batch given -> no accumulation, the global batch = micro x dp
+    assert (t.overrides["train.micro_batch"], t.overrides["train.grad_accum"], t.overrides["train.global_batch"]) == (
+        3, 1, 6)
+    assert "auto" in t.same["train_micro_batch_size_per_gpu"] and t.overrides["zero.stage"] == 3
+    article = translate(load(HERE / "article_snippet.json"), cfg)  # micro and accumulation "auto"
+    assert (article.overrides["train.micro_batch"], article.overrides["train.grad_accum"],
+            article.overrides["train.global_batch"]) == (3, 2, 12)
+    assert article.overrides["precision.dtype"] == "bf16" and article.overrides["zero.offload_optimizer"] is True
+    assert article.overrides["zero.reduce_bucket_size"] == 500_000_000 * 4
+    assert article.overrides["zero.allgather_bucket_size"] == 500_000_000 * 2  # bf16 parameters
+
+
+@pytest.mark.parametrize("ds, message", [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3},
+     "16 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 3 x data-parallel size 2"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, "10 is not a multiple of"),
+    ({"train_batch_size": "many"}, "is 'many'"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16 and bf16 are both enabled"),
+])
+def test_batch_and_precision_checked_as_deepspeed_does(ds: dict, message: str, compose_cfg: Callable[..., Any]) -> None:
+    with pytest.raises(ConfigError) as err:
+        translate(ds, compose_cfg("cluster.gpus_per_node=2"))
+    assert message in str(err.value) and "deepspeed." in str(err.value)
+
+
+def test_schedulers_with_decay(compose_cfg: Callable[..., Any]) -> None:
+    cfg = compose_cfg()
+    decay = translate({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                       "scheduler": {"type": "WarmupDecayLR", "params": {
+                           "warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10,
+                           "total_num_steps": 100, "warmup_type": "linear"}}}, cfg).overrides
+    assert (decay["optim.decay"], decay["train.max_steps"], decay["optim.warmup_steps"]) == ("linear", 100, 10)
+    assert decay["optim.min_lr_ratio"] == pytest.approx(0.01)
+    cosine = translate({"scheduler": {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 50, "warmup_num_steps": 5, "cos_min_ratio": 0.1, "warmup_min_ratio": 0}}}, cfg)
+    assert (cosine.overrides["optim.decay"], cosine.overrides["optim.min_lr_ratio"]) == ("cosine", 0.1)
+    other = translate({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0}}}, cfg)
+    assert "OneCycle" in other.unmapped["scheduler"] and not other.overrides
+
+
+def test_plus_deepspeed_on_the_command_line_and_the_tool_agree(tmp_path: Path) -> None:
+    """`+deepspeed=PATH` sets what the file says except what the command line set itself; the overrides that
+    `tools/from_deepspeed.py` prints give the same plan."""
+    ds = HERE / "gpt2_zero2_offload.json"
+    common = ["+experiment=smoke", "dry_run=true", "plan.format=json", f"run.root={tmp_path}"]
+    imported = run_hpctrain(*common, f"+deepspeed={ds}", "train.log_every=7", cwd=tmp_path, timeout=120)
+    assert imported.returncode == 0, imported.stderr
+    assert "zero.stage=2  <- zero_optimization.stage" in imported.stderr
+    assert "the command line's train.log_every=7 kept over the file's 1" in imported.stderr
+    assert "(no equivalent) activation_checkpointing.partition_activations" in imported.stderr
+    tool = subprocess.run([sys.executable, str(REPO / "tools" / "from_deepspeed.py"), str(ds), "+experiment=smoke"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert tool.returncode == 0, tool.stderr
+    command = tool.stdout.splitlines()[0].split()
+    assert command[:4] == ["python", "-m", "hpctrain", "+experiment=smoke"]
+    overrides = command[4:]
+    assert "zero.offload_optimizer=true" in overrides and "precision.dtype=fp16" in overrides
+    direct = run_hpctrain(*common, *overrides, "train.log_every=7", cwd=tmp_path, timeout=120)
+    assert direct.returncode == 0, direct.stderr
+    plan_a, plan_b = json.loads(imported.stdout), json.loads(direct.stdout)
+    plan_a.pop("run"), plan_b.pop("run")
+    assert plan_a == plan_b
