@@ -44,6 +44,7 @@ def test_a_worker_reads_its_place_and_its_restart_from_the_agent(monkeypatch: py
 def test_the_same_failure_in_two_restarts_in_a_row_stops_the_next(tmp_path: Path) -> None:
     class Env:
         job_id = "7"
+        requeue = 0
 
         def __init__(self, restart: int) -> None:
             self.restart = restart

@@ -47,8 +47,9 @@ from typing import Any
 
 from hpctrain.distributed import spares
 from hpctrain.distributed.environment import node_addresses, port_for_job
-from hpctrain.records.failures import last_restart
+from hpctrain.records.failures import attempt_key, last_restart
 from hpctrain.records.jobs import read_completed
+from hpctrain.scheduler import scheduler_for
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
     slot: int | None = None if agent.spare else agent.node
     while True:
         server = _host_store(agent) if agent.node == agent.store_node else None  # torch's store reuses it
-        base = last_restart(Path(task.run_dir), agent.job_id) + 1 if agent.generation else 0
+        base = last_restart(Path(task.run_dir), _run_key(agent.job_id)) + 1 if agent.generation else 0
         os.environ["HPCTRAIN_RESTART_BASE"] = str(base)
         try:
             results, slot = _launch(agent, task, slot, agent.max_restarts - base)
@@ -220,6 +221,11 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
             watch.stop()
         beat.stop()
     return results, slot
+
+
+def _run_key(job_id: str) -> str:
+    """The records' key of this run of the job (a requeued job keeps its id: hpctrain.records.failures)."""
+    return attempt_key(job_id, 0, int(scheduler_for().job_context().get("restart_count") or 0))
 
 
 def own_workers() -> set[int]:

@@ -8,6 +8,7 @@ so every task of a job computes the same address without talking to the others.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import os
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hpctrain.records.failures import attempt_key
+from hpctrain.scheduler import scheduler_for
 
 if TYPE_CHECKING:
     import submitit
@@ -41,6 +43,7 @@ class DistEnv:
     hostname: str
     job_id: str
     restart: int = 0  # restarts of the workers inside this job's allocation (the elastic agent counts them)
+    requeue: int = 0  # the job's runs before this one: the scheduler requeued it this often (same job id)
 
     @property
     def is_main(self) -> bool:
@@ -49,7 +52,7 @@ class DistEnv:
     @property
     def attempt(self) -> str:
         """The key of this attempt's records (failures, hangs, health): the job, and the restart in it."""
-        return attempt_key(self.job_id, self.restart)
+        return attempt_key(self.job_id, self.restart, self.requeue)
 
 
 def port_for_job(job_id: str) -> int:
@@ -59,6 +62,11 @@ def port_for_job(job_id: str) -> int:
 
 
 def discover() -> DistEnv:
+    """This task's place, and the job's run (`requeue`) from its scheduler."""
+    return dataclasses.replace(_discover(), requeue=int(scheduler_for().job_context().get("restart_count") or 0))
+
+
+def _discover() -> DistEnv:
     hostname = socket.gethostname()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # an elastic agent's worker (or torchrun)
         world = int(os.environ["WORLD_SIZE"])

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hpctrain.records.failures import attempt_key
 from hpctrain.records.history import ATTEMPT_MARKS as MARKS
 from hpctrain.records.history import ATTEMPT_PARTS
 from hpctrain.scheduler.base import Allocation
@@ -93,9 +94,12 @@ class Attempt:
     lost_steps: int = 0
     lost_s: float = 0.0
 
+    requeue: int = 0  # the job's run it belongs to (a requeued job keeps its id)
+
     @property
     def key(self) -> str:
-        return self.job_id if self.restart == 0 else f"{self.job_id}.{self.restart}"
+        """Its failure records' folder (hpctrain.records.failures.attempt_key)."""
+        return attempt_key(self.job_id, self.restart, self.requeue)
 
 
 @dataclass
@@ -275,7 +279,7 @@ def _attempts(events: list[dict[str, Any]]) -> list[Attempt]:
             resumed = e
         elif e["event"] == "attempt" and all(m in e for m in MARKS):
             found.append(Attempt(job_id=str(e["job_id"]), restart=int(e["restart"]), from_step=int(e["from_step"]),
-                                 marks={m: float(e[m]) for m in MARKS},
+                                 requeue=int(e.get("requeue", 0)), marks={m: float(e[m]) for m in MARKS},
                                  tier=resumed["tier"] if resumed and resumed["step"] == e["from_step"] else None))
             resumed = None
         elif e["event"] == "stop" and found:

@@ -33,6 +33,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from hpctrain.records.failures import (
+    attempt_key,
     diagnose,
     last_attempt,
     read_failures,
@@ -53,13 +54,14 @@ from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import Scheduler, scheduler_for
 
 
-def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int, since: float = 0.0) -> dict[str, Any]:
-    """Pure decision from the records on disk: {"action": "done"|"stop"|"resubmit", ...}. `since`: when the
-    job's current run started (records of its earlier runs, before a requeue, are not this failure's)."""
+def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int, since: float = 0.0,
+           requeue: int = 0) -> dict[str, Any]:
+    """Pure decision from the records on disk: {"action": "done"|"stop"|"resubmit", ...}. `requeue`: the job's
+    run (its records' keys say it); `since`: when that run started (older records are not this failure's)."""
     if exit_code == 0:
         return {"action": "done"}
     attempts = read_attempts(run_dir)
-    key = last_attempt(run_dir, job_id, since)  # after any restarts inside the allocation
+    key = last_attempt(run_dir, attempt_key(job_id, 0, requeue), since)  # after restarts inside the allocation
     hosts, signature = diagnose(read_failures(run_dir, key, since), read_hosts(run_dir, key))
     excluded = sorted(set(hosts).union(*(a.get("excluded", []) for a in attempts)))
     failed_before = [a for a in attempts if a.get("signature")]
@@ -105,7 +107,9 @@ def main(argv: list[str]) -> int:
         print(f"hpctrain supervisor: job {job_id} stopped inside the allocation: {report['why']}", flush=True)
         return exit_code
     scheduler = scheduler_for(cfg.cluster.executor)
-    decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts), _run_started(scheduler, job_id))
+    requeue = int(scheduler.job_context().get("restart_count") or 0)  # this batch script's run of the job
+    decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts), _run_started(scheduler, job_id),
+                      requeue)
     if decision["action"] == "done":
         return 0
     exclude = sorted(set(decision["excluded"]) | set(_csv(cfg.cluster.exclude)))

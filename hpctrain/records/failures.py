@@ -64,10 +64,12 @@ def read_hosts(run_dir: Path, job_id: str) -> list[str]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def attempt_key(job_id: str, restart: int) -> str:
-    """The records' folder name of one attempt: the job id, then `<job>.<n>` for the n-th restart of its
-    workers inside the allocation (each attempt keeps its own records: a restart must not overwrite them)."""
-    return job_id if restart == 0 else f"{job_id}.{restart}"
+def attempt_key(job_id: str, restart: int, requeue: int = 0) -> str:
+    """The records' folder name of one attempt: the job id (`<job>r<k>` for its k-th run after a requeue: a
+    requeued job keeps its id and counts its restarts from 0 again), then `.<n>` for the n-th restart of its
+    workers inside the allocation. Each attempt keeps its own records: no later one may overwrite them."""
+    base = job_id if requeue == 0 else f"{job_id}r{requeue}"
+    return base if restart == 0 else f"{base}.{restart}"
 
 
 def last_attempt(run_dir: Path, job_id: str, since: float = 0.0) -> str:

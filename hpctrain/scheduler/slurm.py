@@ -113,8 +113,12 @@ class SlurmScheduler(Scheduler):
     def resubmit(self, folder: Path, job_id: str, exclude: list[str]) -> str:
         """sbatch --hold the job's script, give the new id the same pickle (submitit's file names), release."""
         script = folder / f"{job_id}_submission.sh"
-        out = _run(["sbatch", "--hold", "--parsable"] + ([f"--exclude={','.join(exclude)}"] if exclude else [])
-                   + [str(script)], check=True).stdout.strip()
+        # Not this run's requeue count: sbatch passes the environment on, and Slurm sets SLURM_RESTART_COUNT
+        # only once the new job is requeued itself (a stale one would name its records after this run's).
+        fresh = {k: v for k, v in os.environ.items() if k != "SLURM_RESTART_COUNT"}
+        out = subprocess.run(["sbatch", "--hold", "--parsable"] + ([f"--exclude={','.join(exclude)}"] if exclude
+                                                                   else []) + [str(script)],
+                             capture_output=True, text=True, timeout=TIMEOUT_S, check=True, env=fresh).stdout.strip()
         new_id = out.split(";")[0]
         shutil.copy(folder / f"{job_id}_submitted.pkl", folder / f"{new_id}_submitted.pkl")
         shutil.copy(script, folder / f"{new_id}_submission.sh")

@@ -123,7 +123,7 @@ def _incidents(ledger: Ledger) -> list[str]:
     out = [f"  {'#':<3}{'attempt':<10}{'kind':<27}{'step':>6}{'lost':>6}"
            + "".join(f"{n:>{max(len(n), 6) + 2}}" for n in shown) + f"{'total':>9}  cause"]
     for n, i in enumerate(ledger.incidents, 1):
-        attempt = i.job_id + (f".{i.restart}" if i.restart else "")
+        attempt = i.attempt
         cells = "".join(f"{_seconds(i.parts.get(p)):>{max(len(p), 6) + 2}}" for p in shown)
         out.append(f"  {n:<3}{attempt:<10}{i.kind:<27}{i.last_step:>6}{i.lost_steps:>6}{cells}"
                    f"{_seconds(i.total_s):>9}  {i.cause}")

@@ -106,7 +106,7 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None,
             write_report(Path(run_dir), repeated)
         shutdown()
         return {"rank": env.rank, "stopped": repeated["why"]}
-    condemned = condemned_hosts(Path(run_dir), env.job_id, env.restart)
+    condemned = condemned_hosts(Path(run_dir), attempt_key(env.job_id, 0, env.requeue), env.restart)
     if condemned:  # the same nodes again cannot pass: leave the allocation, the supervisor excludes them
         log.error("rank %d: not restarting on %s, condemned by the health checks", env.rank, ",".join(condemned))
         shutdown()
@@ -140,7 +140,8 @@ def repeated_failure(run_dir: Path, env: Any) -> dict[str, Any] | None:
     if env.restart < 2:
         return None
     sigs = [diagnose(read_failures(run_dir, key), read_hosts(run_dir, key))[1]
-            for key in (attempt_key(env.job_id, env.restart - 2), attempt_key(env.job_id, env.restart - 1))]
+            for key in (attempt_key(env.job_id, env.restart - 2, env.requeue),
+                        attempt_key(env.job_id, env.restart - 1, env.requeue))]
     if not same_failure(*sigs):
         return None
     sig = sigs[1]
@@ -220,7 +221,8 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
                               {"data_wait_s": reader.wait_s, "ckpt_s": ckpt_s, **evaluated})
                 if done == start_step + 1:  # how long this attempt took to train again, part by part
                     timeline["first_step"] = time.time()
-                    tracker.event("attempt", job_id=env.job_id, restart=env.restart, from_step=start_step,
+                    tracker.event("attempt", job_id=env.job_id, restart=env.restart, requeue=env.requeue,
+                                  from_step=start_step,
                                   **{mark: timeline[mark] for mark in ATTEMPT_MARKS if mark in timeline})
                     tracker.ledger(run_dir)  # with the previous attempt's end, now that it is known
             ckpt.events.clear()

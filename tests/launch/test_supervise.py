@@ -117,12 +117,18 @@ def test_a_restart_loop_the_workers_stopped_is_not_resubmitted(tmp_path: Path, c
 
 
 def test_records_of_a_requeued_jobs_earlier_run_do_not_count(tmp_path: Path) -> None:
-    """A requeued job runs again under its id and numbers its restarts from 0 again: the records its first
-    run left under `9.1` are not the second run's failure, which left none (killed whole)."""
-    from hpctrain.records.failures import last_attempt
+    """A requeued job runs again under its id and numbers its restarts from 0 again: its second run keeps its
+    records under `9r1` (`9r1.2` for its second restart), and the records its first run left under `9.1` are
+    not the second run's failure, which left none (killed whole)."""
+    from hpctrain.records.failures import attempt_key, last_attempt
 
+    assert [attempt_key("9", 0, 1), attempt_key("9", 2, 1), attempt_key("9", 2)] == ["9r1", "9r1.2", "9.2"]
     fail(tmp_path, "9.1", 1, 8, OSError("disk full"))
     started = time.time() + 1
     assert last_attempt(tmp_path, "9") == "9.1" and last_attempt(tmp_path, "9", since=started) == "9"
-    d = decide(tmp_path, "9", 137, 3, since=started)
-    assert d["action"] == "resubmit" and d["signature"] is None and d["excluded"] == []
+    assert last_attempt(tmp_path, "9r1") == "9r1"
+    for since, requeue in ((started, 0), (0.0, 1)):
+        d = decide(tmp_path, "9", 137, 3, since=since, requeue=requeue)
+        assert d["action"] == "resubmit" and d["signature"] is None and d["excluded"] == []
+    fail(tmp_path, "9r1.1", 3, 40, ValueError("bad batch"))
+    assert decide(tmp_path, "9", 1, 3, requeue=1)["signature"]["step"] == 40
