@@ -1,4 +1,5 @@
-"""The GPU types hpctrain knows: peak FLOP/s, memory and link bandwidths, from the vendors' datasheets.
+"""The GPU types hpctrain knows: peak FLOP/s, memory and link bandwidths, from the vendors' datasheets, and the
+host side of their usual node (host memory, PCIe, node-local NVMe, the CPU's Adam rate) for offload planning.
 
 Pure data, shared by the planner (hpctrain.plan) and the task side's MFU (hpctrain.parallel.metrics), which
 must not import each other.
@@ -19,6 +20,13 @@ class Hardware:
     peak_flops is dense bf16/fp16 tensor-core throughput; `efficiency` is the fraction of it that large
     matmuls achieve in practice (Megatron reached 44-52% of peak end to end on A100, including
     everything; single large GEMMs reach ~70-80%). 0.6 is a middle guess for the compute part alone.
+
+    Host side (ZeRO offload, hpctrain.plan.offload), per node unless said otherwise: `host_mem_bytes` of DRAM,
+    `pcie_bw` between one GPU and the host (one direction, what pinned-memory copies reach), node-local NVMe
+    `nvme_bytes` of capacity read at `nvme_read_bw` and written at `nvme_write_bw` (all drives together), and
+    torch.optim.AdamW's CPU step: `cpu_adam_rate` parameters updated per second by the whole node (its memory
+    bandwidth is the limit), `cpu_adam_core_rate` by one thread, on `cpu_cores` cores. The defaults are the
+    "cpu" entry's placeholders, so a Hardware built with the GPU figures alone still constructs.
     """
 
     name: str
@@ -28,6 +36,14 @@ class Hardware:
     intra_node_bw: float
     inter_node_bw: float
     efficiency: float = 0.6
+    host_mem_bytes: float = 16 * 2**30
+    pcie_bw: float = 5e9
+    nvme_bytes: float = 100e9
+    nvme_read_bw: float = 1e9
+    nvme_write_bw: float = 0.5e9
+    cpu_cores: int = 2
+    cpu_adam_rate: float = 0.24e9
+    cpu_adam_core_rate: float = 0.12e9
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -36,6 +52,17 @@ class Hardware:
             raise ValueError("gpus_per_node, gpu_mem_bytes and peak_flops must be positive")
         if self.intra_node_bw <= 0 or self.inter_node_bw <= 0:
             raise ValueError("bandwidths must be positive")
+        for name in ("host_mem_bytes", "pcie_bw", "nvme_bytes", "nvme_read_bw", "nvme_write_bw", "cpu_cores",
+                     "cpu_adam_rate", "cpu_adam_core_rate"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    def adam_rate_per_gpu(self, threads_per_rank: int | None = None) -> float:
+        """Parameters per second one rank's CPU AdamW step updates while every GPU of the node steps at once:
+        the node's rate shared by its GPUs, or less when each rank runs only `threads_per_rank` threads
+        (None: enough threads to reach the node's share)."""
+        share = self.cpu_adam_rate / self.gpus_per_node
+        return share if threads_per_rank is None else min(share, max(threads_per_rank, 1) * self.cpu_adam_core_rate)
 
 
 # Sources:
@@ -52,11 +79,45 @@ class Hardware:
 #  cpu:  one process per core: ~150 GFLOP/s fp32 peak for an AVX-512 core (2 FMA units x 16 lanes x 2 x
 #        ~2.4 GHz); the bandwidths are placeholders for the local gloo runs; only
 #        relative comparisons between layouts mean anything there.
+#
+# Host side (the node each GPU type usually comes in; a cluster of other servers should override these):
+#  Host memory: DGX A100 user guide / datasheet: 1 TB DDR4 in the 320 GB (A100-40GB) system, 2 TB in the
+#        640 GB (A100-80GB) one; DGX H100 and DGX H200: 2 TB DDR5 (32 DIMMs). Taken as 2^40 / 2^41 bytes; the
+#        OS, page cache, data loaders and the ranks' own CUDA/NCCL host buffers take part of it (the planner
+#        reports the need, the check compares it with the whole: see checks.py for the margin).
+#  CPUs: DGX A100: 2x AMD EPYC 7742, 128 cores, 8 channels DDR4-3200 each = 410 GB/s peak; DGX H100/H200:
+#        2x Intel Xeon Platinum 8480C, 112 cores, 8 channels DDR5-4800 each = 614 GB/s peak.
+#  PCIe: A100 SXM: PCIe Gen4 x16 (16 GT/s x 16 lanes, 128b/130b) = 31.5 GB/s each direction; H100/H200 SXM:
+#        Gen5 x16 = 63 GB/s (MLPerf's DGX H200 system description: 504 GB/s GPU-PCIe for 8 GPUs).
+#        ASSUMED: pinned cudaMemcpy reaches ~80% of that (bandwidthTest-style figures, ~25 and ~50 GB/s).
+#        Not modelled: DGX A100 puts two GPUs behind one PCIe switch with one x16 uplink to the CPU, so when all
+#        GPUs copy at once (they do: FSDP2 gathers the same layer on every rank) each may get about half.
+#  NVMe: the internal data drives, Gen4 U.2, 3.84 TB each: DGX A100 320 GB: 4 (15 TB); DGX A100 640 GB, DGX
+#        H100 and DGX H200: 8 (30 TB), in RAID-0 at /raid. Datasheets of such drives (Samsung PM1733, KIOXIA
+#        CM6) give ~6.5-7 GB/s sequential read and ~3.5-4 GB/s write each. ASSUMED: about half of that sum
+#        through the RAID-0 filesystem with large O_DIRECT chunks: 3.5 GB/s read and 2 GB/s write per drive.
+#  CPU Adam: torch.optim.AdamW on CPU tensors (hpctrain's offload: single-tensor kernels, fp32) makes about 10
+#        elementwise passes over the parameter, gradient and moments: ~90 bytes of memory traffic per parameter.
+#        MEASURED (torch 2.13, this repository's development machine, one thread of a Xeon core): 0.12e9
+#        parameters/s per thread, i.e. ~11 GB/s, the single-core copy bandwidth measured there: memory-bound.
+#        ASSUMED for a whole node: half of the peak DRAM bandwidth reached by all ranks together, / 90 bytes:
+#        DGX A100 0.5 x 410e9 / 90 = 2.3e9 params/s, DGX H100/H200 0.5 x 614e9 / 90 = 3.4e9 params/s. For scale:
+#        the ZeRO-Offload paper (Ren et al. 2021, Table 3) measured 2020's PyTorch CPU Adam at 1.39 s per 1B
+#        parameters on a DGX-2 host (0.7e9/s) and DeepSpeed's fused CPU-Adam ~6x faster. Each rank reaches its
+#        share only with enough threads (train.threads_per_rank; Hardware.adam_rate_per_gpu).
+#  cpu:  placeholders: 16 GiB host memory, 2 cores at the measured per-thread rate, a 100 GB disk.
+_DGX_A100_HOST = dict(pcie_bw=25 * GB, cpu_cores=128, cpu_adam_rate=2.3e9, cpu_adam_core_rate=0.12e9)
+_DGX_H100_HOST = dict(host_mem_bytes=2 * 2**40, pcie_bw=50 * GB, nvme_bytes=8 * 3.84e12, nvme_read_bw=8 * 3.5 * GB,
+                      nvme_write_bw=8 * 2 * GB, cpu_cores=112, cpu_adam_rate=3.4e9, cpu_adam_core_rate=0.12e9)
 KNOWN_HARDWARE: dict[str, Hardware] = {
-    "a100_40gb": Hardware("a100_40gb", 8, 40 * GiB, 312e12, 300 * GB, 25 * GB),
-    "a100_80gb": Hardware("a100_80gb", 8, 80 * GiB, 312e12, 300 * GB, 25 * GB),
-    "h100_80gb": Hardware("h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB),
-    "h200": Hardware("h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB),
+    "a100_40gb": Hardware("a100_40gb", 8, 40 * GiB, 312e12, 300 * GB, 25 * GB, host_mem_bytes=2**40,
+                          nvme_bytes=4 * 3.84e12, nvme_read_bw=4 * 3.5 * GB, nvme_write_bw=4 * 2 * GB,
+                          **_DGX_A100_HOST),
+    "a100_80gb": Hardware("a100_80gb", 8, 80 * GiB, 312e12, 300 * GB, 25 * GB, host_mem_bytes=2 * 2**40,
+                          nvme_bytes=8 * 3.84e12, nvme_read_bw=8 * 3.5 * GB, nvme_write_bw=8 * 2 * GB,
+                          **_DGX_A100_HOST),
+    "h100_80gb": Hardware("h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB, **_DGX_H100_HOST),
+    "h200": Hardware("h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB, **_DGX_H100_HOST),
     "cpu": Hardware("cpu", 2, 8 * GiB, 150e9, 5 * GB, 1.25 * GB, efficiency=0.5),
 }
 

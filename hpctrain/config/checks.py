@@ -181,6 +181,14 @@ def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if z.offload_optimizer and z.stage < 2:
         r.error("zero.offload_optimizer", f"optimizer offload is done with FSDP2's CPU offload, which needs "
                 f"stage 2 or 3, got stage {z.stage}", "set zero.stage=2 (or zero=stage2_offload)")
+    if lay.offload_device == "nvme":  # an unknown device never gets here: resolve_layout reported it, once
+        path = None if OmegaConf.is_missing(z, "nvme_path") else z.nvme_path
+        if not path:
+            r.error("zero.nvme_path", "zero.offload_optimizer_device=nvme keeps Adam's moments in files on a "
+                    "node-local NVMe drive, but no directory is given", "set zero.nvme_path to a node-local NVMe "
+                    "mount, e.g. zero.nvme_path=/raid/$USER/hpctrain (DGX: the RAID-0 of data drives at /raid)")
+        if z.nvme_chunk_mb < 1:
+            r.error("zero.nvme_chunk_mb", f"must be >= 1 MiB, got {z.nvme_chunk_mb}", "use zero.nvme_chunk_mb=64")
     if lay.dp_replicate > 1 and z.stage < 2:
         r.error("parallel.dp_replicate", "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
                 "set zero.stage=3, or parallel.dp_replicate=1")
@@ -395,7 +403,83 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("parallel", message, "try: " + ", or ".join(fixes))
 
 
+HOST_MEMORY_WARN = 0.8  # offloaded state above this share of a node's host memory leaves too little for the rest
+OFFLOAD_SHARE_WARN = 0.10  # exposed offload time above this share of the step: warn
+
+
+def _offload(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """ZeRO offload against the node (hpctrain.plan.offload): host memory and NVMe space per node, and whether the
+    step is bound by the offload (the NVMe traffic, or the CPU step and copies), with the predicted slowdown."""
+    est = r.estimates
+    if est is None or est.step.offload is None:
+        return
+    from hpctrain.plan.offload import offload_costs
+    from hpctrain.plan.types import GiB
+
+    st, hw, o = est.step, est.hw, est.step.offload
+    gpu = cfg.cluster.gpu_type
+    report = r.warn if gpu == "cpu" else r.error  # the cpu entry's host figures are placeholders
+    shards = f"{o.gpus_per_node} GPUs x {o.shard_params / 1e6:,.0f}M parameters per rank"
+    bigger_dp = (f"more nodes or a larger DP (now {lay.dp}; each rank's shard is 1/{lay.zero_shard} of its "
+                 "GPU's parameters)")
+    slowdown = f"{st.offload_slowdown:.0%} slower than the same layout without offload"
+    host, have = o.host_bytes_per_node, hw.host_mem_bytes
+    if host > have or host > HOST_MEMORY_WARN * have:
+        fix = bigger_dp + ("" if o.device == "nvme" else ", or zero.offload_optimizer_device=nvme (Adam's moments, "
+                           "half of it, go to node-local NVMe) with zero.nvme_path")
+        message = (f"offload keeps {host / GiB:,.1f} GiB per node in host memory ({shards}, "
+                   f"{o.host_bytes_per_gpu / o.shard_params:.0f} bytes each), {host / have:.0%} of the "
+                   f"{have / GiB:,.0f} GiB a {gpu} node has (hpctrain/hardware.py)")
+        if host > have:
+            report("zero.offload_optimizer", message, fix)
+        else:
+            r.warn("zero.offload_optimizer", message + ": too little is left for the OS, data loaders and pinned "
+                   "buffers", fix)
+    if o.device == "nvme" and o.nvme_bytes_per_node > hw.nvme_bytes:
+        report("zero.nvme_path", f"Adam's moments take {o.nvme_bytes_per_node / 1e12:,.2f} TB of NVMe per node "
+               f"({shards}, 8 bytes each), more than the {hw.nvme_bytes / 1e12:.2f} TB a {gpu} node has",
+               bigger_dp + ", or zero.offload_optimizer_device=cpu if host memory allows")
+    if o.device == "nvme" and o.nvme_bound:
+        need = (o.host_bytes_per_gpu + o.nvme_bytes_per_gpu) * o.gpus_per_node
+        r.warn("zero.offload_optimizer_device", f"the NVMe traffic bounds the optimizer step: "
+               f"{o.nvme_read_bytes / 1e9:.2f} GB read + {o.nvme_write_bytes / 1e9:.2f} GB written per node and "
+               f"step take {o.nvme_s:.2f} s, the CPU's Adam {o.cpu_adam_s:.2f} s; offload adds {st.offload_s:.2f} s "
+               f"to a {st.step_time_s:.2f} s step: {slowdown}",
+               f"{bigger_dp}; zero.offload_optimizer_device=cpu if host memory allows ({need / GiB:,.1f} GiB per "
+               f"node of {hw.host_mem_bytes / GiB:,.0f}); or a faster NVMe (zero.nvme_path on more drives)")
+    elif st.offload_share > OFFLOAD_SHARE_WARN:
+        r.warn("zero.offload_optimizer", f"offload adds {st.offload_s:.2f} s to a {st.step_time_s:.2f} s step "
+               f"(CPU Adam {o.cpu_adam_s:.2f} s" + (f", NVMe {o.nvme_s:.2f} s" if o.device == "nvme" else "")
+               + f", PCIe copies {o.pcie_s:.2f} s): {slowdown}", _offload_fix(cfg, lay, est, bigger_dp))
+    threads = cfg.train.threads_per_rank
+    slow = offload_costs(est.model, lay, hw, threads_per_rank=threads)
+    if slow.cpu_adam_s > 1.25 * o.cpu_adam_s:
+        enough = -(-hw.adam_rate_per_gpu() // hw.cpu_adam_core_rate)
+        r.warn("train.threads_per_rank", f"each rank's CPU AdamW step runs on {threads} thread(s): "
+               f"{slow.cpu_adam_s:.2f} s per step instead of the {o.cpu_adam_s:.2f} s the plan assumes with the "
+               f"rank's share of the node's {hw.cpu_cores} cores", f"set train.threads_per_rank={enough:.0f} and "
+               f"cluster.cpus_per_task>={enough:.0f}")
+
+
+def _offload_fix(cfg: Config, lay: Layout, est: Any, bigger_dp: str) -> str:
+    """The fixes for a step bound by offload; without offload only if the plan finds it fits on the GPU."""
+    from dataclasses import replace
+
+    from hpctrain.plan.memory import memory_per_gpu
+    from hpctrain.plan.types import GiB
+
+    fixes = [bigger_dp]
+    plain = memory_per_gpu(est.model, replace(lay, offload_optimizer=False, offload_params=False,
+                                              offload_device="cpu"), est.hw)
+    if plain.fits:
+        fixes.append(f"no offload (zero=stage{lay.zero_stage}): the plan puts it at {plain.total / GiB:.1f} GiB per "
+                     f"GPU of {plain.usable / GiB:.1f} usable")
+    if est.step.offload.device == "nvme":
+        fixes.append("zero.offload_optimizer_device=cpu if host memory allows")
+    return "; or ".join(fixes)
+
+
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
     _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data, *cluster_checks,
-    _checkpoint, _memory,
+    _checkpoint, _memory, _offload,
 ]

@@ -126,6 +126,20 @@ class _Import:
             self.out.unmapped[path] = why
             self._seen_under(path)
 
+    def _offload_optimizer(self, section: str, device: str) -> None:
+        """device cpu: host memory; nvme: Adam's moments in files under nvme_path (zero.offload_optimizer_device)."""
+        self.set("zero.offload_optimizer", device in ("cpu", "nvme"), f"{section}.device")
+        if device == "nvme":
+            self.set("zero.offload_optimizer_device", "nvme", f"{section}.device")
+            if self.get(f"{section}.nvme_path") is not None:
+                self.set("zero.nvme_path", str(self.get(f"{section}.nvme_path")), f"{section}.nvme_path")
+        self.same(f"{section}.pipeline_read", "hpctrain always reads the next chunk while it updates this one")
+        self.same(f"{section}.pipeline_write", "hpctrain always writes a chunk back while it updates the next")
+        self.skip(f"{section}.buffer_count", "hpctrain streams through three buffers (read, update, write), each "
+                  "holding both of Adam's moments for zero.nvme_chunk_mb MiB of each")
+        self.skip(f"{section}.fast_init", "the moments' file starts sparse (zeros, as AdamW's state does): nothing "
+                  "to initialise")
+
     def _seen_under(self, path: str) -> None:
         value = self.get(path)
         self.seen.update([path] if not isinstance(value, dict) or not value else
@@ -259,12 +273,16 @@ class _Import:
             device = self.get(f"{z}.{section}.device")
             if device is None:
                 continue
-            self.set(key, device in ("cpu", "nvme"), f"{z}.{section}.device",
-                     note="nvme: offloaded to CPU memory instead, the nearest hpctrain has" if device == "nvme" else "")
-            for sub in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write",
-                        "fast_init", "ratio"):
-                self.skip(f"{z}.{section}.{sub}", "an NVMe or partial-offload setting: hpctrain offloads all of "
-                          "it to CPU memory")
+            if section == "offload_optimizer":
+                self._offload_optimizer(f"{z}.{section}", device)
+            else:
+                self.set(key, device in ("cpu", "nvme"), f"{z}.{section}.device",
+                         note="nvme: parameters offloaded to CPU memory instead (hpctrain puts only the optimizer's "
+                              "state on NVMe: FSDP2 all-gathers from the host copy)" if device == "nvme" else "")
+                for sub in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"):
+                    self.skip(f"{z}.{section}.{sub}", "a parameter-offload-to-NVMe setting: hpctrain offloads "
+                              "parameters to CPU memory")
+            self.skip(f"{z}.{section}.ratio", "partial offload: hpctrain offloads all of it")
             self.same(f"{z}.{section}.pin_memory", "hpctrain pins offloaded state whenever a GPU is there")
         for legacy, key in (("cpu_offload", "zero.offload_optimizer"), ("cpu_offload_params", "zero.offload_params")):
             if self.get(f"{z}.{legacy}") is not None:
@@ -449,7 +467,8 @@ class _Import:
                             "to any layout on load")),
             ("elasticity", "elastic.min_nodes (a job that shrinks) and cluster.spare_nodes (hot spares)"),
             ("autotuning", "parallel=auto: the planner's search over layouts"),
-            ("aio", "asynchronous NVMe I/O settings: hpctrain has no NVMe offload yet"),
+            ("aio", "libaio's settings: hpctrain streams the optimizer's state with positioned O_DIRECT reads and "
+                    "writes of whole chunks (zero.nvme_chunk_mb), one reader and one writer thread per rank"),
             ("pipeline", "parallel.pp and parallel.schedule"),
             ("sparse_attention", "hpctrain's attention is dense (scaled_dot_product_attention)"),
             ("compression_training", "no compression or quantized training in hpctrain"),

@@ -16,6 +16,7 @@ from hpctrain.config.schema import Config
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
+OFFLOAD_DEVICES = ("cpu", "nvme")
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -48,6 +49,7 @@ class Layout:
     recompute: str = "none"
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_device: str = "cpu"  # zero.offload_optimizer_device: "cpu" or "nvme" (the optimizer's moments)
     schedule: str = "1f1b"
     dtype: str = "bf16"
     dp_replicate: int = 1
@@ -129,6 +131,12 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     if lay.offload_params and lay.zero_stage != 3:
         out.append(("offload_params", f"parameter offload needs ZeRO stage 3 (parameters sharded), got stage "
                     f"{lay.zero_stage}", "set zero.stage=3, or zero=stage3_offload"))
+    if lay.offload_device not in OFFLOAD_DEVICES:
+        out.append(("offload_device", f"must be one of {OFFLOAD_DEVICES}, got {lay.offload_device!r}",
+                    "set zero.offload_optimizer_device=cpu (host memory) or nvme (with zero.nvme_path)"))
+    elif lay.offload_device == "nvme" and not lay.offload_optimizer:
+        out.append(("offload_device", "NVMe holds offloaded optimizer state, but zero.offload_optimizer=false",
+                    "set zero.offload_optimizer=true (or zero=stage3_nvme)"))
     if lay.sequence_parallel and lay.tp == 1:
         out.append(("sequence_parallel", "sequence parallelism shards along the TP group, but tp=1",
                     "set parallel.tp>1 or parallel.sequence_parallel=false"))
@@ -145,7 +153,8 @@ def resolve_layout(cfg: Config) -> Layout:
         dp=dp, tp=p.tp, pp=p.pp, virtual_stages=p.virtual_stages, zero_stage=cfg.zero.stage,
         micro_batch=t.micro_batch, grad_accum=grad_accum, sequence_parallel=bool(p.sequence_parallel),
         recompute=_value(p.recompute), offload_optimizer=bool(cfg.zero.offload_optimizer),
-        offload_params=bool(cfg.zero.offload_params), schedule=p.schedule, dtype=_value(cfg.precision.dtype),
+        offload_params=bool(cfg.zero.offload_params), offload_device=str(cfg.zero.offload_optimizer_device),
+        schedule=p.schedule, dtype=_value(cfg.precision.dtype),
         dp_replicate=p.dp_replicate, reduce_dtype=_value(cfg.precision.reduce_dtype), gpus_per_node=c.gpus_per_node)
     broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
     if broken:
@@ -247,7 +256,8 @@ def _infer_grad_accum(cfg: Config, dp: int) -> int:
 # Layout field -> the config key that sets it, for error messages (the rest are parallel.<field>).
 CONFIG_KEYS = {"zero_stage": "zero.stage", "micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum",
                "gpus_per_node": "cluster.gpus_per_node", "dtype": "precision.dtype",
-               "reduce_dtype": "precision.reduce_dtype", "offload_params": "zero.offload_params"}
+               "reduce_dtype": "precision.reduce_dtype", "offload_params": "zero.offload_params",
+               "offload_device": "zero.offload_optimizer_device"}
 
 
 def _value(v: Any) -> str:

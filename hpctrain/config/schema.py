@@ -111,6 +111,11 @@ class ZeroConfig:
     stage: int = 0  # 0: DDP, 1: optimizer states, 2: + gradients, 3: + parameters (FSDP2)
     offload_optimizer: bool = False
     offload_params: bool = False
+    # Where offloaded optimizer state lives: "cpu" (host memory) or "nvme" (Adam's moments in files under
+    # nvme_path, a node-local NVMe mount, streamed through host memory at each step; hpctrain/parallel/nvme.py).
+    offload_optimizer_device: str = "cpu"
+    nvme_path: str = ""
+    nvme_chunk_mb: float = 64.0  # MiB of each moment streamed at a time (three chunks in flight: read, update, write)
     reduce_bucket_size: int = 25_000_000  # bytes per gradient bucket (DDP bucket_cap_mb / ZeRO reduce)
     allgather_bucket_size: int = 25_000_000
 

@@ -34,11 +34,30 @@ def memory_lines(est: Estimates) -> list[str]:
     for name, kind, value in columns:
         bar = "#" * round(30 * value / bar_total) if bar_total else ""
         lines.append(f"  {name:<12} {value / g:9.2f} GiB  {bar}")
-        lines += [f"  {'':<12} {p.bytes / g:9.2f} GiB    {p.name}" + (" (host memory)" if p.cpu else "")
+        lines += [f"  {'':<12} {p.bytes / g:9.2f} GiB    {p.name}" + _place(p)
                   for p in mem.parts if p.kind == kind]
     verdict = "fits" if mem.fits else "DOES NOT FIT"
     lines.append(f"  {verdict}: headroom {mem.headroom / g:.2f} GiB"
-                 + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU memory" if mem.cpu_offload_bytes else ""))
+                 + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU memory" if mem.cpu_offload_bytes else "")
+                 + (f", {mem.nvme_bytes / g:.1f} GiB to NVMe" if mem.nvme_bytes else ""))
+    return lines + offload_memory_lines(est)
+
+
+def _place(part: Any) -> str:
+    return " (node-local NVMe)" if part.nvme else " (host memory)" if part.cpu else ""
+
+
+def offload_memory_lines(est: Estimates) -> list[str]:
+    """ZeRO offload's footprint per node (all its GPUs' shards) against the node's host memory and NVMe."""
+    o, hw, g = est.step.offload, est.hw, GiB
+    if o is None:
+        return []
+    lines = [f"  host memory per node  {o.host_bytes_per_node / g:9.2f} GiB of {hw.host_mem_bytes / g:.0f} GiB "
+             f"({o.gpus_per_node} GPUs x {o.host_bytes_per_gpu / g:.2f} GiB: fp32 parameter and gradient shards"
+             + (")" if o.device == "nvme" else " and Adam moments)")]
+    if o.device == "nvme":
+        lines.append(f"  NVMe per node         {o.nvme_bytes_per_node / g:9.2f} GiB of {hw.nvme_bytes / 1e12:.1f} TB "
+                     f"(Adam moments: {o.gpus_per_node} GPUs x {o.nvme_bytes_per_gpu / g:.2f} GiB)")
     return lines
 
 
@@ -51,7 +70,9 @@ def step_lines(est: Estimates) -> list[str]:
         f"  FLOPs per iteration  {est.flops_per_iteration:.3e} (Narayanan et al. 2021, recompute "
         f"{est.layout.recompute})",
         f"  step time            {st.step_time_s:.3f} s = compute {st.compute_s:.3f} + TP {st.tp_s:.3f} + "
-        f"PP {st.pp_s:.3f} + bubble {st.bubble_s:.3f} + exposed DP {st.dp_exposed_s:.3f}",
+        f"PP {st.pp_s:.3f} + bubble {st.bubble_s:.3f} + exposed DP {st.dp_exposed_s:.3f}"
+        + (f" + offload {st.offload_s:.3f}" if st.offload is not None else ""),
+        *offload_step_lines(est),
         f"  throughput           {st.tokens_per_s:,.0f} tokens/s, {st.samples_per_s:,.1f} samples/s",
         f"  MFU                  {st.mfu:.1%} (of {_rate(hw.peak_flops)} per GPU, efficiency "
         f"{hw.efficiency:.0%} of peak assumed for matmuls)",
@@ -62,6 +83,28 @@ def step_lines(est: Estimates) -> list[str]:
     ]
     for item in st.comm.items:
         lines.append(f"    {item.name:<28} {item.bytes / 1e9:9.3f} GB over {item.link:<7} {item.time_s:.3f} s")
+    return lines
+
+
+def offload_step_lines(est: Estimates) -> list[str]:
+    """Where the offload's time goes (hpctrain.plan.offload): PCIe copies, the CPU's Adam step, NVMe traffic."""
+    st, hw = est.step, est.hw
+    o = st.offload
+    if o is None:
+        return []
+    lines = [f"  offload              {st.offload_s:.3f} s exposed = optimizer step on the CPU {o.optimizer_s:.3f} + "
+             f"PCIe {o.pcie_s:.3f}: {st.offload_slowdown:.1%} slower than without offload",
+             f"    PCIe per GPU       {o.pcie_bytes / 1e9:.3f} GB per step ({o.all_gathers} x {o.h2d_bytes / max(o.all_gathers, 1) / 1e9:.3f} "
+             f"GB of parameter shard to the GPU, {o.d2h_bytes / 1e9:.3f} GB of gradient shard back) at "
+             f"{hw.pcie_bw / 1e9:.0f} GB/s",
+             f"    CPU Adam           {o.shard_params / 1e6:,.1f}M parameters per rank at {hw.adam_rate_per_gpu() / 1e9:.2f}e9 "
+             f"per second (the node's {hw.cpu_adam_rate / 1e9:.1f}e9 shared by {o.gpus_per_node} ranks): "
+             f"{o.cpu_adam_s:.3f} s"]
+    if o.device == "nvme":
+        lines.append(f"    NVMe per node      {o.nvme_read_bytes / 1e9:.2f} GB read + {o.nvme_write_bytes / 1e9:.2f} GB "
+                     f"written per step at {hw.nvme_read_bw / 1e9:.0f}/{hw.nvme_write_bw / 1e9:.0f} GB/s: "
+                     f"{o.nvme_read_s:.3f} + {o.nvme_write_s:.3f} s, overlapping the update: "
+                     + ("the drives bound the optimizer step" if o.nvme_bound else "the CPU bounds the optimizer step"))
     return lines
 
 

@@ -81,6 +81,7 @@ def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_
             "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages, "schedule": parallel.schedule,
             "sequence_parallel": parallel.sequence_parallel, "zero_stage": lay.zero_stage,
             "offload_optimizer": zero.offload_optimizer, "offload_params": zero.offload_params,
+            "offload_optimizer_device": lay.offload_device,
             "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "global_batch": lay.global_batch,
             "tokens_per_step": lay.global_batch * seq_len}
 
@@ -115,6 +116,8 @@ def render_text(plan: dict[str, Any]) -> str:
         + (", sequence parallel" if lay["sequence_parallel"] else ""),
         f"  ZeRO            stage {lay['zero_stage']}"
         + (", optimizer offload" if lay["offload_optimizer"] else "")
+        + (" (Adam's moments on NVMe)" if lay["offload_optimizer"] and lay.get("offload_optimizer_device") == "nvme"
+           else "")
         + (", parameter offload" if lay["offload_params"] else ""),
         f"  batch           global {lay['global_batch']} = micro-batch {lay['micro_batch']} x grad accum "
         f"{lay['grad_accum']} x DP {lay['dp']} ({lay['tokens_per_step']:,} tokens/step)",

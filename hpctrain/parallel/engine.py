@@ -192,7 +192,8 @@ class Engine:
         if self.zero1:
             return zero1_optimizer(param_groups(part.parameters(), self.cfg.optim), self.dims.dp_mesh,
                                    torch.optim.AdamW, optimizer_defaults(self.cfg.optim, self.device.type))
-        return build_optimizer(part.parameters(), self.cfg.optim)
+        return build_optimizer(part.parameters(), self.cfg.optim, self.cfg.zero,
+                               dist.get_rank() if dist.is_initialized() else 0)
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
         """Ranks holding the first or last stage with this rank's DP/TP coordinates (None: one rank has both)."""

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from hpctrain.config.schema import OptimConfig
+from hpctrain.config.schema import OptimConfig, ZeroConfig
 
 
 def param_groups(params: Any, optim: OptimConfig) -> list[dict[str, Any]]:
@@ -30,8 +30,15 @@ def optimizer_defaults(o: OptimConfig, device_type: str = "cpu") -> dict[str, An
     return dict(lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, **fused)
 
 
-def build_optimizer(params: Any, optim: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW (GPT-3's optimizer), fused when every parameter is on a GPU (FSDP2 offload keeps them on the CPU)."""
+def build_optimizer(params: Any, optim: OptimConfig, zero: ZeroConfig | None = None, rank: int = 0
+                    ) -> torch.optim.Optimizer:
+    """AdamW (GPT-3's optimizer), fused when every parameter is on a GPU (FSDP2 offload keeps them on the CPU);
+    with zero.offload_optimizer_device=nvme, AdamW with its moments in a file under zero.nvme_path."""
     params = list(params)
     device_type = "cuda" if params and all(p.device.type == "cuda" for p in params) else "cpu"
+    if zero is not None and zero.offload_optimizer and zero.offload_optimizer_device == "nvme":
+        from hpctrain.parallel.nvme import NvmeAdamW, chunk_elements
+
+        return NvmeAdamW(param_groups(params, optim), zero.nvme_path, chunk_elements(zero.nvme_chunk_mb), rank,
+                         **optimizer_defaults(optim, "cpu"))
     return torch.optim.AdamW(param_groups(params, optim), **optimizer_defaults(optim, device_type))

@@ -99,6 +99,15 @@ def _link(span: int, hw: Hardware) -> tuple[str, float]:
     return (NVLINK, hw.intra_node_bw) if span <= hw.gpus_per_node else (NETWORK, hw.inter_node_bw)
 
 
+def param_all_gathers(layout: Layout) -> int:
+    """Parameter all-gathers per step as `dp_items` counts them: none without DP or at ZeRO-0, one at ZeRO-1/2,
+    one in forward and one in backward of every micro-batch at ZeRO-3 (offload.py copies the fp32 shard to the
+    GPU before each)."""
+    if layout.dp == 1 or layout.zero_stage == 0:
+        return 0
+    return 2 * layout.microbatches if layout.zero_stage >= 3 else 1
+
+
 def dp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
     """Data-parallel / ZeRO traffic of the GPU with the most parameters."""
     if layout.dp == 1:
@@ -120,8 +129,8 @@ def dp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
         items.append(CommItem("param all-gather", "dp", all_gather_bytes(shard, weights), link, bw, "none"))
     else:
         items.append(CommItem("grad reduce-scatter x m", "dp", m * all_gather_bytes(shard, grads), link, bw, "backward"))
-        items.append(CommItem("param all-gather fwd+bwd x m", "dp", 2 * m * all_gather_bytes(shard, weights),
-                              link, bw, "compute"))
+        items.append(CommItem("param all-gather fwd+bwd x m", "dp",
+                              param_all_gathers(layout) * all_gather_bytes(shard, weights), link, bw, "compute"))
     r = layout.dp_replicate
     if z > 0 and r > 1:
         rlink, rbw = _link(layout.tp * layout.dp, hw)

@@ -63,9 +63,10 @@ def as_json(est: Estimates) -> dict[str, Any]:
     return {
         "memory_per_gpu_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                                  "activations": mem.activations, "total": mem.total,
-                                 "cpu_offload": mem.cpu_offload_bytes, "usable": mem.usable,
+                                 "cpu_offload": mem.cpu_offload_bytes, "nvme": mem.nvme_bytes, "usable": mem.usable,
                                  "fits": mem.fits, "pipeline_stage": mem.stage},
-        "memory_parts_bytes": [{"kind": p.kind, "name": p.name, "bytes": p.bytes, "cpu": p.cpu} for p in mem.parts],
+        "memory_parts_bytes": [{"kind": p.kind, "name": p.name, "bytes": p.bytes, "cpu": p.cpu, "nvme": p.nvme}
+                               for p in mem.parts],
         "flops_per_iteration": est.flops_per_iteration,
         "est_step_time_s": st.step_time_s,
         "est_tokens_per_s": st.tokens_per_s,
@@ -75,10 +76,28 @@ def as_json(est: Estimates) -> dict[str, Any]:
         "comm_per_gpu_per_step": [{"name": i.name, "kind": i.kind, "bytes": i.bytes, "link": i.link,
                                    "time_s": i.time_s} for i in st.comm.items],
         "step_time_split_s": {"compute": st.compute_s, "tp": st.tp_s, "pp": st.pp_s, "bubble": st.bubble_s,
-                              "dp_exposed": st.dp_exposed_s},
+                              "dp_exposed": st.dp_exposed_s, "offload": st.offload_s},
+        "offload": offload_json(st, est.hw),
         "est_samples_per_s": st.samples_per_s,
         **range_json(est.range),
     }
+
+
+def offload_json(st: StepEstimate, hw: Hardware) -> dict[str, Any] | None:
+    """ZeRO offload's footprint per node against the node's host memory and NVMe, its traffic and time per step
+    (hpctrain.plan.offload); None without offload."""
+    o = st.offload
+    if o is None:
+        return None
+    return {"device": o.device, "params_per_rank": o.shard_params, "gpus_per_node": o.gpus_per_node,
+            "host_bytes_per_node": o.host_bytes_per_node, "host_memory_per_node": hw.host_mem_bytes,
+            "nvme_bytes_per_node": o.nvme_bytes_per_node, "nvme_capacity_per_node": hw.nvme_bytes,
+            "nvme_read_bytes_per_step": o.nvme_read_bytes, "nvme_write_bytes_per_step": o.nvme_write_bytes,
+            "pcie_bytes_per_gpu_per_step": o.pcie_bytes, "h2d_bytes_per_gpu_per_step": o.h2d_bytes,
+            "d2h_bytes_per_gpu_per_step": o.d2h_bytes, "param_all_gathers_per_step": o.all_gathers,
+            "time_s": {"pcie": o.pcie_s, "cpu_adam": o.cpu_adam_s, "nvme_read": o.nvme_read_s,
+                       "nvme_write": o.nvme_write_s, "optimizer_step": o.optimizer_s, "exposed": o.exposed_s},
+            "nvme_bound": o.nvme_bound, "slowdown_vs_no_offload": st.offload_slowdown}
 
 
 def range_json(span: StepRange) -> dict[str, Any]:

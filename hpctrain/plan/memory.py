@@ -147,7 +147,8 @@ def stage_activation_bytes(model: ModelShape, layout: Layout, stage: int) -> flo
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes on the most loaded GPU; cpu_offload_bytes is host memory per GPU (multiply by GPUs per node)."""
+    """Bytes on the most loaded GPU; cpu_offload_bytes is host memory per GPU and nvme_bytes node-local NVMe per
+    GPU (multiply either by GPUs per node: hpctrain.plan.offload)."""
 
     params: float
     grads: float
@@ -159,7 +160,8 @@ class MemoryBreakdown:
     headroom: float  # usable - total; negative when it does not fit
     usable: float  # GPU memory minus the reserve
     stage: int  # pipeline stage of the most loaded GPU
-    parts: tuple[Part, ...] = ()  # what makes up each column (GPU and host)
+    parts: tuple[Part, ...] = ()  # what makes up each column (GPU, host and NVMe)
+    nvme_bytes: float = 0.0
 
 
 def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
@@ -170,7 +172,7 @@ def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
 
 
 def _column(parts: list[Part], kind: str) -> float:
-    return sum(p.bytes for p in parts if p.kind == kind and not p.cpu)
+    return sum(p.bytes for p in parts if p.kind == kind and p.on_gpu)
 
 
 def memory_per_gpu(model: ModelShape, layout: Layout, hw: Hardware, reserve_fraction: float = 0.10) -> MemoryBreakdown:
@@ -178,7 +180,7 @@ def memory_per_gpu(model: ModelShape, layout: Layout, hw: Hardware, reserve_frac
     best: tuple[float, int, list[Part]] | None = None
     for stage in sorted({0, layout.pp - 1}):
         parts = stage_parts(model, layout, stage)
-        total = sum(p.bytes for p in parts if not p.cpu)
+        total = sum(p.bytes for p in parts if p.on_gpu)
         if best is None or total > best[0]:
             best = (total, stage, parts)
     assert best is not None
@@ -189,4 +191,5 @@ def memory_per_gpu(model: ModelShape, layout: Layout, hw: Hardware, reserve_frac
         activations=_column(parts, "activations"), total=total,
         cpu_offload_bytes=sum(p.bytes for p in parts if p.cpu),
         fits=total <= usable, headroom=usable - total, usable=usable, stage=stage, parts=tuple(parts),
+        nvme_bytes=sum(p.bytes for p in parts if p.nvme),
     )

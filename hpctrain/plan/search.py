@@ -172,10 +172,12 @@ def explain(candidate: Candidate, best: Candidate | None = None) -> str:
         f"memory (GPU of stage {mem.stage}): params {mem.params / g:.1f} + grads {mem.grads / g:.1f}"
         f" + optimizer {mem.optimizer / g:.1f} + activations {mem.activations / g:.1f}"
         f" = {mem.total / g:.1f} GiB of {mem.usable / g:.1f} usable"
-        + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU" if mem.cpu_offload_bytes else ""),
+        + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU" if mem.cpu_offload_bytes else "")
+        + (f", {mem.nvme_bytes / g:.1f} GiB to NVMe" if mem.nvme_bytes else ""),
         f"step {st.step_time_s:.2f} s = compute {st.compute_s:.2f} + TP {st.tp_s:.2f} + PP {st.pp_s:.2f}"
         f" + bubble {st.bubble_s:.2f} + exposed DP {st.dp_exposed_s:.2f}"
-        f" ({st.samples_per_s:.1f} samples/s, MFU {st.mfu:.1%}, HFU {st.hfu:.1%})",
+        + (f" + offload {st.offload_s:.2f}" if st.offload is not None else "")
+        + f" ({st.samples_per_s:.1f} samples/s, MFU {st.mfu:.1%}, HFU {st.hfu:.1%})",
     ]
     if lay.pp > 1:
         target = microbatches_for_efficiency(lay.pp, 0.9, lay.virtual_stages, lay.schedule)

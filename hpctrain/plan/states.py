@@ -35,8 +35,13 @@ r = gradient-reduction dtype bytes (precision.reduce_dtype; 4 with the bf16 pres
     That is r n per GPU, full size, until the last backward reduce-scatters it, layer by layer, into the
     4 n / N shards: the peak is max(r n, 4 n / N). One layer's unsharded gradient (c) and its reduce-scatter
     input (r) are in flight during backward.
-  * CPU offload (any zero.offload_*: FSDP2's CPUOffloadPolicy) moves the fp32 shards of params, gradients and
-    Adam state (16 n / N) and the optimizer step to host memory; working copies and unsharded gradients stay.
+  * CPU offload (any zero.offload_*: FSDP2's CPUOffloadPolicy; `offloads`) moves the fp32 shards of params,
+    gradients and Adam state (16 n / N) and the optimizer step to host memory; working copies and unsharded
+    gradients stay. With zero.offload_optimizer_device=nvme (Layout.offload_device, hpctrain/parallel/nvme.py)
+    Adam's two moments (8 n / N) live in a file per rank on node-local NVMe instead (Part.nvme): host memory
+    keeps the fp32 parameter shard (FSDP2 copies it to the GPU for every all-gather, so it must stay resident)
+    and the gradient shard, 8 n / N; the NVMe holds 8 n / N per GPU. The chunks streamed through host memory
+    at each step (zero.nvme_chunk_mb, a few per rank) are not counted. Traffic and time: offload.py.
 """
 
 from __future__ import annotations
@@ -70,7 +75,16 @@ class Part:
     kind: str  # "params" | "grads" | "optimizer" | "activations"
     name: str
     bytes: float
-    cpu: bool = False
+    cpu: bool = False  # in host memory
+    nvme: bool = False  # in a file on node-local NVMe (offload_optimizer_device=nvme)
+
+    @property
+    def on_gpu(self) -> bool:
+        return not (self.cpu or self.nvme)
+
+    @property
+    def where(self) -> str:
+        return "nvme" if self.nvme else "cpu" if self.cpu else "gpu"
 
 
 def bytes_per_param(dtype: str = "bf16", grad_bytes: int | None = None, k: int | None = None) -> tuple[int, int, int]:
@@ -113,6 +127,17 @@ def effective_zero_stage(layout: Layout) -> int:
     return layout.zero_stage
 
 
+def offloads(layout: Layout) -> bool:
+    """FSDP2's CPUOffloadPolicy is on: any zero.offload_* under fully_shard (data_parallel.apply_fsdp; `replicate`,
+    plain modules and DDP get no offload policy, and the checks reject offload below ZeRO-2)."""
+    return (layout.offload_optimizer or layout.offload_params) and data_parallel_kind(layout) == "fsdp"
+
+
+def moments_on_nvme(layout: Layout) -> bool:
+    """Adam's moments live on node-local NVMe (zero.offload_optimizer_device=nvme) rather than in host memory."""
+    return offloads(layout) and layout.offload_device == "nvme"
+
+
 def accumulates(layout: Layout) -> bool:
     """Gradients of several micro-batches are summed before they are reduced (accumulation, or any PP)."""
     return layout.microbatches > 1 or layout.pp > 1
@@ -142,14 +167,15 @@ def _unsharded_parts(n: float, layout: Layout) -> list[Part]:
 def _fsdp_parts(n: float, layer: float, layout: Layout, shard: int) -> list[Part]:
     """FSDP2 fully_shard (shard = N) or replicate (shard = 1), with CPU offload when configured."""
     c, r = layout.compute_bytes, layout.reduce_bytes
-    cpu = layout.offload_optimizer or layout.offload_params
+    cpu = offloads(layout)
+    nvme = moments_on_nvme(layout)
     gathered_layers = effective_zero_stage(layout) == 3 and layout.pp == 1
     of = f", 1/{shard}" if shard > 1 else ""
     parts = [
         Part("params", f"fp32 parameter shard{of}", MASTER * n / shard, cpu),
         Part("params", f"{layout.dtype} unsharded parameters, " + ("2 layers gathered" if gathered_layers else
              "whole stage kept from forward to backward"), c * (2 * layer if gathered_layers else n)),
-        Part("optimizer", f"Adam moments{of}", ADAM * n / shard, cpu),
+        Part("optimizer", f"Adam moments{of}", ADAM * n / shard, cpu and not nvme, nvme),
     ]
     shards = MASTER * n / shard
     if accumulates(layout):

@@ -12,8 +12,11 @@ Model (all per GPU, the most loaded one):
              reduction waits for the pipeline flush), every backward for per-micro-batch
              reduce-scatters (ZeRO-2/3), the whole compute for ZeRO-3's prefetched all-gathers.
              The parameter all-gather after the optimizer step is exposed.
-  step     = pipeline + exposed DP.
-Ignored: the optimizer step itself (memory-bound, small once sharded), kernel launch and latency terms,
+  offload  = with ZeRO offload (zero.offload_*), the CPU's optimizer step (with NVMe: the longer of it and the
+             moments' NVMe traffic) and the PCIe copies of the parameter and gradient shards, none of it hidden
+             behind compute (offload.py).
+  step     = pipeline + exposed DP + offload.
+Ignored: the GPU optimizer step (memory-bound, small once sharded), kernel launch and latency terms,
 efficiency loss of small per-GPU matmuls at large TP, stragglers, data loading. Real runs are slower;
 the ranking between layouts is what this is for.
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass, replace
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.comm import CommBreakdown, comm_per_step
 from hpctrain.plan.flops import flops_per_iteration, mfu
+from hpctrain.plan.offload import OffloadCosts, offload_costs
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
 BACKWARD_SHARE = 2.0 / 3.0  # backward is ~2x forward: 2/3 of compute without recomputation
@@ -70,6 +74,17 @@ class StepEstimate:
     mfu: float
     hfu: float  # hardware FLOPs utilisation: counts recomputation as useful work
     comm: CommBreakdown
+    offload_s: float = 0.0  # exposed offload time: CPU optimizer step (and NVMe) + PCIe copies (offload.py)
+    offload: OffloadCosts | None = None  # the offload's costs when the layout offloads
+
+    @property
+    def offload_share(self) -> float:
+        return self.offload_s / self.step_time_s
+
+    @property
+    def offload_slowdown(self) -> float:
+        """How much longer the step is than the same layout without offload: offload_s / (step - offload_s)."""
+        return self.offload_s / (self.step_time_s - self.offload_s)
 
     @property
     def comm_s(self) -> float:
@@ -131,7 +146,9 @@ def estimate_step(
     pipeline_s = busy / (1.0 - frac)
     dp_s = comm.time_of("dp")
     dp_exp = _exposed_dp(comm, layout, compute_s, dp_exposed)
-    step = pipeline_s + dp_exp
+    costs = offload_costs(model, layout, hw)
+    offload_s = costs.exposed_s
+    step = pipeline_s + dp_exp + offload_s
     tokens_per_s = layout.global_batch * model.seq_len / step
     return StepEstimate(
         step_time_s=step,
@@ -147,6 +164,8 @@ def estimate_step(
         mfu=mfu(tokens_per_s, model, n, hw.peak_flops),
         hfu=flops / step / (n * hw.peak_flops),
         comm=comm,
+        offload_s=offload_s,
+        offload=costs if costs.offloaded else None,
     )
 
 

@@ -40,18 +40,19 @@ def test_every_key_of_a_real_config_is_mapped_or_said_why_not(path: Path, compos
 
 
 def test_zero_infinity_from_deepspeedexamples(compose_cfg: Callable[..., Any]) -> None:
-    """Stage 3, optimizer and parameters to NVMe (to the CPU here, said so), fp16 with a static scale, buckets
-    in elements -> bytes."""
+    """Stage 3, optimizer state to NVMe, parameters to NVMe (to the CPU here, said so), fp16 with a static
+    scale, buckets in elements -> bytes."""
     t = translate(load(HERE / "megatron_zero_infinity.json"), compose_cfg("cluster.gpus_per_node=2"))
     o = t.overrides
     assert (o["zero.stage"], o["zero.offload_optimizer"], o["zero.offload_params"]) == (3, True, True)
-    assert "nvme" in t.notes["zero.offload_optimizer"]
+    assert (o["zero.offload_optimizer_device"], o["zero.nvme_path"]) == ("nvme", "/nvme_data")
+    assert "nvme" in t.notes["zero.offload_params"]  # parameters: to CPU memory, said so
     assert (o["train.micro_batch"], o["train.grad_accum"], o["train.global_batch"]) == (4, 1, 8)  # dp 2
     assert o["precision.dtype"] == "fp16" and o["precision.loss_scaling"] is True
     assert o["precision.initial_scale"] == 1024.0 and "static" in t.notes["precision.initial_scale"]
     assert o["zero.reduce_bucket_size"] == 90_000_000 * 4  # fp32 reduction: 4 bytes an element
     assert o["optim.grad_clip"] == 1.0 and o["train.log_every"] == 1
-    for key in ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.offload_optimizer.nvme_path",
+    for key in ("zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.offload_param.nvme_path",
                 "fp16.hysteresis", "aio"):
         assert key in t.unmapped
     assert "wall_clock_breakdown" in t.same and "zero_optimization.overlap_comm" in t.same

@@ -116,3 +116,25 @@ def test_the_full_data_path_from_a_corpus(tmp_path: Path) -> None:
     second = run_hpctrain(*common, "train.max_steps=2", "train.eval_every=1", cwd=tmp_path, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "data: preparing" not in second.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_nvme_offload_trains_and_resumes_as_cpu_offload_does(tmp_path: Path) -> None:
+    """The real command with zero=stage3_nvme: every loss bitwise that of zero=stage3_offload, through a resume on
+    another NVMe path (the checkpoint holds the moments), and nothing left on the NVMe afterwards."""
+    common = [f"run.root={tmp_path}", "+experiment=smoke", "train.log_every=1", "checkpoint.tiers.0.interval_steps=4"]
+    cpu = run_hpctrain(*common, "zero=stage3_offload", "run.id=cpu", "train.max_steps=8", cwd=tmp_path)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    first = run_hpctrain(*common, "zero=stage3_nvme", f"zero.nvme_path={tmp_path}/nvme1", "run.id=nvme",
+                         "train.max_steps=4", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_hpctrain(*common, "zero=stage3_nvme", f"zero.nvme_path={tmp_path}/nvme2", "run.resume=nvme",
+                          "train.max_steps=8", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming at step 4" in second.stdout
+    nvme_dir = _run_dir(second.stdout)
+    log = "".join(p.read_text() for p in (nvme_dir / "submitit").glob("*_log.*"))
+    assert "optimizer moments:" in log
+    assert [m["loss"] for m in _metrics(nvme_dir)] == [m["loss"] for m in _metrics(_run_dir(cpu.stdout))]
+    assert not [*(tmp_path / "nvme1").iterdir(), *(tmp_path / "nvme2").iterdir()]

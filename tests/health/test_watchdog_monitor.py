@@ -84,7 +84,8 @@ SIGNALLED = textwrap.dedent("""
     print("boundary reached", flush=True)
     if rank == 0:
         dist.all_reduce(torch.ones(2))  # rank 1 never comes: its peer is gone, as after a crash
-    else:
+    else:  # the peer that is gone: its own watchdog must not end it first (its stop signal may be relayed late)
+        dog.stop()
         time.sleep(60)
 """)
 
