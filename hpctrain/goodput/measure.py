@@ -4,7 +4,6 @@ node and by rank 0 at the end of each attempt."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable
@@ -15,7 +14,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.goodput.ledger import Ledger, Row, build_ledger, local_allocations
 from hpctrain.records.failures import read_failures, read_hosts
-from hpctrain.records.history import iter_metrics, read_events
+from hpctrain.records.history import iter_metrics, lines_from, read_events
 from hpctrain.records.jobs import read_attempts, read_completed, read_jobs
 from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import scheduler_for
@@ -24,10 +23,9 @@ log = logging.getLogger(__name__)
 
 
 def run_settings(run_dir: Path) -> dict[str, Any]:
-    """What the ledger needs of the run's config: its last step, its scheduler, its nodes."""
+    """What the ledger needs of the run's config: its last step and its scheduler."""
     cfg = OmegaConf.load(RunPaths(run_dir).config)
-    return {"max_steps": int(cfg.train.max_steps), "executor": str(cfg.cluster.executor),
-            "nodes": int(cfg.cluster.nodes)}
+    return {"max_steps": int(cfg.train.max_steps), "executor": str(cfg.cluster.executor)}
 
 
 class RowCache:
@@ -40,15 +38,8 @@ class RowCache:
         self.offset = 0
 
     def read(self, run_dir: Path) -> list[Row]:
-        path = RunPaths(run_dir).metrics
-        if path.exists():
-            with open(path, "rb") as f:
-                f.seek(self.offset)
-                for line in f:
-                    if not line.endswith(b"\n"):
-                        break  # being written: the next read takes it whole
-                    self.rows.append(Row.of(json.loads(line)))
-                    self.offset += len(line)
+        for record, self.offset in lines_from(RunPaths(run_dir).metrics, self.offset):
+            self.rows.append(Row.of(record))
         return self.rows
 
 

@@ -21,14 +21,22 @@ ATTEMPT_PARTS = ("imports", "process group", "lease, hosts", "watchdog, pre-flig
                  "checkpoint manager", "state read", "data, tracker", "first step")
 
 
-def _lines(path: Path) -> Iterator[dict[str, Any]]:
-    """Each complete line as JSON: a line still being written (no newline yet) waits for the next read."""
+def lines_from(path: Path, offset: int = 0) -> Iterator[tuple[dict[str, Any], int]]:
+    """Each complete line from byte `offset` on, as JSON, with the offset just past it (where a later read
+    resumes). It stops at a line still being written (no newline yet): the next read takes it whole."""
     if not path.exists():
         return
     with open(path, "rb") as f:
+        f.seek(offset)
         for line in f:
-            if line.endswith(b"\n"):
-                yield json.loads(line)
+            if not line.endswith(b"\n"):
+                return
+            offset += len(line)
+            yield json.loads(line), offset
+
+
+def _lines(path: Path) -> Iterator[dict[str, Any]]:
+    return (record for record, _ in lines_from(path))
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:

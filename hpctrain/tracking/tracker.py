@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ class Tracker:
         self._step = 0
         self._closed = False
         self._rows = RowCache()  # the ledger's rows, parsed once per attempt
+        self._pending: Future[Any] | None = None  # a ledger being made on its thread (`ledger(background=True)`)
         mode = cfg.tracking.mode
         if mode != TrackingMode.disabled:
             import wandb
@@ -63,15 +66,43 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log({f"events/{name}": 1}, step=max(record["step"], self._step), commit=False)
 
-    def ledger(self, run_dir: Path) -> None:
+    def ledger(self, run_dir: Path, background: bool = False) -> None:
         """The run's goodput ledger so far (hpctrain/goodput/ledger.py): one log line, the "ledger" event, and
         W&B summary metrics (`ledger/*`), so goodput stands beside the loss across requeues. A ledger that
         cannot be made (a record being rewritten, the accounting down) is logged and skipped: it must never
-        stop training or a stop's requeue."""
+        stop training or a stop's requeue.
+
+        background: made on a thread and published by `poll` at a later step (an attempt's start: parsing a
+        long run's rows takes seconds, and rank 0 must not hold every rank up for them); else made now (an
+        attempt's end), after any ledger still being made (they share the row cache)."""
+        self._settle()
+        if not background:
+            self._publish(self._measured(run_dir))
+            return
+        future: Future[Any] = Future()
+        threading.Thread(target=lambda: future.set_result(self._measured(run_dir)), name="hpctrain-ledger",
+                         daemon=True).start()
+        self._pending = future
+
+    def poll(self) -> None:
+        """Publish a background ledger once it is made (cheap otherwise: the loop calls it every step)."""
+        if self._pending is not None and self._pending.done():
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            ledger, self._pending = self._pending.result(), None
+            self._publish(ledger)
+
+    def _measured(self, run_dir: Path) -> Any:
         try:
-            ledger = measure(run_dir, accounting_timeout_s=ACCOUNTING_TIMEOUT_S, cache=self._rows)
+            return measure(run_dir, accounting_timeout_s=ACCOUNTING_TIMEOUT_S, cache=self._rows)
         except Exception as exc:  # noqa: BLE001 -- a report, not a reason to fail the attempt
             log.warning("no goodput ledger this time: %s: %s", type(exc).__name__, exc)
+            return None
+
+    def _publish(self, ledger: Any) -> None:
+        if ledger is None:
             return
         log.info("%s", ledger.line())
         summary = ledger.summary()
@@ -83,6 +114,7 @@ class Tracker:
         if self._closed:  # a stop closes it before its requeue; the loop's own end comes after
             return
         self._closed = True
+        self._settle()
         self._file.close()
         self._events.close()
         if self._wandb is not None:

@@ -224,7 +224,8 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
                     tracker.event("attempt", job_id=env.job_id, restart=env.restart, requeue=env.requeue,
                                   from_step=start_step,
                                   **{mark: timeline[mark] for mark in ATTEMPT_MARKS if mark in timeline})
-                    tracker.ledger(run_dir)  # with the previous attempt's end, now that it is known
+                    tracker.ledger(run_dir, background=True)  # with the previous attempt's end, now known
+                tracker.poll()
             ckpt.events.clear()
             signum = agreed.signum
             if signum is not None and done < t.max_steps:

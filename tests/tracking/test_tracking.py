@@ -80,3 +80,43 @@ def test_a_signal_lead_shorter_than_a_measured_stop_is_reported_once(compose_cfg
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["key"] for e in events] == ["cluster.signal_delay_s"] and events[0]["needed_s"] == 42.0
     assert "set cluster.signal_delay_s>=84" in events[0]["message"]
+
+
+def test_the_ledger_at_an_attempts_start_is_made_off_the_training_thread(compose_cfg, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parsing a long run's rows takes seconds: at an attempt's start rank 0 hands it to a thread (a ledger that
+    cannot finish until released is asked for, and the call returns), publishes it at a later step's poll, and
+    an attempt's end (made at once) comes after it, in order."""
+    import threading
+
+    from hpctrain.tracking import tracker as tracker_module
+
+    release, made = threading.Event(), []
+
+    class Made:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def line(self) -> str:
+            return f"ledger {self.n}"
+
+        def summary(self) -> dict:
+            return {"n": self.n}
+
+    def slow_measure(run_dir: Path, accounting_timeout_s: float, cache: object) -> Made:
+        if not made:
+            release.wait(60)
+        made.append(1)
+        return Made(len(made))
+
+    monkeypatch.setattr(tracker_module, "measure", slow_measure)
+    cfg = compose_cfg("tracking.mode=disabled", f"run.root={tmp_path}")
+    tracker = tracker_module.Tracker(cfg, tmp_path, "bg", {})
+    tracker.ledger(tmp_path, background=True)  # returns while the ledger waits for `release`
+    tracker.poll()
+    assert (tmp_path / "events.jsonl").read_text() == ""  # not made yet: nothing published
+    release.set()
+    tracker.ledger(tmp_path)  # the end's ledger: the start's first
+    tracker.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["n"]) for e in events] == [("ledger", 1), ("ledger", 2)]
