@@ -14,7 +14,8 @@ Checks (one table row each; docs/gpu_check.md says exactly what each one does):
   c   a checkpoint saved from the device and resumed into a fresh engine, compared bit for bit; with
       dropout, the resumed step's loss equals the uninterrupted run's only if the RNG streams were restored
   d   a one-rank (dp_shard, tp) mesh: TP + sequence parallel + FSDP2 with the optimizer offloaded to the CPU,
-      3 steps with the engine's gradient norm and clipping on offloaded DTensor gradients
+      3 steps with the engine's gradient norm and clipping on offloaded DTensor gradients; then the same with
+      Adam's moments on NVMe (zero.offload_optimizer_device=nvme): losses and weights bitwise the same
   e   two processes on the one GPU over a "cpu:gloo,cuda:gloo" group, DDP (ZeRO-0) then ZeRO-1 through
       train(): the final losses must agree within 1e-3
 
@@ -56,7 +57,7 @@ CHECKS = [
     Check("b2", "1.3B bf16, recompute=selective", lambda ctx: check_b(ctx, "selective"), 200, 60,
           cpu_title="tiny, recompute=selective"),
     Check("c", "checkpoint save/resume bitwise", check_c, 150, 60),
-    Check("d", "TP+SP + FSDP2 CPU offload, clipping", check_d, 150, 60),
+    Check("d", "TP+SP + FSDP2 CPU/NVMe offload, clipping", check_d, 150, 60),
     Check("e", "2 ranks on 1 device: DDP vs ZeRO-1", check_e, 240, 120, uses_cuda=False),
 ]
 

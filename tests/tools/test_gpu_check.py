@@ -64,6 +64,7 @@ def test_cpu_run_passes_every_check(tmp_path: Path) -> None:
     assert checks["c"]["numbers"]["optimizer_tensors"] > 0 and checks["c"]["numbers"]["weights_changed_by_training"] > 0
     d = checks["d"]["numbers"]
     assert len(d["losses"]) == 3 and "cpu" in d["grad_devices"] and max(d["clipped_norms"]) <= 1.001 * d["max_norm"]
+    assert d["nvme_bitwise_equal"] is True
     assert checks["e"]["numbers"]["difference"] <= 1e-3
     assert report["workdir"] is None  # all passed: the temporary directory is gone
     print(f"gpu_check --cpu: {seconds:.1f} s")

@@ -1,5 +1,5 @@
 """Checks a, b, d and e (see tools/gpu_check.py): train() on a one-rank world, MFU and peak memory against the
-plan, TP + SP + FSDP2 with CPU offload, and DDP against ZeRO-1 on two ranks."""
+plan, TP + SP + FSDP2 with CPU offload (and NVMe offload, bitwise the same), and DDP against ZeRO-1 on two ranks."""
 
 from __future__ import annotations
 
@@ -137,33 +137,26 @@ def grad_norm_and_clip(params: list[Any], max_norm: float, device: Any) -> float
     return norm
 
 
-def check_d(ctx: Ctx) -> Outcome:
+def _offload_steps(ctx: Ctx, cfg: Any, mesh: Any, max_norm: float) -> dict[str, Any]:
+    """The tiny GPT with TP + SP + FSDP2 and the optimizer of cfg.zero (CPU or NVMe offload), 3 steps on one
+    batch with the engine's norm and clipping: losses, norms, where parameters and gradients lived, the weights."""
     import torch
     import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from hpctrain.models.gpt import GPT, gpt_args
     from hpctrain.parallel.data_parallel import apply_fsdp
     from hpctrain.parallel.engine import build_optimizer
     from hpctrain.parallel.tensor_parallel import apply_tp
-    from hpctrain.train.loop import load_config
 
-    max_norm = 0.01  # far below the tiny model's gradient norm: every step really scales the CPU gradients
-    config = compose(ctx, [*small_overrides(ctx, "d_tp_fsdp_offload", 1, 3), "zero=stage2_offload",
-                           f"optim.grad_clip={max_norm}"])
-    cfg = load_config(config)
-    expect(bool(cfg.zero.offload_optimizer), "zero.offload_optimizer is not set")
-    init_world(ctx, 0, 1, free_port(), one_rank_backend(ctx))
     device = ctx.device
-    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp_shard", "tp"))
     with torch.device("meta"):
         gpt = GPT(gpt_args(cfg.model, cfg.parallel.tp))
     apply_tp(gpt, mesh["tp"], sequence_parallel=True)
     apply_fsdp(gpt, mesh["dp_shard"], cfg.zero, cfg.precision, reshard_after_forward=True)
     gpt.to_empty(device="cpu")  # offload: FSDP2 keeps the sharded parameters on the CPU
     gpt.init_weights(seed=cfg.train.seed)
-    optimizer = build_optimizer(gpt.parameters(), cfg.optim)
+    optimizer = build_optimizer(gpt.parameters(), cfg.optim, cfg.zero)
     params = list(gpt.parameters())
     expect(all(isinstance(p, DTensor) for p in params), "some parameters are not DTensors after TP + FSDP2")
     where = sorted({p.to_local().device.type for p in params})
@@ -185,18 +178,46 @@ def check_d(ctx: Ctx) -> Outcome:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         norms.append(norm)
+    direct = getattr(getattr(optimizer, "file", None), "direct", None)
+    return {"losses": losses, "norms": norms, "after": after, "where": where, "grad_devices": grad_devices,
+            "weights": [p.to_local().detach().clone() for p in params], "optimizer": type(optimizer).__name__,
+            "o_direct": direct}
+
+
+def check_d(ctx: Ctx) -> Outcome:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpctrain.train.loop import load_config
+
+    max_norm = 0.01  # far below the tiny model's gradient norm: every step really scales the CPU gradients
+    base = [*small_overrides(ctx, "d_tp_fsdp_offload", 1, 3), f"optim.grad_clip={max_norm}"]
+    cfg = load_config(compose(ctx, [*base, "zero=stage2_offload"]))
+    expect(bool(cfg.zero.offload_optimizer), "zero.offload_optimizer is not set")
+    nvme_cfg = load_config(compose(ctx, [*base, "zero=stage2_offload", "zero.offload_optimizer_device=nvme",
+                                         f"zero.nvme_path={ctx.workdir / 'nvme'}"]))
+    init_world(ctx, 0, 1, free_port(), one_rank_backend(ctx))
+    device = ctx.device
+    mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp_shard", "tp"))
+    cpu = _offload_steps(ctx, cfg, mesh, max_norm)
+    nvme = _offload_steps(ctx, nvme_cfg, mesh, max_norm)
+    losses, norms, after, grad_devices = cpu["losses"], cpu["norms"], cpu["after"], cpu["grad_devices"]
     expect(all(math.isfinite(v) for v in losses + norms), f"losses {losses}, gradient norms {norms}")
     expect("cpu" in grad_devices, f"gradients on {sorted(grad_devices)}: the offload path was not exercised")
     for n, a in zip(norms, after):
         if n > max_norm:
             expect(abs(a - max_norm) <= 1e-3 * max_norm + 1e-7, f"norm {n:.4g} clipped to {a:.6g}, expected {max_norm}")
+    expect(nvme["optimizer"] == "NvmeAdamW", f"zero.offload_optimizer_device=nvme built {nvme['optimizer']}")
+    same = nvme["losses"] == losses and all(torch.equal(a, b) for a, b in zip(cpu["weights"], nvme["weights"]))
+    expect(same, f"NVMe offload differs from CPU offload: losses {nvme['losses']} vs {losses}")
     decreased = losses[-1] < losses[0]
     numbers = {"losses": losses, "grad_norms": norms, "clipped_norms": after, "max_norm": max_norm,
-               "loss_decreased": decreased, "param_device": where, "grad_devices": sorted(grad_devices),
-               "mesh_device": device.type}
+               "loss_decreased": decreased, "param_device": cpu["where"], "grad_devices": sorted(grad_devices),
+               "mesh_device": device.type, "nvme_bitwise_equal": same, "nvme_o_direct": nvme["o_direct"]}
     return Outcome(True, f"3 steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
                          f"{'' if decreased else ' (did not decrease)'}, grad norm {norms[0]:.3g} clipped to "
-                         f"{after[0]:.3g} on {'/'.join(sorted(grad_devices))} gradients", numbers)
+                         f"{after[0]:.3g} on {'/'.join(sorted(grad_devices))} gradients; NVMe offload bitwise equal"
+                         f" ({'O_DIRECT' if nvme['o_direct'] else 'buffered'})", numbers)
 
 
 # ---------------------------------------------------------------------------------------------------------
