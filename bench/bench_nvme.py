@@ -6,7 +6,10 @@ Raw throughput: a file the size of the moments written, then read, front to back
 O_DIRECT (where the file system allows it), no computation, with one and with two transfers in flight (the
 streaming has a read and a write in flight at once); the better of the two is the disk's raw rate (`dd bs=<chunk>
 oflag=direct` is the first), and a read and a write at once (the streaming's own traffic); the time the disk
-needs for the moments is the shorter of serial and simultaneous.
+needs for the moments is the shorter of serial and simultaneous. Also timed: the streaming's own reads and
+writes without the update (how much of the update the I/O hides). On a virtual disk the host's cache can serve
+the streaming's pattern (a chunk written back right after it was read) faster than fresh sweeps: a share above
+100% says the raw sweeps are not a bound there, not that the streaming beats the disk.
 The streaming's share: the time the disk alone needs to read the moments and write them back at those raw rates,
 over the optimizer step's measured time (100%: the step takes no longer than its I/O). Repetitions alternate
 between the three measures (this machine is noisy) and the medians are reported.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -42,6 +46,11 @@ def shapes(total: int) -> list[tuple[int, ...]]:
     for _ in range(8):
         out += [(rows, d), (d,), (d,)]
     return out
+
+
+def resident_bytes() -> int:
+    """This process's resident set (the page cache does not count: O_DIRECT bypasses it anyway)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def groups(params: list[torch.Tensor]) -> list[dict]:
@@ -113,14 +122,19 @@ def main() -> None:
     for a, b, g in zip(cpu_params, nvme_params, grads):
         a.grad, b.grad = g, g
     n = sum(w.numel() for w in weights)
+    # host memory each optimizer adds (resident set, first step included: AdamW creates its state there)
+    before = resident_bytes()
     cpu = torch.optim.AdamW(groups(cpu_params), **HYPER)
-    elements = chunk_elements(args.chunk_mb)
-    nvme = NvmeAdamW(groups(nvme_params), directory, elements, **HYPER)
+    timed_step(cpu)
+    cpu_host = resident_bytes() - before
+    before = resident_bytes()
+    nvme = NvmeAdamW(groups(nvme_params), directory, chunk_elements(args.chunk_mb), **HYPER)
+    timed_step(nvme)  # the first step fills the sparse file
+    nvme_host = resident_bytes() - before
     file_bytes = nvme.file.nbytes
     block = max(c.nbytes for c in nvme.chunks)
-    timed_step(cpu), timed_step(nvme)  # first steps create state (CPU) and fill the sparse file (NVMe)
 
-    cpu_s, nvme_s, read_s, write_s = [], [], [], []
+    cpu_s, nvme_s, read_s, write_s, io_only = [], [], [], [], []
     raw_w: dict[int, list[float]] = {}
     raw_r: dict[int, list[float]] = {}
     mixed: list[float] = []
@@ -130,6 +144,9 @@ def main() -> None:
         nvme_s.append(timed_step(nvme))
         read_s.append(nvme.io.read_s - before[0])
         write_s.append(nvme.io.write_s - before[1])
+        start = time.perf_counter()  # the same reads and writes back, without the update: the streaming's I/O
+        nvme._stream(nvme.chunks, lambda chunk, moments: None)
+        io_only.append(time.perf_counter() - start)
         for depth in (1, 2):
             w, r, direct = raw_throughput(directory, file_bytes, block, depth)
             raw_w.setdefault(depth, []).append(w)
@@ -146,15 +163,18 @@ def main() -> None:
     t_disk = min(file_bytes / r + file_bytes / w, 2 * file_bytes / med(mixed))  # serial, or both at once
     out = {
         "params": n, "moments_bytes": file_bytes, "chunk_bytes": block, "o_direct": direct, "directory": str(directory),
+        "host_bytes_added_cpu_offload": cpu_host, "host_bytes_added_nvme_offload": nvme_host,
         "cpu_offload_step_s": t_cpu, "nvme_offload_step_s": t_nvme, "slowdown": t_nvme / t_cpu,
         "raw_write_gbps": w / 1e9, "raw_read_gbps": r / 1e9,
         "raw_by_depth_gbps": {d: {"write": med(raw_w[d]) / 1e9, "read": med(raw_r[d]) / 1e9} for d in raw_w},
         "raw_read_and_write_at_once_gbps": med(mixed) / 1e9,
         "stream_read_busy_s": med(read_s), "stream_write_busy_s": med(write_s),
-        "disk_bound_s": t_disk, "share_of_raw": t_disk / t_nvme, "bitwise_equal": same,
+        "stream_io_only_s": med(io_only), "disk_bound_s": t_disk, "share_of_raw": t_disk / t_nvme, "bitwise_equal": same,
     }
     print(f"{n / 1e6:.0f}M parameters, moments {file_bytes / 2**30:.2f} GiB in {directory} "
           f"({'O_DIRECT' if direct else 'buffered'}), chunks of {block / 2**20:.0f} MiB, {args.repeats} repeats")
+    print(f"  host memory the optimizer adds: CPU offload {cpu_host / 2**30:.2f} GiB, NVMe offload "
+          f"{nvme_host / 2**30:.2f} GiB (its three chunk buffers)")
     print(f"  optimizer step, CPU offload (AdamW, moments in memory): {t_cpu:7.3f} s")
     print(f"  optimizer step, NVMe offload (moments streamed):        {t_nvme:7.3f} s  ({t_nvme / t_cpu:.2f}x)")
     for d in raw_w:
@@ -162,6 +182,8 @@ def main() -> None:
               f"read {med(raw_r[d]) / 1e9:.2f} GB/s")
     print(f"  raw disk, a read and a write at once: {med(mixed) / 1e9:.2f} GB/s together")
     print(f"  the moments read and written back at the disk's best: {t_disk:.3f} s")
+    print(f"  the streaming's own reads and writes, without the update: {med(io_only):.3f} s "
+          f"(the update adds {t_nvme - med(io_only):+.3f} s)")
     print(f"  streaming reaches {t_disk / t_nvme:.0%} of the raw throughput (goal >= 70%); "
           f"weights bitwise equal: {same}")
     if args.json:
