@@ -24,8 +24,10 @@ A resume needs nothing of the old files.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -45,6 +47,10 @@ SPLIT = 4096  # elements: a parameter's shard is split between chunks only at mu
 MOMENTS = ("exp_avg", "exp_avg_sq")
 ON_NVME = "nvme"  # what optimizer.state[p][moment] holds between steps: the values are in the file
 RING = 3  # buffers: one being read, one being updated, one being written
+
+
+class NvmePathError(OSError):
+    """zero.nvme_path cannot hold this rank's moments (not writable, too small)."""
 
 
 def _round_up(n: int, to: int) -> int:
@@ -140,8 +146,12 @@ class MomentFile:
     kernel copies, so reads, the update and writes overlap)."""
 
     def __init__(self, directory: Path, nbytes: int, rank: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=directory, prefix=f"hpctrain-rank{rank}-", suffix=".adam")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(dir=directory, prefix=f"hpctrain-rank{rank}-", suffix=".adam")
+        except OSError as exc:
+            raise NvmePathError(f"zero.nvme_path={directory}: cannot create the optimizer's moments file there "
+                                f"({exc}); set zero.nvme_path to a writable node-local directory") from exc
         try:
             try:
                 self.fd = os.open(name, os.O_RDWR | getattr(os, "O_DIRECT", 0))
@@ -149,7 +159,7 @@ class MomentFile:
                 os.close(fd)
             except OSError:  # tmpfs and some network file systems refuse O_DIRECT
                 self.fd, self.direct = fd, False
-            os.ftruncate(self.fd, nbytes)  # sparse: reads give zeros, Adam's initial moments
+            self._reserve(directory, nbytes)
             if self.direct:
                 self._probe(name)
         finally:
@@ -157,6 +167,22 @@ class MomentFile:
         self.path, self.nbytes = name, nbytes
         log.info("optimizer moments: %.2f GiB in %s (deleted; %s)", nbytes / 2**30, name,
                  "O_DIRECT" if self.direct else "buffered: the file system refuses O_DIRECT")
+
+    def _reserve(self, directory: Path, nbytes: int) -> None:
+        """The file's space, taken now: a drive too small for every rank's moments fails at the start, naming
+        the key, not with ENOSPC in the middle of a step. Reads of the reserved space give zeros: Adam's
+        initial moments."""
+        try:
+            os.posix_fallocate(self.fd, 0, nbytes)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                os.close(self.fd)
+                free = shutil.disk_usage(directory).free
+                raise NvmePathError(f"zero.nvme_path={directory}: this rank's optimizer moments need "
+                                    f"{nbytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free there (every rank "
+                                    "of the node takes as much); free space, use a larger drive, or shard over "
+                                    "more ranks") from exc
+            os.ftruncate(self.fd, nbytes)  # no fallocate here (O_DIRECT refuses glibc's emulation): sparse
 
     def _probe(self, name: str) -> None:
         """Some file systems accept O_DIRECT at open and fail the first transfer: fall back to buffered I/O."""

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from hpctrain.parallel.nvme import ALIGN, ON_NVME, SPLIT, NvmeAdamW, chunk_elements, plan_chunks
+from hpctrain.parallel.nvme import ALIGN, ON_NVME, SPLIT, NvmeAdamW, NvmePathError, chunk_elements, plan_chunks
 from tests.distributed_harness import run_distributed
 from tests.parallel.layouts import make_cfg, rank_batches
 
@@ -76,6 +76,15 @@ def test_the_step_and_the_state_are_adamws_bit_for_bit(tmp_path: Path) -> None:
     step(a, fresh)
     assert all(torch.equal(p, q) for p, q in zip(ref, mine))
     assert b.io.read_bytes > 0 and b.io.write_bytes > 0 and b.io.steps == 4
+
+
+def test_a_path_that_cannot_hold_the_moments_is_named_with_its_key(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(NvmePathError, match=r"zero.nvme_path=.*a-file/nvme: cannot create .* writable node-local"):
+        NvmeAdamW([torch.nn.Parameter(torch.zeros(8))], blocker / "nvme", SPLIT)
+    opt = NvmeAdamW([torch.nn.Parameter(torch.zeros(3 * SPLIT))], tmp_path, SPLIT)
+    assert os.fstat(opt.file.fd).st_blocks * 512 >= opt.file.nbytes  # reserved at the start, not sparse
 
 
 def _train(rank: int, world: int, overrides: dict[str, Any], steps: int, save: str = "", load: str = ""
