@@ -169,7 +169,7 @@ def main() -> None:
         "raw_by_depth_gbps": {d: {"write": med(raw_w[d]) / 1e9, "read": med(raw_r[d]) / 1e9} for d in raw_w},
         "raw_read_and_write_at_once_gbps": med(mixed) / 1e9,
         "stream_read_busy_s": med(read_s), "stream_write_busy_s": med(write_s),
-        "stream_io_only_s": med(io_only), "disk_bound_s": t_disk, "share_of_raw": t_disk / t_nvme, "bitwise_equal": same,
+        "stream_io_only_s": med(io_only), "disk_bound_s": t_disk, "planner_formula_s": max(t_cpu, t_disk), "share_of_raw": t_disk / t_nvme, "bitwise_equal": same,
     }
     print(f"{n / 1e6:.0f}M parameters, moments {file_bytes / 2**30:.2f} GiB in {directory} "
           f"({'O_DIRECT' if direct else 'buffered'}), chunks of {block / 2**20:.0f} MiB, {args.repeats} repeats")
@@ -184,6 +184,8 @@ def main() -> None:
     print(f"  the moments read and written back at the disk's best: {t_disk:.3f} s")
     print(f"  the streaming's own reads and writes, without the update: {med(io_only):.3f} s "
           f"(the update adds {t_nvme - med(io_only):+.3f} s)")
+    print(f"  the planner's formula (hpctrain/plan/offload.py) on these rates: max(CPU Adam, disk) = "
+          f"{max(t_cpu, t_disk):.3f} s, measured {t_nvme:.3f} s ({t_nvme / max(t_cpu, t_disk) - 1:+.0%})")
     print(f"  streaming reaches {t_disk / t_nvme:.0%} of the raw throughput (goal >= 70%); "
           f"weights bitwise equal: {same}")
     if args.json:
