@@ -132,9 +132,12 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert not different, f"not bitwise equal: {different}"
 
 
-def test_nvme_offload_gives_cpu_offloads_weights_bit_for_bit_on_real_ranks(tmp_path: Path) -> None:
-    cpu = run_distributed(_train, 2, CPU_OFFLOAD, STEPS, timeout=240)
-    nvme = run_distributed(_train, 2, _nvme(tmp_path / "nvme"), STEPS, timeout=240)
+@pytest.mark.parametrize("world,layout", [(2, {}), (4, {"parallel__tp": 2, "parallel__sequence_parallel": True})],
+                         ids=["zero3_dp2", "zero3_dp2xtp2_sp"])  # 1-D and 2-D meshes (TP's DTensors inside FSDP2's)
+def test_nvme_offload_gives_cpu_offloads_weights_bit_for_bit_on_real_ranks(world: int, layout: dict[str, Any],
+                                                                           tmp_path: Path) -> None:
+    cpu = run_distributed(_train, world, {**CPU_OFFLOAD, **layout}, STEPS, timeout=240)
+    nvme = run_distributed(_train, world, {**_nvme(tmp_path / "nvme"), **layout}, STEPS, timeout=240)
     for c, n in zip(cpu, nvme):
         assert c["kind"] == "AdamW" and n["kind"] == "NvmeAdamW"
         _same(c, n)
