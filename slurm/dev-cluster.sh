@@ -631,15 +631,18 @@ cmd_kill_node() {  # node [--silent]: a node dies: SIGKILL its slurmd and everyt
     if [[ ${2:-} == --silent ]]; then ip link set "$VETH_PREFIX$n" down; fi
     # A node dies at once: none of its processes may see another die first and act on it (srun forks a child
     # that ends the whole step, on every node, when its parent dies before it). So all of them are stopped
-    # before any is killed; a second look stops what was forked meanwhile.
-    local stopped="" _
-    for _ in 1 2; do
-        pids=$(live_pids $(node_ns_pids "$n"))
+    # before any is killed, and looked at again until every one is: a look finds what was forked meanwhile,
+    # and a process a parent continued (slurmstepd sends SIGCONT to a child it sees stop, if it is stopped
+    # after the child: seen in CI as "srun: got SIGCONT", then srun ending the step on the other nodes).
+    local stopped="" running _
+    for _ in 1 2 3 4 5 6; do
+        stopped=$(echo $stopped $(live_pids $(node_ns_pids "$n")) | tr ' ' '\n' | sort -un | xargs)
+        [[ -n $stopped ]] || break
+        running=$(ps -o pid=,stat= -p "$(echo $stopped | tr ' ' ',')" 2>/dev/null | awk '$2 !~ /^[TtZ]/ {print $1}')
+        [[ -n $running ]] || break
         # shellcheck disable=SC2086
-        [[ -z $pids ]] || kill -STOP $pids 2>/dev/null || true
-        stopped="$stopped $pids"
+        kill -STOP $running 2>/dev/null || true
     done
-    stopped=$(echo $stopped | tr ' ' '\n' | sort -un | xargs)
     say "killing node $n: $(echo $stopped | wc -w) process(es)"
     # shellcheck disable=SC2086
     [[ -z $stopped ]] || kill -KILL $stopped 2>/dev/null || true
