@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from hpctrain.config.schema import register
+from tests.gpu_rules import environment as rules_environment
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "conf"
@@ -38,9 +39,21 @@ def compose_cfg_module() -> Callable[..., DictConfig]:
     return _compose
 
 
+@pytest.fixture(scope="module")
+def gpu_rules() -> Iterator[None]:
+    """GPU-rules mode (tests/gpu_rules.py) for every rank and process the module's tests start: what would
+    fail on GPUs with NCCL fails there too, naming the rule."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in rules_environment({}).items():
+            patch.setenv(key, value)
+        yield
+
+
 def run_hpctrain(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,
                  module: str = "hpctrain") -> subprocess.CompletedProcess:
-    """Run the real command line (`python -m hpctrain`, or another of its modules), as a user would."""
-    full_env = {**os.environ, "WANDB_MODE": "offline", **(env or {})}
+    """Run the real command line (`python -m hpctrain`, or another of its modules), as a user would, in
+    GPU-rules mode (tests/gpu_rules.py): the login process, the submitit tasks, the elastic agents and their
+    forked workers fail where a GPU run would."""
+    full_env = rules_environment({**os.environ, "WANDB_MODE": "offline", **(env or {})})
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)

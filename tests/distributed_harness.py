@@ -4,6 +4,9 @@ Each torchrun launch costs 8-24 s on 2 cores (every process imports torch); fork
 pytest process costs ~0.2 s for 8 ranks. Ranks meet through a `dist.FileStore` in a fresh temporary
 directory, run `fn(rank, world_size, *args)` and send back its (picklable) result or their traceback.
 
+With HPCTRAIN_GPU_RULES=1 (the `gpu_rules` fixture) each rank runs under tests/gpu_rules.py: what would fail
+on GPUs with NCCL fails here, naming the rule.
+
 Usage from any test:
 
     from tests.distributed_harness import run_distributed
@@ -30,6 +33,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from tests import gpu_rules
+
 
 class DistributedTestError(RuntimeError):
     """A rank raised, died or timed out; the message carries the child's traceback."""
@@ -45,6 +50,9 @@ def _init_process_group(store_path: str, rank: int, world_size: int, attempt: in
 def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, results: Any,
            args: tuple[Any, ...], backend: str) -> None:
     torch.set_num_threads(1)
+    if os.environ.get(gpu_rules.ENV) == "1":
+        gpu_rules.install()
+        gpu_rules.launched_by_test()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     code = 0

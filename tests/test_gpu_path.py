@@ -145,3 +145,15 @@ def test_export_of_a_padded_checkpoint_has_the_tokenizers_rows(tmp_path: Path) -
     exported = torch.load(out)["tok_emb.weight"]
     assert exported.shape == (50, m.d_model)  # the checkpoint holds 64 rows
     assert torch.equal(exported, engine.model.tok_emb.weight.detach()[:50])
+
+
+def test_a_gpu_run_that_finds_no_gpu_stops_instead_of_training_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpctrain.train.loop import _expect_a_gpu
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(RuntimeError, match=r"cluster.gpu_type=h100_80gb but this task sees no GPU "
+                                           r"\(CUDA_VISIBLE_DEVICES='', torch .* built without CUDA\).*"
+                                           r"cluster.gpu_type=cpu"):
+        _expect_a_gpu("h100_80gb", torch.device("cpu"))
+    _expect_a_gpu("cpu", torch.device("cpu"))
+    _expect_a_gpu("h100_80gb", torch.device("cuda", 0))

@@ -182,7 +182,10 @@ class SummingWriter(dcp.FileSystemWriter):
     (a `checksum` on each item's storage info, which reaches `.metadata`)."""
 
     def __init__(self, path: str | os.PathLike, thread_count: int) -> None:
-        super().__init__(path, thread_count=thread_count)
+        # No copy-ahead: with one thread DCP's _OverlappingCpuLoader would sync CUDA streams on the save thread,
+        # whose current device is GPU 0 (a stray context there from every rank); what hpctrain saves is staged
+        # in host memory already, so there is nothing to copy ahead.
+        super().__init__(path, thread_count=thread_count, per_thread_copy_ahead=0)
         self.fs = SummingFileSystem()
 
     def write_data(self, plan: Any, planner: Any) -> Any:

@@ -104,16 +104,17 @@ class InFlight:
 class ReusingStager(BlockingAsyncStager):
     """Stage into the same host buffers every save of a tier: no allocation and no page faults after the
     first save, which is most of the time training is blocked on CPU. Safe because a tier never has two saves
-    in flight. Pinned only where a GPU exists (pinning needs an accelerator)."""
+    in flight. Pinned only for a run on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool) -> None:
         super().__init__(cache_staged_state_dict=True)
         self._keys: frozenset[str] | None = None
+        self._pin = pin
 
     def stage(self, state_dict: Any) -> Any:
         keys = frozenset(_flat_keys(state_dict))
         if self.state_dict_cache is None or keys != self._keys:  # first save, or the state's shape changed
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
             self._keys = keys
         return _copy_state_dict(state_dict, self.state_dict_cache)
 
@@ -164,7 +165,7 @@ class CheckpointManager:
         # their own, since two tiers' saves can be in flight at once in two threads.
         self.control_group = dist.new_group(backend="gloo") if self.distributed else None
         self.save_groups = {t.name: dist.new_group(backend="gloo") if self.distributed else None for t in self.tiers}
-        self.stagers = {t.name: ReusingStager() for t in self.tiers}
+        self.stagers = {t.name: ReusingStager(device.type == "cuda") for t in self.tiers}
         # A save's future: DCP's write, then (node-local tiers) the copy to the next node, on the tier's group.
         self._writers = ThreadPoolExecutor(max_workers=max(1, len(self.tiers)), thread_name_prefix="hpctrain-save")
         self.in_flight: dict[str, InFlight] = {}

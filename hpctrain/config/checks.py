@@ -426,10 +426,12 @@ def _offload(cfg: Config, lay: Layout, r: CheckReport) -> None:
     host, have = o.host_bytes_per_node, hw.host_mem_bytes
     if host > have or host > HOST_MEMORY_WARN * have:
         fix = bigger_dp + ("" if o.device == "nvme" else ", or zero.offload_optimizer_device=nvme (Adam's moments, "
-                           "half of it, go to node-local NVMe) with zero.nvme_path")
-        message = (f"offload keeps {host / GiB:,.1f} GiB per node in host memory ({shards}, "
-                   f"{o.host_bytes_per_gpu / o.shard_params:.0f} bytes each), {host / have:.0%} of the "
-                   f"{have / GiB:,.0f} GiB a {gpu} node has (hpctrain/hardware.py)")
+                           "half of the offloaded shards, go to node-local NVMe) with zero.nvme_path")
+        if o.host.tiers:
+            fix += (f", or fewer checkpoint tiers (each keeps a staged copy of every rank's state in host memory: "
+                    f"{o.host.staging_per_tier * o.gpus_per_node / GiB:,.1f} GiB per node)")
+        message = (f"offload keeps {host / GiB:,.1f} GiB per node in host memory ({shards}: {o.host_terms()}), "
+                   f"{host / have:.0%} of the {have / GiB:,.0f} GiB a {gpu} node has (hpctrain/hardware.py)")
         if host > have:
             report("zero.offload_optimizer", message, fix)
         else:
@@ -440,7 +442,8 @@ def _offload(cfg: Config, lay: Layout, r: CheckReport) -> None:
                f"({shards}, 8 bytes each), more than the {hw.nvme_bytes / 1e12:.2f} TB a {gpu} node has",
                bigger_dp + ", or zero.offload_optimizer_device=cpu if host memory allows")
     if o.device == "nvme" and o.nvme_bound:
-        need = (o.host_bytes_per_gpu + o.nvme_bytes_per_gpu) * o.gpus_per_node
+        # CPU offload: the moments resident in host memory instead of read back for a save
+        need = (o.host_bytes_per_gpu - o.host.save_readback + o.nvme_bytes_per_gpu) * o.gpus_per_node
         r.warn("zero.offload_optimizer_device", f"the NVMe traffic bounds the optimizer step: "
                f"{o.nvme_read_bytes / 1e9:.2f} GB read + {o.nvme_write_bytes / 1e9:.2f} GB written per node and "
                f"step take {o.nvme_s:.2f} s, the CPU's Adam {o.cpu_adam_s:.2f} s; offload adds {st.offload_s:.2f} s "

@@ -20,7 +20,10 @@ Traps this module avoids (measured on this machine, shared/facts/in-allocation-r
   (measured on the dev cluster), so node 0, rank 0's node, is survived like any other; the batch script
   died with it, so the agent then hosting the store ends the job when the run is done;
 - a new interpreter per worker would import torch again on every restart (2.5-4 s of each): the workers are
-  forked from the agent, which never touches CUDA or runs a torch op, so forking it is safe;
+  forked from the agent, which never initialises CUDA or runs a torch op, so forking it is safe. torch's own
+  LaunchConfig asks torch.cuda.is_available(), which would initialise CUDA and poison every forked worker:
+  the agent asks through NVML (PYTORCH_NVML_BASED_CUDA_CHECK=1), and tests/gpu_rules.py fails a CPU run
+  whose agent initialises CUDA before it forks;
 - a spare agent waiting in the rendezvous makes the running agents restart every second: spares wait outside
   it until a node is gone (hpctrain/distributed/spares.py);
 - a node that loses power fails nothing (its peers block in collectives): a spare notices its beats stop, and
@@ -68,6 +71,8 @@ KEEP_ALIVE_MISSES = 3
 RENDEZVOUS_POLL_S_PER_NODE = 0.002
 RENDEZVOUS_POLL_MIN_S = 0.05
 NEXT_HOST_WAIT_S = 10  # how long an agent waits for the next node in line to open the moved store
+NO_NUMA_QUERY = object()  # see NodeAgent.launch_config
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available/device_count without initialising CUDA
 
 
 @dataclass(frozen=True)
@@ -107,14 +112,21 @@ class NodeAgent:
         from torch.distributed.launcher.api import LaunchConfig
 
         low = self.min_nodes or self.nodes
-        return LaunchConfig(
+        config = LaunchConfig(
             min_nodes=low, max_nodes=self.nodes, nproc_per_node=self.workers, run_id=self.job_id,
             role="hpctrain", rdzv_backend="c10d", rdzv_endpoint=self.endpoint,
             rdzv_configs={"is_host": self.node == self.store_node, "join_timeout": self.join_timeout_s,
                           "last_call_timeout": LAST_CALL_S if low == self.nodes else SHRINK_LAST_CALL_S,
                           "keep_alive_interval": KEEP_ALIVE_S,
                           "keep_alive_max_attempt": KEEP_ALIVE_MISSES, "read_timeout": int(spares.READ_TIMEOUT_S)},
-            max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="fork")
+            max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="fork",
+            numa_options=NO_NUMA_QUERY)  # type: ignore[arg-type]
+        # Given no NUMA options, torch would ask torch.cuda.is_available() here (to pick default options, which
+        # are None outside Meta anyway): CUDA initialised in the agent, every forked worker poisoned. NVML's
+        # count (the agent's PYTORCH_NVML_BASED_CUDA_CHECK) falls back to cudaGetDeviceCount where NVML fails
+        # (MIG UUIDs in CUDA_VISIBLE_DEVICES, no libnvidia-ml), so the question is not asked at all.
+        config.numa_options = None
+        return config
 
 
 def agent_from_submitit(nodes: int, workers: int, max_restarts: int, join_timeout_s: int, min_nodes: int = 0
@@ -137,6 +149,10 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    # First: torch's LaunchConfig asks torch.cuda.is_available() (for NUMA binding defaults), which initialises
+    # CUDA in the agent through cudaGetDeviceCount; every worker forked after that dies at its first CUDA call
+    # ("Cannot re-initialize CUDA in forked subprocess"). Asked through NVML instead, nothing initialises CUDA.
+    os.environ[NVML_CUDA_CHECK] = "1"
     _log_to_stderr(agent.node)
     _plain_torch_log_format()
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

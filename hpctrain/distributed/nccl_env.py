@@ -18,7 +18,10 @@ Decisions (each unit-tested on captured `nvidia-smi topo -m`, ibstat and /sys/cl
 - NCCL_SOCKET_IFNAME only when cluster.nccl.socket_ifname is set: NCCL's own choice already skips lo and
   docker* (unless nothing else exists) and prefers ib*; any value replaces that choice.
 - NCCL_TOPO_FILE: the topology file is an environment variable (torch's init has no argument for it).
-- NCCL_DEBUG / NCCL_DEBUG_SUBSYS on demand; TORCH_NCCL_ASYNC_ERROR_HANDLING so a failed collective raises.
+- NCCL_DEBUG / NCCL_DEBUG_SUBSYS on demand. TORCH_NCCL_ASYNC_ERROR_HANDLING is left at torch's default, 3
+  (SkipCleanUp): when a collective fails or times out, NCCL's watchdog thread ends the process without
+  ncclCommAbort, which can itself hang on a broken fabric; 1 (TearDown) aborts the communicators first. In
+  neither mode does the training thread get an exception: the process ends, and the agent restarts the group.
 Values the user set (cluster.nccl, cluster.env, or the job's environment) are never overridden.
 """
 
@@ -104,7 +107,7 @@ def selects(spec: str, port: Port) -> bool:
 def nccl_environment(nccl_cfg: Any, local_rank: int, topology: dict[str, Any] | None,
                      ib: dict[str, Any] | None) -> dict[str, str]:
     """The NCCL variables for this task (only those it has reason to set)."""
-    env: dict[str, str] = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    env: dict[str, str] = {}
     if nccl_cfg.debug:
         env["NCCL_DEBUG"] = str(nccl_cfg.debug)
         if nccl_cfg.debug_subsys:

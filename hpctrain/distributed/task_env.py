@@ -35,5 +35,9 @@ def task_environment(cfg: Any) -> dict[str, str]:
     # What the config fixes; each task on a GPU adds what its node reports (compute HCAs, nearest first).
     env.update(nccl_environment(cfg.cluster.nccl, 0, None, None))
     env.update(flight_recorder_environment())
+    # NCCL's heartbeat monitor ends a process whose NCCL watchdog thread is stuck (in a CUDA call on a wedged
+    # GPU) this long; torch's 480 s is below health.hang_timeout_s, so it killed the rank before hpctrain's
+    # watchdog left its stacks and failure record. The collective timeout outlasts the hang limits (checked).
+    env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(int(cfg.launcher.collective_timeout_s))
     env.update({str(k): str(v) for k, v in cfg.cluster.env.items()})
     return env

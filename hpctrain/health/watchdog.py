@@ -130,6 +130,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._firing = threading.Lock()  # held from the decision to fire until the process exits
         self._main = threading.main_thread()
+        self._device = _current_cuda_device()  # for the flight recorder's reads on a thread of their own
         self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
 
     def start(self) -> "Watchdog":
@@ -208,7 +209,7 @@ class Watchdog:
             faulthandler.dump_traceback(file=f, all_threads=True)
         main_stack = "".join(traceback.format_stack(sys._current_frames()[self._main.ident]))
         backend = _backend()
-        active = _bounded(lambda: _active_trace(backend))
+        active = _bounded(lambda: _active_trace(backend), self._device)
         verdict = decide(active, main_stack, backend, time.time_ns())
         with open(dump, "a") as f:
             f.write(f"\nverdict: {verdict.reason}\n")
@@ -216,7 +217,7 @@ class Watchdog:
                    f"{verdict.reason}; stacks in {dump}")
         record_failure(self.run_dir, self.job_id, self.rank, self.step + 1, exc, peer=verdict.peer)
         log.error("%s", exc)
-        _save_full_traces(directory, self.rank, backend)
+        _save_full_traces(directory, self.rank, backend, self._device)
         logging.shutdown()
         os._exit(EXIT_HANG)
 
@@ -262,19 +263,29 @@ def _active_trace(backend: str | None) -> dict[str, Any] | None:
     return merge_traces([pickle.loads(raw) for raw in raws if raw])  # torch's own pickles of this process
 
 
-def _save_full_traces(directory: Path, rank: int, backend: str | None) -> None:
+def _save_full_traces(directory: Path, rank: int, backend: str | None, device: int | None) -> None:
     for kind in _kinds(backend):
-        full = _bounded(lambda kind=kind: _flight_recorder(kind, full=True))
+        full = _bounded(lambda kind=kind: _flight_recorder(kind, full=True), device)
         if full:
             (directory / f"{kind}{TRACE_SUFFIX}{rank}").write_bytes(full)
 
 
-def _bounded(fn: Callable[[], Any], timeout_s: float = FLIGHT_RECORDER_WAIT_S) -> Any:
-    """fn() on a helper thread, or None when it fails or does not return in time."""
+def _current_cuda_device() -> int | None:
+    """The calling thread's CUDA device, where this process uses CUDA."""
+    torch = sys.modules.get("torch")
+    return torch.cuda.current_device() if torch is not None and torch.cuda.is_initialized() else None
+
+
+def _bounded(fn: Callable[[], Any], device: int | None = None, timeout_s: float = FLIGHT_RECORDER_WAIT_S) -> Any:
+    """fn() on a helper thread, or None when it fails or does not return in time. The thread works on this
+    rank's GPU: a new thread starts on GPU 0, where reading NCCL's CUDA events would create a context (or
+    wait on GPU 0 when that is the hung one)."""
     box: list[Any] = []
 
     def run() -> None:
         try:
+            if device is not None:
+                sys.modules["torch"].cuda.set_device(device)
             box.append(fn())
         except Exception as err:  # a diagnostic must never be the reason the dump fails
             log.warning("could not read the flight recorder: %s", err)

@@ -53,8 +53,8 @@ def offload_memory_lines(est: Estimates) -> list[str]:
     if o is None:
         return []
     lines = [f"  host memory per node  {o.host_bytes_per_node / g:9.2f} GiB of {hw.host_mem_bytes / g:.0f} GiB "
-             f"({o.gpus_per_node} GPUs x {o.host_bytes_per_gpu / g:.2f} GiB: fp32 parameter and gradient shards"
-             + (")" if o.device == "nvme" else " and Adam moments)")]
+             f"({o.gpus_per_node} GPUs x {o.host_bytes_per_gpu / g:.2f} GiB):",
+             f"  {'':<21} {o.host_terms()}"]
     if o.device == "nvme":
         lines.append(f"  NVMe per node         {o.nvme_bytes_per_node / g:9.2f} GiB of {hw.nvme_bytes / 1e12:.1f} TB "
                      f"(Adam moments: {o.gpus_per_node} GPUs x {o.nvme_bytes_per_gpu / g:.2f} GiB)")

@@ -41,7 +41,8 @@ def uses_fsdp(zero_stage: int, tp: int, pp: int) -> bool:
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, zero: ZeroConfig, precision: PrecisionConfig,
                reshard_after_forward: bool) -> None:
     """fully_shard each block, then the root (embeddings, final norm, head): one all-gather per block."""
-    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    # Pinned where the mesh is on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not).
+    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
                               if zero.offload_optimizer or zero.offload_params else OffloadPolicy())
     kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(precision), offload_policy=offload)
     for block in model.layers.values():
@@ -64,7 +65,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, zero: ZeroConfig,
     ddp = nn.parallel.DistributedDataParallel(
         model, process_group=group, bucket_cap_mb=zero.reduce_bucket_size / 2**20,
         gradient_as_bucket_view=True)
-    hook = ddp_comm_hook(precision)
+    hook = ddp_comm_hook(precision, mesh.device_type)
     if hook is not None:
         ddp.register_comm_hook(group, hook)
     _settle_buckets(ddp)

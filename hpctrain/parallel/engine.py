@@ -46,6 +46,7 @@ from hpctrain.parallel.data_parallel import (
     zero1_optimizer,
 )
 from hpctrain.parallel.dims import ParallelDims
+from hpctrain.parallel.groups import own_group, tied_embedding_pairs
 from hpctrain.parallel.pipeline import build_schedule, stage_model
 from hpctrain.parallel.pipeline import evaluate as evaluate_pipeline
 from hpctrain.parallel.optimizer import build_optimizer, optimizer_defaults, param_groups
@@ -204,14 +205,7 @@ class Engine:
             return None
         if pp == 2:
             return self.pp_group
-        ranks = self.dims.mesh.mesh  # (pp, dp_replicate, dp_shard, tp)
-        mine = None
-        for index in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape[1:]]).reshape(-1, 3).tolist():
-            pair = [int(ranks[0][tuple(index)]), int(ranks[last_rank][tuple(index)])]
-            group = dist.new_group(pair)
-            if dist.get_rank() in pair:
-                mine = group
-        return mine
+        return own_group(tied_embedding_pairs(self.dims.mesh.mesh, last_rank))
 
     # ---- one optimizer step -------------------------------------------------------------------------------
 
@@ -266,10 +260,8 @@ class Engine:
         finally:
             for part in self.model_parts:
                 part.train()
-        if self.dims.distributed:
-            dist.all_reduce(total)
-        copies = self.dims.dp * self.dims.tp if self.dims.distributed else 1
-        return total.item() / (copies * len(batches))
+        self._sum_over_ranks(total)
+        return total.item() / (self.dims.dp * self.dims.tp * len(batches))
 
     def _eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's mean loss over one batch's microbatches (0 on pipeline ranks without the last stage)."""
@@ -358,11 +350,17 @@ class Engine:
                                                                              device=self.device)
         values = torch.cat([torch.stack([loss, share]),
                             torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True)])
-        if self.dims.distributed:
-            dist.all_reduce(values)
+        self._sum_over_ranks(values)
         total_loss, squared_norm, *agreed = values.tolist()
-        copies = self.dims.dp * self.dims.tp if self.dims.distributed else 1
-        return total_loss / copies, math.sqrt(squared_norm) if squared_norm >= 0 else math.nan, agreed
+        return (total_loss / (self.dims.dp * self.dims.tp), math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
+                agreed)
+
+    @staticmethod
+    def _sum_over_ranks(values: torch.Tensor) -> None:
+        """All-reduce on the default group whenever there is one, a world of one rank included: a one-GPU run
+        then takes the multi-GPU path (its device tensor on NCCL), so nothing is left for a second GPU to show."""
+        if dist.is_initialized():
+            dist.all_reduce(values)
 
     def _zero_grad(self) -> None:
         for opt in self.optimizers:

@@ -60,13 +60,14 @@ def autocast(precision: PrecisionConfig, device: torch.device, enabled: bool) ->
         yield
 
 
-def ddp_comm_hook(precision: PrecisionConfig) -> Any | None:
+def ddp_comm_hook(precision: PrecisionConfig, device_type: str) -> Any | None:
     """DDP gradient compression to reduce_dtype (None: reduce in fp32, DDP's default).
 
-    torch's compression hooks need NCCL: on CPU/gloo DDP reduces in fp32 whatever reduce_dtype says."""
+    torch's compression hooks need NCCL: on CPU/gloo DDP reduces in fp32 whatever reduce_dtype says (a CPU run
+    on a GPU machine too: the mesh's device decides, not whether a GPU exists)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    if not torch.cuda.is_available():
+    if device_type != "cuda":
         return None
     return {torch.bfloat16: default_hooks.bf16_compress_hook,
             torch.float16: default_hooks.fp16_compress_hook}.get(reduce_dtype(precision))

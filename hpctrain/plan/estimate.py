@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from hpctrain.models.params import arch_of, ffn_hidden_of, kv_heads_of, tied_of
 from hpctrain.plan.flops import flops_per_iteration
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
+from hpctrain.plan.offload import offload_costs
 from hpctrain.plan.step_time import StepEstimate, StepRange, step_range
 from hpctrain.plan.types import Hardware, Layout, ModelShape, hardware
 
@@ -49,6 +50,9 @@ def estimate(cfg: Any, layout: Layout) -> Estimates:
     resolved by hpctrain.config.layout); the checks call it once per run."""
     model, hw = model_shape(cfg.model, cfg.train.seq_len), cluster_hardware(cfg.cluster)
     span = step_range(model, layout, hw)
+    if span.point.offload is not None:  # the host figure with the checkpoint tiers' staging copies (offload.py)
+        point = replace(span.point, offload=offload_costs(model, layout, hw, checkpoint=cfg.checkpoint))
+        span = replace(span, point=point)
     return Estimates(
         model=model, layout=layout, hw=hw,
         memory=memory_per_gpu(model, layout, hw),
@@ -89,8 +93,14 @@ def offload_json(st: StepEstimate, hw: Hardware) -> dict[str, Any] | None:
     o = st.offload
     if o is None:
         return None
+    g, h = o.gpus_per_node, o.host
     return {"device": o.device, "params_per_rank": o.shard_params, "gpus_per_node": o.gpus_per_node,
             "host_bytes_per_node": o.host_bytes_per_node, "host_memory_per_node": hw.host_mem_bytes,
+            "host_per_node_bytes": {"offloaded_shards": g * h.shards, "pinned_rounding": g * h.pinned_rounding,
+                                    "checkpoint_staging_per_tier": g * h.staging_per_tier,
+                                    "checkpoint_staging_rounding_per_tier": g * h.staging_rounding_per_tier,
+                                    "checkpoint_tiers": h.tiers, "nvme_save_readback": g * h.save_readback,
+                                    "pinned": h.pinned},
             "nvme_bytes_per_node": o.nvme_bytes_per_node, "nvme_capacity_per_node": hw.nvme_bytes,
             "nvme_read_bytes_per_step": o.nvme_read_bytes, "nvme_write_bytes_per_step": o.nvme_write_bytes,
             "pcie_bytes_per_gpu_per_step": o.pcie_bytes, "h2d_bytes_per_gpu_per_step": o.h2d_bytes,

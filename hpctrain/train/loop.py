@@ -33,6 +33,7 @@ from hpctrain.distributed.environment import (
 )
 from hpctrain.distributed.task_env import task_environment
 from hpctrain.health.monitor import RunMonitor
+from hpctrain.health.gpu_free import wait_for_free_gpu
 from hpctrain.health.preflight import UnhealthyNodes, run_preflight
 from hpctrain.health.watchdog import Watchdog
 from hpctrain.parallel.engine import build_engine
@@ -83,6 +84,7 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None,
     torch.set_num_threads(cfg.train.threads_per_rank)
     env = discover()
     device = task_device(env.local_rank)
+    _expect_a_gpu(str(cfg.cluster.gpu_type), device)
     if device.type == "cuda":  # NCCL reads these when its communicators start: set them before
         os.environ.update(node_nccl_environment(cfg, env.local_rank))
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,  # a forked worker: the agent's too
@@ -96,6 +98,11 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None,
                     env.num_nodes, layout.nodes, layout.dp, smaller.dp, layout.grad_accum, smaller.grad_accum,
                     smaller.global_batch)
         layout = smaller
+    try:  # before the first allocation on the GPU (the process group's communicator is one)
+        wait_for_free_gpu(device, env.hostname)
+    except UnhealthyNodes as exc:  # the supervisor resubmits without this node
+        record_failure(Path(run_dir), env.attempt, env.rank, 0, exc, peer=False, blame=exc.hosts)
+        raise
     init_distributed(env, device, timeout_s=cfg.launcher.collective_timeout_s)
     env = agree_on_restart(env)
     timeline["joined"] = time.time()
@@ -121,6 +128,18 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None,
         return {"rank": env.rank, "stale": True}
     finally:
         shutdown()
+
+
+def _expect_a_gpu(gpu_type: str, device: torch.device) -> None:
+    """A run planned for GPUs that finds none (a driver error, CUDA_VISIBLE_DEVICES emptied, a CPU build of
+    torch) would train on gloo and the CPU, slowly and without a word: it stops here instead."""
+    if gpu_type == "cpu" or device.type == "cuda":
+        return
+    raise RuntimeError(
+        f"cluster.gpu_type={gpu_type} but this task sees no GPU (CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}, torch {torch.__version__} built "
+        f"{'with CUDA ' + str(torch.version.cuda) if torch.version.cuda else 'without CUDA'}): check the node's driver "
+        "(nvidia-smi) and the job's GPU request, or set cluster.gpu_type=cpu to train on CPUs")
 
 
 def agree_on_restart(env: DistEnv) -> DistEnv:

@@ -297,3 +297,22 @@ def test_the_commit_fsyncs_each_file_before_its_rename_and_the_directory_after(t
     assert calls[2] == ("fsync", str(partial))  # the entries: shards, .metadata, manifest
     assert calls[3] == ("rename", final)
     assert calls[4] == ("fsync", str(tier))  # the rename itself
+
+
+def test_a_one_thread_save_never_syncs_cuda_streams_on_the_save_thread(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one write thread and a GPU, DCP's overlapping loader syncs CUDA streams on the save thread, whose
+    current device is GPU 0: a stray context there from every rank. hpctrain's state is staged in host memory
+    already, so its writer copies nothing ahead and DCP takes the serial loader."""
+    from torch.distributed.checkpoint import filesystem
+
+    def overlapping(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("DCP's overlapping loader (CUDA stream syncs on the save thread)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what DCP asks before it picks the loader
+    monkeypatch.setattr(filesystem, "_OverlappingCpuLoader", overlapping)
+    dcp.save({"w": torch.arange(8.0)}, storage_writer=integrity.SummingWriter(tmp_path / "ckpt", thread_count=1),
+             no_dist=True)
+    loaded = {"w": torch.zeros(8)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(8.0))

@@ -19,6 +19,8 @@ import torch
 from tests.distributed_harness import run_distributed
 from tests.parallel.layouts import LLAMA, make_cfg, model_classes, reference, run_engine
 
+pytestmark = pytest.mark.usefixtures("gpu_rules")  # each rank fails where a GPU run would (tests/gpu_rules.py)
+
 STEPS = 5
 PP = {"train__micro_batch": 2}  # grad_accum >= pp: 2 microbatches of 2 per DP rank
 

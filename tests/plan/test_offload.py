@@ -10,10 +10,11 @@ import pytest
 
 from hpctrain.config.checks import run_checks
 from hpctrain.config.problems import ConfigError
+from hpctrain.config.schema import CheckpointConfig, TierConfig
 from hpctrain.hardware import KNOWN_HARDWARE
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
 from hpctrain.plan.memory import memory_per_gpu
-from hpctrain.plan.offload import offload_costs
+from hpctrain.plan.offload import offload_costs, pinned_block, shard_elements
 from hpctrain.plan.step_time import estimate_step
 from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
 
@@ -34,9 +35,11 @@ def test_the_small_case_by_hand():
     o = offload_costs(MODEL, CPU, HW)
     shard = N_PARAMS / 4  # 27,584 parameters per rank (ZeRO-3 over dp = 4)
     assert (o.device, o.params_per_gpu, o.shard, o.shard_params) == ("cpu", N_PARAMS, 4, shard)
-    # host: fp32 parameter + gradient shards + Adam's two moments, 16 bytes per parameter of the shard
-    assert o.host_bytes_per_gpu == 16 * shard == 441_344
-    assert o.host_bytes_per_node == 4 * 441_344 == 1_765_376
+    # host: fp32 parameter + gradient shards + Adam's two moments, 16 bytes per parameter of the shard, and the
+    # pinned parameter and gradient shards' power-of-two rounding (test_host_memory_by_hand: 2 x 8,320 bytes)
+    assert o.host.shards == 16 * shard == 441_344
+    assert o.host_bytes_per_gpu == 441_344 + 16_640 == 457_984
+    assert o.host_bytes_per_node == 4 * 457_984 == 1_831_936
     assert o.nvme_bytes_per_node == o.nvme_read_bytes == o.nvme_write_bytes == 0
     # PCIe: ZeRO-3 gathers in forward and backward of each of the 2 micro-batches, each after a 4-byte copy of
     # the shard; the gradient shard comes back once per step
@@ -50,11 +53,78 @@ def test_the_small_case_by_hand():
     assert o.exposed_s == pytest.approx(1.10336 + 0.55168)
 
 
+def _tiers(n: int) -> CheckpointConfig:
+    return CheckpointConfig(tiers=[TierConfig(name=f"t{i}", path=f"p{i}") for i in range(n)])
+
+
+def test_host_memory_by_hand():
+    """zero=stage3_offload with 2 checkpoint tiers, tensor by tensor: every pinned tensor is its own block of torch's
+    caching host allocator, rounded up to a power of two (CachingHostAllocator.h), each tier stages its own copy."""
+    # FSDP2 splits dim 0 of each parameter into 4 (DP 4, TP 1); fp32 bytes of rank 0's shard -> its pinned block:
+    #   per layer (x 2): norm1 w, b, attn.proj.bias, norm2 w, b, mlp.proj.bias (64,) -> 16 x 4 = 64 -> 64, six
+    #                    attn.qkv.weight (192, 64) -> 48 x 64 x 4 = 12,288 -> 16,384
+    #                    attn.qkv.bias (192,) -> 48 x 4 = 192 -> 256
+    #                    attn.proj.weight (64, 64) -> 16 x 64 x 4 = 4,096 -> 4,096
+    #                    mlp.fc.weight (256, 64), mlp.proj.weight (64, 256) -> 64 x 64 x 4 = 16 x 256 x 4 = 16,384
+    #                    mlp.fc.bias (256,) -> 64 x 4 = 256 -> 256
+    #   top (x 1):       tok_emb (128, 64) -> 32 x 64 x 4 = 8,192; pos_emb (32, 64) -> 8 x 64 x 4 = 2,048;
+    #                    norm_f w, b (64,) -> 64 each: all powers of two already
+    layer = 6 * 64 + 12_288 + 192 + 4_096 + 2 * 16_384 + 256
+    layer_pinned = 6 * 64 + 16_384 + 256 + 4_096 + 2 * 16_384 + 256
+    top = 8_192 + 2_048 + 2 * 64
+    exact, pinned = 2 * layer + top, 2 * layer_pinned + top
+    assert (layer, layer_pinned, exact, pinned) == (49_984, 54_144, 110_336, 118_656)
+    assert exact == 4 * N_PARAMS / 4  # the fp32 shard: 4 bytes x 27,584 parameters
+    # resident: parameter and gradient shards pinned (2 blocks per parameter), Adam's two moments pageable
+    resident = 2 * pinned + 2 * exact
+    rounding = 2 * (pinned - exact)
+    # staging, per tier: the parameter and its exp_avg and exp_avg_sq, 3 pinned tensors per parameter
+    staging = 3 * pinned
+    per_gpu = resident + 2 * staging
+    assert (resident, rounding, staging, per_gpu) == (457_984, 16_640, 355_968, 1_169_920)
+
+    o = offload_costs(MODEL, CPU, HW, checkpoint=_tiers(2))
+    assert o.host.shards == 16 * exact / 4 == 441_344  # the memory model's 16 n/N: nothing uneven here
+    assert o.host.pinned_rounding == rounding
+    assert (o.host.tiers, o.host.staging_per_tier, o.host.staging_rounding_per_tier) == (2, staging, 3 * 8_320)
+    assert o.host.save_readback == 0
+    assert o.host_bytes_per_gpu == per_gpu
+    assert o.host_bytes_per_node == 4 * per_gpu == 4_679_680
+    # the same state on the "cpu" entry: nothing is pinned (hpctrain pins only where a GPU exists), nothing rounded
+    cpu_hw = replace(HW, name="cpu")
+    bare = offload_costs(MODEL, CPU, cpu_hw, checkpoint=_tiers(2))
+    assert bare.host.pinned_rounding == bare.host.staging_rounding_per_tier == 0
+    assert bare.host_bytes_per_gpu == 4 * exact + 2 * 3 * exact == 1_103_360
+    # NVMe: the moments leave host memory, but a save reads them back (8 bytes per parameter, once)
+    n = offload_costs(MODEL, NVME, HW, checkpoint=_tiers(2))
+    assert n.host.shards == 2 * exact and n.host.save_readback == 2 * exact
+    assert n.host_bytes_per_gpu == 2 * pinned + 2 * exact + 2 * staging == per_gpu
+
+
+def test_host_memory_grows_with_the_checkpoint_tiers():
+    figures = [offload_costs(MODEL, CPU, HW, checkpoint=_tiers(t)).host_bytes_per_node for t in range(4)]
+    assert figures == sorted(set(figures))  # strictly increasing
+    assert [b - a for a, b in zip(figures, figures[1:])] == [4 * 355_968] * 3  # one staged copy per GPU per tier
+    assert offload_costs(MODEL, CPU, HW).host_bytes_per_node == figures[0]  # no checkpoint section: no staging
+    off = CheckpointConfig(enabled=False, tiers=_tiers(3).tiers)
+    assert offload_costs(MODEL, CPU, HW, checkpoint=off).host_bytes_per_node == figures[0]
+
+
+def test_pinned_blocks_round_up_to_a_power_of_two():
+    assert [pinned_block(b) for b in (0, 1, 3, 4, 4_097, 12_288, 2**20)] == [0, 1, 4, 4, 8_192, 16_384, 2**20]
+    assert pinned_block(12_288, threshold=8_192) == 12_288  # above pinned_max_round_threshold: exact
+    # uneven rows: FSDP2's rank 0 holds ceil(rows / N) rows of the TP-local tensor
+    assert shard_elements("attn.qkv.weight", (30, 8), tp=1, shard=4) == 8 * 8
+    assert shard_elements("attn.qkv.weight", (30, 8), tp=2, shard=4) == 4 * 8  # TP 2: 15 rows, then ceil(15/4)
+    assert shard_elements("attn.proj.weight", (30, 8), tp=2, shard=4) == 8 * 4  # TP splits dim 1
+
+
 def test_nvme_moves_the_moments_and_streams_them_every_step():
     o = offload_costs(MODEL, NVME, HW)
     shard = N_PARAMS / 4
     assert o.device == "nvme"
-    assert o.host_bytes_per_gpu == 8 * shard == 220_672  # the moments left host memory: half of it
+    assert o.host.shards == 8 * shard == 220_672  # the moments left host memory: half of the shards
+    assert o.host_bytes_per_gpu == 220_672 + 16_640  # the pinned rounding stays (no checkpoint tiers here)
     assert o.nvme_bytes_per_gpu == 8 * shard
     assert o.nvme_bytes_per_node == o.nvme_read_bytes == o.nvme_write_bytes == 882_688
     assert o.nvme_read_s == pytest.approx(0.882688)  # at 1e6 B/s
@@ -141,25 +211,42 @@ def test_an_unknown_offload_device_is_reported_once(compose_cfg, capsys, tmp_pat
 
 
 def test_host_memory_beyond_the_node_is_an_error(compose_cfg):
-    # 175B on one H100 node, TP 4 x DP 2: 21.8e9 parameters per rank x 16 bytes x 8 GPUs = 2.6 TiB > 2 TiB
-    r = _report(compose_cfg, "zero=stage3_offload", "cluster.nodes=1", "parallel.tp=4", "parallel.pp=1",
-                "parallel.dp=-1", "train.grad_accum=-1")
+    # 175B on one H100 node, TP 4 x DP 2: 21.8e9 parameters per rank x 16 bytes x 8 GPUs = 2.5 TiB > 2 TiB, before
+    # the pinned rounding and the staging copies of the experiment's three checkpoint tiers
+    one_node = ("cluster.nodes=1", "parallel.tp=4", "parallel.pp=1", "parallel.dp=-1", "train.grad_accum=-1")
+    r = _report(compose_cfg, "zero=stage3_offload", *one_node)
     (err,) = [e for e in r.errors if e.key == "zero.offload_optimizer"]
     assert "host memory" in err.message and "2,048 GiB" in err.message
+    assert "pinned rounding" in err.message and "checkpoint staging" in err.message and "x 3 tiers" in err.message
     assert "more nodes or a larger DP" in err.fix and "offload_optimizer_device=nvme" in err.fix
-    # the same with the moments on NVMe: 8 bytes per parameter, 1.3 TiB, under 80% of 2 TiB: neither
-    r = _report(compose_cfg, "zero=stage3_nvme", "zero.nvme_path=/raid/x", "cluster.nodes=1", "parallel.tp=4",
-                "parallel.pp=1", "parallel.dp=-1", "train.grad_accum=-1")
-    assert r.estimates.step.offload.host_bytes_per_node / 2**40 == pytest.approx(1.27, abs=0.01)
+    assert "fewer checkpoint tiers" in err.fix
+    # the moments on NVMe and no checkpoint tiers: 8 bytes per parameter, 1.27 TiB, but the pinned parameter and
+    # gradient shards are rounded up to powers of two (+0.80 TiB here: the MLP shards by 78%): 2.07 TiB, too much
+    nvme = ("zero=stage3_nvme", "zero.nvme_path=/raid/x")
+    r = _report(compose_cfg, *nvme, *one_node, "checkpoint=none")
+    o = r.estimates.step.offload
+    assert o.host.shards * 8 / 2**40 == pytest.approx(1.27, abs=0.01)
+    assert o.host.pinned_rounding * 8 / 2**40 == pytest.approx(0.80, abs=0.01)
+    assert o.host.tiers == 0 and o.host_bytes_per_node / 2**40 == pytest.approx(2.07, abs=0.01)
+    (err,) = [e for e in r.errors if e.key == "zero.offload_optimizer"]
+    assert "no checkpoint staging" in err.message and "fewer checkpoint tiers" not in err.fix
+    # two nodes halve the shards: 1.04 TiB, under 80% of 2 TiB: neither error nor warning
+    two_nodes = ("cluster.nodes=2", *one_node[1:])
+    r = _report(compose_cfg, *nvme, *two_nodes, "checkpoint=none")
+    assert r.estimates.step.offload.host_bytes_per_node / 2**40 == pytest.approx(1.04, abs=0.01)
     assert "zero.offload_optimizer" not in _keys(r.errors) + _keys(r.warnings)
+    # ... but not with the experiment's three tiers, each keeping a staged copy of every rank's state
+    r = _report(compose_cfg, *nvme, *two_nodes)
+    assert r.estimates.step.offload.host.staging * 8 / 2**40 == pytest.approx(3 * 1.554, abs=0.01)
+    assert "zero.offload_optimizer" in _keys(r.errors)
 
 
 def test_host_memory_near_the_node_warns(compose_cfg, monkeypatch):
-    tight = replace(KNOWN_HARDWARE["h100_80gb"], host_mem_bytes=6 * GiB)  # the article's case needs 5.26 GiB
+    tight = replace(KNOWN_HARDWARE["h100_80gb"], host_mem_bytes=30 * GiB)  # the article's case needs 26.18 GiB
     monkeypatch.setitem(KNOWN_HARDWARE, "h100_80gb", tight)
     r = _report(compose_cfg, "zero=stage3_offload")
     (warn,) = [w for w in r.warnings if w.key == "zero.offload_optimizer"]
-    assert "88% of the 6 GiB" in warn.message and "too little is left" in warn.message
+    assert "87% of the 30 GiB" in warn.message and "too little is left" in warn.message
     assert "zero.offload_optimizer" not in _keys(r.errors)
 
 
@@ -207,15 +294,22 @@ def test_plan_shows_host_memory_nvme_and_offload_time(compose_cfg, capsys):
     plan = json.loads(capsys.readouterr().out)
     off = plan["offload"]
     assert off["device"] == "nvme" and off["host_memory_per_node"] == 2 * 2**40
-    assert off["host_bytes_per_node"] == pytest.approx(off["nvme_bytes_per_node"])
+    host = off["host_per_node_bytes"]
+    assert host["offloaded_shards"] == pytest.approx(off["nvme_bytes_per_node"])  # 8 bytes per parameter each
+    assert host["checkpoint_tiers"] == 3 and host["pinned"] and host["pinned_rounding"] > 0
+    assert off["host_bytes_per_node"] == pytest.approx(
+        host["offloaded_shards"] + host["pinned_rounding"] + 3 * host["checkpoint_staging_per_tier"]
+        + host["nvme_save_readback"])
     assert off["nvme_read_bytes_per_step"] == off["nvme_write_bytes_per_step"] == off["nvme_bytes_per_node"]
     assert plan["step_time_split_s"]["offload"] == pytest.approx(off["time_s"]["exposed"])
     assert plan["memory_per_gpu_bytes"]["nvme"] > 0
     assert any(p["nvme"] for p in plan["memory_parts_bytes"])
     assert run(compose_cfg(*overrides)).code == 0
     text = capsys.readouterr().out
-    for words in ("host memory per node", "NVMe per node", "+ offload", "slower than without offload",
-                  "GB read +", "the drives bound the optimizer step", "Adam's moments on NVMe"):
+    for words in ("host memory per node", "pinned rounding", "checkpoint staging", "x 3 tiers",
+                  "moments read back from NVMe during a save", "NVMe per node", "+ offload",
+                  "slower than without offload", "GB read +", "the drives bound the optimizer step",
+                  "Adam's moments on NVMe"):
         assert words in text, words
     assert run(compose_cfg("+experiment=175b", "dry_run=true", "plan.format=json")).code == 0
     assert json.loads(capsys.readouterr().out)["offload"] is None
@@ -230,13 +324,16 @@ def test_the_articles_175b_case(compose_cfg):
     assert plain.offload is None and plain.step_time_s == pytest.approx(9.634, abs=5e-4)
     o = cpu.offload
     assert o.shard_params == pytest.approx(44.09e6, rel=1e-3)  # 2.82e9 parameters per GPU / 64
-    assert o.host_bytes_per_node / GiB == pytest.approx(5.26, abs=0.01)
+    assert o.host.shards * o.gpus_per_node / GiB == pytest.approx(5.26, abs=0.01)  # 16 bytes x 44.09e6 x 8
+    # + the pinned rounding (1.65 GiB) + 3 checkpoint tiers' staging copies (6.42 GiB each, 2.48 of it rounding)
+    assert o.host_bytes_per_node / GiB == pytest.approx(26.18, abs=0.01)
     assert (o.cpu_adam_s, o.pcie_s) == (pytest.approx(0.1037, abs=1e-4), pytest.approx(0.0882, abs=1e-4))
     assert cpu.offload_slowdown == pytest.approx(0.0199, abs=1e-4)
     n = nvme.offload
     assert n.nvme_bound and (n.nvme_read_s, n.nvme_write_s) == (pytest.approx(0.1008, abs=1e-4),
                                                                 pytest.approx(0.1764, abs=1e-4))
-    assert n.host_bytes_per_node == pytest.approx(o.host_bytes_per_node / 2)
+    assert n.host.shards == pytest.approx(o.host.shards / 2)
+    assert n.host_bytes_per_node == pytest.approx(o.host_bytes_per_node)  # a save reads the moments back
     assert nvme.offload_slowdown == pytest.approx(0.0379, abs=1e-4)
     for st in (cpu, nvme):
         assert st.step_time_s - st.offload_s == pytest.approx(plain.step_time_s)
