@@ -136,7 +136,7 @@ def _check_thread(api: str, group: Any) -> None:
         f"deadlock. Fix: give the background work a group of its own, dist.new_group(backend='gloo') (at {_where()})")
 
 
-def _watch_collective(module: Any, name: str, functional: bool) -> None:
+def _watch_collective(module: Any, name: str, functional: bool, aliases: tuple[Any, ...] = ()) -> None:
     original = getattr(module, name, None)
     if original is None or getattr(original, "__gpu_rules__", False):
         return
@@ -161,7 +161,9 @@ def _watch_collective(module: Any, name: str, functional: bool) -> None:
         _check_thread(api, group)
         return original(*args, **kwargs)
     watched.__gpu_rules__ = True  # type: ignore[attr-defined]
-    setattr(module, name, watched)
+    for owner in (module, *aliases):  # one object everywhere: torch compares ops by identity (P2POp's isend)
+        if getattr(owner, name, None) is original:
+            setattr(owner, name, watched)
 
 
 def _watch_groups(dist: Any) -> None:
@@ -242,7 +244,7 @@ def install() -> None:
     os.register_at_fork(after_in_child=_after_fork_in_child)
     _watch_groups(dist)
     for name in COLLECTIVES:
-        _watch_collective(dist, name, functional=False)
+        _watch_collective(dist, name, functional=False, aliases=(dist.distributed_c10d,))
     for name in FUNCTIONAL:
         _watch_collective(funcol, name, functional=True)
     _count_syncs(torch)

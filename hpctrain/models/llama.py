@@ -10,9 +10,12 @@ unchanged; the head is a module of its own, `output`. Layout-friendly choices:
 - The SwiGLU input projection interleaves gate and up rows (row 2j gate j, row 2j + 1 up j): a colwise split
   keeps each pair on one rank.
 - RoPE follows Hugging Face's Llama (rotate_half, non-interleaved halves; Llama 3 frequency scaling), so its
-  weights load without permuting q/k rows. cos/sin are computed in fp32 on the fly for the sequence length
-  and device: no buffer to materialise after building on the meta device, nothing to checkpoint.
+  weights load without permuting q/k rows. cos/sin are computed in fp32 once per forward (`RopeTables`): no
+  buffer to materialise after building on the meta device, nothing in the checkpoint.
 - `tok_emb`, `norm_f`, `output` may be set to None on pipeline stages that do not hold them; forward skips them.
+- A block is called as GPT's is, `block(h)`, plus the keyword `rope=`: one positional input is what TP's
+  PrepareModuleInput (input_layouts of length 1), FSDP2's input cast and activation checkpointing see; a block
+  called without `rope` computes its own tables.
 """
 
 from __future__ import annotations
@@ -102,6 +105,31 @@ def rope_cos_sin(args: LlamaArgs, seq_len: int, device: torch.device) -> tuple[t
     return angles.cos(), angles.sin()
 
 
+class RopeTables:
+    """cos/sin for one forward pass: computed at the first block's request, handed to every later one.
+
+    `Llama.forward` makes one per call and passes it to each block, which asks for the sequence length it sees
+    after its first norm. That length is the full sequence in every layout: with sequence parallelism the norm's
+    output is a DTensor whose shape is the global one, while a block's input, and so a later pipeline stage's
+    input (`h` in Llama.forward), is this rank's sequence shard [B, T / tp, d]: the tables are not built there.
+    A plain per-call object, not a buffer or a module-level cache: nothing to materialise after building on the
+    meta device, nothing in the state dict, no tensor outliving its forward (or crossing from inference mode,
+    a fake-tensor trace or the meta device into a real run). Activation checkpointing recomputes a block with the
+    same object, so recomputation reuses the tables too. Only shapes and devices are read, never values.
+    """
+
+    def __init__(self, args: LlamaArgs) -> None:
+        self.args = args
+        self._key: tuple[int, torch.device] | None = None
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (int(seq_len), torch.device(device))
+        if self._tables is None or self._key != key:
+            self._key, self._tables = key, rope_cos_sin(self.args, seq_len, device)
+        return self._tables
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [..., T, head_dim] by position: dim i pairs with dim i + head_dim / 2 (Hugging Face's rotate_half).
     cos/sin are cast to x's dtype first, as Hugging Face does."""
@@ -111,17 +139,65 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm as Hugging Face's LlamaRMSNorm: normalised in fp32, scaled in the input's dtype."""
+    """Root-mean-square norm as Hugging Face's LlamaRMSNorm: normalised in fp32, cast back to the input's dtype,
+    then multiplied by the weight (so a bf16 input and an fp32 weight give fp32, as Hugging Face's).
+
+    The normalisation is torch's `F.rms_norm` without a weight. torch 2.13 (aten/src/ATen/native/layer_norm.cpp,
+    `rms_norm_symint`) sends it to `_fused_rms_norm`: on CUDA one kernel, which computes in fp32 ("opmath") for
+    bf16/fp16 inputs, writes the input's dtype and keeps only the input and the fp32 1/rms per token for backward
+    (derivatives.yaml); on CPU, where that op has no kernel, the composite `rms_norm_composite` (upcast, pow,
+    mean, + eps, rsqrt, mul, cast back): Hugging Face's own sequence of ops, so equal to it bit for bit. Under
+    autocast (layouts without FSDP2) the residual stream reaching the norms is fp32, so the fp32 kernel runs
+    (recent torch also lists rms_norm among CUDA autocast's fp32 ops, autocast_mode.h).
+
+    The weight is applied outside: `F.rms_norm(x, shape, weight)` would multiply by it in fp32 before the one
+    rounding (not Hugging Face's numerics in bf16), and with an fp32 weight and a bf16 input torch warns and
+    takes the composite path and returns bf16. The multiplication keeps the normalised tensor (input dtype) for
+    the weight's gradient, as Hugging Face's does; it works with DTensors (TP's sequence parallelism: weight
+    Replicate, input Shard(1), for which DTensor has a `_fused_rms_norm` strategy) and on the meta device.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+        self.normalized_shape = (dim,)
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * F.rms_norm(x, self.normalized_shape, eps=self.eps)
+
+
+def sdpa_expands_kv(dtype: torch.dtype, device_type: str, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
+    """Whether grouped-query attention should repeat its key/value heads before SDPA (instead of enable_gqa=True),
+    because on this device and dtype no fused kernel accepts fewer key/value heads than query heads, while the
+    memory-efficient one accepts the repeated heads. Otherwise SDPA would pick its math kernel, which repeats the
+    heads itself and materialises the [B, heads, T, T] scores (fp32 softmax) for backward.
+
+    torch 2.13's rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp; sdp_utils_cpp.h for
+    check_batch_size_and_num_heads_dense, which only admits Hq != Hkv for a backend compiled with supports_gqa):
+      flash      sm80-sm121 (A100, H100/H200): fp16/bf16 only (check_dtypes_flash_attention; FA3 adds fp8), q/k/v
+                 head_dim equal and <= 256, no attn_mask; dense constraints supports_gqa = true.
+      cuDNN      fp16/bf16 only (check_dtypes_low_precision); head_dim <= 128 (256 on sm90/sm10x with a recent
+                 cuDNN), a multiple of 8; GQA accepted (supports_gqa, requires_same_num_heads = false).
+      efficient  fp16/fp32/bf16 on sm80+, but check_batch_size_and_num_heads_dense<false> (no GQA): Hq must equal
+                 Hkv. (GQA for this kernel came later, pytorch PR #191085: the installed 2.13's meta kernel for
+                 _scaled_dot_product_efficient_attention_backward still shapes grad_k by the query heads, and its
+                 dispatcher still rejects the implicit MQA broadcast that PR added.)
+      math       anything (repeat_interleave of K/V, then the explicit scores).
+    So on CUDA: bf16/fp16 with head_dim <= 256 -> flash (or cuDNN, first on sm90 with a recent cuDNN) runs GQA:
+    keep enable_gqa. fp32 -> neither flash nor cuDNN take the dtype and efficient rejects GQA, only math would:
+    repeat the heads (what Hugging Face's repeat_kv does) so efficient attention runs. Same for 16-bit with
+    head_dim > 256. fp64 has no fused CUDA kernel either way: nothing gained by repeating.
+    CPU: torch 2.13's CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu) takes enable_gqa in every
+    dtype (checked on the installed build), so never. Other devices (meta, fake tensors' "meta"): never.
+    Under autocast, q is already in the autocast dtype (the QKV projection autocasts), so callers pass q.dtype.
+    Pure: dtype, device type and ints, nothing read from a tensor (fine on meta/fake tensors, under compile).
+    """
+    if n_heads == n_kv_heads or device_type != "cuda":
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype in (torch.float16, torch.bfloat16) and head_dim > 256
 
 
 class Attention(nn.Module):
@@ -135,16 +211,20 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(args.d_model, (args.n_heads + 2 * args.n_kv_heads) * self.head_dim, bias=False)
         self.proj = nn.Linear(args.n_heads * self.head_dim, args.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]; rope: the (cos, sin) tables of rope_cos_sin for T (computed here if None)."""
         bsz, seqlen, _ = x.shape
         # (B, T, kv heads on this rank, group + 2, head_dim): a group's query heads, then its key and value.
         qkv = self.qkv(x).view(bsz, seqlen, -1, self.group + 2, self.head_dim)
         q = qkv[..., : self.group, :].flatten(2, 3)  # query head g * group + j uses key/value head g
         k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = rope_cos_sin(self.args, seqlen, x.device)
-        y = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True,
-                                           enable_gqa=True)
+        cos, sin = rope if rope is not None else rope_cos_sin(self.args, seqlen, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        expand = sdpa_expands_kv(q.dtype, q.device.type, self.args.n_heads, self.args.n_kv_heads, self.head_dim)
+        if expand:  # head g * group + j reads key/value head g: SDPA's enable_gqa order (repeat_interleave)
+            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not expand)
         return self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -169,8 +249,11 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(args.d_model, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, rope: RopeTables | None = None) -> torch.Tensor:
+        """x [B, T, d] (with sequence parallelism, this rank's [B, T / tp, d]); rope: the forward's shared tables."""
+        h = self.norm1(x)
+        tables = (rope if rope is not None else RopeTables(self.attn.args))(h.shape[1], h.device)  # full T
+        x = x + self.attn(h, rope=tables)
         return x + self.mlp(self.norm2(x))
 
 
@@ -195,8 +278,9 @@ class Llama(nn.Module):
 
         The logits cover the padded vocabulary; `logits[..., :vocab_size]` are the real ones."""
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
+        rope = RopeTables(self.args)  # cos/sin once for all the layers of this forward
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, rope=rope)
         if self.norm_f is not None:
             h = self.output(self.norm_f(h))
         return h
