@@ -2,27 +2,39 @@
 """A ready GPU check: one command that says whether hpctrain trains correctly and fast on this GPU node.
 
     python tools/gpu_check.py                          # on a GPU node (one GPU is enough; <= 8 min on an H200)
+    python tools/gpu_check.py --quick                  # the first block alone: what a user runs (< 3 min)
     python tools/gpu_check.py --cpu                    # the same checks on CPU (gloo, tiny model; the test suite)
     python tools/gpu_check.py --json out.json --keep   # also save the results; keep the logs and run directories
     python tools/gpu_check.py --only b1,b2             # some checks only
 
-Checks (one table row each; docs/gpu_check.md says exactly what each one does):
-  a   a one-rank NCCL world ("cpu:gloo,cuda:nccl") through the real train(): control plane, preflight,
-      straggler probe, checkpoint save, all on step 1 onwards
-  b1  GPT-3 1.3B, bf16, recompute=none, 25 steps through train(): MFU (goal >= 45%), peak memory vs the plan
-  b2  the same with recompute=selective
-  c   a checkpoint saved from the device and resumed into a fresh engine, compared bit for bit; with
-      dropout, the resumed step's loss equals the uninterrupted run's only if the RNG streams were restored
-  d   a one-rank (dp_shard, tp) mesh: TP + sequence parallel + FSDP2 with the optimizer offloaded to the CPU,
-      3 steps with the engine's gradient norm and clipping on offloaded DTensor gradients; then the same with
-      Adam's moments on NVMe (zero.offload_optimizer_device=nvme): losses and weights bitwise the same
-  e   two processes on the one GPU over a "cpu:gloo,cuda:gloo" group, DDP (ZeRO-0) then ZeRO-1 through
-      train(): the final losses must agree within 1e-3
+Checks (one table row each; docs/gpu_check.md says exactly what each one does). First, what a user runs:
+  cmd    `python -m hpctrain` itself in the default launch mode (the node's elastic agent forks the worker) on
+         one GPU: 3 steps with a checkpoint, then `run.resume=` to step 5
+  ctl    a one-rank "cpu:gloo,cuda:nccl" world, the engine's steps: the control all-reduce must run on the
+         device (NCCL) group with a device tensor even with one rank
+  llama  the tiny Llama through the engine in bf16 and fp32 with only the fused SDPA kernels allowed (flash,
+         cuDNN, memory-efficient: raises if only math qualifies), Engine.evaluate against the step's loss
+  hf     a Llama checkpoint exported with `tools/checkpoint.py export --format hf`, a run started from it
+         (model.init_from): the loaded weights bitwise the checkpoint's
+  fr     the hang watchdog fires on a one-rank world: stacks, the NCCL and gloo flight-recorder dumps holding
+         the rank's collectives, a failure record, exit code 3
+Then:
+  a      a one-rank NCCL world ("cpu:gloo,cuda:nccl") through the real train(): control plane, preflight,
+         straggler probe, checkpoint save, all on step 1 onwards
+  b1     GPT-3 1.3B, bf16, recompute=none, 25 steps through train(): MFU (goal >= 45%), peak memory vs the plan
+  b2     the same with recompute=selective
+  c      a checkpoint saved from the device and resumed into a fresh engine, compared bit for bit; with
+         dropout, the resumed step's loss equals the uninterrupted run's only if the RNG streams were restored
+  d      a one-rank (dp_shard, tp) mesh: TP + sequence parallel + FSDP2 with the optimizer offloaded to the CPU,
+         3 steps with the engine's gradient norm and clipping on offloaded DTensor gradients; then the same with
+         Adam's moments on NVMe (zero.offload_optimizer_device=nvme): losses and weights bitwise the same
+  e      two processes on the one GPU over a "cpu:gloo,cuda:gloo" group, DDP (ZeRO-0) then ZeRO-1 through
+         train(): the final losses must agree within 1e-3
 
 Each check runs in a forked process of its own (a crash, a hang or a CUDA error cannot take the table with
 it) under a time limit, and reports PASS or FAIL with the first line of its error. The exit code is 1 if any
 check failed. With --cpu the same checks run on the CPU: gloo instead of NCCL, the tiny model instead of 1.3B
-(b only reports MFU), fp32 instead of bf16 (emulated on most CPUs), in under a minute on 2 cores.
+(b only reports MFU), fp32 instead of bf16 (emulated on most CPUs), in about a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -41,24 +53,38 @@ if str(REPO) not in sys.path:  # `python tools/gpu_check.py` from any cwd, in a 
 
 from tools.gpu_checks.bitwise_resume import check_c  # noqa: E402
 from tools.gpu_checks.checks import check_a, check_b, check_d, check_e  # noqa: E402
+from tools.gpu_checks.command import check_cmd  # noqa: E402
 from tools.gpu_checks.common import MFU_GOAL, Ctx, Outcome, first_line, write_json  # noqa: E402
+from tools.gpu_checks.control import check_ctl, check_fr  # noqa: E402
+from tools.gpu_checks.llama_hf import check_hf, check_llama  # noqa: E402
 from tools.gpu_checks.runner import Check, run_check  # noqa: E402
 
 # The tool's interface for checks written against it (tests/tools): a Check runs fn(Ctx) -> Outcome.
 __all__ = ["CHECKS", "Check", "Ctx", "Outcome", "main"]
 
-DEFAULT_BUDGET_S = {"gpu": 470.0, "cpu": 300.0}  # the whole run: under 8 minutes on one H200
+DEFAULT_BUDGET_S = {"gpu": 470.0, "cpu": 480.0}  # the whole run: under 8 minutes on one H200
+QUICK_BUDGET_S = {"gpu": 170.0, "cpu": 300.0}  # --quick, the first block: under 3 minutes on one H200
 
+# Time limits (seconds) on a GPU and with --cpu. The CPU ones hold on a loaded 2-core machine (the test suite's:
+# load 9 makes a check several times slower than alone); a check's own time alone is in docs/gpu_check.md.
 CHECKS = [
-    Check("a", "one-rank NCCL world through train()", check_a, 150, 60,
+    # First: what a user runs.
+    Check("cmd", "python -m hpctrain: agent, forked worker, resume", check_cmd, 150, 300, quick=True),
+    Check("ctl", "control all-reduce on a 1-rank NCCL group", check_ctl, 60, 120, quick=True,
+          cpu_title="control all-reduce on a 1-rank gloo group"),
+    Check("llama", "Llama bf16/fp32, fused SDPA only, evaluate", check_llama, 90, 180, quick=True),
+    Check("hf", "HF export, model.init_from run", check_hf, 120, 240, quick=True),
+    Check("fr", "hang watchdog: flight-recorder dumps", check_fr, 60, 120, uses_cuda=False, quick=True),
+    # Then the rest.
+    Check("a", "one-rank NCCL world through train()", check_a, 150, 180,
           cpu_title="one-rank gloo world through train()"),
-    Check("b1", "1.3B bf16, recompute=none: MFU, memory", lambda ctx: check_b(ctx, "none"), 200, 60,
+    Check("b1", "1.3B bf16, recompute=none: MFU, memory", lambda ctx: check_b(ctx, "none"), 200, 180,
           cpu_title="tiny, recompute=none: MFU, memory"),
-    Check("b2", "1.3B bf16, recompute=selective", lambda ctx: check_b(ctx, "selective"), 200, 60,
+    Check("b2", "1.3B bf16, recompute=selective", lambda ctx: check_b(ctx, "selective"), 200, 180,
           cpu_title="tiny, recompute=selective"),
-    Check("c", "checkpoint save/resume bitwise", check_c, 150, 60),
-    Check("d", "TP+SP + FSDP2 CPU/NVMe offload, clipping", check_d, 150, 60),
-    Check("e", "2 ranks on 1 device: DDP vs ZeRO-1", check_e, 240, 120, uses_cuda=False),
+    Check("c", "checkpoint save/resume bitwise", check_c, 150, 180),
+    Check("d", "TP+SP + FSDP2 CPU/NVMe offload, clipping", check_d, 150, 240),
+    Check("e", "2 ranks on 1 device: DDP vs ZeRO-1", check_e, 240, 300, uses_cuda=False),
 ]
 
 
@@ -86,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mode = "cpu" if args.cpu else "gpu"
     _set_environment(args.cpu)
-    selected = _selected(parser, args.only)
+    selected = _selected(parser, args.only, args.quick)
 
     started = time.monotonic()
-    budget = args.budget if args.budget is not None else DEFAULT_BUDGET_S[mode]
+    budget = args.budget if args.budget is not None else (QUICK_BUDGET_S if args.quick else DEFAULT_BUDGET_S)[mode]
     temporary = args.workdir is None
     workdir = _new_workdir(args.workdir)
     ctx = Ctx(cpu=args.cpu, workdir=workdir, gpu_type=args.gpu_type, micro_batch=args.micro_batch,
@@ -126,7 +152,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, the tiny model): the test suite")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
-    parser.add_argument("--only", help="comma-separated checks to run (a,b1,b2,c,d,e; b = b1,b2)")
+    parser.add_argument("--only", help="comma-separated checks to run (cmd,ctl,llama,hf,fr,a,b1,b2,c,d,e; "
+                        "b = b1,b2)")
+    parser.add_argument("--quick", action="store_true", help="the first block alone (cmd,ctl,llama,hf,fr: what a "
+                        "user runs), under 3 minutes on one H200 (budget 170 s)")
     parser.add_argument("--workdir", type=Path, help="keep run directories and logs in a new directory inside "
                         "this one (default: a temporary directory, removed when every check passed unless --keep)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -136,8 +165,8 @@ def _parser() -> argparse.ArgumentParser:
                         "micro-batch (default 8; the global batch is twice that)")
     parser.add_argument("--steps", type=int, default=25, help="check b: steps per run (MFU: median after step 5)")
     parser.add_argument("--mfu-goal", type=float, default=MFU_GOAL, help="check b fails below this MFU (GPU)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 470 on GPU, 300 on CPU);"
-                        " checks that would start after it are reported as FAIL")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 470 on GPU, 480 on CPU; "
+                        "--quick: 170, 300); checks that would start after it are reported as FAIL")
     return parser
 
 
@@ -153,8 +182,13 @@ def _set_environment(cpu: bool) -> None:
     os.environ.setdefault("WANDB_MODE", "disabled")
 
 
-def _selected(parser: argparse.ArgumentParser, only: str | None) -> list[Check]:
-    """The checks --only names ("b" is b1 and b2), in the table's order; all of them without --only."""
+def _selected(parser: argparse.ArgumentParser, only: str | None, quick: bool = False) -> list[Check]:
+    """The checks --only names ("b" is b1 and b2), in the table's order; the first block with --quick; all of
+    them without either."""
+    if quick and only:
+        parser.error("--quick runs the first block; use --only for other selections, not both")
+    if quick:
+        return [c for c in CHECKS if c.quick]
     if not only:
         return CHECKS
     wanted = {k.strip() for k in only.split(",") if k.strip()}

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.py"
-CHECKS = ["a", "b1", "b2", "c", "d", "e"]
+FIRST_BLOCK = ["cmd", "ctl", "llama", "hf", "fr"]  # what a user runs: first, and alone with --quick
+CHECKS = [*FIRST_BLOCK, "a", "b1", "b2", "c", "d", "e"]
 
 
 def _tool():
@@ -38,12 +39,12 @@ def _rows(stdout: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(560)
 def test_cpu_run_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     started = time.monotonic()
     proc = subprocess.run([sys.executable, str(TOOL), "--cpu", "--json", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=400,
+                          capture_output=True, text=True, timeout=540,  # the --cpu budget (480 s) and start-up
                           env={**os.environ, "WANDB_MODE": "disabled"})
     seconds = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -57,6 +58,22 @@ def test_cpu_run_passes_every_check(tmp_path: Path) -> None:
     assert report["passed"] is True and report["mode"] == "cpu"
     checks = {c["check"]: c for c in report["checks"]}
     assert list(checks) == CHECKS and all(c["result"] == "PASS" and c["error"] is None for c in checks.values())
+    # cmd: the user's command, twice, through the node's elastic agent (the check itself insists on its log line)
+    cmd = checks["cmd"]["numbers"]
+    assert cmd["exit_codes"] == [0, 0] and cmd["in_allocation"] is True and "agent" in checks["cmd"]["summary"]
+    assert cmd["steps"] == [1, 2, 3, 4, 5] and cmd["resumed_from"] == 3 and cmd["checkpoint_steps"] == [3, 5]
+    ctl = checks["ctl"]["numbers"]
+    assert ctl["all_reduces_per_step"] == [1, 1, 1]  # a world of one still all-reduces the step's control values
+    assert ctl["control_tensor"]["backend"] == "ProcessGroupGloo" and ctl["control_tensor"]["dtype"] == "float64"
+    llama = checks["llama"]["numbers"]
+    for p in ("bf16", "fp32"):
+        assert llama[f"{p}_kernels_alone"] == ["flash"]  # torch's CPU flash kernel; no cuDNN/efficient on CPUs
+        assert len(llama[f"{p}_losses"]) == 3 and llama[f"{p}_eval_vs_step"] <= 2e-3
+    hf = checks["hf"]["numbers"]
+    assert hf["bitwise_equal"] is True and hf["tensors"] > 0 and hf["changed_by_training"] > 0
+    assert "config.json" in hf["files"] and len(hf["init_from_losses"]) == 2
+    fr = checks["fr"]["numbers"]
+    assert fr["exit_code"] == 3 and fr["dumps"]["gloo"]["all_reduces"] == 3 and "flight recorder" in fr["verdict"]
     assert checks["a"]["numbers"]["checkpoint_steps"][-1] == checks["a"]["numbers"]["steps"]
     for b in ("b1", "b2"):
         n = checks[b]["numbers"]
@@ -121,3 +138,67 @@ def test_budget_spent_skips_the_remaining_checks(tmp_path: Path, monkeypatch, ca
     monkeypatch.setattr(tool, "CHECKS", [tool.Check("p", "passes", lambda ctx: tool.Outcome(True, "ok"), 30, 30)])
     assert tool.main(["--cpu", "--budget", "1", "--workdir", str(tmp_path)]) == 1
     assert "skipped: the time budget" in capsys.readouterr().out
+
+
+def test_quick_runs_the_first_block_alone_under_its_budget(tmp_path: Path, monkeypatch, capsys) -> None:
+    tool = _tool()
+    assert [c.key for c in tool.CHECKS] == CHECKS
+    assert [c.key for c in tool.CHECKS if c.quick] == FIRST_BLOCK  # first in the table, and what --quick runs
+    for var in ("CUDA_VISIBLE_DEVICES", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+
+    def limit(ctx):  # the check's time limit: its own, cut to what is left of the run's budget
+        return tool.Outcome(True, f"limit {ctx.timeout_s:.0f}")
+
+    monkeypatch.setattr(tool, "CHECKS", [tool.Check("q1", "first", limit, 900, 900, quick=True),
+                                         tool.Check("q2", "second", limit, 900, 900, quick=True),
+                                         tool.Check("s", "slow", limit, 900, 900)])
+    assert tool.main(["--cpu", "--quick", "--workdir", str(tmp_path)]) == 0
+    stdout = capsys.readouterr().out
+    rows = _rows(stdout)
+    assert list(rows) == ["q1", "q2"], stdout
+    assert int(rows["q1"].split("limit ")[1]) <= tool.QUICK_BUDGET_S["cpu"] < tool.DEFAULT_BUDGET_S["cpu"]
+    with pytest.raises(SystemExit):
+        tool.main(["--cpu", "--quick", "--only", "s", "--workdir", str(tmp_path)])
+
+
+def test_the_command_check_names_the_workers_error_from_the_task_logs(tmp_path: Path, monkeypatch) -> None:
+    """A worker that dies of the fork fault: the row shows its CUDA error, not the agent's or submitit's wrapper;
+    and the command never gets the tool's own PYTORCH_NVML_BASED_CUDA_CHECK, which would hide that fault."""
+    _tool()  # puts the repository on sys.path, as the tool does
+    from tools.gpu_checks.command import command_environment, first_fault
+
+    run_dir = tmp_path / "run"
+    (run_dir / "submitit").mkdir(parents=True)
+    (run_dir / "submitit" / "7_0_log.err").write_text(
+        "Traceback (most recent call last):\n  File \"/x/hpctrain/train/loop.py\", line 1, in train\n"
+        "RuntimeError: Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must "
+        "use the 'spawn' start method\n"
+        "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+        "hpctrain.train.task.RunStopped: run stopped: deterministic failure\n")
+    (tmp_path / "cmd_first.err").write_text("")
+    assert first_fault(run_dir, tmp_path / "cmd_first").startswith("RuntimeError: Cannot re-initialize CUDA")
+    (run_dir / "submitit" / "7_0_log.err").write_text(
+        "hpctrain.train.faults.InjectedFault: injected fault at step 1 on rank 0\n"
+        "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1\n")
+    assert first_fault(run_dir, tmp_path / "cmd_first").startswith("hpctrain.train.faults.InjectedFault")
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    monkeypatch.setenv("RANK", "3")
+    env = command_environment()
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in env and "RANK" not in env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_worker_dying_under_the_agent_fails_the_command_check(tmp_path: Path) -> None:
+    """The real command with a worker that raises at step 1 (hpctrain's fault injection, through the agent):
+    a FAIL row with the exit code and the worker's own error from the task logs."""
+    proc = subprocess.run([sys.executable, str(TOOL), "--cpu", "--only", "cmd", "--workdir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "WANDB_MODE": "disabled",
+                               "HPCTRAIN_INJECT_FAULT": "raise:step=1:rank=0"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    row = _rows(proc.stdout)["cmd"]
+    assert " FAIL " in row and "(first run) exited with 1" in row, proc.stdout
+    assert "task log: hpctrain.train.faults.InjectedFault: injected fault at step 1 on rank 0" in row, proc.stdout

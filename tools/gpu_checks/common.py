@@ -98,10 +98,12 @@ def common_overrides(ctx: Ctx, name: str, world: int, gpu_type: str | None = Non
             "health.hang_timeout_s=60", f"health.startup_timeout_s={startup}", "train.log_every=1"]
 
 
-def small_overrides(ctx: Ctx, name: str, world: int, steps: int, gpu_type: str | None = None) -> list[str]:
-    """The tiny GPT (4 layers, d 128) on synthetic tokens: the plumbing, not the speed."""
-    return [*common_overrides(ctx, name, world, gpu_type), "model=tiny", "data=synthetic", "data.vocab_size=256",
-            f"precision={precision(ctx)}", "train.seq_len=128", "train.global_batch=8",
+def small_overrides(ctx: Ctx, name: str, world: int, steps: int, gpu_type: str | None = None, model: str = "tiny",
+                    precision_name: str | None = None) -> list[str]:
+    """The tiny GPT (4 layers, d 128; or `model`, e.g. llama_tiny) on synthetic tokens: the plumbing, not the
+    speed. `precision_name`: conf/precision (default: bf16 on GPUs, fp32 with --cpu)."""
+    return [*common_overrides(ctx, name, world, gpu_type), f"model={model}", "data=synthetic", "data.vocab_size=256",
+            f"precision={precision_name or precision(ctx)}", "train.seq_len=128", "train.global_batch=8",
             f"train.micro_batch={4 // world}",
             f"train.max_steps={steps}", "optim.lr=2e-3", "optim.warmup_steps=1",
             f"health.allreduce_mb={1 if ctx.cpu else 16}"]

@@ -29,6 +29,7 @@ class Check:
     # child cannot use CUDA after its parent did); its ranks find the device.
     uses_cuda: bool = True
     cpu_title: str = ""  # the title with --cpu, where it differs
+    quick: bool = False  # the first block: what a user runs; `--quick` runs these alone
 
     def title_for(self, cpu: bool) -> str:
         return self.cpu_title if cpu and self.cpu_title else self.title
@@ -152,6 +153,13 @@ def _child(check: Check, ctx: Ctx, result_path: Path) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     record: dict[str, Any] = {"ok": False, "summary": "", "numbers": {}, "error": None}
     try:
+        if ctx.cpu:
+            # One intra-op thread, as hpctrain's CPU tasks have (train.threads_per_rank=1): torch's default, a
+            # thread per core, makes the tiny models' steps 5-40x slower on a busy 2-core machine (threads
+            # waiting for each other), which is how check d ran past its limit under load.
+            import torch
+
+            torch.set_num_threads(1)
         if check.uses_cuda or ctx.cpu:
             resolve_gpu_type(ctx)
         else:
