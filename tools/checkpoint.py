@@ -8,7 +8,12 @@
 
 `verify` reads every byte of the checkpoints it is given (default: all of the run's) and checks each file's
 size and CRC32C against the manifest; for a damaged file it names the tensor records hit (each record's CRC32C
-is in `.metadata`). Exit status 1 when any checkpoint is damaged, 2 when there is none to check.
+is in `.metadata`). A `.metadata` whose pickle asks for anything but DCP's metadata classes (a crafted checkpoint,
+its sums updated to match) is reported, never unpickled. Exit status 1 when any checkpoint is damaged, 2 when
+there is none to check.
+
+No command unpickles anything a checkpoint holds without a restriction (`hpctrain/checkpoint/integrity.py`): a
+crafted checkpoint is refused with the file and what its pickle asked for (exit status 2 for `export`).
 
 `export` consolidates the model of a checkpoint of any layout: `--format torch` (default) into one file (torch.save
 and .safetensors), `--format hf` into a Hugging Face model directory (config.json from the run's config.yaml,
@@ -26,6 +31,7 @@ from pathlib import Path
 
 from hpctrain.checkpoint.hf import MAX_SHARD_BYTES, export_hf, run_model_config
 from hpctrain.checkpoint.inspect import describe, export_model, find, list_checkpoints, unusable
+from hpctrain.checkpoint.integrity import UnsafeCheckpoint
 from hpctrain.models.hf import HFMismatch
 
 
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in written:
             print(f"wrote {path}")
         return 0
-    except (FileNotFoundError, FileExistsError, HFMismatch) as err:
+    except (FileNotFoundError, FileExistsError, HFMismatch, UnsafeCheckpoint) as err:
         print(f"checkpoint: {err}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from hpctrain.checkpoint.inspect import consolidated_model, model_tensors
+from hpctrain.checkpoint.inspect import consolidated_model, like_a_normal_file, model_tensors
 from hpctrain.checkpoint.layout import Committed
 from hpctrain.models.hf import (
     VOCAB_ROWS,
@@ -98,6 +98,8 @@ def _write(tensors: Mapping[str, torch.Tensor], read: Callable[[list[str]], Mapp
         files.append(INDEX)
     dtype = next(iter(layout.values())).dtype
     (partial / CONFIG).write_text(json.dumps(hf_config(m, dtype), indent=2) + "\n")
+    for file in files:  # save_file writes 0600: the weights get config.json's mode (0644 under the usual umask)
+        like_a_normal_file(partial / file, partial / CONFIG)
     if out.exists():
         out.rmdir()  # empty (checked above): the rename replaces it
     os.replace(partial, out)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from hpctrain.checkpoint.integrity import check_files
+from hpctrain.checkpoint.integrity import METADATA, UnsafeCheckpoint, check_files, read_metadata
 from hpctrain.checkpoint.layout import CORRUPT, Committed, broken_in, committed_in, step_of, tier_path, verify
 from hpctrain.records.fingerprint import ModelShape
 from hpctrain.records.paths import RunPaths
@@ -37,10 +38,28 @@ def describe(c: Committed, content: bool = False) -> dict[str, Any]:
     """A checkpoint's facts and problems: structural ones (files missing or of the wrong size), and with
     `content` every byte against its CRC32C, naming the records a damaged file holds."""
     m = c.manifest
-    problems = verify(c) + ([str(d) for d in check_files(c.path, m)] if content else [])
+    problems = verify(c)
+    if content:
+        damage = check_files(c.path, m)
+        problems += [str(d) for d in damage] + (
+            _metadata_problems(c.path) if not any(d.file == METADATA for d in damage) else [])
     return {"tier": c.tier, "step": c.step, "time": m.get("time"), "bytes": sum(m.get("files", {}).values()),
             "world_size": m.get("world_size"), "consumed_samples": m.get("consumed_samples"),
             "path": str(c.path), "problems": list(dict.fromkeys(problems))}
+
+
+def _metadata_problems(path: Path) -> list[str]:
+    """Why a checkpoint's `.metadata`, whose bytes are those its manifest sums, cannot be loaded: a pickle that
+    asks for more than DCP's metadata classes (crafted: its sums updated to match), or one that does not unpickle."""
+    if not (path / METADATA).is_file():
+        return []  # said by `verify`
+    try:
+        read_metadata(path / METADATA)
+    except UnsafeCheckpoint as err:
+        return [f"{METADATA}: {err.reason}"]
+    except Exception as err:  # a pickle that is not one fails in many ways
+        return [f"{METADATA}: cannot be unpickled ({type(err).__name__}: {err})"]
+    return []
 
 
 def unusable(run_dir: Path) -> list[dict[str, Any]]:
@@ -102,4 +121,11 @@ def export_model(c: Committed, out: Path) -> list[Path]:
     torch.save(state, out)
     safe = out.with_suffix(".safetensors")
     save_file({k: v.contiguous() for k, v in state.items()}, str(safe), metadata={"step": str(c.step)})
+    like_a_normal_file(safe, out)
     return [out, safe]
+
+
+def like_a_normal_file(path: Path, normal: Path) -> None:
+    """Give `path` the permissions of `normal`, a file created the ordinary way beside it (0644 under the usual
+    umask): safetensors' save_file creates its file 0600, whatever the umask."""
+    os.chmod(path, normal.stat().st_mode & 0o777)

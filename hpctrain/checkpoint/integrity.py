@@ -15,6 +15,12 @@ Two granularities, from one pass:
   item's `_StorageInfo` (as `checksum`), which DCP gathers to the coordinator and pickles into `.metadata`
   beside the record's offset and length: the reader verifies each record as it reads it (`reader.py`), and
   `verify` names the tensors a damaged file holds. `test_integrity.py` pins this on real saves.
+
+`.metadata` is a pickle, and a checkpoint may come from elsewhere (handed over, on a shared tier outside the run
+directory): a crafted one with its sums updated and the manifest resealed passes every check above. So it is never
+unpickled by `pickle.load` (DCP's own reader does that): `read_metadata` builds only the classes DCP's metadata
+holds (`METADATA_CLASSES`) and refuses anything else with `UnsafeCheckpoint`, naming the file and the class,
+before any of it runs. `test_pickle_safety.py` pins the list against real saves of every layout.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from typing import Any, Iterator
 import crc32c
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
 
 ALGORITHM = "crc32c"
 METADATA = ".metadata"  # DCP's global metadata file, written by the coordinator (rank 0) only
@@ -247,9 +254,82 @@ def record_sums(metadata: Any) -> dict[str, list[tuple[int, int, str | None, str
     return out
 
 
-def read_metadata(path: Path) -> Any:
+class UnsafeCheckpoint(RuntimeError):
+    """A checkpoint file whose pickle asks for something DCP's checkpoints never hold (a function, another
+    class): unpickling it could run code, so it is refused before anything in it runs."""
+
+    def __init__(self, file: str, forbidden: str, detail: str = "") -> None:
+        reason = detail or (f"its pickle asks for {forbidden}, which DCP's checkpoint files never hold; "
+                            "unpickling it could run code")
+        self.reason = (f"refused to load: {reason}. This checkpoint is not as a DCP save wrote it (crafted, or "
+                       "altered after the save with its checksums and manifest updated to match): resume or export "
+                       "only checkpoints your own runs wrote, and remove this one")
+        super().__init__(f"{file}: {self.reason}")
+        self.file = file
+        self.forbidden = forbidden
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[Any, ...]:  # DCP gathers a rank's exception to every rank, pickled
+        return UnsafeCheckpoint, (self.file, self.forbidden, self.detail)
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# Every class and function a DCP `.metadata` pickle of torch 2.13 names, found by unpickling the metadata of real
+# saves of every layout hpctrain writes (DDP, ZeRO-1, FSDP2 and TP DTensor shards, pipeline stages, CPU and NVMe
+# offload, fp16 with its loss scaler: `test_pickle_safety.py`), and nothing else. Builtin containers (dict,
+# list, tuple, str, int, float, bool, None) are pickle opcodes, not classes: they need no entry.
+METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset({
+    (_METADATA_MODULE, "Metadata"),
+    (_METADATA_MODULE, "TensorStorageMetadata"),
+    (_METADATA_MODULE, "BytesStorageMetadata"),  # a non-tensor value (the fp16 loss scaler's scale and counter)
+    (_METADATA_MODULE, "ChunkStorageMetadata"),
+    (_METADATA_MODULE, "TensorProperties"),
+    (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"),  # TensorProperties pickles its memory format as this enum
+    (_METADATA_MODULE, "MetadataIndex"),
+    (_METADATA_MODULE, "StorageMeta"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # how torch.layout pickles: a lookup by name (torch.strided)
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the directory the save wrote
+})
+# A dtype pickles as the `torch` attribute of its name (torch.float32): every dtype torch has, looked up in the
+# module's own dict (a getattr could import a lazy submodule).
+TORCH_DTYPES: frozenset[str] = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata`, building only `METADATA_CLASSES` and torch dtypes."""
+
+    def __init__(self, file: Any, name: str) -> None:
+        super().__init__(file)
+        self._name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_CLASSES or (module == "torch" and name in TORCH_DTYPES):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(self._name, f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpoint(self._name, f"a persistent object ({str(pid)[:80]})")
+
+
+def read_metadata(path: Path | str) -> Metadata:
+    """A DCP checkpoint's `.metadata`, unpickled with only DCP's metadata classes allowed (`UnsafeCheckpoint`
+    for anything else, before it runs), and checked to be DCP's `Metadata` whose records lie in files of the
+    checkpoint's own directory."""
     with open(path, "rb") as f:
-        return pickle.load(f)
+        metadata = _MetadataUnpickler(f, str(path)).load()
+    if not isinstance(metadata, Metadata):
+        kind = type(metadata).__name__
+        raise UnsafeCheckpoint(str(path), kind, f"it holds a {kind} where DCP writes its Metadata")
+    records = metadata.storage_data if metadata.storage_data is not None else {}
+    for info in records.values() if isinstance(records, dict) else [records]:
+        name = getattr(info, "relative_path", None)
+        if (not isinstance(info, _StorageInfo) or not isinstance(name, str) or name in ("", ".", "..")
+                or "/" in name or os.sep in name):
+            raise UnsafeCheckpoint(str(path), repr(name), f"it places a record in {name!r}, which is not a file "
+                                                          "of the checkpoint's own directory")
+    return metadata
 
 
 def damaged_records(path: Path, records: list[tuple[int, int, str | None, str]]) -> list[str]:
@@ -281,7 +361,10 @@ def check_files(directory: Path, manifest: dict[str, Any], names: list[str] | No
             damage.append(Damage(name, f"{ALGORITHM} mismatch (the manifest says {sums[name]})"))
     if not damage or any(d.file == METADATA for d in damage) or not (directory / METADATA).is_file():
         return damage
-    per_file = record_sums(read_metadata(directory / METADATA))
+    try:
+        per_file = record_sums(read_metadata(directory / METADATA))
+    except UnsafeCheckpoint as err:  # the records cannot be named: say why, beside the damage found
+        return [*damage, Damage(METADATA, err.reason)]
     return [Damage(d.file, d.reason, tuple(damaged_records(directory / d.file, per_file.get(d.file, []))))
             for d in damage]
 

@@ -19,6 +19,12 @@ Each record's bytes are checked against the CRC32C the writer stored beside its 
 header says is bounded by the record before it is used, so a record that cannot be checked (`verify` off, or
 a checkpoint from before checksums) loads or fails as unreadable, never worse. A load that raises has written
 part of the state: it must not be used.
+
+Nothing a checkpoint holds is unpickled without a restriction: `.metadata` through `integrity.read_metadata`
+(DCP's own `read_metadata` would `pickle.load` it), tensor records through the parser's own unpickler or
+`torch.load(weights_only=True)`, and non-tensor values (DCP's byte records, which its planner would
+`torch.load(weights_only=False)`) through `torch.load(weights_only=True)`: a record that asks for anything else
+raises `UnsafeCheckpoint`, naming the file, the record and what it asked for, before any of it runs.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import io
 import os
 import pickle
 import pickletools
+import re
 import struct
 import threading
 from collections import Counter, OrderedDict
@@ -40,8 +47,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from hpctrain.checkpoint.integrity import UnsafeCheckpoint, read_metadata
 
 SMALL = 1 << 20  # a record up to this size is read whole in one call and its storage copied out of the buffer
 SHARES = 4  # parts of the requested bytes per reading thread: whichever thread is free takes the next
@@ -61,6 +71,9 @@ _STORAGE_DTYPES = {  # torch.save's pickled storage classes (their `.dtype` warn
     "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
     "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
 }
+
+
+_WEIGHTS_ONLY_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # what torch.load(weights_only=True) names when it refuses
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -305,6 +318,15 @@ class FastReader(dcp.FileSystemReader):
         self.stats: Counter[str] = Counter()  # read requests by way: direct, staged, torch_load, bytes
         self._planner_lock = threading.Lock()  # DCP's planners are written for one reading thread
 
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's `read_metadata`, unpickled with only DCP's metadata classes allowed (`integrity.read_metadata`):
+        a crafted `.metadata` raises `UnsafeCheckpoint` before anything in it runs."""
+        metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_index: dict[Any, list[ReadItem]] = {}
         for req in plan.items:
@@ -372,7 +394,7 @@ class FastReader(dcp.FileSystemReader):
             found = directory(read, 0) if kind == LoadItemType.TENSOR and not info.transform_descriptors else None
             stored = locate(read, found, info.length) if found is not None else None
             if stored is None:
-                return self._through_torch(bytes(read), record, planner)
+                return self._through_torch(bytes(read), record, planner, checked=checksum is not None)
             memory, staging = _target(stored, record)
             memory[:] = read[stored.start:stored.end]
             return self._commit(stored, record, staging, planner)
@@ -389,7 +411,7 @@ class FastReader(dcp.FileSystemReader):
             _fill(fd, [head], info.offset)
             stored = locate(head, found, info.length)
         if stored is None:
-            return self._through_torch(_whole(fd, info, checksum), record, planner)
+            return self._through_torch(_whole(fd, info, checksum), record, planner, checked=checksum is not None)
         memory, staging = _target(stored, record)
         in_head = min(head_end, stored.end) - stored.start
         memory[:in_head] = head[stored.start:stored.start + in_head]
@@ -433,22 +455,47 @@ class FastReader(dcp.FileSystemReader):
             with self._planner_lock:
                 planner.commit_tensor(req, dest)
 
-    def _through_torch(self, read: bytes, record: _Record, planner: LoadPlanner) -> str:
-        """DCP's own way: the record's bytes through its stream transforms and torch.load."""
+    def _through_torch(self, read: bytes, record: _Record, planner: LoadPlanner, checked: bool) -> str:
+        """DCP's own way: the record's bytes through its stream transforms and torch.load (weights_only, also
+        for the byte records that DCP's planner would load without it). `checked`: the bytes matched their
+        CRC32C."""
         reqs = record.reqs
         raw = self.transforms.transform_load_stream(reqs[0], record.info.transform_descriptors or (),
                                                     io.BytesIO(read)).read(-1)
         if reqs[0].type == LoadItemType.BYTE_IO:
+            # DCP's planner would torch.load these bytes with weights_only=False (any pickle runs): they are
+            # loaded here with weights_only=True, and the planner is given that value saved anew.
+            safe = io.BytesIO()
+            torch.save(self._load_safely(raw, record, checked), safe)
             with self._planner_lock:
                 for req in reqs:
-                    planner.load_bytes(req, io.BytesIO(raw))
+                    planner.load_bytes(req, io.BytesIO(safe.getvalue()))
             return "bytes"
-        try:
-            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except Exception as e:  # a damaged record fails in many ways inside torch.load
-            raise _Damaged(f"{{record}} cannot be read ({type(e).__name__}: {e})") from e
+        tensor = self._load_safely(raw, record, checked)
         self._copy(cast(torch.Tensor, tensor), record, planner)
         return "torch_load"
+
+    def _load_safely(self, raw: bytes, record: _Record, checked: bool) -> Any:
+        """A record's value by torch.load(weights_only=True): `UnsafeCheckpoint` when its pickle asks for a
+        global that torch refuses (it could run code) although its bytes are those written (`checked`: a
+        record whose bytes could not be checked may be damaged, as a flipped bit in a class name is), `_Damaged`
+        when it cannot be read otherwise."""
+        try:
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as e:  # a damaged record fails in many ways inside torch.load
+            text = str(e)
+            asked = _WEIGHTS_ONLY_GLOBAL.search(text) if isinstance(e, pickle.UnpicklingError) else None
+            if asked and checked:
+                info = record.info
+                raise UnsafeCheckpoint(
+                    os.fspath(self.fs.concat_path(self.path, info.relative_path)), asked.group(1),
+                    f"its record {record.reqs[0].storage_index.fqn} (bytes {info.offset}..{info.offset + info.length})"
+                    f" asks for {asked.group(1)}, which DCP's checkpoint files never hold; unpickling it could run "
+                    "code") from None
+            if isinstance(e, pickle.UnpicklingError):  # torch's text advises weights_only=False: its reason only
+                text = next((line for line in reversed(text.splitlines())
+                             if line.strip() and not line.startswith("Check the documentation")), text)
+            raise _Damaged(f"{{record}} cannot be read ({type(e).__name__}: {text})") from e
 
 
 def _resolve(planner: LoadPlanner, req: ReadItem) -> _Dest:

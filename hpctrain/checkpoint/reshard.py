@@ -7,6 +7,10 @@ zero (never looked up, cut from the logits, so their gradient and Adam moments s
 whose saved size differs from the target in its first dimension alone, the saved tensor is read whole into a
 plain CPU tensor and its leading rows are copied into the target (a DTensor takes its own shard), the rest
 zeroed. Every other tensor loads through DCP as usual.
+
+DCP reads through `FastReader`, whose `read_metadata` and records never unpickle without a restriction (a
+checkpoint may come from elsewhere): a crafted one fails the load with `UnsafeCheckpoint`, naming the file and
+what it asked for, on every rank alike.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.utils import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from hpctrain.checkpoint.integrity import UnsafeCheckpoint
 from hpctrain.checkpoint.reader import FastReader
 
 
@@ -66,7 +72,7 @@ def load_state(state: dict[str, Any], checkpoint_id: str, process_group: dist.Pr
     `verify` checks each record's CRC32C as it is read (`reader.py`): a damaged record fails the load with a
     `CorruptCheckpoint` (in DCP's `CheckpointException`, which gathers every rank's)."""
     reader = FastReader(checkpoint_id, verify=verify)  # named: DCP would otherwise import fsspec to probe (0.6 s)
-    metadata = reader.read_metadata()
+    metadata = reader.read_metadata()  # restricted (`integrity.read_metadata`): never DCP's pickle.load
     saved_meta = metadata.state_dict_metadata
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for fqn, container, key in _leaves(state):
@@ -76,7 +82,13 @@ def load_state(state: dict[str, Any], checkpoint_id: str, process_group: dist.Pr
             container[key] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
     if before_read is not None:
         before_read(files_read(state, metadata))
-    dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
+    try:
+        dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
+    except CheckpointException as err:  # every rank's errors, gathered: a crafted record is said as itself
+        unsafe = [exc for exc, _ in err.failures.values() if isinstance(exc, UnsafeCheckpoint)]
+        if unsafe:
+            raise unsafe[0] from err
+        raise
     for container, key, target in swapped:
         _copy_rows(target, container[key])
         container[key] = target

@@ -67,7 +67,7 @@ def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int, since:
     failed_before = [a for a in attempts if a.get("signature")]
     if failed_before and same_failure(failed_before[-1]["signature"], signature):
         return {"action": "stop", "why": f"deterministic failure: the same error at step {signature['step']} on "
-                f"two attempts in a row ({signature['type']}: {signature['message'][:200]}); resubmitting would "
+                f"two attempts in a row ({signature['type']}: {signature['message']}); resubmitting would "
                 "loop. Fix the cause, then resume with run.resume", "signature": signature, "excluded": excluded}
     if len(attempts) >= max_restarts:
         return {"action": "stop", "why": f"{len(attempts)} resubmissions already (launcher.max_restarts="

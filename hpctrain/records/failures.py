@@ -41,7 +41,7 @@ def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseEx
         "job_id": job_id,
         "step": step,
         "type": type(exc).__name__,
-        "message": str(exc)[:2000],
+        "message": str(exc),  # whole: the key and the fix are often at its end
         "peer": is_peer_failure(exc) if peer is None else peer,
         "blame": blame,
         "time": time.time(),
@@ -113,15 +113,20 @@ def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = No
         silent = set(range(len(hosts_by_rank))) - {r["rank"] for r in records}
         if len(silent) < len(hosts_by_rank):
             hosts = sorted({hosts_by_rank[r] for r in silent})
-    signature = None if root is None else {"type": root["type"], "message": root["message"][:500],
+    signature = None if root is None else {"type": root["type"], "message": root["message"],
                                            "step": root["step"], "rank": root["rank"], "host": root["host"]}
     return hosts, signature
 
 
+SAME_PREFIX = 500  # characters of two messages compared by `same_failure`
+
+
 def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Two attempts ended with the same error at the same step: a deterministic failure, retrying loops."""
-    return a is not None and b is not None and (a["type"], a["message"], a["step"]) == (
-        b["type"], b["message"], b["step"])
+    """Two attempts ended with the same error at the same step: a deterministic failure, retrying loops.
+    The messages are compared on their first SAME_PREFIX characters (signatures carry them whole): signatures
+    written before that, cut there, still compare equal to today's."""
+    return a is not None and b is not None and (a["type"], a["message"][:SAME_PREFIX], a["step"]) == (
+        b["type"], b["message"][:SAME_PREFIX], b["step"])
 
 
 def read_failures(run_dir: Path, job_id: str, since: float = 0.0) -> list[dict[str, Any]]:

@@ -166,7 +166,7 @@ def repeated_failure(run_dir: Path, env: Any) -> dict[str, Any] | None:
     sig = sigs[1]
     return {"job_id": env.job_id, "action": "stop", "time": time.time(), "signature": sig, "restarts": env.restart - 1,
             "why": f"deterministic failure: the same error at step {sig['step']} on two attempts in a row "
-                   f"({sig['type']}: {sig['message'][:200]}); restarting would loop. Fix the cause, then resume "
+                   f"({sig['type']}: {sig['message']}); restarting would loop. Fix the cause, then resume "
                    "with run.resume"}
 
 

@@ -106,3 +106,54 @@ def test_a_checkpoint_of_an_older_version_resumes_and_still_refuses_a_change(com
     train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=6", *tiers(tmp_path, 2, 100, 100)), run_dir)
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps[-2:] == [5, 6]
+
+
+# ---------------------------------------------------------------- messages the user reads are whole
+def long_message() -> str:
+    """A 600-character error whose key and fix come last, as the config and data checks write them."""
+    tail = " data.vocab_size: the tokenizer file says 4096 tokens, the config 300. fix: set data.vocab_size=4096"
+    head = ("while opening the dataset for rank 0 the loader read the index, the sizes, the document boundaries "
+            "and the tokenizer file beside the tokens file; ") * 5
+    return head[:600 - len(tail)] + tail
+
+
+def test_a_long_message_is_whole_in_the_records_the_report_the_log_and_the_console(tmp_path: Path,
+                                                                                   capsys) -> None:
+    """FAILED.json, the failure records, the workers' stop and the supervisor's console line carry the whole
+    message: the key and the fix are at its end (issue 29: they were cut at 200 characters)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from hpctrain.config.schema import Config
+    from hpctrain.launch.supervise import decide, main
+    from hpctrain.records.failures import attempt_key, diagnose, read_failures, record_failure, same_failure
+    from hpctrain.records.jobs import read_report
+    from hpctrain.train.loop import repeated_failure
+
+    message = long_message()
+    assert len(message) == 600 and message.endswith("fix: set data.vocab_size=4096")
+    OmegaConf.save(OmegaConf.structured(Config), tmp_path / "config.yaml")  # the local executor
+    append_job(tmp_path, "1", "local")
+    record_failure(tmp_path, "1", 0, 7, ValueError(message))
+    assert read_failures(tmp_path, "1")[0]["message"] == message
+    first = decide(tmp_path, "1", 1, 5)
+    assert first["action"] == "resubmit" and first["signature"]["message"] == message
+    append_attempt(tmp_path, {"job_id": "1", **first, "resubmitted_as": "2"})
+    append_job(tmp_path, "2", "local")
+    record_failure(tmp_path, "2", 0, 7, ValueError(message))
+    assert main([str(tmp_path), "2", "1"]) == 1  # the same error at the same step: stop, with the report
+    console = capsys.readouterr().out
+    assert "not resubmitting: deterministic failure" in console and message in console, console
+    report = read_report(tmp_path)
+    assert report is not None and message in report["why"] and report["signature"]["message"] == message
+
+    for restart in (0, 1):  # the workers' own stop inside the allocation (its report and log line)
+        record_failure(tmp_path, attempt_key("3", restart), 0, 9, ValueError(message))
+    stop = repeated_failure(tmp_path, SimpleNamespace(job_id="3", restart=2, requeue=0))
+    assert stop is not None and message in stop["why"] and stop["signature"]["message"] == message
+
+    # Signatures are compared on a prefix: one written cut at 500 characters (before) still matches.
+    _, signature = diagnose(read_failures(tmp_path, "2"))
+    assert same_failure({**signature, "message": message[:500]}, signature)
+    assert not same_failure({**signature, "message": "another error"}, signature)
