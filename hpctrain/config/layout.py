@@ -147,7 +147,7 @@ def resolve_layout(cfg: Config) -> Layout:
     """Infer dp and grad_accum where they are -1; raise ConfigError when the numbers cannot fit together."""
     c, p, t = cfg.cluster, cfg.parallel, cfg.train
     _require_positive(cfg)
-    dp = _infer_dp(c.nodes, c.gpus_per_node, p.dp, p.tp, p.pp)
+    dp = _infer_dp(c.nodes, c.gpus_per_node, p.dp, p.tp, p.pp, lambda dp: _job_size_for(cfg, dp))
     grad_accum = _infer_grad_accum(cfg, dp)
     values = dict(
         dp=dp, tp=p.tp, pp=p.pp, virtual_stages=p.virtual_stages, zero_stage=cfg.zero.stage,
@@ -190,8 +190,27 @@ def _require_positive(cfg: Config) -> None:
         raise ConfigError(problems)
 
 
-def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int) -> int:
-    """parallel.dp, or (-1) the world size over tp x pp."""
+def _job_size_for(cfg: Config, dp: int) -> str:
+    """The job size (and batch) that fits dp x tp x pp, as overrides: whole nodes of cluster.gpus_per_node if it
+    divides, else nodes of fewer GPUs that TP still fits in (one node on the local executor)."""
+    c, p, t = cfg.cluster, cfg.parallel, cfg.train
+    need = dp * p.tp * p.pp
+    if need % c.gpus_per_node == 0 and (need // c.gpus_per_node == 1 or _value(c.executor) != "local"):
+        size = f"cluster.nodes={need // c.gpus_per_node}"
+    elif _value(c.executor) == "local":
+        size = f"cluster.gpus_per_node={need}"
+    else:
+        per_node = max(g for g in range(1, min(need, c.gpus_per_node) + 1) if need % g == 0 and g % p.tp == 0) \
+            if need % p.tp == 0 else p.tp
+        size = f"cluster.nodes={-(-need // per_node)} cluster.gpus_per_node={per_node}"
+    per_step = t.micro_batch * dp
+    if t.grad_accum == -1 and p.microbatches <= 0 and per_step > 0 and t.global_batch % per_step:
+        size += f" with train.global_batch={max(1, round(t.global_batch / per_step)) * per_step}"
+    return size
+
+
+def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int, job_size: Any = None) -> int:
+    """parallel.dp, or (-1) the world size over tp x pp. `job_size(dp)`: the cluster overrides that fit a dp."""
     world, model_parallel = nodes * gpus_per_node, tp * pp
     if dp == -1:
         if world % model_parallel:
@@ -211,7 +230,8 @@ def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int) -> int:
             f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * model_parallel} GPUs, but the job has "
             f"cluster.nodes x cluster.gpus_per_node = {nodes} x {gpus_per_node} = {world}",
             f"set parallel.dp={world // model_parallel if world % model_parallel == 0 else -1} "
-            f"(or -1 to infer it), or cluster.nodes={dp * model_parallel / gpus_per_node:g}",
+            f"(or -1 to infer it), or " + (job_size(dp) if job_size else
+                                           f"cluster.nodes x cluster.gpus_per_node = {dp * model_parallel}"),
         )])
     return dp
 

@@ -7,45 +7,60 @@ submitted, and reported with the key and the fix.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hpctrain.config.checks import run_checks
-from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.config.problems import CheckReport, ConfigError, Problem
 from hpctrain.launch.data import prepare_data
 from hpctrain.launch.plan_view import build_plan, render
-from hpctrain.launch.rundir import resolve_run_dir
+from hpctrain.launch.resume import resume_config
+from hpctrain.launch.rundir import RunDir, resolve_run_dir
+from hpctrain.launch.secrets import redact
 
 EXIT_CONFIG_ERROR = 2
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one invocation did: the exit code, and for a launched run its id, directory and job id."""
+    """What one invocation did: the exit code, and for a launched run its id, directory and job id; on failure
+    what went wrong (a sweep's table shows it)."""
 
     code: int
     run_id: str = ""
     run_dir: str = ""
     job_id: str = ""
+    error: str = ""
 
 
-def run(cfg: DictConfig) -> Outcome:
-    """A dry run prints the plan, then any errors (exit 2); otherwise errors stop it before anything is created."""
+@dataclass
+class Prepared:
+    """A checked config, ready to plan: the config (for a resume, the run's own with the allowed changes), the
+    checks' report, the run directory, and the credentials taken out of cluster.env (hpctrain.launch.secrets)."""
+
+    cfg: DictConfig
+    report: CheckReport
+    run_dir: RunDir
+    secrets: dict[str, str] = field(default_factory=dict)
+
+
+def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
+    """A dry run prints the plan, then any errors (exit 2); otherwise errors stop it before anything is created.
+
+    `overrides`: the command line's (Hydra's task overrides by default); a resume takes only the keys they name
+    from `cfg`, the rest from the run's saved config. An in-process caller without Hydra passes none: then all
+    of `cfg` is the new config (and a resume compares all of it with the run's)."""
+    if overrides is None:
+        overrides = task_overrides()
     try:
-        if "deepspeed" in cfg:
-            apply_deepspeed(cfg, _explicit_keys())
-        if cfg.parallel.auto:
-            apply_auto(cfg)
-        report = run_checks(cfg)
-        if report.errors and not cfg.dry_run:
-            raise ConfigError(report.errors)
-        run_dir = resolve_run_dir(cfg)
+        prepared = prepare(cfg, overrides)
     except ConfigError as err:
         print(f"hpctrain: {err}", file=sys.stderr)
-        return Outcome(EXIT_CONFIG_ERROR)
+        return Outcome(EXIT_CONFIG_ERROR, error=str(err))
+    cfg, report, run_dir = prepared.cfg, prepared.report, prepared.run_dir
     cfg.run.id = run_dir.run_id
     _join_sweep(cfg)
     plan = build_plan(cfg, report, run_dir)
@@ -55,7 +70,7 @@ def run(cfg: DictConfig) -> Outcome:
         print(render(plan, cfg.plan.format.value), flush=True)
         if report.errors:
             print(f"hpctrain: {ConfigError(report.errors)}", file=sys.stderr)
-            return Outcome(EXIT_CONFIG_ERROR, run_dir.run_id, str(run_dir.path))
+            return Outcome(EXIT_CONFIG_ERROR, run_dir.run_id, str(run_dir.path), error=str(ConfigError(report.errors)))
         return Outcome(0, run_dir.run_id, str(run_dir.path))
     for w in report.warnings:
         print(f"warning: {w.key}: {w.message} (fix: {w.fix})", file=sys.stderr)
@@ -63,12 +78,98 @@ def run(cfg: DictConfig) -> Outcome:
 
     try:
         prepare_data(cfg.data)
-    except ConfigError as err:
+        code, job_id = launch(cfg, report.layout, run_dir, plan, prepared.secrets)
+    except ConfigError as err:  # bad input data, or the scheduler refused the job (its directory is gone then)
         print(f"hpctrain: {err}", file=sys.stderr)
-        return Outcome(EXIT_CONFIG_ERROR, run_dir.run_id, str(run_dir.path))
+        kept = str(run_dir.path) if run_dir.path.exists() else ""
+        return Outcome(EXIT_CONFIG_ERROR, run_dir.run_id if kept else "", kept, error=str(err))
+    error = "" if code == 0 else f"the job failed (exit {code}); its logs are in {run_dir.submitit_folder}"
+    return Outcome(code, run_dir.run_id, str(run_dir.path), job_id, error=error)
 
-    code, job_id = launch(cfg, report.layout, run_dir, plan)
-    return Outcome(code, run_dir.run_id, str(run_dir.path), job_id)
+
+def prepare(cfg: DictConfig, overrides: list[str] | None,
+            compose: Callable[[list[str]], DictConfig] | None = None) -> Prepared:
+    """Everything before the plan, with no side effect: the resume's config, DeepSpeed's settings, parallel=auto,
+    every check (all problems at once) and the run directory it will use. Raises ConfigError when the run must
+    not go on (a dry run goes on to its plan when the layout resolves)."""
+    resume = None
+    run_dir = None
+    if cfg.run.resume:
+        run_dir = resolve_run_dir(cfg)  # by today's run.root; the run's own config says the rest
+        resume = resume_config(cfg, overrides, run_dir.path, compose or _hydra_compose())
+        cfg = resume.cfg
+    if "deepspeed" in cfg:
+        apply_deepspeed(cfg, _explicit_keys(overrides))
+    if cfg.parallel.auto:
+        apply_auto(cfg)
+    refused = resume.problems(cfg) if resume else []
+    try:
+        report = check_all(cfg, run_dir.path if run_dir else None)
+    except ConfigError as err:
+        raise ConfigError(refused + [p for p in err.problems if p.key not in {r.key for r in refused}]) from None
+    if refused:  # the resume's refusals first; the checkpoint's check of the same key says the same
+        report.errors[:] = refused + [p for p in report.errors if p.key not in {r.key for r in refused}]
+    if report.errors and not cfg.dry_run:
+        raise ConfigError(report.errors)
+    if run_dir is None:
+        run_dir = resolve_run_dir(cfg)
+    secrets = redact(cfg, report)
+    if resume is not None:
+        run_dir = replace(run_dir, config_changed=resume.config_changed(cfg))
+    return Prepared(cfg, report, run_dir, secrets)
+
+
+def check_all(cfg: DictConfig, run_dir: Path | None = None) -> CheckReport:
+    """Every check, all problems at once. The checks need the resolved layout: when the schema or the layout
+    fails first, the checks that do not need it still run (on a neutral layout of one rank, which adds none of
+    the layout's own problems), so that `zero.stage=4 optim.lr=-1` reports both; then ConfigError with all."""
+    try:
+        return run_checks(cfg, run_dir) if run_dir is not None else run_checks(cfg)
+    except ConfigError as err:
+        first = list(err.problems)
+    from hpctrain.config.checks import CHECKS, check_schema
+    from hpctrain.config.layout import Layout, resolve_layout
+
+    problems: list[Problem] = []
+    for step in (check_schema, resolve_layout):
+        try:
+            step(cfg)
+        except ConfigError as err:
+            problems += err.problems
+    report = CheckReport(Layout(dp=1, tp=1, pp=1, dtype="fp32"))
+    report.errors = list(problems)  # seen by the checks that stop at earlier errors (the memory estimate)
+    for check in CHECKS:
+        try:
+            check(cfg, report.layout, report)
+        except Exception:  # a check that needs what failed above: its problem is already reported
+            continue
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for p in first + problems + report.errors:
+        if (p.key, p.message) not in seen:
+            seen.add((p.key, p.message))
+            unique.append(p)
+    raise ConfigError(unique)
+
+
+def task_overrides() -> list[str] | None:
+    """The command line's overrides (Hydra's task overrides); None outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return list(HydraConfig.get().overrides.task)
+
+
+def _hydra_compose() -> Callable[[list[str]], DictConfig] | None:
+    """Hydra's compose of the primary config with other overrides, when a Hydra app is running."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        return None
+    from hydra import compose
+
+    return lambda overrides: compose(config_name="config", overrides=overrides)
 
 
 def apply_deepspeed(cfg: DictConfig, explicit: set[str]) -> None:
@@ -92,13 +193,9 @@ def apply_deepspeed(cfg: DictConfig, explicit: set[str]) -> None:
                     f"{translation.overrides[key]})" for key in kept), file=sys.stderr)
 
 
-def _explicit_keys() -> set[str]:
+def _explicit_keys(overrides: list[str] | None) -> set[str]:
     """The keys (and config groups) the command line set itself."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return set()
-    return {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides or []
             if "=" in o and o.split("=", 1)[0].lstrip("+~") not in ("deepspeed", "experiment")}
 
 
@@ -157,7 +254,18 @@ def _chart(plan: dict[str, Any], path: Path) -> None:
 
 
 def exit_on_failure(outcome: Outcome) -> dict[str, Any]:
-    """Exit non-zero on failure; on success return what happened (a Hydra multirun's sweep table reads it)."""
-    if outcome.code:
+    """Exit non-zero on failure; return what happened (a Hydra multirun's sweep table reads it). A point of a
+    multirun returns its failure instead, so the sweep goes on and its table shows the error; the sweep then
+    exits with the code (hpctrain.launch.sweep)."""
+    result = {"run_id": outcome.run_id, "run_dir": outcome.run_dir, "job_id": outcome.job_id,
+              "code": outcome.code, "error": outcome.error}
+    if outcome.code and not _in_multirun():
         sys.exit(outcome.code)
-    return {"run_id": outcome.run_id, "run_dir": outcome.run_dir, "job_id": outcome.job_id}
+    return result
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

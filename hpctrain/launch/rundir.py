@@ -23,6 +23,9 @@ class RunDir:
     run_id: str
     path: Path
     resumed: bool
+    # A resume whose config differs from the saved one (beyond run.resume itself): config.yaml is replaced and
+    # the older one kept as config.<time>.yaml. False: config.yaml is left as it is.
+    config_changed: bool = True
 
     @property
     def files(self) -> RunPaths:
@@ -75,11 +78,14 @@ def _find_existing(root: Path, resume: str) -> RunDir:
 
 
 def create_run_dir(cfg: DictConfig, run: RunDir) -> Path:
-    """Create the directory and write the resolved config the tasks will read."""
+    """Create the directory and write the resolved config the tasks will read (a resume that changed nothing in
+    it leaves config.yaml as it is; one that changed it keeps the older one as config.<time>.yaml)."""
     run.path.mkdir(parents=True, exist_ok=True)
     run.submitit_folder.mkdir(exist_ok=True)
     config_path = run.files.config
     if run.resumed and config_path.exists():
+        if not run.config_changed:
+            return config_path
         config_path.rename(run.files.archived_config(time.strftime("%Y%m%d-%H%M%S")))
     OmegaConf.save(cfg, config_path, resolve=True)
     return config_path
