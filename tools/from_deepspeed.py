@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     try:
         translation = translate(load(argv[0]), cfg)
     except ConfigError as err:
-        print(f"from_deepspeed: {err}", file=sys.stderr)
+        print(f"from_deepspeed: {argv[0]}: {err}", file=sys.stderr)
         return 2
     print("python -m hpctrain " + " ".join([*argv[1:], *translation.command_line()]))
     print()

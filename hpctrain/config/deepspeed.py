@@ -6,9 +6,13 @@ Every key of the file ends in exactly one of three lists, so nothing is dropped 
   hpctrain's count bytes; `initial_scale_power` is a power of two);
 - `same`: a setting whose value is what hpctrain does anyway (`overlap_comm: true`, `contiguous_gradients`);
 - `unmapped`: no equivalent, with the reason and, where there is one, the nearest hpctrain setting.
-`"auto"` (Hugging Face's convention) takes hpctrain's own value. The batch keys are checked against each other
-as DeepSpeed checks them (`train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x
-data-parallel size`), the data-parallel size being the composed layout's.
+Keys are read as DeepSpeed reads them: the legacy `"bfloat16"` section when there is no `"bf16"`,
+`communication_data_type: "bfp16"` (its spelling before 0.14.1), `activation_checkpointing` as the settings of a
+recomputation the model's code turns on (a flag that acts only on recomputed layers says the run recomputes; all
+off, nothing is recomputed). A value DeepSpeed refuses is a `ConfigError` naming the key, never a traceback.
+`"auto"` (Hugging Face's convention) takes hpctrain's own value, the ZeRO stage's too. The batch keys are checked
+against each other as DeepSpeed checks them (`train_batch_size = train_micro_batch_size_per_gpu x
+gradient_accumulation_steps x data-parallel size`), the data-parallel size being the composed layout's.
 
 Pure: a dict and the composed config in, a `Translation` out (config errors as `ConfigError`).
 """
@@ -25,8 +29,9 @@ from hpctrain.config.problems import ConfigError, Problem
 AUTO = "auto"
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # What a DeepSpeed dtype name is in hpctrain (communication_data_type and friends).
+# "bfp16" is DeepSpeed's own spelling of bf16 for communication_data_type before 0.14.1 (its PR #5297).
 DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16",
-          "bfloat16": "bf16"}
+          "bfloat16": "bf16", "bfp16": "bf16"}
 
 
 @dataclass
@@ -67,12 +72,14 @@ def load(path: str | Path) -> dict[str, Any]:
 def translate(ds: dict[str, Any], cfg: Any) -> Translation:
     """The hpctrain settings of a DeepSpeed config, given the composed hpctrain config (`cfg`)."""
     t = _Import(ds, cfg)
-    t.batch()
-    t.precision()
-    t.zero()
-    t.optimizer()
-    t.scheduler()
-    t.rest()
+    for section, step in (("batch keys", t.batch), ("fp16/bf16", t.precision), ("zero_optimization", t.zero),
+                          ("optimizer", t.optimizer), ("scheduler", t.scheduler), ("other keys", t.rest)):
+        try:
+            step()
+        except (ValueError, TypeError, AttributeError) as exc:  # a value of the wrong kind: said, not a traceback
+            raise ConfigError([Problem(f"deepspeed ({section})", f"a value this importer cannot read: {exc}",
+                                       "fix the value in the file (a number where DeepSpeed takes a number, "
+                                       "\"auto\" for hpctrain's own)")]) from exc
     leftover = sorted(set(leaves(ds)) - t.seen)
     for key in leftover:  # a key this importer does not know: said so, never dropped
         t.out.unmapped[key] = "no equivalent in hpctrain (an option this importer does not map)"
@@ -211,13 +218,42 @@ class _Import:
                                        "DeepSpeed refuses this file too: change the batch or the layout")])
         return total // by
 
+    def _enabled(self, section: str, other_explicit: bool, dtype: str) -> bool:
+        """Whether a precision section (fp16, bf16/bfloat16) is on: true, false (DeepSpeed's default), or "auto"
+        (Hugging Face's: the trainer's own choice), which takes hpctrain's precision.dtype unless the other
+        section is explicitly on."""
+        value = self.get(f"{section}.enabled", False)
+        if value == AUTO:
+            return _value(self.cfg.precision.dtype) == dtype and not other_explicit
+        if not isinstance(value, bool):
+            raise ConfigError([Problem(f"deepspeed.{section}.enabled", f"is {value!r}", 'true, false or "auto"')])
+        return value
+
+    def _auto_off(self, dtype: str, other_on: bool) -> str:
+        if other_on:
+            return f"auto: off, the file enables {'bf16' if dtype == 'fp16' else 'fp16'}"
+        return (f"auto: hpctrain's precision.dtype, {_value(self.cfg.precision.dtype)}, not {dtype} "
+                f"(precision.dtype={dtype} trains in {dtype}, as Hugging Face's --{dtype} fills this in)")
+
     def precision(self) -> None:
-        fp16, bf16 = (self.get(k) if isinstance(self.get(k), dict) else {} for k in ("fp16", "bf16"))
-        if fp16.get("enabled") is True and bf16.get("enabled") is True:
-            raise ConfigError([Problem("deepspeed.fp16", "fp16 and bf16 are both enabled", "enable one")])
-        if fp16.get("enabled") is True:
-            self.set("precision.dtype", "fp16", "fp16.enabled")
-            self.set("precision.loss_scaling", True, "fp16.enabled")
+        # DeepSpeed reads the legacy "bfloat16" section when there is no "bf16" (precision_config.get_bfloat16_config)
+        bf = "bfloat16" if self.get("bf16") is None and self.get("bfloat16") is not None else "bf16"
+        legacy = "the legacy \"bfloat16\" section, which DeepSpeed reads when there is no \"bf16\"" \
+            if bf == "bfloat16" else ""
+        if bf == "bf16":
+            self.skip("bfloat16", "DeepSpeed reads the \"bf16\" section when both are there: this legacy one is "
+                      "ignored (by DeepSpeed too)")
+        fp16, bf16 = (self.get(k) if isinstance(self.get(k), dict) else {} for k in ("fp16", bf))
+        fp16_on = self._enabled("fp16", bf16.get("enabled") is True, "fp16")
+        bf16_on = self._enabled(bf, fp16.get("enabled") is True, "bf16")
+        if fp16_on and bf16_on:
+            raise ConfigError([Problem("deepspeed.fp16", f"fp16 and {bf} are both enabled", "enable one")])
+        if fp16_on:
+            if fp16.get("enabled") == AUTO:
+                self.same("fp16.enabled", "auto: hpctrain's precision.dtype, fp16")
+            else:
+                self.set("precision.dtype", "fp16", "fp16.enabled")
+                self.set("precision.loss_scaling", True, "fp16.enabled")
             scale = fp16.get("loss_scale", 0)
             if scale:
                 self.set("precision.initial_scale", float(scale), "fp16.loss_scale",
@@ -239,25 +275,38 @@ class _Import:
                       "(Adam: 16 bytes per parameter with its moments)")
             self.skip("fp16.auto_cast", "hpctrain casts the model itself (FSDP2 mixed precision or autocast)")
         elif fp16:
-            self.same("fp16.enabled", "disabled")
+            self.same("fp16.enabled", "disabled" if fp16.get("enabled") != AUTO else self._auto_off("fp16", bf16_on))
             for key in fp16:
                 if key != "enabled":
                     self.same(f"fp16.{key}", "fp16 is not enabled: no effect")
-        if bf16.get("enabled") is True:
-            self.set("precision.dtype", "bf16", "bf16.enabled")
-            self.set("precision.loss_scaling", False, "bf16.enabled")
+        if bf16_on:
+            if bf16.get("enabled") == AUTO:
+                self.same(f"{bf}.enabled", "auto: hpctrain's precision.dtype, bf16")
+            else:
+                self.set("precision.dtype", "bf16", f"{bf}.enabled", note=legacy)
+                self.set("precision.loss_scaling", False, f"{bf}.enabled")
         elif bf16:
-            self.same("bf16.enabled", "disabled")
+            self.same(f"{bf}.enabled", "disabled" if bf16.get("enabled") != AUTO else self._auto_off("bf16", fp16_on))
         for key in bf16:
-            if key != "enabled":
-                self.skip(f"bf16.{key}", "bf16 needs no loss scaling: ignored (as DeepSpeed ignores it)")
+            if key == "enabled":
+                continue
+            if not bf16_on:
+                self.same(f"{bf}.{key}", "bf16 is not enabled: no effect")
+            elif "scale" in key or "overflow" in key:
+                self.skip(f"{bf}.{key}", "bf16 needs no loss scaling: ignored (as DeepSpeed ignores it)")
+            else:
+                self.skip(f"{bf}.{key}", "hpctrain keeps fp32 master weights, gradients and optimizer state, and "
+                          "applies each step's update at once")
         self.skip("amp", "NVIDIA Apex AMP: hpctrain's mixed precision is fp16 or bf16 (precision.dtype)")
         comm = self.get("communication_data_type")
         if comm is not None:
-            if str(comm).lower() in DTYPES:
-                self.set("precision.reduce_dtype", DTYPES[str(comm).lower()], "communication_data_type")
+            name = str(comm).lower()
+            if name in DTYPES:
+                self.set("precision.reduce_dtype", DTYPES[name], "communication_data_type",
+                         note=f"{comm!r}: older DeepSpeed's spelling of bf16" if name == "bfp16" else "")
             else:
-                self.skip("communication_data_type", f"{comm!r} is not fp32, fp16 or bf16")
+                raise ConfigError([Problem("deepspeed.communication_data_type", f"is {comm!r}",
+                                           "fp32, fp16 or bf16 (DeepSpeed refuses this value too)")])
         self.skip("data_types", "gradients accumulate in the master weights' dtype (fp32)")
 
     def zero(self) -> None:
@@ -267,8 +316,15 @@ class _Import:
         if isinstance(self.get(z), bool):  # the oldest form: "zero_optimization": true (stage 1)
             self.set("zero.stage", 1 if self.get(z) else 0, z)
             return
-        if self.get(f"{z}.stage") is not None:
-            self.set("zero.stage", int(self.get(f"{z}.stage")), f"{z}.stage")
+        stage = self.get(f"{z}.stage")
+        if stage == AUTO:
+            self.same(f"{z}.stage", f"auto: hpctrain's zero.stage, {int(self.cfg.zero.stage)}")
+        elif isinstance(stage, bool) or not isinstance(stage, (int, float)) or stage not in (0, 1, 2, 3):
+            if stage is not None:
+                raise ConfigError([Problem(f"deepspeed.{z}.stage", f"is {stage!r}",
+                                           'a ZeRO stage 0, 1, 2 or 3, or "auto" (hpctrain\'s zero.stage)')])
+        else:
+            self.set("zero.stage", int(stage), f"{z}.stage")
         for section, key in (("offload_optimizer", "zero.offload_optimizer"), ("offload_param", "zero.offload_params")):
             device = self.get(f"{z}.{section}.device")
             if device is None:
@@ -294,6 +350,9 @@ class _Import:
             value = self.get(f"{z}.{name}")
             if value == AUTO:
                 self.same(f"{z}.{name}", f"auto: hpctrain's zero.{name}")
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError([Problem(f"deepspeed.{z}.{name}", f"is {value!r}",
+                                           'a number of elements (5e8), or "auto" (hpctrain\'s own)')])
             elif value is not None and int(value) > 0:
                 self.set(f"zero.{name}", int(value) * width, f"{z}.{name}",
                          note=f"{int(value):,} elements x {width} bytes")
@@ -420,6 +479,51 @@ class _Import:
             self.set("optim.min_lr_ratio", float(ratio), f"{p}.cos_min_ratio")
         self.by_value(f"{p}.warmup_min_ratio", 0, "hpctrain warms up from 0", "hpctrain's warmup starts from 0")
 
+    def activation_checkpointing(self) -> None:
+        """DeepSpeed's section configures its checkpointing API (deepspeed.checkpointing); it recomputes nothing by
+        itself: the model's code turns recomputation on (Megatron's --checkpoint-activations, Hugging Face's
+        gradient_checkpointing). A flag that acts only on recomputed layers (partitioned, CPU or contiguous
+        checkpoints, a number of checkpoints) says the run recomputes: parallel.recompute=full. All flags off (or
+        the section empty): nothing to set. Every key has its own line."""
+        ac = "activation_checkpointing"
+        section = self.get(ac)
+        if not isinstance(section, dict):
+            return
+        if not section:
+            self.same(ac, "empty: DeepSpeed's defaults, which recompute nothing by themselves")
+            return
+        number = section.get("number_checkpoints")
+        implies = [f"{ac}.{key}" for key in ("partition_activations", "cpu_checkpointing",
+                                               "contiguous_memory_optimization") if section.get(key) is True]
+        implies += [f"{ac}.number_checkpoints"] if isinstance(number, int) and not isinstance(number, bool) \
+            and number > 0 else []
+        if implies:
+            self.set("parallel.recompute", "full", ac,
+                     note=f"{' and '.join(k.split('.')[-1] for k in implies)}: "
+                     f"{'acts' if len(implies) == 1 else 'act'} only on recomputed layers; the section alone "
+                     "recomputes nothing; parallel.recompute=selective recomputes attention only")
+        self.by_value(f"{ac}.partition_activations", False, "false: not partitioned, as hpctrain",
+                      "the nearest is parallel.sequence_parallel (activations split over the TP ranks)")
+        self.by_value(f"{ac}.cpu_checkpointing", False, "false: kept on the GPU, as hpctrain",
+                      "hpctrain keeps recomputation checkpoints on the GPU (no activation offload)")
+        self.by_value(f"{ac}.contiguous_memory_optimization", False, "false: no preallocated buffer, as hpctrain",
+                      "a DeepSpeed buffer for partitioned checkpoints; hpctrain's recomputation keeps each layer's "
+                      "input in PyTorch's caching allocator")
+        if number is None and "number_checkpoints" in section:
+            self.out.same[f"{ac}.number_checkpoints"] = "null: DeepSpeed's default (a buffer sized on first use)"
+            self.seen.add(f"{ac}.number_checkpoints")
+        else:
+            self.skip(f"{ac}.number_checkpoints", "sizes DeepSpeed's contiguous buffer; hpctrain checkpoints every "
+                      "layer (parallel.recompute=full) or recomputes attention only (selective)")
+        self.by_value(f"{ac}.synchronize_checkpoint_boundary", False, "false: no device synchronisation, as hpctrain",
+                      "a device synchronisation at each checkpoint (a debugging aid): hpctrain has none")
+        self.by_value(f"{ac}.profile", False, "false: no profiling",
+                      "DeepSpeed's timing of checkpointed forwards: hpctrain records each step's time in "
+                      "metrics.jsonl")
+        for key in section:  # a key DeepSpeed does not have (a typo?): its own line too
+            if f"{ac}.{key}" not in self.seen:
+                self.skip(f"{ac}.{key}", "not a DeepSpeed activation_checkpointing key (it ignores it too)")
+
     def rest(self) -> None:
         if self.get("gradient_clipping") is not None:
             clip = self.get("gradient_clipping")
@@ -438,16 +542,7 @@ class _Import:
         self.same("memory_breakdown", "metrics.jsonl has peak memory every step; health.* watches for leaks")
         self.same("zero_allow_untested_optimizer", "hpctrain's AdamW is the one it tests")
         self.same("zero_force_ds_cpu_optimizer", "hpctrain steps offloaded shards with torch's AdamW on the CPU")
-        ac = "activation_checkpointing"
-        if isinstance(self.get(ac), dict):
-            self.set("parallel.recompute", "full", ac)
-            self._seen_under(ac)
-            self.seen.discard(f"{ac}.partition_activations")
-            self.seen.discard(f"{ac}.cpu_checkpointing")
-            self.by_value(f"{ac}.partition_activations", False, "not partitioned",
-                          "the nearest is parallel.sequence_parallel (activations split over the TP ranks)")
-            self.by_value(f"{ac}.cpu_checkpointing", False, "kept on the GPU",
-                          "hpctrain keeps recomputation checkpoints on the GPU (no activation offload)")
+        self.activation_checkpointing()
         wandb = self.get("wandb")
         if isinstance(wandb, dict) and wandb.get("enabled"):
             self.set("tracking.mode", "online", "wandb.enabled")

@@ -19,10 +19,12 @@ def prepare_data(data: DataConfig) -> None:
     if exists(prefix):
         return
     p = data.prepare
-    print(f"data: preparing {prefix} from {', '.join(p.inputs)}", flush=True)
+    # progress on stderr as it goes (a bar on a terminal, else a line every few seconds): this can take minutes
+    print(f"data: preparing {prefix} from {', '.join(p.inputs)} (once: a later run finds it)", flush=True)
     try:
         summary = prepare(list(p.inputs), prefix, tokenizer=p.tokenizer, vocab_size=p.vocab_size,
-                          workers=p.workers, text_key=p.text_key)
+                          workers=p.workers, text_key=p.text_key, progress=True)
+        print(f"data: prepared {summary}", flush=True)
     except PrepareError as exc:
         raise ConfigError([Problem("data.prepare.inputs", str(exc), "fix the input, or prepare the dataset yourself "
                                    "with python -m hpctrain.data.prepare")]) from exc

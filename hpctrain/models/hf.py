@@ -14,6 +14,7 @@ What differs, and why each conversion is exact (a permutation, transposition or 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
@@ -41,6 +42,12 @@ _NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 # Special token ids belong to the tokenizer, which a model config does not name: left unset, not HF's defaults
 # (GPT2Config's 50256 and LlamaConfig's 1 and 2 are wrong for other vocabularies, Llama 3's included).
 NO_TOKEN_IDS = {"bos_token_id": None, "eos_token_id": None}
+# An HF config's dropout probabilities, with transformers' defaults (GPT2Config's 0.1, LlamaConfig's 0.0): hpctrain
+# has one, model.dropout, on attention, residual and embedding alike.
+HF_DROPOUT = {"gpt2": {"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
+              "llama": {"attention_dropout": 0.0}}
+
+log = logging.getLogger("hpctrain")
 
 
 class HFMismatch(ValueError):
@@ -316,7 +323,9 @@ def _refuse(values: dict[str, tuple[Any, tuple[Any, ...]]], kind: str) -> None:
 
 def mismatches(m: ModelConfig, hf: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """(model.* key, the run's value, the HF model's value) for every field that differs. The context of a Llama
-    is not compared: RoPE has no position table, and training at a shorter context than HF's maximum is usual."""
+    is not compared: RoPE has no position table, and training at a shorter context than HF's maximum is usual.
+    A dropout that differs is no mismatch (continued pretraining often drops it) but is logged as a warning
+    (`warn_dropout`): the weights load, the run trains at model.dropout."""
     theirs = model_fields(hf)
     ours: dict[str, Any] = {"arch": arch_of(m), "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
                             "ffn_hidden": ffn_hidden_of(m), "vocab_size": m.vocab_size,
@@ -331,8 +340,34 @@ def mismatches(m: ModelConfig, hf: Mapping[str, Any]) -> list[tuple[str, Any, An
                                 high_freq_factor=float(m.rope.high_freq_factor),
                                 original_context=int(m.rope.original_context))
     flat = _flat(theirs)
-    return [(f"model.{key}", value, flat.get(key)) for key, value in _flat(ours).items()
-            if not _equal(value, flat.get(key))]
+    differ = [(f"model.{key}", value, flat.get(key)) for key, value in _flat(ours).items()
+              if not _equal(value, flat.get(key))]
+    if not differ:
+        warn_dropout(m, hf)
+    return differ
+
+
+def dropout_differences(m: ModelConfig, hf: Mapping[str, Any]) -> dict[str, float]:
+    """The HF config's dropout probabilities (transformers' default where a key is absent) that differ from the
+    run's model.dropout; empty when they agree."""
+    found = {key: float(hf[key] if hf.get(key) is not None else default)
+             for key, default in HF_DROPOUT.get(str(hf.get("model_type")), {}).items()}
+    return {key: value for key, value in found.items() if not math.isclose(value, float(m.dropout), abs_tol=1e-12)}
+
+
+def warn_dropout(m: ModelConfig, hf: Mapping[str, Any]) -> str | None:
+    """model.init_from: a log warning when the Hugging Face model's dropout is not the run's (GPT-2's 0.1 trained
+    at hpctrain's 0.0 without a word, before); the line names the HF values and the key to set. Returns it."""
+    differ = dropout_differences(m, hf)
+    if not differ:
+        return None
+    theirs = ", ".join(f"{key}={value:g}" for key, value in differ.items())
+    line = (f"model.init_from: the Hugging Face config.json ({hf.get('model_type')}) has dropout {theirs}; this run "
+            f"trains with model.dropout={float(m.dropout):g} (hpctrain's one dropout: attention, residual and "
+            f"embedding). Set model.dropout={max(differ.values()):g} to train with the model's own dropout, or "
+            f"keep model.dropout={float(m.dropout):g} (usual for pretraining) and this is only a note")
+    log.warning(line)
+    return line
 
 
 def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

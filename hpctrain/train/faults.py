@@ -1,10 +1,14 @@
 """Deliberate faults for testing recovery end to end (a rank that raises, hangs or dies at a given step).
 
-Set in the task environment, e.g. `+cluster.env.HPCTRAIN_INJECT_FAULT=raise:step=15:rank=1`; kinds are
-`raise`, `exit` (os._exit(1), like a segfault), `kill` (SIGKILL, like the OOM killer) and `hang` (sleeps
-forever, for the watchdog). A trailing
-`:once` fires only in the first attempt of the run (a marker in the run directory), so a resubmission
-succeeds. Unset, nothing happens.
+Set in the task environment, e.g.
+
+    python -m hpctrain "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=1'"
+
+(the value holds `=`, which Hydra's override grammar refuses unquoted: quote the value for Hydra, and the
+whole argument for the shell). Kinds are `raise`, `exit` (os._exit(1), like a segfault), `kill` (SIGKILL, like
+the OOM killer) and `hang` (sleeps forever, for the watchdog). A trailing `:once`
+(`"+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=1:once'"`) fires only in the first attempt of the
+run (a marker in the run directory), so a resubmission succeeds. Unset, nothing happens.
 """
 
 from __future__ import annotations

@@ -145,3 +145,130 @@ def test_plus_deepspeed_on_the_command_line_and_the_tool_agree(tmp_path: Path) -
     plan_a, plan_b = json.loads(imported.stdout), json.loads(direct.stdout)
     plan_a.pop("run"), plan_b.pop("run")
     assert plan_a == plan_b
+
+
+# -- issue 29: the legacy "bfloat16" section, "bfp16", activation_checkpointing's flags, "auto" for the stage
+
+def lines_of(t: Any) -> dict[str, int]:
+    """How many lines of the report each DeepSpeed key has (as a source, "same" or "no equivalent")."""
+    counts: dict[str, int] = {}
+    for key in [k for sources in t.sources.values() for k in set(sources)] + list(t.same) + list(t.unmapped):
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def test_megatron_deepspeeds_legacy_bfloat16_section_trains_in_bf16(compose_cfg: Callable[..., Any]) -> None:
+    """Megatron-DeepSpeed's ds_zero2_config_bf16.json: "bfloat16": {"enabled": true} (DeepSpeed reads it when
+    there is no "bf16") and communication_data_type "bfp16" (DeepSpeed's spelling before 0.14.1)."""
+    t = translate(load(HERE / "megatron_zero2_bf16.json"), compose_cfg("cluster.gpus_per_node=2"))
+    o = t.overrides
+    assert (o["precision.dtype"], o["precision.loss_scaling"]) == ("bf16", False)
+    assert t.sources["precision.dtype"] == ["bfloat16.enabled"] and "legacy" in t.notes["precision.dtype"]
+    assert o["precision.reduce_dtype"] == "bf16" and "bfp16" in t.notes["precision.reduce_dtype"]
+    assert not any(k.startswith("bfloat16.enabled") or k == "bfloat16" for k in t.unmapped)
+    assert "communication_data_type" not in t.unmapped
+    assert "loss scaling" in t.unmapped["bfloat16.loss_scale"]
+    assert "fp16.enabled" in t.same and t.same["fp16.loss_scale"].startswith("fp16 is not enabled")
+
+
+def test_plus_deepspeed_with_the_legacy_bfloat16_section_plans_bf16(tmp_path: Path) -> None:
+    ds = HERE / "megatron_zero2_bf16.json"
+    done = run_hpctrain("+experiment=smoke", "dry_run=true", "plan.format=json", f"run.root={tmp_path}",
+                        f"+deepspeed={ds}", cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["precision"] == "bf16" and plan["layout"]["zero_stage"] == 2
+    assert "precision.dtype=bf16  <- bfloat16.enabled" in done.stderr
+    assert "precision.reduce_dtype=bf16  <- communication_data_type" in done.stderr
+    assert "(no equivalent) bfloat16:" not in done.stderr and "(no equivalent) bfloat16.enabled" not in done.stderr
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_transformers_bfloat16_auto_takes_hpctrains_precision(dtype: str, compose_cfg: Callable[..., Any]) -> None:
+    """Hugging Face's ds_config_zero3_bf16.json: "bfloat16": {"enabled": "auto"}, filled by the trainer's own
+    choice: hpctrain's precision.dtype, said so with how to get bf16."""
+    t = translate(load(HERE / "transformers_zero3_bf16.json"),
+                  compose_cfg("cluster.gpus_per_node=2", f"precision.dtype={dtype}"))
+    assert "precision.dtype" not in t.overrides and "bfloat16.enabled" not in t.unmapped
+    assert t.same["bfloat16.enabled"].startswith(f"auto: hpctrain's precision.dtype, {dtype}")
+    if dtype == "fp32":
+        assert "precision.dtype=bf16" in t.same["bfloat16.enabled"]
+
+
+def test_bf16_wins_over_bfloat16_as_in_deepspeed(compose_cfg: Callable[..., Any]) -> None:
+    t = translate({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}}, compose_cfg())
+    assert "precision.dtype" not in t.overrides and t.same["bf16.enabled"] == "disabled"
+    assert "ignored" in t.unmapped["bfloat16"]
+    with pytest.raises(ConfigError, match="fp16 and bfloat16 are both enabled"):
+        translate({"fp16": {"enabled": True}, "bfloat16": {"enabled": True}}, compose_cfg())
+    with pytest.raises(ConfigError, match="deepspeed.bfloat16.enabled: is 'yes'"):
+        translate({"bfloat16": {"enabled": "yes"}}, compose_cfg())
+
+
+@pytest.mark.parametrize("spelling, dtype", [("bfp16", "bf16"), ("BFP16", "bf16"), ("bf16", "bf16"),
+                                             ("fp16", "fp16"), ("fp32", "fp32")])
+def test_communication_data_type_spellings(spelling: str, dtype: str, compose_cfg: Callable[..., Any]) -> None:
+    t = translate({"communication_data_type": spelling}, compose_cfg())
+    assert t.overrides["precision.reduce_dtype"] == dtype and "communication_data_type" not in t.unmapped
+
+
+def test_a_communication_data_type_deepspeed_refuses_is_refused(compose_cfg: Callable[..., Any]) -> None:
+    with pytest.raises(ConfigError, match="deepspeed.communication_data_type: is 'int8'"):
+        translate({"communication_data_type": "int8"}, compose_cfg())
+
+
+AC_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
+           "synchronize_checkpoint_boundary", "profile")
+
+
+def test_activation_checkpointing_with_every_flag_off_recomputes_nothing(compose_cfg: Callable[..., Any]) -> None:
+    """DeepSpeed's section configures its checkpointing API; it turns on no recomputation by itself, least of
+    all with every flag off. Each of its six keys has a line of its own."""
+    ds = {"activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                       "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                       "synchronize_checkpoint_boundary": False, "profile": False}}
+    t = translate(ds, compose_cfg())
+    assert "parallel.recompute" not in t.overrides
+    counts = lines_of(t)
+    assert all(counts.get(f"activation_checkpointing.{key}") == 1 for key in AC_KEYS), counts
+    assert all(f"activation_checkpointing.{key}" in t.report() for key in AC_KEYS)
+    assert "parallel.recompute" not in translate({"activation_checkpointing": {}}, compose_cfg()).overrides
+
+
+def test_activation_checkpointing_flags_that_need_recomputation(compose_cfg: Callable[..., Any]) -> None:
+    on = {"partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True,
+          "number_checkpoints": 4, "synchronize_checkpoint_boundary": True, "profile": True}
+    t = translate({"activation_checkpointing": on}, compose_cfg())
+    assert t.overrides["parallel.recompute"] == "full"
+    assert "partition_activations" in t.notes["parallel.recompute"]
+    assert all(t.unmapped.get(f"activation_checkpointing.{key}") for key in AC_KEYS), t.unmapped
+    gpt2 = translate(load(HERE / "gpt2_zero2_offload.json"), compose_cfg("cluster.gpus_per_node=2"))
+    assert gpt2.overrides["parallel.recompute"] == "full"
+    assert {"activation_checkpointing.partition_activations",
+            "activation_checkpointing.contiguous_memory_optimization"} <= set(gpt2.unmapped)
+
+
+def test_auto_zero_stage_takes_hpctrains_own(compose_cfg: Callable[..., Any]) -> None:
+    t = translate({"zero_optimization": {"stage": "auto", "reduce_bucket_size": "auto"}}, compose_cfg("zero.stage=2"))
+    assert "zero.stage" not in t.overrides and t.same["zero_optimization.stage"] == "auto: hpctrain's zero.stage, 2"
+
+
+@pytest.mark.parametrize("stage", ["three", 5, -1, 2.5, True])
+def test_a_zero_stage_that_is_not_one_is_a_config_error(stage: Any, compose_cfg: Callable[..., Any]) -> None:
+    with pytest.raises(ConfigError, match="deepspeed.zero_optimization.stage: is"):
+        translate({"zero_optimization": {"stage": stage}}, compose_cfg())
+
+
+def test_the_tool_takes_auto_for_the_stage_and_refuses_a_bad_value_without_a_traceback(tmp_path: Path) -> None:
+    tool = [sys.executable, str(REPO / "tools" / "from_deepspeed.py")]
+    auto = tmp_path / "auto.json"
+    auto.write_text(json.dumps({"zero_optimization": {"stage": "auto"}, "bf16": {"enabled": "auto"}}))
+    done = subprocess.run([*tool, str(auto), "zero=stage3"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert "(same as hpctrain) zero_optimization.stage: auto: hpctrain's zero.stage, 3" in done.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "ten"}}}))
+    done = subprocess.run([*tool, str(bad)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert str(bad) in done.stderr and "'ten'" in done.stderr and "fix:" in done.stderr
