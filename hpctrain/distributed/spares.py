@@ -13,6 +13,12 @@ the run ends, its agents say so in the store and the spares that were never need
 A job that may shrink and has no spare uses the same counters the other way round (`PeerWatch`): a training
 agent that sees another node's counter stop restarts the group, since a node that loses power leaves its
 peers blocked in collectives rather than failing them.
+A suspension is not a death: `scontrol suspend` stops every process of the job (SIGSTOP) and `scontrol resume`
+continues them, in no set order. A watcher that wakes first sees counters that did not move for as long as it
+slept, while their holders, stopped like it, beat again a moment later. So a watcher measures silence only
+across its own polls that came on time (`Silences`): one that comes much later than due means this process
+was stopped itself (the monotonic clock runs on while a process is stopped), and every counter is read afresh
+before any is judged.
 """
 
 from __future__ import annotations
@@ -30,8 +36,12 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.5  # how often a slot's holder moves its counter
 VACANT_S = 3.0  # a counter that has not moved for this long: its node is gone
 POLL_S = 0.25
+# A watcher's poll that comes this much later than due: the watcher itself was stopped meanwhile (the job
+# suspended, SIGSTOP, a paused VM), so what it last saw of the counters says nothing about their holders now.
+STOPPED_S = VACANT_S / 2
 READ_TIMEOUT_S = 10.0  # a store host that does not answer a read this long is gone (torch's default: 60 s)
 CALL_MARGIN_S = 2.0  # beyond the client's own timeout, before a call is given up on (see `within`)
+WAIT_SLICE_S = 0.5  # `within` waits for a call in slices this long (a far longer one: the caller was stopped)
 
 
 def _key(job_id: str, *parts: object) -> str:
@@ -74,11 +84,26 @@ def within(seconds: float, call: Callable[..., Any], *args: Any, **kwargs: Any) 
             done.set()
 
     threading.Thread(target=run, name="hpctrain-store-call", daemon=True).start()
-    if not done.wait(seconds):
+    if not _wait_running(done, seconds):
         raise StoreSilent(f"the rendezvous store did not answer within {seconds:.0f} s")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def _wait_running(done: threading.Event, seconds: float) -> bool:
+    """Wait up to `seconds` for `done`, counting only time this process ran: a stretch it spent stopped (a
+    suspended job: the store's host, stopped too, answers once both continue) counts for nothing, or a call in
+    flight at `scontrol suspend` would give the store up at `scontrol resume`. Waits in slices: a slice that
+    took far longer than asked was a stop."""
+    left, last = seconds, time.monotonic()
+    while left > 0:
+        if done.wait(min(left, WAIT_SLICE_S)):
+            return True
+        now = time.monotonic()
+        took, last = now - last, now
+        left -= took if took <= WAIT_SLICE_S + STOPPED_S else WAIT_SLICE_S
+    return done.is_set()
 
 
 class BoundedStore:
@@ -161,26 +186,63 @@ def hold(store: Any, job_id: str, slot: int, node: int) -> bool:
     return store.compare_set(_key(job_id, "owner", slot), "", str(node)).decode() == str(node)
 
 
+class Silences:
+    """How long each slot's counter has not moved, as one watcher saw it over its own polls that came on time.
+
+    Each poll starts with `poll()`. A poll that comes more than STOPPED_S later than due (POLL_S after the last
+    one began) means this watcher was stopped in between: every process of a suspended job is, and the
+    monotonic clock runs on meanwhile. The counters it remembers are then as old as its sleep, and their
+    holders, stopped with it, beat again a moment after they continue; so it forgets them all, and silence is
+    measured again from values read after the stop. (A poll whose reads alone take that long, a store that
+    slow, forgets too: such a watcher cannot tell its own stop from the store's delay, and judges no one.)
+    `extra` is kept beside each value (PeerWatch: this node's workers at that moment)."""
+
+    def __init__(self, who: str, poll_s: float = POLL_S) -> None:
+        self.who, self.poll_s = who, poll_s
+        self.seen: dict[int, tuple[str, float, Any]] = {}
+        self.last: float | None = None
+
+    def poll(self) -> float:
+        """The start of a poll: its monotonic time."""
+        now = time.monotonic()
+        late = 0.0 if self.last is None else now - self.last - self.poll_s
+        if late > STOPPED_S:
+            log.warning("%s: its own poll came %.1f s late: this process was stopped (the job suspended?), "
+                        "not the slots' holders; their beats are read afresh before any is judged", self.who, late)
+            self.seen.clear()
+        self.last = now
+        return now
+
+    def silent_for(self, slot: int, value: str, now: float, extra: Any = None) -> float:
+        """Seconds `slot`'s counter has shown `value`, as seen since this watcher's last stop (0: it moved)."""
+        if slot not in self.seen or self.seen[slot][0] != value:
+            self.seen[slot] = (value, now, extra)
+            return 0.0
+        return now - self.seen[slot][1]
+
+    def extra(self, slot: int) -> Any:
+        return self.seen[slot][2]
+
+
 def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool = False) -> int | None:
     """As spare `node`: the slot whose holder died and that this spare claimed, or None when the run ended.
     In a store that `moved`, a slot no agent took within VACANT_S is vacant too (its holder died with the
     store's old host), as long as another slot is held (else no one is left to train with: the run is over).
-    A store that stops answering raises: the agent moves to the next one."""
-    seen: dict[int, tuple[str, float]] = {}
+    A suspended job is no vacancy (`Silences`). A store that stops answering raises: the agent moves to the
+    next one."""
+    silences = Silences(f"spare node {node}")
     while True:
         if store.check([_key(job_id, "ended")]):
             return None
-        now = time.monotonic()
+        now = silences.poll()
         beats = {slot: _beat(store, job_id, slot) for slot in range(slots)}
         for slot, value in beats.items():
             if not value and not (moved and any(beats.values())):
                 continue  # its holder has not started yet
-            if slot not in seen or seen[slot][0] != value:
-                seen[slot] = (value, now)
-            elif now - seen[slot][1] > VACANT_S and _claim(store, job_id, slot, value, node):
+            silent = silences.silent_for(slot, value, now)
+            if silent > VACANT_S and _claim(store, job_id, slot, value, node):
                 log.warning("spare node %d takes slot %d (%s %.1f s)", node, slot,
-                            "its holder stopped beating" if value else "nobody took it in the moved store",
-                            now - seen[slot][1])
+                            "its holder stopped beating" if value else "nobody took it in the moved store", silent)
                 return slot
         time.sleep(POLL_S)
 
@@ -203,24 +265,24 @@ class PeerWatch(_StoreThread):
         self.workers, self.on_silent = workers, on_silent
 
     def _run(self, store: Any) -> None:
-        seen: dict[int, tuple[str, float, set[int]]] = {}  # slot -> its last beat, when, our workers then
+        # slot -> its last beat, when, our workers then; a suspension of the job is no silence (`Silences`)
+        silences = Silences(f"node of slot {self.own}")
         told: set[int] = set()
         while not self._stop.wait(POLL_S):
             if store.check([_key(self.job_id, "ended")]):
                 return
-            now, workers = time.monotonic(), self.workers()
+            now, workers = silences.poll(), self.workers()
             for slot in range(self.slots):
                 value = _beat(store, self.job_id, slot)
                 if slot == self.own or not value or slot in told:
                     continue  # never beat here (not started, or the store moved): not silent
-                if slot not in seen or seen[slot][0] != value:
-                    seen[slot] = (value, now, workers)
-                elif now - seen[slot][1] > VACANT_S:
+                silent = silences.silent_for(slot, value, now, workers)
+                if silent > VACANT_S:
                     told.add(slot)
-                    if workers != seen[slot][2]:
+                    if workers != silences.extra(slot):
                         continue  # new workers since its last beat: the group restarted without it
                     log.warning("slot %d (node %s) has been silent for %.1f s: stopping this node's workers",
-                                slot, value.split(":")[0], now - seen[slot][1])
+                                slot, value.split(":")[0], silent)
                     self.on_silent(slot)
 
 

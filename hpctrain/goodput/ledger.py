@@ -17,10 +17,19 @@ node-seconds):
   (detection, teardown, rendezvous, spawn), and the end of a job that stopped or failed (Slurm's teardown,
   the supervisor);
 - shutdown: the end of the job that finished the run, after its final save;
-- pending: a live job's time since its last step (the step in flight, or a failure not yet recovered).
+- pending: a live job's time since its last step (the step in flight, or a failure not yet recovered);
+- spare: the hot spare nodes' time while the others start and train (cluster.spare_nodes): the nodes an
+  allocation holds beyond those an attempt trains on (its rank -> host map). A spare that takes a dead
+  node's place trains from the next attempt on; around a failure (recovery) every node counts there;
+- suspended: time the batch system held the job suspended (`scontrol suspend`: Slurm's `Suspended`), every
+  node of it. Its processes were stopped, their clocks ran on: the steps (or saves) it fell in took that much
+  longer. Accounting gives only the total, so it is taken from the rows that ran longest past the attempt's
+  typical row (a suspension lies inside one row's span), the rest from start-up, recovery, pending, shutdown.
 
 Goodput = productive / allocated. The queue wait between jobs (from the batch system's accounting) is not
 allocated time: it is reported beside, and absent (not zero) where there is no accounting (local runs).
+A job that started after the run was complete (`run.resume` of a finished run) and trained nothing is no
+part of the run's training: it is listed, its node-seconds reported beside (`after_end_node_s`), not counted.
 
 Inputs are plain records (hpctrain.records): jobs.jsonl, attempts.jsonl, events.jsonl ("attempt" with its
 start-up marks, "stop", "attempt_end"), metrics.jsonl rows (step_time_s, data_wait_s, ckpt_s, eval_s), the
@@ -29,6 +38,7 @@ failure records, and the scheduler's `Allocation`s. Pure: the caller reads, this
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -43,7 +53,10 @@ from hpctrain.scheduler.base import Allocation
 LOAD_PARTS = ATTEMPT_PARTS[:-1]  # an attempt's start-up up to its first step
 
 PARTS = ("productive", "data_wait", "checkpoint", "evaluation", "step_overhead", "lost", "startup", "recovery",
-         "shutdown", "pending")
+         "shutdown", "pending", "spare", "suspended")
+# Parts a suspension found in no row is taken from (it fell outside the steps), in proportion to their size.
+OUTSIDE_STEPS = ("startup", "recovery", "pending", "shutdown")
+LONGEST_ROWS = 16  # per attempt: the rows a suspension is looked for in
 RATE_WINDOW = 100  # steps the current step rate is measured over
 # Slurm accounts in whole seconds: an event up to this much past a job's recorded end still belongs to it.
 SLACK_S = 2.0
@@ -93,6 +106,9 @@ class Attempt:
     steps: int = 0
     lost_steps: int = 0
     lost_s: float = 0.0
+    spans_s: float = 0.0  # its rows' spans, summed (the typical row: `typical_span`)
+    longest: list[tuple[float, int, dict[str, float]]] = field(default_factory=list)  # heap: span, step, parts
+    floor: float = -1.0  # the shortest span in `longest` once it is full: a shorter row is not kept
 
     requeue: int = 0  # the job's run it belongs to (a requeued job keeps its id)
 
@@ -100,6 +116,12 @@ class Attempt:
     def key(self) -> str:
         """Its failure records' folder (hpctrain.records.failures.attempt_key)."""
         return attempt_key(self.job_id, self.restart, self.requeue)
+
+    def typical_span(self) -> float:
+        """Its rows' mean span, the LONGEST_ROWS longest left out (a suspension, a save at a stop)."""
+        rest = self.steps - len(self.longest)
+        kept = sum(span for span, _, _ in self.longest)
+        return (self.spans_s - kept) / rest if rest > 0 else min((s for s, _, _ in self.longest), default=0.0)
 
 
 @dataclass
@@ -119,6 +141,8 @@ class JobRun:
     pieces: list[tuple[float, float | None, int]] = field(default_factory=list)
     ended: str = ""  # how it ended, in words
     queue_s: float | None = None  # the wait before it started: after the previous run ended, or its submission
+    suspended_node_s: float = 0.0  # the batch system held it suspended (each piece at its nodes)
+    counted: bool = True  # False: it started after the run was complete and trained nothing (not the run's)
     wall_s: float = 0.0
     node_s: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)  # node-seconds
@@ -170,6 +194,9 @@ class Ledger:
     eta_s: float | None  # at the current rate
     eta_at_pace_s: float | None  # at the run's pace so far, its interruptions and queue included
     accounting: bool  # Slurm's records were available
+    # jobs that started after the run was complete and trained nothing (a resume of a finished run): their
+    # node-seconds, not in `allocated_node_s`
+    after_end_node_s: float = 0.0
 
     @property
     def unattributed_node_s(self) -> float:
@@ -185,13 +212,15 @@ class Ledger:
         shares = ", ".join(f"{name.replace('_', ' ')} {value / self.allocated_node_s:.1%}"
                            for name, value in self.parts.items() if value > 0 and name != "productive")
         queue = "no accounting: queue unknown" if self.queue_s is None else f"queue wait {_hms(self.queue_s)}"
+        jobs = sum(j.counted for j in self.jobs)
         return (f"goodput {self.goodput:.1%} of {self.allocated_node_s / 3600:.3g} node-h allocated over "
-                f"{len(self.jobs)} job run(s), {len(self.incidents)} interruption(s); {shares}; {queue}; "
+                f"{jobs} job run(s), {len(self.incidents)} interruption(s); {shares}; {queue}; "
                 f"step {self.steps_done}/{self.max_steps}, {self.steps_redone} redone")
 
     def summary(self) -> dict[str, float]:
         """The figures a tracker keeps beside the loss (W&B summary, the "ledger" event)."""
-        out = {"goodput": self.goodput, "allocated_node_h": self.allocated_node_s / 3600, "jobs": len(self.jobs),
+        out = {"goodput": self.goodput, "allocated_node_h": self.allocated_node_s / 3600,
+               "jobs": sum(j.counted for j in self.jobs),
                "incidents": len(self.incidents), "steps_redone": self.steps_redone}
         if self.jobs and self.jobs[-1].goodput is not None:
             out["job_goodput"] = self.jobs[-1].goodput
@@ -238,40 +267,49 @@ def build_ledger(*, events: list[dict[str, Any]], rows: Iterable[dict[str, Any] 
         recent.append(row)
         for tier, step in (row.commits or {}).items():
             checkpoints[tier] = {"step": step, "time": row.time}
+    _detach_later_ends(by_ready, runs)
     run_of: dict[int, JobRun] = {}  # by id(attempt): a requeued job's runs restart their count at 0
-    for run in runs:
+    for run, after in itertools.zip_longest(runs, runs[1:]):
         inside = [a for a in by_ready if _in_run(a, run, now)]
-        _fill_run(run, inside, completed, now)
+        seen = [float(e["time"]) for e in events if run.start - SLACK_S <= float(e.get("time", 0.0))
+                and (after is None or float(e["time"]) < after.start)]
+        _fill_run(run, inside, completed, now, lambda a: len(set(hosts(a.key))), max(seen, default=run.start))
         run_of.update((id(a), run) for a in inside)
+    _set_aside_after_end(runs, by_ready, max_steps)
     incidents = _incidents(by_ready, run_of, resubmissions or [], failures, hosts, max_steps)
     for incident in incidents:  # a run that ended with an interruption: why, in its row of the job table
         run = next((r for r in runs if r.attempts and r.attempts[-1] == incident.attempt), None)
         if run is not None and incident.kind != "restart in the allocation" and run.ended in _WORDS.values():
             run.ended += ": " + incident.cause.removeprefix(f"{run.state}: ")
-    parts = {p: sum(r.parts.get(p, 0.0) for r in runs) for p in PARTS}
-    allocated = sum(r.node_s for r in runs)
+    counted = [r for r in runs if r.counted]
+    parts = {p: sum(r.parts.get(p, 0.0) for r in counted) for p in PARTS}
+    allocated = sum(r.node_s for r in counted)
     productive = parts["productive"]
-    queue = sum(r.queue_s for r in runs[1:] if r.queue_s is not None) if accounting else None
-    waited = sum(r.queue_s * r.nodes for r in runs[1:] if r.queue_s is not None)
+    between = [r for r in counted[1:] if r.queue_s is not None]
+    queue = sum(r.queue_s for r in between) if accounting else None
+    waited = sum(r.queue_s * r.nodes for r in between)
     rate = _rate(recent)
     left = max(0, max_steps - steps_done)
     eta = left / rate if rate else None
-    span = sum(r.wall_s for r in runs) + (queue or 0.0)
+    span = sum(r.wall_s for r in counted) + (queue or 0.0)
     pace = left * span / steps_done if steps_done else None
     return Ledger(now=now, max_steps=max_steps, steps_done=steps_done,
                   steps_redone=sum(a.lost_steps for a in attempts), allocated_node_s=allocated,
-                  wall_s=sum(r.wall_s for r in runs), parts=parts, queue_s=queue,
+                  wall_s=sum(r.wall_s for r in counted), parts=parts, queue_s=queue,
                   first_queue_s=runs[0].queue_s if runs and accounting else None,
                   goodput=productive / allocated if allocated else None,
                   goodput_with_queue=productive / (allocated + waited) if accounting and allocated else None,
                   jobs=runs, incidents=incidents,
                   checkpoints=checkpoints, rate_steps_per_s=rate, eta_s=eta, eta_at_pace_s=pace,
-                  accounting=accounting)
+                  accounting=accounting, after_end_node_s=sum(r.node_s for r in runs if not r.counted))
 
 
 def _attempts(events: list[dict[str, Any]]) -> list[Attempt]:
     """The attempts that trained (each wrote its "attempt" event after its first step), with the tier it
-    resumed from (its "resume" event comes first) and how it ended on its own ("stop", "attempt_end")."""
+    resumed from (its "resume" event comes first) and how it ended on its own ("stop", "attempt_end"). A
+    "resume" starts a new attempt: an end after it and before that attempt's own "attempt" event is the end
+    of one that trained no step (a resume of a finished run loads the last step and ends at once), not the
+    end of the attempt before it."""
     found: list[Attempt] = []
     resumed: dict[str, Any] | None = None
     for e in events:
@@ -282,11 +320,24 @@ def _attempts(events: list[dict[str, Any]]) -> list[Attempt]:
                                  requeue=int(e.get("requeue", 0)), marks={m: float(e[m]) for m in MARKS},
                                  tier=resumed["tier"] if resumed and resumed["step"] == e["from_step"] else None))
             resumed = None
-        elif e["event"] == "stop" and found:
+        elif e["event"] in ("stop", "attempt_end") and (resumed is not None or not found):
+            continue  # an attempt that trained nothing (its job's end is found from its events' times)
+        elif e["event"] == "stop":
             found[-1].stop = e
-        elif e["event"] == "attempt_end" and found:
+        elif e["event"] == "attempt_end":
             found[-1].end = e
     return found
+
+
+def _detach_later_ends(attempts: list[Attempt], runs: list[JobRun]) -> None:
+    """An attempt's "stop" or "attempt_end" written after a later job of the run started is that job's (one
+    that never trained and wrote no "resume", a fresh start): it leaves the attempt."""
+    for a in attempts:
+        for name in ("stop", "end"):
+            e = getattr(a, name)
+            if e is not None and any(r.job_id != a.job_id and a.marks["process_started"] < r.start <= float(e["time"])
+                                     for r in runs):
+                setattr(a, name, None)
 
 
 def _later_from(attempts: list[Attempt]) -> dict[int, float]:
@@ -304,7 +355,7 @@ def _count_row(attempt: Attempt, row: Row, start: float, lost: bool) -> None:
     span = max(0.0, row.time - start)
     parts = attempt.parts
     if lost:
-        parts["lost"] = parts.get("lost", 0.0) + span
+        inside = {"lost": span}
         attempt.lost_steps += 1
         attempt.lost_s += span
     else:
@@ -313,9 +364,18 @@ def _count_row(attempt: Attempt, row: Row, start: float, lost: bool) -> None:
         known = sum(inside.values())
         if known > span > 0:  # a clock step, or a row written before its marks: keep the shares, fit the span
             inside = {k: v * span / known for k, v in inside.items()}
-        for name, value in inside.items():
-            parts[name] = parts.get(name, 0.0) + value
-        parts["step_overhead"] = parts.get("step_overhead", 0.0) + max(0.0, span - known)
+        inside["step_overhead"] = max(0.0, span - known)
+    for name, value in inside.items():
+        parts[name] = parts.get(name, 0.0) + value
+    attempt.spans_s += span
+    if span > attempt.floor:  # one of the longest rows: where a suspension may lie
+        longest = attempt.longest
+        if len(longest) < LONGEST_ROWS:
+            heapq.heappush(longest, (span, row.step, inside))
+        else:
+            heapq.heapreplace(longest, (span, row.step, inside))
+        if len(longest) == LONGEST_ROWS:
+            attempt.floor = longest[0][0]
     attempt.first_row = attempt.first_row or row
     attempt.last_row = row
     attempt.steps += 1
@@ -331,13 +391,15 @@ def _job_runs(allocations: list[Allocation]) -> list[JobRun]:
         if a.start is None:
             continue  # still pending: no allocation yet
         before = runs[-1] if runs else None
+        suspended = a.suspended_s * max(1, a.nodes)
         if before is not None and before.job_id == a.job_id and before.state == "RESIZING":
             before.pieces.append((a.start, a.end, max(1, a.nodes)))
             before.state, before.end = a.state, a.end
+            before.suspended_node_s += suspended
             continue
         runs.append(JobRun(job_id=a.job_id, run=count.get(a.job_id, 0), state=a.state, nodes=max(1, a.nodes),
                            node_list=a.node_list, submit=a.submit, eligible=a.eligible, start=a.start,
-                           end=a.end, pieces=[(a.start, a.end, max(1, a.nodes))]))
+                           end=a.end, pieces=[(a.start, a.end, max(1, a.nodes))], suspended_node_s=suspended))
         count[a.job_id] = count.get(a.job_id, 0) + 1
     for before, run in zip([None, *runs], runs):
         since = before.end if before is not None and before.end is not None else run.submit
@@ -358,12 +420,15 @@ def _in_run(attempt: Attempt, run: JobRun, now: float) -> bool:
     return attempt.job_id == run.job_id and run.start - SLACK_S <= attempt.marks["process_started"] <= end + SLACK_S
 
 
-def _fill_run(run: JobRun, attempts: list[Attempt], completed: dict[str, Any] | None, now: float) -> None:
-    """The run's parts: its start-up, its attempts' rows, the gaps between them, and its end."""
+def _fill_run(run: JobRun, attempts: list[Attempt], completed: dict[str, Any] | None, now: float,
+              nodes_of: Callable[[Attempt], int] = lambda a: 0, seen: float | None = None) -> None:
+    """The run's parts: its start-up, its attempts' rows, the gaps between them, and its end. `nodes_of(a)`:
+    the nodes attempt `a` trained on (0: unknown, all of the allocation's); `seen`: the newest record of the
+    run (an event of an attempt that never trained, too)."""
     run.attempts = [a.key for a in attempts]
     last = attempts[-1] if attempts else None
     if run.state == "ENDED" and run.end is None:  # no accounting: it lasted as long as it recorded things
-        run.end = max([run.start, *(_last_seen(a) for a in attempts)])
+        run.end = max([run.start, *(_last_seen(a) for a in attempts), *([seen] if seen is not None else [])])
     live = run.end is None
     end = run.end if run.end is not None else now
     run.wall_s = max(0.0, end - run.start)
@@ -384,15 +449,23 @@ def _fill_run(run: JobRun, attempts: list[Attempt], completed: dict[str, Any] | 
         parts[name] = parts.get(name, 0.0) + node_s
 
     t = run.start
+    widths: dict[int, tuple[float, float]] = {}  # id(attempt) -> (nodes held, nodes trained) over its steps
     for a in attempts:
         began = max(t, min(a.marks["process_started"], end))
         add("startup" if a is attempts[0] else "recovery", held(t, began))  # the job's start, or a restart
         ready = max(began, min(a.marks["ready"], end))
-        add("startup", held(began, ready))
+        trained = nodes_of(a)
+        starting = nodes_over(began, ready)
+        share = min(1.0, trained / starting) if trained and starting else 1.0  # the rest: hot spares, waiting
+        add("startup", held(began, ready) * share)
+        add("spare", held(began, ready) * (1.0 - share))
         rows_end = max(began, min(end, a.last_row.time if a.last_row else a.marks["ready"]))
         width = nodes_over(ready, rows_end)  # a job resizes between attempts, not during one's steps
+        train = min(width, trained) if trained else width
+        widths[id(a)] = (width, train)
         for name, value in a.parts.items():
-            add(name, value * width)
+            add(name, value * train)
+        add("spare", sum(a.parts.values()) * (width - train))
         t = rows_end
     if last is None:  # never trained: all of it was getting started (or failing to)
         add("startup", held(t, end))
@@ -404,11 +477,64 @@ def _fill_run(run: JobRun, attempts: list[Attempt], completed: dict[str, Any] | 
     ended_itself = last is not None and (last.stop is not None or last.end is not None)
     after = "shutdown" if finished else "pending" if live and not ended_itself else "recovery"
     add(after, held(t + saved, end))
+    if run.suspended_node_s > 0:
+        _take_suspension(run.suspended_node_s, attempts, widths, parts, run.node_s)
     run.parts = parts
     run.goodput = run.parts.get("productive", 0.0) / run.node_s if run.node_s else None
     steps = [(a.first_row.step, a.last_row.step) for a in attempts if a.first_row and a.last_row]
     run.steps = (min(s for s, _ in steps), max(e for _, e in steps)) if steps else None
     run.ended = _how_ended(run, live, finished)
+
+
+def _take_suspension(node_s: float, attempts: list[Attempt], widths: dict[int, tuple[float, float]],
+                     parts: dict[str, float], allocated: float) -> None:
+    """Move `node_s` suspended node-seconds from where they were counted into "suspended": first from the rows
+    that ran longest past their attempt's typical row (each row's largest part first: a step's own time for a
+    suspension inside a step; the hot spares' time over the same seconds), then, for what no row holds, from
+    the parts outside the steps."""
+    left = min(node_s, allocated)
+
+    def move(name: str, amount: float) -> float:
+        amount = max(0.0, min(amount, parts.get(name, 0.0)))
+        parts[name] = parts.get(name, 0.0) - amount
+        parts["suspended"] = parts.get("suspended", 0.0) + amount
+        return amount
+
+    candidates = []
+    for a in attempts:
+        if a.longest and id(a) in widths:
+            typical = a.typical_span()
+            candidates += [(span - typical, inside, widths[id(a)]) for span, _, inside in a.longest]
+    for excess, inside, (width, train) in sorted(candidates, key=lambda c: -c[0]):
+        if left <= 1e-9 or excess <= 0 or width <= 0:
+            break
+        seconds = min(left / width, excess)
+        rest = seconds * train
+        for name in sorted(inside, key=lambda n: -inside[n]):  # the part the suspension inflated is the largest
+            rest -= move(name, min(rest, inside[name] * train))
+            if rest <= 1e-12:
+                break
+        moved = seconds * train - rest
+        moved += move("spare", seconds * (width - train))  # the hot spares were suspended over those seconds too
+        left -= moved
+    if left > 1e-9:
+        outside = sum(max(0.0, parts.get(p, 0.0)) for p in OUTSIDE_STEPS)
+        pools = OUTSIDE_STEPS if outside >= left else tuple(p for p in PARTS if p != "suspended")
+        pool = sum(max(0.0, parts.get(p, 0.0)) for p in pools)
+        share = min(1.0, left / pool) if pool > 0 else 0.0
+        for name in pools:
+            move(name, max(0.0, parts.get(name, 0.0)) * share)
+
+
+def _set_aside_after_end(runs: list[JobRun], attempts: list[Attempt], max_steps: int) -> None:
+    """Job runs that started after an attempt had completed the run, and trained nothing themselves (a resume
+    of a finished run, which loads the last step and ends): no part of the run's training."""
+    done_at = min((_last_seen(a) for a in attempts if (a.end or {}).get("how") == "completed"
+                   or (a.last_row is not None and a.last_row.step >= max_steps)), default=None)
+    for run in runs:
+        if done_at is not None and not run.attempts and run.start >= done_at and run.end is not None:
+            run.counted = False
+            run.ended = "nothing to train: the run was complete"
 
 
 def _last_seen(a: Attempt) -> float:
@@ -470,7 +596,11 @@ def _incident(a: Attempt, nxt: Attempt | None, run_of: dict[int, JobRun], resubm
         kind = "requeue"
     else:
         kind = "resubmission"
-    cause = _cause(a, run, own or records, resubmissions, hosts, nxt, leaves)
+    # No rank failed on its own: the ranks that left no record at all are the ones that died (a lost node),
+    # not those that saw their peer go (as the supervisor decides: hpctrain.records.failures.diagnose)
+    by_rank, wrote = hosts(a.key), {r["rank"] for r in records}
+    silent = [(rank, host) for rank, host in enumerate(by_rank) if rank not in wrote] if records and not own else []
+    cause = _cause(a, run, own or records, resubmissions, hosts, nxt, leaves, silent)
     saved = float((a.end or {}).get("save_s", 0.0)) if a.stop else 0.0
     parts: dict[str, float | None] = {"detection": None if noticed is None else max(0.0, noticed - last.time)}
     after = (noticed if noticed is not None else last.time) + saved
@@ -499,13 +629,21 @@ def _incident(a: Attempt, nxt: Attempt | None, run_of: dict[int, JobRun], resubm
 
 
 def _cause(a: Attempt, run: JobRun | None, records: list[dict[str, Any]], resubmissions: list[dict[str, Any]],
-           hosts: Callable[[str], list[str]], nxt: Attempt | None, leaves: bool) -> str:
-    """In words: the signal, the root error, or what the batch system saw; and the nodes left out after it."""
+           hosts: Callable[[str], list[str]], nxt: Attempt | None, leaves: bool,
+           silent: list[tuple[int, str]] = ()) -> str:
+    """In words: the signal, the root error, or what the batch system saw; and the nodes left out after it.
+    `silent`: (rank, host) of the ranks that left no record when every record is a peer's (they died, the
+    others only saw them go)."""
     if a.stop:
         why = str(a.stop.get("reason", "a stop signal"))
     elif records:
         r = records[0]
-        why = f"{r['type']} at step {r['step']} on {r['host']} (rank {r['rank']}): {r['message'][:120]}"
+        why = f"{r['type']} at step {r['step']} on {r['host']} (rank {r['rank']}): {r['message']}"
+        if silent:
+            where = sorted({host for _, host in silent})
+            ranks = ",".join(str(rank) for rank, _ in silent)
+            why = (f"{','.join(where)} (rank {ranks}) stopped without a failure record (killed, or its node died); "
+                   f"the other ranks saw peer errors, first {why}")
     elif run is not None and run.state not in ("RUNNING", "COMPLETED", ""):
         why = f"{run.state} (no failure record: a node or the whole job was killed)"
     else:

@@ -52,6 +52,7 @@ class Allocation:
     node_list: str = ""  # the batch system's compact form: n[1-2,4]
     exit_code: str = ""
     reason: str = ""
+    suspended_s: float = 0.0  # how long the batch system held it suspended (`scontrol suspend`), in all
 
 
 class Scheduler(ABC):

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TIMEOUT_S = 60  # for every Slurm command: a wedged slurmctld must not hang the caller for ever
 # sacct's fields for `accounting`, in this order; -D keeps every run of a requeued job, -X the allocation only.
-SACCT_FIELDS = ("JobIDRaw", "State", "Submit", "Eligible", "Start", "End", "NNodes", "NodeList", "ExitCode", "Reason")
+# Suspended: the job's time suspended (`scontrol suspend`), inside Start-End (the goodput ledger's "suspended").
+SACCT_FIELDS = ("JobIDRaw", "State", "Submit", "Eligible", "Start", "End", "NNodes", "NodeList", "ExitCode", "Reason",
+                "Suspended")
 
 
 def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
@@ -192,19 +194,34 @@ class SlurmScheduler(Scheduler):
 
 def parse_sacct(text: str) -> list[Allocation]:
     """`sacct -X -D -P -n -o SACCT_FIELDS` with epoch times -> one Allocation per line, oldest start first
-    ("CANCELLED by 0" keeps its first word; "None assigned": no nodes yet)."""
+    ("CANCELLED by 0" keeps its first word; "None assigned": no nodes yet). Lines without the last field
+    (Suspended: the fields before it was asked for) read as never suspended."""
     runs = []
     for line in text.splitlines():
         fields = line.split("|")
+        if len(fields) == len(SACCT_FIELDS) - 1:
+            fields.append("")
         if len(fields) != len(SACCT_FIELDS):
             continue
-        job, state, submit, eligible, start, end, nodes, node_list, exit_code, reason = fields
+        job, state, submit, eligible, start, end, nodes, node_list, exit_code, reason, suspended = fields
         runs.append(Allocation(job_id=job, state=state.split()[0] if state else "", submit=_epoch(submit),
                                eligible=_epoch(eligible), start=_epoch(start), end=_epoch(end),
                                nodes=int(nodes) if nodes.isdigit() else 0,
                                node_list="" if node_list in ("None assigned", "(null)") else node_list,
-                               exit_code=exit_code, reason=reason))
+                               exit_code=exit_code, reason=reason, suspended_s=_elapsed(suspended)))
     return sorted(runs, key=lambda r: (r.start is None, r.start or r.submit or 0))
+
+
+def _elapsed(value: str) -> float:
+    """sacct's elapsed time, [D-]HH:MM:SS (or MM:SS, or MM:SS.mmm) -> seconds; 0 when empty or unreadable."""
+    days, _, clock = value.strip().rpartition("-")
+    try:
+        seconds = 0.0
+        for part in clock.split(":"):
+            seconds = seconds * 60 + float(part)
+        return seconds + 86400 * int(days or 0)
+    except ValueError:
+        return 0.0
 
 
 def _epoch(value: str) -> float | None:

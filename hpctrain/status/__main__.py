@@ -2,6 +2,8 @@
 its goodput ledger (where every node-hour of its allocations went, across requeues and resubmissions).
 
 RUN is a run directory, or a run id under `--root` (the runs' root, `run.root`: `outputs` by default).
+The newest checkpoint of each tier is the newest committed one on disk (tiers this machine can read: the
+run directory's; a node's RAM only on that node), or the newest the run's metrics reported, if newer.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from hpctrain.goodput.ledger import Ledger
 from hpctrain.goodput.measure import measure, run_settings
 from hpctrain.launch.rundir import find_run
 from hpctrain.records.jobs import read_completed, read_report
@@ -19,7 +23,8 @@ from hpctrain.status.view import render
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.status", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m hpctrain.status", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="a run directory, or a run id under --root")
     parser.add_argument("--root", default="outputs", help="where run ids are looked for (run.root; default outputs)")
     parser.add_argument("--json", action="store_true", help="the whole ledger as JSON")
@@ -36,29 +41,85 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while True:
             ledger = measure(run_dir)
+            ledger.checkpoints = newest_checkpoints(run_dir, ledger.checkpoints)
             if args.json:
                 print(json.dumps({"run": run, **ledger.to_dict()}, indent=1), flush=True)
             else:
                 if args.watch:
                     print("\033[H\033[2J", end="")  # clear the terminal between pages
                 print(render(ledger, run), flush=True)
-                ended = _ended(run_dir)
+                ended = _ended(run_dir, ledger)
                 if ended:
                     print(f"\n{ended}")
-            if not args.watch or _ended(run_dir):
+            if not args.watch or _ended(run_dir, ledger):
                 return 0
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
 
 
-def _ended(run_dir: Path) -> str | None:
-    """Why the run is over, or None while it may still train."""
+def _ended(run_dir: Path, ledger: Ledger) -> str | None:
+    """Why the run is over, or None while it may still train. COMPLETED.json names the job that wrote it last,
+    which may be a later resume of the finished run (it loaded the last step and trained nothing): the job
+    that trained the last step is the ledger's."""
     completed = read_completed(run_dir)
     if completed:
-        return f"the run is complete: job {completed['job_id']} trained it to step {completed['step']}"
+        step = int(completed["step"])
+        trained = [j for j in ledger.jobs if j.steps and j.steps[1] >= step]
+        job = trained[-1].job_id if trained else completed["job_id"]  # the last to train that step
+        later = [j.job_id for j in ledger.jobs if not j.counted]
+        return (f"the run is complete: job {job} trained it to step {step}"
+                + (f" ({', '.join(later)} resumed it after its end: nothing was left to train)" if later else ""))
     report = read_report(run_dir)
     return f"the run stopped: {report['why']}" if report else None
+
+
+# As hpctrain.checkpoint.layout writes them (not imported: it imports torch, seconds on a login node):
+# `<tier>/step_<N>/manifest.json` exists only for a committed checkpoint.
+PREFIX, MANIFEST = "step_", "manifest.json"
+
+
+def newest_checkpoints(run_dir: Path, reported: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Tier -> {"step", "time"} of its newest committed checkpoint: on disk where this machine can read the
+    tier, or as the metrics reported it where that is newer (a node's RAM tier). The metrics alone miss the
+    saves committed after the last row (the final save, a save at a stop signal): they showed the run's
+    previous checkpoint."""
+    from omegaconf import OmegaConf
+
+    newest = dict(reported)
+    try:
+        cfg = OmegaConf.load(run_dir / "config.yaml")
+        tiers = [(str(t.name), Path(str(t.path)).expanduser()) for t in cfg.checkpoint.tiers]
+        run_id = str(cfg.run.id)
+    except Exception:  # an old or hand-made run directory: what the metrics say
+        return newest
+    for name, path in tiers:
+        directory = path / run_id if path.is_absolute() else run_dir / path
+        found = _newest_in(directory)
+        if found and found["step"] > newest.get(name, {}).get("step", -1):
+            newest[name] = found
+    return newest
+
+
+def _newest_in(directory: Path) -> dict[str, Any] | None:
+    best = None
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return None
+    for sub in entries:
+        digits = sub.name[len(PREFIX):]
+        if not (sub.name.startswith(PREFIX) and digits.isdigit()) or (best and int(digits) <= best["step"]):
+            continue
+        try:
+            manifest = sub / MANIFEST
+            step = int(json.loads(manifest.read_text())["step"])
+            committed = manifest.stat().st_mtime
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not committed, or not readable: the resume's checks decide, not this page
+        if step == int(digits):
+            best = {"step": step, "time": committed}
+    return best
 
 
 if __name__ == "__main__":

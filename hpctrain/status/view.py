@@ -19,6 +19,8 @@ PART_NOTES = {
     "recovery": "failure to the next attempt's processes",
     "shutdown": "after the final save",
     "pending": "since the last step of a live job",
+    "spare": "hot spare nodes waiting while the others start and train",
+    "suspended": "the job held suspended by the batch system",
 }
 
 
@@ -64,10 +66,10 @@ def _progress(ledger: Ledger) -> list[str]:
         line += (f"; ETA {duration(ledger.eta_s)} at this rate, {duration(ledger.eta_at_pace_s)} at the run's pace "
                  "so far (its interruptions included)")
     out = [line]
-    if ledger.checkpoints:
+    if ledger.checkpoints:  # the newest first
         out.append("newest checkpoints: " + ", ".join(
             f"{tier} step {c['step']:.0f} ({duration(ledger.now - c['time'])} ago)"
-            for tier, c in sorted(ledger.checkpoints.items())))
+            for tier, c in sorted(ledger.checkpoints.items(), key=lambda tc: (-tc[1]["step"], tc[0]))))
     else:
         out.append("newest checkpoints: none committed yet")
     return out
@@ -80,7 +82,7 @@ def _jobs(ledger: Ledger) -> list[str]:
     for j in ledger.jobs:
         name = j.job_id + (f" ({j.run})" if j.run else "")
         steps = f"{j.steps[0]}-{j.steps[1]}" if j.steps else "-"
-        goodput = "-" if j.goodput is None else f"{j.goodput:.1%}"
+        goodput = "-" if j.goodput is None or not j.counted else f"{j.goodput:.1%}"
         queued = "-" if j.queue_s is None or not ledger.accounting else duration(j.queue_s)
         nodes = ">".join(str(n) for _, _, n in j.pieces) if len(j.pieces) > 1 else str(j.nodes)  # shrank
         out.append(f"  {name:<12}{nodes:>6}  {j.node_list or '-':<14}{clock(j.submit, ledger.now):>15}{queued:>10}"
@@ -99,8 +101,12 @@ def _parts(ledger: Ledger, per: float) -> list[str]:
         if value or name in ("productive", "lost", "recovery", "checkpoint", "startup"):
             share = value / total if total else 0.0
             out.append(f"  {name.replace('_', ' '):<15}{value / per:>10.2f}{share:>8.1%}  {PART_NOTES[name]}")
+    counted = [j for j in ledger.jobs if j.counted]
     out.append(f"  {'allocated':<15}{total / per:>10.2f}{1 if total else 0:>8.1%}  "
-               f"{len(ledger.jobs)} job run(s), {duration(ledger.wall_s)} of wall time")
+               f"{len(counted)} job run(s), {duration(ledger.wall_s)} of wall time")
+    if len(counted) < len(ledger.jobs):
+        out.append(f"  {'after the end':<15}{ledger.after_end_node_s / per:>10.2f}{'':>8}  "
+                   f"{len(ledger.jobs) - len(counted)} job run(s) that resumed the complete run: not counted")
     if abs(ledger.unattributed_node_s) > 0.001 * max(total, 1.0):
         out.append(f"  {'unattributed':<15}{ledger.unattributed_node_s / per:>10.2f}"
                    f"{ledger.unattributed_node_s / total:>8.1%}  (the parts do not tile the allocations)")

@@ -203,3 +203,118 @@ def test_a_task_parses_each_metrics_row_once(tmp_path) -> None:
     path.write_text("\n".join(lines) + "\n")
     assert [r.step for r in cache.read(tmp_path)] == [1, 2, 3, 4, 5]
     assert cache.read(tmp_path)[-1].ckpt_s == 0.0 and cache.offset == path.stat().st_size
+
+
+def test_a_suspended_step_is_not_productive() -> None:
+    """Issue 29: `scontrol suspend` for 30 s during step 11 of 20 (2 nodes): the step's own timer and its row's
+    span both hold the 30 s (the processes were stopped, their clocks ran on). sacct gives the total only
+    (`Suspended`, as the dev cluster prints it); the ledger finds it in the row that ran 30 s past the others."""
+    events = [attempt("500", 0, 0, 1002, 1005, 1006),
+              {"event": "attempt_end", "time": 1057, "how": "completed", "save_s": 1.0, "step": 20}]
+    metrics = rows(1, 10, 1005) + [{**rows(11, 11, 1015)[0], "time": 1046, "step_time_s": 30.8}] + rows(12, 20, 1046)
+    allocs = parse_sacct("500|COMPLETED|990|990|1000|1060|2|n[1-2]|0:0|None|00:00:30\n")
+    assert allocs[0].suspended_s == 30
+    ledger = build_ledger(events=events, rows=metrics, allocations=allocs, accounting=True, now=2000, max_steps=20,
+                          completed={"job_id": "500", "step": 20})
+    seconds = {k: v / 2 for k, v in nonzero(ledger.parts).items()}
+    assert seconds == pytest.approx({"productive": 20 * 0.75, "data_wait": 20 * 0.05, "step_overhead": 20 * 0.2,
+                                     "suspended": 30, "startup": 5, "checkpoint": 1, "shutdown": 4})
+    assert ledger.goodput == pytest.approx(15 / 60) and ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
+    # without the suspension in the accounting (a local run, or Slurm's older field list): as before
+    plain = build_ledger(events=events, rows=metrics, allocations=parse_sacct(
+        "500|COMPLETED|990|990|1000|1060|2|n[1-2]|0:0|None\n"), accounting=True, now=2000, max_steps=20)
+    assert plain.parts["suspended"] == 0 and plain.goodput == pytest.approx(45 / 60)
+
+
+def test_a_suspension_outside_the_steps_comes_out_of_the_start_up() -> None:
+    """Suspended for 10 s while loading (no row is longer than its neighbours): taken from the start-up."""
+    events = [attempt("501", 0, 0, 1002, 1015, 1016),
+              {"event": "attempt_end", "time": 1026, "how": "completed", "save_s": 0.0, "step": 10}]
+    allocs = parse_sacct("501|COMPLETED|990|990|1000|1027|1|n1|0:0|None|00:00:10\n")
+    ledger = build_ledger(events=events, rows=rows(1, 10, 1015), allocations=allocs, accounting=True, now=2000,
+                          max_steps=10)
+    assert ledger.parts["suspended"] == pytest.approx(10) and ledger.parts["productive"] == pytest.approx(7.5)
+    # from the parts outside the steps, by their size: start-up 15 s, shutdown 2 s
+    assert ledger.parts["startup"] == pytest.approx(15 - 10 * 15 / 17)
+    assert ledger.parts["shutdown"] == pytest.approx(2 - 10 * 2 / 17)
+    assert ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
+
+
+def test_an_idle_hot_spare_is_not_productive_and_a_spare_that_took_over_is() -> None:
+    """cluster.spare_nodes=1: 3 nodes, 2 train (the attempt's rank -> host map). n1 dies after step 20; the
+    spare n3 takes its slot and the job goes on with n2 and n3 (sacct: RESIZING, then 2 nodes). The spare's
+    waiting is its own part, "spare"; after it took over it trains like the others."""
+    events = [attempt("300", 0, 0, 1002, 1005, 1006), attempt("300", 1, 20, 1032, 1035, 1036),
+              {"event": "attempt_end", "time": 1056, "how": "completed", "save_s": 1.0, "step": 40}]
+    metrics = rows(1, 20, 1005, step_s=1.0, data_wait_s=0.0) + rows(21, 40, 1035, step_s=1.0, data_wait_s=0.0)
+    allocs = parse_sacct("300|RESIZING|990|990|1000|1030|3|n[1-3]|0:0|None\n"
+                         "300|COMPLETED|1030|1030|1030|1060|2|n[2-3]|0:0|None\n")
+    hosts = {"300": ["n1", "n1", "n2", "n2"], "300.1": ["n3", "n3", "n2", "n2"]}
+    ledger = build_ledger(events=events, rows=metrics, allocations=allocs, accounting=True, now=2000, max_steps=40,
+                          completed={"job_id": "300", "step": 40}, hosts=lambda key: hosts.get(key, []))
+    assert nonzero(ledger.parts) == pytest.approx({
+        "startup": 3 * 2 + 2 * 3 + 2 * 3,  # Slurm's start (every node), then each attempt's on its 2 nodes
+        "spare": 1 * 3 + 1 * 20,  # n3 while the first attempt started and trained
+        "productive": 2 * 20 + 2 * 20, "recovery": 3 * 5 + 2 * 2, "checkpoint": 2 * 1, "shutdown": 2 * 4})
+    assert ledger.allocated_node_s == 150 and ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
+    assert ledger.goodput == pytest.approx(80 / 150)
+
+
+def test_the_cause_names_the_node_that_died_not_a_survivor_that_saw_it_go() -> None:
+    """elastic.min_nodes without a spare: n3 loses power and leaves no record; n1's and n2's ranks fail on
+    their lost peer (peer records, n2's first). The incident's cause is n3."""
+    events = [attempt("400", 0, 0, 1002, 1005, 1006), attempt("400", 1, 10, 1025, 1028, 1029),
+              {"event": "attempt_end", "time": 1040, "how": "completed", "save_s": 0.5, "step": 20}]
+    metrics = rows(1, 12, 1005, step_s=1.0, data_wait_s=0.0) + rows(11, 20, 1028, step_s=1.0, data_wait_s=0.0)
+    peer = {"type": "RuntimeError", "message": "Connection closed by peer", "step": 13, "peer": True}
+    records = [{**peer, "rank": 2, "host": "n2", "time": 1020.1}, {**peer, "rank": 3, "host": "n2", "time": 1020.2},
+               {**peer, "rank": 0, "host": "n1", "time": 1020.3}, {**peer, "rank": 1, "host": "n1", "time": 1020.4}]
+    hosts = {"400": ["n1", "n1", "n2", "n2", "n3", "n3"], "400.1": ["n1", "n1", "n2", "n2"]}
+    ledger = build_ledger(events=events, rows=metrics,
+                          allocations=parse_sacct("400|COMPLETED|990|990|1000|1042|3|n[1-3]|0:0|None\n"),
+                          accounting=True, now=2000, max_steps=20, completed={"job_id": "400", "step": 20},
+                          failures=lambda key: records if key == "400" else [], hosts=lambda key: hosts.get(key, []))
+    (incident,) = ledger.incidents
+    assert incident.cause.startswith("n3 (rank 4,5) stopped without a failure record"), incident.cause
+    assert "on n2 (rank 2): Connection closed by peer" in incident.cause  # what the survivors saw, after it
+    assert incident.cause.endswith("went on without n3")
+
+
+def resumed_finished_run(resume_events: bool = True) -> list[dict[str, Any]]:
+    """A run of 20 steps on one node, finished by job 600; then (`resume_events`) `run.resume` of it as job 601,
+    which loads step 20 and ends without a step: the events as a real run wrote them."""
+    events = [attempt("600", 0, 0, 1002, 1005, 1006),
+              {"event": "ledger", "time": 1006.5, "step": 2},
+              {"event": "attempt_end", "time": 1026, "how": "completed", "save_s": 0.5, "step": 20},
+              {"event": "ledger", "time": 1026.4, "step": 20}]
+    if resume_events:
+        events += [{"event": "resume", "time": 1113, "tier": "shared", "step": 20, "load_s": 0.4},
+                   {"event": "attempt_end", "time": 1113.1, "how": "completed", "save_s": 0.003, "step": 20},
+                   {"event": "ledger", "time": 1113.2, "step": 0}]
+    return events
+
+
+@pytest.mark.parametrize("accounting", [False, True], ids=["local", "slurm"])
+def test_a_resume_of_a_finished_run_is_no_part_of_its_training(accounting: bool) -> None:
+    """Issue 29: after `run.resume` of a finished run the status showed 47.6% instead of 87.2% and credited
+    the resume with the run's end: the resume's "attempt_end" (it trained no step, so wrote no "attempt")
+    was taken for the end of the last attempt that trained, and its job counted as the run's."""
+    if accounting:
+        allocs = parse_sacct("600|COMPLETED|995|995|1000|1027|1|n1|0:0|None\n"
+                             "601|COMPLETED|1099|1099|1100|1114|1|n1|0:0|None\n")
+        alone = parse_sacct("600|COMPLETED|995|995|1000|1027|1|n1|0:0|None\n")
+    else:
+        jobs = [{"job_id": "600", "submitted": 1000.0}, {"job_id": "601", "submitted": 1100.0}]
+        allocs, alone = local_allocations(jobs, lambda j: False), local_allocations(jobs[:1], lambda j: False)
+    common = dict(rows=rows(1, 20, 1005), accounting=accounting, now=5000, max_steps=20)
+    before = build_ledger(events=resumed_finished_run(False), allocations=alone,
+                          completed={"job_id": "600", "step": 20}, **common)
+    after = build_ledger(events=resumed_finished_run(), allocations=allocs,
+                         completed={"job_id": "601", "step": 20}, **common)  # the resume rewrote COMPLETED.json
+    assert after.goodput == pytest.approx(before.goodput) and after.parts == pytest.approx(before.parts)
+    assert after.allocated_node_s == pytest.approx(before.allocated_node_s)
+    first, resume = after.jobs
+    assert first.end == before.jobs[0].end and first.ended == "finished the run" and first.steps == (1, 20)
+    assert not resume.counted and resume.ended == "nothing to train: the run was complete"
+    assert after.after_end_node_s == pytest.approx(14 if accounting else 13.2)
+    assert after.incidents == [] and after.summary()["jobs"] == 1

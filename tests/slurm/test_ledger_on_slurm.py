@@ -7,16 +7,24 @@ measured here from the metrics and sacct alone within 1 percentage point."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hpctrain.distributed import spares
+from hpctrain.scheduler.slurm import parse_sacct
 from tests.conftest import run_hpctrain
-from tests.slurm.test_hpctrain_on_slurm import (
+from tests.slurm.test_hpctrain_on_slurm import (  # noqa: F401 (reference: the uninterrupted run, a fixture)
     STEPS,
+    assert_exact_continuation,
     last_step,
+    reference,
     submit,
     wait_done,
     wait_for,
@@ -90,3 +98,75 @@ def test_the_ledger_of_a_run_through_a_restart_a_requeue_a_crash_and_a_node_deat
     assert ledger["steps_redone"] == len(rows) - STEPS
     logged = (run_dir / "submitit" / f"{second}_0_log.out").read_text()  # the ledger line at each attempt's end
     assert "goodput" in logged and "interruption(s)" in logged
+
+
+SUSPEND_S = 30  # the issue's: 10 x the stale limit (spares.VACANT_S), past every store call's bound too
+
+
+def task_processes(job: str, task: int) -> list[int]:
+    """The processes of one task of a job (every dev-cluster node shares this machine's process table)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in environ and f"SLURM_PROCID={task}".encode() in environ \
+                and b"SLURM_STEP_ID=0" in environ:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_a_suspended_job_keeps_one_holder_per_slot_and_its_ledger_counts_the_suspension(
+        slurm_cluster: Any, reference: Path, tmp_path: Path) -> None:
+    """Issue 29: `scontrol suspend` of a job with a hot spare for 30 s, then `scontrol resume`. Every process
+    of the job was stopped, and they continue in no set order: the spare must not take a slot whose holder
+    continues a moment after it (two holders, no spare left), the run goes on in its one attempt and ends
+    bitwise equal to the uninterrupted run. The ledger counts the 30 s as suspended on all 3 nodes, not as
+    the step they fell in, and the idle spare's time as "spare", not productive."""
+    assert SUSPEND_S > 3 * spares.VACANT_S
+    job, run_dir = submit(slurm_cluster, tmp_path, "suspend", "cluster.spare_nodes=1")
+    wait_for("step 30", lambda: last_step(run_dir) >= 30, 300, every=0.5)
+    spare_agent = task_processes(job, 2)  # task 2: node 2, the spare (nodes 0 and 1 train)
+    assert spare_agent
+    slurm_cluster.run("scontrol", "suspend", job)
+    time.sleep(SUSPEND_S)
+    for pid in spare_agent:  # the issue's order: the spare woke first (Slurm continues the nodes in any order)
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(1.0)
+    slurm_cluster.run("scontrol", "resume", job)
+    states = wait_done(slurm_cluster, run_dir, timeout=400)
+    assert states == {job: "COMPLETED"}, states
+
+    spare = (run_dir / "submitit" / f"{job}_2_log.err").read_text()
+    assert "hot spare, waiting" in spare and "takes slot" not in spare, spare[-3000:]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    attempts = [e for e in events if e["event"] == "attempt"]
+    assert [(a["restart"], a["from_step"]) for a in attempts] == [(0, 0)], attempts  # no restart, no second holder
+    assert len(set(json.loads((run_dir / "failures" / job / "hosts.json").read_text()))) == 2  # 2 nodes trained
+    assert_exact_continuation(run_dir, reference)
+
+    out = subprocess.run(["sacct", "-X", "-D", "-P", "-n", "-o", "Start,End,NNodes,Suspended", "-j", job],
+                         capture_output=True, text=True, check=True,
+                         env={**slurm_cluster.env(), "SLURM_TIME_FORMAT": "%s"}).stdout.split()
+    start, end, nodes, suspended_text = out[0].split("|")  # Suspended as sacct prints it: 00:00:31
+    suspended = parse_sacct(f"{job}|COMPLETED|{start}|{start}|{start}|{end}|{nodes}|n|0:0|None|{suspended_text}")[0]
+    assert int(nodes) == 3 and suspended.suspended_s >= SUSPEND_S - 1, out
+
+    shown = run_hpctrain(str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path, timeout=60,
+                         env=slurm_cluster.env())
+    assert shown.returncode == 0, shown.stderr
+    ledger = json.loads(shown.stdout)
+    held = held_node_s(slurm_cluster, [job])
+    assert ledger["allocated_node_s"] == held
+    assert abs(sum(ledger["parts"].values()) - held) <= 0.01 * held + 3, (ledger["parts"], held)
+    assert ledger["parts"]["suspended"] == pytest.approx(3 * suspended.suspended_s, abs=1e-6), ledger["parts"]
+    assert ledger["parts"]["spare"] > 0 and ledger["incidents"] == []
+    # Independently of the ledger: the two training nodes' step time, less the suspension where a step held it
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step_s = [r["step_time_s"] - r["data_wait_s"] for r in rows]
+    longest, typical = max(step_s), statistics.median(step_s)
+    inside = min(suspended.suspended_s, longest - typical) if longest - typical > SUSPEND_S / 2 else 0.0
+    useful = 2 * (sum(step_s) - inside)
+    assert abs(ledger["goodput"] - useful / held) <= 0.01, (ledger["goodput"], useful / held, ledger["parts"])

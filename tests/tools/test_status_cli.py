@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import run_hpctrain
@@ -51,3 +52,70 @@ def test_the_page_the_json_and_watch_on_a_finished_run(tmp_path: Path, compose_c
 def test_a_run_that_is_not_there(tmp_path: Path) -> None:
     missing = run_hpctrain("nope", "--root", str(tmp_path), module="hpctrain.status", cwd=tmp_path, timeout=60)
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr and "--root" in missing.stderr
+
+
+def commit(run_dir: Path, step: int, tier_dir: str = "checkpoints") -> None:
+    """A committed checkpoint as hpctrain.checkpoint.layout leaves it: `step_<N>/` with its manifest (the
+    status page reads the manifest's step, not the shards)."""
+    directory = run_dir / tier_dir / f"step_{step:08d}"
+    directory.mkdir(parents=True)
+    (directory / "manifest.json").write_text(json.dumps({"step": step, "run_id": run_dir.name, "tier": "shared"}))
+
+
+def test_the_newest_checkpoint_is_the_newest_committed_not_the_last_one_a_row_reported(
+        tmp_path: Path, compose_cfg: Callable[..., Any]) -> None:
+    """Issue 29: the page named step 200 when 400 was committed: the metrics rows report a save's commit at a
+    later step, and the final save (after the last row) is reported by none. The shared tier is read on disk:
+    its newest committed step, whatever the order of names, beside a save that never committed."""
+    run_dir = write_run(tmp_path / "outputs", compose_cfg)
+    shared = [c for c in compose_cfg().checkpoint.tiers if c.name == "shared"][0]
+    assert shared.path == "checkpoints"  # the default tier: inside the run directory
+    for step in (5, 20, 15):
+        commit(run_dir, step)
+    (run_dir / "checkpoints" / "step_00000030.partial").mkdir()  # a save killed half way: not committed
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows[11]["ckpt/shared/step"] = 5  # what a row reported (the RAM tier's row stays as it is)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    page = run_hpctrain(str(run_dir), module="hpctrain.status", cwd=tmp_path, timeout=60)
+    assert page.returncode == 0, page.stderr
+    line = next(x for x in page.stdout.splitlines() if x.startswith("newest checkpoints: "))
+    assert line.startswith("newest checkpoints: shared step 20 (") and "ram step 5 (" in line, line
+    ledger = json.loads(run_hpctrain(str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path,
+                                     timeout=60).stdout)
+    assert ledger["checkpoints"]["shared"]["step"] == 20 and ledger["checkpoints"]["ram"]["step"] == 5
+
+
+def test_a_resume_of_the_finished_run_leaves_its_goodput_and_its_finisher(tmp_path: Path,
+                                                                         compose_cfg: Callable[..., Any]) -> None:
+    """Issue 29: after `run.resume` of a finished run the page showed a lower goodput and credited the resume
+    (which loaded step 20 and trained nothing) with the run's end. The records as a real resume leaves them:
+    a second job, its "resume" and "attempt_end" events (no "attempt": no step), COMPLETED.json rewritten."""
+    run_dir = write_run(tmp_path / "outputs", compose_cfg)
+    before = json.loads(run_hpctrain(str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path,
+                                     timeout=60).stdout)
+    with open(run_dir / "jobs.jsonl", "a") as f:
+        f.write(json.dumps({"job_id": "999998", "executor": "local", "submitted": 1100.0, "resumed": True}) + "\n")
+    with open(run_dir / "events.jsonl", "a") as f:
+        for e in ({"event": "resume", "time": 1112.0, "tier": "shared", "step": 20, "load_s": 0.4},
+                  {"event": "attempt_end", "time": 1112.1, "how": "completed", "save_s": 0.003, "step": 20},
+                  {"event": "ledger", "time": 1112.2, "step": 0}):
+            f.write(json.dumps(e) + "\n")
+    (run_dir / "COMPLETED.json").write_text(json.dumps({"job_id": "999998", "step": 20, "time": 1112.1}))
+    after = json.loads(run_hpctrain(str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path,
+                                    timeout=60).stdout)
+    assert after["goodput"] == before["goodput"] and after["allocated_node_s"] == before["allocated_node_s"]
+    assert after["jobs"][0]["end"] == 1043 and after["jobs"][0]["ended"] == "finished the run"
+    assert not after["jobs"][1]["counted"] and after["after_end_node_s"] == pytest.approx(12.2)
+    page = run_hpctrain(str(run_dir), module="hpctrain.status", cwd=tmp_path, timeout=60).stdout
+    assert "the run is complete: job 999999 trained it to step 20 (999998 resumed it after its end" in page, page
+    assert "nothing to train: the run was complete" in page and f"goodput        {before['goodput']:.1%}" in page
+
+
+def test_help_says_all_it_starts_to_say(tmp_path: Path) -> None:
+    """Issue 29: `--help` was the docstring's first line, cut mid-sentence ("... ETA, and")."""
+    shown = run_hpctrain("--help", module="hpctrain.status", cwd=tmp_path, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    assert "ETA, and its goodput ledger (where every node-hour of its allocations went, across requeues and " \
+           "resubmissions)." in text, shown.stdout
+    assert "RUN is a run directory, or a run id under `--root`" in text
