@@ -115,6 +115,12 @@ def decide(trace: dict[str, Any] | None, main_stack: str, backend: str | None, n
     return Verdict(False, f"stuck outside collectives: nothing in flight ({source})")
 
 
+# A poll this much later than due means the process was stopped (SIGSTOP: `scontrol suspend`), not hung: the
+# monotonic clock runs on through a suspension, so without this a suspension longer than the hang limit fired
+# the watchdog on every rank the moment the job was resumed.
+STOPPED_S = 5.0
+
+
 class Watchdog:
     def __init__(self, run_dir: Path, job_id: str, rank: int, timeout_s: float, factor: float,
                  startup_timeout_s: float, poll_s: float = 1.0, ceiling_s: float = 0.0) -> None:
@@ -188,8 +194,17 @@ class Watchdog:
             self._stop.set()
 
     def _watch(self) -> None:
+        polled = time.monotonic()
         while not self._stop.wait(self.poll_s):
             now = time.monotonic()
+            stopped, polled = now - polled - self.poll_s, now
+            if stopped > STOPPED_S:  # this process itself was stopped (a Slurm suspension): no one's hang
+                self.last += stopped
+                if self.boundary_due is not None:
+                    self.boundary_due += stopped
+                log.warning("rank %d: this process was stopped for %.0f s (suspended?): the hang limit starts again",
+                            self.rank, stopped)
+                continue
             due = self.boundary_due
             if now - self.last > self.limit() or (due is not None and now > due):
                 self._fire(now - self.last)

@@ -164,3 +164,32 @@ def test_a_rank_saving_for_a_stop_is_not_hung_when_the_requeue_signals_it(tmp_pa
     dog.leave()
     dog.stop_signalled()
     assert dog.boundary_due is None and dog.leaving
+
+
+SUSPENDED = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from hpctrain.health.watchdog import Watchdog
+    dog = Watchdog(Path(sys.argv[1]), "job1", 0, timeout_s=1.0, factor=5.0, startup_timeout_s=2.0, poll_s=0.1).start()
+    print("up", flush=True)
+    for step in range(1, 40):     # steady steps; the test stops this process for longer than the limit
+        time.sleep(0.25)
+        dog.beat(step, 0.25)
+""")
+
+
+def test_a_suspended_process_is_not_a_hang(tmp_path: Path) -> None:
+    """SIGSTOP (what `scontrol suspend` sends) for 8 s, four times the hang limit: the monotonic clock runs on,
+    but the process did not hang, and the watchdog must not fire when it is continued."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", SUSPENDED, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "up\n"
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(8.0)
+    os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(timeout=60) == 0
+    assert not (tmp_path / "hangs").exists()
