@@ -7,7 +7,9 @@ is submitted; warnings are printed in the plan. The schema already rejected unkn
 from __future__ import annotations
 
 import difflib
+import math
 import os
+from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import OmegaConf
@@ -16,6 +18,7 @@ from omegaconf.errors import ConfigKeyError
 from hpctrain import schedules
 from hpctrain.config.layout import Layout, resolve_layout
 from hpctrain.config.cluster_checks import cluster_checks
+from hpctrain.config.file_checks import check_resume, file_checks, resumed_run_dir, walk_values
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
 from hpctrain.config.schema import SCHEDULES, Config, DataConfig, DataKind, DType, ModelArch, TrainConfig, parse_blend
 from hpctrain.hardware import KNOWN_HARDWARE
@@ -23,20 +26,28 @@ from hpctrain.models.params import ffn_hidden_of, kv_heads_of
 
 
 
-def run_checks(cfg: Config) -> CheckReport:
+def run_checks(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckReport:
     """Every check, the errors kept in the report (a dry run shows the plan before them). A layout that
-    cannot be resolved at all raises ConfigError."""
+    cannot be resolved at all raises ConfigError.
+
+    The files the run will read are checked too (hpctrain.config.file_checks); a resume also against the newest
+    checkpoint of its run directory: `run_dir` when the caller resolved it, else the run that run.resume (or
+    an existing run.root/run.name/run.id) names."""
     check_schema(cfg)
     layout = resolve_layout(cfg)
     report = CheckReport(layout)
     for check in CHECKS:
         check(cfg, layout, report)
+    if run_dir is None and not any(p.key in ("run.name", "run.id") for p in report.errors):
+        run_dir = resumed_run_dir(cfg)
+    if run_dir is not None:
+        check_resume(cfg, run_dir, report)
     return report
 
 
-def check_config(cfg: Config) -> CheckReport:
+def check_config(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckReport:
     """Run every check; raise ConfigError with all errors found, return the report (with warnings) otherwise."""
-    report = run_checks(cfg)
+    report = run_checks(cfg, run_dir)
     if report.errors:
         raise ConfigError(report.errors)
     return report
@@ -77,6 +88,10 @@ def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 f"use a d_model that is a multiple of {m.n_heads} (e.g. {m.n_heads * max(1, m.d_model // m.n_heads)})")
     if not 0.0 <= m.dropout < 1.0:
         r.error("model.dropout", f"must be in [0, 1), got {m.dropout}", "set model.dropout=0.0")
+    if m.init_std < 0:
+        r.error("model.init_std", f"must be >= 0 (a standard deviation), got {m.init_std}", "use model.init_std=0.02")
+    if m.norm_eps < 0:
+        r.error("model.norm_eps", f"must be >= 0, got {m.norm_eps}", "use model.norm_eps=1e-5")
     if m.arch == ModelArch.llama:
         _llama_shape(cfg, r)
     elif m.n_kv_heads not in (0, m.n_heads):
@@ -249,12 +264,22 @@ def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("optim.grad_clip", f"must be >= 0 (0 disables clipping), got {o.grad_clip}", "use optim.grad_clip=1.0")
     if o.weight_decay < 0:
         r.error("optim.weight_decay", f"must be >= 0, got {o.weight_decay}", "use e.g. optim.weight_decay=0.1")
+    if o.eps < 0:
+        r.error("optim.eps", f"must be >= 0, got {o.eps}", "use optim.eps=1e-8")
 
 
 def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
     t, d, m = cfg.train, cfg.data, cfg.model
     if t.max_steps < 1:
         r.error("train.max_steps", f"must be >= 1, got {t.max_steps}", "set train.max_steps to the number of steps")
+    elif t.max_steps > MAX_STEPS:
+        r.error("train.max_steps", f"{t.max_steps} is more than {MAX_STEPS:,} steps: the progress line's time to go "
+                "(a datetime.timedelta, at most 999,999,999 days) overflows at the first steps, and no run takes "
+                "that many (Llama 3 405B: about 1.2 million)", f"set train.max_steps<={MAX_STEPS}, the steps this "
+                "run is to take")
+    if not 0 <= t.seed < MAX_SEED:
+        r.error("train.seed", f"must be in [0, 2**32), got {t.seed}: the data order's seeds are derived from it "
+                "(seed x 1,000,003 + sample) and must stay within 64 bits", "use e.g. train.seed=1234")
     if t.seq_len < 1 or t.seq_len > m.context:
         r.error("train.seq_len", f"sequence length {t.seq_len} must be in [1, model.context={m.context}]: "
                 "positions beyond the context have no embedding", f"set train.seq_len<={m.context}")
@@ -298,6 +323,13 @@ def _indexed_data(d: DataConfig, dry_run: bool, r: CheckReport) -> None:
             pairs = parse_blend(text)
         except ValueError as exc:
             r.error(f"data.{key}", str(exc), f"set data.{key}='0.3 /data/a_text_document 0.7 /data/b_text_document'")
+            continue
+        weights = [w for w, _ in pairs]
+        if not all(math.isfinite(w) for w in weights) or not math.isfinite(sum(weights)):
+            bad = next((f"the weight of {p} is {w:g}" for w, p in pairs if not math.isfinite(w)),
+                       f"the weights add up to {sum(weights):g}")
+            r.error(f"data.{key}", f"{bad}: weights must be finite positive numbers (each dataset's share is its "
+                    "weight over their sum)", f"set data.{key}='0.3 /data/a_text_document 0.7 /data/b_text_document'")
             continue
         if prepare and key == "blend":
             if len(pairs) != 1:
@@ -351,6 +383,10 @@ def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
         if tier.keep_last < 1:
             r.error(f"{key}.keep_last", f"must be >= 1, got {tier.keep_last}: the newest checkpoint would be "
                     "deleted", f"set {key}.keep_last=1 or more")
+        if not os.path.isabs(str(tier.path)) and _leaves(str(tier.path)):
+            r.error(f"{key}.path", f"{tier.path!r} leads out of the run directory (a relative tier path is inside "
+                    "it)", f"use a path inside the run directory (e.g. {key}.path=checkpoints), or an absolute one "
+                    "(the run id is appended to it)")
         if tier.interval_steps < 0 or tier.interval_minutes < 0:
             r.error(key, "intervals must be >= 0", f"set {key}.interval_steps or interval_minutes to a positive value")
         if ck.enabled and tier.interval_steps == 0 and tier.interval_minutes == 0 and not ck.save_final:
@@ -482,7 +518,68 @@ def _offload_fix(cfg: Config, lay: Layout, est: Any, bigger_dp: str) -> str:
     return "; or ".join(fixes)
 
 
+MAX_STEPS = 10**9  # see _train_and_data
+MAX_SEED = 2**32
+
+
+def _leaves(relative: str) -> bool:
+    """A relative path that climbs out of the directory it is joined to (`..`, `a/../..`)."""
+    parts: list[str] = []
+    for part in relative.replace("\\", "/").split("/"):
+        if part == "..":
+            if not parts:
+                return True
+            parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return False
+
+
+def _run_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """The run directory is run.root/run.name/run.id, and must stay under run.root (run.resume may name any run
+    directory by its path: it exists already)."""
+    run = cfg.run
+    name = "" if run.name is None else str(run.name)
+    parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
+    if not parts or os.path.isabs(name) or ".." in parts:
+        r.error("run.name", f"{name!r} would put the run directory outside run.root={run.root} (run directories are "
+                "run.root/run.name/run.id)" if parts else f"{name!r} names no directory under run.root",
+                "use a plain name, e.g. run.name=gpt3_1.3b (a/b makes a subdirectory); change run.root to write "
+                "elsewhere")
+    elif not _inside(run.root, name):
+        r.error("run.name", f"run.root/{name} resolves outside run.root={run.root} (a symbolic link)",
+                "use a run.name whose directory is inside run.root, or change run.root")
+    if run.id is None:
+        return
+    rid = str(run.id)
+    if not rid or rid in (".", "..") or "/" in rid or "\\" in rid or os.sep in rid:
+        r.error("run.id", f"{rid!r} is not a directory name: the run directory is run.root/run.name/run.id, and "
+                "an id must be one directory inside it", "use a plain id such as run.id=baseline-1 (or leave "
+                "it unset for a fresh one; run.resume=PATH continues a run by its path)")
+    elif parts and ".." not in parts and not os.path.isabs(name) and not _inside(run.root, name, rid):
+        r.error("run.id", f"run.root/{name}/{rid} resolves outside run.root={run.root} (a symbolic link)",
+                "use another run.id, or change run.root")
+
+
+def _inside(root: str, *parts: str) -> bool:
+    """Whether run.root/parts, symbolic links resolved (what the launcher creates), stays under run.root."""
+    try:
+        base = Path(root).expanduser().resolve()
+        path = base.joinpath(*parts).resolve()
+    except (OSError, RuntimeError):  # a loop of symbolic links
+        return False
+    return path == base or base in path.parents
+
+
+def _finite_numbers(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """No NaN or infinity anywhere: they pass every range check (nan > 0 is false, so is nan < 0) and fail in the
+    job, at an integer conversion or a comparison, or train on NaN."""
+    for key, value in walk_values(OmegaConf.to_container(cfg, resolve=False)):
+        if isinstance(value, float) and not math.isfinite(value):
+            r.error(key, f"must be a finite number, got {value}", f"set {key} to a finite value")
+
+
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data, *cluster_checks,
-    _checkpoint, _memory, _offload,
+    _finite_numbers, _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data,
+    _run_paths, *cluster_checks, _checkpoint, _memory, _offload, file_checks,
 ]

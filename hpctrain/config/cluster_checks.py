@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -69,12 +70,15 @@ def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
         _local_gpus(c.gpu_type, c.gpus_per_node, visible_gpus(dict(os.environ)), r)
     if c.cpus_per_task < 1:
         r.error("cluster.cpus_per_task", f"must be >= 1, got {c.cpus_per_task}", "set cluster.cpus_per_task=1")
+    if c.signal_delay_s < 0:
+        r.error("cluster.signal_delay_s", f"must be >= 0 seconds, got {c.signal_delay_s}: Slurm's warning signal "
+                "(--signal=USR2@N) comes N seconds before the time limit", "use cluster.signal_delay_s=120")
     if c.time_min < 1:
         r.error("cluster.time_min", f"must be >= 1 minute, got {c.time_min}", "set cluster.time_min=60")
     elif c.signal_delay_s >= c.time_min * 60:
         r.error("cluster.signal_delay_s", f"the warning signal {c.signal_delay_s} s before the end would come before "
                 f"the job starts (time limit {c.time_min} min)", f"use cluster.signal_delay_s<={c.time_min * 60 // 4}")
-    elif c.executor == Executor.slurm and c.signal_delay_s < 30:
+    elif c.executor == Executor.slurm and 0 <= c.signal_delay_s < 30:
         r.warn("cluster.signal_delay_s", f"{c.signal_delay_s} s may be too short to finish a step and save",
                "allow a step plus a fast-tier save, e.g. cluster.signal_delay_s=120")
     if c.executor == Executor.slurm and c.requeue and c.time_min <= 10:
@@ -156,4 +160,47 @@ def _elastic(cfg: Config, lay: Layout, r: CheckReport) -> None:
             return
 
 
-cluster_checks = [_cluster, _timeouts, _elastic, _control_characters]
+SBATCH_STRINGS = ("partition", "account", "qos", "constraint", "exclude")  # each an #SBATCH option's value
+SBATCH_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # cluster.sbatch_extra's keys: --<key>=<value>
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _blank(text: str) -> bool:
+    """A space (or another blank that is not a control character: those are reported by _control_characters)."""
+    return any(ch.isspace() and ord(ch) >= 32 and ord(ch) != 127 for ch in text)
+
+
+def _sbatch_values(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """What reaches the sbatch script (hpctrain/scheduler/slurm.py) or submitit must be a value Slurm takes: names
+    and lists without blanks, sizes and counts >= 0, `--key=value` options with a name and a scalar value (quoted
+    by submitit: a --comment may hold blanks)."""
+    c = cfg.cluster
+    for name in SBATCH_STRINGS:
+        value = getattr(c, name)
+        if value is not None and _blank(str(value)):
+            r.error(f"cluster.{name}", f"{str(value)!r} holds a blank: Slurm {name} names and lists have none "
+                    f"(sbatch --{name}={value!s} is refused or means something else)",
+                    f"remove the blank; several {name} values are separated by commas"
+                    if name != "constraint" else "combine features with & and | (e.g. 'a100&ib'), no blanks")
+    if c.mem_gb < 0:
+        r.error("cluster.mem_gb", f"must be >= 0 (0: the partition's default memory), got {c.mem_gb}",
+                "set cluster.mem_gb=0, or the memory per node in GB")
+    if c.max_num_timeout < 0:
+        r.error("cluster.max_num_timeout", f"must be >= 0 requeues, got {c.max_num_timeout}",
+                "use cluster.max_num_timeout=20")
+    for option, value in dict(c.sbatch_extra).items():
+        key = f"cluster.sbatch_extra.{option}"
+        if not SBATCH_OPTION.fullmatch(str(option)):
+            r.error(key, f"{str(option)!r} is not an sbatch option name (it becomes #SBATCH --{option}=...)",
+                    "use the long option's name without dashes, e.g. +cluster.sbatch_extra.gres=gpu:8")
+        elif value is None or value is False or isinstance(value, (dict, list)) or OmegaConf.is_config(value):
+            shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            r.error(key, f"{shown!r} renders as #SBATCH --{option}={shown}: a value must be a string or number, or "
+                    "true for an option without one", f"set {key} to the option's value, or remove it")
+    for name in dict(c.env):
+        if not ENV_NAME.fullmatch(str(name)):
+            r.error(f"cluster.env.{name}", f"{str(name)!r} is not an environment variable name (letters, digits, "
+                    "_; not starting with a digit): the tasks could not set it", "rename the variable")
+
+
+cluster_checks = [_cluster, _timeouts, _elastic, _control_characters, _sbatch_values]

@@ -119,6 +119,41 @@ BAD = [
     ("spare-on-one-machine", ["cluster.spare_nodes=1"], "cluster.spare_nodes", "no node to spare"),
     ("busy-policy", ["checkpoint.when_busy=queue"], "checkpoint.when_busy", "skip or wait"),
     ("resume-unknown-run", ["run.resume=no-such-run"], "run.resume", "no run 'no-such-run' found"),
+    # issue 29: values the job failed on, or that left run.root
+    ("max-steps-overflow", ["train.max_steps=100000000000000000000"], "train.max_steps",
+     "is more than 1,000,000,000 steps"),
+    ("blend-infinite-weight", ["data=indexed", "data.vocab_size=256", "data.blend='inf /a 1 /b'"], "data.blend",
+     "the weight of /a is inf: weights must be finite"),
+    ("blend-weights-overflow", ["data=indexed", "data.vocab_size=256", "data.blend='1e308 /a 1e308 /b'"],
+     "data.blend", "the weights add up to inf"),
+    ("signal-delay-negative", ["cluster.signal_delay_s=-1"], "cluster.signal_delay_s", "must be >= 0 seconds"),
+    ("run-name-escapes", ["run.name=../../up"], "run.name", "outside run.root"),
+    ("run-name-absolute", ["run.name=/tmp/elsewhere"], "run.name", "outside run.root"),
+    ("run-id-escapes", ["run.id=../../../escape"], "run.id", "is not a directory name"),
+    ("run-id-subdirectory", ["run.id=a/b"], "run.id", "is not a directory name"),
+    ("tier-path-escapes", ["checkpoint.tiers.0.path=../../elsewhere"], "checkpoint.tiers[0].path",
+     "leads out of the run directory"),
+    ("partition-with-a-blank", ["cluster.partition='gpu a100'"], "cluster.partition", "holds a blank"),
+    ("constraint-with-a-blank", ["cluster.constraint='a100 & ib'"], "cluster.constraint", "holds a blank"),
+    ("exclude-with-a-blank", ["cluster.exclude='node1, node2'"], "cluster.exclude", "holds a blank"),
+    ("account-with-a-newline", ["cluster.account='llm\n#SBATCH --qos=high'"], "cluster.account",
+     "control character"),
+    ("memory-negative", ["cluster.mem_gb=-1"], "cluster.mem_gb", "must be >= 0"),
+    ("requeues-negative", ["cluster.max_num_timeout=-1"], "cluster.max_num_timeout", "must be >= 0"),
+    ("no-nodes", ["cluster.nodes=0"], "cluster.nodes", "must be >= 1"),
+    ("no-gpus-per-node", ["cluster.gpus_per_node=0"], "cluster.gpus_per_node", "must be >= 1"),
+    ("sbatch-extra-false", ["+cluster.sbatch_extra.gres=false"], "cluster.sbatch_extra.gres",
+     "renders as #SBATCH --gres=False"),
+    ("sbatch-extra-mapping", ["+cluster.sbatch_extra.gres={gpu:8}"], "cluster.sbatch_extra.gres",
+     "renders as #SBATCH --gres={'gpu': 8}"),
+    ("env-name", ["+cluster.env.MY-TOKEN=1"], "cluster.env.MY-TOKEN", "not an environment variable name"),
+    ("lr-nan", ["optim.lr=nan"], "optim.lr", "must be a finite number"),
+    ("clip-infinite", ["optim.grad_clip=inf"], "optim.grad_clip", "must be a finite number"),
+    ("tier-interval-infinite", ["checkpoint.tiers.0.interval_minutes=inf"], "checkpoint.tiers[0].interval_minutes",
+     "must be a finite number"),
+    ("seed-negative", ["train.seed=-1"], "train.seed", "must be in [0, 2**32)"),
+    ("eps-negative", ["optim.eps=-1e-8"], "optim.eps", "must be >= 0"),
+    ("init-std-negative", ["model.init_std=-0.02"], "model.init_std", "must be >= 0"),
 ]
 
 
@@ -153,6 +188,7 @@ SCHEMA = [
     (["model=gpt5"], "model/gpt5"),  # no such model
     (["precision.dtype=fp8"], "precision.dtype"),  # not a precision
     (["+model.n_layer=3"], "did you mean model.n_layers?"),  # added with +: caught by hpctrain's own check
+    (["train.max_steps=1e20"], "train.max_steps"),  # a float for an integer; 10**20 itself: max-steps-overflow
 ]
 
 
@@ -219,3 +255,41 @@ def test_warmup_longer_than_the_run_is_a_warning_and_the_run_trains(compose_cfg,
     proc = run_hpctrain("train.max_steps=10", f"run.root={tmp_path}", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step 10/10" in proc.stdout and "warning: optim.warmup_steps" in proc.stderr
+
+
+def test_a_run_name_that_leaves_run_root_creates_nothing_anywhere(tmp_path: Path) -> None:
+    """`run.name='../../up'` put a real run's directory two levels above run.root; refused on the command line."""
+    root = tmp_path / "a" / "b" / "root"
+    root.mkdir(parents=True)
+    for bad in ("run.name=../../up", "run.id=../../../escape"):
+        proc = run_hpctrain(bad, f"run.root={root}", cwd=tmp_path, timeout=60)
+        assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-2000:]
+        assert bad.split("=")[0] + ": " in proc.stderr and "fix: " in proc.stderr
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == [Path("a"), Path("a/b"),
+                                                                                Path("a/b/root")]
+
+
+def test_a_symbolic_link_out_of_run_root_is_refused(compose_cfg, tmp_path: Path) -> None:
+    from hpctrain.config.checks import run_checks
+
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    (root / "linked").symlink_to(elsewhere)
+    report = run_checks(compose_cfg(f"run.root={root}", "run.name=linked"))
+    assert [p.key for p in report.errors] == ["run.name"] and "symbolic link" in report.errors[0].message
+
+
+def test_a_resume_by_path_may_name_a_run_outside_run_root(compose_cfg, tmp_path: Path) -> None:
+    """run.resume=PATH names an existing run wherever it is: no run.name/run.id rule applies to it."""
+    from hpctrain.config.checks import run_checks
+
+    report = run_checks(compose_cfg(f"run.root={tmp_path / 'root'}", f"run.resume={tmp_path / 'other' / 'run'}"))
+    assert not [p for p in report.errors if p.key.startswith("run.")]
+
+
+def test_a_nan_reports_once_per_key_and_with_the_rest(compose_cfg, capsys, tmp_path: Path) -> None:
+    cfg = compose_cfg("optim.lr=nan", "cluster.signal_delay_s=-5", "train.seed=-1", f"run.root={tmp_path}")
+    assert run(cfg).code == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "3 config error(s)" in err and err.count("optim.lr: ") == 1
