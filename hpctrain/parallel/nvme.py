@@ -40,6 +40,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
+from hpctrain.config.file_checks import format_bytes
+
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # O_DIRECT: file offsets, sizes and buffer addresses in multiples of the logical block
@@ -165,7 +167,7 @@ class MomentFile:
         finally:
             os.unlink(name)
         self.path, self.nbytes = name, nbytes
-        log.info("optimizer moments: %.2f GiB in %s (deleted; %s)", nbytes / 2**30, name,
+        log.info("optimizer moments: %s in %s (deleted; %s)", format_bytes(nbytes), name,
                  "O_DIRECT" if self.direct else "buffered: the file system refuses O_DIRECT")
 
     def _reserve(self, directory: Path, nbytes: int) -> None:
@@ -179,7 +181,7 @@ class MomentFile:
                 os.close(self.fd)
                 free = shutil.disk_usage(directory).free
                 raise NvmePathError(f"zero.nvme_path={directory}: this rank's optimizer moments need "
-                                    f"{nbytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB are free there (every rank "
+                                    f"{format_bytes(nbytes)}, {format_bytes(free)} are free there (every rank "
                                     "of the node takes as much); free space, use a larger drive, or shard over "
                                     "more ranks") from exc
             os.ftruncate(self.fd, nbytes)  # no fallocate here (O_DIRECT refuses glibc's emulation): sparse
