@@ -20,7 +20,18 @@ from hpctrain.config.layout import Layout, resolve_layout
 from hpctrain.config.cluster_checks import cluster_checks
 from hpctrain.config.file_checks import check_resume, file_checks, resumed_run_dir, walk_values
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
-from hpctrain.config.schema import SCHEDULES, Config, DataConfig, DataKind, DType, ModelArch, TrainConfig, parse_blend
+from hpctrain.config.schema import (
+    DRY_RUNS,
+    SCHEDULES,
+    Config,
+    DataConfig,
+    DataKind,
+    DType,
+    ModelArch,
+    TrainConfig,
+    parse_blend,
+    simulating,
+)
 from hpctrain.hardware import KNOWN_HARDWARE
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of
 
@@ -579,7 +590,33 @@ def _finite_numbers(cfg: Config, lay: Layout, r: CheckReport) -> None:
             r.error(key, f"must be a finite number, got {value}", f"set {key} to a finite value")
 
 
+def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """dry_run is true, false or simulate; a simulated rank must exist and run what the simulation can build."""
+    if cfg.dry_run not in DRY_RUNS:
+        r.error("dry_run", f"must be true, false or simulate, got {cfg.dry_run!r}",
+                "dry_run=true prints the plan; dry_run=simulate also builds one rank of the job on fake tensors")
+        return
+    rank = cfg.plan.simulate_rank
+    if rank is not None and not 0 <= rank < lay.world_size:
+        r.error("plan.simulate_rank", f"{rank} is not a rank of this {lay.world_size}-rank job",
+                f"set plan.simulate_rank to 0..{lay.world_size - 1}, or leave it out for the planner's most loaded rank")
+    if not simulating(cfg):
+        return
+    from hpctrain.plan.states import data_parallel_kind
+
+    if data_parallel_kind(lay) == "ddp":
+        r.error("dry_run", f"simulate builds FSDP2 layouts; zero.stage={lay.zero_stage} with DP alone runs DDP, whose "
+                "C++ reducer needs real memory for its buckets, which fake tensors do not have",
+                "dry_run=true gives DDP's memory (the planner's closed form); or simulate zero.stage=2 (FSDP2)")
+    if lay.offload_device == "nvme" and (lay.offload_optimizer or lay.offload_params):
+        r.error("dry_run", "simulate cannot run Adam's moments on NVMe: fake tensors have no bytes to write",
+                "simulate with zero.offload_optimizer_device=cpu (the GPU side is the same), or use dry_run=true")
+    if cfg.parallel.compile:
+        r.error("dry_run", "simulate runs the model eagerly: torch.compile on fake tensors is not simulated",
+                "add parallel.compile=false to the simulation (compilation changes kernels, not what is stored)")
+
+
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _finite_numbers, _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data,
+    _dry_run, _finite_numbers, _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data,
     _run_paths, *cluster_checks, _checkpoint, _memory, _offload, file_checks,
 ]

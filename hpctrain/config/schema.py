@@ -341,6 +341,7 @@ class PlanConfig:
     format: PlanFormat = PlanFormat.text
     search: int = 0  # >0: the dry-run plan ranks the top N layouts and explains where the configured one stands
     png: Optional[str] = None  # also write the memory / step-time chart here (needs matplotlib)
+    simulate_rank: Optional[int] = None  # dry_run=simulate builds this rank (default: the planner's most loaded)
 
 
 @dataclass
@@ -360,7 +361,16 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    dry_run: bool = False
+    dry_run: Any = False  # true: print the plan; simulate: also build one rank on fake tensors (DRY_RUNS)
+
+
+SIMULATE = "simulate"
+DRY_RUNS = (False, True, SIMULATE)
+
+
+def simulating(cfg: Any) -> bool:
+    """dry_run=simulate: the plan, and one rank of the job built and stepped on fake tensors (hpctrain.simulate)."""
+    return cfg.dry_run == SIMULATE
 
 
 def register() -> None:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hpctrain.config.checks import run_checks
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
+from hpctrain.config.schema import simulating
 from hpctrain.launch.data import prepare_data
 from hpctrain.launch.plan_view import build_plan, render
 from hpctrain.launch.resume import resume_config
@@ -64,6 +65,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
     cfg.run.id = run_dir.run_id
     _join_sweep(cfg)
     plan = build_plan(cfg, report, run_dir)
+    if simulating(cfg) and not report.errors:  # one rank of the job, built and stepped on fake tensors
+        from hpctrain.simulate.report import add_simulation
+
+        add_simulation(plan, cfg, report.layout, report.estimates)
     if cfg.plan.png:
         _chart(plan, Path(cfg.plan.png))
     if cfg.dry_run:

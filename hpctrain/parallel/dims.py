@@ -72,6 +72,11 @@ class ParallelDims:
                                 mesh_dim_names=MESH_DIMS)
 
     @cached_property
+    def rank_grid(self) -> list:
+        """The world mesh's ranks as nested lists (pp, dp_replicate, dp_shard, tp): host data, read once."""
+        return self.mesh.mesh.tolist()
+
+    @cached_property
     def dp_mesh(self) -> DeviceMesh:
         """All data-parallel ranks as one dim (what DDP and ZeroRedundancyOptimizer reduce over)."""
         return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -113,10 +113,14 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | No
 class Engine:
     """Every layout (DP/ZeRO/HSDP x TP(+SP) x PP) behind one step()."""
 
-    def __init__(self, cfg: Config, layout: Layout, device: torch.device) -> None:
+    def __init__(self, cfg: Config, layout: Layout, device: torch.device, dims: ParallelDims | None = None,
+                 tensors: contextlib.AbstractContextManager[Any] | None = None) -> None:
+        """`dims`: a mesh built already (default: this world's); `tensors`: the context the engine's tensors
+        are made in (hpctrain.simulate's fake tensor mode). The layout is applied on the meta device outside
+        it: meshes and process groups are host-side bookkeeping, and a fake tensor mode cannot run them."""
         self.cfg, self.layout, self.device = cfg, layout, device
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.dims = ParallelDims(layout, world, device.type)
+        self.dims = dims or ParallelDims(layout, world, device.type)
         dims = self.dims
         self.dp_rank, self.dp_size = dims.dp_rank, dims.dp
         # Dropout masks: different per DP rank, the same on TP peers (their replicated regions must agree).
@@ -139,25 +143,25 @@ class Engine:
         self.tied_embeddings = full.tied_embeddings
         self.stage_ids = self.pipeline_schedule.stage_ids(dims.pp_rank, dims.pp, dims.virtual_stages) \
             if dims.pp > 1 else [0]
-        self.stage_models: list[Transformer] = []  # the model module of each part (inside DDP when DDP wraps it)
-        self.model_parts: list[nn.Module] = []
-        for sid in self.stage_ids:
-            model = stage_model(full, sid, dims.n_stages) if dims.pp > 1 else full
-            self.stage_models.append(model)
-            self.model_parts.append(self._parallelize(model))
-        self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
-            else self.model_parts
-        self.optimizers = [self._optimizer(part) for part in self.model_parts]
-        self.scaler = LossScaler(cfg.precision)
+        # the model module of each part (inside DDP when DDP wraps it), its layout applied on the meta device
+        self.stage_models: list[Transformer] = [
+            self._apply_layout(stage_model(full, sid, dims.n_stages) if dims.pp > 1 else full)
+            for sid in self.stage_ids]
         self.pp_group = dims.pp_mesh.get_group() if dims.pp > 1 else None
+        self._embedding_group = self._tied_embedding_group() if dims.pp > 1 and self.tied_embeddings else None
         self.has_first = 0 in self.stage_ids
         self.has_last = dims.n_stages - 1 in self.stage_ids
-        self.schedule = None
-        if dims.pp > 1:
-            stages = [PipelineStage(part, sid, dims.n_stages, device, group=self.pp_group)
-                      for part, sid in zip(self.model_parts, self.stage_ids)]
-            self.schedule = build_schedule(stages, layout.schedule, layout.microbatches, self._pipeline_loss)
-        self._embedding_group = self._tied_embedding_group() if dims.pp > 1 and self.tied_embeddings else None
+        with tensors or contextlib.nullcontext():
+            self.model_parts: list[nn.Module] = [self._materialise(model) for model in self.stage_models]
+            self.optimizers = [self._optimizer(part) for part in self.model_parts]
+            self.scaler = LossScaler(cfg.precision)
+            self.schedule = None
+            if dims.pp > 1:
+                stages = [PipelineStage(part, sid, dims.n_stages, device, group=self.pp_group)
+                          for part, sid in zip(self.model_parts, self.stage_ids)]
+                self.schedule = build_schedule(stages, layout.schedule, layout.microbatches, self._pipeline_loss)
+        self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
+            else self.model_parts
         self.vocab_size = int(cfg.model.vocab_size)
         self.ranks_per_stage = dims.world_size // dims.pp
         self.steps_done = 0
@@ -165,7 +169,8 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------------------------
 
-    def _parallelize(self, model: Transformer) -> nn.Module:
+    def _apply_layout(self, model: Transformer) -> Transformer:
+        """Recomputation, TP, compilation and FSDP2 on the meta-device model (no memory yet)."""
         cfg, dims = self.cfg, self.dims
         # Checkpointing first: TP's input hook on the first block must run inside the checkpointed region,
         # or recomputation replays it on already-sharded input.
@@ -176,13 +181,18 @@ class Engine:
             for block in model.layers.values():
                 block.attn.compile()
                 block.mlp.compile()
-        offload = self.layout.offload_optimizer or self.layout.offload_params
         if self.fsdp:
             if self.layout.zero_stage == 0:
                 apply_replicate(model, dims.dp_mesh, cfg.precision)
             else:
                 apply_fsdp(model, dims.fsdp_mesh, cfg.zero, cfg.precision,
                            reshard_after_forward=self.layout.zero_stage == 3)
+        return model
+
+    def _materialise(self, model: Transformer) -> nn.Module:
+        """The weights, in their layout, on their device (the host with FSDP2's offload); DDP wraps last."""
+        cfg, dims = self.cfg, self.dims
+        offload = self.layout.offload_optimizer or self.layout.offload_params
         model.to_empty(device=torch.device("cpu") if self.fsdp and offload else self.device)
         model.init_weights(seed=cfg.train.seed)
         if self.ddp:
@@ -205,7 +215,7 @@ class Engine:
             return None
         if pp == 2:
             return self.pp_group
-        return own_group(tied_embedding_pairs(self.dims.mesh.mesh, last_rank))
+        return own_group(tied_embedding_pairs(self.dims.rank_grid, last_rank))
 
     # ---- one optimizer step -------------------------------------------------------------------------------
 
@@ -351,9 +361,14 @@ class Engine:
         values = torch.cat([torch.stack([loss, share]),
                             torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True)])
         self._sum_over_ranks(values)
-        total_loss, squared_norm, *agreed = values.tolist()
+        total_loss, squared_norm, *agreed = self._read(values)
         return (total_loss / (self.dims.dp * self.dims.tp), math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
                 agreed)
+
+    @staticmethod
+    def _read(values: torch.Tensor) -> list[float]:
+        """The step's one host sync: the reduced values, read back (hpctrain.simulate's fake tensors have none)."""
+        return values.tolist()
 
     @staticmethod
     def _sum_over_ranks(values: torch.Tensor) -> None:

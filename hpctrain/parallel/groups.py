@@ -31,10 +31,14 @@ def own_group(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
     return None if mine is None else dist.new_group(mine, use_local_synchronization=True)
 
 
-def tied_embedding_pairs(mesh_ranks: torch.Tensor, last_rank: int) -> list[list[int]]:
+def tied_embedding_pairs(mesh_ranks: list, last_rank: int) -> list[list[int]]:
     """The (first stage, last stage) rank pairs that hold the same DP/TP coordinates of a tied embedding.
 
     `mesh_ranks` is the world mesh's rank grid (pp, dp_replicate, dp_shard, tp); `last_rank` the pipeline
     rank that holds the last stage."""
-    first, last = mesh_ranks[0].flatten().tolist(), mesh_ranks[last_rank].flatten().tolist()
+    first, last = _flat(mesh_ranks[0]), _flat(mesh_ranks[last_rank])
     return [[a, b] for a, b in zip(first, last)]
+
+
+def _flat(grid: list | int) -> list[int]:
+    return [r for row in grid for r in _flat(row)] if isinstance(grid, list) else [grid]

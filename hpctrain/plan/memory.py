@@ -38,9 +38,11 @@ from hpctrain.plan.activations import (
 )
 from hpctrain.plan.states import (
     FP32_BYTES,
+    MASTER,
     MIXED_PRECISION_BYTES,
     ModelStates,
     Part,
+    accumulates,
     bytes_per_param,
     data_parallel_kind,
     hpctrain_state_parts,
@@ -131,9 +133,59 @@ def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> lis
     if stage == layout.pp - 1:
         parts.append(Part("activations", f"output head + logits ({model.vocab_rows(layout.tp)} columns, "
                           "full on every TP rank) + fp32 loss", _head_bytes(model, layout)))
+    if stage == 0 and layout.tp > 1 and layout.sequence_parallel and layout.recompute == "full":
+        # the first block's checkpoint saves its input before SP slices it (the slicing hook runs inside)
+        parts.append(Part("activations", "first block's checkpointed input: the embedding output, whole sequence",
+                          model.seq_len * layout.micro_batch * model.d_model * _residual_bytes(layout)
+                          * (1 - 1 / layout.tp) * inflight))
+    if stage == 0 and layout.tp > 1 and _accumulates_whole_embedding_grad(layout):
+        parts.append(Part("activations", "token embedding backward's working copies ("
+                          f"{layout.reduce_dtype or layout.dtype} and {layout.dtype}, whole table)",
+                          _embedding_elements(model, layout.tp)
+                          * (layout.reduce_bytes + layout.compute_bytes)))
     transient = recompute_transient_bytes(model, layout)
     if transient:
         parts.append(Part("activations", "one layer recomputed in backward", transient))
+    return parts
+
+
+def _residual_bytes(layout: Layout) -> int:
+    """Bytes of a residual-stream element: fp32 under autocast (the embedding's output is not cast)."""
+    return 4 if autocast_forward(layout) else layout.compute_bytes
+
+
+def _embedding_elements(model: ModelShape, tp: int) -> int:
+    return model.vocab_rows(tp) * model.d_model
+
+
+def _accumulates_whole_embedding_grad(layout: Layout) -> bool:
+    return data_parallel_kind(layout) in ("fsdp", "replicate") and accumulates(layout)
+
+
+def embedding_grad_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
+    """The token embedding's gradient on the stage that looks tokens up, with TP: whole on every TP rank.
+
+    The weight is vocabulary-parallel (Shard(0)), but DTensor's embedding backward (torch 2.13,
+    torch/distributed/tensor/_ops/_embedding_ops.py `embedding_dense_backward_strategy`) has no rule that keeps
+    the gradient's rows sharded (only Shard(1) or Partial): it comes back whole, and it is held whole where
+    gradients are kept: the fp32 gradient of a plain module, FSDP2's accumulated gradient in the reduce dtype
+    (or, without accumulation, its unsharded gradient until the reduce-scatter). Counted here: the other
+    (tp - 1)/tp of it (the shard is in the model states). Found by dry_run=simulate (docs/planner.md)."""
+    if stage != 0 or layout.tp == 1:
+        return []
+    kind = data_parallel_kind(layout)
+    dtype_bytes = MASTER if kind in ("none", "ddp") else \
+        layout.reduce_bytes if accumulates(layout) else layout.compute_bytes
+    whole = _embedding_elements(model, layout.tp)
+    parts = [Part("grads", f"token embedding's gradient, whole on every TP rank (the other {layout.tp - 1}/"
+                  f"{layout.tp})", whole * dtype_bytes * (1 - 1 / layout.tp))]
+    if _accumulates_whole_embedding_grad(layout):
+        # while it is added in, its fresh gradient (whole, compute dtype) is the backward's largest transient
+        beyond = whole * layout.compute_bytes - (layout.compute_bytes + layout.reduce_bytes) * \
+            layer_params_per_gpu(model, layout.tp)
+        if beyond > 0:
+            parts.append(Part("grads", f"token embedding's fresh {layout.dtype} gradient while it is accumulated, "
+                              "beyond one layer's", beyond))
     return parts
 
 
@@ -168,7 +220,8 @@ def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     """Everything one GPU of a stage holds: model states (states.py) and activations."""
     n = stage_params_per_gpu(model, layout.tp, layout.pp, stage)
     layer = layer_params_per_gpu(model, layout.tp)
-    return hpctrain_state_parts(n, layer, layout) + stage_activation_parts(model, layout, stage)
+    return hpctrain_state_parts(n, layer, layout) + embedding_grad_parts(model, layout, stage) \
+        + stage_activation_parts(model, layout, stage)
 
 
 def _column(parts: list[Part], kind: str) -> float:

@@ -42,7 +42,7 @@ def _count(monkeypatch: pytest.MonkeyPatch, name: str, result: Any = None) -> li
 
 def test_175b_tied_embedding_groups_take_one_call(world_175b, monkeypatch: pytest.MonkeyPatch) -> None:
     grid, last = world_175b
-    pairs = groups.tied_embedding_pairs(grid, last)
+    pairs = groups.tied_embedding_pairs(grid.tolist(), last)
     assert len(pairs) == 512 and pairs[3] == [3, 7 * 512 + 3]  # one pair per (DP, TP) coordinate
     assert sorted(r for pair in pairs for r in pair) == sorted(grid[0].flatten().tolist() + grid[last].flatten().tolist())
 

@@ -112,16 +112,22 @@ def test_inflight_microbatches():
 
 def test_first_stage_holds_whole_model_of_activations():
     """Korthikanti eq. 5: with 1F1B the first stage stores L layers' worth, whatever p is. (dp = 2 here and below:
-    DP over TP/PP is FSDP2's, with bf16 parameters; without DP hpctrain runs autocast, fp32 residual stream.)"""
+    DP over TP/PP is FSDP2's, with bf16 parameters; without DP hpctrain runs autocast, fp32 residual stream.)
+    The first stage also holds what the token embedding's backward makes under TP when FSDP2 accumulates (here
+    `replicate`, ZeRO-0 with TP/PP, under PP): working copies of the whole table on every TP rank, in the reduce
+    dtype and the compute dtype, once whatever the micro-batches in flight (found by dry_run=simulate)."""
     model = ModelShape(96, H, A, S, 50257, dropout=0.1)
     lay = Layout(dp=2, tp=8, pp=8, micro_batch=1, grad_accum=16, sequence_parallel=True)
     per_layer = activation_bytes_per_layer(S, 1, H, A, 8, True, dropout=True)
     embedding_dropout = SBH * 8  # s b h p, one byte each: the embedding sum stays replicated over TP
-    assert stage_activation_bytes(model, lay, 0) == pytest.approx(96 * per_layer + embedding_dropout)
+    # rows x h x (reduce dtype + compute dtype): no reduce_dtype, so bf16 + bf16 (vocab_pad_multiple 1: 50257 rows)
+    embedding_backward = 50257 * H * (2 + 2)
+    assert stage_activation_bytes(model, lay, 0) == pytest.approx(96 * per_layer + embedding_dropout
+                                                                  + embedding_backward)
     inter = Layout(dp=2, tp=8, pp=8, virtual_stages=2, micro_batch=1, grad_accum=16, sequence_parallel=True,
                    schedule="interleaved_1f1b")
     assert stage_activation_bytes(model, inter, 0) == pytest.approx(
-        96 * per_layer * (1 + 7 / 16) + embedding_dropout * (1 + 7 / 16))
+        96 * per_layer * (1 + 7 / 16) + embedding_dropout * (1 + 7 / 16) + embedding_backward)
 
 
 def test_last_stage_adds_the_head_and_full_logits():
@@ -136,12 +142,20 @@ def test_last_stage_adds_the_head_and_full_logits():
 
 
 def test_recompute_adds_one_layer_transient():
-    """Full recompute stores each layer's input and regenerates one layer's activations at a time."""
+    """Full recompute stores each layer's input and regenerates one layer's activations at a time. On the first
+    stage two things come on top (found by dry_run=simulate): the first block's checkpoint saves its input, the
+    embedding output, before SP's slicing hook (which runs inside the checkpointed region) cuts it to s/t, so
+    the other (t - 1)/t of it stays, for each micro-batch in flight; and the token embedding backward's working
+    copies of the whole table (FSDP2 `replicate` accumulating under PP)."""
     model = ModelShape(96, H, A, S, 50257)
     full = Layout(dp=2, tp=8, pp=8, grad_accum=16, sequence_parallel=True, recompute="full")
     stored = 96 * 2 * SBH / 8
     one_layer = activation_bytes_per_layer(S, 1, H, A, 8, True) - 2 * SBH / 8
-    assert stage_activation_bytes(model, full, 0) == pytest.approx(stored + one_layer)
+    # s b h x 2 bytes (FSDP2's bf16, no autocast) x (1 - 1/t), for the 8 micro-batches in flight on stage 0
+    first_block_input = SBH * 2 * (1 - 1 / 8) * 8
+    embedding_backward = 50257 * H * (2 + 2)  # rows x h x (reduce dtype + compute dtype), bf16 + bf16 here
+    assert stage_activation_bytes(model, full, 0) == pytest.approx(stored + one_layer + first_block_input
+                                                                   + embedding_backward)
     assert layer_activation_bytes(model, full) == pytest.approx(2 * SBH / 8)
 
 

@@ -1,0 +1,161 @@
+"""Build rank R of the job with the task's own engine on fake tensors, run one training step, measure it.
+
+The step is the steady state's: the optimizer's state exists already (as after the first step: a step on zero
+gradients makes it, untracked) and the memory tracker and the collective counter see only the step itself.
+Without pipeline parallelism, micro-batches past the second repeat the second's allocations exactly (the first
+makes the accumulated gradients, each later one adds into them, the last reduces them), so at most two run:
+`Simulation.microbatches` says how many of the step's ran. A pipeline runs its whole schedule: which micro-batch
+is in flight where is the schedule's own business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining.stage import extract_tensor_meta
+
+from hpctrain.config.layout import Layout
+from hpctrain.models import create_model
+from hpctrain.parallel.engine import Engine
+from hpctrain.parallel.pipeline import stage_model
+from hpctrain.parallel.precision import autocast
+from hpctrain.simulate.collectives import CollectiveCounter
+from hpctrain.simulate.memory import columns, peak_by_category, step_tracker
+from hpctrain.simulate.peers import pipeline_peers, start_up
+from hpctrain.simulate.world import counting_group_calls, fake_world, groups_held
+
+CPU = torch.device("cpu")
+UNSEEN = ("kernel speed", "NCCL's own buffers", "the CUDA caching allocator's fragmentation and workspaces "
+          "(cuBLAS, attention)", "which attention kernel a GPU runs (CPU SDPA is not flash attention)")
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What one rank held and did in one step, as torch measured it on fake tensors."""
+
+    rank: int
+    world_size: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    stages: tuple[int, ...]  # the pipeline stages (model chunks) this rank holds
+    categories: dict[str, int]  # torch's peak snapshot by its categories, bytes
+    peak: int  # bytes at the peak
+    microbatches: int  # micro-batches the simulated step ran
+    step_microbatches: int  # ... of the real step's
+    groups_held: int  # process groups this rank is a member of (the default group included)
+    group_calls: int  # new_group/split_group calls the engine made beyond the mesh
+    collectives: dict[str, int]  # "op over N ranks" -> count in the step
+    world_collectives: int  # collectives over every rank in the step (the control plane)
+    seconds: float
+    unseen: tuple[str, ...] = field(default=UNSEEN)
+
+    @property
+    def columns(self) -> dict[str, int]:
+        return columns(self.categories)
+
+
+class SimulatedEngine(Engine):
+    """The task's engine; fake tensors hold no values, so the step's one host read gives zeros."""
+
+    @staticmethod
+    def _read(values: torch.Tensor) -> list[float]:
+        return [0.0] * values.numel()
+
+    def start_pipeline(self, batches: torch.Tensor) -> None:
+        """The pipeline schedule's start-up, on the step's first micro-batch (hpctrain.simulate.peers.start_up)."""
+        inputs, targets = batches[0, 0], batches[1, 0]
+        with autocast(self.cfg.precision, self.device, not self.fsdp):
+            start_up(self.schedule, (inputs,) if self.has_first else (), targets if self.has_last else None)
+
+    def stage_zero_sends(self, mode: FakeTensorMode, tokens: torch.Tensor) -> tuple[Any, ...]:
+        """What pipeline stage 0 sends forward, from a stand-in built as its own rank builds it (a rank
+        without stage 0 needs it for the schedule's start-up: hpctrain.simulate.peers)."""
+        with torch.device("meta"):
+            full = create_model(self.cfg.model, self.layout.tp)
+        stand_in = self._apply_layout(stage_model(full, 0, self.dims.n_stages))
+        with mode:
+            part = self._materialise(stand_in)
+            with autocast(self.cfg.precision, self.device, not self.fsdp):
+                out = part(tokens)
+            metas = (extract_tensor_meta(out),)
+        del part, out, stand_in
+        gc.collect()
+        return metas
+
+
+def simulate(cfg: Any, layout: Layout, rank: int) -> Simulation:
+    """Rank `rank` of `layout`'s job (cfg: the run's config), built and stepped once on fake tensors, in a process
+    of its own: a fake world leaves state in torch that the caller must not inherit (DTensor's sharding cache keeps
+    the fake world's meshes, whose groups are gone with it). The child rebuilds the config from a plain dict, as a
+    task does (hpctrain.train.loop.load_config)."""
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank} is not a rank of a {layout.world_size}-rank job")
+    config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_simulate_config, (config, layout, rank))
+
+
+def _simulate_config(config: dict[str, Any], layout: Layout, rank: int) -> Simulation:
+    from hpctrain.train.loop import load_config
+
+    torch.set_num_threads(1)
+    return simulate_here(load_config(config), layout, rank)
+
+
+def simulate_here(cfg: Any, layout: Layout, rank: int) -> Simulation:
+    """`simulate` in this process (which must not have torch.distributed initialised; it is left polluted)."""
+    started = time.perf_counter()
+    with fake_world(layout, rank) as dims:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with counting_group_calls() as calls:
+            engine = SimulatedEngine(cfg, layout, CPU, dims, tensors=mode)
+        step_microbatches = layout.microbatches
+        microbatches = step_microbatches if dims.pp > 1 else min(step_microbatches, 2)
+        with mode:  # the whole step's batch, as the data reader hands it over, of which the slice runs
+            step = torch.zeros(2, step_microbatches, layout.micro_batch, cfg.train.seq_len, dtype=torch.long)
+            batches = step[:, :microbatches]
+        boundary = None
+        if dims.pp > 1 and not engine.has_first:
+            boundary = engine.stage_zero_sends(mode, batches[0, 0])
+        with mode:
+            _make_optimizer_state(engine)
+        tracker = step_tracker(engine.model_parts, engine.optimizers)
+        counter = CollectiveCounter()
+        peers = pipeline_peers(boundary) if dims.pp > 1 else contextlib.nullcontext()
+        with mode, peers:
+            if engine.schedule is not None:
+                engine.start_pipeline(batches)
+            with tracker, counter:
+                engine.step(batches, float(cfg.optim.lr))
+        categories = peak_by_category(tracker)
+        return Simulation(
+            rank=rank, world_size=layout.world_size, pp_rank=dims.pp_rank, dp_rank=dims.dp_rank,
+            tp_rank=dims.tp_rank, stages=tuple(engine.stage_ids), categories=categories,
+            peak=sum(categories.values()), microbatches=microbatches, step_microbatches=step_microbatches,
+            groups_held=groups_held(), group_calls=len(calls), collectives=counter.summary(),
+            world_collectives=counter.on_world(), seconds=time.perf_counter() - started)
+
+
+def _make_optimizer_state(engine: Engine) -> None:
+    """The optimizer's state as after a first step: one step on zero gradients creates it (AdamW's moments)."""
+    for part, optimizer in zip(engine.model_parts, engine.optimizers):
+        for p in part.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def most_loaded_rank(layout: Layout, stage: int) -> int:
+    """The first rank (DP 0, TP 0) of pipeline rank `stage`: the mesh puts PP outermost."""
+    return stage * (layout.world_size // layout.pp)
+
+

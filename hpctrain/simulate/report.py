@@ -1,0 +1,98 @@
+"""The simulation next to the planner: the same rank, column by column, and the plan's section for it.
+
+The planner (hpctrain.plan.memory) and torch's tracker (hpctrain.simulate.memory) must agree on the model
+states, parameters + gradients + optimizer state, within STATES_TOLERANCE: those are sizes of tensors the
+layout fixes, and the planner is the figure the checks hold a run to. Activations are compared and reported
+but held to nothing: CPU SDPA is not the flash attention the planner assumes on GPUs, and the planner
+counts a recomputed layer's transient and the logits' fp32 copies by formula (docs/planner.md, "The planner
+against torch").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from hpctrain.config.layout import Layout
+from hpctrain.plan.estimate import Estimates
+from hpctrain.plan.memory import stage_parts
+from hpctrain.plan.types import GiB
+from hpctrain.simulate.rank import Simulation, most_loaded_rank, simulate
+
+STATES_TOLERANCE = 0.10  # |planner - torch| / torch on parameters + gradients + optimizer state
+COLUMNS = (("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
+           ("activations", "activations"))
+STATES = ("params", "grads", "optimizer")
+
+
+def planner_columns(est: Estimates, pp_rank: int) -> dict[str, float]:
+    """The planner's GPU bytes by column for one pipeline rank (the same parts its memory table lists)."""
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    for part in stage_parts(est.model, est.layout, pp_rank):
+        if part.on_gpu:
+            out[part.kind] += part.bytes
+    return out
+
+
+def comparison(sim: Simulation, est: Estimates) -> dict[str, Any]:
+    """Planner vs torch for the simulated rank: bytes by column, the model states' difference and verdict."""
+    planner, torch_ = planner_columns(est, sim.pp_rank), sim.columns
+    states_planner = sum(planner[k] for k in STATES)
+    states_torch = sum(torch_[k] for k in STATES)
+    drift = (states_planner - states_torch) / states_torch if states_torch else 0.0
+    return {
+        "columns": {key: {"planner": planner[key], "torch": torch_[key]} for _, key in COLUMNS},
+        "total": {"planner": sum(planner.values()), "torch": sum(torch_.values())},
+        "model_states": {"planner": states_planner, "torch": states_torch, "drift": drift,
+                         "tolerance": STATES_TOLERANCE, "within": abs(drift) <= STATES_TOLERANCE},
+    }
+
+
+def simulation_json(sim: Simulation, est: Estimates) -> dict[str, Any]:
+    return {**asdict(sim), "columns": sim.columns, "unseen": list(sim.unseen), **comparison(sim, est)}
+
+
+def simulation_lines(data: dict[str, Any]) -> list[str]:
+    """The plan's text section: the table, torch's own categories, groups and collectives, what is not seen."""
+    g = GiB
+    stages = ",".join(map(str, data["stages"]))
+    sliced = "" if data["microbatches"] == data["step_microbatches"] else \
+        f" (micro-batches 1 and 2 of {data['step_microbatches']}: the later ones repeat the second's allocations)"
+    lines = [f"simulation: rank {data['rank']} of {data['world_size']} (pipeline rank {data['pp_rank']}, stage(s) "
+             f"{stages}; DP {data['dp_rank']}, TP {data['tp_rank']}), one training step on fake tensors, "
+             f"{data['seconds']:.1f} s{sliced}",
+             f"  {'':<18} {'planner':>10} {'torch':>10}  torch vs planner"]
+    rows = [(name, data["columns"][key]) for name, key in COLUMNS] + [("total", data["total"])]
+    for name, row in rows:
+        lines.append(f"  {name:<18} {row['planner'] / g:6.2f} GiB {row['torch'] / g:6.2f} GiB  "
+                     f"{_relative(row['torch'], row['planner'])}")
+    states = data["model_states"]
+    verdict = "within" if states["within"] else "OUTSIDE"
+    lines.append(f"  model states (parameters + gradients + optimizer): planner {states['planner'] / g:.2f} GiB, "
+                 f"torch {states['torch'] / g:.2f} GiB: {states['drift']:+.1%}, {verdict} the "
+                 f"{states['tolerance']:.0%} tolerance")
+    lines.append("  torch's peak by its own categories: " + ", ".join(
+        f"{name} {b / g:.2f} GiB" for name, b in sorted(data["categories"].items(), key=lambda kv: -kv[1])))
+    lines.append(f"  process groups: {data['groups_held']} held by this rank; {data['group_calls']} made by the "
+                 "engine beyond the mesh")
+    lines.append(f"  collectives in the step: {data['world_collectives']} over all {data['world_size']} ranks; "
+                 + ", ".join(f"{name} x{n}" for name, n in data["collectives"].items()))
+    lines.append("  not seen on fake tensors: " + "; ".join(data["unseen"]))
+    return lines
+
+
+def _relative(torch_bytes: float, planner_bytes: float) -> str:
+    if not planner_bytes:
+        return "" if not torch_bytes else "planner: none"
+    return f"{(torch_bytes - planner_bytes) / planner_bytes:+.0%}"
+
+
+def add_simulation(plan: dict[str, Any], cfg: Any, layout: Layout, est: Estimates) -> None:
+    """Simulate the rank plan.simulate_rank names (default: the first rank of the planner's most loaded pipeline
+    stage) and add it to the plan: plan["simulation"] and a text section."""
+    rank = cfg.plan.simulate_rank
+    if rank is None:
+        rank = most_loaded_rank(layout, est.memory.stage)
+    data = simulation_json(simulate(cfg, layout, int(rank)), est)
+    plan["simulation"] = data
+    plan.setdefault("sections", []).append({"title": "simulation", "lines": simulation_lines(data)})
