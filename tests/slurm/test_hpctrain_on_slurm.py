@@ -301,7 +301,9 @@ def test_without_a_spare_the_run_shrinks_to_min_nodes_with_the_same_batch(slurm_
     logs = (run_dir / "submitit" / f"{job}_0_log.out").read_text()
     assert "running on 1 of 2 nodes: DP 4 -> 2, gradient accumulation 1 -> 2 (global batch 16)" in logs
     agent = (run_dir / "submitit" / f"{job}_0_log.err").read_text()
-    assert ("has been silent" in agent) == silent  # a node whose processes died: its peers failed at once
+    # A node without power: only its silence tells. A node whose processes died: its peers fail at once, though
+    # on a loaded box its 3 s of silence may be noticed first; either way the group restarts without it.
+    assert "has been silent" in agent or not silent
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["consumed_samples"] == 16 * r["step"] for r in rows)  # the samples of each step: unchanged
     steps = [r["step"] for r in rows]
