@@ -17,9 +17,11 @@ GiB = 2**30  # binary gibibyte: what nvidia-smi and torch.cuda report as "GB" of
 class Hardware:
     """One GPU type in its usual node. Bandwidths are per GPU, one direction, in bytes/s.
 
-    peak_flops is dense bf16/fp16 tensor-core throughput; `efficiency` is the fraction of it that large
-    matmuls achieve in practice (Megatron reached 44-52% of peak end to end on A100, including
-    everything; single large GEMMs reach ~70-80%). 0.6 is a middle guess for the compute part alone.
+    peak_flops is dense bf16/fp16 tensor-core throughput; `fp8_flops` the dense FP8 tensor-core throughput (0: the
+    GPU has no FP8 tensor cores, i.e. compute capability below 8.9, and precision.fp8 is refused on it);
+    `efficiency` is the fraction of either that large matmuls achieve in practice (Megatron reached 44-52% of
+    peak end to end on A100, including everything; single large GEMMs reach ~70-80%). 0.6 is a middle guess for
+    the compute part alone.
 
     Host side (ZeRO offload, hpctrain.plan.offload), per node unless said otherwise: `host_mem_bytes` of DRAM,
     `pcie_bw` between one GPU and the host (one direction, what pinned-memory copies reach), node-local NVMe
@@ -44,6 +46,12 @@ class Hardware:
     cpu_cores: int = 2
     cpu_adam_rate: float = 0.24e9
     cpu_adam_core_rate: float = 0.12e9
+    fp8_flops: float = 0.0
+
+    @property
+    def has_fp8(self) -> bool:
+        """FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell)."""
+        return self.fp8_flops > 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -56,6 +64,8 @@ class Hardware:
                      "cpu_adam_rate", "cpu_adam_core_rate"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.fp8_flops < 0:
+            raise ValueError("fp8_flops must be >= 0 (0: no FP8 tensor cores)")
 
     def adam_rate_per_gpu(self, threads_per_rank: int | None = None) -> float:
         """Parameters per second one rank's CPU AdamW step updates while every GPU of the node steps at once:
@@ -74,6 +84,10 @@ class Hardware:
 #        DGX H100: 8x 400 Gb/s ConnectX-7 NDR = 50 GB/s per GPU.
 #  H200: NVIDIA H200 datasheet (SXM): same compute and NVLink as H100, 141 GB HBM3e;
 #        DGX H200: 8x 400 Gb/s ConnectX-7 = 50 GB/s per GPU.
+#  FP8 (fp8_flops, dense): H100 SXM datasheet "FP8 Tensor Core 3,958 teraFLOPS*" (* with sparsity) = 1979 dense,
+#        twice its BF16; H200 SXM datasheet: the same 3,958* = 1979 dense. A100 (compute capability 8.0) has no
+#        FP8 tensor cores (its datasheet lists none; FP8 GEMMs need 8.9+), so 0. The "cpu" entry: 0, torchao only
+#        emulates FP8 there (no speed-up).
 #  Memory: the datasheet "GB" of HBM is what nvidia-smi reports in MiB (A100-80GB: 81920 MiB), so it is
 #        taken as GiB; the CUDA context, NCCL buffers and fragmentation are left to memory.py's reserve.
 #  cpu:  one process per core: ~150 GFLOP/s fp32 peak for an AVX-512 core (2 FMA units x 16 lanes x 2 x
@@ -116,8 +130,8 @@ KNOWN_HARDWARE: dict[str, Hardware] = {
     "a100_80gb": Hardware("a100_80gb", 8, 80 * GiB, 312e12, 300 * GB, 25 * GB, host_mem_bytes=2 * 2**40,
                           nvme_bytes=8 * 3.84e12, nvme_read_bw=8 * 3.5 * GB, nvme_write_bw=8 * 2 * GB,
                           **_DGX_A100_HOST),
-    "h100_80gb": Hardware("h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB, **_DGX_H100_HOST),
-    "h200": Hardware("h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB, **_DGX_H100_HOST),
+    "h100_80gb": Hardware("h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, **_DGX_H100_HOST),
+    "h200": Hardware("h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, **_DGX_H100_HOST),
     "cpu": Hardware("cpu", 2, 8 * GiB, 150e9, 5 * GB, 1.25 * GB, efficiency=0.5),
 }
 

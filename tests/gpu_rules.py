@@ -29,6 +29,7 @@ command line's submitit tasks, elastic agents and forked workers included.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.util
@@ -38,7 +39,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ENV = "HPCTRAIN_GPU_RULES"
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -224,6 +225,49 @@ def _count_syncs(torch: Any) -> None:
             return __original(self, *args, **kwargs)
         counted.__gpu_rules__ = True  # type: ignore[attr-defined]
         setattr(torch.Tensor, name, counted)
+
+
+@contextlib.contextmanager
+def recording_host_reads(events: list[str]) -> Iterator[None]:
+    """Append "host read: <what> at <where>" to `events` for every read of a tensor's values by the host while
+    inside, from any code, torch's own included (the rule above sees hpctrain's calls only): every
+    `aten._local_scalar_dense` (`item`, `float()`, `int()`, `bool()`, `if tensor:`), seen by a dispatch mode
+    below every tensor subclass, and `Tensor.tolist`/`numpy`, which copy without an aten op. On a GPU each is
+    a stop of the launch queue. Tests pin the count per step (tests/parallel/test_host_syncs.py)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def where() -> str:  # the code that read, past this recorder's frames and torch's decorators
+        frame = sys._getframe(2)
+        while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_globals.get(
+                "__name__", "").startswith(("torch.utils._python_dispatch", "torch._dynamo", "torch._compile",
+                                             "torch.distributed.c10d_logger"))):
+            frame = frame.f_back
+        return f"{frame.f_globals.get('__name__', '?')}:{frame.f_lineno}" if frame is not None else "?"
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                events.append(f"host read: {func} at {where()}")
+            return func(*args, **(kwargs or {}))
+
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def copying(name: str, original: Any) -> Any:
+        @functools.wraps(original)
+        def read(self: Any, *args: Any, **kwargs: Any) -> Any:
+            events.append(f"host read: Tensor.{name} at {where()}")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, copying(name, original))
+    try:
+        with Reads():
+            yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
 
 
 # ---- installing -----------------------------------------------------------------------------------------

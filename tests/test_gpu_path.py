@@ -16,7 +16,8 @@ from hpctrain.config.problems import CheckReport
 from hpctrain.config.layout import resolve_layout
 from hpctrain.distributed.environment import task_device
 from hpctrain.launch.executor import build_executor
-from hpctrain.parallel.engine import build_engine, optimizer_defaults
+from hpctrain.parallel.engine import build_engine
+from hpctrain.parallel.optimizer import optimizer_defaults
 from tests.distributed_harness import run_distributed
 from tests.parallel.layouts import global_batch, make_cfg, rank_batches
 
@@ -64,10 +65,12 @@ def test_local_gpu_checks(tmp_path: Path) -> None:
     assert not fine.errors and not fine.warnings
 
 
-def test_fused_adamw_on_gpus_only() -> None:
+def test_fused_adamw_where_the_device_has_it_foreach_elsewhere() -> None:
     cfg = make_cfg(1)
     assert optimizer_defaults(cfg.optim, "cuda")["fused"] is True
-    assert "fused" not in optimizer_defaults(cfg.optim, "cpu")  # the CPU keeps torch's default, which tests pin
+    assert optimizer_defaults(cfg.optim, "cpu")["fused"] is True  # torch's CPU kernel (not its for-loop default)
+    mixed = optimizer_defaults(cfg.optim, "mixed")  # parameters on several devices: no one fused kernel
+    assert mixed["foreach"] is True and "fused" not in mixed
 
 
 def _host_syncs(rank: int, world: int, overrides: dict[str, Any]) -> list[int]:

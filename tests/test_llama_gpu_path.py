@@ -1,6 +1,7 @@
 """The Llama's GPU path, checked on CPU: RMSNorm through torch's F.rms_norm with Hugging Face's numerics, RoPE's
-cos/sin built once per forward (not per layer, micro-batch or recomputation), and the rule deciding whether
-grouped-query attention repeats its key/value heads so that a fused SDPA kernel accepts it (hpctrain.models.llama).
+cos/sin built once per (length, device, dtype), not per layer, micro-batch or recomputation, and the rule
+deciding whether grouped-query attention repeats its key/value heads so that a fused SDPA kernel accepts it
+(hpctrain.models.llama).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hpctrain.models import llama
-from hpctrain.models.llama import Llama, LlamaArgs, RMSNorm, RopeTables, sdpa_expands_kv
+from hpctrain.models.llama import Llama, LlamaArgs, RMSNorm, sdpa_expands_kv
 
 ARGS = LlamaArgs(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=100, ffn_hidden=96, padded_vocab=128,
                  rope_theta=500000.0)
@@ -31,7 +32,7 @@ def _tokens(t: int = 24, seed: int = 5) -> torch.Tensor:
 
 @pytest.fixture
 def frequency_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts calls of the RoPE frequency function (every cos/sin table is built from one)."""
+    """Counts calls of the RoPE frequency function (every cos/sin table is built from one), on an empty cache."""
     calls: list[int] = []
     real = llama.rope_frequencies
 
@@ -40,24 +41,27 @@ def frequency_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(llama, "rope_frequencies", counted)
+    monkeypatch.setattr(llama, "_ROPE_CACHE", type(llama._ROPE_CACHE)())
     return calls
 
 
-# ---------------------------------------------------------------- RoPE tables: once per forward
+# ---------------------------------------------------------------- RoPE tables: once per (length, device, dtype)
 
-def test_rope_tables_are_built_once_per_forward_not_per_layer(frequency_calls: list[int]) -> None:
-    """Four layers, one forward and its backward: one table (the hand-rolled per-layer version built four)."""
+def test_rope_tables_are_built_once_not_per_layer_or_micro_batch(frequency_calls: list[int]) -> None:
+    """Four layers, forward and backward, then another micro-batch: one table; a new length: one more."""
     model = _model()
     model(_tokens()).sum().backward()
     assert len(frequency_calls) == 1
-    model(_tokens(seed=6))  # the next forward (micro-batch) builds its own: nothing outlives a forward
+    model(_tokens(seed=6)).sum().backward()
+    assert len(frequency_calls) == 1
+    model(_tokens(t=16))
     assert len(frequency_calls) == 2
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_recomputation_reuses_the_forwards_tables(frequency_calls: list[int], mode: str) -> None:
-    """Activation checkpointing reruns each block in backward with the same tables: still one build, and the
-    same gradients as without recomputation."""
+def test_recomputation_reuses_the_tables(frequency_calls: list[int], mode: str) -> None:
+    """Activation checkpointing reruns each block in backward with the same tables: no build, and the same
+    gradients as without recomputation."""
     from hpctrain.parallel.recompute import apply_recompute
 
     plain, checkpointed = _model(), _model()
@@ -66,14 +70,14 @@ def test_recomputation_reuses_the_forwards_tables(frequency_calls: list[int], mo
     plain(tokens).sum().backward()
     frequency_calls.clear()
     checkpointed(tokens).sum().backward()
-    assert len(frequency_calls) == 1
+    assert not frequency_calls
     for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_pipeline_stages_build_their_tables_from_the_hidden_states(frequency_calls: list[int]) -> None:
-    """A later stage gets hidden states, not tokens: each stage builds its tables once, and the two stages give
-    the full model's logits."""
+def test_pipeline_stages_share_the_tables(frequency_calls: list[int]) -> None:
+    """A later stage gets hidden states, not tokens: its attention asks for the same length, and the two stages
+    give the full model's logits."""
     from hpctrain.parallel.pipeline import prune_to_stage
 
     full = _model()
@@ -81,31 +85,30 @@ def test_pipeline_stages_build_their_tables_from_the_hidden_states(frequency_cal
     tokens = _tokens()
     with torch.no_grad():
         expected = full(tokens)
-        frequency_calls.clear()
         got = last(first(tokens))
-    assert len(frequency_calls) == 2
+    assert len(frequency_calls) == 1
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-def test_a_block_called_alone_builds_its_own_tables() -> None:
-    """block(x), as GPT's blocks are called: the same output as with the forward's shared tables."""
-    block = _model().layers["0"]
-    x = torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(block(x), block(x, rope=RopeTables(ARGS)), rtol=0, atol=0)
+def test_rope_tables_follow_the_length_device_and_dtype_of_the_queries(frequency_calls: list[int]) -> None:
+    """Cast as Hugging Face casts them (fp32 angles, then the activations' dtype); one entry per key."""
+    q = torch.empty(2, 4, 12, ARGS.head_dim)
+    cos, sin = llama.rope_tables(ARGS, q)
+    assert llama.rope_tables(ARGS, torch.empty(1, 2, 12, ARGS.head_dim))[0] is cos  # batch and heads: same key
+    expected = llama.rope_cos_sin(ARGS, 12, torch.device("cpu"))
+    torch.testing.assert_close((cos, sin), expected, rtol=0, atol=0)
+    half = llama.rope_tables(ARGS, q.bfloat16())
+    assert half[0].dtype == torch.bfloat16 and torch.equal(half[1], expected[1].bfloat16())
+    assert llama.rope_tables(ARGS, torch.empty(20, ARGS.head_dim))[0].shape == (20, ARGS.head_dim)
+    assert llama.rope_tables(ARGS, q.to("meta"))[0].device.type == "meta"
+    scaled = llama.rope_tables(replace(ARGS, rope_scaling=8.0, rope_original_context=4), q)
+    assert not torch.equal(scaled[0], cos)  # the RoPE arguments are part of the key
 
 
-def test_rope_tables_follow_the_length_and_device_they_are_asked_for() -> None:
-    rope = RopeTables(ARGS)
-    cos, sin = rope(12, torch.device("cpu"))
-    assert rope(12, torch.device("cpu"))[0] is cos
-    torch.testing.assert_close(cos, llama.rope_cos_sin(ARGS, 12, torch.device("cpu"))[0], rtol=0, atol=0)
-    assert rope(20, torch.device("cpu"))[0].shape == (20, ARGS.head_dim)
-    assert rope(20, torch.device("meta"))[0].device.type == "meta"
-
-
-def test_meta_build_fake_forward_then_real_forward_share_nothing() -> None:
-    """Built on meta (no buffer: the state dict keeps its keys), a forward on meta and one under fake tensors
-    read no values and leave nothing behind; materialised, the model gives the eagerly built model's logits."""
+def test_meta_fake_and_inference_forwards_leave_no_table_behind(frequency_calls: list[int]) -> None:
+    """Built on meta (no buffer: the state dict keeps its keys), a forward on meta is cached as meta; one under
+    fake tensors (hpctrain.simulate) and one in inference mode cache nothing; materialised, the model gives the
+    eagerly built model's logits and trains (no inference tensor saved for backward)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with torch.device("meta"):
@@ -118,7 +121,12 @@ def test_meta_build_fake_forward_then_real_forward_share_nothing() -> None:
     model.init_weights(seed=0)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         assert model(mode.from_tensor(tokens)).shape == (2, 24, 128)
+    with torch.inference_mode():
+        model(tokens)
+    assert [key[-2].type for key in llama._ROPE_CACHE] == ["meta"]
+    assert all(type(t) is torch.Tensor for tables in llama._ROPE_CACHE.values() for t in tables)
     torch.testing.assert_close(model(tokens), _model()(tokens), rtol=0, atol=0)
+    model(tokens).sum().backward()
 
 
 # ---------------------------------------------------------------- RMSNorm: F.rms_norm, Hugging Face's numerics
@@ -229,12 +237,12 @@ def test_repeated_key_value_heads_give_the_grouped_attention(monkeypatch: pytest
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_attention_compiles_in_one_graph() -> None:
-    """The engine compiles attention and MLP (parallel.compile): the tables passed in and the kernel decision
-    trace without a graph break."""
+def test_a_block_compiles_in_one_graph(frequency_calls: list[int]) -> None:
+    """parallel.compile compiles whole blocks: the tables (built in the graph, not looked up) and the kernel
+    decision trace without a graph break."""
     model = _model()
     eager = copy.deepcopy(model)
     for block in model.layers.values():
-        block.attn.compile(backend="aot_eager", fullgraph=True)
+        block.compile(backend="aot_eager", fullgraph=True)
     tokens = _tokens()
     torch.testing.assert_close(model(tokens), eager(tokens), rtol=1e-5, atol=1e-6)

@@ -77,7 +77,8 @@ def test_llama_parameter_names_and_shapes(vocab: int, tp: int, rows: int) -> Non
     for i in range(4):
         expected.update({f"layers.{i}.norm1.weight": (d,), f"layers.{i}.attn.qkv.weight": (qkv, d),
                          f"layers.{i}.attn.proj.weight": (d, d), f"layers.{i}.norm2.weight": (d,),
-                         f"layers.{i}.mlp.fc.weight": (2 * ffn, d), f"layers.{i}.mlp.proj.weight": (d, ffn)})
+                         f"layers.{i}.mlp.gate.weight": (ffn, d), f"layers.{i}.mlp.up.weight": (ffn, d),
+                         f"layers.{i}.mlp.proj.weight": (d, ffn)})
     assert {name: tuple(p.shape) for name, p in model.named_parameters()} == expected
 
 
@@ -94,7 +95,7 @@ def test_llama_init_is_per_name_and_scaled() -> None:
         assert torch.equal(p, full[name]), name
     assert not torch.equal(a.tok_emb.weight[:100], a.output.weight[:100])  # untied
     assert not a.tok_emb.weight[100:].any() and not a.output.weight[100:].any()  # padding rows
-    assert a.layers["0"].mlp.proj.weight.std() < a.layers["0"].mlp.fc.weight.std()  # scaled residual init
+    assert a.layers["0"].mlp.proj.weight.std() < a.layers["0"].mlp.up.weight.std()  # scaled residual init
     assert a.norm_f.weight.eq(1).all() and a.layers["1"].norm2.weight.eq(1).all()
     assert _llama(seed=1).layers["0"].attn.qkv.weight.ne(a.layers["0"].attn.qkv.weight).all()
 
@@ -149,10 +150,10 @@ def test_grouped_query_attention_shares_key_value_heads(kv: int) -> None:
 
 
 def test_swiglu_and_rmsnorm() -> None:
-    """fc's rows interleave gate and up (2j, 2j + 1); RMSNorm normalises in fp32 and scales in the input dtype."""
+    """SwiGLU from the separate gate and up weights; RMSNorm normalises in fp32 and scales in the input dtype."""
     block = _llama().layers["0"]
     x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(3))
-    gate, up = block.mlp.fc.weight[0::2], block.mlp.fc.weight[1::2]
+    gate, up = block.mlp.gate.weight, block.mlp.up.weight
     expected = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ block.mlp.proj.weight.T
     torch.testing.assert_close(block.mlp(x), expected, rtol=1e-5, atol=1e-6)
 
@@ -200,8 +201,8 @@ def test_llama3_scaling_keeps_high_and_divides_low_frequencies() -> None:
 
 
 def _from_hugging_face(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """LlamaForCausalLM's weights in hpctrain's names: q/k/v rows regrouped by KV group, gate/up interleaved,
-    embedding and head padded with zero rows."""
+    """LlamaForCausalLM's weights in hpctrain's names: q/k/v rows regrouped by KV group, embedding and head
+    padded with zero rows."""
     hf = dict(state)
     d, kv = args.d_model, args.n_kv_heads
     pad = torch.zeros(args.embedding_rows - args.vocab_size, d)
@@ -217,8 +218,8 @@ def _from_hugging_face(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[
                     f"layers.{i}.attn.qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, d),
                     f"layers.{i}.attn.proj.weight": take("self_attn.o_proj"),
                     f"layers.{i}.norm2.weight": take("post_attention_layernorm"),
-                    f"layers.{i}.mlp.fc.weight": torch.stack([take("mlp.gate_proj"), take("mlp.up_proj")],
-                                                             dim=1).reshape(-1, d),
+                    f"layers.{i}.mlp.gate.weight": take("mlp.gate_proj"),
+                    f"layers.{i}.mlp.up.weight": take("mlp.up_proj"),
                     f"layers.{i}.mlp.proj.weight": take("mlp.down_proj")})
     assert not hf, f"weights left unconverted: {list(hf)}"
     return out

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from hpctrain.checkpoint.inspect import consolidated_model, like_a_normal_file, model_tensors
+from hpctrain.checkpoint.inspect import like_a_normal_file, model_tensors
 from hpctrain.checkpoint.layout import Committed
+from hpctrain.checkpoint.reshard import legacy_source, load_state
 from hpctrain.models.hf import (
     VOCAB_ROWS,
     HFMismatch,
@@ -56,8 +57,32 @@ def run_model_config(run_dir: Path) -> ModelConfig:
 
 def export_hf(c: Committed, m: ModelConfig, out: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
     """A checkpoint (any layout) -> the HF model directory `out`, read one safetensors file's weights at a time:
-    the host never holds more of the model than one file (a 405B model does not fit in one node's memory)."""
-    return _write(model_tensors(c), lambda names: consolidated_model(c, names), m, out, max_shard_bytes)
+    the host never holds more of the model than one file (a 405B model does not fit in one node's memory).
+    A checkpoint of an older layout (a Llama's interleaved `mlp.fc.weight`) is read in today's names."""
+    tensors = _named_as_today(model_tensors(c), m)
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:  # inspect.consolidated_model, in today's names
+        state = {k: torch.empty(tensors[k].shape, dtype=tensors[k].dtype) for k in names}
+        load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)  # converts an old layout
+        return state
+
+    return _write(tensors, read, m, out, max_shard_bytes)
+
+
+def _named_as_today(saved: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """A checkpoint's model tensors (meta) under the config's weight names, those an older layout holds under
+    another name (reshard.legacy_source) converted on the meta device; names no weight of the config takes are
+    kept, for `to_hf` to report."""
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for name in recipes(m):
+        source = legacy_source(name) if name not in saved else None
+        if source is not None and source[0] in saved:
+            out[name] = source[1](saved[source[0]])
+            used.add(source[0])
+        elif name in saved:
+            out[name] = saved[name]
+    return {**out, **{k: v for k, v in saved.items() if k not in out and k not in used}}
 
 
 def save_hf(state: Mapping[str, torch.Tensor], m: ModelConfig, out: Path, max_shard_bytes: int = MAX_SHARD_BYTES

@@ -32,9 +32,10 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,12 @@ class InFlight:
 class ReusingStager(BlockingAsyncStager):
     """Stage into the same host buffers every save of a tier: no allocation and no page faults after the
     first save, which is most of the time training is blocked on CPU. Safe because a tier never has two saves
-    in flight. Pinned only for a run on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not)."""
+    in flight. Pinned only for a run on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not).
+
+    The copy runs on one intra-op thread: a host-to-host copy is bound by memory bandwidth, and torch's
+    OpenMP-parallel `copy_` meets each of a state's hundreds of tensors at a barrier. On a busy machine
+    (another process on the cores) a descheduled OpenMP thread stalls each barrier: staging 1.1 GB took a
+    median 5.1 s with 2 threads against 0.44 s with one (`docs/checkpoint.md`)."""
 
     def __init__(self, pin: bool) -> None:
         super().__init__(cache_staged_state_dict=True)
@@ -116,7 +122,19 @@ class ReusingStager(BlockingAsyncStager):
         if self.state_dict_cache is None or keys != self._keys:  # first save, or the state's shape changed
             self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
             self._keys = keys
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+        with _intra_op_threads(1):
+            return _copy_state_dict(state_dict, self.state_dict_cache)
+
+
+@contextmanager
+def _intra_op_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` for the block (the training thread's: it waits meanwhile)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
@@ -435,6 +453,7 @@ class CheckpointManager:
         partial.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         state = {"train": engine.state_dict(), "rng": {f"rank{self.rank}": _rng_state(self.device)}}
+        collected = time.perf_counter()
         meta = {"step": step, "run_id": self.run_id, "world_size": self.world_size, "time": time.time(),
                 "fingerprint": self.fingerprint, "rng_streams": sorted(state["rng"][f"rank{self.rank}"]),
                 **progress, "tier": tier.name, "shared": tier.shared}
@@ -442,11 +461,14 @@ class CheckpointManager:
         written = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
                                  async_stager=self.stagers[tier.name],
                                  no_dist=not self.distributed)
+        staged = time.perf_counter()
         future = self._writers.submit(self._write_and_commit, written, writer, tier, step, meta, started)
         blocked = time.perf_counter() - started
         tier.last_save = now
         self.in_flight[tier.name] = InFlight(step, future, blocked)
-        self.events.append({"event": "save_started", "tier": tier.name, "step": step, "blocked_s": blocked})
+        # Where the blocked time went: collecting the state dict, staging it (DCP's planning runs in its thread)
+        self.events.append({"event": "save_started", "tier": tier.name, "step": step, "blocked_s": blocked,
+                            "state_dict_s": collected - started, "stage_s": staged - collected})
 
     def _write_and_commit(self, written: Future, writer: integrity.SummingWriter, tier: Tier, step: int,
                           meta: dict[str, Any], started: float) -> dict[str, float]:

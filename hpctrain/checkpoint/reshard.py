@@ -8,6 +8,14 @@ whose saved size differs from the target in its first dimension alone, the saved
 plain CPU tensor and its leading rows are copied into the target (a DTensor takes its own shard), the rest
 zeroed. Every other tensor loads through DCP as usual.
 
+Tensors renamed or re-laid out since a checkpoint was written load through their family's `legacy_source`
+(today: Llama's SwiGLU, whose interleaved `mlp.fc.weight` became `mlp.gate.weight` and `mlp.up.weight`): where
+the target's key is missing from the checkpoint and the old key is there, the old tensor is loaded in the
+target's own layout (a DTensor with its mesh and placements, so each rank reads its share) and converted one
+tensor at a time: gathered whole on its mesh, cut, each rank keeping its own shard. A rank holds one old tensor's
+shard beside each target while DCP reads, and one whole old tensor at a time while converting. Model weights and
+optimizer state (Adam's moments follow their weight's layout) alike.
+
 DCP reads through `FastReader`, whose `read_metadata` and records never unpickle without a restriction (a
 checkpoint may come from elsewhere): a crafted one fails the load with `UnsafeCheckpoint`, naming the file and
 what it asked for, on every rank alike.
@@ -15,6 +23,7 @@ what it asked for, on every rank alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -24,9 +33,15 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.utils import CheckpointException
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import empty as dtensor_empty
 
 from hpctrain.checkpoint.integrity import UnsafeCheckpoint
 from hpctrain.checkpoint.reader import FastReader
+from hpctrain.models import llama
+
+# Per model family: a state-dict key -> (the key an older checkpoint holds it under, how to take it from that).
+LEGACY_SOURCES: tuple[Callable[[str], tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None], ...] = (
+    llama.legacy_source,)
 
 
 def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, dict[str, Any], str]]:
@@ -57,6 +72,48 @@ def _copy_rows(target: torch.Tensor, saved: torch.Tensor) -> None:
             target.copy_(full.to(target.device))
 
 
+@dataclass
+class _Legacy:
+    """One old tensor loaded in place of the new ones taken from it (a Llama's gate and up share one)."""
+
+    container: dict[str, Any]
+    old_key: str
+    targets: list[tuple[str, Any, Callable[[torch.Tensor], torch.Tensor]]] = field(default_factory=list)
+
+
+def legacy_source(key: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """The older key `key` is found under in a checkpoint, and how to take it from there (LEGACY_SOURCES)."""
+    return next((found for source in LEGACY_SOURCES if (found := source(key)) is not None), None)
+
+
+def _placeholder(saved: Any, target: Any) -> Any:
+    """What DCP loads the old tensor into: the target's layout (mesh, placements, device) at the saved size."""
+    if not (isinstance(saved, TensorStorageMetadata) and isinstance(target, torch.Tensor)):
+        return target  # a non-tensor value: loaded as saved, taken as it is
+    size, dtype = tuple(saved.size), saved.properties.dtype
+    if isinstance(target, DTensor):
+        return dtensor_empty(size, dtype=dtype, device_mesh=target.device_mesh, placements=target.placements)
+    return torch.empty(size, dtype=dtype, device=target.device)
+
+
+def _convert(legacy: _Legacy) -> None:
+    """Fill the new tensors from the loaded old one (gathered whole on its mesh first: every rank of the mesh
+    converts the same tensors in the same order) and put them back in the state under their own keys."""
+    loaded = legacy.container.pop(legacy.old_key)
+    whole = loaded.full_tensor() if isinstance(loaded, DTensor) else loaded
+    for key, target, take in legacy.targets:
+        if not isinstance(whole, torch.Tensor):  # a non-tensor value: shared as saved
+            legacy.container[key] = whole
+            continue
+        part = take(whole).to(device=target.device, dtype=target.dtype)
+        with torch.no_grad():
+            if isinstance(target, DTensor):
+                target.copy_(distribute_tensor(part, target.device_mesh, target.placements, src_data_rank=None))
+            else:
+                target.copy_(part)
+        legacy.container[key] = target
+
+
 def files_read(state: dict[str, Any], metadata: Metadata) -> set[str]:
     """The checkpoint's files a `dcp.load` of `state` on this rank reads (DCP's own load plan for it)."""
     planner = DefaultLoadPlanner()
@@ -75,9 +132,18 @@ def load_state(state: dict[str, Any], checkpoint_id: str, process_group: dist.Pr
     metadata = reader.read_metadata()  # restricted (`integrity.read_metadata`): never DCP's pickle.load
     saved_meta = metadata.state_dict_metadata
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    for fqn, container, key in _leaves(state):
+    legacy: dict[tuple[int, str], _Legacy] = {}
+    for fqn, container, key in list(_leaves(state)):
         saved = saved_meta.get(fqn)
-        if _rows_differ(saved, container[key]):
+        source = legacy_source(key) if saved is None else None
+        old_saved = saved_meta.get(fqn[: len(fqn) - len(key)] + source[0]) if source else None
+        if source and old_saved is not None:
+            old_key, take = source
+            entry = legacy.setdefault((id(container), old_key), _Legacy(container, old_key))
+            if not entry.targets:
+                container[old_key] = _placeholder(old_saved, container[key])
+            entry.targets.append((key, container.pop(key), take))
+        elif _rows_differ(saved, container[key]):
             swapped.append((container, key, container[key]))
             container[key] = torch.empty(tuple(saved.size), dtype=saved.properties.dtype)
     if before_read is not None:
@@ -92,3 +158,5 @@ def load_state(state: dict[str, Any], checkpoint_id: str, process_group: dist.Pr
     for container, key, target in swapped:
         _copy_rows(target, container[key])
         container[key] = target
+    for entry in legacy.values():
+        _convert(entry)

@@ -130,6 +130,9 @@ def _llama_shape(cfg: Config, r: CheckReport) -> None:
 
 def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
     m, tp = cfg.model, lay.tp
+    if cfg.parallel.sequence_parallel and tp == 1:
+        r.warn("parallel.sequence_parallel", "ignored with tp=1: sequence parallelism shards along the TP group",
+               "set parallel.sequence_parallel=false, or parallel.tp>1 to use it")
     if m.n_heads % tp:
         r.error("parallel.tp", f"model.n_heads={m.n_heads} is not divisible by tp={tp}: each TP rank must own "
                 "whole attention heads", f"use a tp that divides {m.n_heads}")
@@ -225,6 +228,10 @@ def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
         if value < 1_000_000:
             r.error(key, f"{value} bytes is too small: thousands of tiny collectives per step",
                     f"use at least 1e6 bytes (typical: 2.5e7 to 5e8); {key}=25000000")
+    if lay.accumulate_unsharded and (lay.zero_stage < 2 or lay.pp > 1 or lay.grad_accum == 1):
+        r.warn("zero.accumulate_unsharded", "changes nothing here: it makes ZeRO-2/3 accumulate gradients unsharded "
+               "over micro-batches, which ZeRO-1 and every stage under PP (torch's schedules) do anyway, and one "
+               "micro-batch has nothing to accumulate", "leave zero.accumulate_unsharded=false")
     if z.stage == 3 and lay.pp > 1:
         r.warn("zero.stage", "ZeRO-3 with pipeline parallelism re-gathers each stage's parameters for every "
                "microbatch (DeepSpeed does not allow it; Megatron uses ZeRO-1 with PP)",
@@ -249,6 +256,55 @@ def _precision(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if pr.reduce_dtype == DType.fp16:
         r.warn("precision.reduce_dtype", "fp16 gradient reductions over many ranks overflow or lose precision",
                "set precision.reduce_dtype=fp32")
+
+
+FP8_RECIPES = ("tensorwise", "rowwise")  # hpctrain.parallel.float8.RECIPES (config imports no torch)
+FP8_DIM_MULTIPLE = 16  # torch._scaled_mm: FP8 GEMM dimensions are multiples of 16
+
+
+def _fp8(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """precision.fp8 (torchao Float8Linear, docs/fp8.md): a known recipe, a GPU with FP8 tensor cores, bf16 (or
+    fp32) around it, and block Linears whose every TP shard FP8 GEMMs can take."""
+    recipe, m, tp = str(cfg.precision.fp8), cfg.model, lay.tp
+    if recipe == "none":
+        return
+    if recipe not in FP8_RECIPES:
+        r.error("precision.fp8", f"unknown FP8 recipe {recipe!r}", f"use precision.fp8=none, or one of "
+                f"{', '.join(FP8_RECIPES)} (tensorwise: fastest; rowwise: more accurate)")
+        return
+    gpu, hw = cfg.cluster.gpu_type, KNOWN_HARDWARE.get(cfg.cluster.gpu_type)
+    if gpu == "cpu":
+        r.warn("precision.fp8", "gpu_type=cpu: torchao emulates FP8 (the same casts and scales, products in high "
+               "precision): numerics only, slower than bf16", "use precision.fp8=none for speed on CPU")
+        if cfg.parallel.compile:
+            r.error("parallel.compile", "torchao's FP8 emulation (gpu_type=cpu) does not support torch.compile",
+                    "set parallel.compile=false, or precision.fp8=none")
+    elif hw is not None and not hw.has_fp8:
+        fp8_gpus = ", ".join(sorted(name for name, h in KNOWN_HARDWARE.items() if h.has_fp8))
+        r.error("precision.fp8", f"cluster.gpu_type={gpu} has no FP8 tensor cores (FP8 GEMMs need compute "
+                "capability 8.9 or newer: Ada, Hopper, Blackwell)",
+                f"set precision.fp8=none (bf16 is this GPU's fastest), or run on {fp8_gpus}")
+    dtype = cfg.precision.dtype
+    if dtype == DType.fp16:
+        r.error("precision.dtype", "FP8 with fp16: fp16's loss scaling and FP8's own per-tensor scaling would both "
+                "rescale the gradients; torchao's recipes (and torchtitan's) train FP8 around bf16",
+                "set precision=bf16 (no loss scaling needed)")
+    elif dtype == DType.fp32:
+        r.warn("precision.dtype", "FP8 with fp32: the Linears run in FP8, everything else (attention, norms, "
+               "the head) in fp32, far slower than bf16", "set precision=bf16")
+    widths = {"model.d_model": m.d_model, "model.ffn_hidden": ffn_hidden_of(m)}
+    if m.arch == ModelArch.llama and m.n_heads >= 1 and m.d_model % m.n_heads == 0:
+        widths["model.n_kv_heads"] = kv_heads_of(m) * (m.d_model // m.n_heads)  # K and V width (GQA)
+    for key, width in widths.items():
+        if width % tp == 0 and (width // tp) % FP8_DIM_MULTIPLE == 0:
+            continue
+        what = {"model.d_model": "d_model", "model.ffn_hidden": "the MLP hidden size",
+                "model.n_kv_heads": "the key/value width (n_kv_heads x head_dim)"}[key]
+        shard = f" / tp {tp} = {width / tp:g}" if tp > 1 else ""
+        r.error(key, f"{what} {width}{shard} is not a multiple of {FP8_DIM_MULTIPLE}: FP8 GEMMs "
+                f"(torch._scaled_mm) need both dimensions of every block Linear's {'TP shard' if tp > 1 else 'weight'} "
+                f"to be multiples of {FP8_DIM_MULTIPLE}",
+                f"choose {key} so that it is a multiple of {FP8_DIM_MULTIPLE * tp}, or set precision.fp8=none")
 
 
 def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -442,7 +498,8 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
         fixes.append(f"train.micro_batch={lay.micro_batch // 2}")
     fixes.append("more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp)")
     message = (f"estimated {mem.total / GiB:.1f} GiB per GPU (params {mem.params / GiB:.1f}, grads "
-               f"{mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}) "
+               f"{mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, buffers {mem.buffers / GiB:.1f}, "
+               f"activations {mem.activations / GiB:.1f}) "
                f"exceeds the {mem.usable / GiB:.1f} GiB usable on each {cfg.cluster.gpu_type} GPU")
     if cfg.cluster.gpu_type == "cpu":
         r.warn("parallel", message, "try: " + ", or ".join(fixes))
@@ -550,6 +607,9 @@ def _run_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """The run directory is run.root/run.name/run.id, and must stay under run.root (run.resume may name any run
     directory by its path: it exists already)."""
     run = cfg.run
+    if not run.lease_check_s > 0:
+        r.error("run.lease_check_s", f"must be > 0 seconds, got {run.lease_check_s}: rank 0 re-reads the run's lease "
+                "this often to notice a newer attempt", "use run.lease_check_s=1")
     name = "" if run.name is None else str(run.name)
     parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
     if not parts or os.path.isabs(name) or ".." in parts:
@@ -605,9 +665,9 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
     from hpctrain.plan.states import data_parallel_kind
 
     if data_parallel_kind(lay) == "ddp":
-        r.error("dry_run", f"simulate builds FSDP2 layouts; zero.stage={lay.zero_stage} with DP alone runs DDP, whose "
-                "C++ reducer needs real memory for its buckets, which fake tensors do not have",
-                "dry_run=true gives DDP's memory (the planner's closed form); or simulate zero.stage=2 (FSDP2)")
+        r.error("dry_run", "simulate builds FSDP2 layouts; zero.stage=0 with DP alone runs DDP, whose C++ reducer "
+                "needs real memory for its buckets, which fake tensors do not have",
+                "dry_run=true gives DDP's memory (the planner's closed form); or simulate zero.stage=1 (FSDP2)")
     if lay.offload_device == "nvme" and (lay.offload_optimizer or lay.offload_params):
         r.error("dry_run", "simulate cannot run Adam's moments on NVMe: fake tensors have no bytes to write",
                 "simulate with zero.offload_optimizer_device=cpu (the GPU side is the same), or use dry_run=true")
@@ -617,6 +677,6 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _dry_run, _finite_numbers, _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _optim, _train_and_data,
-    _run_paths, *cluster_checks, _checkpoint, _memory, _offload, file_checks,
+    _dry_run, _finite_numbers, _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _fp8, _optim,
+    _train_and_data, _run_paths, *cluster_checks, _checkpoint, _memory, _offload, file_checks,
 ]

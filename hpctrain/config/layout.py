@@ -50,11 +50,13 @@ class Layout:
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_device: str = "cpu"  # zero.offload_optimizer_device: "cpu" or "nvme" (the optimizer's moments)
+    accumulate_unsharded: bool = False  # zero.accumulate_unsharded: ZeRO-2/3 reduce-scatter once a step
     schedule: str = "1f1b"
     dtype: str = "bf16"
     dp_replicate: int = 1
     reduce_dtype: str | None = None
     gpus_per_node: int = 1  # what the job asks for per node (TP must fit in it)
+    fp8: str = "none"  # precision.fp8: the torchao recipe of the blocks' Linears (the planner times them at FP8 peak)
 
     def __post_init__(self) -> None:
         problems = layout_problems(self)
@@ -151,11 +153,15 @@ def resolve_layout(cfg: Config) -> Layout:
     grad_accum = _infer_grad_accum(cfg, dp)
     values = dict(
         dp=dp, tp=p.tp, pp=p.pp, virtual_stages=p.virtual_stages, zero_stage=cfg.zero.stage,
-        micro_batch=t.micro_batch, grad_accum=grad_accum, sequence_parallel=bool(p.sequence_parallel),
+        micro_batch=t.micro_batch, grad_accum=grad_accum,
+        # Megatron's rule: with tp=1 there is no TP group to shard along, so SP is off (the checks say so)
+        sequence_parallel=bool(p.sequence_parallel) and p.tp > 1,
         recompute=_value(p.recompute), offload_optimizer=bool(cfg.zero.offload_optimizer),
         offload_params=bool(cfg.zero.offload_params), offload_device=str(cfg.zero.offload_optimizer_device),
+        accumulate_unsharded=bool(cfg.zero.accumulate_unsharded),
         schedule=p.schedule, dtype=_value(cfg.precision.dtype),
-        dp_replicate=p.dp_replicate, reduce_dtype=_value(cfg.precision.reduce_dtype), gpus_per_node=c.gpus_per_node)
+        dp_replicate=p.dp_replicate, reduce_dtype=_value(cfg.precision.reduce_dtype), gpus_per_node=c.gpus_per_node,
+        fp8=str(cfg.precision.fp8))
     broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
     if broken:
         raise ConfigError([Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix)
@@ -277,7 +283,7 @@ def _infer_grad_accum(cfg: Config, dp: int) -> int:
 CONFIG_KEYS = {"zero_stage": "zero.stage", "micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum",
                "gpus_per_node": "cluster.gpus_per_node", "dtype": "precision.dtype",
                "reduce_dtype": "precision.reduce_dtype", "offload_params": "zero.offload_params",
-               "offload_device": "zero.offload_optimizer_device"}
+               "offload_device": "zero.offload_optimizer_device", "accumulate_unsharded": "zero.accumulate_unsharded"}
 
 
 def _value(v: Any) -> str:

@@ -109,6 +109,9 @@ class ParallelConfig:
 @dataclass
 class ZeroConfig:
     stage: int = 0  # 0: DDP, 1: optimizer states, 2: + gradients, 3: + parameters (FSDP2)
+    # ZeRO-2/3: sum gradients unsharded (reduce dtype) over the step's micro-batches and reduce-scatter once,
+    # as ZeRO-1 always does: fewer reduce-scatters for a full-size gradient buffer (the planner prices both).
+    accumulate_unsharded: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
     # Where offloaded optimizer state lives: "cpu" (host memory) or "nvme" (Adam's moments in files under
@@ -142,6 +145,9 @@ class PrecisionConfig:
     loss_scale_window: int = 1000  # clean steps before the scale doubles
     min_scale: float = 1.0
     tf32: bool = True  # on GPUs: fp32 matmuls and convolutions on TF32 tensor cores (no effect on CPU)
+    # FP8 GEMMs in the transformer blocks' Linears through torchao (docs/fp8.md): none, or the torchao recipe
+    # tensorwise | rowwise | rowwise_with_gw_hp. Needs FP8 tensor cores (H100/H200); emulated on CPU.
+    fp8: str = "none"
 
 
 @dataclass
@@ -334,6 +340,7 @@ class RunConfig:
     root: str = "outputs"
     id: Optional[str] = None  # set by the launcher; a fixed id makes a rerun land in the same directory
     resume: Optional[str] = None  # a run id or a run directory to continue
+    lease_check_s: float = 1.0  # rank 0 re-reads the run's lease this often, off the step's path (docs/recovery.md)
 
 
 @dataclass

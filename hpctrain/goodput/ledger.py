@@ -4,8 +4,11 @@ The model (model.py) predicts goodput from costs; this measures it, for one run 
 second of every allocation goes to exactly one part, node-weighted (a second of a 512-node job is 512
 node-seconds):
 
-- productive: inside the timed steps that count (each step once: its last run), less their wait for data;
+- productive: inside the timed steps that count (each step once: its last run), less their wait for data
+  and their compilation;
 - data_wait: those steps' wait for their batches (hpctrain.data.loader.BatchReader);
+- compile: those steps' time in torch.compile (parallel.compile: each attempt's first steps, from the
+  node-local cache after a restart in the allocation; recompilations): hpctrain.parallel.compile.CompileClock;
 - checkpoint: training stopped for a save (staging, a busy tier waited for, the save at a stop or at the end);
 - evaluation: validation;
 - step_overhead: the rest of the loop between two steps (logging, health probes, the progress line);
@@ -32,8 +35,8 @@ A job that started after the run was complete (`run.resume` of a finished run) a
 part of the run's training: it is listed, its node-seconds reported beside (`after_end_node_s`), not counted.
 
 Inputs are plain records (hpctrain.records): jobs.jsonl, attempts.jsonl, events.jsonl ("attempt" with its
-start-up marks, "stop", "attempt_end"), metrics.jsonl rows (step_time_s, data_wait_s, ckpt_s, eval_s), the
-failure records, and the scheduler's `Allocation`s. Pure: the caller reads, this counts.
+start-up marks, "stop", "attempt_end"), metrics.jsonl rows (step_time_s, data_wait_s, compile_s, ckpt_s,
+eval_s), the failure records, and the scheduler's `Allocation`s. Pure: the caller reads, this counts.
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ from hpctrain.scheduler.base import Allocation
 
 LOAD_PARTS = ATTEMPT_PARTS[:-1]  # an attempt's start-up up to its first step
 
-PARTS = ("productive", "data_wait", "checkpoint", "evaluation", "step_overhead", "lost", "startup", "recovery",
-         "shutdown", "pending", "spare", "suspended")
+PARTS = ("productive", "data_wait", "compile", "checkpoint", "evaluation", "step_overhead", "lost", "startup",
+         "recovery", "shutdown", "pending", "spare", "suspended")
 # Parts a suspension found in no row is taken from (it fell outside the steps), in proportion to their size.
 OUTSIDE_STEPS = ("startup", "recovery", "pending", "shutdown")
 LONGEST_ROWS = 16  # per attempt: the rows a suspension is looked for in
@@ -70,6 +73,7 @@ class Row:
     time: float  # when the row was written: after the step, its save and its evaluation
     step_s: float
     data_wait_s: float = 0.0
+    compile_s: float = 0.0  # inside step_s: torch.compile at work (the step's compilation, not its kernels)
     ckpt_s: float = 0.0
     eval_s: float = 0.0
     commits: dict[str, int] | None = None  # tier -> checkpoint step committed by this row
@@ -84,6 +88,7 @@ class Row:
                 elif key.endswith(("/blocked_s", "/waited_s")):
                     blocked += value
         return cls(step=m["step"], time=m["time"], step_s=m["step_time_s"], data_wait_s=m.get("data_wait_s", 0.0),
+                   compile_s=m.get("compile_s", 0.0),
                    # rows written before the loop measured its saves: the saves' own figures
                    ckpt_s=m.get("ckpt_s", blocked), eval_s=m.get("eval_s", 0.0), commits=commits)
 
@@ -359,8 +364,9 @@ def _count_row(attempt: Attempt, row: Row, start: float, lost: bool) -> None:
         attempt.lost_steps += 1
         attempt.lost_s += span
     else:
-        inside = {"productive": max(0.0, row.step_s - row.data_wait_s), "data_wait": row.data_wait_s,
-                  "checkpoint": row.ckpt_s, "evaluation": row.eval_s}
+        inside = {"productive": max(0.0, row.step_s - row.data_wait_s - row.compile_s),
+                  "data_wait": row.data_wait_s, "compile": row.compile_s, "checkpoint": row.ckpt_s,
+                  "evaluation": row.eval_s}
         known = sum(inside.values())
         if known > span > 0:  # a clock step, or a row written before its marks: keep the shares, fit the span
             inside = {k: v * span / known for k, v in inside.items()}

@@ -24,9 +24,9 @@ def write_chart(plan: dict[str, Any], path: Path) -> Path:
     mem = plan["memory_per_gpu_bytes"]
     split = plan["step_time_split_s"]
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["params", "grads", "optimizer", "activations"]
+    names = ["params", "grads", "optimizer", "buffers", "activations"]
     gib = [mem[n] / 2**30 for n in names]
-    ax_mem.bar(names, gib, color=["#4c72b0", "#55a868", "#c44e52", "#8172b2"])
+    ax_mem.bar(names, gib, color=["#4c72b0", "#55a868", "#c44e52", "#ccb974", "#8172b2"])
     ax_mem.axhline(mem["usable"] / 2**30, color="black", linestyle="--", label=f"usable {mem['usable'] / 2**30:.0f} GiB")
     ax_mem.set_ylabel("GiB per GPU")
     ax_mem.set_title(f"memory, most loaded GPU: {mem['total'] / 2**30:.1f} GiB")

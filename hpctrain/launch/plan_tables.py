@@ -29,7 +29,8 @@ def memory_lines(est: Estimates) -> list[str]:
     lines = [f"per-GPU memory (most loaded GPU: pipeline stage {mem.stage}; {hw.name}, "
              f"{hw.gpu_mem_bytes / g:.0f} GiB, {mem.usable / g:.1f} GiB usable after the reserve)"]
     columns = (("parameters", "params", mem.params), ("gradients", "grads", mem.grads),
-               ("optimizer", "optimizer", mem.optimizer), ("activations", "activations", mem.activations),
+               ("optimizer", "optimizer", mem.optimizer), ("buffers", "buffers", mem.buffers),
+               ("activations", "activations", mem.activations),
                ("total", "", mem.total))
     for name, kind, value in columns:
         bar = "#" * round(30 * value / bar_total) if bar_total else ""

@@ -81,7 +81,7 @@ def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_
             "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages, "schedule": parallel.schedule,
             "sequence_parallel": parallel.sequence_parallel, "zero_stage": lay.zero_stage,
             "offload_optimizer": zero.offload_optimizer, "offload_params": zero.offload_params,
-            "offload_optimizer_device": lay.offload_device,
+            "offload_optimizer_device": lay.offload_device, "accumulate_unsharded": lay.accumulate_unsharded,
             "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "global_batch": lay.global_batch,
             "tokens_per_step": lay.global_batch * seq_len}
 
@@ -118,7 +118,9 @@ def render_text(plan: dict[str, Any]) -> str:
         + (", optimizer offload" if lay["offload_optimizer"] else "")
         + (" (Adam's moments on NVMe)" if lay["offload_optimizer"] and lay.get("offload_optimizer_device") == "nvme"
            else "")
-        + (", parameter offload" if lay["offload_params"] else ""),
+        + (", parameter offload" if lay["offload_params"] else "")
+        + (", gradients accumulated unsharded, one reduce-scatter a step (zero.accumulate_unsharded)"
+           if lay.get("accumulate_unsharded") else ""),
         f"  batch           global {lay['global_batch']} = micro-batch {lay['micro_batch']} x grad accum "
         f"{lay['grad_accum']} x DP {lay['dp']} ({lay['tokens_per_step']:,} tokens/step)",
         f"  precision       {plan['precision']}",

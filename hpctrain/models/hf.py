@@ -5,9 +5,8 @@ What differs, and why each conversion is exact (a permutation, transposition or 
 - GPT-2: HF's Conv1D stores weights transposed ([in, out]); its fused c_attn is [q | k | v] blocks, hpctrain's
   qkv is head-major ([h0: q k v][h1: q k v]...) so a TP column split keeps whole heads.
 - Llama: hpctrain fuses q, k and v into one qkv weight ordered by key/value group (the group's query heads, its
-  key head, its value head) and gate and up into one fc weight, row by row interleaved (2j = gate_j, 2j+1 =
-  up_j): both keep a TP shard self-contained. RoPE follows HF's rotate_half convention: q and k need no
-  permutation.
+  key head, its value head), which keeps a TP shard self-contained; gate, up and down are HF's gate_proj, up_proj
+  and down_proj as they are. RoPE follows HF's rotate_half convention: q and k need no permutation.
 - Vocabulary: hpctrain pads the embedding (and Llama's head) with zero rows for TP; HF files hold the
   tokenizer's vocabulary only. Export drops the padding, import adds it back as zeros.
 """
@@ -107,20 +106,6 @@ def _llama_qkv(prefix: str, n_heads: int, n_kv: int, head_dim: int) -> Recipe:
     return Recipe((f"{prefix}q_proj.weight", f"{prefix}k_proj.weight", f"{prefix}v_proj.weight"), join, split)
 
 
-def _llama_gate_up(prefix: str) -> Recipe:
-    """gate_proj, up_proj <-> one weight with their rows interleaved (2j = gate_j, 2j + 1 = up_j)."""
-
-    def join(ts: list[torch.Tensor]) -> torch.Tensor:
-        gate, up = ts
-        return torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1])
-
-    def split(t: torch.Tensor) -> list[torch.Tensor]:
-        pairs = t.reshape(-1, 2, t.shape[1])
-        return [pairs[:, 0].contiguous(), pairs[:, 1].contiguous()]
-
-    return Recipe((f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"), join, split)
-
-
 def recipes(m: ModelConfig) -> dict[str, Recipe]:
     """Every hpctrain weight of the config's model, with the HF tensors it corresponds to."""
     arch, head_dim = arch_of(m), m.d_model // m.n_heads
@@ -148,7 +133,8 @@ def recipes(m: ModelConfig) -> dict[str, Recipe]:
             out[f"{ours}attn.qkv.weight"] = _llama_qkv(f"{hf}self_attn.", m.n_heads, kv_heads_of(m), head_dim)
             out[f"{ours}attn.proj.weight"] = _same(f"{hf}self_attn.o_proj.weight")
             out[f"{ours}norm2.weight"] = _same(f"{hf}post_attention_layernorm.weight")
-            out[f"{ours}mlp.fc.weight"] = _llama_gate_up(f"{hf}mlp.")
+            out[f"{ours}mlp.gate.weight"] = _same(f"{hf}mlp.gate_proj.weight")
+            out[f"{ours}mlp.up.weight"] = _same(f"{hf}mlp.up_proj.weight")
             out[f"{ours}mlp.proj.weight"] = _same(f"{hf}mlp.down_proj.weight")
         out["norm_f.weight"] = _same("model.norm.weight")
         out["output.weight"] = _vocab("lm_head.weight", m.vocab_size)

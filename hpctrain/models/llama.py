@@ -1,28 +1,32 @@
 """A Llama 2/3 decoder that knows nothing of parallelism: RoPE, RMSNorm, SwiGLU, grouped-query attention,
 untied embeddings.
 
-It keeps GPT's module names (`tok_emb`, `layers`, `norm1`, `attn.qkv`, `attn.proj`, `norm2`, `mlp.fc`,
-`mlp.proj`, `norm_f`), so the TP plan, recomputation, FSDP wrapping and pipeline cuts of hpctrain.parallel apply
-unchanged; the head is a module of its own, `output`. Layout-friendly choices:
+It keeps GPT's module names where the two agree (`tok_emb`, `layers`, `norm1`, `attn.qkv`, `attn.proj`, `norm2`,
+`mlp.proj`, `norm_f`), so recomputation, FSDP wrapping and pipeline cuts of hpctrain.parallel apply unchanged;
+the head is a module of its own, `output`, and the SwiGLU input is two, `mlp.gate` and `mlp.up`.
+Layout-friendly choices:
 - The fused QKV projection is laid out KV group by KV group ([g0: q heads of g0, k0, v0][g1: ...]) and
   attention views it as (B, T, kv_heads, group + 2, head_dim): a colwise TP split gives each rank whole KV
   groups, the query heads with the key/value head they share.
-- The SwiGLU input projection interleaves gate and up rows (row 2j gate j, row 2j + 1 up j): a colwise split
-  keeps each pair on one rank.
+- SwiGLU's gate and up are separate weights (torchtitan's w1 and w3; see `MLP`), both split by columns.
 - RoPE follows Hugging Face's Llama (rotate_half, non-interleaved halves; Llama 3 frequency scaling), so its
-  weights load without permuting q/k rows. cos/sin are computed in fp32 once per forward (`RopeTables`): no
-  buffer to materialise after building on the meta device, nothing in the checkpoint.
+  weights load without permuting q/k rows. cos/sin come from a small module-level cache (`rope_tables`), per
+  (length, device, dtype): no buffer to materialise after building on the meta device, nothing in the checkpoint.
 - `tok_emb`, `norm_f`, `output` may be set to None on pipeline stages that do not hold them; forward skips them.
-- A block is called as GPT's is, `block(h)`, plus the keyword `rope=`: one positional input is what TP's
-  PrepareModuleInput (input_layouts of length 1), FSDP2's input cast and activation checkpointing see; a block
-  called without `rope` computes its own tables.
+- A block is called as GPT's is, `block(h)`: one positional input is what TP's PrepareModuleInput
+  (input_layouts of length 1), FSDP2's input cast, activation checkpointing and regional compile see.
+
+Checkpoints written before gate and up were separate (one `mlp.fc.weight`, rows interleaved 2j gate j, 2j + 1
+up j) load through `legacy_source`, which hpctrain.checkpoint.reshard applies to the weights and their Adam moments.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,34 +109,45 @@ def rope_cos_sin(args: LlamaArgs, seq_len: int, device: torch.device) -> tuple[t
     return angles.cos(), angles.sin()
 
 
-class RopeTables:
-    """cos/sin for one forward pass: computed at the first block's request, handed to every later one.
+ROPE_CACHE_SIZE = 16  # (length, device, dtype) entries kept: training uses one or two, evaluation a few more
+_ROPE_CACHE: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
-    `Llama.forward` makes one per call and passes it to each block, which asks for the sequence length it sees
-    after its first norm. That length is the full sequence in every layout: with sequence parallelism the norm's
-    output is a DTensor whose shape is the global one, while a block's input, and so a later pipeline stage's
-    input (`h` in Llama.forward), is this rank's sequence shard [B, T / tp, d]: the tables are not built there.
-    A plain per-call object, not a buffer or a module-level cache: nothing to materialise after building on the
-    meta device, nothing in the state dict, no tensor outliving its forward (or crossing from inference mode,
-    a fake-tensor trace or the meta device into a real run). Activation checkpointing recomputes a block with the
-    same object, so recomputation reuses the tables too. Only shapes and devices are read, never values.
+
+def rope_tables(args: LlamaArgs, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_cos_sin for the positions of `like` ([..., T, head_dim]: its length, device and dtype, to which they are
+    cast as Hugging Face casts them to the activations'), built once per (RoPE arguments, length, device, dtype)
+    and reused by every layer, micro-batch and recomputation.
+
+    A module-level cache rather than a buffer: nothing to materialise after building on the meta device or to
+    keep out of the state dict, and every layout (TP/SP, FSDP2, a pipeline stage) asks for what it sees, since
+    attention always sees the full sequence. Only plain tensors are cached, none made in inference mode (they
+    could not be saved for a later backward), and the cache is bypassed where tensors are not real: under fake
+    tensors (hpctrain.simulate) a real table must not enter the trace nor a fake one the cache, and under
+    torch.compile the few ops are traced into the graph instead. The tables are never written to once made.
     """
-
-    def __init__(self, args: LlamaArgs) -> None:
-        self.args = args
-        self._key: tuple[int, torch.device] | None = None
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def __call__(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (int(seq_len), torch.device(device))
-        if self._tables is None or self._key != key:
-            self._key, self._tables = key, rope_cos_sin(self.args, seq_len, device)
-        return self._tables
+    seq_len, device, dtype = like.shape[-2], like.device, like.dtype
+    if (type(like) is not torch.Tensor or torch.compiler.is_compiling()
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):
+        cos, sin = rope_cos_sin(args, seq_len, device)
+        return cos.to(dtype), sin.to(dtype)
+    key = (args.head_dim, args.rope_theta, args.rope_scaling, args.rope_low_freq_factor, args.rope_high_freq_factor,
+           args.rope_original_context, int(seq_len), device, dtype)
+    tables = _ROPE_CACHE.get(key)
+    if tables is not None:
+        _ROPE_CACHE.move_to_end(key)
+        return tables
+    cos, sin = rope_cos_sin(args, seq_len, device)
+    tables = cos.to(dtype), sin.to(dtype)
+    if not torch.is_inference_mode_enabled():
+        _ROPE_CACHE[key] = tables
+        while len(_ROPE_CACHE) > ROPE_CACHE_SIZE:
+            _ROPE_CACHE.popitem(last=False)
+    return tables
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [..., T, head_dim] by position: dim i pairs with dim i + head_dim / 2 (Hugging Face's rotate_half).
-    cos/sin are cast to x's dtype first, as Hugging Face does."""
+    cos/sin are cast to x's dtype first, as Hugging Face does (a no-op for rope_tables' own)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
@@ -211,15 +226,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(args.d_model, (args.n_heads + 2 * args.n_kv_heads) * self.head_dim, bias=False)
         self.proj = nn.Linear(args.n_heads * self.head_dim, args.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d]; rope: the (cos, sin) tables of rope_cos_sin for T (computed here if None)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d], the full sequence in every layout (with SP, TP's input layout gathers it)."""
         bsz, seqlen, _ = x.shape
         # (B, T, kv heads on this rank, group + 2, head_dim): a group's query heads, then its key and value.
         qkv = self.qkv(x).view(bsz, seqlen, -1, self.group + 2, self.head_dim)
-        q = qkv[..., : self.group, :].flatten(2, 3)  # query head g * group + j uses key/value head g
-        k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]
+        # One split, not three slices: its backward writes the three gradients into one tensor (a slice's fills
+        # a zero tensor of the whole output, and the three are then added up).
+        q, k, v = qkv.split((self.group, 1, 1), dim=3)
+        q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)  # query head g * group + j uses key/value head g
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = rope if rope is not None else rope_cos_sin(self.args, seqlen, x.device)
+        cos, sin = rope_tables(self.args, q)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         expand = sdpa_expands_kv(q.dtype, q.device.type, self.args.n_heads, self.args.n_kv_heads, self.head_dim)
         if expand:  # head g * group + j reads key/value head g: SDPA's enable_gqa order (repeat_interleave)
@@ -229,16 +246,25 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU (Shazeer 2020): proj(silu(gate) * up), gate and up from one interleaved projection."""
+    """SwiGLU (Shazeer 2020): proj(silu(gate(x)) * up(x)), gate and up two weights of their own.
+
+    Separate weights, as torchtitan's w1 and w3, because that is the one layout that is contiguous for SwiGLU
+    and splits under TP without tying the checkpoint to the TP degree: each matmul writes a contiguous output
+    that silu and the product read at unit stride, and ColwiseParallel on both gives each rank matching gate
+    and up rows. (The alternatives: rows interleaved in one weight, as before, split correctly but hand SwiGLU
+    stride-2 slices, 2-4x slower elementwise work; one weight [gate; up] split colwise would give rank 0 the
+    gates and rank 1 the ups unless blocked per TP rank, a layout that differs with every TP degree.) The cost
+    is one more, equally large, matmul launch per block: nothing next to the MLP's own.
+    """
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.fc = nn.Linear(args.d_model, 2 * args.ffn_hidden, bias=False)
+        self.gate = nn.Linear(args.d_model, args.ffn_hidden, bias=False)
+        self.up = nn.Linear(args.d_model, args.ffn_hidden, bias=False)
         self.proj = nn.Linear(args.ffn_hidden, args.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc(x).unflatten(-1, (-1, 2))  # (..., ffn on this rank, [gate, up])
-        return self.proj(F.silu(h[..., 0]) * h[..., 1])
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
@@ -249,11 +275,9 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(args.d_model, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables | None = None) -> torch.Tensor:
-        """x [B, T, d] (with sequence parallelism, this rank's [B, T / tp, d]); rope: the forward's shared tables."""
-        h = self.norm1(x)
-        tables = (rope if rope is not None else RopeTables(self.attn.args))(h.shape[1], h.device)  # full T
-        x = x + self.attn(h, rope=tables)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] (with sequence parallelism, this rank's [B, T / tp, d])."""
+        x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
@@ -278,9 +302,8 @@ class Llama(nn.Module):
 
         The logits cover the padded vocabulary; `logits[..., :vocab_size]` are the real ones."""
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
-        rope = RopeTables(self.args)  # cos/sin once for all the layers of this forward
         for layer in self.layers.values():
-            h = layer(h, rope=rope)
+            h = layer(h)
         if self.norm_f is not None:
             h = self.output(self.norm_f(h))
         return h
@@ -294,3 +317,28 @@ class Llama(nn.Module):
         """GPT-2's initialisation by parameter name (hpctrain.models.gpt.init_by_name): every layout gets the
         single-process model's weights; the head's padding rows are zero like the embedding's."""
         init_by_name(self, seed, self.args.init_std, self.args.n_layers, self.args.vocab_size)
+
+
+# ---------------------------------------------------------------- checkpoints of the interleaved layout
+
+_GATE_UP = re.compile(r"(^|\.)mlp\.(gate|up)\.weight(?=\.|$)")
+LEGACY_GATE_UP = "mlp.fc.weight"  # before issue 31: gate and up in one weight, rows interleaved (2j gate j)
+
+
+def legacy_source(key: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
+    """For a state-dict key of a gate or up weight, or of its optimizer state (`state.layers.3.mlp.up.weight.
+    exp_avg`, DCP's flattened `train.model.layers.3.mlp.gate.weight`), the key an older checkpoint holds it under
+    and how to take it from that tensor: every other row of the interleaved weight (and of its Adam moments, which
+    follow the weight's layout element for element); a scalar (AdamW's step) is shared. None for other keys."""
+    match = _GATE_UP.search(key)
+    if match is None:
+        return None
+    half = 0 if match.group(2) == "gate" else 1
+    old = f"{key[:match.start()]}{match.group(1)}{LEGACY_GATE_UP}{key[match.end():]}"
+
+    def take(interleaved: torch.Tensor) -> torch.Tensor:
+        if interleaved.dim() == 0:
+            return interleaved
+        return interleaved.unflatten(0, (-1, 2))[:, half].contiguous()
+
+    return old, take

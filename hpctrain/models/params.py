@@ -9,7 +9,7 @@ The two blocks, with h = d_model, f = the MLP's hidden size, k = n_kv_heads x he
     gpt    LayerNorm (weight, bias), fused QKV 3h x h, projection h x h, MLP h -> f -> h, all with biases:
            12 h^2 + 13 h for f = 4h; learned positions; the output head tied to the token embedding.
     llama  RMSNorm (weight only), fused QKV (h + 2k) x h (grouped-query attention: k < h), projection h x h,
-           SwiGLU MLP (gate and up fused, 2f x h, and down h x f), no biases: 2 h^2 + 2 h k + 3 h f + 2 h;
+           SwiGLU MLP (gate and up, f x h each, and down h x f), no biases: 2 h^2 + 2 h k + 3 h f + 2 h;
            RoPE (no position table); an untied output head.
 """
 
@@ -109,6 +109,8 @@ SHARDED_DIMS: dict[str, int] = {
     "attn.proj.weight": 1,
     "mlp.fc.weight": 0,
     "mlp.fc.bias": 0,
+    "mlp.gate.weight": 0,
+    "mlp.up.weight": 0,
     "mlp.proj.weight": 1,
 }
 
@@ -126,7 +128,7 @@ def block_shapes(d_model: int, ffn_hidden: int, arch: str = "gpt", kv_dim: int |
     if arch == "llama":
         k = d if kv_dim is None else kv_dim
         return {"norm1.weight": (d,), "attn.qkv.weight": (d + 2 * k, d), "attn.proj.weight": (d, d),
-                "norm2.weight": (d,), "mlp.fc.weight": (2 * f, d), "mlp.proj.weight": (d, f)}
+                "norm2.weight": (d,), "mlp.gate.weight": (f, d), "mlp.up.weight": (f, d), "mlp.proj.weight": (d, f)}
     raise ValueError(f"unknown model arch {arch!r}")
 
 

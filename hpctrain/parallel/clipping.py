@@ -6,7 +6,8 @@ dim plus a host sync. Here each rank computes its *share* of the squared norm: e
 divided by the number of ranks of its pipeline stage that hold the very same values (replicas over DP, copies
 over TP). Summed over all ranks, the shares give the squared norm of every parameter counted exactly once, so
 the engine adds the share to the one all-reduce it does every step anyway (with the loss and the control
-flags) on its own device. That also works when the gradients live on the CPU (FSDP2 offload) while the groups
+flags) on its own device, and the clip coefficient is computed there from the reduced value: clipping reads
+nothing back to the host. That also works when the gradients live on the CPU (FSDP2 offload) while the groups
 are NCCL: the share is moved to the engine's device before any collective sees it.
 
 Gradients that TP leaves `Partial` (sequence-parallel LayerNorm weights: each rank saw its sequence slice)
@@ -74,22 +75,29 @@ def squared_norm_share(params: Iterable[torch.Tensor], ranks_per_stage: int, dev
     return share
 
 
-def scale_grads_(params: Iterable[torch.Tensor], factor: float) -> None:
-    """Multiply every gradient by `factor` in place: one foreach kernel per (device, dtype), not one per tensor."""
+def scale_grads_(params: Iterable[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply every gradient by `factor` in place: one foreach kernel per (device, dtype), not one per tensor.
+    A 0-d tensor factor stays on the device (no host read); it is moved to each gradient's device (FSDP2's
+    offload keeps gradients on the host, where the optimizer steps anyway)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             groups[(local.device, local.dtype)].append(local)
     with torch.no_grad():
-        for tensors in groups.values():
-            torch._foreach_mul_(tensors, factor)
+        for (device, _), tensors in groups.items():
+            torch._foreach_mul_(tensors, factor.to(device, non_blocking=True)
+                                if isinstance(factor, torch.Tensor) else factor)
 
 
-def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> None:
-    """Scale gradients so their global norm is at most max_norm (same coefficient as torch's clip_grad_norm_)."""
-    if max_norm <= 0 or not math.isfinite(total_norm):
-        return
-    coef = max_norm / (total_norm + 1e-6)
-    if coef < 1.0:
-        scale_grads_(params, coef)
+def clip_coefficient(squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)) from the reduced squared norm, on its device (torch's clip_grad_norm_
+    coefficient, computed in float64 as a Python float would be: the same bits after the cast to the
+    gradients' dtype). NaN for a NaN norm; the step it belongs to is not applied then."""
+    return (max_norm / (squared_norm.sqrt() + 1e-6)).clamp(max=1.0)
+
+
+def clip_grads_(params: Iterable[torch.Tensor], max_norm: float, squared_norm: torch.Tensor) -> None:
+    """Scale gradients so their global norm is at most max_norm, without a host sync (max_norm <= 0: off)."""
+    if max_norm > 0:
+        scale_grads_(params, clip_coefficient(squared_norm, max_norm))

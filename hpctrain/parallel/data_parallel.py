@@ -1,30 +1,38 @@
 """Data parallelism for one model part: ZeRO stages 0-3 and HSDP, all from torch's own wrappers.
 
 - ZeRO-0: DDP, gradients all-reduced in buckets of zero.reduce_bucket_size bytes while backward runs.
-- ZeRO-1: DDP + ZeroRedundancyOptimizer (each DP rank steps and keeps the optimizer state of 1/dp of the
-  parameters, then broadcasts them). overlap_with_ddp is not used: on gloo it can hang.
-- ZeRO-2: FSDP2 with reshard_after_forward=False (parameters stay gathered from forward to backward).
-- ZeRO-3: FSDP2 with full resharding. dp_replicate > 1 makes the FSDP mesh 2-D: HSDP.
+- ZeRO-1..3: FSDP2 (`fully_shard`). Its sharded fp32 parameter is the master weight the optimizer steps, so
+  the fp32 master and Adam's moments are sharded over the DP ranks at every stage; what differs is what lives
+  between micro-batches (`microbatch_sync`):
+  - ZeRO-1 (Megatron's distributed optimizer: compute-dtype working parameters, a reduce-dtype gradient
+    buffer, fp32 master + Adam sharded): reshard_after_forward=False, parameters kept unsharded across the
+    step's micro-batches (one all-gather a step), gradients accumulated unsharded in the reduce dtype without
+    communication and reduce-scattered once, in the last micro-batch's backward.
+  - ZeRO-2: parameters as ZeRO-1, gradients reduce-scattered in every micro-batch's backward, so they stay
+    sharded across micro-batches (DeepSpeed's and torchtitan's gradient accumulation).
+  - ZeRO-3: parameters resharded after forward and after backward (all-gathered twice per micro-batch), the
+    attention and the MLP of each block sharded as FSDP units of their own (the transients of a unit, its
+    unsharded gradient and its reduce-scatter input, are then an MLP's, two thirds of a block's).
+  zero.accumulate_unsharded=true gives ZeRO-2/3 ZeRO-1's accumulation (one reduce-scatter a step, unsharded
+  reduce-dtype gradients between micro-batches). dp_replicate > 1 makes the FSDP mesh 2-D: HSDP.
 - Offload (zero.offload_optimizer / offload_params): FSDP2's CPUOffloadPolicy keeps the sharded parameters,
   gradients and the optimizer step on the CPU (pinned memory only when a GPU exists).
 
-DDP is used for pure data parallelism only. It cannot hold DTensor (TP) parameters, and under a pipeline
-schedule (several forwards before their backwards, sync in the last one) torch 2.13's DDP either asserts in
-its bucket rebuilding after the first step or, with static_graph, reduces wrong gradients. So with TP or PP
-the ZeRO-0 layout is FSDP2's `replicate` (DDP semantics: replicated parameters, all-reduced gradients), and
-ZeRO-1 runs as ZeRO-2 (FSDP2 with reshard_after_forward=False, which shards the gradients too for the same
-communication volume: reduce-scatter + all-gather instead of all-reduce).
+DDP is used for pure data parallelism at ZeRO-0 only. It cannot hold DTensor (TP) parameters, and under a
+pipeline schedule (several forwards before their backwards, sync in the last one) torch 2.13's DDP either
+asserts in its bucket rebuilding after the first step or, with static_graph, reduces wrong gradients. So with
+TP or PP the ZeRO-0 layout is FSDP2's `replicate` (DDP semantics: replicated parameters, all-reduced gradients).
+Under PP torch's schedules drive FSDP2 themselves (hpctrain.plan.states explains what they force).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from hpctrain.config.schema import PrecisionConfig, ZeroConfig
 from hpctrain.parallel.precision import ddp_comm_hook, fsdp_mp_policy
@@ -35,19 +43,43 @@ if TYPE_CHECKING:
 
 def uses_fsdp(zero_stage: int, tp: int, pp: int) -> bool:
     """Whether this layout's DP goes through FSDP2 (parameters are materialised after wrapping)."""
-    return zero_stage >= 2 or tp > 1 or pp > 1
+    return zero_stage >= 1 or tp > 1 or pp > 1
+
+
+def accumulates_unsharded(zero_stage: int, accumulate_unsharded: bool) -> bool:
+    """Whether gradients are summed unsharded over the step's micro-batches and reduce-scattered once (ZeRO-1,
+    or zero.accumulate_unsharded) rather than reduce-scattered in every micro-batch (ZeRO-2/3)."""
+    return zero_stage == 1 or accumulate_unsharded
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, zero: ZeroConfig, precision: PrecisionConfig,
-               reshard_after_forward: bool) -> None:
-    """fully_shard each block, then the root (embeddings, final norm, head): one all-gather per block."""
+               zero_stage: int) -> None:
+    """fully_shard each block (ZeRO-3: its attention and MLP as units of their own first), then the root
+    (embeddings, final norm, head). ZeRO-1/2 keep the parameters gathered from forward to backward."""
     # Pinned where the mesh is on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not).
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
                               if zero.offload_optimizer or zero.offload_params else OffloadPolicy())
-    kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(precision), offload_policy=offload)
+    kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(precision), offload_policy=offload,
+                  reshard_after_forward=zero_stage == 3)
     for block in model.layers.values():
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        if zero_stage == 3:
+            fully_shard(block.attn, **kwargs)
+            fully_shard(block.mlp, **kwargs)
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def microbatch_sync(model: FSDPModule, zero_stage: int, accumulate_unsharded: bool, last: bool) -> None:
+    """Set FSDP2 up for the next micro-batch's backward (the accumulation loop; PP schedules do their own).
+
+    Reduce-scatter in this backward unless gradients accumulate unsharded (`accumulates_unsharded`) and this
+    is not the last micro-batch; ZeRO-1/2 keep parameters unsharded until the last backward (one all-gather a
+    step), ZeRO-3 reshards after every backward. ZeRO-0 (`replicate`) all-reduces once, in the last one."""
+    if zero_stage == 0:
+        model.set_requires_gradient_sync(last)
+        return
+    model.set_requires_gradient_sync(last or not accumulates_unsharded(zero_stage, accumulate_unsharded))
+    model.set_reshard_after_backward(last or zero_stage == 3)
 
 
 def apply_replicate(model: Transformer, mesh: DeviceMesh, precision: PrecisionConfig) -> None:
@@ -85,10 +117,3 @@ def _settle_buckets(ddp: nn.parallel.DistributedDataParallel) -> None:
     ddp(torch.zeros(1, 2, dtype=torch.long, device=device)).float().sum().backward()
     for p in ddp.parameters():
         p.grad = None
-
-
-def zero1_optimizer(param_groups: list[dict[str, Any]], mesh: DeviceMesh, optimizer_class: type,
-                    defaults: dict[str, Any]) -> ZeroRedundancyOptimizer:
-    """ZeroRedundancyOptimizer over the DP group, keeping hpctrain's decay / no-decay groups."""
-    return ZeroRedundancyOptimizer(param_groups, optimizer_class=optimizer_class, process_group=mesh.get_group(),
-                                   parameters_as_bucket_view=False, **defaults)

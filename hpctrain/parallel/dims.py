@@ -78,7 +78,7 @@ class ParallelDims:
 
     @cached_property
     def dp_mesh(self) -> DeviceMesh:
-        """All data-parallel ranks as one dim (what DDP and ZeroRedundancyOptimizer reduce over)."""
+        """All data-parallel ranks as one dim (what DDP reduces over)."""
         return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     @property

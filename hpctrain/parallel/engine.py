@@ -6,7 +6,8 @@ and the reductions that make the reported loss the mean over the global batch on
 the same for every layout.
 
 Layouts are applied from outside the model, in torchtitan's order, to each pipeline stage:
-    stage cut (meta) -> activation checkpointing -> TP -> compile -> FSDP2 -> materialise -> DDP -> PipelineStage
+    stage cut (meta) -> FP8 Linears -> activation checkpointing -> TP -> FSDP2 -> compile -> materialise -> DDP
+    -> PipelineStage
 Weights are created after the layout (`init_weights` draws each parameter from a generator seeded by its
 name), so every layout starts from exactly the single-process model's weights without a full copy.
 """
@@ -29,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
@@ -38,18 +38,21 @@ from hpctrain.config.layout import Layout
 from hpctrain.config.schema import Config, ModelConfig, OptimConfig, PrecisionConfig
 from hpctrain.models import create_model
 from hpctrain.parallel.clipping import clip_grads_, reduce_partial_grads_, squared_norm_share
+from hpctrain.parallel.compile import apply_compile
 from hpctrain.parallel.data_parallel import (
     apply_ddp,
     apply_fsdp,
     apply_replicate,
+    microbatch_sync,
     uses_fsdp,
-    zero1_optimizer,
 )
 from hpctrain.parallel.dims import ParallelDims
+from hpctrain.parallel.float8 import apply_float8, register_scale_precompute
 from hpctrain.parallel.groups import own_group, tied_embedding_pairs
 from hpctrain.parallel.pipeline import build_schedule, stage_model
 from hpctrain.parallel.pipeline import evaluate as evaluate_pipeline
-from hpctrain.parallel.optimizer import build_optimizer, optimizer_defaults, param_groups
+from hpctrain.parallel.optimizer import build_optimizer
+from hpctrain.parallel.optimizer import skip_if_found_inf, skips_on_device
 from hpctrain.parallel.precision import LossScaler, autocast, enum_value
 from hpctrain.parallel.recompute import apply_recompute
 from hpctrain.parallel.tensor_parallel import apply_tp
@@ -128,7 +131,6 @@ class Engine:
         data_parallel = dims.distributed and dims.dp > 1
         self.fsdp = data_parallel and uses_fsdp(layout.zero_stage, dims.tp, dims.pp)
         self.ddp = data_parallel and not self.fsdp
-        self.zero1 = self.ddp and layout.zero_stage == 1
         self.pipeline_schedule = schedules.get(layout.schedule)
         if self.fsdp and layout.zero_stage > 0 and self.pipeline_schedule.split_backward and dims.pp > 1:
             raise UnsupportedLayout(
@@ -154,6 +156,7 @@ class Engine:
         with tensors or contextlib.nullcontext():
             self.model_parts: list[nn.Module] = [self._materialise(model) for model in self.stage_models]
             self.optimizers = [self._optimizer(part) for part in self.model_parts]
+            register_scale_precompute(self.optimizers, self.model_parts)  # FP8 weight scales after each step
             self.scaler = LossScaler(cfg.precision)
             self.schedule = None
             if dims.pp > 1:
@@ -170,23 +173,21 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------------------
 
     def _apply_layout(self, model: Transformer) -> Transformer:
-        """Recomputation, TP, compilation and FSDP2 on the meta-device model (no memory yet)."""
+        """FP8, recomputation, TP, FSDP2 and compilation on the meta-device model (no memory yet)."""
         cfg, dims = self.cfg, self.dims
+        apply_float8(model, cfg.precision, self.layout, self.device, self.fsdp)  # FP8 Linears first (torchtitan)
         # Checkpointing first: TP's input hook on the first block must run inside the checkpointed region,
         # or recomputation replays it on already-sharded input.
         apply_recompute(model, self.layout.recompute)
         if dims.tp > 1:
             apply_tp(model, dims.tp_mesh, self.layout.sequence_parallel)
-        if cfg.parallel.compile:  # attn/mlp only: compiling whole blocks breaks TP's backward (torch 2.13)
-            for block in model.layers.values():
-                block.attn.compile()
-                block.mlp.compile()
         if self.fsdp:
             if self.layout.zero_stage == 0:
                 apply_replicate(model, dims.dp_mesh, cfg.precision)
             else:
-                apply_fsdp(model, dims.fsdp_mesh, cfg.zero, cfg.precision,
-                           reshard_after_forward=self.layout.zero_stage == 3)
+                apply_fsdp(model, dims.fsdp_mesh, cfg.zero, cfg.precision, self.layout.zero_stage)
+        if cfg.parallel.compile:  # forwards only: every layout's hooks stay outside the graphs
+            apply_compile(model, self.layout.recompute, dims.tp)
         return model
 
     def _materialise(self, model: Transformer) -> nn.Module:
@@ -200,9 +201,6 @@ class Engine:
         return model
 
     def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
-        if self.zero1:
-            return zero1_optimizer(param_groups(part.parameters(), self.cfg.optim), self.dims.dp_mesh,
-                                   torch.optim.AdamW, optimizer_defaults(self.cfg.optim, self.device.type))
         return build_optimizer(part.parameters(), self.cfg.optim, self.cfg.zero,
                                dist.get_rank() if dist.is_initialized() else 0)
 
@@ -239,17 +237,22 @@ class Engine:
         self._sync_tied_embeddings()
         params = [p for part in self.model_parts for p in part.parameters()]
         self.scaler.unscale_(params)
-        loss, grad_norm, agreed = self._reduce(local_loss, control)
+        values = self._reduce(local_loss, control)
         self.steps_done += 1
+        # Fused AdamW skips a non-finite step on the device (`found_inf`): the step is queued before the host
+        # reads the reduced values, the step's one sync. Optimizers that cannot skip there (NVMe offload's,
+        # foreach ones) are stepped after the read, and only when it says finite.
+        queued = all(skips_on_device(opt) for opt in self.optimizers)
+        if queued:
+            self._optimizer_step(params, values, found_inf=(~values[:2].isfinite().all()).float())
+        loss, grad_norm, agreed = self._stats(values)
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if not finite and not self.scaler.enabled:
             self._zero_grad()
             raise TrainingDiverged(self.steps_done, self.last_good_step, loss, grad_norm,
                                    likely_cause(self.cfg.optim, self.cfg.precision, lr, grad_norm))
-        if finite:
-            clip_grads_(params, self.cfg.optim.grad_clip, grad_norm)
-            for opt in self.optimizers:
-                opt.step()
+        if finite and not queued:
+            self._optimizer_step(params, values, found_inf=None)
         self.scaler.update(overflow=not finite)
         self._zero_grad()
         if finite:
@@ -307,11 +310,12 @@ class Engine:
         return total / n
 
     def _grad_sync(self, model: nn.Module, last: bool) -> Any:
-        """Reduce gradients only after the last accumulation microbatch."""
+        """DDP reduces after the last accumulation microbatch only; FSDP2 as its ZeRO stage says
+        (data_parallel.microbatch_sync)."""
         if self.ddp and not last:
             return model.no_sync()
         if self.fsdp:
-            model.set_requires_gradient_sync(last)
+            microbatch_sync(model, self.layout.zero_stage, self.layout.accumulate_unsharded, last)
         return contextlib.nullcontext()
 
     def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -349,11 +353,9 @@ class Engine:
         return [p for m in self.stage_models for name, p in m.named_parameters()
                 if not (name == "tok_emb.weight" and not m.embeds)]
 
-    def _reduce(self, local_loss: torch.Tensor, control: list[float] | tuple[float, ...]) -> tuple[float, float, list[float]]:
-        """The step's one reduction over all ranks and its one host sync: [loss, squared-norm share,
-        *control] summed on the default group, in float64 on this rank's device.
-
-        The loss is the mean over the global batch: the last-stage ranks' losses averaged over DP (x TP copies)."""
+    def _reduce(self, local_loss: torch.Tensor, control: list[float] | tuple[float, ...]) -> torch.Tensor:
+        """The step's one reduction over all ranks: [loss, squared-norm share, *control] summed on the default
+        group, in float64 on this rank's device, left there (`_stats` reads it)."""
         reduce_partial_grads_(p for part in self.model_parts for p in part.parameters())
         share = squared_norm_share(self._norm_params(), self.ranks_per_stage, self.device)
         loss = local_loss.detach().double() if self.has_last else torch.zeros((), dtype=torch.float64,
@@ -361,13 +363,30 @@ class Engine:
         values = torch.cat([torch.stack([loss, share]),
                             torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True)])
         self._sum_over_ranks(values)
+        return values
+
+    def _optimizer_step(self, params: list[torch.Tensor], values: torch.Tensor,
+                        found_inf: torch.Tensor | None) -> None:
+        """Clip with the coefficient computed on the device from the reduced squared norm, then step every
+        optimizer; `found_inf` (1.0: the step is not finite) makes fused kernels leave everything untouched."""
+        clip_grads_(params, self.cfg.optim.grad_clip, values[1])
+        for opt in self.optimizers:
+            skip_if_found_inf(opt, found_inf)
+            opt.step()
+            skip_if_found_inf(opt, None)
+
+    def _stats(self, values: torch.Tensor) -> tuple[float, float, list[float]]:
+        """The reduced values on the host: loss (the mean over the global batch: the last-stage ranks' losses
+        averaged over DP x TP copies), the global gradient norm and the summed control values."""
         total_loss, squared_norm, *agreed = self._read(values)
         return (total_loss / (self.dims.dp * self.dims.tp), math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
                 agreed)
 
     @staticmethod
     def _read(values: torch.Tensor) -> list[float]:
-        """The step's one host sync: the reduced values, read back (hpctrain.simulate's fake tensors have none)."""
+        """The step's one host sync, after the optimizer step is queued where it can skip on the device (the
+        control values decide stop signals and checkpoints: every step needs them). hpctrain.simulate's fake
+        tensors have no values and override it."""
         return values.tolist()
 
     @staticmethod
@@ -383,10 +402,6 @@ class Engine:
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 
-    def _local_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """ZeRO-1 keeps each rank's state in an inner optimizer over its partition: save and load that part."""
-        return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
-
     def state_dict(self) -> dict[str, Any]:
         """Model and optimizer state keyed by parameter name, the same in every layout (DCP reshards).
 
@@ -400,8 +415,7 @@ class Engine:
         optim: dict[str, Any] = {}
         for part, opt in zip(self.model_parts, self.optimizers):
             model.update(get_model_state_dict(part, options=opts))
-            optim.update(_without_hyperparameters(get_optimizer_state_dict(part, self._local_optimizer(opt),
-                                                                           options=opts)))
+            optim.update(_without_hyperparameters(get_optimizer_state_dict(part, opt, options=opts)))
         state: dict[str, Any] = {"model": model, "optim": optim}
         if self.scaler.enabled:
             state["loss_scaler"] = self.scaler.state_dict()
@@ -411,10 +425,9 @@ class Engine:
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=len(self.model_parts) == 1)
         for part, opt in zip(self.model_parts, self.optimizers):
             set_model_state_dict(part, state["model"], options=opts)
-            local = self._local_optimizer(opt)
-            own = get_optimizer_state_dict(part, local, options=opts)  # this run's hyperparameters, by parameter
+            own = get_optimizer_state_dict(part, opt, options=opts)  # this run's hyperparameters, by parameter
             loaded = _without_hyperparameters(state["optim"])  # an older checkpoint read whole: this run's win
-            set_optimizer_state_dict(part, local, {**loaded, **_hyperparameters(own)}, options=opts)
+            set_optimizer_state_dict(part, opt, {**loaded, **_hyperparameters(own)}, options=opts)
         if self.scaler.enabled and "loss_scaler" in state:
             self.scaler.load_state_dict(state["loss_scaler"])
 

@@ -12,10 +12,12 @@ The master weights stay in host memory: under FSDP2 the fp32 shard *is* the para
 every forward reads it. Moving it to NVMe too needs a second, half-precision resident copy for the all-gather
 (what DeepSpeed's ZeRO-Infinity keeps on the GPU) and gives up the bitwise match below.
 
-The update is torch's own AdamW kernel (torch.optim.adam.adam, single-tensor, decoupled weight decay: what
-torch.optim.AdamW runs on CPU tensors) on views of each chunk, with the same hyperparameters and step counts:
-the same element-wise operations on the same values as CPU offload, so the weights are bitwise those of CPU
-offload (tests/parallel/test_nvme_offload.py, on real ranks, through a checkpoint and a resume).
+The update is torch's own AdamW kernel (torch.optim.adam.adam, fused, decoupled weight decay: what
+hpctrain.parallel.optimizer's AdamW runs on CPU tensors) on views of each chunk, with the same hyperparameters
+and step counts: the same element-wise operations on the same values as CPU offload, so the weights are
+bitwise those of CPU offload (tests/parallel/test_nvme_offload.py, on real ranks, through a checkpoint and a
+resume). It takes no `found_inf` (a skipped step must not stream the moments): the engine reads the step's
+verdict first and steps it only when finite (hpctrain.parallel.engine, `skips_on_device`).
 
 Checkpoints: `state_dict()` reads the moments back into tensors (DTensors shaped as their parameters, so DCP
 saves and reshards them like any other state) and `load_state_dict()` writes loaded ones into this rank's file.
@@ -238,7 +240,8 @@ class NvmeAdamW(torch.optim.AdamW):
     def __init__(self, params: Any, directory: str | Path, chunk_elements: int, rank: int = 0,
                  **defaults: Any) -> None:
         if defaults.get("amsgrad") or defaults.get("fused") or defaults.get("foreach"):
-            raise ValueError("NVMe offload runs AdamW's single-tensor CPU kernel: no amsgrad, fused or foreach")
+            raise ValueError("NVMe offload runs AdamW's fused CPU kernel on each chunk itself: no amsgrad, fused "
+                             "or foreach flags")
         super().__init__(params, **defaults)
         self.params = [p for group in self.param_groups for p in group["params"]]
         devices = {_local(p).device.type for p in self.params}
@@ -331,7 +334,7 @@ class NvmeAdamW(torch.optim.AdamW):
                 beta1, beta2 = group["betas"]
                 adam([_flat(p, "parameter")[span]], [_flat(p.grad, "gradient")[span]], [moments[0, here]],
                      [moments[1, here]], [], [before[seg.param].clone()], foreach=False, capturable=False,
-                     differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
+                     differentiable=False, fused=True, grad_scale=None, found_inf=None, has_complex=False,
                      decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
 

@@ -79,7 +79,9 @@ class LossScaler:
     torch's GradScaler/ShardedGradScaler are not used: their fused unscale kernel rejects a mix of DTensor (TP)
     and plain gradients, and under a pipeline schedule the first stage never sees the loss they must scale
     first. The overflow decision instead comes from the global gradient norm, which the engine all-reduces over
-    every parallel dim anyway, so all ranks skip together without another collective.
+    every parallel dim anyway, so all ranks skip together without another collective. The skip itself happens
+    on the device (fused AdamW's `found_inf`, hpctrain.parallel.engine); the scale is host state, updated from
+    the step's one read of the reduced values, after the optimizer step is queued.
     """
 
     def __init__(self, p: PrecisionConfig) -> None:

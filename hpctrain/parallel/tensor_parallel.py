@@ -1,7 +1,8 @@
 """Megatron-style tensor parallelism for hpctrain's models (GPT, Llama), with DTensor's `parallelize_module`.
 
 Per block: QKV and MLP-in are split by columns (each TP rank owns whole heads, or whole KV groups of Llama's
-grouped-query attention, and whole gate/up pairs of its SwiGLU, thanks to the models' row layouts), the
+grouped-query attention, thanks to the QKV row layout; Llama's SwiGLU gate and up are two weights, split alike,
+so each rank holds matching gate and up rows), the
 attention and MLP output projections by rows, so each block costs one all-reduce forward and one backward per
 sub-layer. With sequence parallelism the norm/dropout regions are split along the sequence instead of
 replicated: the all-reduces become reduce-scatter + all-gather (same volume) and those activations take 1/tp
@@ -33,17 +34,24 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from hpctrain.parallel.float8 import float8_tp_plan
+
 if TYPE_CHECKING:
     from hpctrain.models import Transformer
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, Any]:
-    """The TP plan of one transformer block (submodule name -> style)."""
+def mlp_inputs(block: nn.Module) -> tuple[str, ...]:
+    """The block's MLP input projections, each split by columns: GPT's `fc`, Llama's SwiGLU `gate` and `up`."""
+    return tuple(name for name in ("fc", "gate", "up") if hasattr(block.mlp, name))
+
+
+def block_plan(sequence_parallel: bool, mlp_in: tuple[str, ...] = ("fc",)) -> dict[str, Any]:
+    """The TP plan of one transformer block (submodule name -> style); `mlp_in`: its `mlp_inputs`."""
     out = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         "attn.qkv": ColwiseParallel(),
         "attn.proj": RowwiseParallel(output_layouts=out),
-        "mlp.fc": ColwiseParallel(),
+        **{f"mlp.{name}": ColwiseParallel() for name in mlp_in},
         "mlp.proj": RowwiseParallel(output_layouts=out),
     }
     if sequence_parallel:
@@ -62,7 +70,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
         parallelize_module(model.tok_emb, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     for index, block in model.layers.items():
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        plan = block_plan(sequence_parallel, mlp_inputs(block))
+        parallelize_module(block, tp_mesh, float8_tp_plan(block, plan))  # FP8 styles
         if sequence_parallel and model.embeds and index == next(iter(model.layers)):
             # The embedding is replicated: the first block takes its own sequence slice (no communication).
             parallelize_module(block, tp_mesh, PrepareModuleInput(

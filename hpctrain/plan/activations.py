@@ -48,7 +48,7 @@ SwiGLU MLP of width f; no biases), counted the same way from what autograd saves
     silu's output 2 f / h, the product (the down projection's input) 2 f / h: 8 f / h, against GELU's 4 f / h.
 So GPT's 32 becomes 22 + 6 k / h + 8 f / h: 51.5 sbh for Llama 3 8B (k = h / 4, f = 3.5 h), all but the 16
 norm and matmul-input bytes split by TP (the norms by SP). Measured on CPU for d 256, 8 heads, 2 key/value
-heads, f 704: 46.16 sbh, the formula's 45.63 + the RoPE tables 0.5 + the per-token 1/rms 0.03 (tested).
+heads, f 704: 45.91 sbh, the formula's 45.63 + the cached RoPE tables 0.25 + the per-token 1/rms 0.03 (tested).
 Selective recompute keeps the QKV output
 2 (h + 2k) / h and the gate/up output 4 f / h per TP rank, + the block input and the row-parallel outputs.
 """

@@ -25,7 +25,8 @@ def layout_overrides(layout: Layout) -> dict[str, Any]:
         "parallel.virtual_stages": layout.virtual_stages, "parallel.schedule": layout.schedule,
         "parallel.sequence_parallel": layout.sequence_parallel, "parallel.recompute": layout.recompute,
         "parallel.dp_replicate": 1, "parallel.microbatches": 0, "zero.stage": layout.zero_stage,
-        "train.micro_batch": layout.micro_batch, "train.grad_accum": layout.grad_accum, "parallel.auto": False,
+        "zero.accumulate_unsharded": layout.accumulate_unsharded, "train.micro_batch": layout.micro_batch,
+        "train.grad_accum": layout.grad_accum, "parallel.auto": False,
     }
 
 
@@ -36,7 +37,8 @@ def search_summary(candidates: list[Candidate], mine: Candidate, top_k: int) -> 
             "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp,
                      "virtual_stages": c.layout.virtual_stages, "micro_batch": c.layout.micro_batch,
                      "grad_accum": c.layout.grad_accum, "zero_stage": c.layout.zero_stage,
-                     "recompute": c.layout.recompute, "est_tokens_per_s": c.tokens_per_s,
+                     "accumulate_unsharded": c.layout.accumulate_unsharded, "recompute": c.layout.recompute,
+                     "est_tokens_per_s": c.tokens_per_s,
                      "est_mfu": c.step.mfu, "why": c.why} for c in candidates[:top_k]]}
 
 

@@ -5,13 +5,16 @@ per GPU, reduce-scatter and all-gather (n-1)/n S each (Patarasuk & Yuan 2009; NC
 
 Data parallelism (G = this GPU's gradient shard after TP/PP, in `reduce_dtype`; W = its weights):
   * ZeRO-0: one all-reduce of G per step: 2 (n-1)/n G.
-  * ZeRO-1: reduce-scatter of G + all-gather of the updated W: the same volume (ZeRO paper sec. 7.2.1).
+  * ZeRO-1: gradients accumulated whole, one reduce-scatter of G + one all-gather of the updated W a step:
+    the same volume (ZeRO paper sec. 7.2.1; Megatron's distributed optimizer).
   * ZeRO-2: gradients are not kept whole, so they are reduce-scattered after every micro-batch
-    (DeepSpeed's behaviour; FSDP's no_sync instead keeps full gradients, i.e. ZeRO-1 memory): m
-    reduce-scatters + one all-gather.
+    (DeepSpeed's behaviour): m reduce-scatters + one all-gather (parameters stay gathered all step).
   * ZeRO-3: each micro-batch all-gathers W in forward and again in backward and reduce-scatters G:
     3 (n-1)/n per micro-batch, 1.5x ZeRO-0 when m = 1 (ZeRO paper sec. 7.2.2) and far more with
     gradient accumulation, which is why ZeRO-3 pairs badly with many pipeline micro-batches.
+  * zero.accumulate_unsharded (ZeRO-2/3) and every stage under PP (torch's schedules reduce once, after the
+    last backward: states.py) reduce-scatter G once a step (states.gradient_reductions), for whole
+    reduce-dtype gradients in memory.
   * HSDP (dp_replicate r > 1): ZeRO inside groups of dp/r ranks, then an all-reduce of the shards across
     the r groups.
 Tensor parallelism (Megatron, Shoeybi et al. 2019): 2 all-reduces in forward and 2 in backward per
@@ -35,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.plan.memory import layers_on_stage, stage_params_per_gpu
+from hpctrain.plan.states import gradient_reductions
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
 NVLINK = "nvlink"
@@ -119,23 +123,21 @@ def dp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
     shard = layout.zero_shard if z > 0 else layout.dp
     link, bw = _link(layout.tp * shard, hw)
     items: list[CommItem] = []
+    reductions = gradient_reductions(layout)
     if z == 0:
         items.append(CommItem("grad all-reduce", "dp", all_reduce_bytes(shard, grads), link, bw, "backward"))
-    elif z == 1:
-        items.append(CommItem("grad reduce-scatter", "dp", all_gather_bytes(shard, grads), link, bw, "backward"))
-        items.append(CommItem("param all-gather", "dp", all_gather_bytes(shard, weights), link, bw, "none"))
-    elif z == 2:
-        items.append(CommItem("grad reduce-scatter x m", "dp", m * all_gather_bytes(shard, grads), link, bw, "backward"))
-        items.append(CommItem("param all-gather", "dp", all_gather_bytes(shard, weights), link, bw, "none"))
     else:
-        items.append(CommItem("grad reduce-scatter x m", "dp", m * all_gather_bytes(shard, grads), link, bw, "backward"))
-        items.append(CommItem("param all-gather fwd+bwd x m", "dp",
-                              param_all_gathers(layout) * all_gather_bytes(shard, weights), link, bw, "compute"))
+        name = "grad reduce-scatter" + (" x m" if reductions == m > 1 else "")
+        items.append(CommItem(name, "dp", reductions * all_gather_bytes(shard, grads), link, bw, "backward"))
+        if z <= 2:
+            items.append(CommItem("param all-gather", "dp", all_gather_bytes(shard, weights), link, bw, "none"))
+        else:
+            items.append(CommItem("param all-gather fwd+bwd x m", "dp",
+                                  param_all_gathers(layout) * all_gather_bytes(shard, weights), link, bw, "compute"))
     r = layout.dp_replicate
     if z > 0 and r > 1:
         rlink, rbw = _link(layout.tp * layout.dp, hw)
-        times = m if z >= 2 else 1
-        items.append(CommItem("HSDP replica all-reduce", "dp", times * all_reduce_bytes(r, grads / shard),
+        items.append(CommItem("HSDP replica all-reduce", "dp", reductions * all_reduce_bytes(r, grads / shard),
                               rlink, rbw, "backward"))
     return items
 

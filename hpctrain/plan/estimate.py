@@ -66,7 +66,7 @@ def as_json(est: Estimates) -> dict[str, Any]:
     mem, st = est.memory, est.step
     return {
         "memory_per_gpu_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-                                 "activations": mem.activations, "total": mem.total,
+                                 "buffers": mem.buffers, "activations": mem.activations, "total": mem.total,
                                  "cpu_offload": mem.cpu_offload_bytes, "nvme": mem.nvme_bytes, "usable": mem.usable,
                                  "fits": mem.fits, "pipeline_stage": mem.stage},
         "memory_parts_bytes": [{"kind": p.kind, "name": p.name, "bytes": p.bytes, "cpu": p.cpu, "nvme": p.nvme}

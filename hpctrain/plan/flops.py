@@ -20,6 +20,10 @@ has three h x f matrices (gate, up, down), so "24 h^2" becomes 2 (2 h^2 + 2 h k 
 still forms its s x s scores and their product with V, 4 B s^2 h, GQA only sharing K and V between heads.
 Elementwise work (RMSNorm, RoPE, silu, the gate product) is not counted, as LayerNorm and GELU are not.
 
+FP8 (precision.fp8, torchao's Float8Linear): only the transformer blocks' Linear layers run their GEMMs in FP8
+(`fp8_flops_per_iteration`: the dense part of every layer pass, recomputed forwards included); the attention
+core (Q K^T, scores x V) and the logit layer stay in bf16, so a step takes `compute_seconds` of both rates.
+
 These are "hardware FLOPs" (what the GPUs execute). MFU (Chowdhery et al. 2022, PaLM, appendix B) counts
 "model FLOPs" only, no recomputation: 6 N + 12 l s h per token (N parameters; the attention term
 counts the full s x s score matrix, as the Megatron formula does).
@@ -36,12 +40,17 @@ def layer_forward_flops(tokens: float, seq_len: int, d_model: int, ffn_hidden: i
     """Matmul FLOPs of one layer's forward pass over `tokens` tokens in sequences of seq_len.
 
     kv_dim: the width of K and V (grouped-query attention), d_model when None; gated: a SwiGLU MLP (3 matrices)."""
+    return linear_forward_flops(tokens, d_model, ffn_hidden, kv_dim, gated) + attention_core_flops(tokens, seq_len,
+                                                                                                d_model)
+
+
+def linear_forward_flops(tokens: float, d_model: int, ffn_hidden: int | None = None, kv_dim: int | None = None,
+                         gated: bool = False) -> float:
+    """The Linear layers' share of one layer's forward (QKV, output projection, MLP): what FP8 converts."""
     h = d_model
     f = ffn_hidden if ffn_hidden is not None else 4 * h
     k = kv_dim if kv_dim is not None else h
-    dense = 2 * tokens * (h * (h + 2 * k) + h * h + (3 if gated else 2) * h * f)  # QKV, projection, MLP
-    attention = 4 * tokens * seq_len * h  # Q K^T and scores x V
-    return dense + attention
+    return 2 * tokens * (h * (h + 2 * k) + h * h + (3 if gated else 2) * h * f)
 
 
 def attention_core_flops(tokens: float, seq_len: int, d_model: int) -> float:
@@ -66,6 +75,33 @@ def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "
     else:
         raise ValueError(f"unknown recompute {recompute!r}")
     return model.n_layers * layer_passes + 3.0 * logits_fwd
+
+
+def fp8_flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full",
+                            fp8: str = "none") -> float:
+    """The part of `flops_per_iteration` that runs as FP8 GEMMs with precision.fp8 on: the blocks' Linears in
+    forward, both backward GEMMs (input and weight gradient) and a full recomputation's second forward, under
+    both torchao recipes (tensorwise, rowwise). 0 without FP8. Selective recomputation reruns the attention
+    core only, which stays in bf16."""
+    if fp8 == "none":
+        return 0.0
+    tokens = global_batch * model.seq_len
+    linear_fwd = linear_forward_flops(tokens, model.d_model, model.ffn, model.kv_dim, model.gated)
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"unknown recompute {recompute!r}")
+    return model.n_layers * (4.0 if recompute == "full" else 3.0) * linear_fwd
+
+
+def compute_seconds(flops: float, fp8_flops: float, n_gpus: int, peak_flops: float, fp8_peak_flops: float,
+                    efficiency: float) -> float:
+    """Matmul time of an iteration spread over n_gpus: `fp8_flops` of it at the FP8 peak (the bf16 peak on a GPU
+    without FP8, fp8_peak_flops = 0: torchao's emulation there is no faster), the rest at the bf16 peak, both at
+    the same matmul efficiency. FP8's casts (an amax reduction and a scaled copy per operand, memory-bound) are
+    not counted, so this is FP8's best case."""
+    if not 0 <= fp8_flops <= flops:
+        raise ValueError(f"fp8_flops must be in [0, flops], got {fp8_flops} of {flops}")
+    fp8_rate = fp8_peak_flops if fp8_peak_flops > 0 else peak_flops
+    return (flops - fp8_flops) / n_gpus / (peak_flops * efficiency) + fp8_flops / n_gpus / (fp8_rate * efficiency)
 
 
 def narayanan_flops(batch: int, seq_len: int, n_layers: int, d_model: int, vocab_size: int) -> float:

@@ -1,10 +1,12 @@
 """Per-GPU memory of a layout as hpctrain runs it: model states plus activations, on the most loaded GPU.
 
-Model states: states.py (the ZeRO paper's accounting, Rajbhandari et al. 2020, and what torch's DDP,
-ZeroRedundancyOptimizer and FSDP2 hold for hpctrain: fp32 master parameters, autocast or FSDP2 working copies,
-unsharded accumulated gradients). Activations: activations.py (Korthikanti et al. 2022, adapted to what
-hpctrain's model saves: SDPA flash attention, dropout masks only with dropout > 0, DTensor sequence
-parallelism, the selective-recompute policy of hpctrain.parallel.recompute).
+Model states: states.py (the ZeRO paper's accounting, Rajbhandari et al. 2020, and what torch's DDP and
+FSDP2 hold for hpctrain: fp32 master parameters, autocast or FSDP2 working copies, sharded or unsharded
+accumulated gradients); the collectives' staging buffers (all-gather output, reduce-scatter input) are a column
+of their own, `buffers`, residual state as the ZeRO paper and torch's FSDPMemTracker count them (states.py,
+"Columns"). Activations: activations.py (Korthikanti et al. 2022, adapted to what hpctrain's model saves:
+SDPA flash attention, dropout masks only with dropout > 0, DTensor sequence parallelism, the selective-recompute
+policy of hpctrain.parallel.recompute).
 
 In-flight micro-batches multiply a stage's layer activations (activations.inflight_microbatches). The first
 stage adds the embedding dropout mask (s b h bytes per in-flight micro-batch, when dropout > 0; the embedding
@@ -42,10 +44,11 @@ from hpctrain.plan.states import (
     MIXED_PRECISION_BYTES,
     ModelStates,
     Part,
-    accumulates,
+    accumulates_unsharded,
     bytes_per_param,
     data_parallel_kind,
     hpctrain_state_parts,
+    split_units,
     zero_model_states,
 )
 from hpctrain.plan.types import Hardware, Layout, ModelShape
@@ -71,6 +74,16 @@ def layer_params_per_gpu(model: ModelShape, tp: int) -> float:
     """One layer's parameters on one TP rank: matrices and column-parallel biases split, the rest replicated
     (GPT: the row-parallel biases and 2 LayerNorms, 6 h; Llama: the 2 RMSNorm weights, 2 h)."""
     return _per_rank(model.block_shapes(), tp)
+
+
+def fsdp_unit_params_per_gpu(model: ModelShape, layout: Layout) -> float:
+    """The largest FSDP unit's parameters on one TP rank: a block, or its MLP where attention and MLP are units
+    of their own (states.split_units)."""
+    shapes = model.block_shapes()
+    if not split_units(layout):
+        return _per_rank(shapes, layout.tp)
+    return max(_per_rank({k: v for k, v in shapes.items() if k.startswith(prefix)}, layout.tp)
+               for prefix in ("attn.", "mlp."))
 
 
 def layers_on_stage(model: ModelShape, pp: int) -> int:
@@ -138,7 +151,7 @@ def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> lis
         parts.append(Part("activations", "first block's checkpointed input: the embedding output, whole sequence",
                           model.seq_len * layout.micro_batch * model.d_model * _residual_bytes(layout)
                           * (1 - 1 / layout.tp) * inflight))
-    if stage == 0 and layout.tp > 1 and _accumulates_whole_embedding_grad(layout):
+    if stage == 0 and layout.tp > 1 and accumulates_unsharded(layout):
         parts.append(Part("activations", "token embedding backward's working copies ("
                           f"{layout.reduce_dtype or layout.dtype} and {layout.dtype}, whole table)",
                           _embedding_elements(model, layout.tp)
@@ -158,10 +171,6 @@ def _embedding_elements(model: ModelShape, tp: int) -> int:
     return model.vocab_rows(tp) * model.d_model
 
 
-def _accumulates_whole_embedding_grad(layout: Layout) -> bool:
-    return data_parallel_kind(layout) in ("fsdp", "replicate") and accumulates(layout)
-
-
 def embedding_grad_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     """The token embedding's gradient on the stage that looks tokens up, with TP: whole on every TP rank.
 
@@ -175,17 +184,17 @@ def embedding_grad_parts(model: ModelShape, layout: Layout, stage: int) -> list[
         return []
     kind = data_parallel_kind(layout)
     dtype_bytes = MASTER if kind in ("none", "ddp") else \
-        layout.reduce_bytes if accumulates(layout) else layout.compute_bytes
+        layout.reduce_bytes if accumulates_unsharded(layout) else layout.compute_bytes
     whole = _embedding_elements(model, layout.tp)
     parts = [Part("grads", f"token embedding's gradient, whole on every TP rank (the other {layout.tp - 1}/"
                   f"{layout.tp})", whole * dtype_bytes * (1 - 1 / layout.tp))]
-    if _accumulates_whole_embedding_grad(layout):
+    if accumulates_unsharded(layout):
         # while it is added in, its fresh gradient (whole, compute dtype) is the backward's largest transient
         beyond = whole * layout.compute_bytes - (layout.compute_bytes + layout.reduce_bytes) * \
-            layer_params_per_gpu(model, layout.tp)
+            fsdp_unit_params_per_gpu(model, layout)
         if beyond > 0:
             parts.append(Part("grads", f"token embedding's fresh {layout.dtype} gradient while it is accumulated, "
-                              "beyond one layer's", beyond))
+                              "beyond one unit's", beyond))
     return parts
 
 
@@ -214,13 +223,16 @@ class MemoryBreakdown:
     stage: int  # pipeline stage of the most loaded GPU
     parts: tuple[Part, ...] = ()  # what makes up each column (GPU, host and NVMe)
     nvme_bytes: float = 0.0
+    buffers: float = 0.0  # collectives' staging (all-gather output, reduce-scatter input): residual, not model state
 
 
 def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     """Everything one GPU of a stage holds: model states (states.py) and activations."""
     n = stage_params_per_gpu(model, layout.tp, layout.pp, stage)
     layer = layer_params_per_gpu(model, layout.tp)
-    return hpctrain_state_parts(n, layer, layout) + embedding_grad_parts(model, layout, stage) \
+    unit = fsdp_unit_params_per_gpu(model, layout)
+    root = n - layers_on_stage(model, layout.pp) * layer
+    return hpctrain_state_parts(n, layer, layout, unit, root) + embedding_grad_parts(model, layout, stage) \
         + stage_activation_parts(model, layout, stage)
 
 
@@ -242,7 +254,7 @@ def memory_per_gpu(model: ModelShape, layout: Layout, hw: Hardware, reserve_frac
     return MemoryBreakdown(
         params=_column(parts, "params"), grads=_column(parts, "grads"), optimizer=_column(parts, "optimizer"),
         activations=_column(parts, "activations"), total=total,
-        cpu_offload_bytes=sum(p.bytes for p in parts if p.cpu),
+        cpu_offload_bytes=sum(p.bytes for p in parts if p.cpu), buffers=_column(parts, "buffers"),
         fits=total <= usable, headroom=usable - total, usable=usable, stage=stage, parts=tuple(parts),
         nvme_bytes=sum(p.bytes for p in parts if p.nvme),
     )

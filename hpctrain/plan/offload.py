@@ -89,7 +89,7 @@ from typing import TYPE_CHECKING
 
 from hpctrain.models.params import sharded_dim, stage_holds
 from hpctrain.plan.comm import param_all_gathers
-from hpctrain.plan.memory import layer_params_per_gpu, layers_on_stage, stage_params_per_gpu
+from hpctrain.plan.memory import fsdp_unit_params_per_gpu, layer_params_per_gpu, layers_on_stage, stage_params_per_gpu
 from hpctrain.plan.states import ADAM, MASTER, hpctrain_state_parts, moments_on_nvme, offloads
 from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
 
@@ -286,7 +286,9 @@ def offload_costs(model: ModelShape, layout: Layout, hw: Hardware, threads_per_r
                             0.0, 0.0)
     stages = sorted({0, layout.pp - 1})
     n = max(stage_params_per_gpu(model, layout.tp, layout.pp, s) for s in stages)
-    parts = hpctrain_state_parts(n, layer_params_per_gpu(model, layout.tp), layout)
+    layer = layer_params_per_gpu(model, layout.tp)
+    root = n - layers_on_stage(model, layout.pp) * layer  # as memory.stage_parts: the stage's parameters outside blocks
+    parts = hpctrain_state_parts(n, layer, layout, fsdp_unit_params_per_gpu(model, layout), root)
     nvme = sum(p.bytes for p in parts if p.nvme)
     on_nvme, tiers, pinned = moments_on_nvme(layout), checkpoint_tiers(checkpoint), pins_host_memory(hw)
     host = max((host_memory(rank_shards(model, layout, s), not on_nvme, pinned, tiers) for s in stages),

@@ -11,7 +11,10 @@ Pruning that keeps a 4096-GPU search well under a second, and why it loses nothi
     and stores less (memory.py), so layouts without it are dominated;
   * for each layout only the cheapest recomputation that fits is kept (none < selective < full): a more
     expensive one is slower for the same layout;
-  * micro-batches above `max_micro_batch` and more than `max_virtual_stages` chunks are not tried.
+  * micro-batches above `max_micro_batch` and more than `max_virtual_stages` chunks are not tried;
+  * zero.accumulate_unsharded (one reduce-scatter a step for whole reduce-dtype gradients) is tried for ZeRO-2/3
+    with accumulation and no pipeline only: elsewhere it changes nothing (ZeRO-1 and PP accumulate unsharded
+    anyway, one micro-batch has nothing to accumulate).
 Candidates are ranked by estimated tokens/s (step_time.py), ties by lower memory.
 """
 
@@ -68,7 +71,7 @@ def _why(layout: Layout, mem: MemoryBreakdown, step: StepEstimate, recompute_nee
     parts = [
         f"tp{layout.tp} pp{layout.pp}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
         + f" dp{layout.dp} mb{layout.micro_batch} m{layout.microbatches} zero{layout.zero_stage}"
-        + f" rc={layout.recompute}",
+        + ("+accumulate_unsharded" if layout.accumulate_unsharded else "") + f" rc={layout.recompute}",
         f"{step.tokens_per_s:,.0f} tok/s, MFU {step.mfu:.0%}",
         f"bubble {step.bubble_fraction:.0%} of pipeline",
         f"exposed comm {step.comm_share:.0%}",
@@ -138,15 +141,16 @@ def search_layouts(
                     vs += [v for v in range(2, max_virtual_stages + 1) if model.n_layers % (pp * v) == 0]
                 for v in vs:
                     for z in zero_stages if dp > 1 else (0,):
-                        layout = Layout(
-                            dp=dp, tp=tp, pp=pp, virtual_stages=v, zero_stage=z, micro_batch=micro,
-                            grad_accum=m, sequence_parallel=tp > 1,
-                            schedule="interleaved_1f1b" if v > 1 else "1f1b", dtype=dtype,
-                            reduce_dtype=reduce_dtype,
-                        )
-                        cand = cheapest_fitting(model, layout, hw, **step_kwargs)
-                        if cand is not None:
-                            out.append(cand)
+                        for unsharded in (False, True) if z >= 2 and m > 1 and pp == 1 else (False,):
+                            layout = Layout(
+                                dp=dp, tp=tp, pp=pp, virtual_stages=v, zero_stage=z, micro_batch=micro,
+                                grad_accum=m, sequence_parallel=tp > 1,
+                                schedule="interleaved_1f1b" if v > 1 else "1f1b", dtype=dtype,
+                                reduce_dtype=reduce_dtype, accumulate_unsharded=unsharded,
+                            )
+                            cand = cheapest_fitting(model, layout, hw, **step_kwargs)
+                            if cand is not None:
+                                out.append(cand)
     out.sort(key=lambda c: (-c.tokens_per_s, c.memory.total))
     return out[:top_k] if top_k is not None else out
 
@@ -170,7 +174,8 @@ def explain(candidate: Candidate, best: Candidate | None = None) -> str:
     lines = [
         candidate.why,
         f"memory (GPU of stage {mem.stage}): params {mem.params / g:.1f} + grads {mem.grads / g:.1f}"
-        f" + optimizer {mem.optimizer / g:.1f} + activations {mem.activations / g:.1f}"
+        f" + optimizer {mem.optimizer / g:.1f} + buffers {mem.buffers / g:.1f}"
+        f" + activations {mem.activations / g:.1f}"
         f" = {mem.total / g:.1f} GiB of {mem.usable / g:.1f} usable"
         + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU" if mem.cpu_offload_bytes else "")
         + (f", {mem.nvme_bytes / g:.1f} GiB to NVMe" if mem.nvme_bytes else ""),

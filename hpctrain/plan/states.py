@@ -10,31 +10,53 @@ hpctrain (`hpctrain_state_parts`; hpctrain/parallel/engine.py, data_parallel.py,
 parameters themselves in fp32 as the master weights ("Master weights and optimizer states stay fp32 in every
 layout"): 4 bytes of weights + 4 of gradients + 8 of Adam (exp_avg, exp_avg_sq), plus working copies the
 paper does not count. n = parameters on the GPU, N = ranks ZeRO shards over, c = compute-dtype bytes,
-r = gradient-reduction dtype bytes (precision.reduce_dtype; 4 with the bf16 preset):
-  * No DP, or DDP (ZeRO-0/1 without TP or PP): fp32 params 4 n and fp32 gradients 4 n, full, on every rank
-    (DDP's buckets with gradient_as_bucket_view=True; `no_sync` accumulates into the same .grad). ZeRO-1 is
-    torch.distributed.optim.ZeroRedundancyOptimizer: it shards only Adam's state, 8 n / N. Forward runs under
-    torch.autocast, which casts each weight to the compute dtype; the casts are cached for the whole forward
-    (torch.autocast's weight-cast cache, cleared on exit) and the matmuls save them for backward: + c n.
-  * FSDP2 (torch.distributed.fsdp.fully_shard: ZeRO-2/3, and ZeRO-1 with TP or PP, which hpctrain runs as
-    ZeRO-2; ZeRO-0 with TP or PP is FSDP2's `replicate`, N = 1): fp32 shards 4 n / N of params and of
-    gradients, Adam 8 n / N, plus the unsharded parameters in MixedPrecisionPolicy.param_dtype (c bytes):
-      - reshard_after_forward=False (ZeRO-2, replicate): all c n, from forward to backward;
-      - ZeRO-3 without PP: the layer being computed and the prefetched one;
-      - any stage under PP: torch/distributed/pipelining/stage.py `backward_maybe_with_nosync` (torch 2.13,
-        lines 844-847) calls set_reshard_after_backward(False) and set_requires_gradient_sync(False) before
-        every micro-batch's backward (`perform_reduce_grad`, lines 1173-1177, restores both after the last
-        one, which schedules.py calls at the end of each step), so once a stage has run a backward its
-        parameters stay unsharded: c n.
-    Gradient accumulation (the engine calls set_requires_gradient_sync(False) on all but the last
-    micro-batch) and PP (above) skip the reduce-scatter: `FSDPParamGroup.post_backward` (fsdp/_fully_shard/
-    _fsdp_param_group.py, lines 607-612: `if not self.reduce_grads: ... return`) returns early and
-    `FSDPParam.to_accumulated_grad_if_needed` (_fsdp_param.py, lines 802-813) upcasts the *unsharded* gradient
-    to reduce_dtype (with reduce_dtype == param_dtype it is clamped to None and the .grad itself accumulates);
-    `accumulate_unsharded_grad_if_needed` (lines 815-820) adds the next ones.
-    That is r n per GPU, full size, until the last backward reduce-scatters it, layer by layer, into the
-    4 n / N shards: the peak is max(r n, 4 n / N). One layer's unsharded gradient (c) and its reduce-scatter
-    input (r) are in flight during backward.
+r = gradient-reduction dtype bytes (precision.reduce_dtype; 4 with the bf16 preset), M = micro-batches:
+  * No DP, or DDP (ZeRO-0 without TP or PP): fp32 params 4 n and fp32 gradients 4 n, full, on every rank
+    (DDP's buckets with gradient_as_bucket_view=True; `no_sync` accumulates into the same .grad), Adam 8 n.
+    Forward runs under torch.autocast, which casts each weight to the compute dtype; the casts are cached for
+    the whole forward (torch.autocast's weight-cast cache, cleared on exit) and the matmuls save them for
+    backward: + c n.
+  * FSDP2 (torch.distributed.fsdp.fully_shard: ZeRO-1/2/3; ZeRO-0 with TP or PP is FSDP2's `replicate`,
+    N = 1): fp32 shards 4 n / N of params (the master weights) and Adam 8 n / N, plus the unsharded
+    parameters in MixedPrecisionPolicy.param_dtype (c bytes):
+      - ZeRO-1/2 (reshard_after_forward=False, and `set_reshard_after_backward(False)` on every micro-batch
+        but the last: data_parallel.microbatch_sync), `replicate`, and any stage under PP: all c n, from the
+        first forward to the last backward of the step;
+      - ZeRO-3 without PP: the units being computed and prefetched. ZeRO-3 shards each block's attention and
+        MLP as FSDP units of their own: backward holds a block's units (the MLP computed, the attention
+        prefetched, the norms' unit) = one layer; with whole-block units it would be two layers.
+    Gradients, `accumulates_unsharded`:
+      - reduce-scattered in every micro-batch (ZeRO-2/3 by default, and every stage with M = 1): fp32 shards
+        4 n / N. FSDP2's `foreach_reduce` adds each reduce-scatter's output to the sharded .grad.
+      - summed unsharded across micro-batches and reduce-scattered once (ZeRO-1 always, ZeRO-2/3 with
+        zero.accumulate_unsharded, `replicate` (no-sync), and every stage under PP: below): with
+        set_requires_gradient_sync(False), `FSDPParamGroup.post_backward` (fsdp/_fully_shard/
+        _fsdp_param_group.py, torch 2.13: `if not self.reduce_grads: ... to_accumulated_grad_if_needed();
+        return`) skips the reduce-scatter and `FSDPParam.to_accumulated_grad_if_needed` (_fsdp_param.py)
+        upcasts the *unsharded* gradient to reduce_dtype (with reduce_dtype == param_dtype it is clamped to
+        None and the .grad itself accumulates); `accumulate_unsharded_grad_if_needed` adds the next ones.
+        That is r n per GPU, full size (Megatron's gradient buffer), until the last backward reduce-scatters
+        it unit by unit into the 4 n / N shards: the peak is max(r n, 4 n / N).
+    In flight during backward: one unit's unsharded gradient (c) and its reduce-scatter input (r, copied in by
+    `foreach_reduce`; `reduce_scatter_max_input_buffers` = 1 keeps one such buffer): (c + r) x the largest
+    unit (a layer, or under ZeRO-3 a block's MLP).
+Columns: the ZeRO paper (sec. 3, 6) separates *model states* (parameters, gradients, optimizer state) from
+*residual states* (activations, temporary buffers, fragmentation), and torch's FSDPMemTracker names FSDP2's
+all-gather and reduce-scatter buffers apart from parameters and gradients (fsdp2_mem_tracker._FSDPRefType). So
+do the parts here: Part kind "buffers" holds pure collective staging (one unit's all-gather output while it is
+copied out, one unit's reduce-scatter or all-reduce input); a fresh gradient stays a gradient and an unsharded
+working parameter a parameter. Where gradients accumulate unsharded, a unit's fresh gradient is added in and
+freed before the last micro-batch's reduce-scatter input is made: it counts under grads, the input beyond it
+(r - c bytes per parameter) under buffers.
+  * Under PP torch's schedules drive FSDP2 themselves: `_PipelineStageBase.backward_maybe_with_nosync`
+    (torch/distributed/pipelining/stage.py, torch 2.13) calls set_is_last_backward(False),
+    set_reshard_after_backward(False) and set_requires_gradient_sync(False) before *every* micro-batch's
+    backward, the last included, and `perform_reduce_grad` (the schedule's REDUCE_GRAD action after all
+    backwards) sets them back and runs each parameter group's post_backward by hand: one reduce-scatter a step
+    of gradients accumulated unsharded in the reduce dtype, and a stage's parameters unsharded from its first
+    backward on, whatever the ZeRO stage. hpctrain leaves that as it is (overriding the stage's backward would
+    have to replace the hand-run post_backward and FSDP2's end-of-backward callback too, for every schedule)
+    and counts it: unsharded gradients r n and unsharded parameters c n at any stage under PP.
   * CPU offload (any zero.offload_*: FSDP2's CPUOffloadPolicy; `offloads`) moves the fp32 shards of params,
     gradients and Adam state (16 n / N) and the optimizer step to host memory; working copies and unsharded
     gradients stay. With zero.offload_optimizer_device=nvme (Layout.offload_device, hpctrain/parallel/nvme.py)
@@ -42,6 +64,11 @@ r = gradient-reduction dtype bytes (precision.reduce_dtype; 4 with the bf16 pres
     keeps the fp32 parameter shard (FSDP2 copies it to the GPU for every all-gather, so it must stay resident)
     and the gradient shard, 8 n / N; the NVMe holds 8 n / N per GPU. The chunks streamed through host memory
     at each step (zero.nvme_chunk_mb, a few per rank) are not counted. Traffic and time: offload.py.
+Each model-state column is its own peak over the step (what tests/parallel/test_zero_memory.py measures on gloo
+ranks): ZeRO-1 holds 2 + 4 + 12/N bytes per parameter (Megatron's distributed optimizer), ZeRO-2 2 + 16/N,
+ZeRO-3 16/N, each plus the transients `_fsdp_parts` names; the buffers column is the collectives' staging those
+peaks held (one all-gather in forward, one reduce-scatter in backward), so that the parts add up to the total. docs/planner.md ("ZeRO's memory") has
+GPT-3 6.7B's figures.
 """
 
 from __future__ import annotations
@@ -72,7 +99,7 @@ class ModelStates:
 class Part:
     """One named piece of a GPU's memory: which column it adds to, and whether it sits in host memory."""
 
-    kind: str  # "params" | "grads" | "optimizer" | "activations"
+    kind: str  # "params" | "grads" | "optimizer" | "buffers" | "activations"
     name: str
     bytes: float
     cpu: bool = False  # in host memory
@@ -112,19 +139,9 @@ def data_parallel_kind(layout: Layout) -> str:
     """The wrapper hpctrain's engine uses: "none", "ddp", "fsdp" or "replicate" (engine.py, data_parallel.uses_fsdp)."""
     if layout.dp == 1:
         return "none"
-    if layout.zero_stage >= 2 or layout.tp > 1 or layout.pp > 1:
-        return "fsdp" if layout.zero_stage > 0 else "replicate"
-    return "ddp"
-
-
-def effective_zero_stage(layout: Layout) -> int:
-    """The ZeRO stage that runs: ZeRO-1 with TP or PP is FSDP2 with reshard_after_forward=False, i.e. ZeRO-2
-    (hpctrain/parallel/data_parallel.py docstring); without DP nothing is sharded."""
-    if layout.dp == 1:
-        return 0
-    if layout.zero_stage == 1 and (layout.tp > 1 or layout.pp > 1):
-        return 2
-    return layout.zero_stage
+    if layout.zero_stage >= 1:
+        return "fsdp"
+    return "replicate" if layout.tp > 1 or layout.pp > 1 else "ddp"
 
 
 def offloads(layout: Layout) -> bool:
@@ -138,53 +155,113 @@ def moments_on_nvme(layout: Layout) -> bool:
     return offloads(layout) and layout.offload_device == "nvme"
 
 
-def accumulates(layout: Layout) -> bool:
-    """Gradients of several micro-batches are summed before they are reduced (accumulation, or any PP)."""
-    return layout.microbatches > 1 or layout.pp > 1
+def accumulates_unsharded(layout: Layout) -> bool:
+    """Gradients are summed unsharded over the step's micro-batches and reduced once (module docstring): FSDP2 or
+    `replicate` under PP (torch's schedules), or with M > 1 at ZeRO-0 (`replicate`), ZeRO-1, or ZeRO-2/3 with
+    zero.accumulate_unsharded (data_parallel.accumulates_unsharded)."""
+    kind = data_parallel_kind(layout)
+    if kind not in ("fsdp", "replicate"):
+        return False
+    if layout.pp > 1:
+        return True
+    return layout.microbatches > 1 and (kind == "replicate" or layout.zero_stage == 1 or layout.accumulate_unsharded)
 
 
-def hpctrain_state_parts(n: float, layer: float, layout: Layout) -> list[Part]:
-    """Parameters, gradients and optimizer state one GPU holds for n parameters (layer: one layer's share)."""
+def gradient_reductions(layout: Layout) -> int:
+    """Reduce-scatters (all-reduces at ZeRO-0) of the whole gradient per step: one, or one per micro-batch."""
+    return 1 if layout.zero_stage == 0 or accumulates_unsharded(layout) else layout.microbatches
+
+
+def split_units(layout: Layout) -> bool:
+    """Each block's attention and MLP are FSDP units of their own (data_parallel.apply_fsdp: ZeRO-3)."""
+    return data_parallel_kind(layout) == "fsdp" and layout.zero_stage == 3
+
+
+def hpctrain_state_parts(n: float, layer: float, layout: Layout, unit: float | None = None,
+                         root: float = 0.0) -> list[Part]:
+    """Parameters, gradients, optimizer state and collective buffers one GPU holds for n parameters, each column
+    at its own peak
+    (layer: one layer's share; unit: the largest block-level FSDP unit's, a layer unless `split_units`, None: a
+    layer; root: the parameters outside the blocks, FSDP2's root unit)."""
     kind = data_parallel_kind(layout)
     if kind in ("none", "ddp"):
         return _unsharded_parts(n, layout)
-    return _fsdp_parts(n, layer, layout, layout.zero_shard if kind == "fsdp" else 1)
+    if kind == "replicate":
+        return _replicate_parts(n, layer, layout)
+    return _fsdp_parts(n, layer, layer if unit is None else unit, root, layout)
 
 
 def _unsharded_parts(n: float, layout: Layout) -> list[Part]:
-    """A plain module or DDP, with ZeroRedundancyOptimizer for ZeRO-1."""
+    """A plain module or DDP (ZeRO-0)."""
     c = layout.compute_bytes
-    zero1 = layout.dp > 1 and layout.zero_stage == 1
     parts = [Part("params", "fp32 parameters (master weights)", MASTER * n)]
     if c < MASTER:
         parts.append(Part("params", f"{layout.dtype} autocast weight copies, saved for backward", c * n))
     parts.append(Part("grads", "fp32 gradients, full" + (" (DDP buckets)" if layout.dp > 1 else ""), MASTER * n))
-    name = f"Adam moments, 1/{layout.dp} (ZeroRedundancyOptimizer)" if zero1 else "Adam moments"
-    parts.append(Part("optimizer", name, ADAM * n / (layout.dp if zero1 else 1)))
+    parts.append(Part("optimizer", "Adam moments", ADAM * n))
     return parts
 
 
-def _fsdp_parts(n: float, layer: float, layout: Layout, shard: int) -> list[Part]:
-    """FSDP2 fully_shard (shard = N) or replicate (shard = 1), with CPU offload when configured."""
+def _replicate_parts(n: float, layer: float, layout: Layout) -> list[Part]:
+    """FSDP2's replicate (ZeRO-0 with TP or PP): fp32 parameters and Adam whole, compute-dtype working copies."""
+    c, r = layout.compute_bytes, layout.reduce_bytes
+    held = r * n if accumulates_unsharded(layout) else 0.0
+    return [
+        Part("params", "fp32 parameters (master weights)", MASTER * n),
+        Part("params", f"{layout.dtype} unsharded parameters, whole stage kept from the first forward to the last "
+             "backward", c * n),
+        Part("optimizer", "Adam moments", ADAM * n),
+        Part("grads", "fp32 gradients", max(held, MASTER * n)),
+        Part("grads", "one layer's unsharded gradient", c * layer),
+        Part("buffers", "one layer's all-reduce input", r * layer),
+    ]
+
+
+def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout) -> list[Part]:
+    """FSDP2 fully_shard over N = zero_shard ranks (ZeRO-1/2/3), with CPU offload when configured.
+
+    Measured against real gloo ranks in tests/parallel/test_zero_memory.py (torch's MemTracker, each column's
+    own peak). Forward all-gathers each unit into a flat buffer and copies it out (`foreach_all_gather_copy_out`):
+    one unit's buffer on top of what is gathered (a "buffers" part, as each reduce-scatter input is). The root
+    unit (embeddings, final norm, head) is gathered from the first forward to the end of the last backward, and
+    its fresh gradient (the head's, where the embedding is tied) is held through each backward until the
+    embedding's adds in and the root's post-backward reduces it."""
+    shard = layout.zero_shard
     c, r = layout.compute_bytes, layout.reduce_bytes
     cpu = offloads(layout)
     nvme = moments_on_nvme(layout)
-    gathered_layers = effective_zero_stage(layout) == 3 and layout.pp == 1
+    gathered_units = layout.zero_stage == 3 and layout.pp == 1
     of = f", 1/{shard}" if shard > 1 else ""
     parts = [
         Part("params", f"fp32 parameter shard{of}", MASTER * n / shard, cpu),
-        Part("params", f"{layout.dtype} unsharded parameters, " + ("2 layers gathered" if gathered_layers else
-             "whole stage kept from forward to backward"), c * (2 * layer if gathered_layers else n)),
+        Part("params", f"{layout.dtype} unsharded parameters, " + (
+            "the root unit and one block's units" if gathered_units
+            else "whole stage kept from the first forward to the last backward"),
+            c * (root + layer if gathered_units else n)),
+        Part("buffers", "one unit's all-gather output while it is copied out", c * unit),
         Part("optimizer", f"Adam moments{of}", ADAM * n / shard, cpu and not nvme, nvme),
     ]
     shards = MASTER * n / shard
-    if accumulates(layout):
-        held = r * n if cpu else max(r * n, shards)  # the shards replace the accumulated gradients layer by layer
+    unit_name = "MLP" if split_units(layout) else "layer"
+    if accumulates_unsharded(layout):
+        held = r * n if cpu else max(r * n, shards)  # the shards replace the accumulated gradients unit by unit
         parts.append(Part("grads", f"unsharded {layout.reduce_dtype or layout.dtype} gradients, accumulated until "
                           "the last micro-batch's reduce-scatter", held))
         if cpu:
             parts.append(Part("grads", f"fp32 gradient shard{of}", shards, True))
+        # a unit's fresh gradient (a gradient: its own peak) is added in and freed before the last micro-batch's
+        # reduce-scatter input is made; that input is staging, counted beyond the gradient it follows
+        peak = (c * unit, max(r - c, 0) * unit, unit_name)
     else:
         parts.append(Part("grads", f"fp32 gradient shard{of}", shards, cpu))
-    parts.append(Part("grads", "one layer's unsharded gradient + reduce-scatter input", (c + r) * layer))
+        # a block unit's fresh gradient and reduce-scatter input, or at the end the root's own (its gradient is
+        # then the one held)
+        peak = max((c * unit, r * unit, unit_name), (0.0, r * root, "root unit"), key=lambda m: m[0] + m[1])
+    fresh, staged, whose = peak
+    parts.append(Part("grads", "the root's gradient held through backward" + (
+        f" + one {whose}'s unsharded gradient" if fresh else ""), c * root + fresh))
+    if staged:
+        beyond = f", beyond its {layout.dtype} gradient, freed before it" if accumulates_unsharded(layout) else ""
+        parts.append(Part("buffers", f"the {whose}'s reduce-scatter input ({layout.reduce_dtype or layout.dtype}"
+                          f"{beyond})", staged))
     return parts

@@ -3,6 +3,9 @@
 Model (all per GPU, the most loaded one):
   compute  = hardware FLOPs of the iteration (flops.py, with the layout's recomputation) / n_gpus
              / (peak * efficiency). Work is assumed evenly spread (the logit layer on the last stage is not).
+             With precision.fp8 the blocks' Linear GEMMs run at the GPU's FP8 peak (Hardware.fp8_flops), the
+             attention core and the logit layer at the bf16 peak (flops.compute_seconds). MFU and HFU stay
+             against the bf16 peak, so they compare across precisions (an FP8 run can pass what bf16 could reach).
   busy     = compute + exposed TP traffic + exposed PP sends. TP collectives sit between the matmuls of
              every layer and are taken as fully exposed; PP sends likewise by default.
   pipeline = busy / (1 - bubble_fraction): the bubble stretches everything a stage does per micro-batch.
@@ -31,7 +34,7 @@ from dataclasses import dataclass, replace
 
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.comm import CommBreakdown, comm_per_step
-from hpctrain.plan.flops import flops_per_iteration, mfu
+from hpctrain.plan.flops import compute_seconds, flops_per_iteration, fp8_flops_per_iteration, mfu
 from hpctrain.plan.offload import OffloadCosts, offload_costs
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
@@ -137,7 +140,8 @@ def estimate_step(
             raise ValueError(f"{name} must be in [0, 1]")
     n = layout.n_gpus
     flops = flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp)
-    compute_s = flops / n / (hw.peak_flops * hw.efficiency)
+    fp8_flops = fp8_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.fp8)
+    compute_s = compute_seconds(flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency)
     comm = comm_per_step(model, layout, hw)
     tp_s = tp_exposed * comm.time_of("tp")
     pp_s = pp_exposed * comm.time_of("pp")

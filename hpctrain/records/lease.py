@@ -4,23 +4,31 @@ A run can be started twice at once: the supervisor resubmits a failed job while 
 for NODE_FAIL, or a user starts a run that is still alive. Both would train into the same run directory,
 commit the same checkpoints and write the same metrics. So every attempt takes the lease when it starts (the
 token goes up by one under an exclusive lock, the file is replaced atomically) and the newest attempt holds
-the run. The older one learns it has lost at its next step boundary (rank 0 reads the token; the answer
-rides on the step's one all-reduce) and ends without writing anything more: no checkpoint, no metrics, no
-failure record, exit status 0 so that nobody resubmits it; the supervisor of a job that no longer holds the
-lease does nothing either.
+the run. The older one learns it has lost within `run.lease_check_s` seconds (rank 0's `LeaseWatch` thread
+re-reads the token; the answer rides on the step's one all-reduce, so every rank stops at the same step
+boundary) and ends without writing anything more: no checkpoint, no metrics, no failure record, exit status 0
+so that nobody resubmits it; the supervisor of a job that no longer holds the lease does nothing either.
+
+The token is not read on the step's path: on a cluster the run directory is on a shared file system, where a
+read is a metadata operation (milliseconds, seconds when the metadata server is loaded) that every rank would
+wait for in the step's all-reduce.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpctrain.records.paths import RunPaths
+
+log = logging.getLogger(__name__)
 
 
 class StaleAttempt(RuntimeError):
@@ -73,3 +81,51 @@ def superseded(run_dir: Path, job_id: str, jobs: list[str]) -> bool:
     if now is None or now.job_id == str(job_id) or now.job_id not in jobs or str(job_id) not in jobs:
         return False
     return jobs.index(now.job_id) > jobs.index(str(job_id))
+
+
+class LeaseWatch:
+    """Rank 0's check of the lease, off the step's path: a daemon thread re-reads the token every
+    `interval_s` seconds and latches `lost()`, which the step's control values read for free.
+
+    A thread rather than every N steps: the read costs the step nothing whatever the file system does (a
+    stalled metadata server stalls this thread, not the all-reduce every rank waits in), and the delay until
+    an old attempt notices is bounded in seconds whatever the step time. A read that fails (a file system
+    hiccup) keeps the last verdict and is retried at the next interval."""
+
+    def __init__(self, run_dir: Path, lease: Lease, interval_s: float) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"run.lease_check_s must be > 0 seconds, got {interval_s}")
+        self.run_dir, self.lease, self.interval_s = run_dir, lease, float(interval_s)
+        self._lost = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hpctrain-lease", daemon=True)
+
+    def start(self) -> LeaseWatch:
+        self._thread.start()
+        return self
+
+    def lost(self) -> bool:
+        """Whether a newer attempt took the run, as of the last read (no file access)."""
+        return self._lost.is_set()
+
+    def check(self) -> bool:
+        """Read the token now; True while this attempt still holds the run."""
+        try:
+            held = holds(self.run_dir, self.lease)
+        except (OSError, ValueError, KeyError) as exc:  # unreadable or half-written by hand: try again later
+            log.warning("lease: cannot read %s (%s: %s); retrying in %g s", RunPaths(self.run_dir).lease,
+                        type(exc).__name__, exc, self.interval_s)
+            return not self.lost()
+        if not held:
+            self._lost.set()
+        return held
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.interval_s + 5.0)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            if not self.check():
+                return

@@ -1,4 +1,4 @@
-"""torch's own memory accounting of one rank's step, by category, in the planner's four columns.
+"""torch's own memory accounting of one rank's step, by category, in the planner's five columns.
 
 torch.distributed._tools' MemTracker counts every storage a dispatched op creates (fake tensors have sizes,
 so this works on them) and names each by its role; FSDPMemTracker adds FSDP2's roles (sharded and unsharded
@@ -25,17 +25,37 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.weak import WeakIdKeyDictionary
 
-# torch's categories -> the planner's columns (hpctrain.plan.memory.MemoryBreakdown)
+# torch's categories -> the planner's columns (hpctrain.plan.memory.MemoryBreakdown): FSDP2's all-gather and
+# reduce-scatter staging are "buffers", apart from the model states, as in the planner (states.py, "Columns");
+# "Buffer" is a module's registered buffer (torch's _MemRefType.BUFFER), held like a parameter
 COLUMNS = {
-    "Sharded Param": "params", "Unsharded Param": "params", "All Gather": "params", "Buffer": "params",
-    "Parameter": "params",
-    "Sharded Grad": "grads", "Unsharded Grad": "grads", "Reduce Scatter": "grads", "Gradient": "grads",
+    "Sharded Param": "params", "Unsharded Param": "params", "Buffer": "params", "Parameter": "params",
+    "Sharded Grad": "grads", "Unsharded Grad": "grads", "Gradient": "grads",
+    "All Gather": "buffers", "Reduce Scatter": "buffers",
     "OptState": "optimizer", "Optstate": "optimizer",
     "Activation": "activations", "Temp": "activations", "Inputs": "activations", "Other": "activations",
 }
 
 
-class _FSDPStepTracker(fsdp_tools.FSDPMemTracker):
+class _ColumnPeaks(MemTracker):
+    """Also the most each planner column (`column_peaks`) and each of torch's categories (`category_peaks`) held
+    at any point of the step: the peak snapshot holds them at the moment of the total's peak, when, say, the
+    gradients may be past theirs."""
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        super()._update_peak_stats(peak_state)
+        peaks: dict[str, int] = self.__dict__.setdefault("column_peaks", {})
+        by_category: dict[str, int] = self.__dict__.setdefault("category_peaks", {})
+        for snapshot in self._curr_mem_snap.values():
+            named = {str(getattr(name, "value", name)): b for name, b in snapshot.items()}
+            named.pop("Total", None)
+            for column, b in columns(named).items():
+                peaks[column] = max(peaks.get(column, 0), b)
+            for name, b in named.items():
+                by_category[name] = max(by_category.get(name, 0), b)
+
+
+class _FSDPStepTracker(_ColumnPeaks, fsdp_tools.FSDPMemTracker):
     """FSDPMemTracker over several roots and optimizers, several forwards a step (module docstring)."""
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
@@ -80,13 +100,13 @@ class _FSDPStepTracker(fsdp_tools.FSDPMemTracker):
         self._optimizer_hook_handles = tuple(handles)
 
 
-class _StepTracker(MemTracker):
+class _StepTracker(_ColumnPeaks):
     """torch's MemTracker (no FSDP2: a plain module or DDP), several forwards of a root a step."""
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         super().__init__()
         self._roots = {id(p) for p in parts}
-        self.track_external(*parts, *[_inner(o) for o in optimizers])
+        self.track_external(*parts, *optimizers)
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         if id(module) in self._roots and not self._mod_tracker.is_bw and module in self.memory_tracking:
@@ -103,11 +123,6 @@ def step_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]
     return _StepTracker(parts, optimizers)
 
 
-def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """ZeroRedundancyOptimizer keeps this rank's state in an inner optimizer over its partition."""
-    return getattr(optimizer, "optim", optimizer)
-
-
 def peak_by_category(tracker: MemTracker) -> dict[str, int]:
     """The peak snapshot's bytes by torch's category (one device: the simulation's CPU), zeros left out."""
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -116,9 +131,21 @@ def peak_by_category(tracker: MemTracker) -> dict[str, int]:
     return {name: b for name, b in named.items() if name != "Total" and b}
 
 
+def column_peaks(tracker: MemTracker) -> dict[str, int]:
+    """The most each planner column held at any point of the tracked step (params, grads, optimizer, buffers,
+    activations): what the planner's columns, each its own worst case, are compared with."""
+    return dict(getattr(tracker, "column_peaks", {}))
+
+
+def category_peaks(tracker: MemTracker) -> dict[str, int]:
+    """The most each of torch's categories held at any point of the tracked step (say, "All Gather" in forward
+    and "Reduce Scatter" in backward, which the buffers column's own peak does not hold together)."""
+    return {name: b for name, b in getattr(tracker, "category_peaks", {}).items() if b}
+
+
 def columns(categories: dict[str, int]) -> dict[str, int]:
-    """torch's categories summed into the planner's columns (params, grads, optimizer, activations)."""
-    out = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
+    """torch's categories summed into the planner's columns (params, grads, optimizer, buffers, activations)."""
+    out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0, "activations": 0}
     for name, b in categories.items():
         out[COLUMNS[name]] += b
     return out

@@ -92,26 +92,27 @@ class SimulatedEngine(Engine):
         return metas
 
 
-def simulate(cfg: Any, layout: Layout, rank: int) -> Simulation:
+def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None) -> Simulation:
     """Rank `rank` of `layout`'s job (cfg: the run's config), built and stepped once on fake tensors, in a process
     of its own: a fake world leaves state in torch that the caller must not inherit (DTensor's sharding cache keeps
     the fake world's meshes, whose groups are gone with it). The child rebuilds the config from a plain dict, as a
-    task does (hpctrain.train.loop.load_config)."""
+    task does (hpctrain.train.loop.load_config). `microbatches`: how many of the step's micro-batches run (default:
+    all under a pipeline, else at most 3, which peak as the whole step does)."""
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} is not a rank of a {layout.world_size}-rank job")
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_simulate_config, (config, layout, rank))
+        return pool.apply(_simulate_config, (config, layout, rank, microbatches))
 
 
-def _simulate_config(config: dict[str, Any], layout: Layout, rank: int) -> Simulation:
+def _simulate_config(config: dict[str, Any], layout: Layout, rank: int, microbatches: int | None) -> Simulation:
     from hpctrain.train.loop import load_config
 
     torch.set_num_threads(1)
-    return simulate_here(load_config(config), layout, rank)
+    return simulate_here(load_config(config), layout, rank, microbatches)
 
 
-def simulate_here(cfg: Any, layout: Layout, rank: int) -> Simulation:
+def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None) -> Simulation:
     """`simulate` in this process (which must not have torch.distributed initialised; it is left polluted)."""
     started = time.perf_counter()
     with fake_world(layout, rank) as dims:
@@ -119,7 +120,8 @@ def simulate_here(cfg: Any, layout: Layout, rank: int) -> Simulation:
         with counting_group_calls() as calls:
             engine = SimulatedEngine(cfg, layout, CPU, dims, tensors=mode)
         step_microbatches = layout.microbatches
-        microbatches = step_microbatches if dims.pp > 1 else min(step_microbatches, 2)
+        if microbatches is None:
+            microbatches = step_microbatches if dims.pp > 1 else min(step_microbatches, 3)
         with mode:  # the whole step's batch, as the data reader hands it over, of which the slice runs
             step = torch.zeros(2, step_microbatches, layout.micro_batch, cfg.train.seq_len, dtype=torch.long)
             batches = step[:, :microbatches]

@@ -2,8 +2,10 @@
 
 The planner (hpctrain.plan.memory) and torch's tracker (hpctrain.simulate.memory) must agree on the model
 states, parameters + gradients + optimizer state, within STATES_TOLERANCE: those are sizes of tensors the
-layout fixes, and the planner is the figure the checks hold a run to. Activations are compared and reported
-but held to nothing: CPU SDPA is not the flash attention the planner assumes on GPUs, and the planner
+layout fixes, and the planner is the figure the checks hold a run to. The collectives' staging buffers (FSDP2's
+all-gather outputs and reduce-scatter inputs) are a column of their own on both sides, apart from the model
+states (hpctrain.plan.states, "Columns"). Buffers and activations are compared and reported but held to
+nothing: CPU SDPA is not the flash attention the planner assumes on GPUs, and the planner
 counts a recomputed layer's transient and the logits' fp32 copies by formula (docs/planner.md, "The planner
 against torch").
 """
@@ -21,13 +23,13 @@ from hpctrain.simulate.rank import Simulation, most_loaded_rank, simulate
 
 STATES_TOLERANCE = 0.10  # |planner - torch| / torch on parameters + gradients + optimizer state
 COLUMNS = (("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
-           ("activations", "activations"))
+           ("buffers", "buffers"), ("activations", "activations"))
 STATES = ("params", "grads", "optimizer")
 
 
 def planner_columns(est: Estimates, pp_rank: int) -> dict[str, float]:
     """The planner's GPU bytes by column for one pipeline rank (the same parts its memory table lists)."""
-    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    out = {key: 0.0 for _, key in COLUMNS}
     for part in stage_parts(est.model, est.layout, pp_rank):
         if part.on_gpu:
             out[part.kind] += part.bytes

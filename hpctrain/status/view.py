@@ -11,6 +11,7 @@ from hpctrain.goodput.ledger import PARTS, Ledger
 PART_NOTES = {
     "productive": "inside the steps that count",
     "data_wait": "those steps waiting for batches",
+    "compile": "those steps in torch.compile",
     "checkpoint": "training stopped for saves",
     "evaluation": "validation",
     "step_overhead": "the loop between steps (logging, probes)",

@@ -11,7 +11,8 @@ own device. The vector's layout, identical on every rank:
     [SIGUSR2 count, SIGTERM count, lease lost] + checkpoint values (CheckpointManager.control_values) + probe
     block (RunMonitor.control_values: 2 x world on probe steps, empty otherwise)
 
-"lease lost" is rank 0's: a newer attempt of the run took the lease (hpctrain.records.lease).
+"lease lost" is rank 0's: a newer attempt of the run took the lease, as rank 0's LeaseWatch thread last read
+it (hpctrain.records.lease): no file is read on the step's path, every rank still stops at the same boundary.
 
 Values are taken before the step, so what happens during a step (a signal, a background write finishing) is
 acted on at the next boundary.
@@ -21,11 +22,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.health.monitor import RunMonitor
-from hpctrain.records.lease import Lease, holds
+from hpctrain.records.lease import LeaseWatch
 from hpctrain.train.preemption import StopFlag
 
 
@@ -41,9 +41,9 @@ class Agreed:
 
 class StepControl:
     def __init__(self, stop: StopFlag, ckpt: CheckpointManager, monitor: RunMonitor,
-                 lease: tuple[Path, Lease] | None = None) -> None:
+                 lease: LeaseWatch | None = None) -> None:
         self.stop, self.ckpt, self.monitor = stop, ckpt, monitor
-        self.lease = lease  # rank 0's (run directory, lease taken at start); None on the other ranks
+        self.lease = lease  # rank 0's watch of the lease taken at start; None on the other ranks
         self._sizes: tuple[int, int] = (0, 0)
 
     def values(self, step: int) -> list[float]:
@@ -51,7 +51,7 @@ class StepControl:
         checkpoint = self.ckpt.control_values(time.monotonic())
         probes = self.monitor.control_values(step)
         self._sizes = (len(checkpoint), len(probes))
-        lost = float(self.lease is not None and not holds(*self.lease))
+        lost = float(self.lease is not None and self.lease.lost())
         return self.stop.control_values() + [lost] + checkpoint + probes
 
     def decode(self, summed: list[float]) -> Agreed:

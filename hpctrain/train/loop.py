@@ -36,6 +36,7 @@ from hpctrain.health.monitor import RunMonitor
 from hpctrain.health.gpu_free import wait_for_free_gpu
 from hpctrain.health.preflight import UnhealthyNodes, run_preflight
 from hpctrain.health.watchdog import Watchdog
+from hpctrain.parallel.compile import CompileClock
 from hpctrain.parallel.engine import build_engine
 from hpctrain.parallel.precision import configure_device_math
 from hpctrain.records.failures import (
@@ -51,7 +52,7 @@ from hpctrain.records.failures import (
 from hpctrain.records.fingerprint import fingerprint_of
 from hpctrain.records.history import ATTEMPT_MARKS
 from hpctrain.records.jobs import write_completed, write_report
-from hpctrain.records.lease import StaleAttempt, current_lease, holds, take_lease
+from hpctrain.records.lease import LeaseWatch, StaleAttempt, current_lease, holds, take_lease
 from hpctrain.tracking.tracker import Tracker
 from hpctrain.train.control import StepControl
 from hpctrain.train.faults import Fault
@@ -190,6 +191,7 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
     run_preflight(cfg, env.rank, env.local_rank, env.attempt, run_dir, device)
     stop, tracker, stats, done = StopFlag(on_signal=lambda _: watchdog.stop_signalled()), None, None, 0
     reader: BatchReader | None = None
+    watch: LeaseWatch | None = None
     try:  # from here every error leaves a failure record: start-up (engine, resume) as much as the steps
         timeline["checked"] = time.time()  # the watchdog started, the pre-flight passed
         monitor = RunMonitor(cfg.health, env.rank, device, hosts)
@@ -212,7 +214,9 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
         reporter = StepReporter(cfg, layout.global_batch * t.seq_len, env.world_size, device, start_step,
                                 ckpt.stop_tier())
         fault = Fault.from_env()
-        control = StepControl(stop, ckpt, monitor, (run_dir, lease) if env.is_main else None)
+        compiling = CompileClock()  # torch.compile's share of each step (parallel.compile), for the ledger
+        watch = LeaseWatch(run_dir, lease, cfg.run.lease_check_s).start() if env.is_main else None
+        control = StepControl(stop, ckpt, monitor, watch)
         stop.install()
         timeline["ready"] = time.time()  # data, tracker, reporter
         for step in range(start_step, t.max_steps):
@@ -221,7 +225,8 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
                 fault.maybe_fire(step + 1, env.rank, run_dir)
             batches = reader.batches(consumed)
             lr = lr_at(step, cfg.optim, t.max_steps)
-            stats = engine.step(batches, lr, control.values(step + 1))
+            with compiling:
+                stats = engine.step(batches, lr, control.values(step + 1))
             agreed = control.decode(stats.control)
             if agreed.stale:
                 raise StaleAttempt(f"a newer attempt of this run took the lease before step {step + 1}")
@@ -237,7 +242,7 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
                 watchdog.touch()  # the next step's hang limit starts after the evaluation
             if tracker is not None:
                 reporter.step(tracker, done, consumed, stats, lr, step_time, ckpt.events, monitor_out,
-                              {"data_wait_s": reader.wait_s, "ckpt_s": ckpt_s, **evaluated})
+                              {"data_wait_s": reader.wait_s, "ckpt_s": ckpt_s, **compiling.report(), **evaluated})
                 if done == start_step + 1:  # how long this attempt took to train again, part by part
                     timeline["first_step"] = time.time()
                     tracker.event("attempt", job_id=env.job_id, restart=env.restart, requeue=env.requeue,
@@ -270,6 +275,8 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
     finally:
         if reader is not None:
             reader.close()
+        if watch is not None:
+            watch.stop()
         watchdog.stop()
         stop.restore()
         if tracker is not None:

@@ -12,8 +12,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+import hpctrain.checkpoint.manager as manager_module
 from hpctrain.checkpoint.inspect import export_model, find, list_checkpoints
 from hpctrain.checkpoint.layout import Committed, committed_in, verify
+from hpctrain.checkpoint.manager import ReusingStager
 from hpctrain.records.failures import read_failures
 from tests.checkpoint.training import consumed_samples, losses_by_step, train
 from tests.distributed_harness import DistributedTestError
@@ -234,3 +236,31 @@ def test_resume_in_another_layout_continues_exactly(compose_cfg, tmp_path: Path,
     for step in range(4, 7):
         assert b[step] == pytest.approx(a[step], rel=1e-4), (step, a[step], b[step])
     assert consumed_samples(run_dir) == list(range(6 * 8))
+
+
+def test_staging_reuses_its_buffers_and_copies_on_one_intra_op_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save of a tier stages into the same host buffers, the state's current values bit for bit, with
+    torch's intra-op threads at one during the copy (an OpenMP copy stalls at its barriers on a busy machine:
+    `docs/checkpoint.md`) and the caller's count restored after."""
+    threads_during: list[int] = []
+    copy = manager_module._copy_state_dict
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        threads_during.append(torch.get_num_threads())
+        return copy(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "_copy_state_dict", counting)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        state = {"model": {"w": torch.randn(64, 32)}, "optim": {"w.exp_avg": torch.randn(64, 32), "w.step": 3}}
+        stager = ReusingStager(pin=False)
+        first = stager.stage(state)
+        state["model"]["w"].add_(1.0)
+        second = stager.stage(state)
+        assert torch.get_num_threads() == 2 and threads_during == [1, 1]
+    finally:
+        torch.set_num_threads(before)
+    assert second["model"]["w"] is first["model"]["w"]  # the same buffer, no allocation
+    assert second["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()  # a copy, not the live tensor
+    assert torch.equal(second["model"]["w"], state["model"]["w"]) and second["optim"]["w.step"] == 3

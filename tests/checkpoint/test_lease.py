@@ -4,13 +4,17 @@ writing, and its supervisor resubmits nothing."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from hpctrain.launch import supervise
 from hpctrain.records.jobs import append_job
-from hpctrain.records.lease import current_lease, holds, superseded, take_lease
+from hpctrain.records.lease import Lease, LeaseWatch, current_lease, holds, superseded, take_lease
+from tests.checkpoint import training
 from tests.checkpoint.test_checkpoint import config, steps_in, tiers
 from tests.checkpoint.training import metrics, train
 
@@ -22,10 +26,20 @@ def test_tokens_go_up_and_only_the_newest_holds(tmp_path: Path) -> None:
     assert holds(tmp_path, second) and not holds(tmp_path, first)
 
 
-def test_an_attempt_that_lost_the_lease_stops_without_writing(compose_cfg, tmp_path: Path) -> None:
-    """A newer attempt takes the lease while step 4 is being prepared: step 4 is not applied, and no metrics,
-    checkpoint or failure record follow from the old attempt."""
-    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=8", *tiers(tmp_path, ram=2, local=4, shared=8))
+def test_an_attempt_that_lost_the_lease_stops_without_writing(compose_cfg, tmp_path: Path, monkeypatch) -> None:
+    """A newer attempt takes the lease while step 4 is being prepared, and rank 0's watch reads it before that
+    step's control values are taken: step 4 is not applied, and no metrics, checkpoint or failure record
+    follow from the old attempt."""
+    interval = 0.05
+
+    def take_and_wait(run_dir: Path, job_id: str) -> Lease:
+        lease = take_lease(run_dir, job_id)
+        time.sleep(40 * interval)  # the watch thread reads within one interval
+        return lease
+
+    monkeypatch.setattr(training, "take_lease", take_and_wait)  # inherited by the forked ranks
+    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=8", f"run.lease_check_s={interval}",
+                 *tiers(tmp_path, ram=2, local=4, shared=8))
     run_dir = tmp_path / "run"
     results = train(2, cfg, run_dir, lease_taken_at=3)
     assert all("newer attempt" in r["stale"] for r in results)
@@ -46,3 +60,37 @@ def test_the_supervisor_of_a_superseded_job_resubmits_nothing(compose_cfg, tmp_p
     assert "a later job holds the run (8): not resubmitting" in capsys.readouterr().out
     assert not (tmp_path / "attempts.jsonl").exists() and len((tmp_path / "jobs.jsonl").read_text().splitlines()) == 2
     assert json.loads((tmp_path / "lease.json").read_text())["token"] == 1
+
+
+def test_the_watch_reads_the_lease_off_the_step_at_most_once_per_interval(tmp_path: Path, monkeypatch) -> None:
+    """The step only reads the latched flag; the file is read by the watch's thread, at most once per
+    `run.lease_check_s`, and a takeover is seen within about one interval."""
+    mine = take_lease(tmp_path, "1")
+    reads: list[str] = []
+
+    def counting(run_dir: Path) -> Lease | None:
+        reads.append(threading.current_thread().name)
+        return current_lease(run_dir)
+
+    monkeypatch.setattr("hpctrain.records.lease.current_lease", counting)
+    interval = 0.1
+    watch = LeaseWatch(tmp_path, mine, interval).start()
+    try:
+        started = time.monotonic()
+        polls = 0
+        while time.monotonic() - started < 1.0:  # a fast training loop asking at every step
+            assert not watch.lost()
+            polls += 1
+            time.sleep(0.001)
+        elapsed = time.monotonic() - started
+        assert polls > 100 and 1 <= len(reads) <= elapsed / interval + 1, (polls, len(reads))
+        assert set(reads) == {"hpctrain-lease"}, "the lease is read on the watch's thread only"
+        take_lease(tmp_path, "2")
+        deadline = time.monotonic() + 30 * interval
+        while not watch.lost() and time.monotonic() < deadline:
+            time.sleep(interval / 10)
+        assert watch.lost()
+    finally:
+        watch.stop()
+    with pytest.raises(ValueError, match="lease_check_s"):
+        LeaseWatch(tmp_path, mine, 0.0)

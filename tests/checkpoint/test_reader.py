@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
+import hpctrain.checkpoint.reader as reader_module
+from hpctrain.checkpoint.integrity import read_metadata as restricted_metadata
 from hpctrain.checkpoint.reader import TAIL, CorruptCheckpoint, FastReader, directory, locate
 from hpctrain.checkpoint.reshard import load_state
 
@@ -158,6 +160,24 @@ def test_load_state_reads_through_the_fast_reader(tmp_path: Path) -> None:
     loaded = zeros_like(state)
     load_state(loaded, str(path), None, no_dist=True)
     assert all(bits(loaded[k]) == bits(v) for k, v in state.items() if isinstance(v, torch.Tensor))
+
+
+def test_a_load_parses_the_metadata_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`load_state` reads `.metadata` to plan and `dcp.load` asks again: one parse serves both, each with the
+    load's own id."""
+    state = saved_state()
+    path = save(state, tmp_path / "ckpt")
+    parsed: list[Any] = []
+    monkeypatch.setattr(reader_module, "read_metadata", lambda p: parsed.append(p) or restricted_metadata(p))
+    loaded = zeros_like(state)
+    load_state(loaded, str(path), None, no_dist=True)
+    assert parsed == [str(path / ".metadata")]
+    assert all(bits(loaded[k]) == bits(v) for k, v in state.items() if isinstance(v, torch.Tensor))
+    reader = FastReader(path)
+    first = reader.read_metadata().storage_meta.load_id
+    reader.reset()
+    assert reader.read_metadata().storage_meta.load_id == reader.load_id != first
+    assert len(parsed) == 2
 
 
 # ---------------------------------------------------------------- the torch.save layout the parser knows

@@ -60,7 +60,6 @@ BAD = [
      "optimizer step runs there too"),
     ("hsdp-without-sharding", ["parallel.dp_replicate=2"], "parallel.dp_replicate", "HSDP"),
     ("tiny-buckets", ["zero.reduce_bucket_size=100"], "zero.reduce_bucket_size", "too small"),
-    ("sp-without-tp", ["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "tp=1"),
     ("seq-beyond-context", ["train.seq_len=512"], "train.seq_len", "model.context=256"),
     ("vocab-too-small", ["data=synthetic"], "data.vocab_size", "model.vocab_size=256"),
     ("tokens-missing-file", ["model=gpt3_125m", "data=tokens", "data.path=/nonexistent/train.bin",
@@ -127,6 +126,7 @@ BAD = [
     ("blend-weights-overflow", ["data=indexed", "data.vocab_size=256", "data.blend='1e308 /a 1e308 /b'"],
      "data.blend", "the weights add up to inf"),
     ("signal-delay-negative", ["cluster.signal_delay_s=-1"], "cluster.signal_delay_s", "must be >= 0 seconds"),
+    ("lease-check-zero", ["run.lease_check_s=0"], "run.lease_check_s", "must be > 0 seconds"),
     ("run-name-escapes", ["run.name=../../up"], "run.name", "outside run.root"),
     ("run-name-absolute", ["run.name=/tmp/elsewhere"], "run.name", "outside run.root"),
     ("run-id-escapes", ["run.id=../../../escape"], "run.id", "is not a directory name"),
@@ -154,6 +154,18 @@ BAD = [
     ("seed-negative", ["train.seed=-1"], "train.seed", "must be in [0, 2**32)"),
     ("eps-negative", ["optim.eps=-1e-8"], "optim.eps", "must be >= 0"),
     ("init-std-negative", ["model.init_std=-0.02"], "model.init_std", "must be >= 0"),
+    # issue 31: FP8 through torchao (docs/fp8.md)
+    ("fp8-unknown-recipe", ["precision=bf16", "precision.fp8=delayed"], "precision.fp8", "unknown FP8 recipe"),
+    ("fp8-on-a100", ["precision=bf16", "precision.fp8=tensorwise", "cluster.gpu_type=a100_80gb"], "precision.fp8",
+     "cluster.gpu_type=a100_80gb has no FP8 tensor cores"),
+    ("fp8-with-fp16", ["precision=fp16", "precision.fp8=tensorwise", "cluster.gpu_type=h100_80gb"],
+     "precision.dtype", "FP8 with fp16"),
+    ("fp8-width", ["model=llama_tiny", "model.d_model=136", "precision=bf16", "precision.fp8=rowwise"],
+     "model.d_model", "d_model 136 is not a multiple of 16"),
+    ("fp8-tp-shard", ["model=llama_tiny", "model.ffn_hidden=336", "parallel.tp=2", "precision=bf16",
+                      "precision.fp8=tensorwise"], "model.ffn_hidden", "336 / tp 2 = 168 is not a multiple of 16"),
+    ("fp8-emulated-compile", ["precision=bf16", "precision.fp8=tensorwise", "parallel.compile=true"],
+     "parallel.compile", "emulation (gpu_type=cpu) does not support torch.compile"),
 ]
 
 
@@ -214,6 +226,18 @@ def test_llama_tiny_passes_the_checks(compose_cfg) -> None:
     check_config(compose_cfg("model=llama_tiny", "parallel.tp=2"))
     report = check_config(compose_cfg("model=llama_tiny", "model.init_from=/nonexistent/x", "dry_run=true"))
     assert [w.key for w in report.warnings if "does not exist" in w.message] == ["model.init_from"]
+
+
+def test_sequence_parallel_without_tp_is_off_with_a_warning(compose_cfg) -> None:
+    """Megatron's rule: an experiment with SP on, overridden to tp=1, runs without SP (there is no TP group)."""
+    from hpctrain.config.checks import check_config
+    from hpctrain.config.layout import resolve_layout
+
+    cfg = compose_cfg("parallel.sequence_parallel=true")
+    report = check_config(cfg)
+    assert [w.key for w in report.warnings if "ignored with tp=1" in w.message] == ["parallel.sequence_parallel"]
+    assert not resolve_layout(cfg).sequence_parallel and resolve_layout(
+        compose_cfg("parallel.sequence_parallel=true", "parallel.tp=2")).sequence_parallel
 
 
 def test_warnings_carry_the_computed_bubble(compose_cfg) -> None:

@@ -175,6 +175,25 @@ def test_a_live_run_counts_its_step_in_flight_as_pending_and_has_an_eta() -> Non
     assert ledger.summary()["goodput"] == pytest.approx(10 * 0.75 / 12.5)
 
 
+def test_compilation_inside_the_first_steps_is_its_own_part_not_productive() -> None:
+    """parallel.compile: the first step of each attempt compiled (cold 6 s; after a restart in the allocation,
+    from the node-local cache, 0.5 s); the row's step_time_s holds it, compile_s says how much."""
+    jobs = [{"job_id": "4244", "submitted": 1000.0}]
+    events = [attempt("4244", 0, 0, 1001, 1002, 1009.0), attempt("4244", 1, 3, 1014, 1015, 1016.5),
+              {"event": "attempt_end", "time": 1020, "how": "completed", "save_s": 0.0, "step": 6}]
+    metrics = [{**row, "step_time_s": 6.8, "compile_s": 6.0} if row["step"] == 1 else row
+               for row in rows(1, 3, 1002 + 6)]
+    metrics += [{**row, "step_time_s": 1.3, "compile_s": 0.5} if row["step"] == 4 else row
+                for row in rows(4, 6, 1015 + 0.5)]
+    ledger = build_ledger(events=events, rows=metrics, allocations=local_allocations(jobs, lambda j: False),
+                          accounting=False, now=5000, max_steps=6)
+    assert ledger.parts["compile"] == pytest.approx(6.5)
+    assert ledger.parts["productive"] == pytest.approx(6 * 0.75)  # the compilation is out of it
+    assert ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
+    assert ledger.summary()["compile_share"] == pytest.approx(6.5 / 20)
+    assert "compile 32.5%" in ledger.line()
+
+
 def test_sacct_lines_as_the_dev_cluster_prints_them() -> None:
     """Real `sacct -X -D -P -n` output (SLURM_TIME_FORMAT=%s) of a job requeued once, the second run still
     running; a pending job; a cancelled one."""

@@ -103,9 +103,9 @@ def _clipped_norm(rank: int, world: int, overrides: dict[str, Any]) -> tuple[flo
         engine._accumulate(inputs, targets)
     engine._sync_tied_embeddings()
     zero = torch.zeros(())
-    _, before, _ = engine._reduce(zero, [])
-    clip_grads_([p for part in engine.model_parts for p in part.parameters()], cfg.optim.grad_clip, before)
-    return before, engine._reduce(zero, [])[1]
+    values = engine._reduce(zero, [])
+    clip_grads_([p for part in engine.model_parts for p in part.parameters()], cfg.optim.grad_clip, values[1])
+    return engine._stats(values)[1], engine._stats(engine._reduce(zero, []))[1]
 
 
 @pytest.mark.parametrize("world,overrides", [

@@ -271,7 +271,7 @@ def test_offload_heavy_step_warns_with_the_slowdown(compose_cfg):
     # 2 x 384 all-gathers per step, and the CPU steps 1.4e9 parameters per rank
     r = _report(compose_cfg, "zero=stage3_offload", "cluster.nodes=16", "parallel.dp=2", "train.grad_accum=-1")
     (warn,) = [w for w in r.warnings if w.key == "zero.offload_optimizer"]
-    assert "48% slower than the same layout without offload" in warn.message and "PCIe copies" in warn.message
+    assert "55% slower than the same layout without offload" in warn.message and "PCIe copies" in warn.message
     assert "larger DP (now 2" in warn.fix and "no offload (zero=stage3)" in warn.fix
     quiet = _report(compose_cfg, "zero=stage3_offload")  # the article's layout: 2%
     assert "zero.offload_optimizer" not in _keys(quiet.warnings)
@@ -317,24 +317,24 @@ def test_plan_shows_host_memory_nvme_and_offload_time(compose_cfg, capsys):
 
 def test_the_articles_175b_case(compose_cfg):
     """docs/planner.md: GPT-3 175B in the article's layout (DP 64 x TP 8 x PP 8, ZeRO-3, 12 micro-batches) on
-    512 H100 nodes. The article says CPU offload costs 15-25%; the model predicts 2.0% (CPU) and 3.8% (NVMe)."""
+    512 H100 nodes. The article says CPU offload costs 15-25%; the model predicts 2.3% (CPU) and 4.3% (NVMe)."""
     plain = _report(compose_cfg).estimates.step
     cpu = _report(compose_cfg, "zero=stage3_offload").estimates.step
     nvme = _report(compose_cfg, "zero=stage3_nvme", "zero.nvme_path=/raid/x").estimates.step
-    assert plain.offload is None and plain.step_time_s == pytest.approx(9.634, abs=5e-4)
+    assert plain.offload is None and plain.step_time_s == pytest.approx(8.412, abs=5e-4)
     o = cpu.offload
     assert o.shard_params == pytest.approx(44.09e6, rel=1e-3)  # 2.82e9 parameters per GPU / 64
     assert o.host.shards * o.gpus_per_node / GiB == pytest.approx(5.26, abs=0.01)  # 16 bytes x 44.09e6 x 8
     # + the pinned rounding (1.65 GiB) + 3 checkpoint tiers' staging copies (6.42 GiB each, 2.48 of it rounding)
     assert o.host_bytes_per_node / GiB == pytest.approx(26.18, abs=0.01)
     assert (o.cpu_adam_s, o.pcie_s) == (pytest.approx(0.1037, abs=1e-4), pytest.approx(0.0882, abs=1e-4))
-    assert cpu.offload_slowdown == pytest.approx(0.0199, abs=1e-4)
+    assert cpu.offload_slowdown == pytest.approx(0.0228, abs=1e-4)
     n = nvme.offload
     assert n.nvme_bound and (n.nvme_read_s, n.nvme_write_s) == (pytest.approx(0.1008, abs=1e-4),
                                                                 pytest.approx(0.1764, abs=1e-4))
     assert n.host.shards == pytest.approx(o.host.shards / 2)
     assert n.host_bytes_per_node == pytest.approx(o.host_bytes_per_node)  # a save reads the moments back
-    assert nvme.offload_slowdown == pytest.approx(0.0379, abs=1e-4)
+    assert nvme.offload_slowdown == pytest.approx(0.0434, abs=1e-4)
     for st in (cpu, nvme):
         assert st.step_time_s - st.offload_s == pytest.approx(plain.step_time_s)
         assert st.offload_slowdown < 0.15  # below the article's 15-25%: see docs/planner.md for why

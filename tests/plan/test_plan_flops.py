@@ -3,7 +3,12 @@
 import pytest
 
 from hpctrain.plan.flops import (
+    attention_core_flops,
+    compute_seconds,
     flops_per_iteration,
+    fp8_flops_per_iteration,
+    layer_forward_flops,
+    linear_forward_flops,
     mfu,
     model_flops_per_token,
     narayanan_flops,
@@ -122,3 +127,62 @@ def test_logit_flops_use_the_padded_vocabulary_and_mfu_the_model_count():
     extra = flops_per_iteration(padded, 512, "none", tp=8) - flops_per_iteration(plain, 512, "none")
     assert extra == pytest.approx(3 * 2 * 512 * 2048 * 2048 * (50688 - 50257))
     assert model_flops_per_token(padded) == model_flops_per_token(plain)
+
+
+# ---- FP8 (precision.fp8, docs/fp8.md): the blocks' Linears at the FP8 peak, attention and logits at bf16 ----
+
+def test_fp8_peaks_are_the_datasheets_dense_figures():
+    """H100/H200 SXM: 3958 TFLOP/s FP8 with sparsity = 1979 dense, twice the bf16 989; A100 has none."""
+    for name in ("h100_80gb", "h200"):
+        hw = hardware(name)
+        assert hw.has_fp8 and hw.fp8_flops == 1979e12 and hw.fp8_flops == pytest.approx(2 * hw.peak_flops, rel=1e-3)
+    assert not hardware("a100_80gb").has_fp8 and not hardware("a100_40gb").has_fp8 and not hardware("cpu").has_fp8
+
+
+def test_fp8_flops_are_the_linear_layers_of_every_pass():
+    """GPT-3 1.7B (f = 4h): the Linears are 24 B s h^2 per layer forward; fwd + 2 backward GEMMs (+ a second
+    forward under full recomputation) run in FP8; the attention core and the logit layer never do."""
+    model, batch = _model(TABLE_1[0]), 512
+    l, h, tokens = model.n_layers, model.d_model, batch * SEQ
+    assert linear_forward_flops(tokens, h) == 24 * tokens * h * h
+    assert fp8_flops_per_iteration(model, batch, "none", "tensorwise") == 3 * l * 24 * tokens * h * h
+    assert fp8_flops_per_iteration(model, batch, "selective", "rowwise") == 3 * l * 24 * tokens * h * h
+    assert fp8_flops_per_iteration(model, batch, "full", "tensorwise") == 4 * l * 24 * tokens * h * h
+    assert fp8_flops_per_iteration(model, batch, "full", "none") == 0.0
+    rest = flops_per_iteration(model, batch, "none") - fp8_flops_per_iteration(model, batch, "none", "tensorwise")
+    logits = 3 * 2 * tokens * h * V
+    assert rest == pytest.approx(3 * l * attention_core_flops(tokens, SEQ, h) + logits)
+
+
+def test_llama_linear_share_counts_gqa_and_swiglu():
+    """Llama 3 8B shapes: QKV with 8 key/value heads, three MLP matrices; linear + attention = the layer."""
+    tokens, h, k, f = 8192.0, 4096, 1024, 14336
+    linear = linear_forward_flops(tokens, h, f, k, gated=True)
+    assert linear == 2 * tokens * (h * (h + 2 * k) + h * h + 3 * h * f)
+    assert linear + attention_core_flops(tokens, 8192, h) == layer_forward_flops(tokens, 8192, h, f, k, gated=True)
+
+
+def test_compute_seconds_takes_each_share_at_its_rate():
+    assert compute_seconds(10.0, 0.0, 2, 5.0, 10.0, 0.5) == pytest.approx(10 / 5 / (2 * 0.5))
+    assert compute_seconds(10.0, 10.0, 2, 5.0, 10.0, 0.5) == pytest.approx(10 / 10 / (2 * 0.5))
+    assert compute_seconds(10.0, 4.0, 1, 5.0, 10.0, 1.0) == pytest.approx(6 / 5 + 4 / 10)
+    assert compute_seconds(10.0, 4.0, 1, 5.0, 0.0, 1.0) == pytest.approx(10 / 5), "no FP8 peak: no speed-up"
+    with pytest.raises(ValueError):
+        compute_seconds(10.0, 11.0, 1, 5.0, 10.0, 1.0)
+
+
+def test_fp8_step_estimate_on_h100_and_a100():
+    """GPT-3 6.7B on 8 H100s: only the Linears' share gets the ~2x, so compute shrinks by ~share / 2 (not by half);
+    MFU stays against the bf16 peak and rises with the shorter step. An A100 has no FP8: nothing changes."""
+    model = ModelShape(32, 4096, 32, 2048, V)
+    bf16 = Layout(dp=8, tp=1, pp=1, micro_batch=1, grad_accum=4, recompute="full")
+    fp8 = Layout(dp=8, tp=1, pp=1, micro_batch=1, grad_accum=4, recompute="full", fp8="tensorwise")
+    share = fp8_flops_per_iteration(model, 32, "full", "tensorwise") / flops_per_iteration(model, 32, "full")
+    assert 0.8 < share < 0.95
+    h100 = hardware("h100_80gb")
+    a, b = estimate_step(model, bf16, h100), estimate_step(model, fp8, h100)
+    assert b.compute_s / a.compute_s == pytest.approx(1 - share + share * h100.peak_flops / h100.fp8_flops)
+    assert b.step_time_s < a.step_time_s and b.mfu > a.mfu
+    assert b.mfu == pytest.approx(a.mfu * a.step_time_s / b.step_time_s)
+    a100 = hardware("a100_80gb")
+    assert estimate_step(model, fp8, a100).compute_s == pytest.approx(estimate_step(model, bf16, a100).compute_s)

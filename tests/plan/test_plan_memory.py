@@ -194,7 +194,7 @@ def test_memory_per_gpu_columns_add_up_and_most_loaded_gpu():
     lay = Layout(dp=64, tp=8, pp=8, micro_batch=1, grad_accum=12, zero_stage=1, sequence_parallel=True,
                  recompute="full")
     mem = memory_per_gpu(model, lay, HW)
-    assert mem.total == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.activations)
+    assert mem.total == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.buffers + mem.activations)
     assert mem.total == pytest.approx(sum(p.bytes for p in mem.parts if not p.cpu))
     assert mem.activations == pytest.approx(stage_activation_bytes(model, lay, mem.stage))
     assert mem.usable == pytest.approx(0.9 * 80 * GiB)

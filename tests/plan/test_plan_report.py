@@ -24,7 +24,7 @@ def test_175b_text_plan_has_memory_table_step_estimate_and_warnings(tmp_path: Pa
     proc = run_hpctrain("+experiment=175b", "dry_run=true", f"run.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for words in ("per-GPU memory", "parameters", "optimizer", "activations", "step estimate",
+    for words in ("per-GPU memory", "parameters", "optimizer", "buffers", "activations", "step estimate",
                   "FLOPs per iteration", "MFU", "pipeline bubble", "36.8%", "communication", "warnings ("):
         assert words in out, words
 
@@ -34,7 +34,8 @@ def test_json_plan_has_the_documented_keys(compose_cfg, capsys) -> None:
     assert JSON_KEYS <= set(plan)
     assert {"dp", "tp", "pp", "virtual_stages", "zero_stage", "micro_batch", "grad_accum"} <= set(plan["layout"])
     mem = plan["memory_per_gpu_bytes"]
-    assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"])
+    assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"] + mem["buffers"]
+                                         + mem["activations"])
     assert plan["bubble_fraction"] == pytest.approx(7 / 19)
     # The design article's reported 120 samples/s on 4096 A100 is ~20.7% MFU: the estimate explains it.
     assert 0.15 < plan["est_mfu"] < 0.30
@@ -167,13 +168,14 @@ def test_175b_experiment_uses_the_recomputation_the_planner_needs(compose_cfg) -
     mem = {rc: memory_per_gpu(est.model, replace(est.layout, recompute=rc), est.hw)
            for rc in ("none", "selective", "full")}
     gib = {rc: m.total / 2**30 for rc, m in mem.items()}
-    assert round(gib["none"], 1) == 90.6 and round(gib["selective"], 1) == 117.5 and round(gib["full"], 1) == 27.3
+    assert round(gib["none"], 1) == 90.7 and round(gib["selective"], 1) == 117.6 and round(gib["full"], 1) == 27.4
     assert {m.stage for m in mem.values()} == {0}
 
 
 def test_microbatch_advice_must_improve_the_estimate() -> None:
-    """Under ZeRO-3 with PP more microbatches re-gather the weights: the article's layout gets no advice to go
-    to 32 microbatches (the estimate gets worse); with ZeRO-1 the advice is more microbatches, and faster."""
+    """Under ZeRO-3 with PP more microbatches re-gather the weights (torch's schedules reduce-scatter once a step
+    whatever the count: hpctrain/plan/states.py): the article's layout gets advice for 24 microbatches, not 48
+    (the estimate gets worse); with ZeRO-1 the advice is more microbatches, and a larger gain."""
     from hpctrain.plan.auto import better_microbatches
     from hpctrain.plan.step_time import estimate_step
     from hpctrain.plan.types import Layout, ModelShape, hardware
@@ -183,10 +185,10 @@ def test_microbatch_advice_must_improve_the_estimate() -> None:
     article = Layout(dp=64, tp=8, pp=8, zero_stage=3, micro_batch=4, grad_accum=12, sequence_parallel=True,
                      recompute="full", reduce_dtype="fp32")
     step = estimate_step(model, article, hw).step_time_s
-    for micro, m in ((2, 24), (1, 48)):  # >= 32 microbatches, or the nearest split below
-        assert estimate_step(model, replace(article, micro_batch=micro, grad_accum=m), hw).step_time_s > step
-    assert better_microbatches(model, article, hw) is None
+    assert estimate_step(model, replace(article, micro_batch=1, grad_accum=48), hw).step_time_s > step
+    tip3 = better_microbatches(model, article, hw)
+    assert tip3 is not None and tip3.microbatches == 24
     tip = better_microbatches(model, replace(article, zero_stage=1), hw)
-    assert tip is not None and tip.microbatches > 12 and tip.speedup >= 1.02
+    assert tip is not None and tip.microbatches > tip3.microbatches and tip.speedup > tip3.speedup >= 1.02
     assert tip.step_time_s < estimate_step(model, replace(article, zero_stage=1), hw).step_time_s
     assert better_microbatches(model, replace(article, pp=1), hw) is None  # no pipeline, no bubble to weigh

@@ -1,10 +1,12 @@
-"""What hpctrain's torch wrappers hold per GPU (hpctrain/plan/states.py): DDP and ZeroRedundancyOptimizer with
-fp32 master parameters, FSDP2's unsharded working parameters and unsharded accumulated gradients, CPU offload."""
+"""What hpctrain's torch wrappers hold per GPU (hpctrain/plan/states.py): DDP (ZeRO-0) with fp32 master parameters,
+FSDP2 (ZeRO-1/2/3) with fp32 master shards, unsharded working parameters, sharded or unsharded accumulated
+gradients, CPU offload. tests/parallel/test_zero_memory.py measures the same on real gloo ranks."""
 
 import pytest
 
-from hpctrain.plan.memory import layer_params_per_gpu, memory_per_gpu, stage_params_per_gpu
-from hpctrain.plan.states import data_parallel_kind, effective_zero_stage, zero_model_states
+from hpctrain.plan.comm import comm_per_step
+from hpctrain.plan.memory import fsdp_unit_params_per_gpu, layer_params_per_gpu, memory_per_gpu, stage_params_per_gpu
+from hpctrain.plan.states import data_parallel_kind, gradient_reductions, zero_model_states
 from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
 
 HW = Hardware("test", 8, 80 * GiB, 312e12, 300e9, 25e9)
@@ -19,28 +21,19 @@ def _layer(lay: Layout) -> float:
     return layer_params_per_gpu(MODEL, lay.tp)
 
 
+def _root(lay: Layout, stage: int = 0) -> float:
+    """The parameters outside the blocks on the stage: FSDP2's root unit."""
+    return _n(lay, stage) - MODEL.n_layers // lay.pp * _layer(lay)
+
+
 def test_which_wrapper_runs():
-    """engine.py: DDP for pure DP with ZeRO-0/1, FSDP2 fully_shard for ZeRO >= 2 or any DP with TP/PP (replicate
-    for ZeRO-0), nothing without DP."""
+    """engine.py: DDP for pure DP at ZeRO-0, FSDP2 fully_shard for ZeRO >= 1, replicate for ZeRO-0 with TP/PP,
+    nothing without DP."""
     assert data_parallel_kind(Layout(dp=1, tp=2, pp=2, zero_stage=3)) == "none"
-    assert data_parallel_kind(Layout(dp=8, tp=1, pp=1, zero_stage=1)) == "ddp"
-    assert data_parallel_kind(Layout(dp=8, tp=1, pp=1, zero_stage=2)) == "fsdp"
+    assert data_parallel_kind(Layout(dp=8, tp=1, pp=1, zero_stage=0)) == "ddp"
+    assert data_parallel_kind(Layout(dp=8, tp=1, pp=1, zero_stage=1)) == "fsdp"
     assert data_parallel_kind(Layout(dp=4, tp=2, pp=1, zero_stage=0)) == "replicate"
     assert data_parallel_kind(Layout(dp=4, tp=1, pp=2, zero_stage=1)) == "fsdp"
-
-
-def test_zero1_on_ddp_is_fp32_params_and_grads_plus_sharded_adam():
-    """ZeroRedundancyOptimizer shards only the optimizer state; DDP keeps the fp32 parameters (the master weights)
-    and their fp32 gradients whole on every rank. The ZeRO paper's P_os (2 + 2 + 12/N) undercounts it."""
-    fp32 = Layout(dp=8, tp=1, pp=1, zero_stage=1, dtype="fp32")
-    mem, n = memory_per_gpu(MODEL, fp32, HW), _n(fp32)
-    assert (mem.params, mem.grads, mem.optimizer) == pytest.approx((4 * n, 4 * n, 8 * n / 8))
-    bf16 = Layout(dp=8, tp=1, pp=1, zero_stage=1, dtype="bf16")
-    mem = memory_per_gpu(MODEL, bf16, HW)
-    # + the bf16 weight copies autocast makes in forward and the matmuls save for backward
-    assert (mem.params, mem.grads, mem.optimizer) == pytest.approx((4 * n + 2 * n, 4 * n, 8 * n / 8))
-    paper = zero_model_states(n, 8, 1)
-    assert mem.params + mem.grads + mem.optimizer > paper.total + 5 * n
 
 
 def test_ddp_gradients_are_full_fp32_with_or_without_accumulation():
@@ -50,42 +43,78 @@ def test_ddp_gradients_are_full_fp32_with_or_without_accumulation():
     assert one.grads == eight.grads == pytest.approx(4 * _n(Layout(dp=8, tp=1, pp=1)))
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
-def test_zero1_with_tp_or_pp_is_modelled_as_the_zero2_that_runs(tp, pp):
-    """data_parallel.py: with TP or PP, ZeRO-1 is FSDP2 with reshard_after_forward=False, i.e. ZeRO-2."""
-    z1 = Layout(dp=4, tp=tp, pp=pp, zero_stage=1, grad_accum=4)
-    z2 = Layout(dp=4, tp=tp, pp=pp, zero_stage=2, grad_accum=4)
-    assert effective_zero_stage(z1) == 2
-    a, b = memory_per_gpu(MODEL, z1, HW), memory_per_gpu(MODEL, z2, HW)
-    assert (a.params, a.grads, a.optimizer, a.activations) == (b.params, b.grads, b.optimizer, b.activations)
+def test_zero1_is_megatrons_distributed_optimizer():
+    """bf16 working parameters, an fp32 gradient buffer accumulated unsharded (+ the root's held gradient and a
+    unit's fresh one), fp32 master + Adam sharded: 6 + 12/N; the buffers apart: one unit's all-gather output and
+    its fp32 reduce-scatter input beyond the bf16 gradient freed before it is made."""
+    lay = Layout(dp=8, tp=1, pp=1, zero_stage=1, grad_accum=8, reduce_dtype="fp32")
+    mem, n, layer, root = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay), _root(lay)
+    assert mem.params == pytest.approx(4 * n / 8 + 2 * n)
+    assert mem.grads == pytest.approx(4 * n + 2 * root + 2 * layer)
+    assert mem.optimizer == pytest.approx(8 * n / 8)
+    assert mem.buffers == pytest.approx(2 * layer + (4 - 2) * layer)
+    assert gradient_reductions(lay) == 1
+    paper = zero_model_states(n, 8, 1)  # 2 + 2 + 12/N: the paper's gradients are fp16
+    assert mem.params + mem.grads + mem.optimizer == pytest.approx(paper.total + 2 * n + 2 * root + 2 * layer)
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_zero2_reduce_scatters_every_micro_batch_unless_asked_not_to(tp, pp):
+    """ZeRO-2 keeps gradient shards between micro-batches (m reduce-scatters); zero.accumulate_unsharded holds
+    ZeRO-1's whole fp32 buffer for one. Under PP torch's schedules accumulate unsharded whatever is asked."""
+    z2 = Layout(dp=4, tp=tp, pp=pp, zero_stage=2, grad_accum=4, reduce_dtype="fp32")
+    acc = Layout(dp=4, tp=tp, pp=pp, zero_stage=2, grad_accum=4, reduce_dtype="fp32", accumulate_unsharded=True)
+    z1 = Layout(dp=4, tp=tp, pp=pp, zero_stage=1, grad_accum=4, reduce_dtype="fp32")
+    a, b, c = (memory_per_gpu(MODEL, lay, HW) for lay in (z2, acc, z1))
+    assert (b.params, b.grads, b.optimizer, b.buffers) == (c.params, c.grads, c.optimizer, c.buffers)
+    dp_bytes = [comm_per_step(MODEL, lay, HW).dp_bytes for lay in (z2, acc)]
+    if pp == 1:
+        assert a.grads < b.grads and dp_bytes[0] > dp_bytes[1]
+        assert (gradient_reductions(z2), gradient_reductions(acc)) == (4, 1)
+    else:
+        assert a.grads == b.grads and dp_bytes[0] == dp_bytes[1] and gradient_reductions(z2) == 1
 
 
 def test_fsdp_zero2_without_accumulation():
     """fp32 shards of params, grads, Adam + the bf16 unsharded parameters (reshard_after_forward=False) + one
-    layer's unsharded bf16 gradient and its fp32 reduce-scatter input."""
+    layer's unsharded bf16 gradient, with the root's gradient held; buffers: one layer's all-gather output and
+    its fp32 reduce-scatter input."""
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=2, grad_accum=1, reduce_dtype="fp32")
-    mem, n, layer = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay)
+    mem, n, layer, root = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay), _root(lay)
+    assert 6 * layer > 4 * root  # a layer's reduce-scatter is the backward's peak, not the root's own
     assert mem.params == pytest.approx(4 * n / 8 + 2 * n)
-    assert mem.grads == pytest.approx(4 * n / 8 + (2 + 4) * layer)
+    assert mem.grads == pytest.approx(4 * n / 8 + 2 * root + 2 * layer)
     assert mem.optimizer == pytest.approx(8 * n / 8)
+    assert mem.buffers == pytest.approx(2 * layer + 4 * layer)
 
 
 @pytest.mark.parametrize("reduce_dtype, r", [("fp32", 4), ("bf16", 2)])
 def test_fsdp_accumulation_keeps_unsharded_gradients_in_the_reduce_dtype(reduce_dtype, r):
     """set_requires_gradient_sync(False): post_backward skips the reduce-scatter and
     to_accumulated_grad_if_needed upcasts the unsharded gradient to reduce_dtype (bf16 reduce: it stays .grad)."""
-    lay = Layout(dp=8, tp=1, pp=1, zero_stage=2, grad_accum=8, reduce_dtype=reduce_dtype)
-    mem, n, layer = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay)
-    assert mem.grads == pytest.approx(max(r * n, 4 * n / 8) + (2 + r) * layer)
+    lay = Layout(dp=8, tp=1, pp=1, zero_stage=1, grad_accum=8, reduce_dtype=reduce_dtype)
+    mem, n, layer, root = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay), _root(lay)
+    # the layer's bf16 gradient is added in and freed before its reduce-scatter input (r bytes) is made
+    assert mem.grads == pytest.approx(max(r * n, 4 * n / 8) + 2 * root + 2 * layer)
+    assert mem.buffers == pytest.approx(2 * layer + (r - 2) * layer)
 
 
-def test_zero3_with_accumulation_holds_full_gradients():
+def test_zero3_gathers_a_block_at_a_time_and_keeps_gradients_sharded():
+    """ZeRO-3 shards attention and MLP as units of their own: the root and one block gathered, one MLP's
+    all-gather output and reduce-scatter input staged; gradient shards between micro-batches unless
+    accumulate_unsharded."""
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=3, grad_accum=8, reduce_dtype="fp32")
-    mem, n, layer = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay)
-    assert mem.params == pytest.approx(4 * n / 8 + 2 * 2 * layer)  # the gathered layer and the prefetched one
-    assert mem.grads == pytest.approx(4 * n + 6 * layer)
-    no_accum = memory_per_gpu(MODEL, Layout(dp=8, tp=1, pp=1, zero_stage=3, reduce_dtype="fp32"), HW)
-    assert no_accum.grads == pytest.approx(4 * n / 8 + 6 * layer)
+    mem, n, layer, root = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay), _root(lay)
+    mlp = fsdp_unit_params_per_gpu(MODEL, lay)
+    assert mlp == pytest.approx(8 * 256 * 256 + 5 * 256)
+    assert 6 * mlp > 4 * root
+    assert mem.params == pytest.approx(4 * n / 8 + 2 * (root + layer))
+    assert mem.grads == pytest.approx(4 * n / 8 + 2 * root + 2 * mlp)
+    assert mem.buffers == pytest.approx(2 * mlp + 4 * mlp)
+    acc = memory_per_gpu(MODEL, Layout(dp=8, tp=1, pp=1, zero_stage=3, grad_accum=8, reduce_dtype="fp32",
+                                       accumulate_unsharded=True), HW)
+    assert acc.grads == pytest.approx(4 * n + 2 * root + 2 * mlp)
+    assert acc.buffers == pytest.approx(2 * mlp + (4 - 2) * mlp)
 
 
 def test_fsdp_under_pp_keeps_the_stage_unsharded():
@@ -93,10 +122,11 @@ def test_fsdp_under_pp_keeps_the_stage_unsharded():
     micro-batch's backward, so even ZeRO-3 holds the whole stage's bf16 parameters and fp32 gradients."""
     lay = Layout(dp=8, tp=1, pp=2, zero_stage=3, grad_accum=4, reduce_dtype="fp32")
     mem = memory_per_gpu(MODEL, lay, HW)
-    n, layer = _n(lay, mem.stage), _layer(lay)
+    n, root, mlp = _n(lay, mem.stage), _root(lay, mem.stage), fsdp_unit_params_per_gpu(MODEL, lay)
     assert mem.params == pytest.approx(4 * n / 8 + 2 * n)
-    assert mem.grads == pytest.approx(4 * n + 6 * layer)
+    assert mem.grads == pytest.approx(4 * n + 2 * root + 2 * mlp)
     assert mem.optimizer == pytest.approx(8 * n / 8)
+    assert mem.buffers == pytest.approx(2 * mlp + (4 - 2) * mlp)
 
 
 def test_replicate_is_ddp_memory_plus_bf16_working_copies():
@@ -106,30 +136,58 @@ def test_replicate_is_ddp_memory_plus_bf16_working_copies():
     mem, n, layer = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay)
     assert mem.params == pytest.approx(4 * n + 2 * n)
     whole_embedding_grad = 1000 * 256 * 4 * (1 - 1 / 2)  # rows x h x fp32 x the other half
-    assert mem.grads == pytest.approx(4 * n + 6 * layer + whole_embedding_grad)
+    assert mem.grads == pytest.approx(4 * n + 2 * layer + whole_embedding_grad)
     assert mem.optimizer == pytest.approx(8 * n)
+    assert mem.buffers == pytest.approx(4 * layer)  # one layer's fp32 all-reduce input
 
 
 def test_cpu_offload_moves_the_fp32_shards_and_adam():
     lay = Layout(dp=4, tp=1, pp=1, zero_stage=3, offload_optimizer=True, offload_params=True)
-    mem, n, layer = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay)
+    mem, n, layer, root = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay), _root(lay)
+    mlp = fsdp_unit_params_per_gpu(MODEL, lay)
     assert mem.optimizer == 0
-    assert mem.params == pytest.approx(2 * 2 * layer)
-    assert mem.grads == pytest.approx((2 + 2) * layer)
+    assert mem.params == pytest.approx(2 * (root + layer))
+    assert 4 * mlp > 2 * root
+    assert mem.grads == pytest.approx(2 * root + 2 * mlp)  # bf16 reduction: c = r = 2
+    assert mem.buffers == pytest.approx(2 * mlp + 2 * mlp)
     assert mem.cpu_offload_bytes == pytest.approx((4 + 4 + 8) * n / 4)
     accum = memory_per_gpu(MODEL, Layout(dp=4, tp=1, pp=1, zero_stage=2, offload_optimizer=True, grad_accum=4,
-                                         reduce_dtype="fp32"), HW)
-    assert accum.grads == pytest.approx(4 * n + 6 * layer)  # the unsharded accumulation stays on the GPU
+                                         reduce_dtype="fp32", accumulate_unsharded=True), HW)
+    assert accum.grads == pytest.approx(4 * n + 2 * root + 2 * layer)  # the unsharded accumulation stays on the GPU
     assert accum.cpu_offload_bytes == pytest.approx(16 * n / 4)
 
 
 def test_gpt3_1_3b_zero2_dp8_states():
-    """The 1.3B run (ZeRO-2, DP 8, 8 accumulation steps, fp32 reduction): 4 n / 8 + 2 n of parameters, 4 n of
-    fp32 accumulated gradients, 8 n / 8 of Adam: 7.5 bytes/param where the ZeRO paper's ZeRO-2 says 3.75."""
+    """The 1.3B run (ZeRO-2, DP 8, 8 accumulation steps, fp32 reduction): 4 n / 8 + 2 n of parameters, fp32
+    gradient shards 4 n / 8, 8 n / 8 of Adam, plus the root's (the tied embedding's) gradient held through
+    backward: 4 bytes/param plus that, where the ZeRO paper's ZeRO-2 says 3.75 (2 + (2 + 12) / 8: its gradients
+    are 16-bit). The buffers apart: one layer's all-gather output, and the root's fp32 reduce-scatter input (the
+    backward's last and largest)."""
     model = ModelShape(24, 2048, 16, 2048, 50257, vocab_pad_multiple=64)
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=2, micro_batch=8, grad_accum=8, reduce_dtype="fp32")
     mem = memory_per_gpu(model, lay, HW)
     n, layer = stage_params_per_gpu(model, 1, 1, 0), layer_params_per_gpu(model, 1)
+    root = n - 24 * layer
     assert n == model.params + (50304 - 50257) * 2048
-    assert mem.params + mem.grads + mem.optimizer == pytest.approx(7.5 * n + 6 * layer)
+    assert 4 * root > 6 * layer
+    assert mem.params + mem.grads + mem.optimizer == pytest.approx(4 * n + 2 * root)
+    assert mem.buffers == pytest.approx(2 * layer + 4 * root)
     assert zero_model_states(n, 8, 2).total == pytest.approx(3.75 * n)
+
+
+def test_the_search_prices_unsharded_accumulation_against_per_micro_batch_reduce_scatters():
+    """parallel=auto may pick zero.accumulate_unsharded: each such candidate moves less DP traffic than the same
+    layout reduce-scattering every micro-batch, is no slower, and holds more gradient memory."""
+    from dataclasses import replace
+
+    from hpctrain.plan.search import search_layouts
+
+    candidates = {c.layout: c for c in search_layouts(MODEL, 16, HW, 64, zero_stages=(2, 3))}
+    pairs = [(candidates[replace(lay, accumulate_unsharded=False)], c) for lay, c in candidates.items()
+             if lay.accumulate_unsharded and replace(lay, accumulate_unsharded=False) in candidates]
+    assert pairs
+    for per_micro_batch, once in pairs:
+        assert once.layout.pp == 1 and once.layout.microbatches > 1 and once.layout.zero_stage >= 2
+        assert once.step.comm.dp_bytes < per_micro_batch.step.comm.dp_bytes
+        assert once.tokens_per_s >= per_micro_batch.tokens_per_s
+        assert once.memory.grads > per_micro_batch.memory.grads

@@ -65,7 +65,7 @@ def test_the_175b_simulation_prints_its_table(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "simulation: rank 0 of 4096 (pipeline rank 0, stage(s) 0; DP 0, TP 0)" in out
-    for row in ("parameters", "gradients", "optimizer state", "activations", "total"):
+    for row in ("parameters", "gradients", "optimizer state", "buffers", "activations", "total"):
         assert any(line.strip().startswith(row) and line.count("GiB") == 2 for line in out.splitlines()), row
     assert "within the 10% tolerance" in out and "1 over all 4096 ranks" in out
     assert "not seen on fake tensors: kernel speed" in out
