@@ -28,7 +28,7 @@ from hpctrain.parallel.engine import Engine
 from hpctrain.parallel.pipeline import stage_model
 from hpctrain.parallel.precision import autocast
 from hpctrain.simulate.collectives import CollectiveCounter
-from hpctrain.simulate.memory import columns, peak_by_category, step_tracker
+from hpctrain.simulate.memory import category_peaks, columns, peak_by_category, step_tracker
 from hpctrain.simulate.peers import pipeline_peers, start_up
 from hpctrain.simulate.world import counting_group_calls, fake_world, groups_held
 
@@ -48,6 +48,7 @@ class Simulation:
     tp_rank: int
     stages: tuple[int, ...]  # the pipeline stages (model chunks) this rank holds
     categories: dict[str, int]  # torch's peak snapshot by its categories, bytes
+    category_peaks: dict[str, int]  # the most each of torch's categories held at any point of the step
     peak: int  # bytes at the peak
     microbatches: int  # micro-batches the simulated step ran
     step_microbatches: int  # ... of the real step's
@@ -142,6 +143,7 @@ def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None 
         return Simulation(
             rank=rank, world_size=layout.world_size, pp_rank=dims.pp_rank, dp_rank=dims.dp_rank,
             tp_rank=dims.tp_rank, stages=tuple(engine.stage_ids), categories=categories,
+            category_peaks=category_peaks(tracker),
             peak=sum(categories.values()), microbatches=microbatches, step_microbatches=step_microbatches,
             groups_held=groups_held(), group_calls=len(calls), collectives=counter.summary(),
             world_collectives=counter.on_world(), seconds=time.perf_counter() - started)
