@@ -133,7 +133,7 @@ def grad_norm_and_clip(params: list[Any], max_norm: float, device: Any) -> float
     share = clipping.squared_norm_share(params, dist.get_world_size(), device)
     dist.all_reduce(share)
     norm = float(share.sqrt())
-    clipping.clip_grads_(params, max_norm, norm)
+    clipping.clip_grads_(params, max_norm, share)  # the squared norm, on its device
     return norm
 
 
@@ -153,7 +153,7 @@ def _offload_steps(ctx: Ctx, cfg: Any, mesh: Any, max_norm: float) -> dict[str, 
     with torch.device("meta"):
         gpt = GPT(gpt_args(cfg.model, cfg.parallel.tp))
     apply_tp(gpt, mesh["tp"], sequence_parallel=True)
-    apply_fsdp(gpt, mesh["dp_shard"], cfg.zero, cfg.precision, reshard_after_forward=True)
+    apply_fsdp(gpt, mesh["dp_shard"], cfg.zero, cfg.precision, zero_stage=3)
     gpt.to_empty(device="cpu")  # offload: FSDP2 keeps the sharded parameters on the CPU
     gpt.init_weights(seed=cfg.train.seed)
     optimizer = build_optimizer(gpt.parameters(), cfg.optim, cfg.zero)
