@@ -32,16 +32,16 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.utils import CheckpointException
 
 from hpctrain.checkpoint import integrity, peers
@@ -99,42 +99,54 @@ class Tier:
 class InFlight:
     step: int
     future: Future  # of `_write_and_commit`'s summary, once the save is committed
-    blocked_s: float
+    staged: Future  # the copy to host memory, which the next optimizer step waits for
+    blocked_s: float  # training's wait: at the step boundary, then at the optimizer step for the copy
 
 
 class ReusingStager(BlockingAsyncStager):
     """Stage into the same host buffers every save of a tier: no allocation and no page faults after the
-    first save, which is most of the time training is blocked on CPU. Safe because a tier never has two saves
-    in flight. Pinned only for a run on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not).
+    first save. Safe because a tier never has two saves in flight. Pinned only for a run on GPUs (pinning
+    initialises CUDA: a CPU run on a GPU machine must not).
 
-    The copy runs on one intra-op thread: a host-to-host copy is bound by memory bandwidth, and torch's
-    OpenMP-parallel `copy_` meets each of a state's hundreds of tensors at a barrier. On a busy machine
-    (another process on the cores) a descheduled OpenMP thread stalls each barrier: staging 1.1 GB took a
-    median 5.1 s with 2 threads against 0.44 s with one (`docs/checkpoint.md`)."""
+    The copy runs in the manager's staging thread while training goes on (`stage` returns its future, as
+    torch's DefaultStager does with use_async_staging): the state may not change until the copy is done, and
+    the one thing that changes it, the optimizer step, waits for it (`CheckpointManager.wait_for_staging`, the
+    engine's `before_update`). On a GPU the thread copies on a stream of its own, after what training had
+    queued when the save started. On the CPU it copies on one intra-op thread: a host-to-host copy is bound by
+    memory bandwidth, and torch's OpenMP-parallel `copy_` meets each of a state's hundreds of tensors at a
+    barrier; on a busy machine a descheduled OpenMP thread stalls each barrier (staging 1.1 GB: a median 5.1 s
+    with 2 threads against 0.44 s with one, `docs/checkpoint.md`)."""
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, device: torch.device, copier: ThreadPoolExecutor) -> None:
         super().__init__(cache_staged_state_dict=True)
         self._keys: frozenset[str] | None = None
-        self._pin = pin
+        self._device = device
+        self._copier = copier
+        self._stream: Any = None  # the staging thread's CUDA stream, made there on first use
 
-    def stage(self, state_dict: Any) -> Any:
+    def stage(self, state_dict: Any) -> Future:
         keys = frozenset(_flat_keys(state_dict))
         if self.state_dict_cache is None or keys != self._keys:  # first save, or the state's shape changed
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self._device.type == "cuda")
             self._keys = keys
-        with _intra_op_threads(1):
+        queued = None
+        if self._device.type == "cuda":  # the state's last update is queued on training's stream before this
+            queued = torch.cuda.Event()
+            queued.record()
+        return self._copier.submit(self._copy, state_dict, queued)
+
+    def _copy(self, state_dict: Any, queued: Any) -> Any:
+        torch.set_num_threads(1)  # this thread's own OpenMP team: training's keeps its count
+        if queued is None:
             return _copy_state_dict(state_dict, self.state_dict_cache)
-
-
-@contextmanager
-def _intra_op_threads(count: int) -> Iterator[None]:
-    """torch's intra-op thread count set to `count` for the block (the training thread's: it waits meanwhile)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+        torch.cuda.set_device(self._device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        self._stream.wait_event(queued)
+        with torch.cuda.stream(self._stream):
+            staged = _copy_state_dict(state_dict, self.state_dict_cache, non_blocking=True)
+        self._stream.synchronize()
+        return staged
 
 
 def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
@@ -183,10 +195,13 @@ class CheckpointManager:
         # their own, since two tiers' saves can be in flight at once in two threads.
         self.control_group = dist.new_group(backend="gloo") if self.distributed else None
         self.save_groups = {t.name: dist.new_group(backend="gloo") if self.distributed else None for t in self.tiers}
-        self.stagers = {t.name: ReusingStager(device.type == "cuda") for t in self.tiers}
+        # One staging thread: a tier's copy to host memory runs there while training goes on (`ReusingStager`).
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-stage")
+        self.stagers = {t.name: ReusingStager(device, self._copier) for t in self.tiers}
         # A save's future: DCP's write, then (node-local tiers) the copy to the next node, on the tier's group.
         self._writers = ThreadPoolExecutor(max_workers=max(1, len(self.tiers)), thread_name_prefix="hpctrain-save")
         self.in_flight: dict[str, InFlight] = {}
+        self._staging_wait_s = 0.0
         # Retention deletes whole checkpoints (a rmtree of GBs takes a noticeable time): in the background, so
         # that a commit at a step boundary costs training only the manifest and a rename.
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-retention")
@@ -230,6 +245,7 @@ class CheckpointManager:
         start. A damaged one is skipped (and quarantined), the next newest tried: same tier first, then slower."""
         if not self.enabled:
             return None
+        self.wait_for_staging()  # a load sets the state a copy may still read
         self._quarantine_broken_manifests()
         here = [(c.step, -i, i, c.path.name) for i, t in enumerate(self.tiers) for c in committed_in(t.path, t.name)]
         candidates = sorted({tuple(c) for part in self._all_gather(here) for c in part}, reverse=True)
@@ -420,7 +436,26 @@ class CheckpointManager:
             self.save_now(step, engine, progress, self.tiers[-1].name)
         self.wait_all()
 
+    def wait_for_staging(self) -> None:
+        """Block until every save's copy of the state is in host memory: called before anything changes the
+        state (the engine's optimizer step, a load). The wait is training's, counted in the save's blocked_s
+        and in `take_staging_wait`."""
+        for running in self.in_flight.values():
+            if not running.staged.done():
+                waited = time.perf_counter()
+                running.staged.result()
+                waited = time.perf_counter() - waited
+                running.blocked_s += waited
+                self._staging_wait_s += waited
+            running.staged.result()  # re-raises a failed copy here, on the training thread
+
+    def take_staging_wait(self) -> float:
+        """Seconds training waited for copies since the last call (the loop books them as checkpoint time)."""
+        waited, self._staging_wait_s = self._staging_wait_s, 0.0
+        return waited
+
     def wait_all(self) -> None:
+        self.wait_for_staging()
         for name in list(self.in_flight):
             self.in_flight[name].future.result()
             self._commit(name)
@@ -458,17 +493,20 @@ class CheckpointManager:
                 "fingerprint": self.fingerprint, "rng_streams": sorted(state["rng"][f"rank{self.rank}"]),
                 **progress, "tier": tier.name, "shared": tier.shared}
         writer = integrity.SummingWriter(partial, thread_count=self.write_threads)
-        written = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
-                                 async_stager=self.stagers[tier.name],
-                                 no_dist=not self.distributed)
-        staged = time.perf_counter()
-        future = self._writers.submit(self._write_and_commit, written, writer, tier, step, meta, started)
+        saving = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
+                                async_stager=self.stagers[tier.name], no_dist=not self.distributed)
+        assert isinstance(saving, AsyncSaveResponse)  # ReusingStager.stage returns the copy's future
+        dispatched = time.perf_counter()
+        future = self._writers.submit(self._write_and_commit, saving.upload_completion, writer, tier, step, meta,
+                                      started)
         blocked = time.perf_counter() - started
         tier.last_save = now
-        self.in_flight[tier.name] = InFlight(step, future, blocked)
-        # Where the blocked time went: collecting the state dict, staging it (DCP's planning runs in its thread)
+        self.in_flight[tier.name] = InFlight(step, future, saving.staging_completion, blocked)
+        # Where the blocked time went: collecting the state dict, starting the copy (the buffers' allocation
+        # at a tier's first save; DCP's planning runs in its thread). The wait for the copy comes at the
+        # optimizer step (`wait_for_staging`) and is in the committed save's blocked_s.
         self.events.append({"event": "save_started", "tier": tier.name, "step": step, "blocked_s": blocked,
-                            "state_dict_s": collected - started, "stage_s": staged - collected})
+                            "state_dict_s": collected - started, "dispatch_s": dispatched - collected})
 
     def _write_and_commit(self, written: Future, writer: integrity.SummingWriter, tier: Tier, step: int,
                           meta: dict[str, Any], started: float) -> dict[str, float]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -169,6 +169,9 @@ class Engine:
         self.ranks_per_stage = dims.world_size // dims.pp
         self.steps_done = 0
         self.last_good_step = 0
+        # What must finish before the optimizer changes the state: a checkpoint's copy of it, which runs while
+        # the step's forward and backward do (set by the loop: CheckpointManager.wait_for_staging).
+        self.before_update: Callable[[], None] = lambda: None
 
     # ---- construction -------------------------------------------------------------------------------------
 
@@ -369,6 +372,7 @@ class Engine:
                         found_inf: torch.Tensor | None) -> None:
         """Clip with the coefficient computed on the device from the reduced squared norm, then step every
         optimizer; `found_inf` (1.0: the step is not finite) makes fused kernels leave everything untouched."""
+        self.before_update()
         clip_grads_(params, self.cfg.optim.grad_clip, values[1])
         for opt in self.optimizers:
             skip_if_found_inf(opt, found_inf)

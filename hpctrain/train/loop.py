@@ -230,12 +230,14 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
             agreed = control.decode(stats.control)
             if agreed.stale:
                 raise StaleAttempt(f"a newer attempt of this run took the lease before step {step + 1}")
-            step_time = time.perf_counter() - started
+            # the step's wait for a save's copy of the state (before its optimizer step) is the checkpoint's time
+            staging_wait = ckpt.take_staging_wait()
+            step_time = time.perf_counter() - started - staging_wait
             done, consumed = step + 1, consumed + layout.global_batch
             watchdog.beat(done, step_time)
             saving = time.perf_counter()
             ckpt.after_step(done, engine, {"consumed_samples": consumed}, agreed.checkpoint)
-            ckpt_s = time.perf_counter() - saving  # training stopped for a save (staging, a busy tier)
+            ckpt_s = time.perf_counter() - saving + staging_wait  # training stopped for a save (its copy, a busy tier)
             monitor_out = monitor.after_step(done, step_time, agreed.probes)
             evaluated = validation.after_step(done) if validation is not None else {}
             if evaluated:
@@ -325,6 +327,7 @@ def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.
     ckpt = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, run_dir, str(cfg.run.id), env.rank,
                              env.world_size,
                              fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict(), device)
+    engine.before_update = ckpt.wait_for_staging  # a save's copy of the state is taken before it changes
     timeline["manager_ready"] = time.time()
     manifest = ckpt.resume(engine)
     if not manifest:

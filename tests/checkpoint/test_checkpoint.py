@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -238,29 +241,80 @@ def test_resume_in_another_layout_continues_exactly(compose_cfg, tmp_path: Path,
     assert consumed_samples(run_dir) == list(range(6 * 8))
 
 
-def test_staging_reuses_its_buffers_and_copies_on_one_intra_op_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every save of a tier stages into the same host buffers, the state's current values bit for bit, with
-    torch's intra-op threads at one during the copy (an OpenMP copy stalls at its barriers on a busy machine:
-    `docs/checkpoint.md`) and the caller's count restored after."""
-    threads_during: list[int] = []
+def test_staging_reuses_its_buffers_and_copies_in_its_thread_on_one_intra_op_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every save of a tier stages into the same host buffers, the state's values bit for bit as they were when
+    the save started, in the staging thread with one intra-op thread (an OpenMP copy stalls at its barriers on
+    a busy machine: `docs/checkpoint.md`), the caller's count untouched."""
+    during: list[tuple[str, int]] = []
     copy = manager_module._copy_state_dict
 
     def counting(*args: Any, **kwargs: Any) -> Any:
-        threads_during.append(torch.get_num_threads())
+        during.append((threading.current_thread().name, torch.get_num_threads()))
         return copy(*args, **kwargs)
 
     monkeypatch.setattr(manager_module, "_copy_state_dict", counting)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
     try:
         state = {"model": {"w": torch.randn(64, 32)}, "optim": {"w.exp_avg": torch.randn(64, 32), "w.step": 3}}
-        stager = ReusingStager(pin=False)
-        first = stager.stage(state)
+        stager = ReusingStager(torch.device("cpu"), copier)
+        first = stager.stage(state).result()
         state["model"]["w"].add_(1.0)
-        second = stager.stage(state)
-        assert torch.get_num_threads() == 2 and threads_during == [1, 1]
+        second = stager.stage(state).result()
+        assert torch.get_num_threads() == 2
+        assert [n for n, _ in during] == ["stage_0"] * 2 and [t for _, t in during] == [1, 1]
     finally:
         torch.set_num_threads(before)
+        copier.shutdown()
     assert second["model"]["w"] is first["model"]["w"]  # the same buffer, no allocation
     assert second["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()  # a copy, not the live tensor
     assert torch.equal(second["model"]["w"], state["model"]["w"]) and second["optim"]["w.step"] == 3
+
+
+def test_the_optimizer_step_waits_for_a_saves_copy_of_the_state(compose_cfg, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's copy runs while the next step computes; its optimizer step waits for it. Made adversarial: the
+    copy starts only when the step reaches its optimizer (the engine's before_update) and is slow, so without
+    the wait the optimizer would change the parameters under it and the checkpoint would hold step 2's
+    weights with step 1's number. The wait is booked as the save's blocked time and as checkpoint time."""
+    from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.config.layout import resolve_layout
+    from hpctrain.parallel.engine import build_engine
+    from hpctrain.records.fingerprint import fingerprint_of
+
+    cfg = compose_cfg(*SMALL, "cluster.gpus_per_node=1", "train.global_batch=2", "run.id=fence",
+                      f"checkpoint.tiers=[{{name: disk, path: {tmp_path}/tier, interval_steps: 1, keep_last: 2}}]")
+    engine = build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))
+    manager = CheckpointManager(cfg.checkpoint, 0.0, tmp_path, "fence", 0, 1,
+                                fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict())
+    reached_optimizer = threading.Event()
+    copy = manager_module._copy_state_dict
+
+    def late_and_slow(*args: Any, **kwargs: Any) -> Any:
+        assert reached_optimizer.wait(60), "the step never reached its optimizer with a copy pending"
+        time.sleep(0.5)
+        return copy(*args, **kwargs)
+
+    def fence() -> None:
+        reached_optimizer.set()
+        manager.wait_for_staging()
+
+    monkeypatch.setattr(manager_module, "_copy_state_dict", late_and_slow)
+    engine.before_update = fence
+    data = torch.randint(0, 256, (2, 1, 2, 32))
+    engine.step(data, 1e-3)
+    reached_optimizer.clear()
+    at_step_1 = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    manager.after_step(1, engine, {"consumed_samples": 2}, manager.control_values(time.monotonic()))
+    assert not manager.in_flight["disk"].staged.done()  # training goes on while the copy waits
+    engine.step(data, 1e-3)
+    assert manager.take_staging_wait() >= 0.4 and manager.take_staging_wait() == 0.0
+    changed = {k: v for k, v in engine.model.state_dict().items() if not torch.equal(v, at_step_1[k])}
+    assert changed  # step 2 moved the weights after the copy
+    manager.wait_all()
+    saved = model_weights(committed_in(tmp_path / "tier" / "fence")[-1].path)
+    assert all(torch.equal(saved[k], at_step_1[k]) for k in at_step_1), "the checkpoint of step 1 holds other weights"
+    committed = [e for e in manager.events if e["event"] == "save_committed"][-1]
+    assert committed["step"] == 1 and committed["blocked_s"] >= 0.4
