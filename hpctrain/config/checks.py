@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from hpctrain import schedules
-from hpctrain.config.layout import Layout, resolve_layout
+from hpctrain.config.layout import Layout, model_fit_problems, resolve_layout
 from hpctrain.config.cluster_checks import cluster_checks
 from hpctrain.config.file_checks import check_resume, file_checks, resumed_run_dir, walk_values
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
@@ -129,42 +129,23 @@ def _llama_shape(cfg: Config, r: CheckReport) -> None:
 
 
 def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    m, tp = cfg.model, lay.tp
-    if cfg.parallel.sequence_parallel and tp == 1:
+    """The layout against the model's shape (config.layout.model_fit_problems: the search obeys the same)."""
+    m = cfg.model
+    if cfg.parallel.sequence_parallel and lay.tp == 1:
         r.warn("parallel.sequence_parallel", "ignored with tp=1: sequence parallelism shards along the TP group",
                "set parallel.sequence_parallel=false, or parallel.tp>1 to use it")
-    if m.n_heads % tp:
-        r.error("parallel.tp", f"model.n_heads={m.n_heads} is not divisible by tp={tp}: each TP rank must own "
-                "whole attention heads", f"use a tp that divides {m.n_heads}")
-    if m.arch == ModelArch.llama and kv_heads_of(m) % tp:
-        r.error("parallel.tp", f"model.n_kv_heads={kv_heads_of(m)} is not divisible by tp={tp}: each TP rank must "
-                "own whole key/value heads (grouped-query attention)",
-                f"use a tp that divides {kv_heads_of(m)}, or more key/value heads (model.n_kv_heads)")
-    if ffn_hidden_of(m) % tp:
-        r.error("parallel.tp", f"the MLP hidden size {ffn_hidden_of(m)} is not divisible by tp={tp}",
-                "use a tp that divides the MLP hidden size (model.ffn_hidden)")
-    if tp > lay.gpus_per_node:
-        r.error("parallel.tp", f"tp={tp} is larger than cluster.gpus_per_node={lay.gpus_per_node}: TP's per-layer "
-                "all-reduces would cross the network instead of NVLink", f"use tp <= {lay.gpus_per_node} and add "
-                "pipeline stages (parallel.pp) to split the model further")
-    elif lay.gpus_per_node % tp:
-        r.error("parallel.tp", f"tp={tp} does not divide cluster.gpus_per_node={lay.gpus_per_node}: some TP "
-                "groups would straddle two nodes", f"use a tp that divides {lay.gpus_per_node}")
+    for key, message, fix in model_fit_problems(lay, m.n_layers, m.n_heads, kv_heads_of(m), ffn_hidden_of(m)):
+        r.error(key, message, fix)
 
 
 def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
     from hpctrain.plan.bubble import bubble_fraction
 
-    p, m = cfg.parallel, cfg.model
+    p = cfg.parallel
     if p.schedule not in SCHEDULES:
         r.error("parallel.schedule", f"unknown schedule {p.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         return
     entry = schedules.get(p.schedule)
-    chunks = lay.pp * lay.virtual_stages
-    if m.n_layers % chunks:
-        r.error("parallel.pp", f"model.n_layers={m.n_layers} is not divisible by pp x virtual_stages = "
-                f"{lay.pp} x {lay.virtual_stages} = {chunks}: stages would be unbalanced",
-                "choose pp and virtual_stages whose product divides the number of layers")
     if entry.split_backward and lay.pp > 1 and lay.dp > 1 and lay.zero_stage >= 1:
         r.error("parallel.schedule", f"{p.schedule} computes weight gradients in a separate pass, which loses "
                 f"gradients of ZeRO-sharded parameters (zero.stage={lay.zero_stage}) in torch 2.13",

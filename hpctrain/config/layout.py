@@ -145,6 +145,38 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     return out
 
 
+def model_fit_problems(lay: Any, n_layers: int, n_heads: int, kv_heads: int, ffn_hidden: int
+                       ) -> list[tuple[str, str, str]]:
+    """(config key, what is wrong, the fix) for every rule a layout (its tp, pp, virtual_stages,
+    gpus_per_node) breaks against a model's shape: the one owner of these rules, which the checks report and
+    the layout search (so `parallel=auto`) obeys, so auto can never pick what the checks refuse."""
+    out: list[tuple[str, str, str]] = []
+    tp = lay.tp
+    if n_heads % tp:
+        out.append(("parallel.tp", f"model.n_heads={n_heads} is not divisible by tp={tp}: each TP rank must own "
+                    "whole attention heads", f"use a tp that divides {n_heads}"))
+    if kv_heads != n_heads and kv_heads % tp:
+        out.append(("parallel.tp", f"model.n_kv_heads={kv_heads} is not divisible by tp={tp}: each TP rank must "
+                    "own whole key/value heads (grouped-query attention)",
+                    f"use a tp that divides {kv_heads}, or more key/value heads (model.n_kv_heads)"))
+    if ffn_hidden % tp:
+        out.append(("parallel.tp", f"the MLP hidden size {ffn_hidden} is not divisible by tp={tp}",
+                    "use a tp that divides the MLP hidden size (model.ffn_hidden)"))
+    if tp > lay.gpus_per_node:
+        out.append(("parallel.tp", f"tp={tp} is larger than cluster.gpus_per_node={lay.gpus_per_node}: TP's "
+                    "per-layer all-reduces would cross the network instead of NVLink",
+                    f"use tp <= {lay.gpus_per_node} and add pipeline stages (parallel.pp) to split the model further"))
+    elif lay.gpus_per_node % tp:
+        out.append(("parallel.tp", f"tp={tp} does not divide cluster.gpus_per_node={lay.gpus_per_node}: some TP "
+                    "groups would straddle two nodes", f"use a tp that divides {lay.gpus_per_node}"))
+    chunks = lay.pp * lay.virtual_stages
+    if n_layers % chunks:
+        out.append(("parallel.pp", f"model.n_layers={n_layers} is not divisible by pp x virtual_stages = "
+                    f"{lay.pp} x {lay.virtual_stages} = {chunks}: stages would be unbalanced",
+                    "choose pp and virtual_stages whose product divides the number of layers"))
+    return out
+
+
 def resolve_layout(cfg: Config) -> Layout:
     """Infer dp and grad_accum where they are -1; raise ConfigError when the numbers cannot fit together."""
     c, p, t = cfg.cluster, cfg.parallel, cfg.train

@@ -1,9 +1,11 @@
 """Enumerate the 3D layouts a job could use, keep those that fit in memory, rank them by estimated speed.
 
 Rules a candidate obeys (Megatron's, plus the global batch):
-  * tp divides gpus_per_node (TP stays on NVLink), n_heads and the key/value heads (each rank keeps whole
-    K/V heads of grouped-query attention: Megatron's num_query_groups % tp);
-  * n_layers is divisible by pp * virtual_stages; dp = n_gpus / (tp * pp) is a whole number;
+  * the model's shape rules, from their one owner (hpctrain.config.layout.model_fit_problems, which the checks
+    report): tp divides gpus_per_node (TP stays on NVLink), n_heads, the key/value heads (each rank keeps whole
+    K/V heads of grouped-query attention: Megatron's num_query_groups % tp) and the MLP hidden size; n_layers
+    is divisible by pp * virtual_stages;
+  * dp = n_gpus / (tp * pp) is a whole number;
   * global_batch = micro_batch * grad_accum * dp, and microbatches (= grad_accum) >= pp;
   * interleaving (v > 1) needs pp >= 2 and microbatches divisible by pp.
 Pruning that keeps a 4096-GPU search well under a second, and why it loses nothing:
@@ -21,7 +23,9 @@ Candidates are ranked by estimated tokens/s (step_time.py), ties by lower memory
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
+from hpctrain.config.layout import model_fit_problems
 from hpctrain.plan.bubble import microbatches_for_efficiency
 from hpctrain.plan.flops import mfu
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
@@ -47,16 +51,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def shape_problems(model: ModelShape, tp: int, pp: int, virtual_stages: int, gpus_per_node: int) -> list[str]:
+    """What the model's shape rules (their one owner: config.layout.model_fit_problems) say of these degrees."""
+    degrees = SimpleNamespace(tp=tp, pp=pp, virtual_stages=virtual_stages, gpus_per_node=gpus_per_node)
+    return [message for _, message, _ in
+            model_fit_problems(degrees, model.n_layers, model.n_heads, model.kv_heads, model.ffn)]
+
+
 def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int, global_batch: int) -> list[str]:
     """The search rules `layout` breaks (empty when it is a legal candidate)."""
     bad = []
     if layout.n_gpus != n_gpus:
         bad.append(f"dp*tp*pp = {layout.n_gpus} != {n_gpus} GPUs")
-    if hw.gpus_per_node % layout.tp or model.n_heads % layout.tp or model.kv_heads % layout.tp:
-        bad.append(f"tp {layout.tp} must divide gpus_per_node {hw.gpus_per_node}, n_heads {model.n_heads} and "
-                   f"the {model.kv_heads} key/value heads")
-    if model.n_layers % (layout.pp * layout.virtual_stages):
-        bad.append(f"n_layers {model.n_layers} not divisible by pp*v = {layout.pp * layout.virtual_stages}")
+    bad += shape_problems(model, layout.tp, layout.pp, layout.virtual_stages, hw.gpus_per_node)
     if layout.global_batch != global_batch:
         bad.append(f"micro_batch*grad_accum*dp = {layout.global_batch} != global batch {global_batch}")
     if layout.pp > 1 and layout.microbatches < layout.pp:
@@ -120,7 +127,8 @@ def search_layouts(
     reduced in `reduce_dtype` (precision.reduce_dtype; None: in `dtype`), as the run will."""
     if seq_len is not None and seq_len != model.seq_len:
         model = replace(model, seq_len=seq_len)
-    tps = [t for t in _divisors(hw.gpus_per_node) if model.kv_heads % t == 0 and n_gpus % t == 0]
+    tps = [t for t in _divisors(hw.gpus_per_node)
+           if n_gpus % t == 0 and not shape_problems(model, t, 1, 1, hw.gpus_per_node)]
     out: list[Candidate] = []
     for tp in tps:
         for pp in _divisors(model.n_layers):

@@ -60,6 +60,25 @@ def test_parallel_auto_picks_a_layout_that_passes_the_checks(compose_cfg, capsys
     assert plan["est_mfu"] > 0.4
 
 
+def test_parallel_auto_never_picks_what_the_checks_refuse(compose_cfg, capsys) -> None:
+    """The layout rules have one owner (config.layout.model_fit_problems) that the checks report and the search
+    obeys: Llama 3 70B with an MLP of 2 x 14335 on 128 GPUs, which TP 4 and 8 cannot split; auto used to pick
+    TP 8 and the checks refused it."""
+    plan = _plan(compose_cfg, capsys, "+experiment=llama3_8b_4node", "model=llama3_70b", "model.ffn_hidden=28670",
+                 "cluster.nodes=16", "parallel=auto")
+    assert plan["layout"]["tp"] in (1, 2) and plan["memory_per_gpu_bytes"]["fits"]
+
+
+def test_parallel_auto_says_when_no_legal_layout_fits(compose_cfg, capsys) -> None:
+    """Llama 3 70B with an odd MLP on 32 GPUs: TP 1 is the only legal degree and nothing fits; auto says so
+    rather than choosing TP 2, which the checks refused with an error about the MLP."""
+    cfg = compose_cfg("+experiment=llama3_8b_4node", "model=llama3_70b", "model.ffn_hidden=28671", "parallel=auto",
+                      "dry_run=true")
+    assert run(cfg).code == EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "parallel.auto: no layout of llama3_70b" in err and "not divisible by tp" not in err
+
+
 def test_a_layout_that_cannot_fit_is_an_error_with_fixes(compose_cfg, capsys, tmp_path: Path) -> None:
     cfg = compose_cfg("+experiment=175b", "zero=stage0", "parallel.recompute=none", "data=synthetic",
                       f"run.root={tmp_path}")
