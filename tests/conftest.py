@@ -21,6 +21,16 @@ CONF_DIR = REPO / "conf"
 os.environ.setdefault("WANDB_MODE", "offline")
 register()
 
+# Tests a measured run found slow (tools/quick_tier.py): the quick tier, -m "not slow and not slurm", leaves them out.
+SLOW = {line.strip() for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)
+
 
 def _compose(*overrides: str) -> DictConfig:
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
