@@ -10,10 +10,11 @@ Activations are reported, not held to the planner (docs/simulate.md says why).""
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from typing import Callable
 
 import pytest
 
+from hpctrain.launch.plan_view import render_text
 from hpctrain.simulate.report import STATES_TOLERANCE
 from tests.conftest import REPO, run_hpctrain
 
@@ -30,17 +31,27 @@ LAYOUTS = {
 }
 
 
-def _simulate(experiment: str, tmp_path: Path) -> dict:
-    proc = run_hpctrain(f"+experiment={experiment}", "dry_run=simulate", "plan.format=json", f"run.root={tmp_path}",
-                        cwd=REPO, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict, str]]:
+    """experiment -> (its JSON plan, the run's stderr): each experiment simulated once for the module's tests."""
+    done: dict[str, tuple[dict, str]] = {}
+
+    def simulate(experiment: str) -> tuple[dict, str]:
+        if experiment not in done:
+            root = tmp_path_factory.mktemp(experiment)
+            proc = run_hpctrain(f"+experiment={experiment}", "dry_run=simulate", "plan.format=json",
+                                f"run.root={root}", cwd=REPO, timeout=900)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            done[experiment] = json.loads(proc.stdout), proc.stderr
+        return done[experiment]
+
+    return simulate
 
 
 @pytest.mark.parametrize("experiment", LAYOUTS)
-def test_the_planner_holds_against_torch_on_the_most_loaded_rank(experiment: str, tmp_path: Path) -> None:
+def test_the_planner_holds_against_torch_on_the_most_loaded_rank(experiment: str, simulated) -> None:
     world, rank, stages, groups, calls, sends = LAYOUTS[experiment]
-    plan = _simulate(experiment, tmp_path)
+    plan, _ = simulated(experiment)
     sim = plan["simulation"]
     assert (sim["world_size"], sim["rank"], sim["stages"]) == (world, rank, stages)
     assert sim["pp_rank"] == plan["memory_per_gpu_bytes"]["pipeline_stage"]  # the planner's most loaded stage
@@ -59,14 +70,15 @@ def test_the_planner_holds_against_torch_on_the_most_loaded_rank(experiment: str
     assert sim["seconds"] < (120 if experiment == "175b" else 600)  # the 175B one: under 2 minutes
 
 
-def test_the_175b_simulation_prints_its_table(tmp_path: Path) -> None:
-    """What a user reads: the table for the rank, planner against torch, and what the simulation cannot see."""
-    proc = run_hpctrain("+experiment=175b", "dry_run=simulate", f"run.root={tmp_path}", cwd=REPO, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+def test_the_175b_simulation_prints_its_table(simulated) -> None:
+    """What a user reads: the table for the rank, planner against torch, and what the simulation cannot see.
+    The text is the JSON plan rendered (`plan.format=text`, the default, prints `render_text` of the same plan),
+    so the one 175B simulation serves both tests."""
+    plan, stderr = simulated("175b")
+    out = render_text(plan)
     assert "simulation: rank 0 of 4096 (pipeline rank 0, stage(s) 0; DP 0, TP 0)" in out
     for row in ("parameters", "gradients", "optimizer state", "buffers", "activations", "total"):
         assert any(line.strip().startswith(row) and line.count("GiB") == 2 for line in out.splitlines()), row
     assert "within the 10% tolerance" in out and "1 over all 4096 ranks" in out
     assert "not seen on fake tensors: kernel speed" in out
-    assert "nothing was submitted" not in proc.stderr and "sbatch script" in out  # a dry run: nothing queued
+    assert "nothing was submitted" not in stderr and "sbatch script" in out  # a dry run: nothing queued
