@@ -441,13 +441,11 @@ class CheckpointManager:
         state (the engine's optimizer step, a load). The wait is training's, counted in the save's blocked_s
         and in `take_staging_wait`."""
         for running in self.in_flight.values():
-            if not running.staged.done():
-                waited = time.perf_counter()
-                running.staged.result()
-                waited = time.perf_counter() - waited
-                running.blocked_s += waited
-                self._staging_wait_s += waited
+            waited = time.perf_counter()
             running.staged.result()  # re-raises a failed copy here, on the training thread
+            waited = time.perf_counter() - waited
+            running.blocked_s += waited
+            self._staging_wait_s += waited
 
     def take_staging_wait(self) -> float:
         """Seconds training waited for copies since the last call (the loop books them as checkpoint time)."""

@@ -51,6 +51,7 @@ def model_weights(ckpt_path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("gpu_rules")  # the staging, writer and commit threads use no device group, touch no CUDA
 def test_tier_intervals_and_retention(compose_cfg, tmp_path: Path) -> None:
     cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=12", *tiers(tmp_path))
     run_dir = tmp_path / "run"
