@@ -1,6 +1,6 @@
 """The layer rules (pyproject.toml [tool.importlinter]), checked over the real import graph with import-linter:
 models know nothing of parallelism; plan is pure math without torch; the task side never imports the launch
-side; config imports no runtime. Direct and indirect imports, function-level ones included."""
+side; config imports no runtime and not the planner. Direct and indirect imports, function-level ones included."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def test_the_layer_rules_hold() -> None:
     ("plan/bubble.py", "import torch", "plan is pure math"),
     ("health/monitor.py", "from hpctrain.launch import submit", "the task side never imports the launch side"),
     ("config/problems.py", "from hpctrain.train import loop", "config imports no runtime"),
+    ("config/checks.py", "from hpctrain.plan.estimate import estimate", "not the planner"),
 ])
 def test_a_planted_violation_fails(tmp_path: Path, module: str, planted: str, contract: str) -> None:
     shutil.copytree(REPO / "hpctrain", tmp_path / "hpctrain", ignore=shutil.ignore_patterns("__pycache__"))

@@ -31,7 +31,7 @@ from hpctrain.models.hf import (
     recipes,
     to_hf,
 )
-from hpctrain.models.params import arch_of
+from hpctrain.models.registry import family_of
 from hpctrain.records.paths import RunPaths
 
 if TYPE_CHECKING:
@@ -205,7 +205,7 @@ def open_hf(path: str | Path, m: ModelConfig) -> tuple[HFWeights, bool]:
         raise HFMismatch(f"model.init_from={path} does not match the run's model config (model={m.name}):\n{rows}\n"
                          f"Fix: set {sets} (or pick the model config of this checkpoint), or point "
                          "model.init_from at a model of this config's shape")
-    tied = bool(hf.get("tie_word_embeddings", hf.get("model_type") == "gpt2"))
+    tied = bool(hf.get("tie_word_embeddings", family_of(m).hf.tied_default))
     weights = HFWeights(path, m)
     problems = check_hf_shapes(weights.shapes(), m, str(path), tied)
     if problems:
@@ -233,7 +233,7 @@ def load_hf(parts: Sequence[nn.Module], path: str | Path, m: ModelConfig) -> Non
         own = get_model_state_dict(part)  # this rank's shards, by the model's own names (wrappers left out)
         unknown = [k for k in own if k not in known]
         if unknown:
-            raise HFMismatch(f"the model holds {unknown[:5]}, which no Hugging Face {arch_of(m)} weight converts to")
+            raise HFMismatch(f"the model holds {unknown[:5]}, which no Hugging Face {family_of(m).name} weight converts to")
         rows = next((own[k].shape[0] for k in VOCAB_ROWS if k in own), None)  # this layout's padded vocabulary
         for name, full in iter_from_hf(weights, m, rows, list(own), tied):
             target = own[name]

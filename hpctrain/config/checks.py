@@ -1,7 +1,9 @@
-"""Checks that run on the login node before anything is queued.
+"""Checks that run on the login node before anything is queued: the config's own rules.
 
 Each check names the key at fault and the fix. Errors stop the run before a run directory exists or a job
 is submitted; warnings are printed in the plan. The schema already rejected unknown keys and wrong types.
+The checks that need the planner's estimates (memory per GPU, the pipeline bubble, offload), and the runner of
+every check, are hpctrain.plan.checks: config never imports the planner (pyproject.toml's import contract).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from hpctrain import schedules
-from hpctrain.config.layout import Layout, model_fit_problems, resolve_layout
+from hpctrain.config.layout import Layout, data_parallel_kind, model_fit_problems
 from hpctrain.config.cluster_checks import cluster_checks
-from hpctrain.config.file_checks import check_resume, file_checks, resumed_run_dir, walk_values
+from hpctrain.config.file_checks import walk_values
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
 from hpctrain.config.schema import (
     DRY_RUNS,
@@ -27,41 +29,14 @@ from hpctrain.config.schema import (
     DataConfig,
     DataKind,
     DType,
-    ModelArch,
     TrainConfig,
     parse_blend,
     simulating,
 )
 from hpctrain.hardware import KNOWN_HARDWARE
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of
+from hpctrain.models.registry import family_of
 
-
-
-def run_checks(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckReport:
-    """Every check, the errors kept in the report (a dry run shows the plan before them). A layout that
-    cannot be resolved at all raises ConfigError.
-
-    The files the run will read are checked too (hpctrain.config.file_checks); a resume also against the newest
-    checkpoint of its run directory: `run_dir` when the caller resolved it, else the run that run.resume (or
-    an existing run.root/run.name/run.id) names."""
-    check_schema(cfg)
-    layout = resolve_layout(cfg)
-    report = CheckReport(layout)
-    for check in CHECKS:
-        check(cfg, layout, report)
-    if run_dir is None and not any(p.key in ("run.name", "run.id") for p in report.errors):
-        run_dir = resumed_run_dir(cfg)
-    if run_dir is not None:
-        check_resume(cfg, run_dir, report)
-    return report
-
-
-def check_config(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckReport:
-    """Run every check; raise ConfigError with all errors found, return the report (with warnings) otherwise."""
-    report = run_checks(cfg, run_dir)
-    if report.errors:
-        raise ConfigError(report.errors)
-    return report
 
 
 def check_schema(cfg: Any) -> None:
@@ -103,29 +78,11 @@ def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("model.init_std", f"must be >= 0 (a standard deviation), got {m.init_std}", "use model.init_std=0.02")
     if m.norm_eps < 0:
         r.error("model.norm_eps", f"must be >= 0, got {m.norm_eps}", "use model.norm_eps=1e-5")
-    if m.arch == ModelArch.llama:
-        _llama_shape(cfg, r)
-    elif m.n_kv_heads not in (0, m.n_heads):
-        r.error("model.n_kv_heads", f"model.arch=gpt has multi-head attention only, got n_kv_heads={m.n_kv_heads} "
-                f"for n_heads={m.n_heads}", "set model.n_kv_heads=0, or model.arch=llama for grouped-query attention")
+    for key, what, fix in family_of(m).shape_problems(m):  # the family's own rules
+        r.error(key, what, fix)
     if m.init_from and not os.path.exists(m.init_from):
         (r.warn if cfg.dry_run else r.error)("model.init_from", f"{m.init_from} does not exist on this machine",
                                              "give a Hugging Face model directory readable from every node")
-
-
-def _llama_shape(cfg: Config, r: CheckReport) -> None:
-    m = cfg.model
-    kv = kv_heads_of(m)
-    if m.n_heads >= 1 and (kv < 1 or m.n_heads % kv):
-        r.error("model.n_kv_heads", f"model.n_heads={m.n_heads} is not divisible by n_kv_heads={kv}: each key/value "
-                "head serves a whole group of query heads", f"use an n_kv_heads that divides {m.n_heads} (0: as many "
-                "as query heads)")
-    if m.n_heads >= 1 and m.d_model % m.n_heads == 0 and (m.d_model // m.n_heads) % 2:
-        r.error("model.d_model", f"the head dimension d_model / n_heads = {m.d_model // m.n_heads} is odd: RoPE "
-                "rotates pairs of dimensions", "choose d_model and n_heads with an even d_model / n_heads")
-    if m.dropout:
-        r.error("model.dropout", f"model.arch=llama has no dropout (Llama 2/3 train without), got {m.dropout}",
-                "set model.dropout=0.0")
 
 
 def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -139,8 +96,6 @@ def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 
 def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    from hpctrain.plan.bubble import bubble_fraction
-
     p = cfg.parallel
     if p.schedule not in SCHEDULES:
         r.error("parallel.schedule", f"unknown schedule {p.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
@@ -162,26 +117,7 @@ def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if entry.microbatches_multiple_of_pp and mb % lay.pp:
         r.error("train.grad_accum", f"interleaved schedules need microbatches ({mb}) to be a multiple of pp "
                 f"({lay.pp})", f"use train.grad_accum={(mb // lay.pp + 1) * lay.pp}")
-    bubble = bubble_fraction(lay.pp, mb, lay.virtual_stages, p.schedule)
-    if mb < 4 * lay.pp and cfg.cluster.gpu_type in KNOWN_HARDWARE:
-        from hpctrain.plan.estimate import estimate
 
-        r.warn("train.grad_accum", f"{mb} microbatches on {lay.pp} stages: the pipeline bubble is "
-               f"{bubble:.1%} of each step", _microbatch_fix(estimate(cfg, lay), lay.zero_stage))
-
-
-def _microbatch_fix(est: Any, zero_stage: int) -> str:
-    """Only a count the plan's own estimate finds faster (more microbatches re-gather ZeRO-3's weights)."""
-    from hpctrain.plan.auto import better_microbatches
-
-    tip = better_microbatches(est.model, est.layout, est.hw)
-    if tip is not None:
-        return (f"use train.micro_batch={tip.micro_batch} ({tip.microbatches} microbatches, bubble "
-                f"{tip.bubble_fraction:.1%}): the plan estimates {tip.step_time_s:.1f} s per step instead of "
-                f"{tip.current_step_time_s:.1f} s")
-    return ("no other number of microbatches makes this layout faster by the plan's estimate"
-            + (" (under ZeRO-3 each one re-gathers the weights)" if zero_stage == 3 else "")
-            + "; plan.search=5 ranks faster layouts (e.g. interleaved schedules)")
 
 def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
     z = cfg.zero
@@ -274,7 +210,7 @@ def _fp8(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.warn("precision.dtype", "FP8 with fp32: the Linears run in FP8, everything else (attention, norms, "
                "the head) in fp32, far slower than bf16", "set precision=bf16")
     widths = {"model.d_model": m.d_model, "model.ffn_hidden": ffn_hidden_of(m)}
-    if m.arch == ModelArch.llama and m.n_heads >= 1 and m.d_model % m.n_heads == 0:
+    if family_of(m).grouped_query and m.n_heads >= 1 and m.d_model % m.n_heads == 0:
         widths["model.n_kv_heads"] = kv_heads_of(m) * (m.d_model // m.n_heads)  # K and V width (GQA)
     for key, width in widths.items():
         if width % tp == 0 and (width // tp) % FP8_DIM_MULTIPLE == 0:
@@ -452,121 +388,6 @@ def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 "use checkpoint=default, or checkpoint=none")
 
 
-def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    """Estimate memory per GPU (planner) once the layout is valid; on GPUs a layout that cannot fit is an error."""
-    from hpctrain.plan.estimate import estimate
-    from hpctrain.plan.types import KNOWN_HARDWARE, GiB
-
-    if cfg.cluster.gpu_type not in KNOWN_HARDWARE:
-        r.error("cluster.gpu_type", f"unknown GPU type {cfg.cluster.gpu_type!r}",
-                f"use one of {', '.join(sorted(KNOWN_HARDWARE))}")
-        return
-    if r.errors:
-        return
-    r.estimates = est = estimate(cfg, lay)
-    mem = est.memory
-    if mem.fits:
-        if mem.headroom < 0.05 * mem.usable:
-            r.warn("parallel", f"estimated {mem.total / GiB:.1f} GiB per GPU leaves under 5% headroom of "
-                   f"{mem.usable / GiB:.1f} GiB usable", "expect fragmentation OOMs; consider more recompute or sharding")
-        return
-    fixes = []
-    if cfg.parallel.recompute.value != "full":
-        fixes.append("parallel.recompute=" + ("selective" if cfg.parallel.recompute.value == "none" else "full"))
-    if lay.zero_stage < 3 and lay.dp > 1:
-        fixes.append(f"zero.stage={lay.zero_stage + 1}")
-    if lay.micro_batch > 1:
-        fixes.append(f"train.micro_batch={lay.micro_batch // 2}")
-    fixes.append("more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp)")
-    message = (f"estimated {mem.total / GiB:.1f} GiB per GPU (params {mem.params / GiB:.1f}, grads "
-               f"{mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, buffers {mem.buffers / GiB:.1f}, "
-               f"activations {mem.activations / GiB:.1f}) "
-               f"exceeds the {mem.usable / GiB:.1f} GiB usable on each {cfg.cluster.gpu_type} GPU")
-    if cfg.cluster.gpu_type == "cpu":
-        r.warn("parallel", message, "try: " + ", or ".join(fixes))
-    else:
-        r.error("parallel", message, "try: " + ", or ".join(fixes))
-
-
-HOST_MEMORY_WARN = 0.8  # offloaded state above this share of a node's host memory leaves too little for the rest
-OFFLOAD_SHARE_WARN = 0.10  # exposed offload time above this share of the step: warn
-
-
-def _offload(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    """ZeRO offload against the node (hpctrain.plan.offload): host memory and NVMe space per node, and whether the
-    step is bound by the offload (the NVMe traffic, or the CPU step and copies), with the predicted slowdown."""
-    est = r.estimates
-    if est is None or est.step.offload is None:
-        return
-    from hpctrain.plan.offload import offload_costs
-    from hpctrain.plan.types import GiB
-
-    st, hw, o = est.step, est.hw, est.step.offload
-    gpu = cfg.cluster.gpu_type
-    report = r.warn if gpu == "cpu" else r.error  # the cpu entry's host figures are placeholders
-    shards = f"{o.gpus_per_node} GPUs x {o.shard_params / 1e6:,.0f}M parameters per rank"
-    bigger_dp = (f"more nodes or a larger DP (now {lay.dp}; each rank's shard is 1/{lay.zero_shard} of its "
-                 "GPU's parameters)")
-    slowdown = f"{st.offload_slowdown:.0%} slower than the same layout without offload"
-    host, have = o.host_bytes_per_node, hw.host_mem_bytes
-    if host > have or host > HOST_MEMORY_WARN * have:
-        fix = bigger_dp + ("" if o.device == "nvme" else ", or zero.offload_optimizer_device=nvme (Adam's moments, "
-                           "half of the offloaded shards, go to node-local NVMe) with zero.nvme_path")
-        if o.host.tiers:
-            fix += (f", or fewer checkpoint tiers (each keeps a staged copy of every rank's state in host memory: "
-                    f"{o.host.staging_per_tier * o.gpus_per_node / GiB:,.1f} GiB per node)")
-        message = (f"offload keeps {host / GiB:,.1f} GiB per node in host memory ({shards}: {o.host_terms()}), "
-                   f"{host / have:.0%} of the {have / GiB:,.0f} GiB a {gpu} node has (hpctrain/hardware.py)")
-        if host > have:
-            report("zero.offload_optimizer", message, fix)
-        else:
-            r.warn("zero.offload_optimizer", message + ": too little is left for the OS, data loaders and pinned "
-                   "buffers", fix)
-    if o.device == "nvme" and o.nvme_bytes_per_node > hw.nvme_bytes:
-        report("zero.nvme_path", f"Adam's moments take {o.nvme_bytes_per_node / 1e12:,.2f} TB of NVMe per node "
-               f"({shards}, 8 bytes each), more than the {hw.nvme_bytes / 1e12:.2f} TB a {gpu} node has",
-               bigger_dp + ", or zero.offload_optimizer_device=cpu if host memory allows")
-    if o.device == "nvme" and o.nvme_bound:
-        # CPU offload: the moments resident in host memory instead of read back for a save
-        need = (o.host_bytes_per_gpu - o.host.save_readback + o.nvme_bytes_per_gpu) * o.gpus_per_node
-        r.warn("zero.offload_optimizer_device", f"the NVMe traffic bounds the optimizer step: "
-               f"{o.nvme_read_bytes / 1e9:.2f} GB read + {o.nvme_write_bytes / 1e9:.2f} GB written per node and "
-               f"step take {o.nvme_s:.2f} s, the CPU's Adam {o.cpu_adam_s:.2f} s; offload adds {st.offload_s:.2f} s "
-               f"to a {st.step_time_s:.2f} s step: {slowdown}",
-               f"{bigger_dp}; zero.offload_optimizer_device=cpu if host memory allows ({need / GiB:,.1f} GiB per "
-               f"node of {hw.host_mem_bytes / GiB:,.0f}); or a faster NVMe (zero.nvme_path on more drives)")
-    elif st.offload_share > OFFLOAD_SHARE_WARN:
-        r.warn("zero.offload_optimizer", f"offload adds {st.offload_s:.2f} s to a {st.step_time_s:.2f} s step "
-               f"(CPU Adam {o.cpu_adam_s:.2f} s" + (f", NVMe {o.nvme_s:.2f} s" if o.device == "nvme" else "")
-               + f", PCIe copies {o.pcie_s:.2f} s): {slowdown}", _offload_fix(cfg, lay, est, bigger_dp))
-    threads = cfg.train.threads_per_rank
-    slow = offload_costs(est.model, lay, hw, threads_per_rank=threads)
-    if slow.cpu_adam_s > 1.25 * o.cpu_adam_s:
-        enough = -(-hw.adam_rate_per_gpu() // hw.cpu_adam_core_rate)
-        r.warn("train.threads_per_rank", f"each rank's CPU AdamW step runs on {threads} thread(s): "
-               f"{slow.cpu_adam_s:.2f} s per step instead of the {o.cpu_adam_s:.2f} s the plan assumes with the "
-               f"rank's share of the node's {hw.cpu_cores} cores", f"set train.threads_per_rank={enough:.0f} and "
-               f"cluster.cpus_per_task>={enough:.0f}")
-
-
-def _offload_fix(cfg: Config, lay: Layout, est: Any, bigger_dp: str) -> str:
-    """The fixes for a step bound by offload; without offload only if the plan finds it fits on the GPU."""
-    from dataclasses import replace
-
-    from hpctrain.plan.memory import memory_per_gpu
-    from hpctrain.plan.types import GiB
-
-    fixes = [bigger_dp]
-    plain = memory_per_gpu(est.model, replace(lay, offload_optimizer=False, offload_params=False,
-                                              offload_device="cpu"), est.hw)
-    if plain.fits:
-        fixes.append(f"no offload (zero=stage{lay.zero_stage}): the plan puts it at {plain.total / GiB:.1f} GiB per "
-                     f"GPU of {plain.usable / GiB:.1f} usable")
-    if est.step.offload.device == "nvme":
-        fixes.append("zero.offload_optimizer_device=cpu if host memory allows")
-    return "; or ".join(fixes)
-
-
 MAX_STEPS = 10**9  # see _train_and_data
 MAX_SEED = 2**32
 
@@ -643,8 +464,6 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 f"set plan.simulate_rank to 0..{lay.world_size - 1}, or leave it out for the planner's most loaded rank")
     if not simulating(cfg):
         return
-    from hpctrain.plan.states import data_parallel_kind
-
     if data_parallel_kind(lay) == "ddp":
         r.error("dry_run", "simulate builds FSDP2 layouts; zero.stage=0 with DP alone runs DDP, whose C++ reducer "
                 "needs real memory for its buckets, which fake tensors do not have",
@@ -659,5 +478,5 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
     _dry_run, _finite_numbers, _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _fp8, _optim,
-    _train_and_data, _run_paths, *cluster_checks, _checkpoint, _memory, _offload, file_checks,
+    _train_and_data, _run_paths, *cluster_checks, _checkpoint,
 ]

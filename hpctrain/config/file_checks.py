@@ -25,7 +25,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Mapping
+from typing import Any, BinaryIO, Iterator
 
 from omegaconf import OmegaConf
 
@@ -34,7 +34,8 @@ from hpctrain.config.problems import CheckReport
 from hpctrain.config.schema import Config, DataConfig, DataKind, Executor, parse_blend
 from hpctrain.models.hf_fields import HFMismatch
 from hpctrain.models.hf_fields import config_mismatches as hf_mismatches
-from hpctrain.models.params import arch_of, ffn_hidden_of, kv_heads_of
+from hpctrain.models.hf_fields import hf_weight_shapes
+from hpctrain.models.registry import family_of, for_hf
 
 # ---------------------------------------------------------------- sizes for people
 
@@ -299,38 +300,6 @@ HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.saf
 SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # safetensors' own limit
-_NOT_WEIGHTS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # hpctrain.models.hf: not weights
-
-
-def hf_weight_shapes(m: Any) -> dict[str, tuple[int, ...]]:
-    """The tensors an HF checkpoint of the config's model holds, by canonical name, with their shapes
-    (hpctrain.models.hf.hf_shapes without torch; a GPT-2's tied head is not saved)."""
-    d, f, v, arch = m.d_model, ffn_hidden_of(m), m.vocab_size, arch_of(m)
-    if arch == "gpt":
-        out: dict[str, tuple[int, ...]] = {"transformer.wte.weight": (v, d), "transformer.wpe.weight": (m.context, d)}
-        for i in range(m.n_layers):
-            h = f"transformer.h.{i}."
-            out.update({f"{h}ln_1.weight": (d,), f"{h}ln_1.bias": (d,), f"{h}attn.c_attn.weight": (d, 3 * d),
-                        f"{h}attn.c_attn.bias": (3 * d,), f"{h}attn.c_proj.weight": (d, d),
-                        f"{h}attn.c_proj.bias": (d,), f"{h}ln_2.weight": (d,), f"{h}ln_2.bias": (d,),
-                        f"{h}mlp.c_fc.weight": (d, f), f"{h}mlp.c_fc.bias": (f,), f"{h}mlp.c_proj.weight": (f, d),
-                        f"{h}mlp.c_proj.bias": (d,)})
-        out.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,)})
-        return out
-    head_dim, kv = d // m.n_heads, kv_heads_of(m)
-    out = {"model.embed_tokens.weight": (v, d)}
-    for i in range(m.n_layers):
-        h = f"model.layers.{i}."
-        out.update({f"{h}input_layernorm.weight": (d,), f"{h}self_attn.q_proj.weight": (m.n_heads * head_dim, d),
-                    f"{h}self_attn.k_proj.weight": (kv * head_dim, d),
-                    f"{h}self_attn.v_proj.weight": (kv * head_dim, d),
-                    f"{h}self_attn.o_proj.weight": (d, d), f"{h}post_attention_layernorm.weight": (d,),
-                    f"{h}mlp.gate_proj.weight": (f, d), f"{h}mlp.up_proj.weight": (f, d),
-                    f"{h}mlp.down_proj.weight": (d, f)})
-    out.update({"model.norm.weight": (d,), "lm_head.weight": (v, d)})
-    return out
-
-
 def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
     """The tensors of a safetensors file by name with their shapes, from its header alone; FileProblem when the
     header does not describe the file exactly as the safetensors library requires (a file cut short, one with
@@ -426,7 +395,7 @@ def _init_from(cfg: Config, r: CheckReport) -> None:
                 f"set {sets} (or the model config of this checkpoint), or point model.init_from at a model of "
                 "this config's shape")
         return
-    tied = bool(hf.get("tie_word_embeddings", hf.get("model_type") == "gpt2"))
+    tied = bool(hf.get("tie_word_embeddings", for_hf(hf.get("model_type")).hf.tied_default))
     _hf_weights(path, m, tied, r)
 
 
@@ -452,7 +421,8 @@ def _hf_weights(path: Path, m: Any, tied: bool, r: CheckReport) -> None:
                 else "give a directory with the model's safetensors weights")
         return
     found: dict[str, tuple[int, ...]] = {}
-    base = "transformer." if arch_of(m) == "gpt" else "model."
+    family = family_of(m)
+    base = family.hf.base_prefix
     for name in files:
         file = path / name
         if not file.is_file():
@@ -470,12 +440,12 @@ def _hf_weights(path: Path, m: Any, tied: bool, r: CheckReport) -> None:
     want = hf_weight_shapes(m)
     if tied:
         want.pop("lm_head.weight", None)
-    have = {k: v for k, v in found.items() if not (k.endswith(_NOT_WEIGHTS) or (k == "lm_head.weight"
+    have = {k: v for k, v in found.items() if not (k.endswith(family.hf.not_weights) or (k == "lm_head.weight"
                                                                                 and k not in want))}
     problems = [f"{k}: missing" for k in want if k not in have]
     problems += [f"{k}: shape {list(have[k])}, the config wants {list(s)}" for k, s in want.items()
                  if k in have and tuple(have[k]) != s]
-    problems += [f"{k}: not in the config's {arch_of(m)} model" for k in have if k not in want]
+    problems += [f"{k}: not in the config's {family.name} model" for k in have if k not in want]
     if problems:
         r.error(key, f"the weights in {path} do not match the run's model config (model={m.name}) although "
                 f"{HF_CONFIG} does: " + "; ".join(problems[:5]) + (f"; ... {len(problems) - 5} more"

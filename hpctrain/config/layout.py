@@ -104,6 +104,15 @@ class Layout:
         return d
 
 
+def data_parallel_kind(layout: Layout) -> str:
+    """The wrapper hpctrain's engine uses: "none", "ddp", "fsdp" or "replicate" (engine.py, data_parallel.uses_fsdp)."""
+    if layout.dp == 1:
+        return "none"
+    if layout.zero_stage >= 1:
+        return "fsdp"
+    return "replicate" if layout.tp > 1 or layout.pp > 1 else "ddp"
+
+
 def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     """(parallel.* key, what is wrong, the fix) for every rule a layout breaks, checked in this one place."""
     out: list[tuple[str, str, str]] = []

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from hpctrain.models.registry import DEFAULT as DEFAULT_FAMILY, FAMILIES
 from hpctrain.schedules import RUNNABLE
 
 
@@ -55,9 +56,8 @@ class PlanFormat(str, Enum):
     json = "json"
 
 
-class ModelArch(str, Enum):
-    gpt = "gpt"  # GPT-2/3: learned positions, LayerNorm, GELU MLP, tied embeddings
-    llama = "llama"  # Llama 2/3: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, untied embeddings
+# model.arch: one member per model family (hpctrain.models.registry), so composition refuses an unknown one
+ModelArch = Enum("ModelArch", {name: name for name in FAMILIES}, type=str)  # type: ignore[misc]
 
 
 @dataclass
@@ -73,18 +73,18 @@ class RopeConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    arch: ModelArch = ModelArch.gpt
+    arch: ModelArch = ModelArch[DEFAULT_FAMILY]  # type: ignore[misc]
     n_layers: int = MISSING
     d_model: int = MISSING
     n_heads: int = MISSING
-    n_kv_heads: int = 0  # llama: key/value heads of grouped-query attention (0: n_heads)
+    n_kv_heads: int = 0  # key/value heads of grouped-query attention (0: n_heads)
     vocab_size: int = 50257  # the tokenizer's vocabulary (what the loss and exports use)
     vocab_pad_multiple: int = 64  # embedding rows padded to a multiple of this x TP (<= 1: no padding)
     context: int = 2048  # longest sequence the model is trained on (gpt: the position table's size)
     ffn_mult: int = 4
     ffn_hidden: int = 0  # the MLP's hidden size (0: ffn_mult x d_model)
     norm_eps: float = 1e-5
-    rope: RopeConfig = field(default_factory=RopeConfig)  # llama
+    rope: RopeConfig = field(default_factory=RopeConfig)  # families with rotary positions
     dropout: float = 0.0
     init_std: float = 0.02
     init_from: Optional[str] = None  # a Hugging Face model directory to start from (continued pretraining)

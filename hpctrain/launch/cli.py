@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hpctrain.config.checks import run_checks
+from hpctrain.plan.checks import run_checks
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
 from hpctrain.config.schema import simulating
 from hpctrain.launch.data import prepare_data
@@ -132,7 +132,8 @@ def check_all(cfg: DictConfig, run_dir: Path | None = None) -> CheckReport:
         return run_checks(cfg, run_dir) if run_dir is not None else run_checks(cfg)
     except ConfigError as err:
         first = list(err.problems)
-    from hpctrain.config.checks import CHECKS, check_schema
+    from hpctrain.config.checks import check_schema
+    from hpctrain.plan.checks import CHECKS
     from hpctrain.config.layout import Layout, resolve_layout
 
     problems: list[Problem] = []

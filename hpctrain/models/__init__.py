@@ -1,13 +1,15 @@
 """Model definitions (free of parallelism) and their parameter arithmetic.
 
-The package itself imports no torch (the login node plans with hpctrain.models.params): `create_model` imports
-the model modules when it builds one. Whether a model ties its head to its embedding is its class attribute
-`tied_embeddings` (GPT: true; Llama: false).
+The package itself imports no torch (the login node plans with hpctrain.models.params and the families' specs,
+hpctrain.models.registry): `create_model` imports the family's torch module when it builds one. Each model
+class names its family (`family`) and whether it ties its head to its embedding (`tied_embeddings`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from hpctrain.models import registry
 
 if TYPE_CHECKING:
     from hpctrain.models.gpt import GPT
@@ -17,12 +19,6 @@ if TYPE_CHECKING:
 
 
 def create_model(model_cfg: Any, tp: int = 1) -> Transformer:
-    """The model of a config's `model` group (model.arch: gpt or llama), embedding padded for `tp`, built on the
+    """The model of a config's `model` group (its family, model.arch), embedding padded for `tp`, built on the
     current device context (`with torch.device("meta")` allocates nothing; init_weights() fills it)."""
-    if getattr(model_cfg.arch, "value", model_cfg.arch) == "llama":
-        from hpctrain.models.llama import Llama, llama_args
-
-        return Llama(llama_args(model_cfg, tp))
-    from hpctrain.models.gpt import GPT, gpt_args
-
-    return GPT(gpt_args(model_cfg, tp))
+    return registry.family_of(model_cfg).build(model_cfg, tp)

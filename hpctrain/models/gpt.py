@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.models.hf_recipes import Recipe, same, transposed, vocab
 from hpctrain.models.params import ffn_hidden_of, padded_vocab
 
 
@@ -106,6 +107,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    family = "gpt"  # its entry in hpctrain.models.registry
     tied_embeddings = True  # the head is the token embedding
 
     def __init__(self, args: GPTArgs) -> None:
@@ -193,3 +195,49 @@ def _assign(p: torch.Tensor, full_value: torch.Tensor) -> None:
         p.copy_(shard)
     else:
         p.copy_(full_value.to(device=p.device, dtype=p.dtype))
+
+
+
+def build(m: Any, tp: int = 1) -> GPT:
+    """The family's builder (`Family.builder`): the GPT of a config's `model` section, embedding padded for `tp`,
+    on the current device context (`with torch.device("meta")` allocates nothing; init_weights() fills it)."""
+    return GPT(gpt_args(m, tp))
+
+# ---------------------------------------------------------------- Hugging Face (GPT2LMHeadModel)
+
+
+def _gpt2_qkv(name: str, n_heads: int, head_dim: int, bias: bool) -> Recipe:
+    """c_attn's [q | k | v] columns <-> hpctrain's head-major rows."""
+    tail = () if bias else (-1,)
+
+    def join(ts: list[torch.Tensor]) -> torch.Tensor:
+        w = ts[0] if bias else ts[0].t()  # [3d(, d)]: blocks q, k, v, each heads x head_dim
+        return w.reshape(3, n_heads, head_dim, *tail).transpose(0, 1).reshape(w.shape).contiguous()
+
+    def split(t: torch.Tensor) -> list[torch.Tensor]:
+        w = t.reshape(n_heads, 3, head_dim, *tail).transpose(0, 1).reshape(t.shape)
+        return [w.contiguous() if bias else w.t().contiguous()]
+
+    return Recipe((name,), join, split)
+
+
+def hf_recipes(m: Any) -> dict[str, Recipe]:
+    """Every weight of the config's GPT with the GPT2LMHeadModel tensors it is made of (the family's
+    `hf.recipes`): Conv1D weights transposed, c_attn's [q | k | v] columns to head-major rows."""
+    head_dim = m.d_model // m.n_heads
+    out: dict[str, Recipe] = {}
+    out["tok_emb.weight"] = vocab("transformer.wte.weight", m.vocab_size)
+    out["pos_emb.weight"] = same("transformer.wpe.weight")
+    for i in range(m.n_layers):
+        ours, hf = f"layers.{i}.", f"transformer.h.{i}."
+        for norm, ln in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            out[f"{ours}{norm}.weight"] = same(f"{hf}{ln}.weight")
+            out[f"{ours}{norm}.bias"] = same(f"{hf}{ln}.bias")
+        out[f"{ours}attn.qkv.weight"] = _gpt2_qkv(f"{hf}attn.c_attn.weight", m.n_heads, head_dim, bias=False)
+        out[f"{ours}attn.qkv.bias"] = _gpt2_qkv(f"{hf}attn.c_attn.bias", m.n_heads, head_dim, bias=True)
+        for module, hf_module in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            out[f"{ours}{module}.weight"] = transposed(f"{hf}{hf_module}.weight")
+            out[f"{ours}{module}.bias"] = same(f"{hf}{hf_module}.bias")
+    out["norm_f.weight"] = same("transformer.ln_f.weight")
+    out["norm_f.bias"] = same("transformer.ln_f.bias")
+    return out

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.models.gpt import init_by_name
+from hpctrain.models.hf_recipes import Recipe, same, vocab
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of, padded_vocab
 
 
@@ -282,6 +283,7 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    family = "llama"  # its entry in hpctrain.models.registry
     tied_embeddings = False  # the head is `output`, a weight of its own
 
     def __init__(self, args: LlamaArgs) -> None:
@@ -342,3 +344,50 @@ def legacy_source(key: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]
         return interleaved.unflatten(0, (-1, 2))[:, half].contiguous()
 
     return old, take
+
+
+
+def build(m: Any, tp: int = 1) -> Llama:
+    """The family's builder (`Family.builder`): the Llama of a config's `model` section, embedding padded for `tp`,
+    on the current device context (`with torch.device("meta")` allocates nothing; init_weights() fills it)."""
+    return Llama(llama_args(m, tp))
+
+# ---------------------------------------------------------------- Hugging Face (LlamaForCausalLM)
+
+
+def _llama_qkv(prefix: str, n_heads: int, n_kv: int, head_dim: int) -> Recipe:
+    """q_proj, k_proj, v_proj <-> one weight ordered by key/value group: q heads g*r..g*r+r-1, k head g, v head g."""
+    r = n_heads // n_kv
+
+    def join(ts: list[torch.Tensor]) -> torch.Tensor:
+        q, k, v = ts
+        d = q.shape[1]
+        return torch.cat([q.reshape(n_kv, r, head_dim, d), k.reshape(n_kv, 1, head_dim, d),
+                          v.reshape(n_kv, 1, head_dim, d)], dim=1).reshape(-1, d)
+
+    def split(t: torch.Tensor) -> list[torch.Tensor]:
+        groups = t.reshape(n_kv, r + 2, head_dim, t.shape[1])
+        return [groups[:, :r].reshape(-1, t.shape[1]).contiguous(), groups[:, r].reshape(-1, t.shape[1]).contiguous(),
+                groups[:, r + 1].reshape(-1, t.shape[1]).contiguous()]
+
+    return Recipe((f"{prefix}q_proj.weight", f"{prefix}k_proj.weight", f"{prefix}v_proj.weight"), join, split)
+
+
+def hf_recipes(m: Any) -> dict[str, Recipe]:
+    """Every weight of the config's Llama with the LlamaForCausalLM tensors it is made of (the family's
+    `hf.recipes`): q, k and v fused by key/value group, the rest as they are."""
+    head_dim = m.d_model // m.n_heads
+    out: dict[str, Recipe] = {}
+    out["tok_emb.weight"] = vocab("model.embed_tokens.weight", m.vocab_size)
+    for i in range(m.n_layers):
+        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        out[f"{ours}norm1.weight"] = same(f"{hf}input_layernorm.weight")
+        out[f"{ours}attn.qkv.weight"] = _llama_qkv(f"{hf}self_attn.", m.n_heads, kv_heads_of(m), head_dim)
+        out[f"{ours}attn.proj.weight"] = same(f"{hf}self_attn.o_proj.weight")
+        out[f"{ours}norm2.weight"] = same(f"{hf}post_attention_layernorm.weight")
+        out[f"{ours}mlp.gate.weight"] = same(f"{hf}mlp.gate_proj.weight")
+        out[f"{ours}mlp.up.weight"] = same(f"{hf}mlp.up_proj.weight")
+        out[f"{ours}mlp.proj.weight"] = same(f"{hf}mlp.down_proj.weight")
+    out["norm_f.weight"] = same("model.norm.weight")
+    out["output.weight"] = vocab("lm_head.weight", m.vocab_size)
+    return out

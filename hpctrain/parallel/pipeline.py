@@ -38,7 +38,7 @@ def prune_to_stage(model: Transformer, stage: int, n_stages: int) -> Transformer
         if not stage_holds(f"layers.{name}", stage, n_stages, n_layers):
             del model.layers[name]
     for name in TOP_MODULES:
-        if hasattr(model, name) and not stage_holds(name, stage, n_stages, n_layers, model.tied_embeddings):
+        if hasattr(model, name) and not stage_holds(name, stage, n_stages, n_layers, model.family):
             setattr(model, name, None)
     return model
 

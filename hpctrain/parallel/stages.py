@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from hpctrain.models import create_model
-from hpctrain.models.params import SHARDED_DIMS, stage_holds, stage_layers, tp_local_numel
+from hpctrain.models.params import stage_holds, stage_layers, tp_local_numel
 
-__all__ = ["SHARDED_DIMS", "meta_stage_counts", "stage_holds", "stage_layers", "tp_local_numel"]
+__all__ = ["meta_stage_counts", "stage_holds", "stage_layers", "tp_local_numel"]
 
 
 def meta_stage_counts(cfg: Any, n_stages: int, tp: int) -> tuple[list[int], list[int]]:
@@ -30,9 +30,9 @@ def meta_stage_counts(cfg: Any, n_stages: int, tp: int) -> tuple[list[int], list
     whole, shard = [], []
     for s in range(n_stages):
         mine = [(name, p) for name, p in named
-                if stage_holds(_module_of(name), s, n_stages, n_layers, model.tied_embeddings)]
+                if stage_holds(_module_of(name), s, n_stages, n_layers, model.family)]
         whole.append(sum(p.numel() for _, p in mine))
-        shard.append(sum(tp_local_numel(name, tuple(p.shape), tp) for name, p in mine))
+        shard.append(sum(tp_local_numel(name, tuple(p.shape), tp, model.family) for name, p in mine))
     return whole, shard
 
 

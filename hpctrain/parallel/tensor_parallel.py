@@ -1,6 +1,6 @@
-"""Megatron-style tensor parallelism for hpctrain's models (GPT, Llama), with DTensor's `parallelize_module`.
+"""Megatron-style tensor parallelism for hpctrain's models, with DTensor's `parallelize_module`.
 
-Per block: QKV and MLP-in are split by columns (each TP rank owns whole heads, or whole KV groups of Llama's
+Per block, the plan is the model family's `tp_dims` (hpctrain.models.registry): QKV and MLP-in are split by columns (each TP rank owns whole heads, or whole KV groups of Llama's
 grouped-query attention, thanks to the QKV row layout; Llama's SwiGLU gate and up are two weights, split alike,
 so each rank holds matching gate and up rows), the
 attention and MLP output projections by rows, so each block costs one all-reduce forward and one backward per
@@ -34,26 +34,21 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from hpctrain.models import registry
 from hpctrain.parallel.float8 import float8_tp_plan
 
 if TYPE_CHECKING:
     from hpctrain.models import Transformer
 
 
-def mlp_inputs(block: nn.Module) -> tuple[str, ...]:
-    """The block's MLP input projections, each split by columns: GPT's `fc`, Llama's SwiGLU `gate` and `up`."""
-    return tuple(name for name in ("fc", "gate", "up") if hasattr(block.mlp, name))
-
-
-def block_plan(sequence_parallel: bool, mlp_in: tuple[str, ...] = ("fc",)) -> dict[str, Any]:
-    """The TP plan of one transformer block (submodule name -> style); `mlp_in`: its `mlp_inputs`."""
+def block_plan(sequence_parallel: bool, family: str = "gpt") -> dict[str, Any]:
+    """The TP plan of one transformer block of model family `family` (submodule name -> style), from the family's
+    `tp_dims`: a weight split along dim 0 is column-parallel, along dim 1 row-parallel (its output reduced, or
+    reduce-scattered along the sequence under SP)."""
     out = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
-        "attn.qkv": ColwiseParallel(),
-        "attn.proj": RowwiseParallel(output_layouts=out),
-        **{f"mlp.{name}": ColwiseParallel() for name in mlp_in},
-        "mlp.proj": RowwiseParallel(output_layouts=out),
-    }
+    styles = {0: ColwiseParallel, 1: lambda: RowwiseParallel(output_layouts=out)}
+    plan: dict[str, Any] = {name.removesuffix(".weight"): styles[dim]()
+                            for name, dim in registry.get(family).block_tp_dims().items() if name.endswith(".weight")}
     if sequence_parallel:
         plan.update({
             "norm1": SequenceParallel(),
@@ -70,7 +65,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
         parallelize_module(model.tok_emb, tp_mesh,
                            RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     for index, block in model.layers.items():
-        plan = block_plan(sequence_parallel, mlp_inputs(block))
+        plan = block_plan(sequence_parallel, model.family)
         parallelize_module(block, tp_mesh, float8_tp_plan(block, plan))  # FP8 styles
         if sequence_parallel and model.embeds and index == next(iter(model.layers)):
             # The embedding is replicated: the first block takes its own sequence slice (no communication).

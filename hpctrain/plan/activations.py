@@ -56,6 +56,7 @@ Selective recompute keeps the QKV output
 from __future__ import annotations
 
 from hpctrain import schedules
+from hpctrain.models import registry
 
 
 def korthikanti_bytes_per_layer(
@@ -95,8 +96,9 @@ def activation_bytes_per_layer(
     dropout: bool = False, sp_keeps_gathered: bool = True, fp32_residual: bool = False,
     arch: str = "gpt", n_kv_heads: int | None = None,
 ) -> float:
-    """Bytes hpctrain's GPT or Llama block (`arch`) saves for backward per micro-batch (16-bit activations); see
-    the module docstring. n_kv_heads: the Llama's key/value heads (grouped-query attention), n_heads when None.
+    """Bytes the block of model family `arch` saves for backward per micro-batch (16-bit activations; its
+    `BlockActivations`); see the module docstring. n_kv_heads: key/value heads (grouped-query attention), n_heads
+    when None.
 
     flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula.
     """
@@ -104,21 +106,21 @@ def activation_bytes_per_layer(
     f = ffn_hidden if ffn_hidden is not None else 4 * h
     sbh, shard = s * b * h, (t if sequence_parallel else 1)
     norm_bytes = 4 if fp32_residual else 2
-    llama = arch == "llama"
+    block = registry.get(arch).activations
     kv = (n_kv_heads or a) / a  # k / h
     qkv_out = 2 + 4 * kv  # the fused QKV output (Q, K, V as views of it: 6 without grouped-query attention)
-    fc_out = (4 if llama else 2) * f / h  # the MLP-in output: gate and up fused, or GELU's input
+    fc_out = (4 if block.gated_mlp else 2) * f / h  # the MLP-in output: gate and up fused, or GELU's input
     if recompute == "full":
         return norm_bytes * sbh / shard
     if recompute == "selective":
         return _selective_bytes(sbh, t, sequence_parallel, qkv_out, fc_out, norm_bytes)
     if recompute != "none":
         raise ValueError(f"unknown recompute {recompute!r}")
-    norm = 4 + norm_bytes if llama else norm_bytes  # RMSNorm: fp32 input copy + normalised; LayerNorm: input
+    norm = 4 + norm_bytes if block.norm_fp32_copy else norm_bytes  # RMSNorm: fp32 input copy + normalised
     by_sp = 2 * norm + (2 if dropout else 0)  # the two norms, residual dropout masks
     gathered = 4  # QKV and MLP-in inputs: replicated over TP; DTensor SP saves them gathered
-    rope = 2 + 2 * kv if llama else 0  # the rotated Q and K SDPA saves (V stays a view of the QKV output)
-    mlp = fc_out + (4 if llama else 2) * f / h  # + silu's output and the down projection's input (GELU: the latter)
+    rope = 2 + 2 * kv if block.rope else 0  # the rotated Q and K SDPA saves (V stays a view of the QKV output)
+    mlp = fc_out + (4 if block.gated_mlp else 2) * f / h  # + silu's output and the down projection's input
     split = qkv_out + rope + 2 + mlp  # + the attention output (the projection's input)
     if flash_attention:
         split += 4 * a / h  # fp32 log-sum-exp per head and token

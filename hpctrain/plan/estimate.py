@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.models.params import arch_of, ffn_hidden_of, kv_heads_of, tied_of
+from hpctrain.models import registry
+from hpctrain.models.params import ffn_hidden_of, kv_heads_of
 from hpctrain.plan.flops import flops_per_iteration
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from hpctrain.plan.offload import offload_costs
@@ -32,12 +33,13 @@ class Estimates:
 
 
 def model_shape(m: ModelConfig, seq_len: int) -> ModelShape:
-    """The config's model: its arch, tokenizer vocabulary (padded per TP as hpctrain.models builds it), MLP width,
-    key/value heads, whether the head is tied, and its dropout."""
+    """The config's model: its family (model.arch), tokenizer vocabulary (padded per TP as hpctrain.models builds
+    it), MLP width, key/value heads (a family without grouped-query attention has as many as query heads), and
+    its dropout."""
+    family = registry.family_of(m)
     return ModelShape(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=seq_len,
-                      vocab_size=m.vocab_size, ffn_hidden=ffn_hidden_of(m), tied_embeddings=tied_of(m),
-                      vocab_pad_multiple=m.vocab_pad_multiple, dropout=m.dropout, arch=arch_of(m),
-                      n_kv_heads=kv_heads_of(m) if arch_of(m) == "llama" else 0)
+                      vocab_size=m.vocab_size, ffn_hidden=ffn_hidden_of(m), vocab_pad_multiple=m.vocab_pad_multiple,
+                      dropout=m.dropout, arch=family.name, n_kv_heads=kv_heads_of(m) if family.grouped_query else 0)
 
 
 def cluster_hardware(cluster: ClusterConfig) -> Hardware:

@@ -15,7 +15,7 @@ input (gathered, whole on each TP rank) and the logits and loss (activations.log
 vocabulary on every TP rank, fp32 copies and gradients).
 
 The layout's weights live where it puts them: layers split evenly over pipeline stages and their matrices over
-TP ranks (biases of row-parallel layers and the norms are replicated: hpctrain.models.params.SHARDED_DIMS); the
+TP ranks (biases of row-parallel layers and the norms are replicated: the family's `tp_dims`); the
 word embedding, with its rows padded for TP (ModelShape.vocab_rows), is vocab-parallel on the first stage and
 the output head on the last: tied (GPT), a copy of the embedding (Megatron) when there is more than one stage;
 untied (Llama), a vocab-parallel matrix of its own. We evaluate the first and the last stage and report the more
@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpctrain.models.params import sharded_dim, stage_holds
+from hpctrain.models.family import Family
+from hpctrain.models.params import stage_holds
 from hpctrain.plan.activations import (
     activation_bytes_per_layer,
     inflight_microbatches,
@@ -64,16 +65,16 @@ __all__ = [
 # ---------------------------------------------------------------- where the parameters live
 
 
-def _per_rank(shapes: dict[str, tuple[int, ...]], tp: int) -> float:
-    """Elements on one TP rank: what SHARDED_DIMS splits, divided by tp, plus the replicated rest."""
-    split = sum(math.prod(shape) for name, shape in shapes.items() if sharded_dim(name) is not None)
-    return split / tp + sum(math.prod(shape) for name, shape in shapes.items() if sharded_dim(name) is None)
+def _per_rank(shapes: dict[str, tuple[int, ...]], tp: int, family: Family) -> float:
+    """Elements on one TP rank: what the family's `tp_dims` split, divided by tp, plus the replicated rest."""
+    split = sum(math.prod(shape) for name, shape in shapes.items() if family.sharded_dim(name) is not None)
+    return split / tp + sum(math.prod(shape) for name, shape in shapes.items() if family.sharded_dim(name) is None)
 
 
 def layer_params_per_gpu(model: ModelShape, tp: int) -> float:
     """One layer's parameters on one TP rank: matrices and column-parallel biases split, the rest replicated
     (GPT: the row-parallel biases and 2 LayerNorms, 6 h; Llama: the 2 RMSNorm weights, 2 h)."""
-    return _per_rank(model.block_shapes(), tp)
+    return _per_rank(model.block_shapes(), tp, model.family)
 
 
 def fsdp_unit_params_per_gpu(model: ModelShape, layout: Layout) -> float:
@@ -81,8 +82,8 @@ def fsdp_unit_params_per_gpu(model: ModelShape, layout: Layout) -> float:
     of their own (states.split_units)."""
     shapes = model.block_shapes()
     if not split_units(layout):
-        return _per_rank(shapes, layout.tp)
-    return max(_per_rank({k: v for k, v in shapes.items() if k.startswith(prefix)}, layout.tp)
+        return _per_rank(shapes, layout.tp, model.family)
+    return max(_per_rank({k: v for k, v in shapes.items() if k.startswith(prefix)}, layout.tp, model.family)
                for prefix in ("attn.", "mlp."))
 
 
@@ -95,8 +96,8 @@ def stage_params_per_gpu(model: ModelShape, tp: int, pp: int, stage: int) -> flo
     """Parameters one GPU of pipeline stage `stage` holds (its TP shard), padding rows of the embedding included."""
     n = layers_on_stage(model, pp) * layer_params_per_gpu(model, tp)
     held = {name: shape for name, shape in model.top_shapes(tp).items()
-            if stage_holds(name.split(".")[0], stage, pp, model.n_layers, model.tied_embeddings)}
-    return n + _per_rank(held, tp)
+            if stage_holds(name.split(".")[0], stage, pp, model.n_layers, model.arch)}
+    return n + _per_rank(held, tp, model.family)
 
 
 # ---------------------------------------------------------------- activations
@@ -128,7 +129,7 @@ def _head_bytes(model: ModelShape, layout: Layout) -> float:
     (activations.logits_bytes)."""
     s, b, h, c = model.seq_len, layout.micro_batch, model.d_model, layout.compute_bytes
     held = logits_inflight(layout.pp, layout.microbatches, layout.schedule)
-    norm_in = (4 if autocast_forward(layout) else c) + (4 if model.arch == "llama" else 0)
+    norm_in = (4 if autocast_forward(layout) else c) + (4 if model.family.activations.norm_fp32_copy else 0)
     hidden = s * b * h * (norm_in / (layout.tp if layout.sequence_parallel else 1) + c) * held
     return hidden + logits_bytes(b, s, model.vocab_rows(layout.tp), c, held, layout.pp > 1)
 

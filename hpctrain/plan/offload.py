@@ -87,7 +87,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpctrain.models.params import sharded_dim, stage_holds
+from hpctrain.models import registry
+from hpctrain.models.params import stage_holds
 from hpctrain.plan.comm import param_all_gathers
 from hpctrain.plan.memory import fsdp_unit_params_per_gpu, layer_params_per_gpu, layers_on_stage, stage_params_per_gpu
 from hpctrain.plan.states import ADAM, MASTER, hpctrain_state_parts, moments_on_nvme, offloads
@@ -108,12 +109,12 @@ def pinned_block(nbytes: int, threshold: int = PINNED_ROUND_THRESHOLD) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes <= threshold else nbytes
 
 
-def shard_elements(name: str, shape: tuple[int, ...], tp: int, shard: int) -> int:
-    """Elements of the largest FSDP2 shard (rank 0's) of parameter `name`: TP splits its SHARDED_DIMS dim (the
-    largest piece: ceil), FSDP2 splits dim 0 of the TP-local tensor into `shard` chunks of ceil(rows / shard)
-    rows (torch.chunk, _fsdp_param.py `_chunk_with_empty`; Shard(0) is fully_shard's default placement)."""
+def shard_elements(name: str, shape: tuple[int, ...], tp: int, shard: int, arch: str = "gpt") -> int:
+    """Elements of the largest FSDP2 shard (rank 0's) of parameter `name` of family `arch`: TP splits its
+    `tp_dims` dim (the largest piece: ceil), FSDP2 splits dim 0 of the TP-local tensor into `shard` chunks of
+    ceil(rows / shard) rows (torch.chunk, _fsdp_param.py `_chunk_with_empty`; Shard(0) is fully_shard's default placement)."""
     local = list(shape)
-    dim = sharded_dim(name)
+    dim = registry.get(arch).sharded_dim(name)
     if dim is not None and tp > 1:
         local[dim] = -(-local[dim] // tp)
     return -(-local[0] // shard) * math.prod(local[1:])
@@ -126,10 +127,10 @@ def rank_shards(model: ModelShape, layout: Layout, stage: int) -> list[tuple[int
     counts: Counter[int] = Counter()
     layers = layers_on_stage(model, layout.pp)
     for name, shape in model.block_shapes().items():
-        counts[shard_elements(name, shape, tp, shard)] += layers
+        counts[shard_elements(name, shape, tp, shard, model.arch)] += layers
     for name, shape in model.top_shapes(tp).items():
-        if stage_holds(name.split(".")[0], stage, layout.pp, model.n_layers, model.tied_embeddings):
-            counts[shard_elements(name, shape, tp, shard)] += 1
+        if stage_holds(name.split(".")[0], stage, layout.pp, model.n_layers, model.arch):
+            counts[shard_elements(name, shape, tp, shard, model.arch)] += 1
     return sorted(counts.items())
 
 

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpctrain.config.layout import data_parallel_kind  # noqa: F401 (the layout owns it; planned here)
 from hpctrain.plan.types import Layout
 
 MIXED_PRECISION_BYTES = (2, 2, 12)  # (params, grads, optimizer K) per param, ZeRO paper sec. 3.1
@@ -133,15 +134,6 @@ def zero_model_states(
         grads=g * n_params / (dp if zero_stage >= 2 else 1),
         optimizer=opt * n_params / (dp if zero_stage >= 1 else 1),
     )
-
-
-def data_parallel_kind(layout: Layout) -> str:
-    """The wrapper hpctrain's engine uses: "none", "ddp", "fsdp" or "replicate" (engine.py, data_parallel.uses_fsdp)."""
-    if layout.dp == 1:
-        return "none"
-    if layout.zero_stage >= 1:
-        return "fsdp"
-    return "replicate" if layout.tp > 1 or layout.pp > 1 else "ddp"
 
 
 def offloads(layout: Layout) -> bool:

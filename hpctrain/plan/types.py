@@ -9,22 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpctrain.config.layout import DTYPES, RECOMPUTE, Layout, dtype_bytes  # noqa: F401 (the planner's types)
+from hpctrain.models import registry
+from hpctrain.models.family import Family
 from hpctrain.models.params import block_shapes, ffn_hidden_size, padded_vocab, param_count, top_shapes
 
 
 from hpctrain.hardware import GB, GiB, KNOWN_HARDWARE, Hardware, hardware  # noqa: F401 (the planner's types)
 
 
-ARCHS = ("gpt", "llama")
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """A model's shape: what the memory, FLOP and communication formulas need (h = d_model, a = n_heads).
 
-    arch "gpt": LayerNorm, biases, a GELU MLP (2 matrices), learned positions. arch "llama": RMSNorm, no biases,
-    a SwiGLU MLP (3 matrices, `gated`), RoPE, grouped-query attention (n_kv_heads < n_heads: K and V `kv_dim`
-    wide). Which parameters exist is hpctrain.models.params' block_shapes/top_shapes of the arch."""
+    `arch` names the model family (hpctrain.models.registry): which parameters exist (its block_shapes and
+    top_shapes), whether the head is tied, what the block saves for backward, whether grouped-query attention
+    (n_kv_heads < n_heads: K and V `kv_dim` wide) is allowed."""
 
     n_layers: int
     d_model: int
@@ -32,7 +31,6 @@ class ModelShape:
     seq_len: int
     vocab_size: int
     ffn_hidden: int | None = None  # None: 4 * d_model
-    tied_embeddings: bool = True
     vocab_pad_multiple: int = 1  # embedding rows: vocab_size padded to a multiple of this x TP (<= 1: none)
     dropout: float = 0.0  # > 0: dropout masks are stored for backward (memory.py)
     arch: str = "gpt"
@@ -46,12 +44,20 @@ class ModelShape:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelShape.dropout must be in [0, 1), got {self.dropout}")
-        if self.arch not in ARCHS:
-            raise ValueError(f"ModelShape.arch must be one of {ARCHS}, got {self.arch!r}")
+        family = registry.get(self.arch)  # ValueError naming the families
         if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.arch == "gpt" and self.kv_heads != self.n_heads:
-            raise ValueError("grouped-query attention (n_kv_heads < n_heads) is the llama arch's, not gpt's")
+        if not family.grouped_query and self.kv_heads != self.n_heads:
+            raise ValueError(f"grouped-query attention (n_kv_heads < n_heads) is not the {self.arch} family's")
+
+    @property
+    def family(self) -> Family:
+        return registry.get(self.arch)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """The family ties the output head to the token embedding (a copy on the last pipeline stage)."""
+        return self.family.tied_embeddings
 
     @property
     def ffn(self) -> int:
@@ -68,8 +74,8 @@ class ModelShape:
 
     @property
     def gated(self) -> bool:
-        """A gated (SwiGLU) MLP: three d x f matrices instead of two."""
-        return self.arch == "llama"
+        """A gated (SwiGLU) MLP: three d x f matrices instead of two (the family's)."""
+        return self.family.activations.gated_mlp
 
     @property
     def params(self) -> int:
@@ -77,8 +83,8 @@ class ModelShape:
 
         Padding rows are left out (see `padding_params`): this is the count papers publish (GPT-3 175B).
         """
-        return param_count(self.n_layers, self.d_model, self.vocab_size, self.seq_len, self.ffn,
-                           self.tied_embeddings, self.arch, self.kv_dim)
+        return param_count(self.n_layers, self.d_model, self.vocab_size, self.seq_len, self.ffn, self.arch,
+                           self.kv_dim)
 
     def block_shapes(self) -> dict[str, tuple[int, ...]]:
         """One block's parameters and shapes, as the arch builds them (hpctrain.models.params.block_shapes)."""
@@ -86,7 +92,7 @@ class ModelShape:
 
     def top_shapes(self, tp: int = 1) -> dict[str, tuple[int, ...]]:
         """The parameters outside the blocks, the embedding (and an untied head) padded for `tp`."""
-        return top_shapes(self.d_model, self.vocab_rows(tp), self.seq_len, self.arch, self.tied_embeddings)
+        return top_shapes(self.d_model, self.vocab_rows(tp), self.seq_len, self.arch)
 
     def vocab_rows(self, tp: int = 1) -> int:
         """Rows of the embedding (and columns of the logits) as built: the vocabulary padded for TP

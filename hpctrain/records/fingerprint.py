@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from hpctrain.models import registry
+
 if TYPE_CHECKING:
     from hpctrain.config.schema import DataConfig, ModelConfig, TrainConfig
 
@@ -85,10 +87,10 @@ class Fingerprint:
 def fingerprint_of(model: "ModelConfig", train: "TrainConfig", data: "DataConfig") -> Fingerprint:
     """The fingerprint of a run's config sections."""
     kind = getattr(data.kind, "value", data.kind)
-    arch = getattr(model.arch, "value", model.arch)
-    kv_heads = model.n_kv_heads if arch == "llama" else 0  # GPT's attention has no key/value groups
+    family = registry.family_of(model)
+    kv_heads = model.n_kv_heads if family.grouped_query else 0  # no key/value groups: as many as query heads
     shape = ModelShape(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.context,
-                       model.ffn_mult, arch, kv_heads, model.ffn_hidden)
+                       model.ffn_mult, family.name, kv_heads, model.ffn_hidden)
     source = {"text_bytes": data.max_bytes, "indexed": data.blend}.get(kind, data.path)
     if data.valid_fraction:  # the held-out part is not trained on: another split is other training data
         source = f"{source} valid_fraction={data.valid_fraction:g}"

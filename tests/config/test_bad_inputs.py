@@ -221,7 +221,7 @@ def test_config_error_exit_code_on_the_command_line(tmp_path: Path) -> None:
 
 def test_llama_tiny_passes_the_checks(compose_cfg) -> None:
     """The model checks accept the Llama they were written for; a missing init_from only warns on a dry run."""
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
 
     check_config(compose_cfg("model=llama_tiny", "parallel.tp=2"))
     report = check_config(compose_cfg("model=llama_tiny", "model.init_from=/nonexistent/x", "dry_run=true"))
@@ -230,7 +230,7 @@ def test_llama_tiny_passes_the_checks(compose_cfg) -> None:
 
 def test_sequence_parallel_without_tp_is_off_with_a_warning(compose_cfg) -> None:
     """Megatron's rule: an experiment with SP on, overridden to tp=1, runs without SP (there is no TP group)."""
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
     from hpctrain.config.layout import resolve_layout
 
     cfg = compose_cfg("parallel.sequence_parallel=true")
@@ -241,7 +241,7 @@ def test_sequence_parallel_without_tp_is_off_with_a_warning(compose_cfg) -> None
 
 
 def test_warnings_carry_the_computed_bubble(compose_cfg) -> None:
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
 
     report = check_config(compose_cfg("+experiment=175b", "dry_run=true"))
     bubble = [w for w in report.warnings if w.key == "train.grad_accum"]
@@ -261,14 +261,14 @@ def test_a_newline_never_reaches_the_sbatch_script(compose_cfg, capsys, tmp_path
 
 
 def test_setup_lines_may_hold_what_a_shell_line_holds(compose_cfg) -> None:
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
 
     check_config(compose_cfg("cluster.partition=gpu", "cluster.setup=['module load cuda\tnccl']"))
 
 
 def test_warmup_longer_than_the_run_is_a_warning_and_the_run_trains(compose_cfg, tmp_path: Path) -> None:
     """`python -m hpctrain train.max_steps=10` with the default 30 warmup steps: a trial run, not an error."""
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
     from hpctrain.train.schedule import lr_at
 
     report = check_config(compose_cfg("train.max_steps=10"))
@@ -294,7 +294,7 @@ def test_a_run_name_that_leaves_run_root_creates_nothing_anywhere(tmp_path: Path
 
 
 def test_a_symbolic_link_out_of_run_root_is_refused(compose_cfg, tmp_path: Path) -> None:
-    from hpctrain.config.checks import run_checks
+    from hpctrain.plan.checks import run_checks
 
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     root.mkdir()
@@ -306,7 +306,7 @@ def test_a_symbolic_link_out_of_run_root_is_refused(compose_cfg, tmp_path: Path)
 
 def test_a_resume_by_path_may_name_a_run_outside_run_root(compose_cfg, tmp_path: Path) -> None:
     """run.resume=PATH names an existing run wherever it is: no run.name/run.id rule applies to it."""
-    from hpctrain.config.checks import run_checks
+    from hpctrain.plan.checks import run_checks
 
     report = run_checks(compose_cfg(f"run.root={tmp_path / 'root'}", f"run.resume={tmp_path / 'other' / 'run'}"))
     assert not [p for p in report.errors if p.key.startswith("run.")]

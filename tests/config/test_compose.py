@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.config.checks import check_config
+from hpctrain.plan.checks import check_config
 from hpctrain.models.params import param_count
 from tests.conftest import CONF_DIR, REPO, run_hpctrain
 

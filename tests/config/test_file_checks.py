@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from hpctrain.config.checks import check_config, run_checks
+from hpctrain.plan.checks import check_config, run_checks
 from hpctrain.config.file_checks import (
     FileProblem,
     format_bytes,
@@ -530,7 +530,7 @@ def test_the_login_node_reads_headers_not_data_and_imports_no_torch(tmp_path: Pa
     probe = ("import json, sys\n"
              "from hydra import compose, initialize_config_dir\n"
              "from hpctrain.config.schema import register\n"
-             "from hpctrain.config.checks import run_checks\n"
+             "from hpctrain.plan.checks import run_checks\n"
              "register()\n"
              "def rchar():\n"
              "    return int(next(l for l in open('/proc/self/io') if l.startswith('rchar')).split()[1])\n"

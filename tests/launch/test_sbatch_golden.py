@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.config.checks import check_config
+from hpctrain.plan.checks import check_config
 from hpctrain.launch.executor import sbatch_preview
 
 GOLDEN = Path(__file__).parent / "golden"

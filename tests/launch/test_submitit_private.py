@@ -18,7 +18,7 @@ import pytest
 import submitit
 from submitit.slurm.slurm import _make_sbatch_string
 
-from hpctrain.config.checks import check_config
+from hpctrain.plan.checks import check_config
 from hpctrain.launch.executor import build_executor, sbatch_preview
 
 GOLDEN = Path(__file__).parent / "golden" / "submitit_full.sbatch"

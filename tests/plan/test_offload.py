@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from hpctrain.config.checks import run_checks
+from hpctrain.plan.checks import run_checks
 from hpctrain.config.problems import ConfigError
 from hpctrain.config.schema import CheckpointConfig, TierConfig
 from hpctrain.hardware import KNOWN_HARDWARE

@@ -39,8 +39,8 @@ from tests.conftest import run_hpctrain
 PUBLISHED = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800}
 # The Llama 3 paper's 405B pre-training: 15.6T tokens, "3.8 x 10^25 FLOPs"; Table 4: 16,384 H100s as TP 8 x PP 16
 # x DP 128, sequences of 8192, 16 per DP rank (global batch 2048 = 16M tokens), BF16 MFU 38-43%.
-LLAMA_405B = ModelShape(126, 16384, 128, 8192, 128256, ffn_hidden=53248, tied_embeddings=False,
-                        vocab_pad_multiple=64, arch="llama", n_kv_heads=8)
+LLAMA_405B = ModelShape(126, 16384, 128, 8192, 128256, ffn_hidden=53248, vocab_pad_multiple=64,
+                        arch="llama", n_kv_heads=8)
 H100 = hardware("h100_80gb")
 GPUS_405B = ["model=llama3_405b", "cluster=slurm", "cluster.nodes=2048", "cluster.gpus_per_node=8",
              "cluster.gpu_type=h100_80gb", "precision=bf16", "data=synthetic", "data.vocab_size=128256",
@@ -65,7 +65,7 @@ def test_llama_shapes_are_the_models() -> None:
     assert block_shapes(d, f, "llama", k) == {
         "norm1.weight": (d,), "attn.qkv.weight": (d + 2 * k, d), "attn.proj.weight": (d, d), "norm2.weight": (d,),
         "mlp.gate.weight": (f, d), "mlp.up.weight": (f, d), "mlp.proj.weight": (d, f)}
-    assert top_shapes(d, 256, 40, "llama", tied=False) == {
+    assert top_shapes(d, 256, 40, "llama") == {
         "tok_emb.weight": (256, d), "norm_f.weight": (d,), "output.weight": (256, d)}
     assert param_count(2, d, 256, 40, 4 * d) == 2 * (12 * d * d + 13 * d) + (256 + 40) * d + 2 * d
 
@@ -237,7 +237,7 @@ def test_405b_parallel_auto_finds_a_layout_on_16384_gpus(compose_cfg, capsys) ->
 def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
     """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 70.8 GiB, within 2% of the
     fastest layout the search finds; FSDP over 32 GPUs needs selective recomputation and is 1.7x slower."""
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
     from hpctrain.plan.search import cheapest_fitting
 
     est = check_config(compose_cfg("+experiment=llama3_8b_4node", "dry_run=true")).estimates
@@ -254,6 +254,6 @@ def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
 
 def test_search_keeps_whole_key_value_heads_per_tp_rank() -> None:
     """TP may not split a key/value head: with 2 of them, TP 4 and 8 are no candidates."""
-    tiny = ModelShape(4, 128, 8, 256, 256, ffn_hidden=352, tied_embeddings=False, arch="llama", n_kv_heads=2)
+    tiny = ModelShape(4, 128, 8, 256, 256, ffn_hidden=352, arch="llama", n_kv_heads=2)
     tps = {c.layout.tp for c in search_layouts(tiny, 8, H100, global_batch=16)}
     assert tps == {1, 2}

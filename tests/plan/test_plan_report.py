@@ -118,7 +118,7 @@ def test_plan_reports_the_model_count_and_the_vocabulary_padding_apart(compose_c
     grad = next(p for p in plan["memory_parts_bytes"] if p["name"].startswith("token embedding's gradient"))
     assert grad["bytes"] == pytest.approx(50688 * 12288 * 4 * 7 / 8)
     # ... and the last stage's logits part names them
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
     from hpctrain.plan.memory import stage_parts
 
     est = check_config(compose_cfg("+experiment=175b", "dry_run=true")).estimates
@@ -177,7 +177,7 @@ def test_175b_experiment_uses_the_recomputation_the_planner_needs(compose_cfg) -
     (micro-batch 4) only full recomputation fits; selective keeps more than none (SP's partial sums). The most
     loaded GPU is on the first stage (8 micro-batches in flight, the token embedding's whole gradient and
     backward copies under TP), whichever the recomputation."""
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
     from hpctrain.plan.memory import memory_per_gpu
     from hpctrain.plan.search import cheapest_fitting
 

@@ -10,8 +10,8 @@ def test_model_params_come_from_param_count():
     m = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257)
     assert m.params == param_count(96, 12288, 50257, 2048)
     assert m.ffn == 4 * 12288
-    untied = ModelShape(2, 64, 4, 32, 100, ffn_hidden=100, tied_embeddings=False)
-    assert untied.params == param_count(2, 64, 100, 32, 100, tied_embeddings=False)
+    untied = ModelShape(2, 64, 4, 32, 100, ffn_hidden=100, arch="llama")
+    assert not untied.tied_embeddings and untied.params == param_count(2, 64, 100, 32, 100, arch="llama")
 
 
 def test_model_rejects_bad_heads():
@@ -64,6 +64,6 @@ def test_model_padding_and_dropout():
     assert m.params == 174_604_259_328  # the published count: padding apart
     assert (m.vocab_rows(1), m.vocab_rows(8)) == (50304, 50688)
     assert m.padding_params(8) == 431 * 12288
-    assert ModelShape(2, 64, 4, 32, 100, tied_embeddings=False, vocab_pad_multiple=64).padding_params() == 2 * 28 * 64
+    assert ModelShape(2, 64, 4, 32, 100, arch="llama", vocab_pad_multiple=64).padding_params() == 2 * 28 * 64
     with pytest.raises(ValueError):
         ModelShape(2, 64, 4, 32, 100, dropout=1.0)

@@ -81,7 +81,7 @@ def compose(ctx: Ctx, overrides: list[str]) -> dict[str, Any]:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from hpctrain.config.checks import check_config
+    from hpctrain.plan.checks import check_config
     from hpctrain.config.schema import register
 
     register()

@@ -1,0 +1,135 @@
+"""A model family: one entry holding everything hpctrain asks about an architecture before building it.
+
+The planner (parameters per stage and TP rank, FLOPs, activation bytes), the checks (the shape rules, what each
+parallel dimension must divide), `parallel=auto`, the checkpoint fingerprint and the Hugging Face converter all
+read a `Family` and branch on no architecture name (tests/test_families.py holds them to it), so a family is
+its torch module, its spec beside it (`<name>_spec.py`, torch-free: the login node plans with it) and one line in
+hpctrain/models/registry.py, as a pipeline schedule is one entry of hpctrain/schedules.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import ModelConfig
+
+Shapes = dict[str, tuple[int, ...]]
+# (model.* key at fault, what is wrong, the fix): a config check's finding, kept torch- and config-free here
+ShapeProblem = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The numbers a family's shape formulas read, resolved (key/value heads and the MLP width are never 0)."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    kv_heads: int
+    ffn_hidden: int
+    vocab_size: int  # the tokenizer's; the embedding's rows are passed apart (padded for TP)
+    context: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K and V: key/value heads x head_dim (d_model without grouped-query attention)."""
+        return self.kv_heads * self.head_dim
+
+    @classmethod
+    def of(cls, m: ModelConfig) -> Dims:
+        """A config's `model` section: n_kv_heads 0 means n_heads, ffn_hidden 0 means ffn_mult x d_model."""
+        return cls(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads or m.n_heads,
+                   m.ffn_hidden or m.ffn_mult * m.d_model, m.vocab_size, m.context)
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """What the block saves for backward beyond GPT's (hpctrain.plan.activations reads these, measured per family
+    in tests/plan/test_plan_activations.py)."""
+
+    gated_mlp: bool = False  # SwiGLU: gate and up outputs (2 f) and silu's output (f) instead of GELU's f and f
+    rope: bool = False  # the rotated Q and K that attention saves (V stays a view of the QKV output)
+    norm_fp32_copy: bool = False  # RMSNorm keeps an fp32 copy of its input besides the normalised output
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    """The family's Hugging Face transformers counterpart: its config.json and its weights, torch-free except
+    `recipes`, which names the torch-side table (hpctrain weight -> HF tensors, hpctrain.models.hf_recipes)."""
+
+    model_type: str  # config.json's model_type
+    class_name: str  # config.json's architectures[0], the *ForCausalLM class
+    base_prefix: str  # the base model's prefix in *ForCausalLM files ("transformer.", "model.")
+    tied_default: bool  # tie_word_embeddings when config.json leaves it out
+    fields: Callable[[Mapping[str, Any]], dict[str, Any]]  # config.json -> model.* keys (HFMismatch if it cannot)
+    config: Callable[[ModelConfig, str], dict[str, Any]]  # (model, dtype name) -> config.json
+    compared: Callable[[ModelConfig, Mapping[str, Any]], dict[str, Any]]  # the run's values of keys HF also fixes
+    weight_shapes: Callable[[Dims], Shapes]  # HF tensors by canonical name (a tied head is not saved)
+    recipes: str  # "module:function" -> (model config) -> {hpctrain name: Recipe}
+    dropout: dict[str, float] = field(default_factory=dict)  # config.json dropout keys and transformers' defaults
+    not_weights: tuple[str, ...] = ()  # name endings of state-dict entries that are buffers, not weights
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model architecture. `block_shapes`/`top_shapes` name every parameter as the torch module builds it
+    (the tests count the meta-device models against them), so parameter counts per pipeline stage and TP rank,
+    the HF converter and the memory model need no torch."""
+
+    name: str  # model.arch
+    summary: str
+    builder: str  # "module:function" -> (model config, tp) -> the torch module, built on the current device
+    tied_embeddings: bool  # the output head is the token embedding (the last pipeline stage keeps a copy)
+    grouped_query: bool  # n_kv_heads < n_heads allowed
+    block_shapes: Callable[[Dims], Shapes]  # one block's parameters, names under `layers.<i>.`
+    top_shapes: Callable[[Dims, int], Shapes]  # (dims, embedding rows) -> the parameters outside the blocks
+    tp_dims: dict[str, int]  # parameter name suffix -> the dim TP splits (column-parallel 0, row-parallel 1)
+    activations: BlockActivations
+    shape_problems: Callable[[ModelConfig], list[ShapeProblem]]  # the family's own rules on model.*
+    hf: HFSpec
+    stage_modules: dict[str, str] = field(default_factory=dict)  # top-level module -> "first" | "last" | "ends"
+
+    def build(self, model_cfg: Any, tp: int = 1) -> Any:
+        """The torch module (imports torch): the family's builder, embedding padded for `tp`."""
+        return resolve(self.builder)(model_cfg, tp)
+
+    def sharded_dim(self, name: str) -> int | None:
+        """The dim TP splits parameter `name` along, None when it is replicated over TP."""
+        return next((d for suffix, d in self.tp_dims.items() if name.endswith(suffix)), None)
+
+    def block_tp_dims(self) -> dict[str, int]:
+        """The block's parameters TP splits (names under `layers.<i>.`) and the dim of each: its TP plan."""
+        names = self.block_shapes(Dims(1, 2, 1, 1, 2, 1, 1))  # the names do not depend on the sizes
+        return {name: dim for name in names if (dim := self.sharded_dim(name)) is not None}
+
+    def stage_holds(self, module: str, first: bool, last: bool) -> bool:
+        """Whether a pipeline stage keeps top-level `module`: "first" (the embeddings), "last" (the final norm, an
+        untied head), "ends" (a tied embedding: the last stage keeps the head's copy, Megatron's embedding
+        group); a module the family does not list is on every stage."""
+        where = self.stage_modules.get(module)
+        return {"first": first, "last": last, "ends": first or last}.get(where or "", True)
+
+
+class HFMismatch(ValueError):
+    """An HF model that does not fit the run's model config; the message names each key, both values, the fix."""
+
+
+def refuse(values: dict[str, tuple[Any, tuple[Any, ...]]], kind: str) -> None:
+    """HFMismatch naming each config.json setting (value, the values hpctrain's model supports) not supported."""
+    bad = [f"{k}={v!r} (hpctrain's model supports {', '.join(map(repr, ok))})"
+           for k, (v, ok) in values.items() if v not in ok]
+    if bad:
+        raise HFMismatch(f"this {kind} model cannot be represented by hpctrain's: " + "; ".join(bad))
+
+
+def resolve(target: str) -> Any:
+    """"package.module:attr" -> the object (the torch side, imported only when asked for)."""
+    module, _, attr = target.partition(":")
+    return getattr(import_module(module), attr)

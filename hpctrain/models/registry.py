@@ -1,0 +1,38 @@
+"""The model families, one entry each (hpctrain.models.family): model.arch names one of them.
+
+Adding a family is its torch module, its spec and a line here; nothing else in hpctrain names an architecture
+(tests/test_families.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpctrain.models.family import Family
+from hpctrain.models.gpt_spec import GPT_FAMILY
+from hpctrain.models.llama_spec import LLAMA_FAMILY
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (GPT_FAMILY, LLAMA_FAMILY)}
+DEFAULT = GPT_FAMILY.name  # model.arch when a model config leaves it out
+
+
+def get(name: str) -> Family:
+    """The family called `name` (model.arch); ValueError naming the known ones otherwise."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model arch {name!r}: one of {', '.join(FAMILIES)}") from None
+
+
+def family_of(model: Any) -> Family:
+    """The family of a config's `model` section, whether OmegaConf gives model.arch as the enum or a string."""
+    return get(str(getattr(model.arch, "value", model.arch)))
+
+
+def for_hf(model_type: Any) -> Family:
+    """The family whose Hugging Face counterpart has config.json's `model_type`; ValueError otherwise."""
+    for family in FAMILIES.values():
+        if family.hf.model_type == model_type:
+            return family
+    known = ", ".join(f"{f.hf.model_type} ({f.hf.class_name})" for f in FAMILIES.values())
+    raise ValueError(f"model_type {model_type!r}: hpctrain converts {known}")

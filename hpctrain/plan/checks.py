@@ -1,0 +1,191 @@
+"""The checks that need the planner, and the runner of every check before anything is queued.
+
+hpctrain.config.checks holds the config's own rules and imports no planner; the checks here read the plan's
+estimates (memory per GPU against the GPU, the pipeline bubble with the micro-batch count the plan finds
+faster, ZeRO offload against the node's host memory and NVMe). `CHECKS` is every check in order: the config's,
+these, then the files the run reads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any, Callable
+
+from hpctrain import schedules
+from hpctrain.config import checks as config_checks
+from hpctrain.config.checks import check_schema
+from hpctrain.config.file_checks import check_resume, file_checks, resumed_run_dir
+from hpctrain.config.layout import Layout, resolve_layout
+from hpctrain.config.problems import CheckReport, ConfigError
+from hpctrain.config.schema import SCHEDULES, Config
+from hpctrain.plan.auto import better_microbatches
+from hpctrain.plan.bubble import bubble_fraction
+from hpctrain.plan.estimate import estimate
+from hpctrain.plan.memory import memory_per_gpu
+from hpctrain.plan.offload import offload_costs
+from hpctrain.plan.types import KNOWN_HARDWARE, GiB
+
+
+def run_checks(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckReport:
+    """Every check, the errors kept in the report (a dry run shows the plan before them). A layout that
+    cannot be resolved at all raises ConfigError.
+
+    The config's checks (hpctrain.config.checks), then the planner's (the bubble, memory per GPU, offload), then
+    the files the run will read (hpctrain.config.file_checks); a resume also against the newest
+    checkpoint of its run directory: `run_dir` when the caller resolved it, else the run that run.resume (or
+    an existing run.root/run.name/run.id) names."""
+    check_schema(cfg)
+    layout = resolve_layout(cfg)
+    report = CheckReport(layout)
+    for check in CHECKS:
+        check(cfg, layout, report)
+    if run_dir is None and not any(p.key in ("run.name", "run.id") for p in report.errors):
+        run_dir = resumed_run_dir(cfg)
+    if run_dir is not None:
+        check_resume(cfg, run_dir, report)
+    return report
+
+
+def check_config(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckReport:
+    """Run every check; raise ConfigError with all errors found, return the report (with warnings) otherwise."""
+    report = run_checks(cfg, run_dir)
+    if report.errors:
+        raise ConfigError(report.errors)
+    return report
+
+
+def _bubble(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """Few microbatches for the pipeline: the bubble's share of the step, and a count the plan finds faster (after
+    `_memory`, whose estimate it reads)."""
+    p = cfg.parallel
+    if lay.pp == 1 or r.errors or p.schedule not in SCHEDULES:
+        return
+    mb = lay.microbatches
+    if mb < schedules.get(p.schedule).min_microbatches(lay.pp, lay.virtual_stages):
+        return  # an error of the config's checks
+    bubble = bubble_fraction(lay.pp, mb, lay.virtual_stages, p.schedule)
+    if mb < 4 * lay.pp and r.estimates is not None:
+        r.warn("train.grad_accum", f"{mb} microbatches on {lay.pp} stages: the pipeline bubble is "
+               f"{bubble:.1%} of each step", _microbatch_fix(r.estimates, lay.zero_stage))
+
+
+def _microbatch_fix(est: Any, zero_stage: int) -> str:
+    """Only a count the plan's own estimate finds faster (more microbatches re-gather ZeRO-3's weights)."""
+    tip = better_microbatches(est.model, est.layout, est.hw)
+    if tip is not None:
+        return (f"use train.micro_batch={tip.micro_batch} ({tip.microbatches} microbatches, bubble "
+                f"{tip.bubble_fraction:.1%}): the plan estimates {tip.step_time_s:.1f} s per step instead of "
+                f"{tip.current_step_time_s:.1f} s")
+    return ("no other number of microbatches makes this layout faster by the plan's estimate"
+            + (" (under ZeRO-3 each one re-gathers the weights)" if zero_stage == 3 else "")
+            + "; plan.search=5 ranks faster layouts (e.g. interleaved schedules)")
+
+
+def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """Estimate memory per GPU (planner) once the layout is valid; on GPUs a layout that cannot fit is an error."""
+    if cfg.cluster.gpu_type not in KNOWN_HARDWARE:
+        r.error("cluster.gpu_type", f"unknown GPU type {cfg.cluster.gpu_type!r}",
+                f"use one of {', '.join(sorted(KNOWN_HARDWARE))}")
+        return
+    if r.errors:
+        return
+    r.estimates = est = estimate(cfg, lay)
+    mem = est.memory
+    if mem.fits:
+        if mem.headroom < 0.05 * mem.usable:
+            r.warn("parallel", f"estimated {mem.total / GiB:.1f} GiB per GPU leaves under 5% headroom of "
+                   f"{mem.usable / GiB:.1f} GiB usable", "expect fragmentation OOMs; consider more recompute or sharding")
+        return
+    fixes = []
+    if cfg.parallel.recompute.value != "full":
+        fixes.append("parallel.recompute=" + ("selective" if cfg.parallel.recompute.value == "none" else "full"))
+    if lay.zero_stage < 3 and lay.dp > 1:
+        fixes.append(f"zero.stage={lay.zero_stage + 1}")
+    if lay.micro_batch > 1:
+        fixes.append(f"train.micro_batch={lay.micro_batch // 2}")
+    fixes.append("more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp)")
+    message = (f"estimated {mem.total / GiB:.1f} GiB per GPU (params {mem.params / GiB:.1f}, grads "
+               f"{mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, buffers {mem.buffers / GiB:.1f}, "
+               f"activations {mem.activations / GiB:.1f}) "
+               f"exceeds the {mem.usable / GiB:.1f} GiB usable on each {cfg.cluster.gpu_type} GPU")
+    if cfg.cluster.gpu_type == "cpu":
+        r.warn("parallel", message, "try: " + ", or ".join(fixes))
+    else:
+        r.error("parallel", message, "try: " + ", or ".join(fixes))
+
+
+HOST_MEMORY_WARN = 0.8  # offloaded state above this share of a node's host memory leaves too little for the rest
+OFFLOAD_SHARE_WARN = 0.10  # exposed offload time above this share of the step: warn
+
+
+def _offload(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """ZeRO offload against the node (hpctrain.plan.offload): host memory and NVMe space per node, and whether the
+    step is bound by the offload (the NVMe traffic, or the CPU step and copies), with the predicted slowdown."""
+    est = r.estimates
+    if est is None or est.step.offload is None:
+        return
+    st, hw, o = est.step, est.hw, est.step.offload
+    gpu = cfg.cluster.gpu_type
+    report = r.warn if gpu == "cpu" else r.error  # the cpu entry's host figures are placeholders
+    shards = f"{o.gpus_per_node} GPUs x {o.shard_params / 1e6:,.0f}M parameters per rank"
+    bigger_dp = (f"more nodes or a larger DP (now {lay.dp}; each rank's shard is 1/{lay.zero_shard} of its "
+                 "GPU's parameters)")
+    slowdown = f"{st.offload_slowdown:.0%} slower than the same layout without offload"
+    host, have = o.host_bytes_per_node, hw.host_mem_bytes
+    if host > have or host > HOST_MEMORY_WARN * have:
+        fix = bigger_dp + ("" if o.device == "nvme" else ", or zero.offload_optimizer_device=nvme (Adam's moments, "
+                           "half of the offloaded shards, go to node-local NVMe) with zero.nvme_path")
+        if o.host.tiers:
+            fix += (f", or fewer checkpoint tiers (each keeps a staged copy of every rank's state in host memory: "
+                    f"{o.host.staging_per_tier * o.gpus_per_node / GiB:,.1f} GiB per node)")
+        message = (f"offload keeps {host / GiB:,.1f} GiB per node in host memory ({shards}: {o.host_terms()}), "
+                   f"{host / have:.0%} of the {have / GiB:,.0f} GiB a {gpu} node has (hpctrain/hardware.py)")
+        if host > have:
+            report("zero.offload_optimizer", message, fix)
+        else:
+            r.warn("zero.offload_optimizer", message + ": too little is left for the OS, data loaders and pinned "
+                   "buffers", fix)
+    if o.device == "nvme" and o.nvme_bytes_per_node > hw.nvme_bytes:
+        report("zero.nvme_path", f"Adam's moments take {o.nvme_bytes_per_node / 1e12:,.2f} TB of NVMe per node "
+               f"({shards}, 8 bytes each), more than the {hw.nvme_bytes / 1e12:.2f} TB a {gpu} node has",
+               bigger_dp + ", or zero.offload_optimizer_device=cpu if host memory allows")
+    if o.device == "nvme" and o.nvme_bound:
+        # CPU offload: the moments resident in host memory instead of read back for a save
+        need = (o.host_bytes_per_gpu - o.host.save_readback + o.nvme_bytes_per_gpu) * o.gpus_per_node
+        r.warn("zero.offload_optimizer_device", f"the NVMe traffic bounds the optimizer step: "
+               f"{o.nvme_read_bytes / 1e9:.2f} GB read + {o.nvme_write_bytes / 1e9:.2f} GB written per node and "
+               f"step take {o.nvme_s:.2f} s, the CPU's Adam {o.cpu_adam_s:.2f} s; offload adds {st.offload_s:.2f} s "
+               f"to a {st.step_time_s:.2f} s step: {slowdown}",
+               f"{bigger_dp}; zero.offload_optimizer_device=cpu if host memory allows ({need / GiB:,.1f} GiB per "
+               f"node of {hw.host_mem_bytes / GiB:,.0f}); or a faster NVMe (zero.nvme_path on more drives)")
+    elif st.offload_share > OFFLOAD_SHARE_WARN:
+        r.warn("zero.offload_optimizer", f"offload adds {st.offload_s:.2f} s to a {st.step_time_s:.2f} s step "
+               f"(CPU Adam {o.cpu_adam_s:.2f} s" + (f", NVMe {o.nvme_s:.2f} s" if o.device == "nvme" else "")
+               + f", PCIe copies {o.pcie_s:.2f} s): {slowdown}", _offload_fix(cfg, lay, est, bigger_dp))
+    threads = cfg.train.threads_per_rank
+    slow = offload_costs(est.model, lay, hw, threads_per_rank=threads)
+    if slow.cpu_adam_s > 1.25 * o.cpu_adam_s:
+        enough = -(-hw.adam_rate_per_gpu() // hw.cpu_adam_core_rate)
+        r.warn("train.threads_per_rank", f"each rank's CPU AdamW step runs on {threads} thread(s): "
+               f"{slow.cpu_adam_s:.2f} s per step instead of the {o.cpu_adam_s:.2f} s the plan assumes with the "
+               f"rank's share of the node's {hw.cpu_cores} cores", f"set train.threads_per_rank={enough:.0f} and "
+               f"cluster.cpus_per_task>={enough:.0f}")
+
+
+def _offload_fix(cfg: Config, lay: Layout, est: Any, bigger_dp: str) -> str:
+    """The fixes for a step bound by offload; without offload only if the plan finds it fits on the GPU."""
+    fixes = [bigger_dp]
+    plain = memory_per_gpu(est.model, replace(lay, offload_optimizer=False, offload_params=False,
+                                              offload_device="cpu"), est.hw)
+    if plain.fits:
+        fixes.append(f"no offload (zero=stage{lay.zero_stage}): the plan puts it at {plain.total / GiB:.1f} GiB per "
+                     f"GPU of {plain.usable / GiB:.1f} usable")
+    if est.step.offload.device == "nvme":
+        fixes.append("zero.offload_optimizer_device=cpu if host memory allows")
+    return "; or ".join(fixes)
+
+
+CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
+    *config_checks.CHECKS, _memory, _offload, _bubble, file_checks,
+]

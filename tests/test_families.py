@@ -1,0 +1,130 @@
+"""A model family is one entry (hpctrain.models.registry): its spec must describe its torch module exactly, and
+nothing outside the families may branch on an architecture's name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hpctrain.config.schema import ModelConfig
+from hpctrain.models import registry
+from hpctrain.models.family import Dims
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hpctrain"
+
+
+def _family_files() -> set[Path]:
+    """The registry, the Family class, each family's spec and torch module, and the HF recipe pieces they share."""
+    own = {"models/registry.py", "models/family.py", "models/hf_recipes.py"}
+    for family in registry.FAMILIES.values():
+        own.add(f"models/{family.name}_spec.py")
+        own.add(family.builder.split(":")[0].removeprefix("hpctrain.").replace(".", "/") + ".py")
+    return {PACKAGE / name for name in own}
+
+
+def _names() -> set[str]:
+    """Every name that identifies a family: model.arch, HF's model_type and class name."""
+    out: set[str] = set()
+    for f in registry.FAMILIES.values():
+        out |= {f.name, f.hf.model_type, f.hf.class_name}
+    return out
+
+
+def architecture_branches(source: str, names: set[str]) -> list[str]:
+    """Lines that decide by a family's name: a comparison or membership test against it, a dict keyed by it, a
+    match case on it, or an attribute of the ModelArch enum."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        consts: list[ast.expr] = []
+        if isinstance(node, ast.Compare):
+            consts = [node.left, *node.comparators]
+            consts += [e for c in node.comparators if isinstance(c, (ast.Tuple, ast.List, ast.Set)) for e in c.elts]
+        elif isinstance(node, ast.Dict):
+            consts = [k for k in node.keys if k is not None]
+        elif isinstance(node, ast.MatchValue):
+            consts = [node.value]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ModelArch":
+            found.append(f"line {node.lineno}: ModelArch.{node.attr}")
+        found += [f"line {c.lineno}: {c.value!r}" for c in consts
+                  if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in names]
+    return found
+
+
+def test_no_module_outside_the_families_branches_on_an_architecture_name() -> None:
+    own, names = _family_files(), _names()
+    assert all(path.is_file() for path in own), sorted(str(p) for p in own if not p.is_file())
+    offenders = {str(path.relative_to(PACKAGE)): hits for path in sorted(PACKAGE.rglob("*.py")) if path not in own
+                 if (hits := architecture_branches(path.read_text(), names))}
+    assert not offenders, f"branch on an architecture name outside its family's entry: {offenders}"
+
+
+def test_the_scan_finds_what_it_looks_for() -> None:
+    """The shapes of branch the codebase had before the registry (hpctrain/plan/types.py, estimate.py, checks.py,
+    hf.py) are all found."""
+    names = _names()
+    planted = """
+if arch == "gpt": pass
+kv = n if arch_of(m) == "llama" else 0
+if kind in ("gpt2", "llama"): pass
+table = {"gpt": 1}
+if m.arch == ModelArch.llama: pass
+match kind:
+    case "LlamaForCausalLM": pass
+"""
+    assert len(architecture_branches(planted, names)) == 7
+    assert architecture_branches('if schedule == "1f1b": pass\nname = "llama"  # a value, not a branch\n', names) == []
+
+
+def _tiny(family: str, **over: object) -> ModelConfig:
+    m = OmegaConf.structured(ModelConfig(name="tiny", arch=family, n_layers=2, d_model=64, n_heads=4, vocab_size=100,
+                                         context=32, ffn_hidden=96))
+    for key, value in over.items():
+        m[key] = value
+    return m
+
+
+@pytest.mark.parametrize("family", sorted(registry.FAMILIES))
+def test_the_spec_names_every_parameter_of_the_torch_module(family: str) -> None:
+    spec = registry.get(family)
+    m = _tiny(family, n_kv_heads=2 if spec.grouped_query else 0)
+    with torch.device("meta"):
+        model = spec.build(m, 1)
+    built = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    dims = Dims.of(m)
+    want = spec.top_shapes(dims, model.tok_emb.weight.shape[0])
+    for i in range(m.n_layers):
+        want.update({f"layers.{i}.{k}": v for k, v in spec.block_shapes(dims).items()})
+    if spec.tied_embeddings:
+        assert "output.weight" not in want
+    assert built == want
+    assert model.family == family and model.tied_embeddings == spec.tied_embeddings
+    assert set(spec.tp_dims) <= {name.split(".", 2)[-1] if name.startswith("layers.") else name for name in built}
+    for module in spec.stage_modules:
+        assert hasattr(model, module)
+
+
+@pytest.mark.parametrize("family", sorted(registry.FAMILIES))
+def test_the_spec_names_every_hf_tensor(family: str) -> None:
+    """The torch-free HF tensor table (what the login node checks a model directory against) is what the
+    converter makes of the model's weights."""
+    from hpctrain.models.hf import hf_shapes
+
+    spec = registry.get(family)
+    m = _tiny(family, n_kv_heads=2 if spec.grouped_query else 0)
+    assert spec.hf.weight_shapes(Dims.of(m)) == hf_shapes(m)
+    assert registry.for_hf(spec.hf.model_type) is spec
+    config = spec.hf.config(m, "float32")
+    assert config["model_type"] == spec.hf.model_type and config["architectures"] == [spec.hf.class_name]
+    fields = spec.hf.fields(config)
+    assert fields["arch"] == family and (fields["n_layers"], fields["d_model"]) == (2, 64)
+
+
+def test_an_unknown_family_is_named_with_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown model arch 'mamba': one of gpt, llama"):
+        registry.get("mamba")
+    with pytest.raises(ValueError, match="model_type 'mamba': hpctrain converts gpt2"):
+        registry.for_hf("mamba")
