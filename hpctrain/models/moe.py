@@ -1,0 +1,259 @@
+"""A Mixture-of-Experts feed-forward block that knows nothing of parallelism: a router picks top_k of n_experts
+SwiGLU experts per token, optionally plus shared experts every token goes through.
+
+Two routers:
+- "softmax" (Mixtral, Qwen3-MoE): softmax over all experts in fp32, the top_k, renormalised when norm_topk_prob.
+- "sigmoid" (DeepSeek-V3): sigmoid scores in fp32; a per-expert bias (a buffer, moved by `update_bias`, the
+  auxiliary-loss-free balancing) is added only to choose experts; group-limited: the experts are split into
+  n_groups groups, a group scores the sum of its two best biased scores, the topk_groups best groups are kept and
+  the top_k experts are chosen among them. The combine weights are the chosen experts' unbiased scores.
+Both multiply the weights by route_scale.
+
+The experts' weights are stacked, [n_experts, ...] in three parameters (`w_gate`, `w_up`, `w_down`), so that one
+grouped GEMM per projection runs every expert (`torch._grouped_mm`, where it has a fast kernel) and expert
+parallelism can shard dim 0. Tokens are routed dropless by default: the (token, slot) assignments are sorted by
+expert, so each expert's tokens form one contiguous segment of the sorted rows. With capacity_factor > 0 each
+expert keeps at most ceil(capacity_factor * tokens * top_k / n_experts) assignments, those with the highest router
+weight (ties: token order); a dropped assignment contributes nothing (the others' weights are not renormalised).
+
+Hugging Face equivalents (transformers 5): router.weight is `mlp.gate.weight`; the in-memory fused experts are
+`gate_up_proj` = cat(w_gate, w_up, dim=1) and `down_proj` = w_down; on disk (what save_pretrained writes back)
+expert e is `experts.{e}.w1/w3/w2.weight` (Mixtral) or `experts.{e}.gate_proj/up_proj/down_proj.weight` (Qwen3-MoE,
+DeepSeek-V3): w_gate[e], w_up[e], w_down[e]. DeepSeek-V3's bias is `mlp.gate.e_score_correction_bias`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpctrain.models.gpt import _assign, _stable_hash
+
+GROUP_ROWS = 8  # grouped GEMM: each expert's rows padded to a multiple (16 bytes of bf16), at least one multiple
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    d_model: int
+    expert_hidden: int  # each expert's SwiGLU hidden size
+    n_experts: int
+    top_k: int
+    router: str = "softmax"  # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk_prob: bool = True  # renormalise the top_k weights to sum 1 (Mixtral and DeepSeek-V3 always do)
+    n_groups: int = 1  # sigmoid router: expert groups ...
+    topk_groups: int = 1  # ... of which each token may use the best topk_groups
+    route_scale: float = 1.0  # combine weights multiplied by it (DeepSeek-V3: 2.5)
+    n_shared_experts: int = 0  # a SwiGLU of n_shared_experts * expert_hidden every token goes through
+    capacity_factor: float = 0.0  # 0: dropless
+    bias_update_rate: float = 1e-3  # sigmoid router: update_bias's step
+
+    def __post_init__(self) -> None:
+        if self.router not in ("softmax", "sigmoid"):
+            raise ValueError(f"router must be 'softmax' or 'sigmoid', not {self.router!r}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
+        if self.n_groups < 1 or self.n_experts % self.n_groups or not 1 <= self.topk_groups <= self.n_groups:
+            raise ValueError(f"n_groups {self.n_groups} must divide n_experts {self.n_experts} and "
+                             f"topk_groups {self.topk_groups} be in [1, n_groups]")
+        if self.n_groups > 1:
+            group_size = self.n_experts // self.n_groups
+            if self.router != "sigmoid" or group_size < 2 or self.top_k > self.topk_groups * group_size:
+                raise ValueError("expert groups need the sigmoid router, at least 2 experts a group (a group "
+                                 "scores its top 2) and top_k <= topk_groups * experts per group")
+        if self.capacity_factor < 0:
+            raise ValueError(f"capacity_factor must be >= 0, not {self.capacity_factor}")
+
+    def capacity(self, tokens: int) -> int:
+        """The most (token, slot) assignments one expert takes from `tokens` tokens (capacity_factor > 0)."""
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
+
+
+@dataclass
+class MoEStats:
+    """What one forward reports next to its output. The losses keep their graph (the model adds them to its loss,
+    scaled as it likes); the counts are plain integers (no graph)."""
+
+    tokens_per_expert: torch.Tensor  # int64 [n_experts]: assignments routed to each expert, before capacity drops
+    balance_loss: torch.Tensor  # fp32 scalar: Switch/Mixtral load balancing, n_experts * sum_e f_e * P_e
+    z_loss: torch.Tensor  # fp32 scalar: ST-MoE router z-loss, mean over tokens of logsumexp(logits)^2
+    dropped: torch.Tensor  # int64 scalar: assignments dropped for capacity (0 when dropless)
+
+
+class SwiGLU(nn.Module):
+    """The shared experts: Llama's MLP (same names: gate, up, proj) of a given hidden size."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
+def grouped_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs its fast kernel for rows `x` [N, d] and stacked weights `weight`
+    [n_experts, out, in]: torch 2.13 (aten/src/ATen/native/cuda/GroupedBlas.cpp, `_grouped_mm_cuda`) takes the
+    CUTLASS path only for bf16 operands on compute capability 9.x/10.x (H100/H200, B200); elsewhere it falls back
+    to a loop of mm that copies the offsets to the host, no better than ours. Its TMA loads need every row stride
+    16-byte aligned (d_model and expert_hidden multiples of 8 in bf16), and its meta function (torch.compile, fake
+    tensors) accepts only bf16. Reads only metadata: fine on fake tensors."""
+    if x.device.type != "cuda" or weight.device.type != "cuda" or weight.dim() != 3:
+        return False
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    align = 16 // x.element_size()
+    if x.shape[-1] % align or weight.shape[-1] % align or weight.shape[-2] % align:
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+
+
+def run_experts(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                w_down: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+    """Rows `x` [N, d] sorted by expert, counts[e] of them for expert e (sum N) -> each row through its expert's
+    SwiGLU, [N, d]. One grouped GEMM per projection where `grouped_mm_serves` (or `grouped`=True), else a loop over
+    the experts' segments (which reads the counts on the host)."""
+    if grouped is None:
+        grouped = grouped_mm_serves(x, w_gate)
+    if grouped:
+        return _experts_grouped(x, counts, w_gate, w_up, w_down)
+    outs = [F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)
+            for xe, wg, wu, wd in zip(x.split(counts.tolist()), w_gate, w_up, w_down)]
+    return torch.cat(outs)
+
+
+def _experts_grouped(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                     w_down: torch.Tensor) -> torch.Tensor:
+    """run_experts with torch._grouped_mm, without a host sync. Each expert's segment is padded with zero rows to
+    a multiple of GROUP_ROWS, at least GROUP_ROWS (torchtitan does the same): CUTLASS's grouped GEMM hung in the
+    backward on an empty group (pytorch issue 152668, the weight gradient's K = 0). The padded rows sit in a
+    buffer of static size N + GROUP_ROWS * n_experts, the last expert's group running to its end, so that every
+    output row is written (_grouped_mm leaves rows past offs[-1] uninitialised)."""
+    n, n_experts = x.shape[0], counts.numel()
+    rows = n + GROUP_ROWS * n_experts
+    padded = (counts.clamp(min=1) + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    ends = padded.cumsum(0)
+    offs = torch.cat((ends[:-1], ends.new_full((1,), rows))).to(torch.int32)
+    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=n)
+    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - packed start, per expert
+    dest = torch.arange(n, device=x.device) + shift[expert_of_row]
+    xp = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
+    hidden = (F.silu(torch._grouped_mm(xp, w_gate.transpose(-2, -1), offs=offs))
+              * torch._grouped_mm(xp, w_up.transpose(-2, -1), offs=offs))
+    return torch._grouped_mm(hidden, w_down.transpose(-2, -1), offs=offs)[dest]
+
+
+class MoE(nn.Module):
+    """The block: forward(x [..., d]) -> (output [..., d], MoEStats). Nothing is kept between calls."""
+
+    def __init__(self, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        e, h, d = args.n_experts, args.expert_hidden, args.d_model
+        self.router = nn.Linear(d, e, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(e, h, d))
+        self.w_up = nn.Parameter(torch.empty(e, h, d))
+        self.w_down = nn.Parameter(torch.empty(e, d, h))
+        # Persistent (DeepSeek-V3's checkpoints hold it). Keep it fp32: `.to(torch.bfloat16)` on the model would
+        # cast it too, and a 1e-3 step rounds away in bf16 once |bias| >= 0.5 (FSDP2's mixed precision casts
+        # parameters only).
+        self.register_buffer("expert_bias", torch.zeros(e) if args.router == "sigmoid" else None)
+        self.shared = SwiGLU(d, args.n_shared_experts * h) if args.n_shared_experts else None
+
+    def router_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, d] -> [T, n_experts] in fp32 (input and weight cast; fp64 stays fp64): near-ties between experts
+        are decided in fp32 whatever the activations' dtype, and the logits are what the z-loss penalises."""
+        dtype = torch.promote_types(h.dtype, torch.float32)
+        return F.linear(h.to(dtype), self.router.weight.to(dtype))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 logits [T, E] -> (combine weights [T, top_k] fp32, chosen experts [T, top_k] int64, the
+        per-expert probabilities [T, E] the balance loss averages: the softmax, or the sigmoid scores normalised
+        over the experts as in DeepSeek-V3's sequence-wise balance loss)."""
+        a = self.args
+        if a.router == "softmax":
+            probs = logits.softmax(dim=-1)
+            weights, experts = probs.topk(a.top_k, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            biased = scores.detach() + self.expert_bias
+            if a.n_groups > 1:
+                per_group = biased.unflatten(-1, (a.n_groups, -1))
+                group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
+                kept = group_scores.topk(a.topk_groups, dim=-1).indices
+                keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
+                biased = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+            experts = biased.topk(a.top_k, dim=-1).indices
+            weights = scores.gather(-1, experts)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        if a.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * a.route_scale, experts, probs
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        a = self.args
+        h = x.reshape(-1, a.d_model)
+        tokens = h.shape[0]
+        logits = self.router_logits(h)
+        weights, experts, probs = self.route(logits)
+
+        flat = experts.flatten()  # assignment i: token i // top_k, slot i % top_k
+        counts = torch.zeros(a.n_experts, dtype=torch.int64, device=h.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host sync on CUDA
+        # f_e as Hugging Face's load_balancing_loss_func: assignments / tokens (sums to top_k).
+        balance_loss = a.n_experts * (counts.float() / tokens * probs.mean(dim=0)).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+
+        if a.capacity_factor > 0:
+            # Within an expert, highest weight first (a stable sort by weight, then a stable one by expert).
+            order = torch.argsort(weights.detach().flatten(), descending=True, stable=True)
+            order = order[torch.argsort(flat[order], stable=True)]
+            capacity = a.capacity(tokens)
+            seg_start = counts.cumsum(0) - counts
+            rank = torch.arange(order.numel(), device=h.device) - seg_start[flat[order]]
+            order = order[rank < capacity]
+            kept = counts.clamp(max=capacity)
+            dropped = counts.sum() - kept.sum()
+        else:
+            order = torch.argsort(flat, stable=True)
+            kept = counts
+            dropped = torch.zeros((), dtype=torch.int64, device=h.device)
+
+        token = order // a.top_k
+        y = run_experts(h[token], kept, self.w_gate, self.w_up, self.w_down)
+        out = torch.zeros(tokens, a.d_model, dtype=weights.dtype, device=h.device)  # fp32 accumulation
+        out.index_add_(0, token, y.to(weights.dtype) * weights.flatten()[order].unsqueeze(-1))
+        out = out.to(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(h)
+        return out.view(x.shape), MoEStats(counts, balance_loss, z_loss, dropped)
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step: bias_e += rate * sign(mean load
+        - load_e), so an overloaded expert is chosen less. Pass the step's counts summed over micro-batches and
+        all-reduced over data-parallel ranks, so that every rank applies the same update."""
+        if self.expert_bias is None:
+            raise RuntimeError("update_bias needs the sigmoid router (the softmax router has no bias)")
+        load = tokens_per_expert.to(device=self.expert_bias.device, dtype=torch.float32)
+        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.args.bias_update_rate)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, n_layers: int = 1, seed: int | None = None, prefix: str = "") -> None:
+        """hpctrain.models.gpt.init_by_name's scheme: N(0, std), the residual output projections (`w_down`,
+        `shared.proj`) N(0, std / sqrt(2 n_layers)); each parameter from a generator seeded by (seed, prefix +
+        name), `prefix` the block's name in the model ("layers.3.moe."), so every layout (an expert-parallel
+        shard materialised from meta) gets the single-process weights. The bias buffer is zeroed."""
+        resid_std = std / math.sqrt(2 * n_layers)
+        base = 0 if seed is None else seed
+        for name, p in self.named_parameters():
+            gen = torch.Generator().manual_seed(_stable_hash(f"{base}:{prefix}{name}"))
+            scale = resid_std if name in ("w_down", "shared.proj.weight") else std
+            _assign(p, torch.randn(p.shape, generator=gen) * scale)
+        if self.expert_bias is not None:
+            _assign(self.expert_bias, torch.zeros(self.expert_bias.shape))
