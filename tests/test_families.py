@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.config.schema import ModelConfig
 from hpctrain.models import registry
-from hpctrain.models.family import Dims
+from hpctrain.models.family import Dims, Family
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hpctrain"
 
@@ -87,10 +87,15 @@ def _tiny(family: str, **over: object) -> ModelConfig:
     return m
 
 
+def _heads(spec: Family) -> dict[str, int]:
+    """Grouped-query attention where the family has it, with heads wider than d_model / n_heads (64 / 4)."""
+    return {"n_kv_heads": 2, "head_dim": 32} if spec.grouped_query else {}
+
+
 @pytest.mark.parametrize("family", sorted(registry.FAMILIES))
 def test_the_spec_names_every_parameter_of_the_torch_module(family: str) -> None:
     spec = registry.get(family)
-    m = _tiny(family, n_kv_heads=2 if spec.grouped_query else 0)
+    m = _tiny(family, **_heads(spec))
     with torch.device("meta"):
         model = spec.build(m, 1)
     built = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -114,7 +119,7 @@ def test_the_spec_names_every_hf_tensor(family: str) -> None:
     from hpctrain.models.hf import hf_shapes
 
     spec = registry.get(family)
-    m = _tiny(family, n_kv_heads=2 if spec.grouped_query else 0)
+    m = _tiny(family, **_heads(spec))
     assert spec.hf.weight_shapes(Dims.of(m)) == hf_shapes(m)
     assert registry.for_hf(spec.hf.model_type) is spec
     config = spec.hf.config(m, "float32")
@@ -124,7 +129,7 @@ def test_the_spec_names_every_hf_tensor(family: str) -> None:
 
 
 def test_an_unknown_family_is_named_with_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="unknown model arch 'mamba': one of gpt, llama"):
+    with pytest.raises(ValueError, match="unknown model arch 'mamba': one of gpt, llama, qwen3"):
         registry.get("mamba")
     with pytest.raises(ValueError, match="model_type 'mamba': hpctrain converts gpt2"):
         registry.for_hf("mamba")

@@ -35,6 +35,7 @@ from hpctrain.config.schema import (
 )
 from hpctrain.hardware import KNOWN_HARDWARE
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of
+from hpctrain.models.family import Dims
 from hpctrain.models.registry import family_of
 
 
@@ -69,7 +70,7 @@ def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
                        "model.vocab_size": m.vocab_size, "model.context": m.context}.items():
         if value < 1:
             r.error(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
-    if m.n_heads >= 1 and m.d_model % m.n_heads:
+    if m.n_heads >= 1 and not m.head_dim and m.d_model % m.n_heads:
         r.error("model.d_model", f"d_model {m.d_model} is not divisible by n_heads {m.n_heads}",
                 f"use a d_model that is a multiple of {m.n_heads} (e.g. {m.n_heads * max(1, m.d_model // m.n_heads)})")
     if not 0.0 <= m.dropout < 1.0:
@@ -210,8 +211,8 @@ def _fp8(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.warn("precision.dtype", "FP8 with fp32: the Linears run in FP8, everything else (attention, norms, "
                "the head) in fp32, far slower than bf16", "set precision=bf16")
     widths = {"model.d_model": m.d_model, "model.ffn_hidden": ffn_hidden_of(m)}
-    if family_of(m).grouped_query and m.n_heads >= 1 and m.d_model % m.n_heads == 0:
-        widths["model.n_kv_heads"] = kv_heads_of(m) * (m.d_model // m.n_heads)  # K and V width (GQA)
+    if family_of(m).grouped_query and m.n_heads >= 1 and (m.head_dim or m.d_model % m.n_heads == 0):
+        widths["model.n_kv_heads"] = Dims.of(m).kv_dim  # K and V width (GQA)
     for key, width in widths.items():
         if width % tp == 0 and (width // tp) % FP8_DIM_MULTIPLE == 0:
             continue

@@ -78,6 +78,7 @@ class ModelConfig:
     d_model: int = MISSING
     n_heads: int = MISSING
     n_kv_heads: int = 0  # key/value heads of grouped-query attention (0: n_heads)
+    head_dim: int = 0  # each attention head's width (0: d_model / n_heads; Qwen3: 128 whatever d_model is)
     vocab_size: int = 50257  # the tokenizer's vocabulary (what the loss and exports use)
     vocab_pad_multiple: int = 64  # embedding rows padded to a multiple of this x TP (<= 1: no padding)
     context: int = 2048  # longest sequence the model is trained on (gpt: the position table's size)

@@ -32,21 +32,27 @@ class Dims:
     ffn_hidden: int
     vocab_size: int  # the tokenizer's; the embedding's rows are passed apart (padded for TP)
     context: int
+    head_dim: int = 0  # 0: d_model / n_heads
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head_dim", self.head_dim or self.d_model // self.n_heads)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def q_dim(self) -> int:
+        """Width of Q and of the attention output: n_heads x head_dim (d_model unless head_dim is set apart)."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
-        """Width of K and V: key/value heads x head_dim (d_model without grouped-query attention)."""
+        """Width of K and V: key/value heads x head_dim (q_dim without grouped-query attention)."""
         return self.kv_heads * self.head_dim
 
     @classmethod
     def of(cls, m: ModelConfig) -> Dims:
-        """A config's `model` section: n_kv_heads 0 means n_heads, ffn_hidden 0 means ffn_mult x d_model."""
+        """A config's `model` section: n_kv_heads 0 means n_heads, ffn_hidden 0 means ffn_mult x d_model, head_dim
+        0 means d_model / n_heads."""
         return cls(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads or m.n_heads,
-                   m.ffn_hidden or m.ffn_mult * m.d_model, m.vocab_size, m.context)
+                   m.ffn_hidden or m.ffn_mult * m.d_model, m.vocab_size, m.context, m.head_dim)
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class BlockActivations:
     gated_mlp: bool = False  # SwiGLU: gate and up outputs (2 f) and silu's output (f) instead of GELU's f and f
     rope: bool = False  # the rotated Q and K that attention saves (V stays a view of the QKV output)
     norm_fp32_copy: bool = False  # RMSNorm keeps an fp32 copy of its input besides the normalised output
+    head_norms: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class Family:
     shape_problems: Callable[[ModelConfig], list[ShapeProblem]]  # the family's own rules on model.*
     hf: HFSpec
     stage_modules: dict[str, str] = field(default_factory=dict)  # top-level module -> "first" | "last" | "ends"
+    tp_head_norms: tuple[str, ...] = ()  # block modules normalising each head: whole weight, input split by heads
 
     def build(self, model_cfg: Any, tp: int = 1) -> Any:
         """The torch module (imports torch): the family's builder, embedding padded for `tp`."""

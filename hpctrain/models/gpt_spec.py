@@ -29,11 +29,15 @@ def top_shapes(d: Dims, rows: int) -> Shapes:
 
 
 def shape_problems(m: ModelConfig) -> list[ShapeProblem]:
+    out: list[ShapeProblem] = []
     if m.n_kv_heads not in (0, m.n_heads):
-        return [("model.n_kv_heads", f"model.arch=gpt has multi-head attention only, got n_kv_heads={m.n_kv_heads} "
-                 f"for n_heads={m.n_heads}", "set model.n_kv_heads=0, or model.arch=llama for grouped-query "
-                 "attention")]
-    return []
+        out.append(("model.n_kv_heads", f"model.arch=gpt has multi-head attention only, got n_kv_heads="
+                    f"{m.n_kv_heads} for n_heads={m.n_heads}", "set model.n_kv_heads=0, or model.arch=llama for "
+                    "grouped-query attention"))
+    if m.head_dim and m.head_dim * m.n_heads != m.d_model:
+        out.append(("model.head_dim", f"model.arch=gpt's heads split d_model: head_dim must be d_model / n_heads, "
+                    f"got {m.head_dim} for d_model={m.d_model} and n_heads={m.n_heads}", "set model.head_dim=0"))
+    return out
 
 
 # ---------------------------------------------------------------- Hugging Face: GPT2LMHeadModel

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.models.gpt import init_by_name
+from hpctrain.models.family import Dims
 from hpctrain.models.hf_recipes import Recipe, same, vocab
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of, padded_vocab
 
@@ -53,14 +54,16 @@ class LlamaArgs:
     rope_original_context: int = 8192
     init_std: float = 0.02
     padded_vocab: int = 0  # embedding and head rows (0: vocab_size); extra rows stay zero and are cut from the logits
+    head_dim: int = 0  # each head's width (0: d_model / n_heads)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    family: str = "llama"  # the registry entry the model is built for (hpctrain.models.registry)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "head_dim", self.head_dim or self.d_model // self.n_heads)
 
     @property
     def embedding_rows(self) -> int:
         return max(self.padded_vocab, self.vocab_size)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
 
 
 def llama_args(m: Any, tp: int = 1) -> LlamaArgs:
@@ -80,6 +83,7 @@ def llama_args(m: Any, tp: int = 1) -> LlamaArgs:
         rope_original_context=m.rope.original_context,
         init_std=m.init_std,
         padded_vocab=padded_vocab(m.vocab_size, m.vocab_pad_multiple, tp),
+        head_dim=m.head_dim,
     )
 
 
@@ -226,6 +230,9 @@ class Attention(nn.Module):
         self.group = args.n_heads // args.n_kv_heads
         self.qkv = nn.Linear(args.d_model, (args.n_heads + 2 * args.n_kv_heads) * self.head_dim, bias=False)
         self.proj = nn.Linear(args.n_heads * self.head_dim, args.d_model, bias=False)
+        # Qwen3's per-head norms (named norm_* so that init_by_name starts them at one, as the block's norms)
+        self.norm_q = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.norm_k = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d], the full sequence in every layout (with SP, TP's input layout gathers it)."""
@@ -236,6 +243,8 @@ class Attention(nn.Module):
         # a zero tensor of the whole output, and the three are then added up).
         q, k, v = qkv.split((self.group, 1, 1), dim=3)
         q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)  # query head g * group + j uses key/value head g
+        if self.norm_q is not None:
+            q, k = self.norm_q(q), self.norm_k(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope_tables(self.args, q)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -283,12 +292,12 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    family = "llama"  # its entry in hpctrain.models.registry
     tied_embeddings = False  # the head is `output`, a weight of its own
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
+        self.family = args.family  # its entry in hpctrain.models.registry (llama, or qwen3: the same module)
         self.tok_emb: nn.Embedding | None = nn.Embedding(args.embedding_rows, args.d_model)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm_f: RMSNorm | None = RMSNorm(args.d_model, args.norm_eps)
@@ -352,6 +361,12 @@ def build(m: Any, tp: int = 1) -> Llama:
     on the current device context (`with torch.device("meta")` allocates nothing; init_weights() fills it)."""
     return Llama(llama_args(m, tp))
 
+
+def build_qwen3(m: Any, tp: int = 1) -> Llama:
+    """The Qwen3 family's builder: this module with an RMSNorm on each query and key head."""
+    return Llama(replace(llama_args(m, tp), qk_norm=True, family="qwen3"))
+
+
 # ---------------------------------------------------------------- Hugging Face (LlamaForCausalLM)
 
 
@@ -376,7 +391,7 @@ def _llama_qkv(prefix: str, n_heads: int, n_kv: int, head_dim: int) -> Recipe:
 def hf_recipes(m: Any) -> dict[str, Recipe]:
     """Every weight of the config's Llama with the LlamaForCausalLM tensors it is made of (the family's
     `hf.recipes`): q, k and v fused by key/value group, the rest as they are."""
-    head_dim = m.d_model // m.n_heads
+    head_dim = Dims.of(m).head_dim
     out: dict[str, Recipe] = {}
     out["tok_emb.weight"] = vocab("model.embed_tokens.weight", m.vocab_size)
     for i in range(m.n_layers):
@@ -390,4 +405,13 @@ def hf_recipes(m: Any) -> dict[str, Recipe]:
         out[f"{ours}mlp.proj.weight"] = same(f"{hf}mlp.down_proj.weight")
     out["norm_f.weight"] = same("model.norm.weight")
     out["output.weight"] = vocab("lm_head.weight", m.vocab_size)
+    return out
+
+
+def qwen3_hf_recipes(m: Any) -> dict[str, Recipe]:
+    """Qwen3ForCausalLM: Llama's tensors plus each layer's per-head q_norm and k_norm."""
+    out = hf_recipes(m)
+    for i in range(m.n_layers):
+        out[f"layers.{i}.attn.norm_q.weight"] = same(f"model.layers.{i}.self_attn.q_norm.weight")
+        out[f"layers.{i}.attn.norm_k.weight"] = same(f"model.layers.{i}.self_attn.k_norm.weight")
     return out

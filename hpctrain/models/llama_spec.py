@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 
 def block_shapes(d: Dims) -> Shapes:
-    h, f, k = d.d_model, d.ffn_hidden, d.kv_dim
-    return {"norm1.weight": (h,), "attn.qkv.weight": (h + 2 * k, h), "attn.proj.weight": (h, h),
+    h, f, q, k = d.d_model, d.ffn_hidden, d.q_dim, d.kv_dim
+    return {"norm1.weight": (h,), "attn.qkv.weight": (q + 2 * k, h), "attn.proj.weight": (h, q),
             "norm2.weight": (h,), "mlp.gate.weight": (f, h), "mlp.up.weight": (f, h), "mlp.proj.weight": (h, f)}
 
 
@@ -33,9 +33,12 @@ def shape_problems(m: ModelConfig) -> list[ShapeProblem]:
         out.append(("model.n_kv_heads", f"model.n_heads={m.n_heads} is not divisible by n_kv_heads={kv}: each "
                     "key/value head serves a whole group of query heads", f"use an n_kv_heads that divides "
                     f"{m.n_heads} (0: as many as query heads)"))
-    if m.n_heads >= 1 and m.d_model % m.n_heads == 0 and (m.d_model // m.n_heads) % 2:
-        out.append(("model.d_model", f"the head dimension d_model / n_heads = {m.d_model // m.n_heads} is odd: "
-                    "RoPE rotates pairs of dimensions", "choose d_model and n_heads with an even d_model / n_heads"))
+    head_dim = m.head_dim or (m.d_model // m.n_heads if m.n_heads >= 1 and m.d_model % m.n_heads == 0 else 0)
+    if head_dim % 2:
+        key = "model.head_dim" if m.head_dim else "model.d_model"
+        out.append((key, f"the head dimension {head_dim} is odd: RoPE rotates pairs of dimensions",
+                    "set an even model.head_dim" if m.head_dim else
+                    "choose d_model and n_heads with an even d_model / n_heads"))
     if m.dropout:
         out.append(("model.dropout", f"model.arch=llama has no dropout (Llama 2/3 train without), got {m.dropout}",
                     "set model.dropout=0.0"))
@@ -45,7 +48,8 @@ def shape_problems(m: ModelConfig) -> list[ShapeProblem]:
 # ---------------------------------------------------------------- Hugging Face: LlamaForCausalLM
 
 
-def hf_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+def hf_fields(hf: Mapping[str, Any], model_type: str = "llama") -> dict[str, Any]:
+    """config.json -> model.* keys for this module (Llama's, and Qwen3's whose config names the same fields)."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 keeps theta and scaling here
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
@@ -54,9 +58,9 @@ def hf_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     refuse({"hidden_act": (hf.get("hidden_act", "silu"), ("silu",)),
             "attention_bias": (hf.get("attention_bias", False), (False,)),
             "mlp_bias": (hf.get("mlp_bias", False), (False,)),
-            "head_dim": (hf.get("head_dim") or d // heads, (d // heads,)),
-            "rope_scaling.rope_type": (rope_type, ("default", "llama3"))}, "llama")
-    fields = {"arch": "llama", "n_layers": hf["num_hidden_layers"], "d_model": d, "n_heads": heads,
+            "rope_scaling.rope_type": (rope_type, ("default", "llama3"))}, model_type)
+    fields = {"arch": model_type, "n_layers": hf["num_hidden_layers"], "d_model": d, "n_heads": heads,
+              "head_dim": hf.get("head_dim") or d // heads,
               "n_kv_heads": hf.get("num_key_value_heads") or heads, "ffn_hidden": hf["intermediate_size"],
               "vocab_size": hf["vocab_size"], "context": hf.get("max_position_embeddings", 2048),
               "norm_eps": hf.get("rms_norm_eps", 1e-6), "rope": {"theta": float(theta), "scaling_factor": 0.0}}
@@ -84,7 +88,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
 def hf_compared(m: ModelConfig, theirs: Mapping[str, Any]) -> dict[str, Any]:
     """The context is not compared: RoPE has no position table, and training at a shorter context than HF's
     maximum is usual."""
-    ours: dict[str, Any] = {"n_kv_heads": Dims.of(m).kv_heads,
+    ours: dict[str, Any] = {"n_kv_heads": Dims.of(m).kv_heads, "head_dim": Dims.of(m).head_dim,
                             "rope": {"theta": float(m.rope.theta), "scaling_factor": float(m.rope.scaling_factor)}}
     if theirs["rope"]["scaling_factor"] > 0 and m.rope.scaling_factor > 0:
         ours["rope"].update(low_freq_factor=float(m.rope.low_freq_factor),
@@ -98,9 +102,9 @@ def hf_weight_shapes(d: Dims) -> Shapes:
     out: Shapes = {"model.embed_tokens.weight": (v, h)}
     for i in range(d.n_layers):
         p = f"model.layers.{i}."
-        out.update({f"{p}input_layernorm.weight": (h,), f"{p}self_attn.q_proj.weight": (d.n_heads * d.head_dim, h),
+        out.update({f"{p}input_layernorm.weight": (h,), f"{p}self_attn.q_proj.weight": (d.q_dim, h),
                     f"{p}self_attn.k_proj.weight": (d.kv_dim, h), f"{p}self_attn.v_proj.weight": (d.kv_dim, h),
-                    f"{p}self_attn.o_proj.weight": (h, h), f"{p}post_attention_layernorm.weight": (h,),
+                    f"{p}self_attn.o_proj.weight": (h, d.q_dim), f"{p}post_attention_layernorm.weight": (h,),
                     f"{p}mlp.gate_proj.weight": (f, h), f"{p}mlp.up_proj.weight": (f, h),
                     f"{p}mlp.down_proj.weight": (h, f)})
     out.update({"model.norm.weight": (h,), "lm_head.weight": (v, h)})

@@ -11,6 +11,7 @@ Llama 3 8B/70B/405B).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
 
 from hpctrain.models import registry
@@ -53,7 +54,7 @@ def arch_of(model: ModelConfig) -> str:
 
 def kv_dim_of(model: ModelConfig) -> int:
     """Width of the K and V projections: key/value heads x head_dim (d_model without grouped-query attention)."""
-    return kv_heads_of(model) * (model.d_model // model.n_heads)
+    return Dims.of(model).kv_dim
 
 
 def tied_of(model: ModelConfig) -> bool:
@@ -84,11 +85,17 @@ def param_count(
 
 
 def model_param_count(model: ModelConfig, context: int | None = None) -> int:
-    """A config's own parameter count, for its arch, with the tokenizer's vocabulary (what papers publish).
+    """A config's own parameter count, for its family, with the tokenizer's vocabulary (what papers publish).
 
-    context: GPT's position-table rows (model.context when None); Llama has no position table."""
-    return param_count(model.n_layers, model.d_model, model.vocab_size, context or model.context,
-                       ffn_hidden_of(model), arch_of(model), kv_dim_of(model))
+    context: GPT's position-table rows (model.context when None); RoPE families have no position table."""
+    return dims_param_count(registry.family_of(model).name, replace(Dims.of(model), context=context or model.context))
+
+
+def dims_param_count(arch: str, dims: Dims, embedding_rows: int | None = None) -> int:
+    """Parameters of family `arch` at `dims`, the embedding with `embedding_rows` (the vocabulary when None)."""
+    family = registry.get(arch)
+    top = family.top_shapes(dims, embedding_rows or dims.vocab_size)
+    return dims.n_layers * _numel(family.block_shapes(dims)) + _numel(top)
 
 
 # ---------------------------------------------------------------- where the parameters live
@@ -151,11 +158,11 @@ def stage_param_counts(model: ModelConfig, n_stages: int, tp: int = 1, per_gpu: 
     per_gpu: what one TP rank holds (the family's `tp_dims` split, the rest replicated); otherwise the whole
     stage."""
     rows = padded_vocab(model.vocab_size, model.vocab_pad_multiple, tp)
-    split, arch = (tp if per_gpu else 1), arch_of(model)
-    shapes = block_shapes(model.d_model, ffn_hidden_of(model), arch, kv_dim_of(model))
-    block = sum(tp_local_numel(name, shape, split, arch) for name, shape in shapes.items())
+    split, family, dims = (tp if per_gpu else 1), registry.family_of(model), Dims.of(model)
+    arch = family.name
+    block = sum(tp_local_numel(name, shape, split, arch) for name, shape in family.block_shapes(dims).items())
     top: dict[str, int] = {}
-    for name, shape in top_shapes(model.d_model, rows, model.context, arch).items():
+    for name, shape in family.top_shapes(dims, rows).items():
         module = name.split(".")[0]
         top[module] = top.get(module, 0) + tp_local_numel(name, shape, split, arch)
     counts = []
@@ -165,11 +172,12 @@ def stage_param_counts(model: ModelConfig, n_stages: int, tp: int = 1, per_gpu: 
     return counts
 
 
-def model_flops_per_token(n_params: int, n_layers: int, seq_len: int, d_model: int) -> float:
+def model_flops_per_token(n_params: int, n_layers: int, seq_len: int, q_dim: int) -> float:
     """MFU's numerator per token: 6 N + 12 l s h (Chowdhery et al. 2022, PaLM, appendix B).
 
     No recomputation is counted, and the attention term counts the full s x s score matrix, as Megatron's
     formula does; N is the model's own parameter count (vocabulary padding is not useful work). The same for
     every family: 6 N already counts a gated MLP's matrices and the narrower K/V projections of grouped-query
-    attention, and the score and context matmuls still run over all n_heads x head_dim = h columns."""
-    return 6 * n_params + 12 * n_layers * seq_len * d_model
+    attention, and the score and context matmuls run over all n_heads x head_dim = q_dim columns (h, unless the
+    family sets the head width apart: Qwen3)."""
+    return 6 * n_params + 12 * n_layers * seq_len * q_dim

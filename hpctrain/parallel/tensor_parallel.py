@@ -44,11 +44,15 @@ if TYPE_CHECKING:
 def block_plan(sequence_parallel: bool, family: str = "gpt") -> dict[str, Any]:
     """The TP plan of one transformer block of model family `family` (submodule name -> style), from the family's
     `tp_dims`: a weight split along dim 0 is column-parallel, along dim 1 row-parallel (its output reduced, or
-    reduce-scattered along the sequence under SP)."""
+    reduce-scattered along the sequence under SP). A per-head norm (`tp_head_norms`) keeps its weight whole on
+    every rank while its input holds this rank's heads (dim 2 of [B, T, heads, head_dim]): as a replicated DTensor
+    its gradient, a partial sum over the local heads, is all-reduced over TP (torchtitan's Qwen3 does the same)."""
     out = Shard(1) if sequence_parallel else Replicate()
     styles = {0: ColwiseParallel, 1: lambda: RowwiseParallel(output_layouts=out)}
+    spec = registry.get(family)
     plan: dict[str, Any] = {name.removesuffix(".weight"): styles[dim]()
-                            for name, dim in registry.get(family).block_tp_dims().items() if name.endswith(".weight")}
+                            for name, dim in spec.block_tp_dims().items() if name.endswith(".weight")}
+    plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in spec.tp_head_norms})
     if sequence_parallel:
         plan.update({
             "norm1": SequenceParallel(),

@@ -90,15 +90,18 @@ def _selective_bytes(sbh: float, t: int, sp: bool, qkv: float, fc_out: float, in
     return sbh * stored
 
 
+HEAD_NORM_BYTES = 6  # measured, tests/plan/test_plan_llama.py: RMSNorm's fp32 input copy (4) + normalised (2)
+
+
 def activation_bytes_per_layer(
     seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: str = "none", ffn_hidden: int | None = None, *, flash_attention: bool = True,
     dropout: bool = False, sp_keeps_gathered: bool = True, fp32_residual: bool = False,
-    arch: str = "gpt", n_kv_heads: int | None = None,
+    arch: str = "gpt", n_kv_heads: int | None = None, head_dim: int | None = None,
 ) -> float:
     """Bytes the block of model family `arch` saves for backward per micro-batch (16-bit activations; its
     `BlockActivations`); see the module docstring. n_kv_heads: key/value heads (grouped-query attention), n_heads
-    when None.
+    when None; head_dim: each head's width, d_model / n_heads when None.
 
     flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula.
     """
@@ -107,8 +110,9 @@ def activation_bytes_per_layer(
     sbh, shard = s * b * h, (t if sequence_parallel else 1)
     norm_bytes = 4 if fp32_residual else 2
     block = registry.get(arch).activations
-    kv = (n_kv_heads or a) / a  # k / h
-    qkv_out = 2 + 4 * kv  # the fused QKV output (Q, K, V as views of it: 6 without grouped-query attention)
+    hd = head_dim or h / a
+    q, kv = a * hd / h, (n_kv_heads or a) * hd / h  # the widths of Q and of K (and V), over h
+    qkv_out = 2 * q + 4 * kv  # the fused QKV output (Q, K, V as views of it: 6 without grouped-query attention)
     fc_out = (4 if block.gated_mlp else 2) * f / h  # the MLP-in output: gate and up fused, or GELU's input
     if recompute == "full":
         return norm_bytes * sbh / shard
@@ -119,9 +123,11 @@ def activation_bytes_per_layer(
     norm = 4 + norm_bytes if block.norm_fp32_copy else norm_bytes  # RMSNorm: fp32 input copy + normalised
     by_sp = 2 * norm + (2 if dropout else 0)  # the two norms, residual dropout masks
     gathered = 4  # QKV and MLP-in inputs: replicated over TP; DTensor SP saves them gathered
-    rope = 2 + 2 * kv if block.rope else 0  # the rotated Q and K SDPA saves (V stays a view of the QKV output)
+    rope = 2 * (q + kv) if block.rope else 0  # the rotated Q and K SDPA saves (V stays a view of the QKV output)
+    # per-head norms: HEAD_NORM_BYTES per element of Q and K, and an fp32 1/rms per head and token
+    heads = (HEAD_NORM_BYTES * (q + kv) + 4 * (a + (n_kv_heads or a)) / h) if block.head_norms else 0
     mlp = fc_out + (4 if block.gated_mlp else 2) * f / h  # + silu's output and the down projection's input
-    split = qkv_out + rope + 2 + mlp  # + the attention output (the projection's input)
+    split = qkv_out + rope + heads + 2 * q + mlp  # + the attention output (the projection's input)
     if flash_attention:
         split += 4 * a / h  # fp32 log-sum-exp per head and token
     else:

@@ -39,7 +39,8 @@ def model_shape(m: ModelConfig, seq_len: int) -> ModelShape:
     family = registry.family_of(m)
     return ModelShape(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=seq_len,
                       vocab_size=m.vocab_size, ffn_hidden=ffn_hidden_of(m), vocab_pad_multiple=m.vocab_pad_multiple,
-                      dropout=m.dropout, arch=family.name, n_kv_heads=kv_heads_of(m) if family.grouped_query else 0)
+                      dropout=m.dropout, arch=family.name, n_kv_heads=kv_heads_of(m) if family.grouped_query else 0,
+                      head_dim=m.head_dim)
 
 
 def cluster_hardware(cluster: ClusterConfig) -> Hardware:

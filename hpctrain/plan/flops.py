@@ -1,4 +1,4 @@
-"""FLOPs of a GPT or Llama training iteration, and MFU.
+"""FLOPs of a training iteration of any model family, and MFU.
 
 Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", sec. 5.1 / appendix) count only matrix multiplications. One layer's forward pass on a
@@ -53,23 +53,27 @@ def linear_forward_flops(tokens: float, d_model: int, ffn_hidden: int | None = N
     return 2 * tokens * (h * (h + 2 * k) + h * h + (3 if gated else 2) * h * f)
 
 
-def attention_core_flops(tokens: float, seq_len: int, d_model: int) -> float:
-    """The part of a layer's forward that selective recomputation reruns (Q K^T, softmax x V)."""
-    return 4 * tokens * seq_len * d_model
+def attention_core_flops(tokens: float, seq_len: int, q_dim: int) -> float:
+    """The part of a layer's forward that selective recomputation reruns (Q K^T, softmax x V); q_dim = n_heads x
+    head_dim (d_model unless the head width is set apart)."""
+    return 4 * tokens * seq_len * q_dim
 
 
 def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full", tp: int = 1) -> float:
     """Hardware FLOPs of one training iteration (all GPUs together), Narayanan 2021 eq. (3) generalised.
 
-    The logit layer multiplies by the embedding as built: its rows padded for TP (ModelShape.vocab_rows).
+    The logit layer multiplies by the embedding as built: its rows padded for TP (ModelShape.vocab_rows). The
+    Linear layers are the family's block matrices (ModelShape.block_matmul_params: `linear_forward_flops` for GPT
+    and Llama), the attention core is over the query width n_heads x head_dim.
     """
     tokens = global_batch * model.seq_len
-    layer_fwd = layer_forward_flops(tokens, model.seq_len, model.d_model, model.ffn, model.kv_dim, model.gated)
+    core = attention_core_flops(tokens, model.seq_len, model.q_dim)
+    layer_fwd = 2 * tokens * model.block_matmul_params + core  # layer_forward_flops for the family's block
     logits_fwd = 2 * tokens * model.d_model * model.vocab_rows(tp)
     if recompute == "none":
         layer_passes = 3.0 * layer_fwd
     elif recompute == "selective":
-        layer_passes = 3.0 * layer_fwd + attention_core_flops(tokens, model.seq_len, model.d_model)
+        layer_passes = 3.0 * layer_fwd + core
     elif recompute == "full":
         layer_passes = 4.0 * layer_fwd
     else:
@@ -85,8 +89,7 @@ def fp8_flops_per_iteration(model: ModelShape, global_batch: int, recompute: str
     core only, which stays in bf16."""
     if fp8 == "none":
         return 0.0
-    tokens = global_batch * model.seq_len
-    linear_fwd = linear_forward_flops(tokens, model.d_model, model.ffn, model.kv_dim, model.gated)
+    linear_fwd = 2 * global_batch * model.seq_len * model.block_matmul_params
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"unknown recompute {recompute!r}")
     return model.n_layers * (4.0 if recompute == "full" else 3.0) * linear_fwd
@@ -111,8 +114,8 @@ def narayanan_flops(batch: int, seq_len: int, n_layers: int, d_model: int, vocab
 
 
 def model_flops_per_token(model: ModelShape) -> float:
-    """MFU's numerator per token (hpctrain.models.params: 6 N + 12 l s h), N = ModelShape.params."""
-    return params.model_flops_per_token(model.params, model.n_layers, model.seq_len, model.d_model)
+    """MFU's numerator per token (hpctrain.models.params: 6 N + 12 l s h, h the query width), N = ModelShape.params."""
+    return params.model_flops_per_token(model.params, model.n_layers, model.seq_len, model.q_dim)
 
 
 def mfu(tokens_per_s: float, model: ModelShape, n_gpus: int, peak_flops: float) -> float:

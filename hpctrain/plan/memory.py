@@ -114,7 +114,8 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | N
     return scale * activation_bytes_per_layer(
         model.seq_len, layout.micro_batch, model.d_model, model.n_heads, layout.tp, layout.sequence_parallel,
         recompute or layout.recompute, model.ffn, dropout=model.dropout > 0,
-        fp32_residual=autocast_forward(layout), arch=model.arch, n_kv_heads=model.kv_heads)
+        fp32_residual=autocast_forward(layout), arch=model.arch, n_kv_heads=model.kv_heads,
+        head_dim=model.dims.head_dim)
 
 
 def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:

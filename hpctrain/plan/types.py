@@ -6,12 +6,13 @@ them in well under a second. Validation happens here once, so the math modules c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from hpctrain.config.layout import DTYPES, RECOMPUTE, Layout, dtype_bytes  # noqa: F401 (the planner's types)
 from hpctrain.models import registry
-from hpctrain.models.family import Family
-from hpctrain.models.params import block_shapes, ffn_hidden_size, padded_vocab, param_count, top_shapes
+from hpctrain.models.family import Dims, Family
+from hpctrain.models.params import dims_param_count, ffn_hidden_size, padded_vocab
 
 
 from hpctrain.hardware import GB, GiB, KNOWN_HARDWARE, Hardware, hardware  # noqa: F401 (the planner's types)
@@ -35,12 +36,13 @@ class ModelShape:
     dropout: float = 0.0  # > 0: dropout masks are stored for backward (memory.py)
     arch: str = "gpt"
     n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: n_heads
+    head_dim: int = 0  # each head's width; 0: d_model / n_heads
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelShape.{name} must be >= 1")
-        if self.d_model % self.n_heads:
+        if not self.head_dim and self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelShape.dropout must be in [0, 1), got {self.dropout}")
@@ -68,9 +70,25 @@ class ModelShape:
         return self.n_kv_heads or self.n_heads
 
     @property
+    def dims(self) -> Dims:
+        """The numbers the family's shape formulas read (its embedding: the tokenizer's vocabulary)."""
+        return Dims(self.n_layers, self.d_model, self.n_heads, self.kv_heads, self.ffn, self.vocab_size,
+                    self.seq_len, self.head_dim)
+
+    @property
+    def q_dim(self) -> int:
+        """Width of Q and of the attention's output: n_heads x head_dim (d_model unless head_dim is set apart)."""
+        return self.dims.q_dim
+
+    @property
     def kv_dim(self) -> int:
         """Width of K and V: kv_heads x head_dim (d_model without grouped-query attention)."""
-        return self.kv_heads * (self.d_model // self.n_heads)
+        return self.dims.kv_dim
+
+    @property
+    def block_matmul_params(self) -> int:
+        """The block's matrix elements (2-D weights): what its Linear layers multiply each token by."""
+        return sum(math.prod(shape) for shape in self.block_shapes().values() if len(shape) == 2)
 
     @property
     def gated(self) -> bool:
@@ -79,20 +97,19 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        """The model's own parameter count, with the tokenizer's vocabulary (hpctrain.models.params.param_count).
+        """The model's own parameter count, with the tokenizer's vocabulary (the family's shapes summed).
 
         Padding rows are left out (see `padding_params`): this is the count papers publish (GPT-3 175B).
         """
-        return param_count(self.n_layers, self.d_model, self.vocab_size, self.seq_len, self.ffn, self.arch,
-                           self.kv_dim)
+        return dims_param_count(self.arch, self.dims)
 
     def block_shapes(self) -> dict[str, tuple[int, ...]]:
-        """One block's parameters and shapes, as the arch builds them (hpctrain.models.params.block_shapes)."""
-        return block_shapes(self.d_model, self.ffn, self.arch, self.kv_dim)
+        """One block's parameters and shapes, as the family builds them."""
+        return self.family.block_shapes(self.dims)
 
     def top_shapes(self, tp: int = 1) -> dict[str, tuple[int, ...]]:
         """The parameters outside the blocks, the embedding (and an untied head) padded for `tp`."""
-        return top_shapes(self.d_model, self.vocab_rows(tp), self.seq_len, self.arch)
+        return self.family.top_shapes(self.dims, self.vocab_rows(tp))
 
     def vocab_rows(self, tp: int = 1) -> int:
         """Rows of the embedding (and columns of the logits) as built: the vocabulary padded for TP

@@ -5,7 +5,8 @@ match for the resume to continue the same training exactly (else it is refused u
 holds `Fingerprint.to_dict()`. Manifests written before the fields had names hold the model and the data as
 positional lists; `from_dict` still reads those, and only there is a position meaningful. Manifests written
 before the model had an architecture lack `arch`, `n_kv_heads` and `ffn_hidden`: they were GPT runs, and read
-as such (multi-head attention, an MLP of ffn_mult x d_model), equal to today's fingerprint of the same run.
+as such (multi-head attention, an MLP of ffn_mult x d_model), equal to today's fingerprint of the same run; those
+before `head_dim` had heads of d_model / n_heads.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ if TYPE_CHECKING:
 class ModelShape:
     """What decides the shape of every weight (the vocabulary is the tokenizer's, before padding).
 
-    n_kv_heads and ffn_hidden are stored resolved (0 in a config means n_heads, ffn_mult x d_model), so the same
-    weights give the same fingerprint however the config spells them, and a GPT run's equals its older one's."""
+    n_kv_heads, ffn_hidden and head_dim are stored resolved (0 in a config means n_heads, ffn_mult x d_model,
+    d_model / n_heads), so the same weights give the same fingerprint however the config spells them, and a GPT
+    run's equals its older one's."""
 
     n_layers: int
     d_model: int
@@ -35,11 +37,13 @@ class ModelShape:
     arch: str = "gpt"
     n_kv_heads: int = 0
     ffn_hidden: int = 0
+    head_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arch", str(getattr(self.arch, "value", self.arch)))
         object.__setattr__(self, "n_kv_heads", int(self.n_kv_heads) or self.n_heads)
         object.__setattr__(self, "ffn_hidden", int(self.ffn_hidden) or self.ffn_mult * self.d_model)
+        object.__setattr__(self, "head_dim", int(self.head_dim) or self.d_model // self.n_heads)
 
     @classmethod
     def from_value(cls, value: dict[str, Any] | list[int]) -> "ModelShape":
@@ -90,7 +94,7 @@ def fingerprint_of(model: "ModelConfig", train: "TrainConfig", data: "DataConfig
     family = registry.family_of(model)
     kv_heads = model.n_kv_heads if family.grouped_query else 0  # no key/value groups: as many as query heads
     shape = ModelShape(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.context,
-                       model.ffn_mult, family.name, kv_heads, model.ffn_hidden)
+                       model.ffn_mult, family.name, kv_heads, model.ffn_hidden, model.head_dim)
     source = {"text_bytes": data.max_bytes, "indexed": data.blend}.get(kind, data.path)
     if data.valid_fraction:  # the held-out part is not trained on: another split is other training data
         source = f"{source} valid_fraction={data.valid_fraction:g}"

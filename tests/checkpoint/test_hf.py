@@ -32,6 +32,8 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "checkpoint.py"
 VOCAB = ["model.vocab_size=300"]  # not a multiple of 64: the padding rows are dropped on export, added on import
 LLAMA = ["model=llama_tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
          "model.ffn_hidden=96"]  # grouped-query attention: 2 query heads per key/value head
+QWEN3 = ["model=qwen3_tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+         "model.head_dim=32", "model.ffn_hidden=96"]  # per-head q/k norms, heads 2 x wider than d_model / n_heads
 ROPE_SCALED = ["model.rope.scaling_factor=8", "model.rope.original_context=64"]  # Llama 3's, felt within 32 tokens
 TOLERANCE = 1e-4  # relative logits difference, fp32
 SMALL_SHARDS = 200_000  # bytes: the tiny models' weights (~0.5 MB) go into several files with an index
@@ -151,6 +153,20 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(compose_cfg, tm
         assert plain > 10 * TOLERANCE
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["1-process", "tp2"])
+def test_qwen3_export_loads_in_transformers_with_the_same_logits(compose_cfg, tmp_path: Path, case: str) -> None:
+    """Qwen3ForCausalLM from a run trained with TP 2: each rank held one key/value group with its 2 query heads
+    of 32 (Q 128 wide in a 64-wide model), and the per-head norms whole."""
+    cfg, run_dir = trained_run(compose_cfg, tmp_path, 2 if case == "tp2" else 1, *QWEN3,
+                               *(["parallel.tp=2"] if case == "tp2" else []))
+    out = tmp_path / "hf"
+    export_hf(find(run_dir), run_model_config(run_dir), out)
+    hf = json.loads((out / "config.json").read_text())
+    assert (hf["model_type"], hf["architectures"], hf["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 32)
+    exported_logits_match(cfg, run_dir, out, f"qwen3 {case}")
+
+
 # ---------------------------------------------------------------- model.init_from
 
 
@@ -218,11 +234,12 @@ def test_llama_export_import_export_round_trip(compose_cfg, tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("arch", ["gpt2", "llama-tied"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama-tied", "qwen3-tied"])
 def test_a_model_saved_by_transformers_starts_a_run_with_its_logits(compose_cfg, tmp_path: Path, arch: str) -> None:
-    """save_pretrained's own files (a Llama with its head tied to the embedding, as Llama 3.2 1B): a pp2 run
-    starts from them and its model computes transformers' logits."""
-    overrides = [*VOCAB, "parallel.pp=2", *(LLAMA if arch.startswith("llama") else [])]
+    """save_pretrained's own files (a Llama with its head tied to the embedding, as Llama 3.2 1B; a Qwen3 tied as
+    Qwen3-0.6B to 4B are): a pp2 run starts from them and its model computes transformers' logits."""
+    family = {"llama": LLAMA, "qwen3": QWEN3}.get(arch.split("-")[0], [])
+    overrides = [*VOCAB, "parallel.pp=2", *family]
     m = loop.load_config(config(compose_cfg, tmp_path, 2, *overrides)).model
     fields = {k: v for k, v in hf_config(m).items() if k != "torch_dtype"}
     hf_cfg = transformers.AutoConfig.for_model(**{**fields, "tie_word_embeddings": fields["tie_word_embeddings"]

@@ -19,6 +19,8 @@ EVAL_AFTER = (1,)  # steps (0-based) after which the engine evaluates, besides t
 # A tiny Llama of the same size: grouped-query attention (2 key/value heads for 4 query heads), SwiGLU
 # (hidden 176 = 2.75 d), RoPE with Llama 3's base.
 LLAMA = {"model__arch": "llama", "model__n_kv_heads": 2, "model__ffn_hidden": 176, "model__rope__theta": 500000.0}
+# A tiny Qwen3: the Llama above with per-head query/key norms and heads of 32 (4 x 32 = 128 wide in a 64-wide model).
+QWEN3 = {**LLAMA, "model__arch": "qwen3", "model__head_dim": 32}
 
 
 def make_cfg(world: int, **overrides: Any) -> Any:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.distributed_harness import run_distributed
-from tests.parallel.layouts import LLAMA, make_cfg, model_classes, reference, run_engine
+from tests.parallel.layouts import LLAMA, QWEN3, make_cfg, model_classes, reference, run_engine
 
 pytestmark = pytest.mark.usefixtures("gpu_rules")  # each rank fails where a GPU run would (tests/gpu_rules.py)
 
@@ -79,6 +79,11 @@ LLAMA_LAYOUTS = ["single", "dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero3_
                  "recompute_full_dp2", "recompute_selective_tp2_sp"]
 LAYOUTS.update({f"llama_{name}": (LAYOUTS[name][0], {**LLAMA, **LAYOUTS[name][1]}, LAYOUTS[name][2])
                 for name in LLAMA_LAYOUTS})
+# Qwen3: heads wider than d_model / n_heads split over TP (QKV and the projection's input are 2 x 128 wide), the
+# per-head norms replicated, under SP and in a pipeline.
+QWEN3_LAYOUTS = ["single", "tp2_sp", "zero3_dp2", "tp2xpp2"]
+LAYOUTS.update({f"qwen3_{name}": (LAYOUTS[name][0], {**QWEN3, **LAYOUTS[name][1]}, LAYOUTS[name][2])
+                for name in QWEN3_LAYOUTS})
 
 _REFERENCES: dict[tuple, dict] = {}
 

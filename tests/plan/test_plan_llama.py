@@ -149,28 +149,14 @@ def test_llama_block_activations() -> None:
 def test_llama_block_saves_what_the_formula_counts(compose_cfg) -> None:
     """The tensors autograd saves for hpctrain.models.llama's Block in bf16 on CPU (storages counted once,
     parameters left out): the formula, plus RoPE's cos/sin tables and RMSNorm's per-token fp32 1/rms."""
-    import torch
-
-    from hpctrain.models import create_model
+    from tests.plan.saved import block_saved_bytes
 
     d, a, g, f, s, b = 256, 8, 2, 704, 512, 2
     cfg = compose_cfg("model=llama_tiny", f"model.d_model={d}", f"model.n_heads={a}", f"model.n_kv_heads={g}",
                       f"model.ffn_hidden={f}", "model.n_layers=1")
-    block = create_model(cfg.model).to(torch.bfloat16).layers["0"]
-    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in weights:
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    x = torch.randn(b, s, d, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
     rope_tables, inv_rms = 2 * s * (d // a) * 2, 2 * b * s * 4  # one cached bf16 cos/sin pair for q and k
     formula = activation_bytes_per_layer(s, b, d, a, ffn_hidden=f, arch="llama", n_kv_heads=g)
-    assert sum(saved.values()) == formula + rope_tables + inv_rms
+    assert block_saved_bytes(cfg.model, b, s) == formula + rope_tables + inv_rms
 
 
 def test_llama_weights_per_tp_rank() -> None:
