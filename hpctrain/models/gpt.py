@@ -163,7 +163,7 @@ def init_by_name(model: nn.Module, seed: int | None, std: float, n_layers: int, 
     resid_std = std / math.sqrt(2 * n_layers)
     base = 0 if seed is None else seed
     for name, p in model.named_parameters():
-        gen = torch.Generator().manual_seed(_stable_hash(f"{base}:{name}"))
+        gen = torch.Generator().manual_seed(stable_hash(f"{base}:{name}"))
         if name.endswith("bias"):
             value = torch.zeros(p.shape)
         elif ".norm" in name or name.startswith("norm"):
@@ -173,10 +173,10 @@ def init_by_name(model: nn.Module, seed: int | None, std: float, n_layers: int, 
             value = torch.randn(p.shape, generator=gen) * scale
             if name in ("tok_emb.weight", "output.weight"):
                 value[vocab_size:] = 0.0
-        _assign(p, value)
+        assign_param(p, value)
 
 
-def _stable_hash(text: str) -> int:
+def stable_hash(text: str) -> int:
     """Deterministic across processes (Python's hash() is salted per process)."""
     h = 1469598103934665603
     for byte in text.encode():
@@ -184,7 +184,7 @@ def _stable_hash(text: str) -> int:
     return h
 
 
-def _assign(p: torch.Tensor, full_value: torch.Tensor) -> None:
+def assign_param(p: torch.Tensor, full_value: torch.Tensor) -> None:
     """Copy a full-size value into a parameter that may be a DTensor shard."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.models.gpt import _assign, _stable_hash
+from hpctrain.models.gpt import assign_param, stable_hash
 
 GROUP_ROWS = 8  # grouped GEMM: each expert's rows padded to a multiple (16 bytes of bf16), at least one multiple
 
@@ -252,8 +252,8 @@ class MoE(nn.Module):
         resid_std = std / math.sqrt(2 * n_layers)
         base = 0 if seed is None else seed
         for name, p in self.named_parameters():
-            gen = torch.Generator().manual_seed(_stable_hash(f"{base}:{prefix}{name}"))
+            gen = torch.Generator().manual_seed(stable_hash(f"{base}:{prefix}{name}"))
             scale = resid_std if name in ("w_down", "shared.proj.weight") else std
-            _assign(p, torch.randn(p.shape, generator=gen) * scale)
+            assign_param(p, torch.randn(p.shape, generator=gen) * scale)
         if self.expert_bias is not None:
-            _assign(self.expert_bias, torch.zeros(self.expert_bias.shape))
+            assign_param(self.expert_bias, torch.zeros(self.expert_bias.shape))
