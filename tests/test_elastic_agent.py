@@ -4,6 +4,7 @@ tests/slurm), and the check that stops a restart loop inside the allocation."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -349,3 +350,59 @@ def test_an_agent_restarts_its_workers_when_a_peer_node_goes_silent_and_only_the
     assert told == [1]
     watch.stop()
     beats[0].stop()
+
+
+def test_an_agent_stopped_with_its_job_judges_no_heartbeat_until_the_others_could_beat(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`scontrol suspend` stops every agent; after `scontrol resume` the first to sync saw every beat 30 s old and
+    dropped every node from torch's rendezvous, itself included, and the job lost its workers (a CI run). The
+    hooked state holder notices its own syncs 30 s apart and judges no heartbeat for one window (3 s): the
+    nodes stay; a node still silent after it is dropped as before. Without the stop it judges at once."""
+    import datetime
+    import types
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    from hpctrain.distributed import elastic
+
+    monkeypatch.setattr(rdzv, "_BackendRendezvousStateHolder", rdzv._BackendRendezvousStateHolder)  # restored after
+    elastic._poll_rendezvous_every(0.05)
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(elastic, "time", types.SimpleNamespace(monotonic=lambda: clock["now"]))
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+    settings = rdzv.RendezvousSettings("suspend", 2, 2, rdzv.RendezvousTimeout(), datetime.timedelta(seconds=1), 3)
+
+    def holder_with_beats(age_s: float) -> Any:
+        holder = rdzv._BackendRendezvousStateHolder(C10dRendezvousBackend(server, f"run{age_s}"), settings, 0)
+        beat = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=age_s)
+        nodes = [rdzv._NodeDesc(f"n{i}", 100 + i, 0) for i in range(2)]
+        holder.state.participants.update({node: i for i, node in enumerate(nodes)})
+        holder.state.last_heartbeats.update({node: beat for node in nodes})
+        holder.state.complete = True
+        return holder
+
+    def sync_at(holder: Any, now: float) -> int:
+        clock["now"] = now
+        holder.mark_dirty()
+        holder.sync()
+        return len(holder.state.participants)
+
+    awake = holder_with_beats(30)
+    assert sync_at(awake, 1000.0) == 0  # syncing all along: 30 s old beats are dead nodes, dropped at once
+    stopped = holder_with_beats(0)
+    assert sync_at(stopped, 1000.0) == 2
+    stopped.state.last_heartbeats.update({n: v - datetime.timedelta(seconds=30)
+                                          for n, v in stopped.state.last_heartbeats.items()})
+    assert sync_at(stopped, 1030.5) == 2  # its own syncs 30.5 s apart: it was stopped too, it judges no one
+    assert sync_at(stopped, 1032.0) == 2  # still within the window the others have to beat again
+    assert sync_at(stopped, 1033.6) == 0  # no beat in that window either: dead, dropped
+
+
+def test_the_heartbeat_judge_waits_one_window_after_its_own_stop() -> None:
+    from hpctrain.distributed.elastic import HeartbeatJudge
+
+    judge = HeartbeatJudge(3.0)
+    assert [judge.may_judge(t) for t in (0.0, 1.0, 3.9)] == [True, True, True]  # 2.9 s apart: awake
+    assert [judge.may_judge(t) for t in (40.0, 41.0, 42.9, 43.1, 44.0)] == [False, False, False, True, True]

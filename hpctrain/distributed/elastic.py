@@ -314,9 +314,40 @@ def _poll_rendezvous_every(poll_s: float) -> None:
 
         def __init__(self, backend: Any, settings: Any, cache_duration: float = 1) -> None:
             super().__init__(backend, settings, cache_duration=min(cache_duration, poll_s))
+            self._judge = HeartbeatJudge(settings.keep_alive_interval.total_seconds()
+                                         * settings.keep_alive_max_attempt)
+
+        def _sanitize(self) -> None:
+            if self._judge.may_judge(time.monotonic()):
+                super()._sanitize()
+            else:
+                self._dead_nodes = []
 
     polled.__wrapped__ = delay  # type: ignore[attr-defined]
     rdzv._delay, rdzv._BackendRendezvousStateHolder = polled, FreshStateHolder
+
+
+class HeartbeatJudge:
+    """Whether this agent may call another dead for an old heartbeat. torch's rendezvous state holder drops every
+    node whose last beat is older than keep_alive_interval x max_attempt (3 s here) at each sync. `scontrol
+    suspend` stops every process of the job; at `scontrol resume` the first agent to run syncs before the others
+    have beaten again and drops them all, itself included (its own beat is as old): the rendezvous starts a new
+    round and every worker is stopped (seen in CI: SIGTERM 0.6 s after a 30 s suspension, the job lost). An
+    agent whose own syncs were further apart than that window was stopped itself, so it judges no one for one
+    more window, in which every live agent beats again; a node really dead is dropped a window later."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._last: float | None = None
+        self._quiet_until = 0.0
+
+    def may_judge(self, now: float) -> bool:
+        if self._last is not None and now - self._last > self.window_s:
+            log.warning("agent: its own rendezvous syncs were %.1f s apart (the job suspended?): no node is "
+                        "judged dead for its heartbeat for %.0f s", now - self._last, self.window_s)
+            self._quiet_until = now + self.window_s
+        self._last = now
+        return now >= self._quiet_until
 
 
 def _bound_rendezvous_store_calls(seconds: float) -> None:
