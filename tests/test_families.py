@@ -18,11 +18,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hpctrain"
 
 
 def _family_files() -> set[Path]:
-    """The registry, the Family class, each family's spec and torch module, and the HF recipe pieces they share."""
+    """The registry, the Family class, the HF recipe pieces they share, and each family's entry: the modules of its
+    spec, its torch module, its Hugging Face mapping and weight tables."""
     own = {"models/registry.py", "models/family.py", "models/hf_recipes.py"}
     for family in registry.FAMILIES.values():
-        own.add(f"models/{family.name}_spec.py")
-        own.add(family.builder.split(":")[0].removeprefix("hpctrain.").replace(".", "/") + ".py")
+        for module in (family.block_shapes.__module__, family.builder.split(":")[0], family.hf.fields.__module__,
+                       family.hf.recipes.split(":")[0]):
+            own.add(module.removeprefix("hpctrain.").replace(".", "/") + ".py")
     return {PACKAGE / name for name in own}
 
 
@@ -82,6 +84,8 @@ match kind:
 def _tiny(family: str, **over: object) -> ModelConfig:
     m = OmegaConf.structured(ModelConfig(name="tiny", arch=family, n_layers=2, d_model=64, n_heads=4, vocab_size=100,
                                          context=32, ffn_hidden=96))
+    if registry.get(family).moe:
+        m.moe.merge_with({"n_experts": 4, "top_k": 2, "expert_hidden": 32})
     for key, value in over.items():
         m[key] = value
     return m
@@ -107,7 +111,8 @@ def test_the_spec_names_every_parameter_of_the_torch_module(family: str) -> None
         assert "output.weight" not in want
     assert built == want
     assert model.family == family and model.tied_embeddings == spec.tied_embeddings
-    assert set(spec.tp_dims) <= {name.split(".", 2)[-1] if name.startswith("layers.") else name for name in built}
+    names = {name.split(".", 2)[-1] if name.startswith("layers.") else name for name in built}
+    assert set(spec.tp_dims) <= names and set(spec.ep_dims) <= names
     for module in spec.stage_modules:
         assert hasattr(model, module)
 

@@ -103,6 +103,7 @@ def _write(tensors: Mapping[str, torch.Tensor], read: Callable[[list[str]], Mapp
     table = recipes(m)
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in tensors.items()}
     layout = to_hf(meta, m)  # names and shapes checked against the config before anything is read
+    config = hf_config(m, next(iter(layout.values())).dtype)  # and what HF cannot represent, refused before too
     nbytes = {name: sum(layout[k].numel() * layout[k].element_size() for k in table[name].hf_names)
               for name in table}
     groups = _groups(nbytes, max_shard_bytes)
@@ -121,8 +122,7 @@ def _write(tensors: Mapping[str, torch.Tensor], read: Callable[[list[str]], Mapp
         index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
         (partial / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         files.append(INDEX)
-    dtype = next(iter(layout.values())).dtype
-    (partial / CONFIG).write_text(json.dumps(hf_config(m, dtype), indent=2) + "\n")
+    (partial / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     for file in files:  # save_file writes 0600: the weights get config.json's mode (0644 under the usual umask)
         like_a_normal_file(partial / file, partial / CONFIG)
     if out.exists():

@@ -8,6 +8,7 @@ every check, are hpctrain.plan.checks: config never imports the planner (pyproje
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -29,6 +30,7 @@ from hpctrain.config.schema import (
     DataConfig,
     DataKind,
     DType,
+    MoEConfig,
     TrainConfig,
     parse_blend,
     simulating,
@@ -36,7 +38,7 @@ from hpctrain.config.schema import (
 from hpctrain.hardware import KNOWN_HARDWARE
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of
 from hpctrain.models.family import Dims
-from hpctrain.models.registry import family_of
+from hpctrain.models.registry import FAMILIES, family_of
 
 
 
@@ -64,7 +66,8 @@ def _suggest(key: str) -> str:
     return f"remove it; the keys of {parent or 'the config'} are: {', '.join(known)}"
 
 
-def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
+def model_shape_checks(cfg: Config, r: CheckReport) -> None:
+    """The model's own rules, which need no layout (parallel=auto runs them before its search)."""
     m = cfg.model
     for key, value in {"model.n_layers": m.n_layers, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
                        "model.vocab_size": m.vocab_size, "model.context": m.context}.items():
@@ -86,13 +89,42 @@ def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
                                              "give a Hugging Face model directory readable from every node")
 
 
+def _experts(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """model.moe.* belongs to the Mixture-of-Experts families (their own rules, top_k within the experts and so on,
+    are the family's shape_problems; experts over parallel.ep are model_fit_problems'); an MoE model's routing
+    gives data-dependent shapes, which torch.compile is not set up for here."""
+    m = cfg.model
+    family = family_of(m)
+    if not family.moe:
+        moe_families = ", ".join(f.name for f in FAMILIES.values() if f.moe)
+        for f in dataclasses.fields(MoEConfig):
+            value = getattr(m.moe, f.name)
+            if value != f.default:
+                r.error(f"model.moe.{f.name}", f"set to {value!r}, but model.arch={family.name} is a dense model: "
+                        "model.moe configures a Mixture-of-Experts feed-forward, which its blocks do not have",
+                        f"remove model.moe.{f.name}, or use an MoE family (model.arch={moe_families}; e.g. "
+                        "model=mixtral_8x7b, model=qwen3_30b_a3b)")
+        return
+    if cfg.parallel.compile:
+        r.error("parallel.compile", f"model.arch={family.name} routes tokens to experts: the rows each expert "
+                "gets (and, with expert parallelism, the all-to-all's split sizes) change every step, "
+                "data-dependent shapes that hpctrain's torch.compile setup does not support yet",
+                "set parallel.compile=false")
+
+
+def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """model_shape_checks as one of CHECKS."""
+    model_shape_checks(cfg, r)
+
+
 def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """The layout against the model's shape (config.layout.model_fit_problems: the search obeys the same)."""
     m = cfg.model
     if cfg.parallel.sequence_parallel and lay.tp == 1:
         r.warn("parallel.sequence_parallel", "ignored with tp=1: sequence parallelism shards along the TP group",
                "set parallel.sequence_parallel=false, or parallel.tp>1 to use it")
-    for key, message, fix in model_fit_problems(lay, m.n_layers, m.n_heads, kv_heads_of(m), ffn_hidden_of(m)):
+    for key, message, fix in model_fit_problems(lay, m.n_layers, m.n_heads, kv_heads_of(m), ffn_hidden_of(m),
+                                                m.moe.n_experts):
         r.error(key, message, fix)
 
 
@@ -472,12 +504,16 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if lay.offload_device == "nvme" and (lay.offload_optimizer or lay.offload_params):
         r.error("dry_run", "simulate cannot run Adam's moments on NVMe: fake tensors have no bytes to write",
                 "simulate with zero.offload_optimizer_device=cpu (the GPU side is the same), or use dry_run=true")
+    if family_of(cfg.model).moe:
+        r.error("dry_run", f"simulate does not build Mixture-of-Experts layers yet (model.arch={family_of(cfg.model).name}): "
+                "fake tensors cannot give expert parallelism's all-to-all its split sizes",
+                "use dry_run=true: the planner models the experts, their all-to-all and an assumed imbalance")
     if cfg.parallel.compile:
         r.error("dry_run", "simulate runs the model eagerly: torch.compile on fake tensors is not simulated",
                 "add parallel.compile=false to the simulation (compilation changes kernels, not what is stored)")
 
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _dry_run, _finite_numbers, _model_shape, _tensor_parallel, _pipeline, _zero, _precision, _fp8, _optim,
+    _dry_run, _finite_numbers, _model_shape, _experts, _tensor_parallel, _pipeline, _zero, _precision, _fp8, _optim,
     _train_and_data, _run_paths, *cluster_checks, _checkpoint,
 ]

@@ -35,7 +35,7 @@ from hpctrain.config.schema import Config, DataConfig, DataKind, Executor, parse
 from hpctrain.models.hf_fields import HFMismatch
 from hpctrain.models.hf_fields import config_mismatches as hf_mismatches
 from hpctrain.models.hf_fields import hf_weight_shapes
-from hpctrain.models.registry import family_of, for_hf
+from hpctrain.models.registry import FAMILIES, family_of, for_hf
 
 # ---------------------------------------------------------------- sizes for people
 
@@ -382,7 +382,8 @@ def _init_from(cfg: Config, r: CheckReport) -> None:
     try:
         differ = hf_mismatches(m, hf)
     except HFMismatch as exc:
-        r.error(key, f"{config_file}: {exc}", "start from a GPT-2 or Llama model directory")
+        known = ", ".join(f.hf.class_name for f in FAMILIES.values())
+        r.error(key, f"{config_file}: {exc}", f"start from a model directory hpctrain represents ({known})")
         return
     except (KeyError, TypeError, ValueError) as exc:
         r.error(key, f"{config_file} lacks or mistypes a field of its model type ({type(exc).__name__}: {exc})",

@@ -57,6 +57,7 @@ class Layout:
     reduce_dtype: str | None = None
     gpus_per_node: int = 1  # what the job asks for per node (TP must fit in it)
     fp8: str = "none"  # precision.fp8: the torchao recipe of the blocks' Linears (the planner times them at FP8 peak)
+    ep: int = 1  # expert parallelism: MoE experts split over ep ranks of each FSDP shard group (dp_shard)
 
     def __post_init__(self) -> None:
         problems = layout_problems(self)
@@ -90,6 +91,12 @@ class Layout:
     zero_shard = dp_shard
 
     @property
+    def dp_shard_mod_ep(self) -> int:
+        """The ranks FSDP shards an expert's weights over: what an EP group leaves of the shard group
+        (torchtitan's dp_shard_mod_ep); dense weights are sharded over all dp_shard ranks."""
+        return self.dp_shard // self.ep
+
+    @property
     def compute_bytes(self) -> int:
         return dtype_bytes(self.dtype)
 
@@ -105,18 +112,20 @@ class Layout:
 
 
 def data_parallel_kind(layout: Layout) -> str:
-    """The wrapper hpctrain's engine uses: "none", "ddp", "fsdp" or "replicate" (engine.py, data_parallel.uses_fsdp)."""
+    """The wrapper hpctrain's engine uses: "none", "ddp", "fsdp" or "replicate" (engine.py, data_parallel.uses_fsdp:
+    DDP holds no DTensor parameter, TP's or EP's)."""
     if layout.dp == 1:
         return "none"
     if layout.zero_stage >= 1:
         return "fsdp"
-    return "replicate" if layout.tp > 1 or layout.pp > 1 else "ddp"
+    return "replicate" if layout.tp > 1 or layout.pp > 1 or layout.ep > 1 else "ddp"
 
 
 def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     """(parallel.* key, what is wrong, the fix) for every rule a layout breaks, checked in this one place."""
     out: list[tuple[str, str, str]] = []
-    for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "dp_replicate", "gpus_per_node"):
+    for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "dp_replicate", "gpus_per_node",
+                 "ep"):
         if getattr(lay, name) < 1:
             out.append((name, f"must be >= 1, got {getattr(lay, name)}", "set it to a positive integer"))
     if out:
@@ -139,6 +148,12 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     if lay.dp % lay.dp_replicate:
         out.append(("dp_replicate", f"dp={lay.dp} is not divisible by dp_replicate={lay.dp_replicate}",
                     f"use a dp_replicate that divides {lay.dp}"))
+    elif (lay.dp // lay.dp_replicate) % lay.ep:
+        shard = lay.dp // lay.dp_replicate
+        out.append(("ep", f"ep={lay.ep} does not divide the {shard} data-parallel ranks a ZeRO/FSDP shard group has "
+                    f"(dp / dp_replicate = {lay.dp} / {lay.dp_replicate}): an EP group is made of DP ranks that "
+                    "exchange tokens", f"use an ep that divides {shard}" + (
+                        ", or a smaller parallel.dp_replicate" if lay.dp_replicate > 1 else "")))
     if lay.offload_params and lay.zero_stage != 3:
         out.append(("offload_params", f"parameter offload needs ZeRO stage 3 (parameters sharded), got stage "
                     f"{lay.zero_stage}", "set zero.stage=3, or zero=stage3_offload"))
@@ -154,12 +169,19 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     return out
 
 
-def model_fit_problems(lay: Any, n_layers: int, n_heads: int, kv_heads: int, ffn_hidden: int
+def model_fit_problems(lay: Any, n_layers: int, n_heads: int, kv_heads: int, ffn_hidden: int, n_experts: int = 0
                        ) -> list[tuple[str, str, str]]:
-    """(config key, what is wrong, the fix) for every rule a layout (its tp, pp, virtual_stages,
+    """(config key, what is wrong, the fix) for every rule a layout (its tp, pp, virtual_stages, ep,
     gpus_per_node) breaks against a model's shape: the one owner of these rules, which the checks report and
     the layout search (so `parallel=auto`) obeys, so auto can never pick what the checks refuse."""
     out: list[tuple[str, str, str]] = []
+    ep = getattr(lay, "ep", 1)
+    if ep > 1 and not n_experts:
+        out.append(("parallel.ep", f"ep={ep} splits a Mixture-of-Experts layer's experts, but this model is dense "
+                    "(model.moe.n_experts=0)", "set parallel.ep=1, or pick an MoE model (model=mixtral_8x7b, ...)"))
+    elif n_experts % ep:
+        out.append(("parallel.ep", f"model.moe.n_experts={n_experts} is not divisible by ep={ep}: each EP rank "
+                    "must hold the same number of whole experts", f"use an ep that divides {n_experts}"))
     tp = lay.tp
     if n_heads % tp:
         out.append(("parallel.tp", f"model.n_heads={n_heads} is not divisible by tp={tp}: each TP rank must own "
@@ -202,7 +224,7 @@ def resolve_layout(cfg: Config) -> Layout:
         accumulate_unsharded=bool(cfg.zero.accumulate_unsharded),
         schedule=p.schedule, dtype=_value(cfg.precision.dtype),
         dp_replicate=p.dp_replicate, reduce_dtype=_value(cfg.precision.reduce_dtype), gpus_per_node=c.gpus_per_node,
-        fp8=str(cfg.precision.fp8))
+        fp8=str(cfg.precision.fp8), ep=p.ep)
     broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
     if broken:
         raise ConfigError([Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix)
@@ -226,6 +248,7 @@ def _require_positive(cfg: Config) -> None:
         "cluster.gpus_per_node": c.gpus_per_node,
         "parallel.tp": p.tp,
         "parallel.pp": p.pp,
+        "parallel.ep": p.ep,
         "parallel.dp_replicate": p.dp_replicate,
         "parallel.virtual_stages": p.virtual_stages,
         "train.micro_batch": t.micro_batch,

@@ -71,6 +71,26 @@ class RopeConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts feed-forward (hpctrain.models.moe): every block's MLP becomes n_experts SwiGLU experts
+    and a router; 0 experts is a dense model. Only the MoE families read it (model.arch=mixtral, qwen3_moe)."""
+
+    n_experts: int = 0  # routed experts per layer (0: dense)
+    top_k: int = 2  # experts each token goes through
+    expert_hidden: int = 0  # each expert's SwiGLU hidden size (0: model.ffn_hidden)
+    n_shared_experts: int = 0  # a SwiGLU of n_shared_experts x expert_hidden every token also goes through
+    router: str = "softmax"  # "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3, with the bias below)
+    norm_topk_prob: bool = True  # renormalise the top_k router weights to sum 1
+    n_groups: int = 1  # sigmoid router: expert groups, of which each token may use the best topk_groups
+    topk_groups: int = 1
+    route_scale: float = 1.0  # combine weights multiplied by it
+    capacity_factor: float = 0.0  # 0: dropless; else each expert keeps ceil(cf x tokens x top_k / n_experts)
+    balance_coef: float = 0.0  # load-balancing loss coefficient (HF router_aux_loss_coef: Mixtral 0.02, Qwen3 0.001)
+    z_loss_coef: float = 0.0  # router z-loss coefficient (ST-MoE: 0.001)
+    bias_update_rate: float = 1e-3  # sigmoid router: the auxiliary-loss-free bias's step per optimizer step
+
+
+@dataclass
 class ModelConfig:
     name: str = MISSING
     arch: ModelArch = ModelArch[DEFAULT_FAMILY]  # type: ignore[misc]
@@ -86,6 +106,7 @@ class ModelConfig:
     ffn_hidden: int = 0  # the MLP's hidden size (0: ffn_mult x d_model)
     norm_eps: float = 1e-5
     rope: RopeConfig = field(default_factory=RopeConfig)  # families with rotary positions
+    moe: MoEConfig = field(default_factory=MoEConfig)  # Mixture-of-Experts families
     dropout: float = 0.0
     init_std: float = 0.02
     init_from: Optional[str] = None  # a Hugging Face model directory to start from (continued pretraining)
@@ -97,6 +118,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # >1: HSDP, ZeRO shards within groups of dp/dp_replicate ranks
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the data-parallel ranks
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
     schedule: str = "1f1b"  # one of SCHEDULES
     # Pipeline microbatches per step. 0: equal to train.grad_accum (Megatron's convention).

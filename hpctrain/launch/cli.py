@@ -207,10 +207,15 @@ def _explicit_keys(overrides: list[str] | None) -> set[str]:
 
 def apply_auto(cfg: DictConfig) -> None:
     """`parallel=auto`: set the layout keys to the planner's fastest layout that fits (hpctrain.plan.auto)."""
+    from hpctrain.config.checks import model_shape_checks
     from hpctrain.plan.auto import layout_overrides
     from hpctrain.plan.estimate import cluster_hardware, model_shape
     from hpctrain.plan.search import search_layouts
 
+    shape = CheckReport(layout=None)
+    model_shape_checks(cfg, shape)  # a model the search cannot even describe: its keys, not a traceback
+    if shape.errors:
+        raise ConfigError(shape.errors)
     c = cfg.cluster
     candidates = search_layouts(model_shape(cfg.model, cfg.train.seq_len), c.nodes * c.gpus_per_node,
                                 cluster_hardware(c), cfg.train.global_batch, dtype=cfg.precision.dtype.value,

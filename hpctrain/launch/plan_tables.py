@@ -11,14 +11,17 @@ from hpctrain.plan.search import Candidate, explain
 from hpctrain.plan.types import GiB
 
 
-def stage_lines(counts: dict[str, Any], tp: int) -> list[str]:
-    """Parameters per pipeline rank and per GPU after the TP split (closed form, hpctrain.models.params)."""
+def stage_lines(counts: dict[str, Any], tp: int, ep: int = 1) -> list[str]:
+    """Parameters per pipeline rank and per GPU after the TP split, and with expert parallelism after the EP split
+    of the experts (closed form, hpctrain.models.params)."""
     stages, ranks = counts["params_per_stage"], counts["stages_of_rank"]
-    lines = [f"parameters per pipeline rank: {len(stages)} stages, TP {tp} ({counts['last_stage_head']} on the "
+    split = f"TP {tp}" + (f", EP {ep}" if ep > 1 else "")
+    lines = [f"parameters per pipeline rank: {len(stages)} stages, {split} ({counts['last_stage_head']} on the "
              "last stage)"]
     for r, (mine, per_gpu) in enumerate(zip(ranks, counts["params_per_gpu_before_zero"])):
         lines.append(f"  pipeline rank {r}: stage(s) {','.join(map(str, mine))} "
-                     f"{sum(stages[s] for s in mine):>16,} params, {per_gpu:>15,} per GPU after TP")
+                     f"{sum(stages[s] for s in mine):>16,} params, {per_gpu:>15,} per GPU after "
+                     + ("TP and EP" if ep > 1 else "TP"))
     return lines
 
 
@@ -71,7 +74,9 @@ def step_lines(est: Estimates) -> list[str]:
         f"  FLOPs per iteration  {est.flops_per_iteration:.3e} (Narayanan et al. 2021, recompute "
         f"{est.layout.recompute})",
         f"  step time            {st.step_time_s:.3f} s = compute {st.compute_s:.3f} + TP {st.tp_s:.3f} + "
-        f"PP {st.pp_s:.3f} + bubble {st.bubble_s:.3f} + exposed DP {st.dp_exposed_s:.3f}"
+        f"PP {st.pp_s:.3f}"
+        + (f" + EP all-to-all {st.ep_s:.3f} + expert imbalance {st.imbalance_s:.3f}" if est.layout.ep > 1 else "")
+        + f" + bubble {st.bubble_s:.3f} + exposed DP {st.dp_exposed_s:.3f}"
         + (f" + offload {st.offload_s:.3f}" if st.offload is not None else ""),
         *offload_step_lines(est),
         f"  throughput           {st.tokens_per_s:,.0f} tokens/s, {st.samples_per_s:,.1f} samples/s",
@@ -110,15 +115,18 @@ def offload_step_lines(est: Estimates) -> list[str]:
 
 
 def range_lines(est: Estimates) -> list[str]:
-    """The two unsourced constants, what each alone moves the estimate to, and the span of both together."""
+    """The unsourced constants (two; a third, the routing's imbalance, under expert parallelism), what each alone
+    moves the estimate to, and the span of all of them together."""
     span = est.range
-    lines = ["  assumptions          two constants no source pins carry the absolute numbers:"]
+    n = len(span.assumptions)
+    lines = [f"  assumptions          {'two' if n == 2 else 'three'} constants no source pins carry the absolute "
+             "numbers:"]
     for a, (low, high) in zip(span.assumptions, span.alone):
         lines.append(f"    {a.name} {a.value:g}, plausible {a.low:g}-{a.high:g}: {_samples(low, high)} ({a.why})")
     slow, fast = span.slowest, span.fastest
     lines.append(f"  range                {_samples(slow, fast)}, MFU {slow.mfu:.1%}-{fast.mfu:.1%}, step "
-                 f"{fast.step_time_s:.2f}-{slow.step_time_s:.2f} s with both over their intervals: the estimate "
-                 "ranks layouts, it does not predict a run")
+                 f"{fast.step_time_s:.2f}-{slow.step_time_s:.2f} s with {'both' if n == 2 else 'all three'} over "
+                 "their intervals: the estimate ranks layouts, it does not predict a run")
     return lines
 
 

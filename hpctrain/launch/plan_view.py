@@ -18,7 +18,7 @@ from hpctrain.launch.plan_tables import memory_lines, search_lines, stage_lines,
 from hpctrain.launch.rundir import RunDir
 from hpctrain.plan.auto import search_summary
 from hpctrain.plan.estimate import Estimates, as_json
-from hpctrain.plan.report import model_params, model_summary, stage_counts, vocab_padding
+from hpctrain.plan.report import active_params, model_params, model_summary, stage_counts, vocab_padding
 from hpctrain.plan.search import evaluate, search_layouts
 
 if TYPE_CHECKING:
@@ -42,13 +42,16 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
         "environment": task_environment(cfg),
         "warnings": [{"key": w.key, "message": w.message, "fix": w.fix} for w in report.warnings],
     }
+    active = active_params(cfg.model)
+    if active is not None:  # a Mixture of Experts: the parameters a token goes through
+        plan["params_active"] = active
     if report.errors:
         plan["errors"] = [{"key": e.key, "message": e.message, "fix": e.fix} for e in report.errors]
     sections = []
-    counts = stage_counts(cfg.model, lay, cfg.parallel.schedule) if lay.pp > 1 or lay.tp > 1 else None
+    counts = stage_counts(cfg.model, lay, cfg.parallel.schedule) if max(lay.pp, lay.tp, lay.ep) > 1 else None
     if counts is not None:
         plan.update(counts)
-        sections.append({"title": "stages", "lines": stage_lines(counts, lay.tp)})
+        sections.append({"title": "stages", "lines": stage_lines(counts, lay.tp, lay.ep)})
     est = report.estimates
     if est is not None:
         plan.update(as_json(est))
@@ -78,7 +81,8 @@ def recovery_summary(cfg: Any) -> str:
 
 def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_len: int) -> dict[str, Any]:
     return {"nodes": lay.nodes, "gpus_per_node": lay.gpus_per_node, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-            "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages, "schedule": parallel.schedule,
+            "ep": lay.ep, "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages,
+            "schedule": parallel.schedule,
             "sequence_parallel": parallel.sequence_parallel, "zero_stage": lay.zero_stage,
             "offload_optimizer": zero.offload_optimizer, "offload_params": zero.offload_params,
             "offload_optimizer_device": lay.offload_device, "accumulate_unsharded": lay.accumulate_unsharded,
@@ -103,14 +107,18 @@ def render_text(plan: dict[str, Any]) -> str:
         f"  run directory   {plan['run']['directory']}",
         f"  model           {m['name']} ({m['arch']}): {m['n_layers']} layers, d_model {m['d_model']}, "
         f"{m['n_heads']} heads" + (f" ({m['n_kv_heads']} key/value)" if m["n_kv_heads"] != m["n_heads"] else "")
-        + f", MLP {m['ffn_hidden']}, vocab {m['vocab_size']}, context {m['context']}",
-        f"  parameters      {plan['params_total']:,} ({_human(plan['params_total'])})",
+        + (_experts(m["moe"]) if "moe" in m else f", MLP {m['ffn_hidden']}")
+        + f", vocab {m['vocab_size']}, context {m['context']}",
+        f"  parameters      {plan['params_total']:,} ({_human(plan['params_total'])})"
+        + (f", {plan['params_active']:,} ({_human(plan['params_active'])}) active per token (top_k of each "
+           "layer's experts)" if "params_active" in plan else ""),
         *_padding_lines(plan),
         f"  cluster         {lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = {plan['world_size']} "
         f"({plan['executor']} executor)",
         f"  recovery        {plan['recovery']}",
         f"  layout          DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}"
         + (f" (HSDP: {lay['dp_replicate']} replicas)" if lay["dp_replicate"] > 1 else "")
+        + (f", EP {lay['ep']} (experts split over {lay['ep']} of the DP ranks)" if lay.get("ep", 1) > 1 else "")
         + (f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else "")
         + (f", schedule {lay['schedule']}" if lay["pp"] > 1 else "")
         + (", sequence parallel" if lay["sequence_parallel"] else ""),
@@ -132,6 +140,12 @@ def render_text(plan: dict[str, Any]) -> str:
     if "sbatch" in plan:
         out += ["", "sbatch script (as submitit would write it)", plan["sbatch"].rstrip()]
     return "\n".join(out)
+
+
+def _experts(moe: dict[str, int]) -> str:
+    """A Mixture of Experts' feed-forward in the model line."""
+    shared = f" + {moe['n_shared_experts']} shared" if moe["n_shared_experts"] else ""
+    return f", MoE: {moe['n_experts']} experts of {moe['expert_hidden']}{shared}, top {moe['top_k']} per token"
 
 
 def _problem_lines(title: str, problems: list[dict[str, str]]) -> list[str]:

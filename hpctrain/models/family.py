@@ -33,9 +33,14 @@ class Dims:
     vocab_size: int  # the tokenizer's; the embedding's rows are passed apart (padded for TP)
     context: int
     head_dim: int = 0  # 0: d_model / n_heads
+    n_experts: int = 0  # Mixture-of-Experts: routed experts per layer (0: dense) ...
+    top_k: int = 0  # ... of which each token uses top_k
+    expert_hidden: int = 0  # each expert's hidden size (0: ffn_hidden)
+    n_shared_experts: int = 0  # experts every token goes through (one SwiGLU n_shared_experts x expert_hidden wide)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "head_dim", self.head_dim or self.d_model // self.n_heads)
+        object.__setattr__(self, "expert_hidden", self.expert_hidden or self.ffn_hidden)
 
     @property
     def q_dim(self) -> int:
@@ -51,8 +56,10 @@ class Dims:
     def of(cls, m: ModelConfig) -> Dims:
         """A config's `model` section: n_kv_heads 0 means n_heads, ffn_hidden 0 means ffn_mult x d_model, head_dim
         0 means d_model / n_heads."""
+        moe = m.moe
         return cls(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads or m.n_heads,
-                   m.ffn_hidden or m.ffn_mult * m.d_model, m.vocab_size, m.context, m.head_dim)
+                   m.ffn_hidden or m.ffn_mult * m.d_model, m.vocab_size, m.context, m.head_dim,
+                   moe.n_experts, moe.top_k if moe.n_experts else 0, moe.expert_hidden, moe.n_shared_experts)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class BlockActivations:
     rope: bool = False  # the rotated Q and K that attention saves (V stays a view of the QKV output)
     norm_fp32_copy: bool = False  # RMSNorm keeps an fp32 copy of its input besides the normalised output
     head_norms: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    moe: bool = False  # the feed-forward is a Mixture of Experts (router, routed rows, top_k expert SwiGLUs)
 
 
 @dataclass(frozen=True)
@@ -103,10 +111,25 @@ class Family:
     hf: HFSpec
     stage_modules: dict[str, str] = field(default_factory=dict)  # top-level module -> "first" | "last" | "ends"
     tp_head_norms: tuple[str, ...] = ()  # block modules normalising each head: whole weight, input split by heads
+    # Mixture-of-Experts: parameter name suffix -> its expert dim, which expert parallelism splits (its experts
+    # are then sharded by FSDP over the DP ranks an EP group leaves); these parameters are whole on every TP rank
+    ep_dims: dict[str, int] = field(default_factory=dict)
+    # block modules TP leaves whole (each TP rank computes them on the full sequence; under SP their input is
+    # gathered and their output cut back to this rank's slice): the MoE layer, whose experts TP does not split
+    tp_whole: tuple[str, ...] = ()
+
+    @property
+    def moe(self) -> bool:
+        """Whether the family's feed-forward is a Mixture of Experts (model.moe.* applies, parallel.ep may be > 1)."""
+        return bool(self.ep_dims)
 
     def build(self, model_cfg: Any, tp: int = 1) -> Any:
         """The torch module (imports torch): the family's builder, embedding padded for `tp`."""
         return resolve(self.builder)(model_cfg, tp)
+
+    def expert_dim(self, name: str) -> int | None:
+        """The dim expert parallelism splits parameter `name` along, None for a parameter every EP rank holds."""
+        return next((d for suffix, d in self.ep_dims.items() if name.endswith(suffix)), None)
 
     def sharded_dim(self, name: str) -> int | None:
         """The dim TP splits parameter `name` along, None when it is replicated over TP."""

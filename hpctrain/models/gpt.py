@@ -153,9 +153,9 @@ class GPT(nn.Module):
 
 @torch.no_grad()
 def init_by_name(model: nn.Module, seed: int | None, std: float, n_layers: int, vocab_size: int) -> None:
-    """GPT-2 initialisation: N(0, std), residual projections (`*proj.weight`) scaled by 1/sqrt(2 n_layers),
-    biases 0, norms 1, and the rows of the embedding and head past the vocabulary 0 (never looked up: zero
-    logits, zero gradient).
+    """GPT-2 initialisation: N(0, std), residual projections (`*proj.weight`, the experts' `w_down`) scaled by
+    1/sqrt(2 n_layers), biases 0, norms 1, and the rows of the embedding and head past the vocabulary 0 (never
+    looked up: zero logits, zero gradient).
 
     Each parameter draws from a generator seeded by (seed, name), so every layout (a pipeline stage, a TP
     shard materialised from meta) gets exactly the weights of the single-process model.
@@ -169,7 +169,7 @@ def init_by_name(model: nn.Module, seed: int | None, std: float, n_layers: int, 
         elif ".norm" in name or name.startswith("norm"):
             value = torch.ones(p.shape)
         else:
-            scale = resid_std if name.endswith("proj.weight") else std
+            scale = resid_std if name.endswith(("proj.weight", "experts.w_down")) else std
             value = torch.randn(p.shape, generator=gen) * scale
             if name in ("tok_emb.weight", "output.weight"):
                 value[vocab_size:] = 0.0

@@ -278,12 +278,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, mlp: nn.Module | None = None) -> None:
+        """`mlp`: the feed-forward, when not the dense SwiGLU (a Mixture of Experts, hpctrain.models.moe_llama)."""
         super().__init__()
         self.norm1 = RMSNorm(args.d_model, args.norm_eps)
         self.attn = Attention(args)
         self.norm2 = RMSNorm(args.d_model, args.norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = mlp if mlp is not None else MLP(args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d] (with sequence parallelism, this rank's [B, T / tp, d])."""
@@ -294,12 +295,13 @@ class Block(nn.Module):
 class Llama(nn.Module):
     tied_embeddings = False  # the head is `output`, a weight of its own
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, mlp: Callable[[], nn.Module] | None = None) -> None:
+        """`mlp`: makes each block's feed-forward (default: the dense SwiGLU)."""
         super().__init__()
         self.args = args
-        self.family = args.family  # its entry in hpctrain.models.registry (llama, or qwen3: the same module)
+        self.family = args.family  # its entry in hpctrain.models.registry (llama, qwen3, ...: the same module)
         self.tok_emb: nn.Embedding | None = nn.Embedding(args.embedding_rows, args.d_model)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, mlp() if mlp else None) for i in range(args.n_layers)})
         self.norm_f: RMSNorm | None = RMSNorm(args.d_model, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.d_model, args.embedding_rows, bias=False)
 

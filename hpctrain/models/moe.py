@@ -9,7 +9,7 @@ Two routers:
   the top_k experts are chosen among them. The combine weights are the chosen experts' unbiased scores.
 Both multiply the weights by route_scale.
 
-The experts' weights are stacked, [n_experts, ...] in three parameters (`w_gate`, `w_up`, `w_down`), so that one
+The experts' weights are stacked, [n_experts, ...] in three parameters (`experts.w_gate`, `w_up`, `w_down`), so one
 grouped GEMM per projection runs every expert (`torch._grouped_mm`, where it has a fast kernel) and expert
 parallelism can shard dim 0. Tokens are routed dropless by default: the (token, slot) assignments are sorted by
 expert, so each expert's tokens form one contiguous segment of the sorted rows. With capacity_factor > 0 each
@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hpctrain.models.gpt import assign_param, stable_hash
 
@@ -50,6 +54,8 @@ class MoEArgs:
     n_shared_experts: int = 0  # a SwiGLU of n_shared_experts * expert_hidden every token goes through
     capacity_factor: float = 0.0  # 0: dropless
     bias_update_rate: float = 1e-3  # sigmoid router: update_bias's step
+    balance_coef: float = 0.0  # the load-balancing loss's weight in the training loss (forward attaches it)
+    z_loss_coef: float = 0.0  # the router z-loss's weight
 
     def __post_init__(self) -> None:
         if self.router not in ("softmax", "sigmoid"):
@@ -148,22 +154,106 @@ def _experts_grouped(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor
     return torch._grouped_mm(hidden, w_down.transpose(-2, -1), offs=offs)[dest]
 
 
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLUs, their weights stacked on dim 0: forward(rows sorted by expert, counts per expert) -> each
+    row through its expert.
+
+    Under expert parallelism (hpctrain.parallel.expert_parallel) the weights are DTensors sharded on dim 0 over the
+    EP mesh and `ep_group` is set: the rows are sent to the rank holding their expert and back with all-to-all
+    (`_dispatch`). It is a module of its own so that FSDP2 can shard the experts over the DP ranks an EP group
+    leaves while the rest of the block is sharded over all of them."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.w_up = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.ep_group: dist.ProcessGroup | None = None
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down)]
+        if self.ep_group is None:
+            return run_experts(rows, counts, *weights)
+        # Each EP rank's loss is its own tokens' mean and the data-parallel reduction averages over the ranks
+        # holding these experts only: 1 / ep makes the gradient the global batch's mean (expert_parallel.py).
+        scale = 1.0 / dist.get_world_size(self.ep_group)
+        return self._dispatch(rows, counts, *(_ScaleGrad.apply(w, scale) for w in weights))
+
+    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                  w_down: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: this rank's rows, sorted by global expert (counts [n_experts]), go to the ranks
+        holding their experts (rank r holds experts r * local .. (r + 1) * local - 1), run there, and come back
+        in the same order. Three all-to-alls (the counts, the rows, the results; backward two) and one host read
+        of the split sizes, which all_to_all_single needs as lists (torchtitan reads them too)."""
+        group = self.ep_group
+        ep, local = dist.get_world_size(group), w_gate.shape[0]
+        received_counts = torch.empty_like(counts)
+        dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, my local expert]
+        per_source = received_counts.view(ep, local)
+        send, receive = torch.stack((counts.view(ep, local).sum(1), per_source.sum(1))).tolist()
+        received = funcol.all_to_all_single_autograd(rows, receive, send, group)
+        # Rows arrive source by source, each source's sorted by expert: regroup them expert by expert.
+        expert_of_row = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep),
+                                                per_source.flatten(), output_size=received.shape[0])
+        order = torch.argsort(expert_of_row, stable=True)
+        out = run_experts(received[order], per_source.sum(0), w_gate, w_up, w_down)
+        back = torch.zeros_like(out).index_copy(0, order, out)  # the arrival order again
+        return funcol.all_to_all_single_autograd(back, send, receive, group)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward, the gradient times `scale`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Megatron's MoEAuxLossAutoScaler: the layer's output unchanged forward; backward, the auxiliary loss gets
+    gradient `scale` (the engine's loss scale over the micro-batches it averages), as if it had been added to the
+    loss. The loss a pipeline schedule sees stays the token loss, and no stage has to carry it."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+ROUTING_FIELDS = 3  # after the per-expert counts in a layer's routing record: balance loss, z-loss, dropped
+
+
 class MoE(nn.Module):
-    """The block: forward(x [..., d]) -> (output [..., d], MoEStats). Nothing is kept between calls."""
+    """The block: forward(x [..., d]) -> output [..., d]; `compute` also returns the MoEStats.
+
+    forward attaches the weighted auxiliary losses to the output's gradient (`aux_grad_scale`, set by the engine
+    each step) and adds what the micro-batch routed to `routing` (the step's record, which the engine reads and
+    clears: counts per expert, then ROUTING_FIELDS sums), outside recomputation and evaluation."""
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
         self.args = args
         e, h, d = args.n_experts, args.expert_hidden, args.d_model
         self.router = nn.Linear(d, e, bias=False)
-        self.w_gate = nn.Parameter(torch.empty(e, h, d))
-        self.w_up = nn.Parameter(torch.empty(e, h, d))
-        self.w_down = nn.Parameter(torch.empty(e, d, h))
+        self.experts = GroupedExperts(e, d, h)
         # Persistent (DeepSeek-V3's checkpoints hold it). Keep it fp32: `.to(torch.bfloat16)` on the model would
         # cast it too, and a 1e-3 step rounds away in bf16 once |bias| >= 0.5 (FSDP2's mixed precision casts
         # parameters only).
         self.register_buffer("expert_bias", torch.zeros(e) if args.router == "sigmoid" else None)
         self.shared = SwiGLU(d, args.n_shared_experts * h) if args.n_shared_experts else None
+        self.aux_grad_scale = 1.0
+        self.routing: torch.Tensor | None = None
 
     def router_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [T, d] -> [T, n_experts] in fp32 (input and weight cast; fp64 stays fp64): near-ties between experts
@@ -195,7 +285,29 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights * a.route_scale, experts, probs
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, stats = self.compute(x)
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # not recomputing in a backward
+            self._record(stats)
+        a = self.args
+        if torch.is_grad_enabled() and (a.balance_coef > 0 or a.z_loss_coef > 0):
+            aux = a.balance_coef * stats.balance_loss + a.z_loss_coef * stats.z_loss
+            out = _AttachAuxLoss.apply(out, aux, self.aux_grad_scale)
+        return out
+
+    @torch.no_grad()
+    def _record(self, stats: MoEStats) -> None:
+        record = torch.cat((stats.tokens_per_expert.double(), torch.stack(
+            (stats.balance_loss.double(), stats.z_loss.double(), stats.dropped.double()))))
+        self.routing = record if self.routing is None else self.routing + record
+
+    def take_routing(self) -> torch.Tensor | None:
+        """The step's routing record so far (None: nothing routed), and a fresh one for the next step."""
+        record, self.routing = self.routing, None
+        return record
+
+    def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        """x [..., d] -> (output [..., d], what the routing did)."""
         a = self.args
         h = x.reshape(-1, a.d_model)
         tokens = h.shape[0]
@@ -225,7 +337,7 @@ class MoE(nn.Module):
             dropped = torch.zeros((), dtype=torch.int64, device=h.device)
 
         token = order // a.top_k
-        y = run_experts(h[token], kept, self.w_gate, self.w_up, self.w_down)
+        y = self.experts(h[token], kept)
         out = torch.zeros(tokens, a.d_model, dtype=weights.dtype, device=h.device)  # fp32 accumulation
         out.index_add_(0, token, y.to(weights.dtype) * weights.flatten()[order].unsqueeze(-1))
         out = out.to(x.dtype)
@@ -253,7 +365,14 @@ class MoE(nn.Module):
         base = 0 if seed is None else seed
         for name, p in self.named_parameters():
             gen = torch.Generator().manual_seed(stable_hash(f"{base}:{prefix}{name}"))
-            scale = resid_std if name in ("w_down", "shared.proj.weight") else std
+            scale = resid_std if name in ("experts.w_down", "shared.proj.weight") else std
             assign_param(p, torch.randn(p.shape, generator=gen) * scale)
         if self.expert_bias is not None:
             assign_param(self.expert_bias, torch.zeros(self.expert_bias.shape))
+
+
+def moe_layers(model: nn.Module) -> dict[int, MoE]:
+    """A model's (or pipeline stage's) MoE layers by block index in the whole model: each block's `mlp` that is
+    an MoE (hpctrain.models.moe_llama); empty for a dense model."""
+    return {int(i): block.mlp for i, block in getattr(model, "layers", {}).items()
+            if isinstance(getattr(block, "mlp", None), MoE)}

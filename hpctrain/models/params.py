@@ -1,11 +1,16 @@
 """Parameter counts of hpctrain's model families, as pure arithmetic: the whole model, and per pipeline
-stage and TP rank.
+stage, TP rank and EP rank, and a Mixture of Experts' active parameters.
 
 The plan prints these on the login node before anything is built, so they must not need torch. Which
 parameters exist, and their shapes, is each family's (hpctrain.models.registry: `block_shapes`, `top_shapes`,
-`tp_dims`); this module sums them. They match `sum(p.numel())` of the built models exactly, whole and per
+`tp_dims`, `ep_dims`); this module sums them. They match `sum(p.numel())` of the built models exactly, whole and per
 stage and shard (tested against the models built on the meta device), and the published totals (GPT-3 175B,
-Llama 3 8B/70B/405B).
+Llama 3 8B/70B/405B, Qwen3-8B, Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B).
+
+Active parameters (Mixture of Experts): each token goes through top_k of a layer's n_experts experts, so of the
+expert weights (the family's `ep_dims`, stacked [n_experts, ...]) top_k / n_experts count per token; the router,
+attention, norms, embedding and head count whole. That is the "active" figure model cards publish (Mixtral-8x7B
+12.9B, Qwen3-30B-A3B 3.3B) and what MFU's 6 N counts for an MoE model; a dense model's active count is its total.
 """
 
 from __future__ import annotations
@@ -98,6 +103,27 @@ def dims_param_count(arch: str, dims: Dims, embedding_rows: int | None = None) -
     return dims.n_layers * _numel(family.block_shapes(dims)) + _numel(top)
 
 
+def model_active_param_count(model: ModelConfig, context: int | None = None) -> int:
+    """The parameters one token goes through (model_param_count for a dense model): each layer's expert weights
+    count top_k / n_experts (module docstring)."""
+    return dims_active_param_count(registry.family_of(model).name,
+                                   replace(Dims.of(model), context=context or model.context))
+
+
+def dims_active_param_count(arch: str, dims: Dims, embedding_rows: int | None = None) -> int:
+    """Active parameters of family `arch` at `dims`: the total less the experts no token of a layer visits,
+    (n_experts - top_k) / n_experts of each expert weight (exact: the expert dim is n_experts)."""
+    inactive = expert_layer_params(arch, dims) * (dims.n_experts - dims.top_k) // max(dims.n_experts, 1)
+    return dims_param_count(arch, dims, embedding_rows) - dims.n_layers * inactive
+
+
+def expert_layer_params(arch: str, dims: Dims) -> int:
+    """One block's expert weights (the family's `ep_dims`: what expert parallelism splits); 0 for a dense family."""
+    family = registry.get(arch)
+    return sum(math.prod(shape) for name, shape in family.block_shapes(dims).items()
+               if family.expert_dim(name) is not None)
+
+
 # ---------------------------------------------------------------- where the parameters live
 # The same names and shapes as the families' torch modules build (the tests count the meta-device models against
 # these), so the plan counts every pipeline stage and TP shard without torch.
@@ -121,10 +147,15 @@ def top_shapes(d_model: int, embedding_rows: int, context: int, arch: str = "gpt
     return registry.get(arch).top_shapes(_dims(d_model, 4 * d_model, None, context), embedding_rows)
 
 
-def tp_local_numel(name: str, shape: Sequence[int], tp: int, arch: str = "gpt") -> int:
-    """Elements of parameter `name` of family `arch` on one TP rank (the largest shard when the split is uneven)."""
+def tp_local_numel(name: str, shape: Sequence[int], tp: int, arch: str = "gpt", ep: int = 1) -> int:
+    """Elements of parameter `name` of family `arch` on one TP rank (the largest shard when the split is uneven),
+    and on one EP rank: an expert weight keeps n_experts / ep of its experts (the checks require ep to divide
+    n_experts), whole over TP."""
+    family = registry.get(arch)
     numel = math.prod(shape)
-    dim = registry.get(arch).sharded_dim(name)
+    if family.expert_dim(name) is not None:
+        return numel // ep
+    dim = family.sharded_dim(name)
     if dim is None or tp == 1:
         return numel
     return numel // shape[dim] * -(-shape[dim] // tp)
@@ -152,19 +183,22 @@ def stage_holds(module: str, stage: int, n_stages: int, n_layers: int, arch: str
     return registry.get(arch).stage_holds(module, stage == 0, stage == n_stages - 1)
 
 
-def stage_param_counts(model: ModelConfig, n_stages: int, tp: int = 1, per_gpu: bool = False) -> list[int]:
+def stage_param_counts(model: ModelConfig, n_stages: int, tp: int = 1, per_gpu: bool = False,
+                       ep: int = 1) -> list[int]:
     """Parameters of each pipeline stage as built for a layout with `tp` (the embedding padded for it).
 
-    per_gpu: what one TP rank holds (the family's `tp_dims` split, the rest replicated); otherwise the whole
-    stage."""
+    per_gpu: what one TP and EP rank holds (the family's `tp_dims` split over tp, its `ep_dims` over ep, the rest
+    replicated); otherwise the whole stage."""
     rows = padded_vocab(model.vocab_size, model.vocab_pad_multiple, tp)
-    split, family, dims = (tp if per_gpu else 1), registry.family_of(model), Dims.of(model)
+    split, experts = (tp, ep) if per_gpu else (1, 1)
+    family, dims = registry.family_of(model), Dims.of(model)
     arch = family.name
-    block = sum(tp_local_numel(name, shape, split, arch) for name, shape in family.block_shapes(dims).items())
+    block = sum(tp_local_numel(name, shape, split, arch, experts)
+                for name, shape in family.block_shapes(dims).items())
     top: dict[str, int] = {}
     for name, shape in family.top_shapes(dims, rows).items():
         module = name.split(".")[0]
-        top[module] = top.get(module, 0) + tp_local_numel(name, shape, split, arch)
+        top[module] = top.get(module, 0) + tp_local_numel(name, shape, split, arch, experts)
     counts = []
     for stage, layers in enumerate(stage_layers(model.n_layers, n_stages)):
         held = sum(n for module, n in top.items() if stage_holds(module, stage, n_stages, model.n_layers, arch))
@@ -176,8 +210,9 @@ def model_flops_per_token(n_params: int, n_layers: int, seq_len: int, q_dim: int
     """MFU's numerator per token: 6 N + 12 l s h (Chowdhery et al. 2022, PaLM, appendix B).
 
     No recomputation is counted, and the attention term counts the full s x s score matrix, as Megatron's
-    formula does; N is the model's own parameter count (vocabulary padding is not useful work). The same for
-    every family: 6 N already counts a gated MLP's matrices and the narrower K/V projections of grouped-query
-    attention, and the score and context matmuls run over all n_heads x head_dim = q_dim columns (h, unless the
-    family sets the head width apart: Qwen3)."""
+    formula does; N is the model's own active parameter count (vocabulary padding is not useful work; a Mixture
+    of Experts' token runs top_k of its experts: `model_active_param_count`). The same for every family: 6 N
+    already counts a gated MLP's matrices and the narrower K/V projections of grouped-query attention, and the
+    score and context matmuls run over all n_heads x head_dim = q_dim columns (h, unless the family sets the head
+    width apart: Qwen3)."""
     return 6 * n_params + 12 * n_layers * seq_len * q_dim

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 from hpctrain.models import llama_spec
-from hpctrain.models.family import BlockActivations, Dims, HFSpec, Shapes, refuse
+from hpctrain.models.family import BlockActivations, Dims, Shapes, refuse
 
 if TYPE_CHECKING:
     from hpctrain.config.schema import ModelConfig

@@ -27,7 +27,8 @@ Under PP torch's schedules drive FSDP2 themselves (hpctrain.plan.states explains
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -35,15 +36,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from hpctrain.config.schema import PrecisionConfig, ZeroConfig
+from hpctrain.models.moe import MoE
 from hpctrain.parallel.precision import ddp_comm_hook, fsdp_mp_policy
 
 if TYPE_CHECKING:
     from hpctrain.models import Transformer
 
 
-def uses_fsdp(zero_stage: int, tp: int, pp: int) -> bool:
-    """Whether this layout's DP goes through FSDP2 (parameters are materialised after wrapping)."""
-    return zero_stage >= 1 or tp > 1 or pp > 1
+def uses_fsdp(zero_stage: int, tp: int, pp: int, ep: int = 1) -> bool:
+    """Whether this layout's DP goes through FSDP2 (parameters are materialised after wrapping): DDP cannot hold
+    DTensor parameters (TP's, EP's experts) nor run under a pipeline schedule."""
+    return zero_stage >= 1 or tp > 1 or pp > 1 or ep > 1
 
 
 def accumulates_unsharded(zero_stage: int, accumulate_unsharded: bool) -> bool:
@@ -53,20 +56,36 @@ def accumulates_unsharded(zero_stage: int, accumulate_unsharded: bool) -> bool:
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, zero: ZeroConfig, precision: PrecisionConfig,
-               zero_stage: int) -> None:
+               zero_stage: int, experts: ExpertSharding | None = None) -> None:
     """fully_shard each block (ZeRO-3: its attention and MLP as units of their own first), then the root
-    (embeddings, final norm, head). ZeRO-1/2 keep the parameters gathered from forward to backward."""
+    (embeddings, final norm, head). ZeRO-1/2 keep the parameters gathered from forward to backward. Under expert
+    parallelism each MoE layer's experts are a unit of their own first, over `experts.mesh`."""
     # Pinned where the mesh is on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not).
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
                               if zero.offload_optimizer or zero.offload_params else OffloadPolicy())
     kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(precision), offload_policy=offload,
                   reshard_after_forward=zero_stage == 3)
     for block in model.layers.values():
+        if experts is not None:
+            experts.wrap(block, lambda unit, mesh: fully_shard(unit, **{**kwargs, "mesh": mesh}))
         if zero_stage == 3:
             fully_shard(block.attn, **kwargs)
             fully_shard(block.mlp, **kwargs)
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+
+
+@dataclass(frozen=True)
+class ExpertSharding:
+    """How the data-parallel wrapper treats expert-parallel experts: a unit of their own over `mesh`, the DP
+    ranks holding the same experts (hpctrain.parallel.expert_parallel)."""
+
+    mesh: DeviceMesh
+
+    def wrap(self, block: nn.Module, wrapper: Callable[[nn.Module, DeviceMesh], Any]) -> None:
+        mlp = getattr(block, "mlp", None)
+        if isinstance(mlp, MoE):
+            wrapper(mlp.experts, self.mesh)
 
 
 def microbatch_sync(model: FSDPModule, zero_stage: int, accumulate_unsharded: bool, last: bool) -> None:
@@ -82,11 +101,14 @@ def microbatch_sync(model: FSDPModule, zero_stage: int, accumulate_unsharded: bo
     model.set_reshard_after_backward(last or zero_stage == 3)
 
 
-def apply_replicate(model: Transformer, mesh: DeviceMesh, precision: PrecisionConfig) -> None:
-    """DDP semantics for DTensor (TP) parameters, from FSDP2's replicate."""
+def apply_replicate(model: Transformer, mesh: DeviceMesh, precision: PrecisionConfig,
+                    experts: ExpertSharding | None = None) -> None:
+    """DDP semantics for DTensor (TP, EP) parameters, from FSDP2's replicate."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for block in model.layers.values():
+        if experts is not None:
+            experts.wrap(block, lambda unit, mesh: replicate(unit, mesh=mesh, mp_policy=fsdp_mp_policy(precision)))
         replicate(block, mesh=mesh, mp_policy=fsdp_mp_policy(precision))
     replicate(model, mesh=mesh, mp_policy=fsdp_mp_policy(precision))
 

@@ -4,6 +4,10 @@ Mesh order, outermost first: ("pp", "dp_replicate", "dp_shard", "tp"). TP is inn
 consecutive ranks (the GPUs of one node, on NVLink); PP is outermost so only point-to-point activations
 cross the slowest links. Size-1 dims are kept: every slice below exists in every layout, which keeps the
 callers free of special cases, and a size-1 group costs nothing at run time.
+
+With expert parallelism (ep > 1) dp_shard is built as ("dp_shard_mod_ep", "ep") and flattened back to "dp_shard"
+(torchtitan's layout): an EP group is ep consecutive DP ranks of one shard group (nearest each other after TP),
+and FSDP shards each expert's weights over the dp_shard_mod_ep ranks holding the same experts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hpctrain.config.layout import Layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 class ParallelDimsError(ValueError):
@@ -50,6 +55,7 @@ class ParallelDims:
     pp = _of_layout("pp")
     virtual_stages = _of_layout("virtual_stages")
     dp = _of_layout("dp")
+    ep = _of_layout("ep")
 
     @property
     def n_stages(self) -> int:
@@ -68,13 +74,18 @@ class ParallelDims:
         created as "cpu:gloo,cuda:nccl" is not called "nccl")."""
         if not dist.is_initialized():
             raise RuntimeError("a device mesh needs torch.distributed to be initialised")
-        return init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=MESH_DIMS)
+        if self.ep == 1:
+            return init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                    mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep,
+                                                   self.tp), mesh_dim_names=EP_MESH_DIMS)
+        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        return mesh
 
     @cached_property
     def rank_grid(self) -> list:
         """The world mesh's ranks as nested lists (pp, dp_replicate, dp_shard, tp): host data, read once."""
-        return self.mesh.mesh.tolist()
+        return self.mesh.mesh.reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp).tolist()
 
     @cached_property
     def dp_mesh(self) -> DeviceMesh:
@@ -85,6 +96,16 @@ class ParallelDims:
     def fsdp_mesh(self) -> DeviceMesh:
         """FSDP2's mesh: 1-D (shard) or, for HSDP, 2-D (replicate x shard)."""
         return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks one MoE layer's experts are split over (ep > 1 only)."""
+        return self.mesh["ep"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP2's mesh for expert weights (ep > 1): the shard-group ranks holding the same experts (x replicas)."""
+        return self.mesh["dp_replicate", "dp_shard_mod_ep"] if self.dp_replicate > 1 else self.mesh["dp_shard_mod_ep"]
 
     @property
     def tp_mesh(self) -> DeviceMesh:

@@ -37,9 +37,12 @@ from hpctrain import schedules
 from hpctrain.config.layout import Layout
 from hpctrain.config.schema import Config, ModelConfig, OptimConfig, PrecisionConfig
 from hpctrain.models import create_model
+from hpctrain.models.moe import ROUTING_FIELDS, moe_layers
+from hpctrain.models.registry import family_of
 from hpctrain.parallel.clipping import clip_grads_, reduce_partial_grads_, squared_norm_share
 from hpctrain.parallel.compile import apply_compile
 from hpctrain.parallel.data_parallel import (
+    ExpertSharding,
     apply_ddp,
     apply_fsdp,
     apply_replicate,
@@ -47,9 +50,11 @@ from hpctrain.parallel.data_parallel import (
     uses_fsdp,
 )
 from hpctrain.parallel.dims import ParallelDims
+from hpctrain.parallel.expert_parallel import apply_ep
+from hpctrain.parallel.moe_stats import MoEStepStats
 from hpctrain.parallel.float8 import apply_float8, register_scale_precompute
 from hpctrain.parallel.groups import own_group, tied_embedding_pairs
-from hpctrain.parallel.pipeline import build_schedule, stage_model
+from hpctrain.parallel.pipeline import build_schedule, stage_model, start_up
 from hpctrain.parallel.pipeline import evaluate as evaluate_pipeline
 from hpctrain.parallel.optimizer import build_optimizer
 from hpctrain.parallel.optimizer import skip_if_found_inf, skips_on_device
@@ -68,6 +73,7 @@ class StepStats:
     skipped: bool = False  # fp16: a gradient overflowed, the step was skipped and the loss scale halved
     loss_scale: float = 1.0  # the scale this step's loss was multiplied by (1.0 without loss scaling)
     control: list[float] = field(default_factory=list)  # the caller's control values, summed over all ranks
+    moe: MoEStepStats | None = None  # what the MoE layers' routing did (None: a dense model)
 
 
 class UnsupportedLayout(ValueError):
@@ -129,7 +135,7 @@ class Engine:
         # Dropout masks: different per DP rank, the same on TP peers (their replicated regions must agree).
         torch.manual_seed(cfg.train.seed + self.dp_rank)
         data_parallel = dims.distributed and dims.dp > 1
-        self.fsdp = data_parallel and uses_fsdp(layout.zero_stage, dims.tp, dims.pp)
+        self.fsdp = data_parallel and uses_fsdp(layout.zero_stage, dims.tp, dims.pp, dims.ep)
         self.ddp = data_parallel and not self.fsdp
         self.pipeline_schedule = schedules.get(layout.schedule)
         if self.fsdp and layout.zero_stage > 0 and self.pipeline_schedule.split_backward and dims.pp > 1:
@@ -153,6 +159,9 @@ class Engine:
         self._embedding_group = self._tied_embedding_group() if dims.pp > 1 and self.tied_embeddings else None
         self.has_first = 0 in self.stage_ids
         self.has_last = dims.n_stages - 1 in self.stage_ids
+        # MoE layers this rank holds, by block index; every rank reduces a routing record for every layer
+        self.moe_layers = {i: layer for m in self.stage_models for i, layer in moe_layers(m).items()}
+        self.routing_width = ROUTING_FIELDS + cfg.model.moe.n_experts if family_of(cfg.model).moe else 0
         with tensors or contextlib.nullcontext():
             self.model_parts: list[nn.Module] = [self._materialise(model) for model in self.stage_models]
             self.optimizers = [self._optimizer(part) for part in self.model_parts]
@@ -165,6 +174,8 @@ class Engine:
                 self.schedule = build_schedule(stages, layout.schedule, layout.microbatches, self._pipeline_loss)
         self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
             else self.model_parts
+        for layer in self.moe_layers.values():  # DDP's settling forward is no training step
+            layer.take_routing()
         self.vocab_size = int(cfg.model.vocab_size)
         self.ranks_per_stage = dims.world_size // dims.pp
         self.steps_done = 0
@@ -184,11 +195,15 @@ class Engine:
         apply_recompute(model, self.layout.recompute)
         if dims.tp > 1:
             apply_tp(model, dims.tp_mesh, self.layout.sequence_parallel)
+        experts = None
+        if dims.ep > 1:
+            apply_ep(model, dims.ep_mesh)
+            experts = ExpertSharding(dims.expert_fsdp_mesh)
         if self.fsdp:
             if self.layout.zero_stage == 0:
-                apply_replicate(model, dims.dp_mesh, cfg.precision)
+                apply_replicate(model, dims.dp_mesh, cfg.precision, experts)
             else:
-                apply_fsdp(model, dims.fsdp_mesh, cfg.zero, cfg.precision, self.layout.zero_stage)
+                apply_fsdp(model, dims.fsdp_mesh, cfg.zero, cfg.precision, self.layout.zero_stage, experts)
         if cfg.parallel.compile:  # forwards only: every layout's hooks stay outside the graphs
             apply_compile(model, self.layout.recompute, dims.tp)
         return model
@@ -233,6 +248,10 @@ class Engine:
                 group["lr"] = lr
         scale = self.scaler.scale
         inputs, targets = self._to_device(batches)
+        # The MoE auxiliary losses' gradient, as if added to each micro-batch's (scaled) loss: the accumulation
+        # averages micro-batch losses here, a pipeline schedule divides the gradients by their number itself.
+        for layer in self.moe_layers.values():
+            layer.aux_grad_scale = scale if self.schedule is not None else scale / inputs.shape[0]
         if self.schedule is not None:
             local_loss = self._pipeline_step(inputs, targets, scale)
         else:
@@ -248,7 +267,7 @@ class Engine:
         queued = all(skips_on_device(opt) for opt in self.optimizers)
         if queued:
             self._optimizer_step(params, values, found_inf=(~values[:2].isfinite().all()).float())
-        loss, grad_norm, agreed = self._stats(values)
+        loss, grad_norm, agreed, routing = self._stats(values, len(control))
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if not finite and not self.scaler.enabled:
             self._zero_grad()
@@ -260,7 +279,8 @@ class Engine:
         self._zero_grad()
         if finite:
             self.last_good_step = self.steps_done
-        return StepStats(loss=loss, grad_norm=grad_norm, skipped=not finite, loss_scale=scale, control=agreed)
+        return StepStats(loss=loss, grad_norm=grad_norm, skipped=not finite, loss_scale=scale, control=agreed,
+                         moe=self._moe_stats(routing, inputs.shape[0]))
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
@@ -276,6 +296,8 @@ class Engine:
         finally:
             for part in self.model_parts:
                 part.train()
+            for layer in self.moe_layers.values():  # a pipeline's evaluation may run a forward with grad on
+                layer.take_routing()
         self._sum_over_ranks(total)
         return total.item() / (self.dims.dp * self.dims.tp * len(batches))
 
@@ -324,8 +346,18 @@ class Engine:
     def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(token_loss(output, target, self.vocab_size))
 
+    def start_pipeline(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """The schedule's start-up (pipeline.start_up) on the step's first micro-batch (`inputs`/`targets`: the
+        step's [microbatches, micro_batch, seq]); what its forward routed is no training. torch runs it before the
+        first step and again after each evaluation (a switch between eval and train); a no-op otherwise."""
+        with autocast(self.cfg.precision, self.device, not self.fsdp):
+            start_up(self.schedule, (inputs[0],) if self.has_first else (), targets[0] if self.has_last else None)
+        for layer in self.moe_layers.values():
+            layer.take_routing()
+
     def _pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
         """All microbatches through the pipeline in one schedule step; the loss lives on the last stage."""
+        self.start_pipeline(inputs, targets)
         x, y = inputs.flatten(0, 1), targets.flatten(0, 1)
         args = (x,) if self.has_first else ()
         losses: list[torch.Tensor] = []
@@ -364,9 +396,43 @@ class Engine:
         loss = local_loss.detach().double() if self.has_last else torch.zeros((), dtype=torch.float64,
                                                                              device=self.device)
         values = torch.cat([torch.stack([loss, share]),
-                            torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True)])
+                            torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True),
+                            self._routing()])
         self._sum_over_ranks(values)
+        self._update_router_bias(values[values.numel() - self.routing_width * self.cfg.model.n_layers:])
         return values
+
+    def _routing(self) -> torch.Tensor:
+        """The step's routing records of every MoE layer of the model (zeros for the layers other stages hold),
+        one float64 vector on this rank's device: they ride the step's one reduction."""
+        width, n_layers = self.routing_width, self.cfg.model.n_layers
+        out = torch.zeros(n_layers * width, dtype=torch.float64, device=self.device)
+        for i, layer in self.moe_layers.items():
+            record = layer.take_routing()
+            if record is not None:
+                out[i * width:(i + 1) * width] = record
+        return out
+
+    def _update_router_bias(self, routing: torch.Tensor) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: each sigmoid router's bias moves by the step's token counts
+        over the global batch (the same on every rank), on the device."""
+        width = self.routing_width
+        for i, layer in self.moe_layers.items():
+            if layer.expert_bias is not None:
+                layer.update_bias(routing[i * width:(i + 1) * width - ROUTING_FIELDS])
+
+    def _moe_stats(self, routing: list[float], microbatches: int) -> MoEStepStats | None:
+        """The reduced routing records as the user sees them: TP peers routed the same tokens (counted once),
+        the losses averaged over layers, micro-batches and data-parallel ranks."""
+        if not self.routing_width:
+            return None
+        copies, width = self.dims.tp, self.routing_width
+        layers = [[v / copies for v in routing[i:i + width]] for i in range(0, len(routing), width)]
+        runs = len(layers) * microbatches * self.dims.dp
+        return MoEStepStats(tokens_per_expert=[layer[:-ROUTING_FIELDS] for layer in layers],
+                            balance_loss=sum(layer[-3] for layer in layers) / runs,
+                            z_loss=sum(layer[-2] for layer in layers) / runs,
+                            dropped=sum(layer[-1] for layer in layers))
 
     def _optimizer_step(self, params: list[torch.Tensor], values: torch.Tensor,
                         found_inf: torch.Tensor | None) -> None:
@@ -379,12 +445,12 @@ class Engine:
             opt.step()
             skip_if_found_inf(opt, None)
 
-    def _stats(self, values: torch.Tensor) -> tuple[float, float, list[float]]:
+    def _stats(self, values: torch.Tensor, n_control: int) -> tuple[float, float, list[float], list[float]]:
         """The reduced values on the host: loss (the mean over the global batch: the last-stage ranks' losses
-        averaged over DP x TP copies), the global gradient norm and the summed control values."""
-        total_loss, squared_norm, *agreed = self._read(values)
+        averaged over DP x TP copies), the global gradient norm, the summed control values and routing records."""
+        total_loss, squared_norm, *rest = self._read(values)
         return (total_loss / (self.dims.dp * self.dims.tp), math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
-                agreed)
+                rest[:n_control], rest[n_control:])
 
     @staticmethod
     def _read(values: torch.Tensor) -> list[float]:

@@ -71,8 +71,11 @@ def float8_config(recipe: str, emulate: bool, all_gather: bool) -> Any:
 
 
 def converts(module: nn.Module, fqn: str) -> bool:
-    """torchtitan's module filter: a Linear inside a transformer block whose dimensions are multiples of 16."""
+    """torchtitan's module filter: a Linear inside a transformer block whose dimensions are multiples of 16, but
+    not an MoE router (it routes in fp32: hpctrain.models.moe)."""
     if not isinstance(module, nn.Linear) or not (fqn.startswith("layers.") or ".layers." in fqn):
+        return False
+    if fqn.endswith(".router"):
         return False
     out_features, in_features = module.weight.shape
     return out_features % DIM_MULTIPLE == 0 and in_features % DIM_MULTIPLE == 0

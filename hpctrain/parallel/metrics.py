@@ -14,14 +14,15 @@ import torch
 
 from hpctrain.hardware import hardware
 from hpctrain.models.family import Dims
-from hpctrain.models.params import model_flops_per_token, model_param_count
+from hpctrain.models.params import model_active_param_count, model_flops_per_token
 
 
 def flops_per_token(cfg: Any) -> float:
-    """Model FLOPs per trained token: 6 N + 12 l s h (PaLM appendix B, no recomputation counted), N for the
-    config's arch (GPT's position table counted at the trained length)."""
+    """Model FLOPs per trained token: 6 N + 12 l s h (PaLM appendix B, no recomputation counted), N the parameters
+    a token goes through for the config's arch (a Mixture of Experts' active count: its top_k experts of each
+    layer; GPT's position table counted at the trained length)."""
     m, seq_len = cfg.model, cfg.train.seq_len
-    return model_flops_per_token(model_param_count(m, seq_len), m.n_layers, seq_len, Dims.of(m).q_dim)
+    return model_flops_per_token(model_active_param_count(m, seq_len), m.n_layers, seq_len, Dims.of(m).q_dim)
 
 
 def mfu(cfg: Any, tokens_per_s: float, world_size: int) -> float:

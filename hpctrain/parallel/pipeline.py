@@ -96,3 +96,14 @@ def _forwards(actions: list[Any]) -> list[Any]:
             if a.computation_type in _FORWARD_KINDS:
                 out.append(a)
     return out
+
+
+def start_up(schedule: Any, first_args: tuple[Any, ...], first_target: Any) -> None:
+    """The schedule's start-up (the vote, then shape inference with one micro-batch forward and backward, whose
+    memory torch frees after), which torch runs inside the first step: run apart, before it, so that the engine
+    can tell its forward from training (an MoE layer's routing counts) and hpctrain.simulate from the measured
+    step. `first_args` and `first_target` are the step's first micro-batch as the schedule splits it."""
+    if hasattr(schedule, "_initialize_stages"):  # several stages on this rank (torch's multi-stage schedules)
+        schedule._initialize_stages(first_args, {}, first_target)
+    else:
+        schedule._initialize_stage(first_args, {}, first_target)

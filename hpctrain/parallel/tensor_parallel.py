@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -60,6 +61,12 @@ def block_plan(sequence_parallel: bool, family: str = "gpt") -> dict[str, Any]:
             "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
+        # A module TP leaves whole (an MoE layer) runs on the gathered sequence as plain tensors; its output,
+        # the same on every TP rank, is cut back to this rank's slice (backward: all-gathered).
+        plan.update({name: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+            for name in spec.tp_whole})
     return plan
 
 

@@ -51,9 +51,36 @@ norm and matmul-input bytes split by TP (the norms by SP). Measured on CPU for d
 heads, f 704: 45.91 sbh, the formula's 45.63 + the cached RoPE tables 0.25 + the per-token 1/rms 0.03 (tested).
 Selective recompute keeps the QKV output
 2 (h + 2k) / h and the gate/up output 4 f / h per TP rank, + the block input and the row-parallel outputs.
+
+A Mixture-of-Experts block (`BlockActivations.moe`: hpctrain.models.moe.MoE in place of the SwiGLU; E experts of
+width f_e, top_k = k of them per token) keeps the attention's tensors as above, and for the feed-forward, per token
+of the full sequence (TP leaves the layer whole: every TP rank runs it on all s b tokens, SP gathering its input;
+nothing here is divided by t), in bytes (`moe_bytes_per_token`):
+  * router, computed in fp32: the fp32 copy of its input 4 h (the bf16 norm output itself is not kept: the
+    experts' rows are gathered from it, which keeps only the indices), the fp32 logits 4 E (the z-loss's
+    logsumexp) and softmax output 4 E, the logsumexp and the top-k weights' sum 8;
+  * routing: the top-k indices (int64) 8 k and weights (fp32) 4 k, the sorted order and its token ids (int64)
+    16 k, the gathered combine weights (fp32) 4 k;
+  * the experts, per routed row (k per token): its input 2 h, the gate and up outputs, silu's output and the
+    product 8 f_e (the dense SwiGLU's 8 f per token, k times); under expert parallelism the busiest rank's experts
+    run `load` x the mean rows (the imbalance factor, an assumption: EXPERT_IMBALANCE);
+  * the combine, in fp32: the experts' output upcast for the weighted sum (saved by the product) and the weighted
+    rows (saved by index_add_) 8 h k;
+  * shared experts (a SwiGLU of width f_s on every token): its input 2 h and 8 f_s;
+and, per layer and micro-batch, the router weight's fp32 copy and the balance loss's per-expert fractions,
+4 E (h + 1). So the dense SwiGLU's 2 + 8 f / h sbh becomes (4 + 8 E / h + k (10 + 8 f_e / h)) sbh + 32 k + 8
+per token: 108.3 sbh for Qwen3-235B-A22B (k = 8, f_e = 0.375 h), 80.0 for Mixtral-8x7B (k = 2, f_e = 3.5 h), against
+30 for a dense SwiGLU of Mixtral's expert width. Measured on CPU for the MoE families' block, byte for byte
+(tests/plan/test_plan_moe.py; the expert GEMMs' loop fallback). On a GPU
+torch._grouped_mm runs the experts over rows padded to 8 per expert (8 E more rows) and keeps the padded-row
+indices (8 k): a few rows more, not counted. Selective recompute keeps matmul outputs: the fp32 logits 4 E and,
+per routed row, the gate, up and down outputs 4 f_e + 2 h (the loop's mm calls; torch._grouped_mm is not among
+the policy's ops, so on a GPU less is kept: an upper bound); full recompute keeps the block input only.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from hpctrain import schedules
 from hpctrain.models import registry
@@ -90,18 +117,52 @@ def _selective_bytes(sbh: float, t: int, sp: bool, qkv: float, fc_out: float, in
     return sbh * stored
 
 
+# An assumption, not a measurement: under expert parallelism the busiest EP rank's experts run this many times the
+# mean routed rows (top_k x tokens / ep per rank). Dropless routing sends each expert whatever the router picks, and
+# a load-balancing loss keeps the load near, not at, the mean; step_time.py shows it with an interval.
+EXPERT_IMBALANCE = 1.25
+
 HEAD_NORM_BYTES = 6  # measured, tests/plan/test_plan_llama.py: RMSNorm's fp32 input copy (4) + normalised (2)
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    """A Mixture-of-Experts feed-forward as its saved tensors see it (module docstring)."""
+
+    n_experts: int
+    top_k: int
+    expert_hidden: int
+    shared_hidden: int = 0  # the shared experts' SwiGLU width (n_shared_experts x expert_hidden)
+    load: float = 1.0  # rows the busiest rank's experts run over the mean, top_k x tokens (EP: the imbalance)
+
+
+def moe_bytes_per_token(d_model: int, moe: MoELayer, recompute: str = "none") -> float:
+    """Bytes the MoE layer saves for backward per token of the full sequence, 16-bit activations (module
+    docstring); 4 E (h + 1) per layer and micro-batch come on top (the router weight's fp32 copy, the balance
+    loss's per-expert fractions)."""
+    h, e, k, f, fs = d_model, moe.n_experts, moe.top_k, moe.expert_hidden, moe.shared_hidden
+    shared = 2 * h + 8 * fs if fs else 0
+    if recompute == "full":
+        return 0.0
+    if recompute == "selective":  # matmul outputs: the logits and each routed row's gate, up and down outputs
+        return 4 * e + moe.load * k * (4 * f + 2 * h) + (4 * fs + 2 * h if fs else 0)
+    router = 4 * h + 8 * e + 8  # fp32 input copy, logits and softmax output, logsumexp and the weights' sum
+    routing = 32 * k  # top-k indices and weights, sorted order and token ids, gathered weights
+    combine = 8 * h * k  # the experts' output in fp32 and the weighted rows index_add_ keeps
+    experts = moe.load * k * (2 * h + 8 * f)  # each routed row's input, gate/up, silu and product
+    return router + routing + combine + experts + shared
 
 
 def activation_bytes_per_layer(
     seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False,
     recompute: str = "none", ffn_hidden: int | None = None, *, flash_attention: bool = True,
     dropout: bool = False, sp_keeps_gathered: bool = True, fp32_residual: bool = False,
-    arch: str = "gpt", n_kv_heads: int | None = None, head_dim: int | None = None,
+    arch: str = "gpt", n_kv_heads: int | None = None, head_dim: int | None = None, moe: MoELayer | None = None,
 ) -> float:
     """Bytes the block of model family `arch` saves for backward per micro-batch (16-bit activations; its
     `BlockActivations`); see the module docstring. n_kv_heads: key/value heads (grouped-query attention), n_heads
-    when None; head_dim: each head's width, d_model / n_heads when None.
+    when None; head_dim: each head's width, d_model / n_heads when None; moe: the feed-forward's experts, for a
+    family whose block is a Mixture of Experts.
 
     flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula.
     """
@@ -110,23 +171,31 @@ def activation_bytes_per_layer(
     sbh, shard = s * b * h, (t if sequence_parallel else 1)
     norm_bytes = 4 if fp32_residual else 2
     block = registry.get(arch).activations
+    experts = 0.0  # the MoE layer: whole on every TP rank, over all s b tokens
+    if block.moe:
+        if moe is None:
+            raise ValueError(f"the {arch} family's block is a Mixture of Experts: pass its MoELayer")
+        experts = s * b * moe_bytes_per_token(h, moe, recompute)
+        if recompute != "full":
+            experts += 4 * moe.n_experts * (h + 1)  # the router weight's fp32 copy, the balance loss's f_e
     hd = head_dim or h / a
     q, kv = a * hd / h, (n_kv_heads or a) * hd / h  # the widths of Q and of K (and V), over h
     qkv_out = 2 * q + 4 * kv  # the fused QKV output (Q, K, V as views of it: 6 without grouped-query attention)
-    fc_out = (4 if block.gated_mlp else 2) * f / h  # the MLP-in output: gate and up fused, or GELU's input
+    # the MLP-in output: gate and up fused, or GELU's input (an MoE layer's are counted in `experts`)
+    fc_out = 0 if block.moe else (4 if block.gated_mlp else 2) * f / h
     if recompute == "full":
         return norm_bytes * sbh / shard
     if recompute == "selective":
-        return _selective_bytes(sbh, t, sequence_parallel, qkv_out, fc_out, norm_bytes)
+        return _selective_bytes(sbh, t, sequence_parallel, qkv_out, fc_out, norm_bytes) + experts
     if recompute != "none":
         raise ValueError(f"unknown recompute {recompute!r}")
     norm = 4 + norm_bytes if block.norm_fp32_copy else norm_bytes  # RMSNorm: fp32 input copy + normalised
     by_sp = 2 * norm + (2 if dropout else 0)  # the two norms, residual dropout masks
-    gathered = 4  # QKV and MLP-in inputs: replicated over TP; DTensor SP saves them gathered
+    gathered = 2 if block.moe else 4  # QKV and MLP-in inputs: replicated over TP; DTensor SP saves them gathered
     rope = 2 * (q + kv) if block.rope else 0  # the rotated Q and K SDPA saves (V stays a view of the QKV output)
     # per-head norms: HEAD_NORM_BYTES per element of Q and K, and an fp32 1/rms per head and token
     heads = (HEAD_NORM_BYTES * (q + kv) + 4 * (a + (n_kv_heads or a)) / h) if block.head_norms else 0
-    mlp = fc_out + (4 if block.gated_mlp else 2) * f / h  # + silu's output and the down projection's input
+    mlp = 0 if block.moe else fc_out + (4 if block.gated_mlp else 2) * f / h  # + silu's output, down's input
     split = qkv_out + rope + heads + 2 * q + mlp  # + the attention output (the projection's input)
     if flash_attention:
         split += 4 * a / h  # fp32 log-sum-exp per head and token
@@ -135,7 +204,7 @@ def activation_bytes_per_layer(
     if sequence_parallel and not sp_keeps_gathered:
         by_sp += gathered
         gathered = 0
-    return sbh * (by_sp / shard + gathered + split / t)
+    return sbh * (by_sp / shard + gathered + split / t) + experts
 
 
 def logits_bytes(

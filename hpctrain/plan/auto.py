@@ -21,7 +21,7 @@ from hpctrain.plan.types import Hardware, Layout, ModelShape
 def layout_overrides(layout: Layout) -> dict[str, Any]:
     """The config keys (dotted) and values that make a run use `layout` (what `parallel=auto` sets)."""
     return {
-        "parallel.dp": layout.dp, "parallel.tp": layout.tp, "parallel.pp": layout.pp,
+        "parallel.dp": layout.dp, "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.ep": layout.ep,
         "parallel.virtual_stages": layout.virtual_stages, "parallel.schedule": layout.schedule,
         "parallel.sequence_parallel": layout.sequence_parallel, "parallel.recompute": layout.recompute,
         "parallel.dp_replicate": 1, "parallel.microbatches": 0, "zero.stage": layout.zero_stage,
@@ -34,7 +34,7 @@ def search_summary(candidates: list[Candidate], mine: Candidate, top_k: int) -> 
     """The search as data: how many layouts fit, where the configured one ranks, the top ones."""
     rank = 1 + sum(1 for c in candidates if c.tokens_per_s > mine.tokens_per_s)
     return {"candidates": len(candidates), "configured_rank": rank,
-            "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp,
+            "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp, "ep": c.layout.ep,
                      "virtual_stages": c.layout.virtual_stages, "micro_batch": c.layout.micro_batch,
                      "grad_accum": c.layout.grad_accum, "zero_stage": c.layout.zero_stage,
                      "accumulate_unsharded": c.layout.accumulate_unsharded, "recompute": c.layout.recompute,

@@ -104,6 +104,9 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
         fixes.append(f"zero.stage={lay.zero_stage + 1}")
     if lay.micro_batch > 1:
         fixes.append(f"train.micro_batch={lay.micro_batch // 2}")
+    wider = [e for e in range(lay.ep + 1, lay.dp_shard + 1) if lay.dp_shard % e == 0 and est.model.n_experts % e == 0]
+    if est.model.moe and wider:
+        fixes.append(f"parallel.ep={wider[0]} (each GPU holds 1/{wider[0]} of the experts)")
     fixes.append("more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp)")
     message = (f"estimated {mem.total / GiB:.1f} GiB per GPU (params {mem.params / GiB:.1f}, grads "
                f"{mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, buffers {mem.buffers / GiB:.1f}, "

@@ -27,7 +27,19 @@ Pipeline parallelism: per micro-batch and model chunk, a point-to-point send of 
 forward and of their gradient backward, divided by t with Megatron's scatter/gather optimisation
 (Narayanan 2021 sec. 4.1; with SP the tensor is already split). Interleaving multiplies it by v.
 
-Links: ranks are ordered TP innermost, then DP, then PP (Megatron's default). A group uses NVLink when
+Expert parallelism (a Mixture of Experts with Layout.ep > 1): each MoE layer sends every routed row (top_k per
+token, d_model wide, in the compute dtype) to the rank holding its expert and back, all_to_all_single over the ep
+ranks: per micro-batch forward 1 all-to-all of the rows and 1 of the results, backward 2 (their gradients), 2 more
+when recomputation reruns the forward (full or selective: recompute.py's policy keeps no all-to-all output); of each,
+a rank keeps the (1/ep) share bound for its own experts. TP leaves the MoE layer whole, so each TP rank dispatches
+its full sequence: s b top_k d bytes per all-to-all, x (ep - 1)/ep sent, x EXPERT_IMBALANCE (the busiest rank's
+experts receive and return more rows than the mean: an assumption, step_time.py's interval). The all-to-all of the
+per-expert counts before each dispatch (n_experts integers) is a latency term, left out. The DP traffic of the
+expert weights runs over the dp_shard / ep ranks that hold the same experts (their gradients and weights are 1/ep
+of the layers' experts): ZeRO's volumes per group, summed.
+
+Links: ranks are ordered TP innermost, then DP, then PP (Megatron's default); an EP group is ep consecutive DP
+ranks (torchtitan's dp_shard_in_ep inside dp_shard), so its all-to-all spans tp x ep ranks. A group uses NVLink when
 all its ranks fit in one node and the network (per-GPU NIC bandwidth) otherwise. Ignored: latency
 terms, the tied-embedding all-reduce between first and last stage (GPT; Llama's head is untied and has
 none), vocab-parallel loss reductions.
@@ -36,8 +48,10 @@ none), vocab-parallel loss reductions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
-from hpctrain.plan.memory import layers_on_stage, stage_params_per_gpu
+from hpctrain.plan.activations import EXPERT_IMBALANCE
+from hpctrain.plan.memory import layers_on_stage, stage_expert_params_per_gpu, stage_params_per_gpu
 from hpctrain.plan.states import gradient_reductions
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
@@ -50,7 +64,7 @@ class CommItem:
     """One kind of traffic: bytes one GPU sends per step, over which link, and whether it can hide behind compute."""
 
     name: str
-    kind: str  # "dp", "tp" or "pp"
+    kind: str  # "dp", "tp", "pp" or "ep"
     bytes: float
     link: str
     bandwidth: float
@@ -84,6 +98,10 @@ class CommBreakdown:
         return self.bytes_of("pp")
 
     @property
+    def ep_bytes(self) -> float:
+        return self.bytes_of("ep")
+
+    @property
     def total_bytes(self) -> float:
         return sum(i.bytes for i in self.items)
 
@@ -112,34 +130,63 @@ def param_all_gathers(layout: Layout) -> int:
     return 2 * layout.microbatches if layout.zero_stage >= 3 else 1
 
 
+def dp_groups(model: ModelShape, layout: Layout) -> list[tuple[float, int]]:
+    """(parameters on the GPU with the most, the ranks their gradients are reduced over): all of them over the DP
+    group (the ZeRO shard group, ZeRO-0: all DP ranks); with expert parallelism the experts apart, over the 1/ep
+    of those ranks that hold the same experts."""
+    stage = max({0, layout.pp - 1}, key=lambda s: stage_params_per_gpu(model, layout.tp, layout.pp, s, layout.ep))
+    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage, layout.ep)
+    group = layout.zero_shard if layout.zero_stage > 0 else layout.dp
+    experts = stage_expert_params_per_gpu(model, layout.pp, layout.ep) if layout.ep > 1 else 0.0
+    return [(n - experts, group)] + ([(experts, group // layout.ep)] if experts else [])
+
+
 def dp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
-    """Data-parallel / ZeRO traffic of the GPU with the most parameters."""
+    """Data-parallel / ZeRO traffic of the GPU with the most parameters (with expert parallelism, the dense
+    parameters' and the experts' groups summed: `dp_groups`)."""
     if layout.dp == 1:
         return []
-    n_params = max(stage_params_per_gpu(model, layout.tp, layout.pp, s) for s in {0, layout.pp - 1})
-    grads = n_params * layout.reduce_bytes
-    weights = n_params * layout.compute_bytes
+    groups = dp_groups(model, layout)
+    c, r_bytes = layout.compute_bytes, layout.reduce_bytes
+
+    def ring(volume: Callable[[int, float], float], bytes_per_param: int) -> float:
+        return sum(volume(ranks, n * bytes_per_param) for n, ranks in groups)
+
     m, z = layout.microbatches, layout.zero_stage
-    shard = layout.zero_shard if z > 0 else layout.dp
-    link, bw = _link(layout.tp * shard, hw)
+    link, bw = _link(layout.tp * groups[0][1], hw)
     items: list[CommItem] = []
     reductions = gradient_reductions(layout)
     if z == 0:
-        items.append(CommItem("grad all-reduce", "dp", all_reduce_bytes(shard, grads), link, bw, "backward"))
+        items.append(CommItem("grad all-reduce", "dp", ring(all_reduce_bytes, r_bytes), link, bw, "backward"))
     else:
         name = "grad reduce-scatter" + (" x m" if reductions == m > 1 else "")
-        items.append(CommItem(name, "dp", reductions * all_gather_bytes(shard, grads), link, bw, "backward"))
+        items.append(CommItem(name, "dp", reductions * ring(all_gather_bytes, r_bytes), link, bw, "backward"))
         if z <= 2:
-            items.append(CommItem("param all-gather", "dp", all_gather_bytes(shard, weights), link, bw, "none"))
+            items.append(CommItem("param all-gather", "dp", ring(all_gather_bytes, c), link, bw, "none"))
         else:
             items.append(CommItem("param all-gather fwd+bwd x m", "dp",
-                                  param_all_gathers(layout) * all_gather_bytes(shard, weights), link, bw, "compute"))
+                                  param_all_gathers(layout) * ring(all_gather_bytes, c), link, bw, "compute"))
     r = layout.dp_replicate
     if z > 0 and r > 1:
         rlink, rbw = _link(layout.tp * layout.dp, hw)
-        items.append(CommItem("HSDP replica all-reduce", "dp", reductions * all_reduce_bytes(r, grads / shard),
+        shard_grads = sum(n / ranks for n, ranks in groups) * r_bytes
+        items.append(CommItem("HSDP replica all-reduce", "dp", reductions * all_reduce_bytes(r, shard_grads),
                               rlink, rbw, "backward"))
     return items
+
+
+def ep_items(model: ModelShape, layout: Layout, hw: Hardware, imbalance: float = EXPERT_IMBALANCE) -> list[CommItem]:
+    """The MoE layers' token all-to-alls of one GPU of the most loaded stage (module docstring); none without
+    expert parallelism."""
+    ep = layout.ep
+    if ep == 1 or not model.moe:
+        return []
+    rows = model.seq_len * layout.micro_batch * model.top_k * model.d_model * layout.compute_bytes
+    per_layer = 4 if layout.recompute == "none" else 6
+    n = layers_on_stage(model, layout.pp) * layout.microbatches * per_layer
+    link, bw = _link(layout.tp * ep, hw)
+    return [CommItem(f"EP all-to-all x{per_layer}/layer", "ep", n * rows * (ep - 1) / ep * imbalance, link, bw,
+                     "none")]
 
 
 def tp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
@@ -167,7 +214,9 @@ def pp_items(model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bo
     return [CommItem("p2p activations fwd+bwd", "pp", volume, link, bw, "none")]
 
 
-def comm_per_step(model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bool = True) -> CommBreakdown:
+def comm_per_step(model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bool = True,
+                  imbalance: float = EXPERT_IMBALANCE) -> CommBreakdown:
     """All traffic one GPU sends in one step, by kind, with the link it uses."""
-    items = dp_items(model, layout, hw) + tp_items(model, layout, hw) + pp_items(model, layout, hw, scatter_gather)
+    items = dp_items(model, layout, hw) + tp_items(model, layout, hw) + pp_items(model, layout, hw, scatter_gather) \
+        + ep_items(model, layout, hw, imbalance)
     return CommBreakdown(tuple(items))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.models import registry
+from hpctrain.models.family import Dims
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of
 from hpctrain.plan.flops import flops_per_iteration
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
@@ -34,13 +35,16 @@ class Estimates:
 
 def model_shape(m: ModelConfig, seq_len: int) -> ModelShape:
     """The config's model: its family (model.arch), tokenizer vocabulary (padded per TP as hpctrain.models builds
-    it), MLP width, key/value heads (a family without grouped-query attention has as many as query heads), and
-    its dropout."""
+    it), MLP width, key/value heads (a family without grouped-query attention has as many as query heads), its
+    dropout, and a Mixture of Experts' experts (model.moe, read only for a family whose block is one)."""
     family = registry.family_of(m)
+    d = Dims.of(m)
+    experts = {"n_experts": d.n_experts, "top_k": d.top_k, "expert_hidden": d.expert_hidden,
+               "n_shared_experts": d.n_shared_experts} if family.moe else {}
     return ModelShape(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=seq_len,
                       vocab_size=m.vocab_size, ffn_hidden=ffn_hidden_of(m), vocab_pad_multiple=m.vocab_pad_multiple,
                       dropout=m.dropout, arch=family.name, n_kv_heads=kv_heads_of(m) if family.grouped_query else 0,
-                      head_dim=m.head_dim)
+                      head_dim=m.head_dim, **experts)
 
 
 def cluster_hardware(cluster: ClusterConfig) -> Hardware:
@@ -82,7 +86,8 @@ def as_json(est: Estimates) -> dict[str, Any]:
         "comm_bytes_per_gpu_per_step": sum(item.bytes for item in st.comm.items),
         "comm_per_gpu_per_step": [{"name": i.name, "kind": i.kind, "bytes": i.bytes, "link": i.link,
                                    "time_s": i.time_s} for i in st.comm.items],
-        "step_time_split_s": {"compute": st.compute_s, "tp": st.tp_s, "pp": st.pp_s, "bubble": st.bubble_s,
+        "step_time_split_s": {"compute": st.compute_s, "tp": st.tp_s, "pp": st.pp_s, "ep": st.ep_s,
+                              "expert_imbalance": st.imbalance_s, "bubble": st.bubble_s,
                               "dp_exposed": st.dp_exposed_s, "offload": st.offload_s},
         "offload": offload_json(st, est.hw),
         "est_samples_per_s": st.samples_per_s,

@@ -24,9 +24,15 @@ FP8 (precision.fp8, torchao's Float8Linear): only the transformer blocks' Linear
 (`fp8_flops_per_iteration`: the dense part of every layer pass, recomputed forwards included); the attention
 core (Q K^T, scores x V) and the logit layer stay in bf16, so a step takes `compute_seconds` of both rates.
 
+Mixture of Experts (a family with `Family.moe`): a token is multiplied by the router (E x h, every token) and by
+top_k of the n_experts SwiGLU experts, so "3 h f" becomes E h + 3 top_k h f_e: the block's active matrices
+(ModelShape.block_matmul_params). TP leaves the MoE layer whole (`Family.tp_whole`): each of the t TP ranks runs
+it on the full sequence, so the GPUs together execute it t times (ModelShape.whole_matmul_params, counted t times
+here, once in MFU). Expert parallelism moves rows, not FLOPs; its cost is in comm.py and step_time.py.
+
 These are "hardware FLOPs" (what the GPUs execute). MFU (Chowdhery et al. 2022, PaLM, appendix B) counts
-"model FLOPs" only, no recomputation: 6 N + 12 l s h per token (N parameters; the attention term
-counts the full s x s score matrix, as the Megatron formula does).
+"model FLOPs" only, no recomputation: 6 N + 12 l s h per token (N the active parameters: a Mixture of Experts
+counts top_k of its experts; the attention term counts the full s x s score matrix, as the Megatron formula does).
 """
 
 from __future__ import annotations
@@ -68,17 +74,26 @@ def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "
     """
     tokens = global_batch * model.seq_len
     core = attention_core_flops(tokens, model.seq_len, model.q_dim)
-    layer_fwd = 2 * tokens * model.block_matmul_params + core  # layer_forward_flops for the family's block
+    # layer_forward_flops for the family's block; the modules TP leaves whole run on every TP rank
+    layer_fwd = 2 * tokens * (model.block_matmul_params + (tp - 1) * model.whole_matmul_params) + core
     logits_fwd = 2 * tokens * model.d_model * model.vocab_rows(tp)
-    if recompute == "none":
-        layer_passes = 3.0 * layer_fwd
-    elif recompute == "selective":
-        layer_passes = 3.0 * layer_fwd + core
-    elif recompute == "full":
-        layer_passes = 4.0 * layer_fwd
-    else:
-        raise ValueError(f"unknown recompute {recompute!r}")
+    layer_passes = forward_passes(recompute) * layer_fwd + (core if recompute == "selective" else 0.0)
     return model.n_layers * layer_passes + 3.0 * logits_fwd
+
+
+def forward_passes(recompute: str) -> float:
+    """A layer's passes in forward-pass units: forward + backward (2x), and full recomputation's second forward
+    (selective recomputation reruns the attention core only: `flops_per_iteration` adds it)."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"unknown recompute {recompute!r}")
+    return 4.0 if recompute == "full" else 3.0
+
+
+def expert_flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full", tp: int = 1) -> float:
+    """The experts' grouped GEMMs in `flops_per_iteration` (all GPUs together, every TP rank running them): the
+    work the busiest expert-parallel rank does more of when the routing is uneven (step_time.py). 0 when dense."""
+    tokens = global_batch * model.seq_len
+    return model.n_layers * forward_passes(recompute) * 2 * tokens * tp * model.expert_matmul_params
 
 
 def fp8_flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full",
@@ -86,13 +101,14 @@ def fp8_flops_per_iteration(model: ModelShape, global_batch: int, recompute: str
     """The part of `flops_per_iteration` that runs as FP8 GEMMs with precision.fp8 on: the blocks' Linears in
     forward, both backward GEMMs (input and weight gradient) and a full recomputation's second forward, under
     both torchao recipes (tensorwise, rowwise). 0 without FP8. Selective recomputation reruns the attention
-    core only, which stays in bf16."""
+    core only, which stays in bf16. In a Mixture of Experts only the attention's Linears are counted: torchao
+    converts nn.Linear, and the experts are stacked parameters run by grouped GEMMs, the router a matmul in fp32;
+    shared experts' Linears (none of the configured models has them) would convert, and are counted at bf16."""
     if fp8 == "none":
         return 0.0
-    linear_fwd = 2 * global_batch * model.seq_len * model.block_matmul_params
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"unknown recompute {recompute!r}")
-    return model.n_layers * (4.0 if recompute == "full" else 3.0) * linear_fwd
+    # the modules TP leaves whole (an MoE layer: stacked experts, not Linears; the router, in fp32) stay bf16
+    linear_fwd = 2 * global_batch * model.seq_len * (model.block_matmul_params - model.whole_matmul_params)
+    return model.n_layers * forward_passes(recompute) * linear_fwd
 
 
 def compute_seconds(flops: float, fp8_flops: float, n_gpus: int, peak_flops: float, fp8_peak_flops: float,
@@ -114,8 +130,9 @@ def narayanan_flops(batch: int, seq_len: int, n_layers: int, d_model: int, vocab
 
 
 def model_flops_per_token(model: ModelShape) -> float:
-    """MFU's numerator per token (hpctrain.models.params: 6 N + 12 l s h, h the query width), N = ModelShape.params."""
-    return params.model_flops_per_token(model.params, model.n_layers, model.seq_len, model.q_dim)
+    """MFU's numerator per token (hpctrain.models.params: 6 N + 12 l s h, h the query width), N the active
+    parameters (ModelShape.active_params: the total for a dense model)."""
+    return params.model_flops_per_token(model.active_params, model.n_layers, model.seq_len, model.q_dim)
 
 
 def mfu(tokens_per_s: float, model: ModelShape, n_gpus: int, peak_flops: float) -> float:

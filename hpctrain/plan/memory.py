@@ -21,6 +21,13 @@ the output head on the last: tied (GPT), a copy of the embedding (Megatron) when
 untied (Llama), a vocab-parallel matrix of its own. We evaluate the first and the last stage and report the more
 loaded GPU.
 
+Mixture of Experts (a family with `Family.moe`): expert parallelism keeps n_experts / ep of each layer's experts on
+a GPU (the family's `ep_dims`), whole over TP; FSDP2 shards them over the dp_shard / ep ranks an EP group leaves
+(Layout.dp_shard_mod_ep) and everything else over dp_shard, so a rank's fp32 shards hold dense / dp_shard +
+(experts / ep) / (dp_shard / ep) = all / dp_shard parameters, as without EP: EP shrinks what is unsharded (the
+working bf16 copies, gathered units, accumulated gradients), not the shards. The MoE layer's activations are
+activations.py's (whole on every TP rank; the busiest EP rank's experts run EXPERT_IMBALANCE x the mean rows).
+
 Headroom: CUDA context, NCCL buffers and allocator fragmentation take memory the formulas don't see;
 `reserve_fraction` (10% by default) of the GPU is set aside for them and `fits` compares against the rest.
 """
@@ -29,10 +36,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 from hpctrain.models.family import Family
 from hpctrain.models.params import stage_holds
 from hpctrain.plan.activations import (
+    EXPERT_IMBALANCE,
+    MoELayer,
     activation_bytes_per_layer,
     inflight_microbatches,
     korthikanti_bytes_per_layer,
@@ -57,8 +67,8 @@ from hpctrain.plan.types import Hardware, Layout, ModelShape
 __all__ = [
     "FP32_BYTES", "MIXED_PRECISION_BYTES", "MemoryBreakdown", "ModelStates", "Part", "activation_bytes_per_layer",
     "bytes_per_param", "inflight_microbatches", "korthikanti_bytes_per_layer", "layer_activation_bytes",
-    "layer_params_per_gpu", "layers_on_stage", "memory_per_gpu", "stage_activation_bytes",
-    "stage_activation_parts", "stage_params_per_gpu", "zero_model_states",
+    "layer_params_per_gpu", "layers_on_stage", "memory_per_gpu", "shard_params_per_gpu", "stage_activation_bytes",
+    "stage_activation_parts", "stage_expert_params_per_gpu", "stage_params_per_gpu", "zero_model_states",
 ]
 
 
@@ -66,25 +76,43 @@ __all__ = [
 
 
 def _per_rank(shapes: dict[str, tuple[int, ...]], tp: int, family: Family) -> float:
-    """Elements on one TP rank: what the family's `tp_dims` split, divided by tp, plus the replicated rest."""
+    """Elements on one TP rank: what the family's `tp_dims` split, divided by tp, plus the replicated rest (the
+    parameters outside the blocks; a block's, experts included: `_block_split`)."""
     split = sum(math.prod(shape) for name, shape in shapes.items() if family.sharded_dim(name) is not None)
     return split / tp + sum(math.prod(shape) for name, shape in shapes.items() if family.sharded_dim(name) is None)
 
 
-def layer_params_per_gpu(model: ModelShape, tp: int) -> float:
-    """One layer's parameters on one TP rank: matrices and column-parallel biases split, the rest replicated
-    (GPT: the row-parallel biases and 2 LayerNorms, 6 h; Llama: the 2 RMSNorm weights, 2 h)."""
-    return _per_rank(model.block_shapes(), tp, model.family)
+@cache
+def _block_split(model: ModelShape, prefix: str = "") -> tuple[int, int, int]:
+    """(elements TP splits, elements EP splits, replicated elements) of the block's parameters under `prefix`: the
+    family's `tp_dims` and `ep_dims` (experts are whole over TP), summed once per model (the layout search asks for
+    thousands of layouts)."""
+    family, out = model.family, [0, 0, 0]
+    for name, shape in model.block_shapes().items():
+        if name.startswith(prefix):
+            cls = 1 if family.expert_dim(name) is not None else 0 if family.sharded_dim(name) is not None else 2
+            out[cls] += math.prod(shape)
+    return out[0], out[1], out[2]
+
+
+def _block_per_rank(model: ModelShape, tp: int, ep: int, prefix: str = "") -> float:
+    by_tp, by_ep, whole = _block_split(model, prefix)
+    return by_tp / tp + by_ep / ep + whole
+
+
+def layer_params_per_gpu(model: ModelShape, tp: int, ep: int = 1) -> float:
+    """One layer's parameters on one TP (and EP) rank: matrices and column-parallel biases split, the experts
+    split over ep, the rest replicated (GPT: the row-parallel biases and 2 LayerNorms, 6 h; Llama: the 2 RMSNorm
+    weights, 2 h; an MoE block: also the router, E h)."""
+    return _block_per_rank(model, tp, ep)
 
 
 def fsdp_unit_params_per_gpu(model: ModelShape, layout: Layout) -> float:
-    """The largest FSDP unit's parameters on one TP rank: a block, or its MLP where attention and MLP are units
-    of their own (states.split_units)."""
-    shapes = model.block_shapes()
+    """The largest FSDP unit's parameters on one TP (and EP) rank: a block, or its MLP where attention and MLP
+    are units of their own (states.split_units)."""
     if not split_units(layout):
-        return _per_rank(shapes, layout.tp, model.family)
-    return max(_per_rank({k: v for k, v in shapes.items() if k.startswith(prefix)}, layout.tp, model.family)
-               for prefix in ("attn.", "mlp."))
+        return _block_per_rank(model, layout.tp, layout.ep)
+    return max(_block_per_rank(model, layout.tp, layout.ep, prefix) for prefix in ("attn.", "mlp."))
 
 
 def layers_on_stage(model: ModelShape, pp: int) -> int:
@@ -92,12 +120,27 @@ def layers_on_stage(model: ModelShape, pp: int) -> int:
     return math.ceil(model.n_layers / pp)
 
 
-def stage_params_per_gpu(model: ModelShape, tp: int, pp: int, stage: int) -> float:
-    """Parameters one GPU of pipeline stage `stage` holds (its TP shard), padding rows of the embedding included."""
-    n = layers_on_stage(model, pp) * layer_params_per_gpu(model, tp)
+@cache
+def stage_params_per_gpu(model: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> float:
+    """Parameters one GPU of pipeline stage `stage` holds (its TP shard, its EP rank's experts), padding rows of
+    the embedding included."""
+    n = layers_on_stage(model, pp) * layer_params_per_gpu(model, tp, ep)
     held = {name: shape for name, shape in model.top_shapes(tp).items()
             if stage_holds(name.split(".")[0], stage, pp, model.n_layers, model.arch)}
     return n + _per_rank(held, tp, model.family)
+
+
+def stage_expert_params_per_gpu(model: ModelShape, pp: int, ep: int) -> float:
+    """The expert weights among `stage_params_per_gpu`: the stage's layers' experts / ep (0 for a dense model)."""
+    return layers_on_stage(model, pp) * model.expert_layer_params / ep
+
+
+def shard_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float:
+    """Parameters in one GPU's FSDP2 shards: the dense ones over dp_shard ranks, its EP rank's experts over the
+    dp_shard / ep ranks an EP group leaves (module docstring: as many as without EP)."""
+    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage, layout.ep)
+    experts = stage_expert_params_per_gpu(model, layout.pp, layout.ep)
+    return (n - experts) / layout.zero_shard + experts / layout.dp_shard_mod_ep
 
 
 # ---------------------------------------------------------------- activations
@@ -115,7 +158,17 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | N
         model.seq_len, layout.micro_batch, model.d_model, model.n_heads, layout.tp, layout.sequence_parallel,
         recompute or layout.recompute, model.ffn, dropout=model.dropout > 0,
         fp32_residual=autocast_forward(layout), arch=model.arch, n_kv_heads=model.kv_heads,
-        head_dim=model.dims.head_dim)
+        head_dim=model.dims.head_dim, moe=moe_layer(model, layout.ep))
+
+
+def moe_layer(model: ModelShape, ep: int) -> MoELayer | None:
+    """The model's MoE feed-forward for the activation model (None when dense): under EP the busiest rank's
+    experts run EXPERT_IMBALANCE x the mean rows; without it every rank runs its own tokens' top_k rows."""
+    if not model.moe:
+        return None
+    d = model.dims
+    return MoELayer(d.n_experts, d.top_k, d.expert_hidden, d.n_shared_experts * d.expert_hidden,
+                    EXPERT_IMBALANCE if ep > 1 else 1.0)
 
 
 def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:
@@ -230,11 +283,12 @@ class MemoryBreakdown:
 
 def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     """Everything one GPU of a stage holds: model states (states.py) and activations."""
-    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage)
-    layer = layer_params_per_gpu(model, layout.tp)
+    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage, layout.ep)
+    layer = layer_params_per_gpu(model, layout.tp, layout.ep)
     unit = fsdp_unit_params_per_gpu(model, layout)
     root = n - layers_on_stage(model, layout.pp) * layer
-    return hpctrain_state_parts(n, layer, layout, unit, root) + embedding_grad_parts(model, layout, stage) \
+    sharded = shard_params_per_gpu(model, layout, stage)
+    return hpctrain_state_parts(n, layer, layout, unit, root, sharded) + embedding_grad_parts(model, layout, stage) \
         + stage_activation_parts(model, layout, stage)
 
 

@@ -10,7 +10,8 @@ With zero.offload_optimizer_device=nvme the moments live in a file per rank on n
 (hpctrain/parallel/nvme.py), read and written back at every optimizer step; the fp32 parameter and gradient shards
 stay in host memory (FSDP2 copies the parameter shard to the GPU for every all-gather, so it must be resident).
 G = GPUs per node (hw.gpus_per_node: the job's, see estimate.cluster_hardware); all ranks of a node share its
-host memory, CPU and drives.
+host memory, CPU and drives. With expert parallelism n/N stands for the rank's shard parameters
+(memory.shard_params_per_gpu: its EP rank's experts cut over dp_shard / ep ranks, the rest over dp_shard).
 
 Per node: host memory G x (16 or, with NVMe, 8) n/N + the pinned rounding + T staging copies of 12 n/N each, all
 rounded (below); NVMe space G x 8 n/N; NVMe traffic per step G x 8 n/N read and as much written.
@@ -57,7 +58,8 @@ Host memory, tensor by tensor (`host_memory`; torch 2.13). The figure is per ran
     allocates the rounded size), and a freed block stays cached, so a tensor reallocated every step costs its
     block once. hpctrain pins only where a GPU exists (torch.cuda.is_available()): not on the "cpu" hardware.
   * FSDP2's shards (fsdp/_fully_shard/_fsdp_param.py, lines 298-315): each parameter's shard is dim 0 of its
-    TP-local tensor split in N chunks of ceil(rows / N) rows (torch.chunk; rank 0's is the largest), fp32, moved to
+    TP-local tensor split in N chunks of ceil(rows / N) rows (torch.chunk; rank 0's is the largest; an expert
+    weight's EP-local tensor, n_experts / ep of its experts, in N / ep chunks), fp32, moved to
     the CPU and pinned on its own (CPUOffloadPolicy.pin_memory, hpctrain's data_parallel.py: on GPUs). Its gradient
     shard comes back by `.to("cpu", non_blocking=True)` (_fsdp_collectives.py, lines 711-743: non-blocking when
     pinned and no gradient is there yet, which is always so for hpctrain: zero_grad(set_to_none=True) and one
@@ -90,7 +92,13 @@ from typing import TYPE_CHECKING
 from hpctrain.models import registry
 from hpctrain.models.params import stage_holds
 from hpctrain.plan.comm import param_all_gathers
-from hpctrain.plan.memory import fsdp_unit_params_per_gpu, layer_params_per_gpu, layers_on_stage, stage_params_per_gpu
+from hpctrain.plan.memory import (
+    fsdp_unit_params_per_gpu,
+    layer_params_per_gpu,
+    layers_on_stage,
+    shard_params_per_gpu,
+    stage_params_per_gpu,
+)
 from hpctrain.plan.states import ADAM, MASTER, hpctrain_state_parts, moments_on_nvme, offloads
 from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
 
@@ -109,12 +117,19 @@ def pinned_block(nbytes: int, threshold: int = PINNED_ROUND_THRESHOLD) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes <= threshold else nbytes
 
 
-def shard_elements(name: str, shape: tuple[int, ...], tp: int, shard: int, arch: str = "gpt") -> int:
+def shard_elements(name: str, shape: tuple[int, ...], tp: int, shard: int, arch: str = "gpt", ep: int = 1) -> int:
     """Elements of the largest FSDP2 shard (rank 0's) of parameter `name` of family `arch`: TP splits its
-    `tp_dims` dim (the largest piece: ceil), FSDP2 splits dim 0 of the TP-local tensor into `shard` chunks of
-    ceil(rows / shard) rows (torch.chunk, _fsdp_param.py `_chunk_with_empty`; Shard(0) is fully_shard's default placement)."""
+    `tp_dims` dim (the largest piece: ceil), expert parallelism an expert weight's expert dim (`ep_dims`) into ep,
+    FSDP2 dim 0 of the local tensor into `shard` chunks (an expert weight's into shard / ep: the ranks an EP group
+    leaves) of ceil(rows / chunks) rows (torch.chunk, _fsdp_param.py `_chunk_with_empty`; Shard(0) is
+    fully_shard's default placement)."""
     local = list(shape)
-    dim = registry.get(arch).sharded_dim(name)
+    family = registry.get(arch)
+    expert = family.expert_dim(name)
+    if expert is not None:
+        local[expert] //= ep
+        shard //= ep
+    dim = family.sharded_dim(name)
     if dim is not None and tp > 1:
         local[dim] = -(-local[dim] // tp)
     return -(-local[0] // shard) * math.prod(local[1:])
@@ -123,14 +138,14 @@ def shard_elements(name: str, shape: tuple[int, ...], tp: int, shard: int, arch:
 def rank_shards(model: ModelShape, layout: Layout, stage: int) -> list[tuple[int, int]]:
     """The parameter shards one GPU of pipeline stage `stage` holds, as (elements, how many): identical layers
     are counted once and multiplied (the same layers and top-level modules as memory.stage_params_per_gpu)."""
-    shard, tp = layout.zero_shard, layout.tp
+    shard, tp, ep = layout.zero_shard, layout.tp, layout.ep
     counts: Counter[int] = Counter()
     layers = layers_on_stage(model, layout.pp)
     for name, shape in model.block_shapes().items():
-        counts[shard_elements(name, shape, tp, shard, model.arch)] += layers
+        counts[shard_elements(name, shape, tp, shard, model.arch, ep)] += layers
     for name, shape in model.top_shapes(tp).items():
         if stage_holds(name.split(".")[0], stage, layout.pp, model.n_layers, model.arch):
-            counts[shard_elements(name, shape, tp, shard, model.arch)] += 1
+            counts[shard_elements(name, shape, tp, shard, model.arch, ep)] += 1
     return sorted(counts.items())
 
 
@@ -189,8 +204,9 @@ class OffloadCosts:
     hw.gpus_per_node ranks; PCIe bytes and all times are per GPU (every GPU of a node does the same at once)."""
 
     device: str  # "" (no offload), "cpu" or "nvme": where Adam's moments live
-    params_per_gpu: float  # n: parameters on the GPU (its TP shard of its pipeline stage)
+    params_per_gpu: float  # n: parameters on the GPU (its TP shard of its pipeline stage, its EP rank's experts)
     shard: int  # N: ranks ZeRO shards over
+    shard_params: float  # n / N: the parameters one rank steps on the CPU (experts: over N / ep, see module docstring)
     gpus_per_node: int
     host: HostMemory  # host memory of one rank, by term (module docstring)
     nvme_bytes_per_gpu: float
@@ -205,11 +221,6 @@ class OffloadCosts:
     @property
     def offloaded(self) -> bool:
         return bool(self.device)
-
-    @property
-    def shard_params(self) -> float:
-        """n / N: the parameters one rank steps on the CPU."""
-        return self.params_per_gpu / self.shard
 
     @property
     def host_bytes_per_gpu(self) -> float:
@@ -283,27 +294,28 @@ def offload_costs(model: ModelShape, layout: Layout, hw: Hardware, threads_per_r
     checkpoint: the run's checkpoint section, for its tiers' staging copies in host memory (None: no staging)."""
     g = hw.gpus_per_node
     if not offloads(layout):
-        return OffloadCosts("", 0.0, 1, g, HostMemory(0.0, 0.0, 0.0, 0.0, 0, 0.0), 0.0, 0, 0.0, 0.0, 0.0, 0.0,
-                            0.0, 0.0)
+        return OffloadCosts("", 0.0, 1, 0.0, g, HostMemory(0.0, 0.0, 0.0, 0.0, 0, 0.0), 0.0, 0, 0.0, 0.0, 0.0,
+                            0.0, 0.0, 0.0)
     stages = sorted({0, layout.pp - 1})
-    n = max(stage_params_per_gpu(model, layout.tp, layout.pp, s) for s in stages)
-    layer = layer_params_per_gpu(model, layout.tp)
+    stage = max(stages, key=lambda s: stage_params_per_gpu(model, layout.tp, layout.pp, s, layout.ep))
+    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage, layout.ep)
+    sharded = shard_params_per_gpu(model, layout, stage)
+    layer = layer_params_per_gpu(model, layout.tp, layout.ep)
     root = n - layers_on_stage(model, layout.pp) * layer  # as memory.stage_parts: the stage's parameters outside blocks
-    parts = hpctrain_state_parts(n, layer, layout, fsdp_unit_params_per_gpu(model, layout), root)
+    parts = hpctrain_state_parts(n, layer, layout, fsdp_unit_params_per_gpu(model, layout), root, sharded)
     nvme = sum(p.bytes for p in parts if p.nvme)
     on_nvme, tiers, pinned = moments_on_nvme(layout), checkpoint_tiers(checkpoint), pins_host_memory(hw)
     host = max((host_memory(rank_shards(model, layout, s), not on_nvme, pinned, tiers) for s in stages),
                key=lambda h: h.total)
-    shard = layout.zero_shard
-    fp32_shard = MASTER * n / shard
+    fp32_shard = MASTER * sharded
     gathers = param_all_gathers(layout)
     h2d, d2h = gathers * fp32_shard, fp32_shard
     return OffloadCosts(
         device="nvme" if on_nvme else "cpu",
-        params_per_gpu=n, shard=shard, gpus_per_node=g, host=host, nvme_bytes_per_gpu=nvme,
-        all_gathers=gathers, h2d_bytes=h2d, d2h_bytes=d2h,
+        params_per_gpu=n, shard=layout.zero_shard, shard_params=sharded, gpus_per_node=g, host=host,
+        nvme_bytes_per_gpu=nvme, all_gathers=gathers, h2d_bytes=h2d, d2h_bytes=d2h,
         pcie_s=(h2d + d2h) / hw.pcie_bw,
-        cpu_adam_s=n / shard / hw.adam_rate_per_gpu(threads_per_rank),
+        cpu_adam_s=sharded / hw.adam_rate_per_gpu(threads_per_rank),
         nvme_read_s=nvme * g / hw.nvme_read_bw,
         nvme_write_s=nvme * g / hw.nvme_write_bw,
     )

@@ -1,4 +1,5 @@
-"""The plan's model sections as plain data: parameter counts, vocabulary padding, parameters per pipeline stage.
+"""The plan's model sections as plain data: parameter counts (a Mixture of Experts' active ones too), vocabulary
+padding, parameters per pipeline stage.
 
 Pure and JSON-ready. The login side (hpctrain.launch.plan_view) adds the run, the task environment, the checks'
 warnings and the sbatch script, and renders the whole plan as text or JSON.
@@ -9,10 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hpctrain import schedules
+from hpctrain.models import registry
+from hpctrain.models.family import Dims
 from hpctrain.models.params import (
     arch_of,
     ffn_hidden_of,
     kv_heads_of,
+    model_active_param_count,
     model_param_count,
     padded_vocab,
     stage_param_counts,
@@ -30,6 +34,12 @@ def model_params(m: ModelConfig) -> int:
     return model_param_count(m)
 
 
+def active_params(m: ModelConfig) -> int | None:
+    """A Mixture of Experts' parameters per token (top_k of each layer's experts: what model cards publish as
+    "active", Mixtral-8x7B 12.9B); None for a dense model, whose every parameter is active."""
+    return model_active_param_count(m) if registry.family_of(m).moe else None
+
+
 def vocab_padding(m: ModelConfig, tp: int) -> dict[str, int]:
     """The embedding as built (padded_vocab rows; GPT's head tied to it, Llama's a second matrix of as many rows):
     rows and parameters the padding adds."""
@@ -40,14 +50,21 @@ def vocab_padding(m: ModelConfig, tp: int) -> dict[str, int]:
 
 
 def model_summary(m: ModelConfig) -> dict[str, Any]:
-    return {"name": m.name, "arch": arch_of(m), "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
-            "n_kv_heads": kv_heads_of(m), "ffn_hidden": ffn_hidden_of(m), "vocab_size": m.vocab_size,
-            "context": m.context}
+    """The model's shape; a Mixture of Experts adds its experts (how many, per token, their width, shared ones)."""
+    out = {"name": m.name, "arch": arch_of(m), "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
+           "n_kv_heads": kv_heads_of(m), "ffn_hidden": ffn_hidden_of(m), "vocab_size": m.vocab_size,
+           "context": m.context}
+    if registry.family_of(m).moe:
+        d = Dims.of(m)
+        out["moe"] = {"n_experts": d.n_experts, "top_k": d.top_k, "expert_hidden": d.expert_hidden,
+                      "n_shared_experts": d.n_shared_experts}
+    return out
 
 
 def stage_counts(m: ModelConfig, lay: Layout, schedule: str) -> dict[str, Any] | None:
     """Parameters of each pipeline stage, the stages each pipeline rank holds (the schedule's placement), and
-    what one GPU of each rank holds after the TP split, before ZeRO; None when the layers do not split evenly.
+    what one GPU of each rank holds after the TP split (and the EP split of the experts), before ZeRO; None when
+    the layers do not split evenly.
 
     Closed form (hpctrain.models.params), exact: the output head counts on the last stage (GPT: the tied head's
     copy of the embedding; Llama: its own matrix), a rank with several virtual stages sums them, and zbv's V puts
@@ -56,7 +73,7 @@ def stage_counts(m: ModelConfig, lay: Layout, schedule: str) -> dict[str, Any] |
     if m.n_layers % n_stages:
         return None
     whole = stage_param_counts(m, n_stages, lay.tp)
-    shard = stage_param_counts(m, n_stages, lay.tp, per_gpu=True)
+    shard = stage_param_counts(m, n_stages, lay.tp, per_gpu=True, ep=getattr(lay, "ep", 1))
     placement = schedules.get(schedule).stage_ids
     ranks = [placement(r, lay.pp, lay.virtual_stages) for r in range(lay.pp)] if lay.pp > 1 else [[0]]
     head = "the tied head's embedding copy" if tied_of(m) else "the output head"

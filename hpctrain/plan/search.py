@@ -7,7 +7,12 @@ Rules a candidate obeys (Megatron's, plus the global batch):
     is divisible by pp * virtual_stages;
   * dp = n_gpus / (tp * pp) is a whole number;
   * global_batch = micro_batch * grad_accum * dp, and microbatches (= grad_accum) >= pp;
-  * interleaving (v > 1) needs pp >= 2 and microbatches divisible by pp.
+  * interleaving (v > 1) needs pp >= 2 and microbatches divisible by pp;
+  * a Mixture of Experts tries every expert-parallel degree ep that divides both dp (the ZeRO shard group: the
+    search uses no HSDP) and n_experts, under FSDP2 (ZeRO >= 1: the experts' shards are cut over dp / ep ranks);
+    a dense model keeps ep = 1 (model_fit_problems refuses ep > 1 on it). EP trades the experts' unsharded
+    memory and DP traffic (/ ep) for all-to-alls and the wait for the busiest rank (comm.py, step_time.py), so
+    only fitting layouts are kept and the estimate ranks them.
 Pruning that keeps a 4096-GPU search well under a second, and why it loses nothing:
   * sequence parallelism is always on when tp > 1: it moves the same bytes as TP alone (comm.py)
     and stores less (memory.py), so layouts without it are dominated;
@@ -22,6 +27,7 @@ Candidates are ranked by estimated tokens/s (step_time.py), ties by lower memory
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -51,11 +57,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def shape_problems(model: ModelShape, tp: int, pp: int, virtual_stages: int, gpus_per_node: int) -> list[str]:
+def shape_problems(model: ModelShape, tp: int, pp: int, virtual_stages: int, gpus_per_node: int,
+                   ep: int = 1) -> list[str]:
     """What the model's shape rules (their one owner: config.layout.model_fit_problems) say of these degrees."""
-    degrees = SimpleNamespace(tp=tp, pp=pp, virtual_stages=virtual_stages, gpus_per_node=gpus_per_node)
+    degrees = SimpleNamespace(tp=tp, pp=pp, virtual_stages=virtual_stages, gpus_per_node=gpus_per_node, ep=ep)
     return [message for _, message, _ in
-            model_fit_problems(degrees, model.n_layers, model.n_heads, model.kv_heads, model.ffn)]
+            model_fit_problems(degrees, model.n_layers, model.n_heads, model.kv_heads, model.ffn, model.n_experts)]
+
+
+def expert_degrees(model: ModelShape, dp: int, zero_stage: int) -> list[int]:
+    """The ep degrees to try: divisors of dp that divide n_experts, under FSDP2 (ZeRO >= 1); 1 for a dense model."""
+    if not model.moe or zero_stage == 0:
+        return [1]
+    return [e for e in _divisors(dp) if model.n_experts % e == 0]
 
 
 def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int, global_batch: int) -> list[str]:
@@ -63,7 +77,7 @@ def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int
     bad = []
     if layout.n_gpus != n_gpus:
         bad.append(f"dp*tp*pp = {layout.n_gpus} != {n_gpus} GPUs")
-    bad += shape_problems(model, layout.tp, layout.pp, layout.virtual_stages, hw.gpus_per_node)
+    bad += shape_problems(model, layout.tp, layout.pp, layout.virtual_stages, hw.gpus_per_node, layout.ep)
     if layout.global_batch != global_batch:
         bad.append(f"micro_batch*grad_accum*dp = {layout.global_batch} != global batch {global_batch}")
     if layout.pp > 1 and layout.microbatches < layout.pp:
@@ -77,7 +91,8 @@ def _why(layout: Layout, mem: MemoryBreakdown, step: StepEstimate, recompute_nee
     """One line: the layout and what costs it most."""
     parts = [
         f"tp{layout.tp} pp{layout.pp}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
-        + f" dp{layout.dp} mb{layout.micro_batch} m{layout.microbatches} zero{layout.zero_stage}"
+        + f" dp{layout.dp}" + (f" ep{layout.ep}" if layout.ep > 1 else "")
+        + f" mb{layout.micro_batch} m{layout.microbatches} zero{layout.zero_stage}"
         + ("+accumulate_unsharded" if layout.accumulate_unsharded else "") + f" rc={layout.recompute}",
         f"{step.tokens_per_s:,.0f} tok/s, MFU {step.mfu:.0%}",
         f"bubble {step.bubble_fraction:.0%} of pipeline",
@@ -149,12 +164,13 @@ def search_layouts(
                     vs += [v for v in range(2, max_virtual_stages + 1) if model.n_layers % (pp * v) == 0]
                 for v in vs:
                     for z in zero_stages if dp > 1 else (0,):
-                        for unsharded in (False, True) if z >= 2 and m > 1 and pp == 1 else (False,):
+                        unsharded_options = (False, True) if z >= 2 and m > 1 and pp == 1 else (False,)
+                        for ep, unsharded in itertools.product(expert_degrees(model, dp, z), unsharded_options):
                             layout = Layout(
                                 dp=dp, tp=tp, pp=pp, virtual_stages=v, zero_stage=z, micro_batch=micro,
                                 grad_accum=m, sequence_parallel=tp > 1,
                                 schedule="interleaved_1f1b" if v > 1 else "1f1b", dtype=dtype,
-                                reduce_dtype=reduce_dtype, accumulate_unsharded=unsharded,
+                                reduce_dtype=reduce_dtype, accumulate_unsharded=unsharded, ep=ep,
                             )
                             cand = cheapest_fitting(model, layout, hw, **step_kwargs)
                             if cand is not None:
@@ -188,7 +204,8 @@ def explain(candidate: Candidate, best: Candidate | None = None) -> str:
         + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU" if mem.cpu_offload_bytes else "")
         + (f", {mem.nvme_bytes / g:.1f} GiB to NVMe" if mem.nvme_bytes else ""),
         f"step {st.step_time_s:.2f} s = compute {st.compute_s:.2f} + TP {st.tp_s:.2f} + PP {st.pp_s:.2f}"
-        f" + bubble {st.bubble_s:.2f} + exposed DP {st.dp_exposed_s:.2f}"
+        + (f" + EP {st.ep_s:.2f} + imbalance {st.imbalance_s:.2f}" if lay.ep > 1 else "")
+        + f" + bubble {st.bubble_s:.2f} + exposed DP {st.dp_exposed_s:.2f}"
         + (f" + offload {st.offload_s:.2f}" if st.offload is not None else "")
         + f" ({st.samples_per_s:.1f} samples/s, MFU {st.mfu:.1%}, HFU {st.hfu:.1%})",
     ]
@@ -202,6 +219,9 @@ def explain(candidate: Candidate, best: Candidate | None = None) -> str:
         )
     for item in st.comm.items:
         lines.append(f"comm: {item.name} {item.bytes / 1e9:.1f} GB/step over {item.link} = {item.time_s:.2f} s")
+    if st.imbalance_s:
+        lines.append(f"expert parallelism: the busiest of the {lay.ep} EP ranks' experts run more rows than the "
+                     f"mean, {st.imbalance_s:.2f} s of waiting per step (an assumed imbalance)")
     if lay.zero_stage == 3 and lay.microbatches > 1:
         lines.append(
             f"ZeRO-3 all-gathers the weights in forward and backward of each of the {lay.microbatches}"

@@ -25,6 +25,9 @@ r = gradient-reduction dtype bytes (precision.reduce_dtype; 4 with the bf16 pres
       - ZeRO-3 without PP: the units being computed and prefetched. ZeRO-3 shards each block's attention and
         MLP as FSDP units of their own: backward holds a block's units (the MLP computed, the attention
         prefetched, the norms' unit) = one layer; with whole-block units it would be two layers.
+      - Expert parallelism (Layout.ep > 1): n, a layer and a unit count this EP rank's experts only (n_experts /
+        ep of them), which FSDP2 shards over the dp_shard / ep ranks an EP group leaves; the shards' 4 n / N and
+        8 n / N are then the rank's shard parameters (`sharded`: dense / dp_shard + experts / (dp_shard / ep)).
     Gradients, `accumulates_unsharded`:
       - reduce-scattered in every micro-batch (ZeRO-2/3 by default, and every stage with M = 1): fp32 shards
         4 n / N. FSDP2's `foreach_reduce` adds each reduce-scatter's output to the sharded .grad.
@@ -170,17 +173,20 @@ def split_units(layout: Layout) -> bool:
 
 
 def hpctrain_state_parts(n: float, layer: float, layout: Layout, unit: float | None = None,
-                         root: float = 0.0) -> list[Part]:
+                         root: float = 0.0, sharded: float | None = None) -> list[Part]:
     """Parameters, gradients, optimizer state and collective buffers one GPU holds for n parameters, each column
     at its own peak
     (layer: one layer's share; unit: the largest block-level FSDP unit's, a layer unless `split_units`, None: a
-    layer; root: the parameters outside the blocks, FSDP2's root unit)."""
+    layer; root: the parameters outside the blocks, FSDP2's root unit; sharded: the parameters of the GPU's FSDP2
+    shards, None: n / zero_shard; with expert parallelism the experts' shards are cut over dp_shard / ep ranks,
+    memory.shard_params_per_gpu)."""
     kind = data_parallel_kind(layout)
     if kind in ("none", "ddp"):
         return _unsharded_parts(n, layout)
     if kind == "replicate":
         return _replicate_parts(n, layer, layout)
-    return _fsdp_parts(n, layer, layer if unit is None else unit, root, layout)
+    return _fsdp_parts(n, layer, layer if unit is None else unit, root, layout,
+                       n / layout.zero_shard if sharded is None else sharded)
 
 
 def _unsharded_parts(n: float, layout: Layout) -> list[Part]:
@@ -209,7 +215,7 @@ def _replicate_parts(n: float, layer: float, layout: Layout) -> list[Part]:
     ]
 
 
-def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout) -> list[Part]:
+def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout, sharded: float) -> list[Part]:
     """FSDP2 fully_shard over N = zero_shard ranks (ZeRO-1/2/3), with CPU offload when configured.
 
     Measured against real gloo ranks in tests/parallel/test_zero_memory.py (torch's MemTracker, each column's
@@ -224,16 +230,18 @@ def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout
     nvme = moments_on_nvme(layout)
     gathered_units = layout.zero_stage == 3 and layout.pp == 1
     of = f", 1/{shard}" if shard > 1 else ""
+    if layout.ep > 1:
+        of += f" (this EP rank's experts: 1/{layout.dp_shard_mod_ep})"
     parts = [
-        Part("params", f"fp32 parameter shard{of}", MASTER * n / shard, cpu),
+        Part("params", f"fp32 parameter shard{of}", MASTER * sharded, cpu),
         Part("params", f"{layout.dtype} unsharded parameters, " + (
             "the root unit and one block's units" if gathered_units
             else "whole stage kept from the first forward to the last backward"),
             c * (root + layer if gathered_units else n)),
         Part("buffers", "one unit's all-gather output while it is copied out", c * unit),
-        Part("optimizer", f"Adam moments{of}", ADAM * n / shard, cpu and not nvme, nvme),
+        Part("optimizer", f"Adam moments{of}", ADAM * sharded, cpu and not nvme, nvme),
     ]
-    shards = MASTER * n / shard
+    shards = MASTER * sharded
     unit_name = "MLP" if split_units(layout) else "layer"
     if accumulates_unsharded(layout):
         held = r * n if cpu else max(r * n, shards)  # the shards replace the accumulated gradients unit by unit

@@ -6,8 +6,12 @@ Model (all per GPU, the most loaded one):
              With precision.fp8 the blocks' Linear GEMMs run at the GPU's FP8 peak (Hardware.fp8_flops), the
              attention core and the logit layer at the bf16 peak (flops.compute_seconds). MFU and HFU stay
              against the bf16 peak, so they compare across precisions (an FP8 run can pass what bf16 could reach).
-  busy     = compute + exposed TP traffic + exposed PP sends. TP collectives sit between the matmuls of
-             every layer and are taken as fully exposed; PP sends likewise by default.
+  busy     = compute + exposed TP traffic + exposed PP sends + expert parallelism. TP collectives sit between
+             the matmuls of every layer and are taken as fully exposed; PP sends likewise by default. Expert
+             parallelism (a Mixture of Experts with ep > 1): its all-to-alls (comm.py) sit between the router and
+             the experts and between the experts and the combine, fully exposed, and every rank waits at the
+             combine for the busiest one, whose experts run EXPERT_IMBALANCE x the mean rows: (imbalance - 1) x
+             the experts' GEMM time (flops.expert_flops_per_iteration) on top of compute.
   pipeline = busy / (1 - bubble_fraction): the bubble stretches everything a stage does per micro-batch.
   DP       = data-parallel / ZeRO traffic outside the pipeline. Traffic that can overlap compute hides
              at most (1 - dp_exposed) of itself and never more than the compute it can overlap with:
@@ -25,16 +29,25 @@ the ranking between layouts is what this is for.
 
 Two constants carry the absolute numbers and no source pins them: the matmul efficiency (Hardware.efficiency,
 0.6) and the exposed share of overlappable DP traffic (DP_EXPOSED, 0.5). `step_range` moves each over a
-plausible interval (ASSUMED) and reports the span, so a plan shows a range, not a promise.
+plausible interval (ASSUMED) and reports the span, so a plan shows a range, not a promise. Under expert parallelism
+a third joins them: the routing's imbalance (activations.EXPERT_IMBALANCE, 1.25).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
+from hpctrain.plan.activations import EXPERT_IMBALANCE
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.comm import CommBreakdown, comm_per_step
-from hpctrain.plan.flops import compute_seconds, flops_per_iteration, fp8_flops_per_iteration, mfu
+from hpctrain.plan.flops import (
+    compute_seconds,
+    expert_flops_per_iteration,
+    flops_per_iteration,
+    fp8_flops_per_iteration,
+    mfu,
+)
 from hpctrain.plan.offload import OffloadCosts, offload_costs
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
@@ -60,6 +73,10 @@ EFFICIENCY = ("matmul_efficiency", 0.45, 0.75, "fraction of peak FLOP/s the matm
               "end to end is a floor for the compute alone, large single GEMMs reach ~75%")
 EXPOSED = ("dp_exposed_share", 0.25, 1.0, "share of overlappable data-parallel traffic not hidden behind "
            "compute: from bucketed overlap (0.25) to none (1.0)")
+# The busiest EP rank's routed rows over the mean: 1.0 is a perfect balance, 2.0 the busiest rank's experts at twice
+# the mean (a routing a balancing loss has not evened out yet). Both ends are assumptions, not measurements.
+IMBALANCE = ("expert_imbalance", 1.0, 2.0, "routed rows the busiest expert-parallel rank receives over the mean "
+             "(dropless routing): from perfectly balanced (1.0) to its hottest experts at twice the mean (2.0)")
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,8 @@ class StepEstimate:
     comm: CommBreakdown
     offload_s: float = 0.0  # exposed offload time: CPU optimizer step (and NVMe) + PCIe copies (offload.py)
     offload: OffloadCosts | None = None  # the offload's costs when the layout offloads
+    ep_s: float = 0.0  # expert parallelism's all-to-alls (exposed)
+    imbalance_s: float = 0.0  # the wait for the busiest EP rank's experts (module docstring)
 
     @property
     def offload_share(self) -> float:
@@ -92,7 +111,7 @@ class StepEstimate:
     @property
     def comm_s(self) -> float:
         """Communication on the critical path (exposed)."""
-        return self.tp_s + self.pp_s + self.dp_exposed_s
+        return self.tp_s + self.pp_s + self.ep_s + self.dp_exposed_s
 
     @property
     def comm_share(self) -> float:
@@ -133,19 +152,27 @@ def estimate_step(
     dp_exposed: float = DP_EXPOSED,
     tp_exposed: float = 1.0,
     pp_exposed: float = 1.0,
+    imbalance: float = EXPERT_IMBALANCE,
 ) -> StepEstimate:
     """Estimated time of one optimizer step of `layout` on `hw`, with its breakdown (see module docstring)."""
     for name, value in (("dp_exposed", dp_exposed), ("tp_exposed", tp_exposed), ("pp_exposed", pp_exposed)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1]")
+    if imbalance < 1.0:
+        raise ValueError(f"imbalance is the busiest rank's rows over the mean: >= 1, got {imbalance}")
     n = layout.n_gpus
     flops = flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp)
     fp8_flops = fp8_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.fp8)
     compute_s = compute_seconds(flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency)
-    comm = comm_per_step(model, layout, hw)
+    comm = comm_per_step(model, layout, hw, imbalance=imbalance)
     tp_s = tp_exposed * comm.time_of("tp")
     pp_s = pp_exposed * comm.time_of("pp")
-    busy = compute_s + tp_s + pp_s
+    ep_s = comm.time_of("ep")
+    imbalance_s = 0.0
+    if layout.ep > 1:  # the experts' GEMMs (bf16: flops.fp8_flops_per_iteration leaves them out) on more rows
+        experts = expert_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp)
+        imbalance_s = (imbalance - 1.0) * compute_seconds(experts, 0.0, n, hw.peak_flops, 0.0, hw.efficiency)
+    busy = compute_s + tp_s + pp_s + ep_s + imbalance_s
     frac = bubble_fraction(layout.pp, layout.microbatches, layout.virtual_stages, layout.schedule)
     pipeline_s = busy / (1.0 - frac)
     dp_s = comm.time_of("dp")
@@ -170,6 +197,8 @@ def estimate_step(
         comm=comm,
         offload_s=offload_s,
         offload=costs if costs.offloaded else None,
+        ep_s=ep_s,
+        imbalance_s=imbalance_s,
     )
 
 
@@ -186,18 +215,29 @@ class StepRange:
 
 
 def step_range(model: ModelShape, layout: Layout, hw: Hardware, dp_exposed: float = DP_EXPOSED) -> StepRange:
-    """The span of `estimate_step` when the efficiency and the exposed DP share move over their intervals."""
-    eff, exp = (Assumption(name, value, min(lo, value), max(hi, value), why)
-                for (name, lo, hi, why), value in ((EFFICIENCY, hw.efficiency), (EXPOSED, dp_exposed)))
+    """The span of `estimate_step` when the efficiency and the exposed DP share (and, under expert parallelism,
+    the routing's imbalance) move over their intervals."""
+    given = [(EFFICIENCY, hw.efficiency), (EXPOSED, dp_exposed)]
+    if layout.ep > 1 and model.moe:
+        given.append((IMBALANCE, EXPERT_IMBALANCE))
+    assumptions = tuple(Assumption(name, value, min(lo, value), max(hi, value), why)
+                        for (name, lo, hi, why), value in given)
 
-    def at(e: float, x: float) -> StepEstimate:
-        return estimate_step(model, layout, replace(hw, efficiency=e), dp_exposed=x)
+    def at(values: tuple[float, ...]) -> StepEstimate:
+        e, x, *rest = values
+        return estimate_step(model, layout, replace(hw, efficiency=e), dp_exposed=x,
+                             imbalance=rest[0] if rest else EXPERT_IMBALANCE)
 
-    corners = [at(e, x) for e in (eff.low, eff.high) for x in (exp.low, exp.high)]
+    point = tuple(a.value for a in assumptions)
+
+    def moved(i: int, value: float) -> tuple[float, ...]:
+        return point[:i] + (value,) + point[i + 1:]
+
+    corners = [at(c) for c in itertools.product(*((a.low, a.high) for a in assumptions))]
     return StepRange(
-        assumptions=(eff, exp),
-        point=at(eff.value, exp.value),
-        alone=((at(eff.low, exp.value), at(eff.high, exp.value)), (at(eff.value, exp.low), at(eff.value, exp.high))),
+        assumptions=assumptions,
+        point=at(point),
+        alone=tuple((at(moved(i, a.low)), at(moved(i, a.high))) for i, a in enumerate(assumptions)),
         fastest=min(corners, key=lambda st: st.step_time_s),
         slowest=max(corners, key=lambda st: st.step_time_s),
     )

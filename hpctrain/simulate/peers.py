@@ -69,13 +69,3 @@ def pipeline_peers(boundary: tuple[Any, ...] | None) -> Iterator[list[tuple[Any,
     finally:
         (torch_schedules._PipelineSchedule._warmup_p2p, torch_stage.PipelineStage._recv_meta,
          torch_stage.PipelineStage._send_meta) = saved
-
-
-def start_up(schedule: Any, first_args: tuple[Any, ...], first_target: Any) -> None:
-    """The schedule's start-up (the vote, then shape inference with one micro-batch forward and backward, whose
-    memory torch frees after), run before the measured step: a real run does it once, before its first step.
-    `first_args` and `first_target` are the step's first micro-batch as the schedule splits it."""
-    if hasattr(schedule, "_initialize_stages"):  # several stages on this rank (torch's multi-stage schedules)
-        schedule._initialize_stages(first_args, {}, first_target)
-    else:
-        schedule._initialize_stage(first_args, {}, first_target)

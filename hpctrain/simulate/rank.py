@@ -29,7 +29,7 @@ from hpctrain.parallel.pipeline import stage_model
 from hpctrain.parallel.precision import autocast
 from hpctrain.simulate.collectives import CollectiveCounter
 from hpctrain.simulate.memory import category_peaks, columns, peak_by_category, step_tracker
-from hpctrain.simulate.peers import pipeline_peers, start_up
+from hpctrain.simulate.peers import pipeline_peers
 from hpctrain.simulate.world import counting_group_calls, fake_world, groups_held
 
 CPU = torch.device("cpu")
@@ -70,12 +70,6 @@ class SimulatedEngine(Engine):
     @staticmethod
     def _read(values: torch.Tensor) -> list[float]:
         return [0.0] * values.numel()
-
-    def start_pipeline(self, batches: torch.Tensor) -> None:
-        """The pipeline schedule's start-up, on the step's first micro-batch (hpctrain.simulate.peers.start_up)."""
-        inputs, targets = batches[0, 0], batches[1, 0]
-        with autocast(self.cfg.precision, self.device, not self.fsdp):
-            start_up(self.schedule, (inputs,) if self.has_first else (), targets if self.has_last else None)
 
     def stage_zero_sends(self, mode: FakeTensorMode, tokens: torch.Tensor) -> tuple[Any, ...]:
         """What pipeline stage 0 sends forward, from a stand-in built as its own rank builds it (a rank
@@ -136,7 +130,7 @@ def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None 
         peers = pipeline_peers(boundary) if dims.pp > 1 else contextlib.nullcontext()
         with mode, peers:
             if engine.schedule is not None:
-                engine.start_pipeline(batches)
+                engine.start_pipeline(batches[0], batches[1])
             with tracker, counter:
                 engine.step(batches, float(cfg.optim.lr))
         categories = peak_by_category(tracker)

@@ -1,5 +1,5 @@
 """What a step reports: the metrics row (metrics.jsonl, W&B), its events, and the progress line a user
-watches (step, loss, lr, throughput, time to go)."""
+watches (step, loss, lr, throughput, time to go; for a Mixture-of-Experts model, how its router balances)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from hpctrain.config.schema import Config, Executor
 from hpctrain.parallel.metrics import mfu, peak_memory_gb
+from hpctrain.parallel.moe_stats import IdleExperts, MoEStepStats
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class StepReporter:
         self.progress = Progress(total_steps=cfg.train.max_steps, start_step=start_step)
         self.stop_tier = stop_tier  # where a stop for a signal saves (CheckpointManager.stop_tier)
         self._lead_checked = cfg.cluster.executor != Executor.slurm  # only Slurm sends a warning signal
+        self.idle_experts = IdleExperts()
 
     def step(self, tracker: Any, done: int, consumed: int, stats: Any, lr: float, step_time: float,
              ckpt_events: list[dict[str, Any]], health: tuple[dict[str, float], list[dict[str, Any]]],
@@ -59,6 +61,8 @@ class StepReporter:
                    "time": time.time(), "loss_scale": stats.loss_scale, "skipped": int(stats.skipped),
                    "mfu": mfu(self.cfg, tokens_per_s, self.world_size), "peak_mem_gb": peak_memory_gb(self.device)}
         metrics.update(data or {})
+        if stats.moe is not None:
+            metrics.update(stats.moe.metrics())
         metrics.update(checkpoint_metrics(ckpt_events))
         self._check_signal_lead(tracker, done, step_time, ckpt_events)
         for e in ckpt_events:
@@ -69,6 +73,8 @@ class StepReporter:
         tracker.log(metrics)
         for e in health_events:
             tracker.event(e.pop("event"), **e)
+        if stats.moe is not None:
+            self._check_idle_experts(tracker, done, stats.moe)
         self._print(done, step_time, metrics, stats)
 
     def _check_signal_lead(self, tracker: Any, done: int, step_time: float,
@@ -90,6 +96,20 @@ class StepReporter:
         tracker.event("timeout_inconsistent", key="cluster.signal_delay_s", needed_s=needed, lead_s=lead,
                       message=message)
 
+    def _check_idle_experts(self, tracker: Any, done: int, moe: MoEStepStats) -> None:
+        """An expert the router has starved for `IdleExperts.steps` steps in a row: one warning and one event per
+        layer, when its idle run reaches that length (not every step after)."""
+        reached = self.idle_experts.update(moe)
+        if not reached:
+            return
+        n = self.idle_experts.steps
+        where = "; ".join(f"layer {layer}: {', '.join(map(str, experts))}" for layer, experts in reached.items())
+        log.warning("MoE experts with no token for %d steps (to step %d): %s; the router starves them: check the "
+                    "balancing (model.moe.balance_coef, or model.moe.bias_update_rate for the sigmoid router)",
+                    n, done, where)
+        for layer, experts in reached.items():
+            tracker.event("expert_idle", layer=layer, experts=experts, steps=n)
+
     def _print(self, done: int, step_time: float, metrics: dict[str, Any], stats: Any) -> None:
         line = self.progress.update(done, step_time, metrics)
         line += f" | MFU {metrics['mfu']:.2%} | peak mem {metrics['peak_mem_gb']:.2f} GB"
@@ -97,11 +117,22 @@ class StepReporter:
             line += f" | data wait {metrics['data_wait_s'] / step_time:.1%}"
         if self.cfg.precision.loss_scaling:
             line += f" | loss scale {stats.loss_scale:g}" + (" (overflow: step skipped)" if stats.skipped else "")
+        if stats.moe is not None:
+            line += self._moe_part(stats.moe)
         if "val_loss" in metrics:
             line += f" | val loss {metrics['val_loss']:.4f}"
         t = self.cfg.train
         if done % t.log_every == 0 or done == t.max_steps or done == self.start_step + 1 or "val_loss" in metrics:
             print(line, flush=True)
+
+    def _moe_part(self, moe: MoEStepStats) -> str:
+        """The router at a glance: balancing loss, the worst layer's max/mean tokens per expert, and what
+        capacity dropped (only with a capacity: dropless routing never drops)."""
+        worst = moe.worst_layer()
+        part = f" | moe balance {moe.balance_loss:.3f}, imbalance {moe.layers()[worst].imbalance:.2f} (layer {worst})"
+        if self.cfg.model.moe.capacity_factor > 0:
+            part += f", dropped {moe.dropped_fraction():.2%}"
+        return part
 
 
 def checkpoint_metrics(events: list[dict[str, Any]]) -> dict[str, Any]:

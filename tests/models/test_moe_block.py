@@ -52,7 +52,7 @@ def reference_route(m: MoE, logits: torch.Tensor) -> tuple[list[int], torch.Tens
 
 
 def expert(m: MoE, e: int, xt: torch.Tensor) -> torch.Tensor:
-    return m.w_down[e] @ (F.silu(m.w_gate[e] @ xt) * (m.w_up[e] @ xt))
+    return m.experts.w_down[e] @ (F.silu(m.experts.w_gate[e] @ xt) * (m.experts.w_up[e] @ xt))
 
 
 def reference(m: MoE, x: torch.Tensor, capacity: int | None = None) -> tuple[torch.Tensor, int]:
@@ -93,7 +93,7 @@ def test_dropless_equals_per_token_reference_with_gradients(kw: dict) -> None:
     x = tokens().requires_grad_()
     g = tokens(seed=2)
     params = [x, *m.parameters()]
-    out, stats = m(x)
+    out, stats = m.compute(x)
     assert stats.dropped.item() == 0
     ours = torch.autograd.grad((out * g).sum(), params)
     ref, _ = reference(m, x)
@@ -108,7 +108,7 @@ def test_dropless_equals_per_token_reference_with_gradients(kw: dict) -> None:
 
 def fused(m: MoE) -> tuple[torch.Tensor, torch.Tensor]:
     """Our stacked experts -> transformers 5's fused (gate_up_proj [E, 2H, d], down_proj [E, d, H])."""
-    return torch.cat((m.w_gate, m.w_up), dim=1), m.w_down
+    return torch.cat((m.experts.w_gate, m.experts.w_up), dim=1), m.experts.w_down
 
 
 def load_hf(hf: torch.nn.Module, m: MoE) -> None:
@@ -121,7 +121,7 @@ def load_hf(hf: torch.nn.Module, m: MoE) -> None:
 
 def check_against_hf(hf: torch.nn.Module, m: MoE) -> None:
     x = tokens(torch.float32)
-    out, _ = m(x)
+    out, _ = m.compute(x)
     torch.testing.assert_close(out, hf(x), atol=1e-5, rtol=0)
     hf_logits, hf_weights, hf_experts = hf.gate(x.view(-1, D))
     logits = m.router_logits(x.view(-1, D))
@@ -178,7 +178,7 @@ def test_balance_loss_equals_transformers_and_z_loss_the_formula() -> None:
 
     m = block(torch.float32)
     x = tokens(torch.float32)
-    _, stats = m(x)
+    _, stats = m.compute(x)
     logits = m.router_logits(x.view(-1, D))
     torch.testing.assert_close(stats.balance_loss, load_balancing_loss_func((logits,), 8, 2), atol=1e-6, rtol=0)
     z = (logits.double().exp().sum(-1).log() ** 2).mean()
@@ -188,7 +188,7 @@ def test_balance_loss_equals_transformers_and_z_loss_the_formula() -> None:
 def test_sigmoid_balance_loss_uses_normalised_scores() -> None:
     m = block(router="sigmoid", n_groups=4, topk_groups=2)
     x = tokens()
-    _, stats = m(x)
+    _, stats = m.compute(x)
     logits = m.router_logits(x.view(-1, D))
     s = logits.sigmoid()
     f = stats.tokens_per_expert.double() / logits.shape[0]
@@ -248,7 +248,7 @@ def test_shared_experts_add_exactly_the_shared_mlp() -> None:
     routed_only.load_state_dict({k: v for k, v in with_shared.state_dict().items() if not k.startswith("shared.")})
     assert with_shared.shared.gate.weight.shape == (2 * H, D)
     x = tokens()
-    torch.testing.assert_close(with_shared(x)[0] - routed_only(x)[0], with_shared.shared(x), atol=1e-12, rtol=0)
+    torch.testing.assert_close(with_shared(x) - routed_only(x), with_shared.shared(x), atol=1e-12, rtol=0)
 
 
 def forced_to_expert_0(capacity_factor: float) -> tuple[MoE, torch.Tensor]:
@@ -268,10 +268,10 @@ def test_capacity_drops_the_overflow(capacity_factor: float) -> None:
     n_tokens = 32
     capacity = math.ceil(capacity_factor * n_tokens * 2 / 8)
     assert m.args.capacity(n_tokens) == capacity
-    out, stats = m(x)
+    out, stats = m.compute(x)
     assert stats.tokens_per_expert.tolist() == [32, 32, 0, 0, 0, 0, 0, 0]
     assert stats.dropped.item() == 2 * max(0, n_tokens - capacity)
-    dropless, _ = forced_to_expert_0(0.0)[0](x)
+    dropless, _ = forced_to_expert_0(0.0)[0].compute(x)
     kept = min(capacity, n_tokens)  # equal weights: the first tokens are kept, by both experts
     flat_out, flat_dropless = out.view(-1, D), dropless.view(-1, D)
     torch.testing.assert_close(flat_out[:kept], flat_dropless[:kept], atol=1e-12, rtol=0)
@@ -280,7 +280,7 @@ def test_capacity_drops_the_overflow(capacity_factor: float) -> None:
 
 def test_dropless_drops_nothing_even_when_all_go_to_one_expert() -> None:
     m, x = forced_to_expert_0(0.0)
-    out, stats = m(x)
+    out, stats = m.compute(x)
     assert stats.dropped.item() == 0
     torch.testing.assert_close(out, reference(m, x)[0], atol=1e-12, rtol=0)
 
@@ -288,7 +288,7 @@ def test_dropless_drops_nothing_even_when_all_go_to_one_expert() -> None:
 def test_capacity_drops_the_lowest_weights_first() -> None:
     m = block(capacity_factor=1.0)
     x = tokens()
-    out, stats = m(x)
+    out, stats = m.compute(x)
     ref, dropped = reference(m, x, capacity=m.args.capacity(32))
     assert dropped > 0 and stats.dropped.item() == dropped
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
@@ -298,7 +298,7 @@ def test_capacity_drops_the_lowest_weights_first() -> None:
 def test_tokens_per_expert_counts_every_assignment(kw: dict) -> None:
     m = block(**kw)
     x = tokens()
-    _, stats = m(x)
+    _, stats = m.compute(x)
     _, experts, _ = m.route(m.router_logits(x.view(-1, D)))
     assert stats.tokens_per_expert.dtype == torch.int64 and stats.tokens_per_expert.shape == (8,)
     assert stats.tokens_per_expert.sum().item() == 32 * 2
@@ -311,7 +311,7 @@ def test_tokens_per_expert_counts_every_assignment(kw: dict) -> None:
 def test_bf16_block_routes_in_fp32() -> None:
     m = block(torch.bfloat16)
     x = tokens(torch.bfloat16)
-    out, stats = m(x)
+    out, stats = m.compute(x)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     assert m.router_logits(x.view(-1, D)).dtype == torch.float32 and stats.balance_loss.dtype == torch.float32
 
@@ -320,7 +320,7 @@ def test_meta_build_then_init_gives_the_eager_weights() -> None:
     args = MoEArgs(d_model=D, expert_hidden=H, n_experts=8, top_k=2, router="sigmoid", n_shared_experts=1)
     with torch.device("meta"):
         lazy = MoE(args)
-    assert lazy.w_gate.is_meta and lazy.expert_bias.is_meta
+    assert lazy.experts.w_gate.is_meta and lazy.expert_bias.is_meta
     lazy.to_empty(device="cpu")
     lazy.init_weights(0.02, n_layers=4, seed=7, prefix="layers.1.mlp.")
     eager = MoE(args)
@@ -328,11 +328,11 @@ def test_meta_build_then_init_gives_the_eager_weights() -> None:
     for (name, a), b in zip(lazy.state_dict().items(), eager.state_dict().values()):
         assert torch.equal(a, b), name
     assert torch.equal(lazy.expert_bias, torch.zeros(8))
-    assert lazy.w_down.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.1)
-    assert lazy.w_gate.std().item() == pytest.approx(0.02, rel=0.1)
+    assert lazy.experts.w_down.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.1)
+    assert lazy.experts.w_gate.std().item() == pytest.approx(0.02, rel=0.1)
     other = MoE(args)
     other.init_weights(0.02, n_layers=4, seed=7, prefix="layers.2.mlp.")
-    assert not torch.equal(other.w_gate, eager.w_gate)
+    assert not torch.equal(other.experts.w_gate, eager.experts.w_gate)
     out, _ = lazy(tokens(torch.float32))
     assert torch.isfinite(out).all()
 
@@ -385,8 +385,8 @@ def test_grouped_gemm_path_equals_the_loop() -> None:
 def test_block_through_the_grouped_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     m = block(torch.float32, capacity_factor=1.0)
     x = tokens(torch.float32)
-    looped, stats = m(x)
+    looped, stats = m.compute(x)
     monkeypatch.setattr(moe_module, "grouped_mm_serves", lambda x, weight: True)
-    grouped, grouped_stats = m(x)
+    grouped, grouped_stats = m.compute(x)
     torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=0)
     assert grouped_stats.dropped.item() == stats.dropped.item() > 0
