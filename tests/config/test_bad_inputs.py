@@ -166,6 +166,33 @@ BAD = [
                       "precision.fp8=tensorwise"], "model.ffn_hidden", "336 / tp 2 = 168 is not a multiple of 16"),
     ("fp8-emulated-compile", ["precision=bf16", "precision.fp8=tensorwise", "parallel.compile=true"],
      "parallel.compile", "emulation (gpu_type=cpu) does not support torch.compile"),
+    # issue 32: Mixture of Experts (model.moe, parallel.ep)
+    ("moe-keys-on-dense", ["model=llama_tiny", "model.moe.n_experts=8"], "model.moe.n_experts",
+     "model.arch=llama is a dense model"),
+    ("moe-no-experts", ["model=moe_tiny", "model.moe.n_experts=0"], "model.moe.n_experts",
+     "is a Mixture of Experts, but model.moe.n_experts=0"),
+    ("moe-top-k-beyond-experts", ["model=moe_tiny", "model.moe.top_k=9"], "model.moe.top_k",
+     "1 to n_experts=8 experts, got top_k=9"),
+    ("moe-unknown-router", ["model=moe_tiny", "model.moe.router=hash"], "model.moe.router", "unknown router"),
+    ("moe-groups", ["model=moe_tiny", "model.moe.n_groups=3"], "model.moe.n_groups", "must divide n_experts=8"),
+    ("moe-negative-capacity", ["model=moe_tiny", "model.moe.capacity_factor=-1"], "model.moe.capacity_factor",
+     "must be >= 0"),
+    ("moe-negative-balance", ["model=moe_tiny", "model.moe.balance_coef=-0.01"], "model.moe.balance_coef",
+     "a loss coefficient must be >= 0"),
+    ("moe-negative-expert-width", ["model=moe_tiny", "model.moe.expert_hidden=-1"], "model.moe.expert_hidden",
+     "expert sizes must be >= 0"),
+    ("moe-compile", ["model=moe_tiny", "parallel.compile=true"], "parallel.compile", "routes tokens to experts"),
+    ("ep-on-dense", ["cluster.gpus_per_node=2", "zero=stage1", "parallel.ep=2"], "parallel.ep",
+     "this model is dense"),
+    ("experts-vs-ep", ["model=moe_tiny", "model.moe.n_experts=6", "cluster.gpus_per_node=4", "zero=stage1",
+                       "parallel.ep=4"], "parallel.ep", "model.moe.n_experts=6 is not divisible by ep=4"),
+    ("ep-vs-dp", ["model=moe_tiny", "cluster.gpus_per_node=4", "zero=stage1", "parallel.ep=3"], "parallel.ep",
+     "ep=3 does not divide the 4 data-parallel ranks"),
+    ("ep-zero", ["model=moe_tiny", "parallel.ep=0"], "parallel.ep", "must be >= 1"),
+    ("moe-simulate", ["model=moe_tiny", "zero=stage1", "dry_run=simulate"], "dry_run",
+     "simulate does not build Mixture-of-Experts layers yet"),
+    ("auto-bad-shape", ["model=moe_tiny", "model.n_heads=3", "parallel=auto"], "model.d_model",
+     "not divisible by n_heads 3"),  # before the search, which cannot describe such a model
 ]
 
 

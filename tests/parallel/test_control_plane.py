@@ -23,7 +23,8 @@ from tests.checkpoint.test_checkpoint import SMALL
 from tests.distributed_harness import DistributedTestError, run_distributed
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
-               "reduce_scatter_tensor", "all_gather_into_tensor", "gather_object", "reduce", "all_to_all")
+               "reduce_scatter_tensor", "all_gather_into_tensor", "gather_object", "reduce", "all_to_all",
+               "all_to_all_single")
 
 
 def _count_collectives(rank: int, world: int, config: dict[str, Any], run_dir: str) -> dict[int, list[tuple]]:
@@ -76,6 +77,27 @@ def test_one_collective_per_step_on_the_default_group(compose_cfg, tmp_path: Pat
     for calls in results:
         for step in range(2, 8):  # steady steps (the first has start-up's collectives before it)
             assert calls[step] == [("all_reduce", "hpctrain.parallel.engine", True, "cpu")], (step, calls[step])
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallelism_adds_only_its_dispatch(compose_cfg, tmp_path: Path) -> None:
+    """An MoE model under EP 2: the step's one reduction stays the only control collective (the routing counts
+    ride it); each MoE layer forward adds one all-to-all of its counts on the EP group (here the whole world; the
+    rows go through torch's functional collectives, forward and backward, not counted here), 2 layers x 2
+    micro-batches."""
+    from tests.checkpoint.test_moe_resume import MOE
+
+    cfg = compose_cfg(*SMALL, "cluster.gpus_per_node=2", "run.id=test", f"run.root={tmp_path}", *MOE,
+                      "parallel.ep=2", "train.max_steps=4", "health.preflight=off",
+                      f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_minutes: 600, keep_last: 1}}]",
+                      "checkpoint.save_final=false")
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    for calls in run_distributed(_count_collectives, 2, config, str(tmp_path / "run"), timeout=240):
+        for step in range(2, 4):
+            control = [c for c in calls[step] if c[0] != "all_to_all_single"]
+            assert control == [("all_reduce", "hpctrain.parallel.engine", True, "cpu")], (step, calls[step])
+            dispatch = [c[:2] for c in calls[step] if c[0] == "all_to_all_single"]
+            assert dispatch == [("all_to_all_single", "hpctrain.models.moe")] * 2 * 2, dispatch
 
 
 def _agree_on_cpu(rank: int, world: int) -> bool:

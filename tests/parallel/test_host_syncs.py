@@ -74,6 +74,25 @@ def test_one_host_sync_per_step_after_the_optimizer_step(world: int, overrides: 
                 i for i, e in enumerate(events) if e == "optimizer.step"), (rank, step, events)
 
 
+@pytest.mark.parametrize("overrides", [{"parallel__ep": 2}, {"parallel__ep": 2, "parallel__recompute": "full"}],
+                         ids=["ep2", "ep2_recompute"])
+def test_an_moe_layer_reads_its_routing_sizes_once_per_forward(overrides: dict[str, Any]) -> None:
+    """Besides the step's control read, each MoE layer forward reads its split sizes once (expert parallelism's
+    all-to-all takes host lists) and, off the grouped-GEMM path (CPU here; not H100/B200 in bf16), its per-expert
+    segment sizes once: 4 layers x 2 micro-batches x 2, and a recomputed forward reads them again."""
+    from tests.parallel.test_moe_layouts import MOE
+
+    forwards = 4 * 2 * (2 if "parallel__recompute" in overrides else 1)
+    for rank, steps in enumerate(run_distributed(_events_per_step, 2, {**MOE, **PP, **overrides}, timeout=120)):
+        for step, events in enumerate(steps):
+            reads = [e for e in events if e.startswith("host read")]
+            assert reads[-1].startswith("host read: Tensor.tolist at hpctrain.parallel.engine"), (rank, step, reads)
+            routing = reads[:-1]
+            assert len([e for e in routing if "hpctrain.models.moe" in e and e.endswith("in _dispatch")]) == forwards
+            assert len([e for e in routing if "hpctrain.models.moe" in e and e.endswith("in run_experts")]) == forwards
+            assert len(routing) == 2 * forwards, routing
+
+
 def test_a_step_read_anywhere_else_is_seen() -> None:
     """The recorder is not blind: reads by torch's own code and by bool() count, each once."""
     events: list[str] = []
