@@ -19,11 +19,13 @@ from pathlib import Path
 
 LIST = Path(__file__).resolve().parents[1] / "tests" / "slow_tests.txt"
 # Kept in the quick tier however long they take: one real multi-process run of each path a change most often
-# breaks (a 3-D-ish layout against the one-process reference, the step's one collective, a resharding resume).
+# breaks (a 3-D-ish layout against the one-process reference, the step's one collective, a resharding resume,
+# expert parallelism with TP).
 REPRESENTATIVES = (
     "tests/parallel/test_engine_layouts.py::test_layout_matches_single_process[zero3_dp2xtp2_sp]",
     "tests/parallel/test_control_plane.py::test_one_collective_per_step_on_the_default_group[fsdp2xtp2]",
     "tests/checkpoint/test_checkpoint.py::test_resume_in_another_layout_continues_exactly[tp2-to-tp1]",
+    "tests/parallel/test_moe_layouts.py::test_moe_layout_matches_single_process[ep2_tp2_sp]",
 )
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)s (?:setup|call|teardown)\s+(\S+::.+)$")
 
