@@ -105,7 +105,7 @@ def _clipped_norm(rank: int, world: int, overrides: dict[str, Any]) -> tuple[flo
     zero = torch.zeros(())
     values = engine._reduce(zero, [])
     clip_grads_([p for part in engine.model_parts for p in part.parameters()], cfg.optim.grad_clip, values[1])
-    return engine._stats(values)[1], engine._stats(engine._reduce(zero, []))[1]
+    return engine._stats(values, 0)[1], engine._stats(engine._reduce(zero, []), 0)[1]
 
 
 @pytest.mark.parametrize("world,overrides", [
