@@ -504,10 +504,6 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if lay.offload_device == "nvme" and (lay.offload_optimizer or lay.offload_params):
         r.error("dry_run", "simulate cannot run Adam's moments on NVMe: fake tensors have no bytes to write",
                 "simulate with zero.offload_optimizer_device=cpu (the GPU side is the same), or use dry_run=true")
-    if family_of(cfg.model).moe:
-        r.error("dry_run", f"simulate does not build Mixture-of-Experts layers yet (model.arch={family_of(cfg.model).name}): "
-                "fake tensors cannot give expert parallelism's all-to-all its split sizes",
-                "use dry_run=true: the planner models the experts, their all-to-all and an assumed imbalance")
     if cfg.parallel.compile:
         r.error("dry_run", "simulate runs the model eagerly: torch.compile on fake tensors is not simulated",
                 "add parallel.compile=false to the simulation (compilation changes kernels, not what is stored)")

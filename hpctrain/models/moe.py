@@ -16,6 +16,10 @@ expert, so each expert's tokens form one contiguous segment of the sorted rows. 
 expert keeps at most ceil(capacity_factor * tokens * top_k / n_experts) assignments, those with the highest router
 weight (ties: token order); a dropped assignment contributes nothing (the others' weights are not renormalised).
 
+On fake tensors (hpctrain.simulate) no routing has values: the load is taken as balanced (`balanced`), the split
+sizes expert parallelism reads on the host and the rows a capacity keeps are those of an even routing, and the
+experts run the path an H100 runs (`grouped_mm_serves`).
+
 Hugging Face equivalents (transformers 5): router.weight is `mlp.gate.weight`; the in-memory fused experts are
 `gate_up_proj` = cat(w_gate, w_up, dim=1) and `down_proj` = w_down; on disk (what save_pretrained writes back)
 expert e is `experts.{e}.w1/w3/w2.weight` (Mixtral) or `experts.{e}.gate_proj/up_proj/down_proj.weight` (Qwen3-MoE,
@@ -33,11 +37,19 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from hpctrain.models.gpt import assign_param, stable_hash
 
 GROUP_ROWS = 8  # grouped GEMM: each expert's rows padded to a multiple (16 bytes of bf16), at least one multiple
+
+
+def balanced(total: int, parts: int) -> list[int]:
+    """`total` rows split over `parts` as evenly as they go: the load a routing without values (fake tensors) is
+    taken to have."""
+    quotient, remainder = divmod(total, parts)
+    return [quotient + (i < remainder) for i in range(parts)]
 
 
 @dataclass(frozen=True)
@@ -108,13 +120,16 @@ def grouped_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     CUTLASS path only for bf16 operands on compute capability 9.x/10.x (H100/H200, B200); elsewhere it falls back
     to a loop of mm that copies the offsets to the host, no better than ours. Its TMA loads need every row stride
     16-byte aligned (d_model and expert_hidden multiples of 8 in bf16), and its meta function (torch.compile, fake
-    tensors) accepts only bf16. Reads only metadata: fine on fake tensors."""
-    if x.device.type != "cuda" or weight.device.type != "cuda" or weight.dim() != 3:
-        return False
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    tensors) accepts only bf16. Reads only metadata. Fake tensors on the CPU (hpctrain.simulate) take the path an
+    H100 would."""
+    if weight.dim() != 3 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
     align = 16 // x.element_size()
     if x.shape[-1] % align or weight.shape[-1] % align or weight.shape[-2] % align:
+        return False
+    if is_fake(x) and x.device.type == "cpu":
+        return True
+    if x.device.type != "cuda" or weight.device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
 
@@ -128,8 +143,9 @@ def run_experts(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_u
         grouped = grouped_mm_serves(x, w_gate)
     if grouped:
         return _experts_grouped(x, counts, w_gate, w_up, w_down)
+    sizes = balanced(x.shape[0], counts.numel()) if is_fake(counts) else counts.tolist()
     outs = [F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)
-            for xe, wg, wu, wd in zip(x.split(counts.tolist()), w_gate, w_up, w_down)]
+            for xe, wg, wu, wd in zip(x.split(sizes), w_gate, w_up, w_down)]
     return torch.cat(outs)
 
 
@@ -190,7 +206,10 @@ class GroupedExperts(nn.Module):
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, my local expert]
         per_source = received_counts.view(ep, local)
-        send, receive = torch.stack((counts.view(ep, local).sum(1), per_source.sum(1))).tolist()
+        if is_fake(counts):  # no values: every rank sends each the same share, so receives what it sends
+            send = receive = balanced(rows.shape[0], ep)
+        else:
+            send, receive = torch.stack((counts.view(ep, local).sum(1), per_source.sum(1))).tolist()
         received = funcol.all_to_all_single_autograd(rows, receive, send, group)
         # Rows arrive source by source, each source's sorted by expert: regroup them expert by expert.
         expert_of_row = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep),
@@ -215,7 +234,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Megatron's MoEAuxLossAutoScaler: the layer's output unchanged forward; backward, the auxiliary loss gets
+    """Megatron's MoEAuxLossAutoScaler: a tensor of the layer unchanged forward; backward, the auxiliary loss gets
     gradient `scale` (the engine's loss scale over the micro-batches it averages), as if it had been added to the
     loss. The loss a pipeline schedule sees stays the token loss, and no stage has to carry it."""
 
@@ -237,8 +256,8 @@ ROUTING_FIELDS = 3  # after the per-expert counts in a layer's routing record: b
 class MoE(nn.Module):
     """The block: forward(x [..., d]) -> output [..., d]; `compute` also returns the MoEStats.
 
-    forward attaches the weighted auxiliary losses to the output's gradient (`aux_grad_scale`, set by the engine
-    each step) and adds what the micro-batch routed to `routing` (the step's record, which the engine reads and
+    forward attaches the weighted auxiliary losses to the combine weights' backward (`aux_grad_scale`, set by the
+    engine each step) and adds what the micro-batch routed to `routing` (the step's record, which the engine reads and
     clears: counts per expert, then ROUTING_FIELDS sums), outside recomputation and evaluation."""
 
     def __init__(self, args: MoEArgs) -> None:
@@ -286,13 +305,9 @@ class MoE(nn.Module):
         return weights * a.route_scale, experts, probs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, stats = self.compute(x)
+        out, stats = self.compute(x, self.aux_grad_scale)
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # not recomputing in a backward
             self._record(stats)
-        a = self.args
-        if torch.is_grad_enabled() and (a.balance_coef > 0 or a.z_loss_coef > 0):
-            aux = a.balance_coef * stats.balance_loss + a.z_loss_coef * stats.z_loss
-            out = _AttachAuxLoss.apply(out, aux, self.aux_grad_scale)
         return out
 
     @torch.no_grad()
@@ -306,8 +321,10 @@ class MoE(nn.Module):
         record, self.routing = self.routing, None
         return record
 
-    def compute(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
-        """x [..., d] -> (output [..., d], what the routing did)."""
+    def compute(self, x: torch.Tensor, aux_grad_scale: float | None = None) -> tuple[torch.Tensor, MoEStats]:
+        """x [..., d] -> (output [..., d], what the routing did). aux_grad_scale: the auxiliary losses reach the
+        gradients with this scale (_AttachAuxLoss), attached to the combine weights every output row goes
+        through (on the output itself, the layer would return a view, which FSDP2 warns of)."""
         a = self.args
         h = x.reshape(-1, a.d_model)
         tokens = h.shape[0]
@@ -320,6 +337,9 @@ class MoE(nn.Module):
         # f_e as Hugging Face's load_balancing_loss_func: assignments / tokens (sums to top_k).
         balance_loss = a.n_experts * (counts.float() / tokens * probs.mean(dim=0)).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        if aux_grad_scale is not None and torch.is_grad_enabled() and (a.balance_coef > 0 or a.z_loss_coef > 0):
+            aux = a.balance_coef * balance_loss + a.z_loss_coef * z_loss
+            weights = _AttachAuxLoss.apply(weights, aux, aux_grad_scale)
 
         if a.capacity_factor > 0:
             # Within an expert, highest weight first (a stable sort by weight, then a stable one by expert).
@@ -328,7 +348,10 @@ class MoE(nn.Module):
             capacity = a.capacity(tokens)
             seg_start = counts.cumsum(0) - counts
             rank = torch.arange(order.numel(), device=h.device) - seg_start[flat[order]]
-            order = order[rank < capacity]
+            if is_fake(order):  # an even routing: each expert keeps its share, up to the capacity
+                order = order[:sum(min(n, capacity) for n in balanced(order.numel(), a.n_experts))]
+            else:
+                order = order[rank < capacity]
             kept = counts.clamp(max=capacity)
             dropped = counts.sum() - kept.sum()
         else:
@@ -338,12 +361,13 @@ class MoE(nn.Module):
 
         token = order // a.top_k
         y = self.experts(h[token], kept)
-        out = torch.zeros(tokens, a.d_model, dtype=weights.dtype, device=h.device)  # fp32 accumulation
-        out.index_add_(0, token, y.to(weights.dtype) * weights.flatten()[order].unsqueeze(-1))
+        # fp32 accumulation, in a tensor of x's shape: FSDP2 warns of a unit returning a view
+        out = torch.zeros(x.shape, dtype=weights.dtype, device=h.device)
+        out.view(tokens, a.d_model).index_add_(0, token, y.to(weights.dtype) * weights.flatten()[order].unsqueeze(-1))
         out = out.to(x.dtype)
         if self.shared is not None:
-            out = out + self.shared(h)
-        return out.view(x.shape), MoEStats(counts, balance_loss, z_loss, dropped)
+            out = out + self.shared(x)
+        return out, MoEStats(counts, balance_loss, z_loss, dropped)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:

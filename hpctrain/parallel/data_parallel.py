@@ -34,9 +34,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from hpctrain.config.schema import PrecisionConfig, ZeroConfig
-from hpctrain.models.moe import MoE
+from hpctrain.models.moe import GroupedExperts, MoE
 from hpctrain.parallel.precision import ddp_comm_hook, fsdp_mp_policy
 
 if TYPE_CHECKING:
@@ -64,15 +65,33 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, zero: ZeroConfig, precision
     offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
                               if zero.offload_optimizer or zero.offload_params else OffloadPolicy())
     kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(precision), offload_policy=offload,
-                  reshard_after_forward=zero_stage == 3)
+                  reshard_after_forward=zero_stage == 3, shard_placement_fn=expert_placement(model, mesh))
     for block in model.layers.values():
         if experts is not None:
-            experts.wrap(block, lambda unit, mesh: fully_shard(unit, **{**kwargs, "mesh": mesh}))
+            experts.wrap(block, lambda unit, mesh: fully_shard(
+                unit, **{**kwargs, "mesh": mesh, "shard_placement_fn": expert_placement(unit, mesh)}))
         if zero_stage == 3:
             fully_shard(block.attn, **kwargs)
             fully_shard(block.mlp, **kwargs)
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def expert_placement(module: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None]:
+    """Where FSDP2 shards the stacked experts' weights ([experts here, ...]) over `mesh`: dim 1 (an expert's own
+    rows) when the experts here do not divide over the ranks sharding them. FSDP2 pads dim 0 to a multiple of
+    the ranks, so each would otherwise hold a whole expert and padding: Qwen3-235B's 16 experts per EP 8 rank
+    over the 32 ranks holding them took twice the planner's memory (dry_run=simulate). torchtitan does the same.
+    Every other parameter keeps FSDP2's dim 0."""
+    shard = mesh.size(mesh.ndim - 1)  # an HSDP mesh shards over its last dimension
+    stacked = {id(p): p for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters(False)}
+
+    def place(param: nn.Parameter) -> Shard | None:
+        if id(param) not in stacked:
+            return None
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(1) if local.shape[0] % shard and not local.shape[1] % shard else None
+    return place
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import contextlib
 import gc
 import multiprocessing
 import time
+import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +30,7 @@ from hpctrain.parallel.engine import Engine
 from hpctrain.parallel.pipeline import stage_model
 from hpctrain.parallel.precision import autocast
 from hpctrain.simulate.collectives import CollectiveCounter
-from hpctrain.simulate.memory import category_peaks, columns, peak_by_category, step_tracker
+from hpctrain.simulate.memory import category_peaks, column_peaks, columns, peak_by_category, step_tracker
 from hpctrain.simulate.peers import pipeline_peers
 from hpctrain.simulate.world import counting_group_calls, fake_world, groups_held
 
@@ -49,6 +51,7 @@ class Simulation:
     stages: tuple[int, ...]  # the pipeline stages (model chunks) this rank holds
     categories: dict[str, int]  # torch's peak snapshot by its categories, bytes
     category_peaks: dict[str, int]  # the most each of torch's categories held at any point of the step
+    column_peaks: dict[str, int]  # the most each planner column held at any point of the step (its own worst case)
     peak: int  # bytes at the peak
     microbatches: int  # micro-batches the simulated step ran
     step_microbatches: int  # ... of the real step's
@@ -104,13 +107,23 @@ def _simulate_config(config: dict[str, Any], layout: Layout, rank: int, microbat
     from hpctrain.train.loop import load_config
 
     torch.set_num_threads(1)
-    return simulate_here(load_config(config), layout, rank, microbatches)
+    try:
+        return simulate_here(load_config(config), layout, rank, microbatches)
+    except Exception as exc:  # torch's exceptions can hold unpicklable objects: the pool could not send them back
+        raise SimulationError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+
+
+class SimulationError(RuntimeError):
+    """A simulation that failed in its process, with that process's traceback as text."""
 
 
 def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None) -> Simulation:
     """`simulate` in this process (which must not have torch.distributed initialised; it is left polluted)."""
     started = time.perf_counter()
-    with fake_world(layout, rank) as dims:
+    with fake_world(layout, rank) as dims, warnings.catch_warnings():
+        # Under fake tensors a functional collective's result is its wait's alias, a view; on a real group it is
+        # a fresh tensor, so FSDP2's warning of a unit returning a view (EP's experts) would be the simulation's own
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with counting_group_calls() as calls:
             engine = SimulatedEngine(cfg, layout, CPU, dims, tensors=mode)
@@ -137,7 +150,7 @@ def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None 
         return Simulation(
             rank=rank, world_size=layout.world_size, pp_rank=dims.pp_rank, dp_rank=dims.dp_rank,
             tp_rank=dims.tp_rank, stages=tuple(engine.stage_ids), categories=categories,
-            category_peaks=category_peaks(tracker),
+            category_peaks=category_peaks(tracker), column_peaks=column_peaks(tracker),
             peak=sum(categories.values()), microbatches=microbatches, step_microbatches=step_microbatches,
             groups_held=groups_held(), group_calls=len(calls), collectives=counter.summary(),
             world_collectives=counter.on_world(), seconds=time.perf_counter() - started)

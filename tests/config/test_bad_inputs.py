@@ -189,8 +189,6 @@ BAD = [
     ("ep-vs-dp", ["model=moe_tiny", "cluster.gpus_per_node=4", "zero=stage1", "parallel.ep=3"], "parallel.ep",
      "ep=3 does not divide the 4 data-parallel ranks"),
     ("ep-zero", ["model=moe_tiny", "parallel.ep=0"], "parallel.ep", "must be >= 1"),
-    ("moe-simulate", ["model=moe_tiny", "zero=stage1", "dry_run=simulate"], "dry_run",
-     "simulate does not build Mixture-of-Experts layers yet"),
     ("auto-bad-shape", ["model=moe_tiny", "model.n_heads=3", "parallel=auto"], "model.d_model",
      "not divisible by n_heads 3"),  # before the search, which cannot describe such a model
 ]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hpctrain.models import moe as moe_module
-from hpctrain.models.moe import MoE, MoEArgs, grouped_mm_serves, run_experts
+from hpctrain.models.moe import MoE, MoEArgs, balanced, grouped_mm_serves, run_experts
 
 D, H = 16, 24  # d_model, expert_hidden
 
@@ -390,3 +390,21 @@ def test_block_through_the_grouped_gemm(monkeypatch: pytest.MonkeyPatch) -> None
     grouped, grouped_stats = m.compute(x)
     torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=0)
     assert grouped_stats.dropped.item() == stats.dropped.item() > 0
+
+
+def test_without_values_the_load_is_balanced_and_the_experts_run_grouped() -> None:
+    """hpctrain.simulate's MoE: on fake CPU tensors no routing has values; the rows split evenly over the experts
+    (a capacity keeps each expert's share up to it), the grouped GEMM runs as on an H100 (bf16), and nothing
+    reads the host (a read raises on fake tensors)."""
+    assert balanced(10, 4) == [3, 3, 2, 2] and balanced(8, 4) == [2] * 4
+    for capacity_factor, kept in ((0.0, 64), (1.0, 64), (0.5, 32)):  # 32 tokens x top 2 over 8 experts
+        m = block(torch.bfloat16, capacity_factor=capacity_factor, balance_coef=0.01)
+        rows: list[int] = []
+        m.experts.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            x = mode.from_tensor(tokens(torch.bfloat16))
+            assert grouped_mm_serves(x.view(-1, D), mode.from_tensor(m.experts.w_gate))
+            out = m(x)
+            out.float().square().sum().backward()
+        assert rows == [kept] and out.shape == x.shape, (capacity_factor, rows)
+        assert m.experts.w_gate.grad is not None and m.router.weight.grad is not None

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from tests.distributed_harness import run_distributed
 from tests.parallel.layouts import EVAL_AFTER, VALIDATION, global_batch, make_cfg, rank_batches
@@ -40,6 +41,9 @@ CASES = {
     "ep2_zero1": (2, {"parallel__ep": 2, "zero__stage": 1, "train__micro_batch": 2}),
     "ep2_fsdp4": (4, {"parallel__ep": 2, "zero__stage": 3, "train__micro_batch": 2}),  # experts sharded by FSDP over the 2 ranks EP leaves
     "ep4": (4, {"parallel__ep": 4, "zero__stage": 2, "train__micro_batch": 2}),
+    # experts that do not divide over the ranks sharding them: FSDP2 shards their rows (dim 1), not dim 0
+    "ep2_fsdp4_dim1": (4, {"parallel__ep": 2, "model__moe__n_experts": 6, "zero__stage": 3, "train__micro_batch": 2}),
+    "fsdp4_dim1": (4, {"model__moe__n_experts": 6, "zero__stage": 2, "train__micro_batch": 2}),
     "tp2_sp": (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),
     "ep2_tp2_sp": (4, {"parallel__ep": 2, "parallel__tp": 2, "parallel__sequence_parallel": True}),
     "ep2_tp2": (4, {"parallel__ep": 2, "parallel__tp": 2, "zero__stage": 3}),
@@ -97,13 +101,16 @@ def run_moe_engine(rank: int, world: int, overrides: dict[str, Any], steps: int)
         stats.append(engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr))
         if s in EVAL_AFTER or s == steps - 1:
             val_loss.append(engine.evaluate(validation))
+    experts = {name: (str(p.placements), p.to_local().numel(), p.numel())
+               for part in engine.model_parts for name, p in part.named_parameters()
+               if ".experts." in name and isinstance(p, DTensor)}
     weights: dict[str, torch.Tensor] = {}
     for part in engine.model_parts:
         sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         weights.update({k: v.detach().clone() for k, v in sd.items()})
     return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats], "val_loss": val_loss,
             "routing": [s.moe.tokens_per_expert for s in stats], "balance": [s.moe.balance_loss for s in stats],
-            "weights": weights}
+            "weights": weights, "experts": experts}
 
 
 _REFERENCES: dict[tuple, dict] = {}
@@ -145,3 +152,7 @@ def test_moe_layout_matches_single_process(name: str) -> None:
             assert key in ("tok_emb.weight", "output.weight") and not got[expected.shape[0]:].any(), key
             got = got[: expected.shape[0]]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    if name.endswith("_dim1"):  # each rank holds 1/world of every expert weight, no padding
+        for res in results:
+            for key, (placements, local, full) in res["experts"].items():
+                assert "Shard(dim=1)" in placements and local * world == full, (key, placements, local, full)

@@ -22,6 +22,7 @@ from hpctrain.simulate.peers import BoundaryMismatch, pipeline_peers
 from tests.conftest import REPO, run_hpctrain
 from tests.distributed_harness import run_distributed
 from tests.parallel.layouts import make_cfg, rank_batches
+from tests.parallel.test_moe_layouts import MOE
 
 pytestmark = pytest.mark.usefixtures("gpu_rules")
 
@@ -40,6 +41,9 @@ LAYOUTS = {
                              "train__micro_batch": 2}, False),
     "tp2xpp2_interleaved": (4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__schedule": "interleaved_1f1b",
                                 "parallel__virtual_stages": 2, "train__micro_batch": 1}, False),
+    # MoE with EP 2 under ZeRO-3: fake tensors route evenly (hpctrain.models.moe.balanced), the real router does
+    # not, so the routed rows' temporaries differ; the model states cannot
+    "moe_ep2_zero3": (2, {**MOE, "parallel__ep": 2, "zero__stage": 3, "train__micro_batch": 2}, False),
 }
 STATES = ("Sharded Param", "Unsharded Param", "Sharded Grad", "Unsharded Grad", "OptState", "Parameter", "Gradient",
           "Optstate", "Buffer", "All Gather", "Reduce Scatter")
@@ -76,7 +80,12 @@ def test_a_simulated_rank_measures_what_the_real_rank_measures(name: str) -> Non
             assert {k: v for k, v in sim.category_peaks.items() if k in STATES} == \
                 {k: v for k, v in own_peaks.items() if k in STATES}, (rank, sim.category_peaks, own_peaks)
             assert sim.peak == pytest.approx(sum(mine.values()), rel=PEAK_TOLERANCE), (rank, sim.categories, mine)
-        assert sim.world_collectives == (1 if world > 1 else 0)  # the step's one control all-reduce
+        # the step's one control all-reduce; over every rank besides it, only FSDP2's and expert parallelism's
+        # own, where their mesh is the world
+        counts = _counts(sim)
+        assert counts.get(("allreduce_", world), 0) == (1 if world > 1 else 0)
+        assert {op for op, size in counts if size == world and op != "allreduce_"} <= {
+            "_allgather_base_", "_reduce_scatter_base_", "alltoall_base_", "all_to_all_single"}, counts
     assert not dist.is_initialized()  # the fake world lived in a process of its own
 
 
@@ -91,6 +100,15 @@ def test_the_three_microbatch_slice_is_the_whole_steps_peak() -> None:
     sliced, whole = simulate(cfg, layout, 0), simulate(cfg, layout, 0, microbatches=8)
     assert (sliced.microbatches, sliced.step_microbatches, whole.microbatches) == (3, 8, 8)
     assert sliced.categories == whole.categories
+
+
+def _counts(sim: Any) -> dict[tuple[str, int], int]:
+    """(op, group size) -> count, from the simulation's "op over N ranks" summary."""
+    out = {}
+    for name, n in sim.collectives.items():
+        op, _, size = name.partition(" over ")
+        out[(op, int(size.split()[0]))] = n
+    return out
 
 
 def _with_a_wrong_stand_in(config: dict[str, Any]) -> str:
@@ -157,6 +175,29 @@ def test_collectives_are_counted_on_their_groups() -> None:
         summary, on_world = pool.apply(_count_in_a_fake_world)
     assert summary == {"allreduce_ over 64 ranks": 1, "allreduce_ over 2 ranks": 1, "_allgather_base_ over 2 ranks": 1}
     assert on_world == 1
+
+
+def test_a_simulation_that_fails_says_why_with_its_traceback() -> None:
+    """A failure in the simulation's process comes back as text: torch's exceptions can hold objects the pool
+    cannot pickle, which left the user a pickling error instead of the cause. DDP (refused by the checks, called
+    here directly) fails: its reducer needs real memory."""
+    from hpctrain.simulate.rank import SimulationError
+
+    cfg = make_cfg(2, zero__stage=0)
+    with pytest.raises(SimulationError) as failed:
+        simulate(cfg, resolve_layout(cfg), 0)
+    assert "data is not allocated" in str(failed.value) and "Traceback (most recent call last)" in str(failed.value)
+
+
+@pytest.mark.slow  # a simulation from the command line, in a process of its own
+def test_a_moe_model_is_simulated_from_the_command_line(tmp_path: Path) -> None:
+    """The tiny MoE family with EP 2 under ZeRO-3, as a user asks for it: the planner's model states hold."""
+    proc = run_hpctrain("model=moe_tiny", "zero=stage3", "cluster.gpus_per_node=2", "parallel.ep=2",
+                        "dry_run=simulate", "plan.format=json", f"run.root={tmp_path}", cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sim = json.loads(proc.stdout)["simulation"]
+    assert sim["world_size"] == 2 and sim["model_states"]["within"], sim["model_states"]
+    assert sim["collectives"]["all_to_all_single over 2 ranks"] > 0
 
 
 @pytest.mark.parametrize("overrides,key,message", [

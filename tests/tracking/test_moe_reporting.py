@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,13 +37,28 @@ def rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_the_progress_line_metrics_jsonl_and_wandb_carry_the_routing(compose_cfg, tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = compose_cfg("tracking.mode=offline", "model.moe.capacity_factor=1.25", f"run.root={tmp_path}")
-    tracker = Tracker(cfg, tmp_path, "moe", {})
-    report(cfg, tracker, [step_stats(ROUTED)])
-    tracker.close()
-    assert " | moe balance 1.020, imbalance 2.00 (layer 1), dropped 9.38%" in capsys.readouterr().out
+def log_one_routed_step(root: str) -> str:
+    """One routed step reported by a run's tracker with offline W&B, in a process of its own as a run's is: W&B's
+    in-process state (its service, its settings) outlives a run, and a long pytest process is no run's. Returns
+    what the step printed."""
+    import contextlib
+    import io
+
+    from tests.conftest import _compose
+
+    cfg = _compose("tracking.mode=offline", "model.moe.capacity_factor=1.25", f"run.root={root}")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        tracker = Tracker(cfg, Path(root), "moe", {})
+        report(cfg, tracker, [step_stats(ROUTED)])
+        tracker.close()
+    return out.getvalue()
+
+
+def test_the_progress_line_metrics_jsonl_and_wandb_carry_the_routing(tmp_path: Path) -> None:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        printed = pool.apply(log_one_routed_step, (str(tmp_path),))
+    assert " | moe balance 1.020, imbalance 2.00 (layer 1), dropped 9.38%" in printed
     [row] = rows(tmp_path / "metrics.jsonl")
     expected = {"moe/balance_loss": 1.02, "moe/z_loss": 0.5, "moe/dropped_fraction": 3 / 32, "moe/imbalance_max": 2.0,
                 "moe/idle_experts": 1,
