@@ -84,7 +84,7 @@ def expert_placement(module: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parame
     over the 32 ranks holding them took twice the planner's memory (dry_run=simulate). torchtitan does the same.
     Every other parameter keeps FSDP2's dim 0."""
     shard = mesh.size(mesh.ndim - 1)  # an HSDP mesh shards over its last dimension
-    stacked = {id(p): p for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters(False)}
+    stacked = {id(p) for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters(False)}
 
     def place(param: nn.Parameter) -> Shard | None:
         if id(param) not in stacked:
