@@ -58,6 +58,8 @@ class Layout:
     gpus_per_node: int = 1  # what the job asks for per node (TP must fit in it)
     fp8: str = "none"  # precision.fp8: the torchao recipe of the blocks' Linears (the planner times them at FP8 peak)
     ep: int = 1  # expert parallelism: MoE experts split over ep ranks of each FSDP shard group (dp_shard)
+    first_stage_layers: int = 0  # parallel.first_stage_layers: layers of the first stage (0: as the others)
+    last_stage_layers: int = 0  # parallel.last_stage_layers: layers of the last stage (0: as the others)
 
     def __post_init__(self) -> None:
         problems = layout_problems(self)
@@ -67,6 +69,31 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages (model chunks): pp x virtual_stages."""
+        return self.pp * self.virtual_stages
+
+    def layer_split(self, n_layers: int) -> tuple[int, ...]:
+        """Layers of each stage, first to last (model_fit_problems holds that the split exists)."""
+        split = layer_split(n_layers, self.n_stages, self.first_stage_layers, self.last_stage_layers)
+        if split is None:
+            raise ValueError(f"{n_layers} layers cannot be split into {self.n_stages} stages with first_stage_layers="
+                             f"{self.first_stage_layers}, last_stage_layers={self.last_stage_layers}")
+        return split
+
+    def stages_of(self, pp_rank: int) -> tuple[int, ...]:
+        """The stages (model chunks) pipeline rank `pp_rank` holds, as its schedule places them."""
+        if self.pp == 1:
+            return tuple(range(self.n_stages))
+        return tuple(schedules.get(self.schedule).stage_ids(pp_rank, self.pp, self.virtual_stages))
+
+    def layers_on(self, n_layers: int, pp_rank: int) -> int:
+        """Layers pipeline rank `pp_rank` holds, over its stages."""
+        split = self.layer_split(n_layers)
+        return sum(split[s] for s in self.stages_of(pp_rank))
+
 
     n_gpus = world_size
 
@@ -111,6 +138,32 @@ class Layout:
         return d
 
 
+def lighter_ends(n_layers: int, pp: int) -> int | None:
+    """The layers of the first and of the last stage when each holds one fewer than the stages between them (they
+    also hold the embedding and the output head: Llama 3 405B's 126 layers on 16 stages as 7 + 14 x 8 + 7); None
+    where no such split exists or the layers divide evenly."""
+    if pp < 3 or n_layers % pp == 0 or (n_layers - pp + 2) % pp:
+        return None
+    ends = (n_layers - pp + 2) // pp
+    return ends if ends >= 1 else None
+
+
+def layer_split(n_layers: int, n_stages: int, first: int = 0, last: int = 0) -> tuple[int, ...] | None:
+    """Layers of each of `n_stages` stages: `first` on the first and `last` on the last where set (> 0), the rest
+    evenly over the stages not set; None where that is not a split into stages of at least one layer."""
+    fixed = {0: first} if first else {}
+    if last:
+        fixed[n_stages - 1] = last
+    if n_stages == 1:
+        return (n_layers,) if not fixed or fixed == {0: n_layers} else None
+    rest, free = n_layers - sum(fixed.values()), n_stages - len(fixed)
+    if free == 0:
+        return tuple(fixed[s] for s in range(n_stages)) if rest == 0 else None
+    if rest < free or rest % free:
+        return None
+    return tuple(fixed.get(s, rest // free) for s in range(n_stages))
+
+
 def data_parallel_kind(layout: Layout) -> str:
     """The wrapper hpctrain's engine uses: "none", "ddp", "fsdp" or "replicate" (engine.py, data_parallel.uses_fsdp:
     DDP holds no DTensor parameter, TP's or EP's)."""
@@ -128,6 +181,10 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
                  "ep"):
         if getattr(lay, name) < 1:
             out.append((name, f"must be >= 1, got {getattr(lay, name)}", "set it to a positive integer"))
+    for name in ("first_stage_layers", "last_stage_layers"):
+        if getattr(lay, name, 0) < 0:
+            out.append((name, f"must be >= 0 (0: as the other stages), got {getattr(lay, name)}",
+                        "set it to the stage's number of layers, or 0"))
     if out:
         return out
     if lay.zero_stage not in (0, 1, 2, 3):
@@ -201,10 +258,27 @@ def model_fit_problems(lay: Any, n_layers: int, n_heads: int, kv_heads: int, ffn
         out.append(("parallel.tp", f"tp={tp} does not divide cluster.gpus_per_node={lay.gpus_per_node}: some TP "
                     "groups would straddle two nodes", f"use a tp that divides {lay.gpus_per_node}"))
     chunks = lay.pp * lay.virtual_stages
-    if n_layers % chunks:
+    first, last = getattr(lay, "first_stage_layers", 0), getattr(lay, "last_stage_layers", 0)
+    if (first or last) and chunks == 1:
+        out.append(("parallel.first_stage_layers" if first else "parallel.last_stage_layers",
+                    "sets the layers of a pipeline stage, but there is one stage (pp x virtual_stages = 1)",
+                    "leave first_stage_layers and last_stage_layers at 0, or add pipeline stages (parallel.pp)"))
+    elif first or last:
+        if layer_split(n_layers, chunks, first, last) is None:
+            free = chunks - bool(first) - bool(last)
+            rest = n_layers - first - last
+            out.append(("parallel.first_stage_layers" if first else "parallel.last_stage_layers",
+                        f"first_stage_layers={first} and last_stage_layers={last} leave {rest} of model.n_layers="
+                        f"{n_layers} layers for the other {free} of the {chunks} stages, which cannot take them in "
+                        "equal whole parts of at least one layer",
+                        f"choose them so that n_layers - first - last is a positive multiple of {free}"
+                        if free else "make first_stage_layers + last_stage_layers equal model.n_layers"))
+    elif n_layers % chunks:
         out.append(("parallel.pp", f"model.n_layers={n_layers} is not divisible by pp x virtual_stages = "
                     f"{lay.pp} x {lay.virtual_stages} = {chunks}: stages would be unbalanced",
-                    "choose pp and virtual_stages whose product divides the number of layers"))
+                    "choose pp and virtual_stages whose product divides the number of layers, or set "
+                    "parallel.first_stage_layers / last_stage_layers (the stages holding the embedding and the "
+                    "head may take fewer)"))
     return out
 
 
@@ -224,7 +298,8 @@ def resolve_layout(cfg: Config) -> Layout:
         accumulate_unsharded=bool(cfg.zero.accumulate_unsharded),
         schedule=p.schedule, dtype=_value(cfg.precision.dtype),
         dp_replicate=p.dp_replicate, reduce_dtype=_value(cfg.precision.reduce_dtype), gpus_per_node=c.gpus_per_node,
-        fp8=str(cfg.precision.fp8), ep=p.ep)
+        fp8=str(cfg.precision.fp8), ep=p.ep, first_stage_layers=p.first_stage_layers,
+        last_stage_layers=p.last_stage_layers)
     broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
     if broken:
         raise ConfigError([Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix)

@@ -120,6 +120,10 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the data-parallel ranks
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
+    # Uneven pipeline stages (Llama 3 405B: one layer fewer on the stages holding the embedding and the head). The
+    # layers of the first and of the last stage (model chunk); 0: as the others. The stages not set share the rest.
+    first_stage_layers: int = 0
+    last_stage_layers: int = 0
     schedule: str = "1f1b"  # one of SCHEDULES
     # Pipeline microbatches per step. 0: equal to train.grad_accum (Megatron's convention).
     microbatches: int = 0

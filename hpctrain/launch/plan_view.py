@@ -48,7 +48,7 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
     if report.errors:
         plan["errors"] = [{"key": e.key, "message": e.message, "fix": e.fix} for e in report.errors]
     sections = []
-    counts = stage_counts(cfg.model, lay, cfg.parallel.schedule) if max(lay.pp, lay.tp, lay.ep) > 1 else None
+    counts = stage_counts(cfg.model, lay) if max(lay.pp, lay.tp, lay.ep) > 1 else None
     if counts is not None:
         plan.update(counts)
         sections.append({"title": "stages", "lines": stage_lines(counts, lay.tp, lay.ep)})
@@ -82,6 +82,7 @@ def recovery_summary(cfg: Any) -> str:
 def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_len: int) -> dict[str, Any]:
     return {"nodes": lay.nodes, "gpus_per_node": lay.gpus_per_node, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
             "ep": lay.ep, "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages,
+            "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
             "schedule": parallel.schedule,
             "sequence_parallel": parallel.sequence_parallel, "zero_stage": lay.zero_stage,
             "offload_optimizer": zero.offload_optimizer, "offload_params": zero.offload_params,
@@ -120,6 +121,9 @@ def render_text(plan: dict[str, Any]) -> str:
         + (f" (HSDP: {lay['dp_replicate']} replicas)" if lay["dp_replicate"] > 1 else "")
         + (f", EP {lay['ep']} (experts split over {lay['ep']} of the DP ranks)" if lay.get("ep", 1) > 1 else "")
         + (f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else "")
+        + (f", first/last stage {lay['first_stage_layers'] or 'as the others'} / "
+           f"{lay['last_stage_layers'] or 'as the others'} layers"
+           if lay.get("first_stage_layers") or lay.get("last_stage_layers") else "")
         + (f", schedule {lay['schedule']}" if lay["pp"] > 1 else "")
         + (", sequence parallel" if lay["sequence_parallel"] else ""),
         f"  ZeRO            stage {lay['zero_stage']}"

@@ -15,6 +15,7 @@ attention, norms, embedding and head count whole. That is the "active" figure mo
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 from typing import TYPE_CHECKING, Sequence
@@ -165,43 +166,40 @@ def _numel(shapes: dict[str, tuple[int, ...]]) -> int:
     return sum(math.prod(shape) for shape in shapes.values())
 
 
-def stage_layers(n_layers: int, n_stages: int) -> list[range]:
-    """Global layer indices of each pipeline stage: an even split (the checks require it)."""
-    if n_layers % n_stages:
-        raise ValueError(f"{n_layers} layers cannot be split evenly into {n_stages} pipeline stages: "
-                         "choose parallel.pp x parallel.virtual_stages dividing model.n_layers")
-    per = n_layers // n_stages
-    return [range(s * per, (s + 1) * per) for s in range(n_stages)]
+def stage_layers(split: Sequence[int]) -> list[range]:
+    """Global layer indices of each pipeline stage, from its layer counts (`Layout.layer_split`)."""
+    ends = list(itertools.accumulate(split))
+    return [range(end - n, end) for n, end in zip(split, ends)]
 
 
-def stage_holds(module: str, stage: int, n_stages: int, n_layers: int, arch: str = "gpt") -> bool:
-    """Whether `stage` keeps a top-level module ("tok_emb", "pos_emb", "norm_f", "output") or layer
-    ("layers.<i>") of family `arch` (`Family.stage_holds`: a tied embedding is on the last stage too, as the
-    output head, Megatron's embedding copy)."""
+def stage_holds(module: str, stage: int, split: Sequence[int], arch: str = "gpt") -> bool:
+    """Whether `stage` of a model cut into `split` (layers per stage) keeps a top-level module ("tok_emb",
+    "pos_emb", "norm_f", "output") or layer ("layers.<i>") of family `arch` (`Family.stage_holds`: a tied
+    embedding is on the last stage too, as the output head, Megatron's embedding copy)."""
     if module.startswith("layers."):
-        return int(module.split(".")[1]) in stage_layers(n_layers, n_stages)[stage]
-    return registry.get(arch).stage_holds(module, stage == 0, stage == n_stages - 1)
+        return int(module.split(".")[1]) in stage_layers(split)[stage]
+    return registry.get(arch).stage_holds(module, stage == 0, stage == len(split) - 1)
 
 
-def stage_param_counts(model: ModelConfig, n_stages: int, tp: int = 1, per_gpu: bool = False,
+def stage_param_counts(model: ModelConfig, split: Sequence[int], tp: int = 1, per_gpu: bool = False,
                        ep: int = 1) -> list[int]:
     """Parameters of each pipeline stage as built for a layout with `tp` (the embedding padded for it).
 
     per_gpu: what one TP and EP rank holds (the family's `tp_dims` split over tp, its `ep_dims` over ep, the rest
     replicated); otherwise the whole stage."""
     rows = padded_vocab(model.vocab_size, model.vocab_pad_multiple, tp)
-    split, experts = (tp, ep) if per_gpu else (1, 1)
+    tp_split, experts = (tp, ep) if per_gpu else (1, 1)
     family, dims = registry.family_of(model), Dims.of(model)
     arch = family.name
-    block = sum(tp_local_numel(name, shape, split, arch, experts)
+    block = sum(tp_local_numel(name, shape, tp_split, arch, experts)
                 for name, shape in family.block_shapes(dims).items())
     top: dict[str, int] = {}
     for name, shape in family.top_shapes(dims, rows).items():
         module = name.split(".")[0]
-        top[module] = top.get(module, 0) + tp_local_numel(name, shape, split, arch, experts)
+        top[module] = top.get(module, 0) + tp_local_numel(name, shape, tp_split, arch, experts)
     counts = []
-    for stage, layers in enumerate(stage_layers(model.n_layers, n_stages)):
-        held = sum(n for module, n in top.items() if stage_holds(module, stage, n_stages, model.n_layers, arch))
+    for stage, layers in enumerate(stage_layers(split)):
+        held = sum(n for module, n in top.items() if stage_holds(module, stage, split, arch))
         counts.append(len(layers) * block + held)
     return counts
 

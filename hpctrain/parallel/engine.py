@@ -152,8 +152,9 @@ class Engine:
         self.stage_ids = self.pipeline_schedule.stage_ids(dims.pp_rank, dims.pp, dims.virtual_stages) \
             if dims.pp > 1 else [0]
         # the model module of each part (inside DDP when DDP wraps it), its layout applied on the meta device
+        self.split = layout.layer_split(cfg.model.n_layers)
         self.stage_models: list[Transformer] = [
-            self._apply_layout(stage_model(full, sid, dims.n_stages) if dims.pp > 1 else full)
+            self._apply_layout(stage_model(full, sid, self.split) if dims.pp > 1 else full)
             for sid in self.stage_ids]
         self.pp_group = dims.pp_mesh.get_group() if dims.pp > 1 else None
         self._embedding_group = self._tied_embedding_group() if dims.pp > 1 and self.tied_embeddings else None

@@ -16,7 +16,7 @@ last stage).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -31,21 +31,21 @@ if TYPE_CHECKING:
 TOP_MODULES = ("pos_emb", "tok_emb", "norm_f", "output")  # outside the blocks, in either model
 
 
-def prune_to_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
-    """Keep only what `stage` computes (in place); parameter names do not change."""
-    n_layers = len(model.layers)
+def prune_to_stage(model: Transformer, stage: int, split: Sequence[int]) -> Transformer:
+    """Keep only what `stage` of the cut `split` (layers per stage, `Layout.layer_split`) computes (in place);
+    parameter names do not change."""
     for name in list(model.layers):
-        if not stage_holds(f"layers.{name}", stage, n_stages, n_layers):
+        if not stage_holds(f"layers.{name}", stage, split):
             del model.layers[name]
     for name in TOP_MODULES:
-        if hasattr(model, name) and not stage_holds(name, stage, n_stages, n_layers, model.family):
+        if hasattr(model, name) and not stage_holds(name, stage, split, model.family):
             setattr(model, name, None)
     return model
 
 
-def stage_model(full: Transformer, stage: int, n_stages: int) -> Transformer:
+def stage_model(full: Transformer, stage: int, split: Sequence[int]) -> Transformer:
     """A stage cut from a full model built on the meta device (the full model is left as it was)."""
-    return prune_to_stage(copy.deepcopy(full), stage, n_stages)
+    return prune_to_stage(copy.deepcopy(full), stage, split)
 
 
 def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: int,

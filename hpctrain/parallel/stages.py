@@ -8,7 +8,7 @@ closed form is tested against.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from hpctrain.models.params import stage_holds, stage_layers, tp_local_numel
 __all__ = ["meta_stage_counts", "stage_holds", "stage_layers", "tp_local_numel"]
 
 
-def meta_stage_counts(cfg: Any, n_stages: int, tp: int) -> tuple[list[int], list[int]]:
+def meta_stage_counts(cfg: Any, split: Sequence[int], tp: int) -> tuple[list[int], list[int]]:
     """(parameters per stage, per GPU of each stage after the TP split), from the model built on the meta device.
 
     Nothing is allocated; with a tied head (GPT) the last stage counts its copy of the token embedding. `cfg` is
@@ -26,11 +26,9 @@ def meta_stage_counts(cfg: Any, n_stages: int, tp: int) -> tuple[list[int], list
     with torch.device("meta"):
         model = create_model(cfg.model, cfg.parallel.tp)
     named = list(model.named_parameters())
-    n_layers = cfg.model.n_layers
     whole, shard = [], []
-    for s in range(n_stages):
-        mine = [(name, p) for name, p in named
-                if stage_holds(_module_of(name), s, n_stages, n_layers, model.family)]
+    for s in range(len(split)):
+        mine = [(name, p) for name, p in named if stage_holds(_module_of(name), s, split, model.family)]
         whole.append(sum(p.numel() for _, p in mine))
         shard.append(sum(tp_local_numel(name, tuple(p.shape), tp, model.family) for name, p in mine))
     return whole, shard

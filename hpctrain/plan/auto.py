@@ -23,6 +23,8 @@ def layout_overrides(layout: Layout) -> dict[str, Any]:
     return {
         "parallel.dp": layout.dp, "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.ep": layout.ep,
         "parallel.virtual_stages": layout.virtual_stages, "parallel.schedule": layout.schedule,
+        "parallel.first_stage_layers": layout.first_stage_layers,
+        "parallel.last_stage_layers": layout.last_stage_layers,
         "parallel.sequence_parallel": layout.sequence_parallel, "parallel.recompute": layout.recompute,
         "parallel.dp_replicate": 1, "parallel.microbatches": 0, "zero.stage": layout.zero_stage,
         "zero.accumulate_unsharded": layout.accumulate_unsharded, "train.micro_batch": layout.micro_batch,
@@ -35,7 +37,8 @@ def search_summary(candidates: list[Candidate], mine: Candidate, top_k: int) -> 
     rank = 1 + sum(1 for c in candidates if c.tokens_per_s > mine.tokens_per_s)
     return {"candidates": len(candidates), "configured_rank": rank,
             "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp, "ep": c.layout.ep,
-                     "virtual_stages": c.layout.virtual_stages, "micro_batch": c.layout.micro_batch,
+                     "virtual_stages": c.layout.virtual_stages, "first_stage_layers": c.layout.first_stage_layers,
+                     "last_stage_layers": c.layout.last_stage_layers, "micro_batch": c.layout.micro_batch,
                      "grad_accum": c.layout.grad_accum, "zero_stage": c.layout.zero_stage,
                      "accumulate_unsharded": c.layout.accumulate_unsharded, "recompute": c.layout.recompute,
                      "est_tokens_per_s": c.tokens_per_s,

@@ -134,10 +134,10 @@ def dp_groups(model: ModelShape, layout: Layout) -> list[tuple[float, int]]:
     """(parameters on the GPU with the most, the ranks their gradients are reduced over): all of them over the DP
     group (the ZeRO shard group, ZeRO-0: all DP ranks); with expert parallelism the experts apart, over the 1/ep
     of those ranks that hold the same experts."""
-    stage = max({0, layout.pp - 1}, key=lambda s: stage_params_per_gpu(model, layout.tp, layout.pp, s, layout.ep))
-    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage, layout.ep)
+    stage = max(range(layout.pp), key=lambda s: stage_params_per_gpu(model, layout, s))
+    n = stage_params_per_gpu(model, layout, stage)
     group = layout.zero_shard if layout.zero_stage > 0 else layout.dp
-    experts = stage_expert_params_per_gpu(model, layout.pp, layout.ep) if layout.ep > 1 else 0.0
+    experts = stage_expert_params_per_gpu(model, layout, stage) if layout.ep > 1 else 0.0
     return [(n - experts, group)] + ([(experts, group // layout.ep)] if experts else [])
 
 
@@ -183,7 +183,7 @@ def ep_items(model: ModelShape, layout: Layout, hw: Hardware, imbalance: float =
         return []
     rows = model.seq_len * layout.micro_batch * model.top_k * model.d_model * layout.compute_bytes
     per_layer = 4 if layout.recompute == "none" else 6
-    n = layers_on_stage(model, layout.pp) * layout.microbatches * per_layer
+    n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(layout.tp * ep, hw)
     return [CommItem(f"EP all-to-all x{per_layer}/layer", "ep", n * rows * (ep - 1) / ep * imbalance, link, bw,
                      "none")]
@@ -196,7 +196,7 @@ def tp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
         return []
     sbh = model.seq_len * layout.micro_batch * model.d_model * layout.compute_bytes
     per_layer = 6 if layout.recompute == "full" else 4
-    n = layers_on_stage(model, layout.pp) * layout.microbatches * per_layer
+    n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(t, hw)
     name = "SP all-gather/reduce-scatter" if layout.sequence_parallel else "TP all-reduce"
     return [CommItem(name, "tp", n * all_reduce_bytes(t, sbh), link, bw, "none")]

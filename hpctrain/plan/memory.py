@@ -115,31 +115,37 @@ def fsdp_unit_params_per_gpu(model: ModelShape, layout: Layout) -> float:
     return max(_block_per_rank(model, layout.tp, layout.ep, prefix) for prefix in ("attn.", "mlp."))
 
 
-def layers_on_stage(model: ModelShape, pp: int) -> int:
-    """Layers per pipeline stage (the most loaded stage when they do not divide evenly)."""
-    return math.ceil(model.n_layers / pp)
+def layers_on_stage(model: ModelShape, layout: Layout, stage: int | None = None) -> int:
+    """Layers one GPU of pipeline stage (rank) `stage` holds over its model chunks, uneven stages included; None:
+    the most any pipeline rank holds (the one that sets the pipeline's pace)."""
+    if stage is None:
+        return max(layout.layers_on(model.n_layers, r) for r in range(layout.pp))
+    return layout.layers_on(model.n_layers, stage)
 
 
 @cache
-def stage_params_per_gpu(model: ModelShape, tp: int, pp: int, stage: int, ep: int = 1) -> float:
-    """Parameters one GPU of pipeline stage `stage` holds (its TP shard, its EP rank's experts), padding rows of
-    the embedding included."""
-    n = layers_on_stage(model, pp) * layer_params_per_gpu(model, tp, ep)
-    held = {name: shape for name, shape in model.top_shapes(tp).items()
-            if stage_holds(name.split(".")[0], stage, pp, model.n_layers, model.arch)}
-    return n + _per_rank(held, tp, model.family)
+def stage_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float:
+    """Parameters one GPU of pipeline stage (rank) `stage` holds over its model chunks (its TP shard, its EP
+    rank's experts), padding rows of the embedding included."""
+    split, layer = layout.layer_split(model.n_layers), layer_params_per_gpu(model, layout.tp, layout.ep)
+    n = 0.0
+    for chunk in layout.stages_of(stage):
+        held = {name: shape for name, shape in model.top_shapes(layout.tp).items()
+                if stage_holds(name.split(".")[0], chunk, split, model.arch)}
+        n += split[chunk] * layer + _per_rank(held, layout.tp, model.family)
+    return n
 
 
-def stage_expert_params_per_gpu(model: ModelShape, pp: int, ep: int) -> float:
+def stage_expert_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float:
     """The expert weights among `stage_params_per_gpu`: the stage's layers' experts / ep (0 for a dense model)."""
-    return layers_on_stage(model, pp) * model.expert_layer_params / ep
+    return layers_on_stage(model, layout, stage) * model.expert_layer_params / layout.ep
 
 
 def shard_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float:
     """Parameters in one GPU's FSDP2 shards: the dense ones over dp_shard ranks, its EP rank's experts over the
     dp_shard / ep ranks an EP group leaves (module docstring: as many as without EP)."""
-    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage, layout.ep)
-    experts = stage_expert_params_per_gpu(model, layout.pp, layout.ep)
+    n = stage_params_per_gpu(model, layout, stage)
+    experts = stage_expert_params_per_gpu(model, layout, stage)
     return (n - experts) / layout.zero_shard + experts / layout.dp_shard_mod_ep
 
 
@@ -191,7 +197,7 @@ def _head_bytes(model: ModelShape, layout: Layout) -> float:
 def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     """Peak activation bytes on one GPU of pipeline stage `stage`, by part."""
     inflight = inflight_microbatches(layout.pp, layout.microbatches, layout.virtual_stages, layout.schedule, stage)
-    n_layers = layers_on_stage(model, layout.pp)
+    n_layers = layers_on_stage(model, layout, stage)
     name = f"{n_layers} layers x {inflight:g} micro-batch{'' if inflight == 1 else 'es'} in flight, " \
         f"recompute {layout.recompute}"
     parts = [Part("activations", name, layer_activation_bytes(model, layout) * n_layers * inflight)]
@@ -283,10 +289,10 @@ class MemoryBreakdown:
 
 def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     """Everything one GPU of a stage holds: model states (states.py) and activations."""
-    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage, layout.ep)
+    n = stage_params_per_gpu(model, layout, stage)
     layer = layer_params_per_gpu(model, layout.tp, layout.ep)
     unit = fsdp_unit_params_per_gpu(model, layout)
-    root = n - layers_on_stage(model, layout.pp) * layer
+    root = n - layers_on_stage(model, layout, stage) * layer
     sharded = shard_params_per_gpu(model, layout, stage)
     return hpctrain_state_parts(n, layer, layout, unit, root, sharded) + embedding_grad_parts(model, layout, stage) \
         + stage_activation_parts(model, layout, stage)

@@ -140,12 +140,13 @@ def rank_shards(model: ModelShape, layout: Layout, stage: int) -> list[tuple[int
     are counted once and multiplied (the same layers and top-level modules as memory.stage_params_per_gpu)."""
     shard, tp, ep = layout.zero_shard, layout.tp, layout.ep
     counts: Counter[int] = Counter()
-    layers = layers_on_stage(model, layout.pp)
+    layers, split = layers_on_stage(model, layout, stage), layout.layer_split(model.n_layers)
     for name, shape in model.block_shapes().items():
         counts[shard_elements(name, shape, tp, shard, model.arch, ep)] += layers
     for name, shape in model.top_shapes(tp).items():
-        if stage_holds(name.split(".")[0], stage, layout.pp, model.n_layers, model.arch):
-            counts[shard_elements(name, shape, tp, shard, model.arch, ep)] += 1
+        for chunk in layout.stages_of(stage):
+            if stage_holds(name.split(".")[0], chunk, split, model.arch):
+                counts[shard_elements(name, shape, tp, shard, model.arch, ep)] += 1
     return sorted(counts.items())
 
 
@@ -296,12 +297,12 @@ def offload_costs(model: ModelShape, layout: Layout, hw: Hardware, threads_per_r
     if not offloads(layout):
         return OffloadCosts("", 0.0, 1, 0.0, g, HostMemory(0.0, 0.0, 0.0, 0.0, 0, 0.0), 0.0, 0, 0.0, 0.0, 0.0,
                             0.0, 0.0, 0.0)
-    stages = sorted({0, layout.pp - 1})
-    stage = max(stages, key=lambda s: stage_params_per_gpu(model, layout.tp, layout.pp, s, layout.ep))
-    n = stage_params_per_gpu(model, layout.tp, layout.pp, stage, layout.ep)
+    stages = range(layout.pp)  # uneven stages: any rank may hold the most
+    stage = max(stages, key=lambda s: stage_params_per_gpu(model, layout, s))
+    n = stage_params_per_gpu(model, layout, stage)
     sharded = shard_params_per_gpu(model, layout, stage)
     layer = layer_params_per_gpu(model, layout.tp, layout.ep)
-    root = n - layers_on_stage(model, layout.pp) * layer  # as memory.stage_parts: the stage's parameters outside blocks
+    root = n - layers_on_stage(model, layout, stage) * layer  # as memory.stage_parts: parameters outside blocks
     parts = hpctrain_state_parts(n, layer, layout, fsdp_unit_params_per_gpu(model, layout), root, sharded)
     nvme = sum(p.bytes for p in parts if p.nvme)
     on_nvme, tiers, pinned = moments_on_nvme(layout), checkpoint_tiers(checkpoint), pins_host_memory(hw)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hpctrain import schedules
+from hpctrain.config.layout import layer_split
 from hpctrain.models import registry
 from hpctrain.models.family import Dims
 from hpctrain.models.params import (
@@ -61,21 +61,20 @@ def model_summary(m: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def stage_counts(m: ModelConfig, lay: Layout, schedule: str) -> dict[str, Any] | None:
+def stage_counts(m: ModelConfig, lay: Layout) -> dict[str, Any] | None:
     """Parameters of each pipeline stage, the stages each pipeline rank holds (the schedule's placement), and
     what one GPU of each rank holds after the TP split (and the EP split of the experts), before ZeRO; None when
-    the layers do not split evenly.
+    the layers do not split into its stages.
 
     Closed form (hpctrain.models.params), exact: the output head counts on the last stage (GPT: the tied head's
     copy of the embedding; Llama: its own matrix), a rank with several virtual stages sums them, and zbv's V puts
     the first and the last stage on rank 0."""
-    n_stages = lay.pp * lay.virtual_stages
-    if m.n_layers % n_stages:
+    split = layer_split(m.n_layers, lay.n_stages, lay.first_stage_layers, lay.last_stage_layers)
+    if split is None:
         return None
-    whole = stage_param_counts(m, n_stages, lay.tp)
-    shard = stage_param_counts(m, n_stages, lay.tp, per_gpu=True, ep=getattr(lay, "ep", 1))
-    placement = schedules.get(schedule).stage_ids
-    ranks = [placement(r, lay.pp, lay.virtual_stages) for r in range(lay.pp)] if lay.pp > 1 else [[0]]
+    whole = stage_param_counts(m, split, lay.tp)
+    shard = stage_param_counts(m, split, lay.tp, per_gpu=True, ep=getattr(lay, "ep", 1))
+    ranks = [list(lay.stages_of(r)) for r in range(lay.pp)]
     head = "the tied head's embedding copy" if tied_of(m) else "the output head"
-    return {"params_per_stage": whole, "stages_of_rank": ranks, "last_stage_head": head,
-            "params_per_gpu_before_zero": [sum(shard[s] for s in ids) for ids in ranks]}
+    return {"params_per_stage": whole, "layers_per_stage": list(split), "stages_of_rank": ranks,
+            "last_stage_head": head, "params_per_gpu_before_zero": [sum(shard[s] for s in ids) for ids in ranks]}

@@ -4,7 +4,9 @@ Rules a candidate obeys (Megatron's, plus the global batch):
   * the model's shape rules, from their one owner (hpctrain.config.layout.model_fit_problems, which the checks
     report): tp divides gpus_per_node (TP stays on NVLink), n_heads, the key/value heads (each rank keeps whole
     K/V heads of grouped-query attention: Megatron's num_query_groups % tp) and the MLP hidden size; n_layers
-    is divisible by pp * virtual_stages;
+    is divisible by pp * virtual_stages, or (no interleaving) splits with the first and the last stage one
+    layer lighter than the others, which hold the embedding and the head (config.layout.lighter_ends: Llama 3
+    405B's 126 layers on 16 stages);
   * dp = n_gpus / (tp * pp) is a whole number;
   * global_batch = micro_batch * grad_accum * dp, and microbatches (= grad_accum) >= pp;
   * interleaving (v > 1) needs pp >= 2 and microbatches divisible by pp;
@@ -31,7 +33,7 @@ import itertools
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from hpctrain.config.layout import model_fit_problems
+from hpctrain.config.layout import lighter_ends, model_fit_problems
 from hpctrain.plan.bubble import microbatches_for_efficiency
 from hpctrain.plan.flops import mfu
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
@@ -58,9 +60,10 @@ def _divisors(n: int) -> list[int]:
 
 
 def shape_problems(model: ModelShape, tp: int, pp: int, virtual_stages: int, gpus_per_node: int,
-                   ep: int = 1) -> list[str]:
+                   ep: int = 1, first_stage_layers: int = 0, last_stage_layers: int = 0) -> list[str]:
     """What the model's shape rules (their one owner: config.layout.model_fit_problems) say of these degrees."""
-    degrees = SimpleNamespace(tp=tp, pp=pp, virtual_stages=virtual_stages, gpus_per_node=gpus_per_node, ep=ep)
+    degrees = SimpleNamespace(tp=tp, pp=pp, virtual_stages=virtual_stages, gpus_per_node=gpus_per_node, ep=ep,
+                              first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     return [message for _, message, _ in
             model_fit_problems(degrees, model.n_layers, model.n_heads, model.kv_heads, model.ffn, model.n_experts)]
 
@@ -77,7 +80,8 @@ def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int
     bad = []
     if layout.n_gpus != n_gpus:
         bad.append(f"dp*tp*pp = {layout.n_gpus} != {n_gpus} GPUs")
-    bad += shape_problems(model, layout.tp, layout.pp, layout.virtual_stages, hw.gpus_per_node, layout.ep)
+    bad += shape_problems(model, layout.tp, layout.pp, layout.virtual_stages, hw.gpus_per_node, layout.ep,
+                          layout.first_stage_layers, layout.last_stage_layers)
     if layout.global_batch != global_batch:
         bad.append(f"micro_batch*grad_accum*dp = {layout.global_batch} != global batch {global_batch}")
     if layout.pp > 1 and layout.microbatches < layout.pp:
@@ -146,8 +150,10 @@ def search_layouts(
            if n_gpus % t == 0 and not shape_problems(model, t, 1, 1, hw.gpus_per_node)]
     out: list[Candidate] = []
     for tp in tps:
-        for pp in _divisors(model.n_layers):
-            if n_gpus % (tp * pp):
+        for pp in _divisors(n_gpus // tp):
+            # even stages, or the first and last one layer lighter (they hold the embedding and the head)
+            ends = lighter_ends(model.n_layers, pp)
+            if model.n_layers % pp and ends is None:
                 continue
             dp = n_gpus // (tp * pp)
             if global_batch % dp:
@@ -160,7 +166,7 @@ def search_layouts(
                 if pp > 1 and m < pp:
                     continue
                 vs = [1]
-                if pp >= 2 and m % pp == 0:
+                if pp >= 2 and m % pp == 0 and ends is None:
                     vs += [v for v in range(2, max_virtual_stages + 1) if model.n_layers % (pp * v) == 0]
                 for v in vs:
                     for z in zero_stages if dp > 1 else (0,):
@@ -171,6 +177,7 @@ def search_layouts(
                                 grad_accum=m, sequence_parallel=tp > 1,
                                 schedule="interleaved_1f1b" if v > 1 else "1f1b", dtype=dtype,
                                 reduce_dtype=reduce_dtype, accumulate_unsharded=unsharded, ep=ep,
+                                first_stage_layers=ends or 0, last_stage_layers=ends or 0,
                             )
                             cand = cheapest_fitting(model, layout, hw, **step_kwargs)
                             if cand is not None:

@@ -48,6 +48,7 @@ from hpctrain.plan.flops import (
     fp8_flops_per_iteration,
     mfu,
 )
+from hpctrain.plan.memory import layers_on_stage
 from hpctrain.plan.offload import OffloadCosts, offload_costs
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
@@ -163,7 +164,9 @@ def estimate_step(
     n = layout.n_gpus
     flops = flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp)
     fp8_flops = fp8_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.fp8)
-    compute_s = compute_seconds(flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency)
+    # a pipeline runs at its busiest rank's pace: with uneven stages the ranks holding more layers (1 when even)
+    pace = layers_on_stage(model, layout) * layout.pp / model.n_layers
+    compute_s = pace * compute_seconds(flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency)
     comm = comm_per_step(model, layout, hw, imbalance=imbalance)
     tp_s = tp_exposed * comm.time_of("tp")
     pp_s = pp_exposed * comm.time_of("pp")

@@ -79,7 +79,7 @@ class SimulatedEngine(Engine):
         without stage 0 needs it for the schedule's start-up: hpctrain.simulate.peers)."""
         with torch.device("meta"):
             full = create_model(self.cfg.model, self.layout.tp)
-        stand_in = self._apply_layout(stage_model(full, 0, self.dims.n_stages))
+        stand_in = self._apply_layout(stage_model(full, 0, self.split))
         with mode:
             part = self._materialise(stand_in)
             with autocast(self.cfg.precision, self.device, not self.fsdp):

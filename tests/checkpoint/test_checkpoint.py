@@ -218,6 +218,11 @@ RESHARD = {
     "dp4-zero3-to-dp2": ((4, ["zero=stage3"]), (2, ["zero=stage3"])),
     "tp2-to-tp1": ((2, ["parallel.tp=2"]), (1, [])),
     "pp2-to-pp1": ((2, ["parallel.pp=2"]), (1, [])),
+    # uneven stages (1 + 3 layers) onto an even cut (2 + 2) and back: the checkpoint names layers globally
+    "pp2-uneven-to-pp2": ((2, ["model.n_layers=4", "parallel.pp=2", "parallel.first_stage_layers=1"]),
+                          (2, ["model.n_layers=4", "parallel.pp=2"])),
+    "pp2-to-pp2-uneven": ((2, ["model.n_layers=4", "parallel.pp=2"]),
+                          (2, ["model.n_layers=4", "parallel.pp=2", "parallel.last_stage_layers=3"])),
     "zero1-to-zero3": ((2, ["zero=stage1"]), (2, ["zero=stage3"])),
 }
 

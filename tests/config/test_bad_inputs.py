@@ -189,6 +189,15 @@ BAD = [
     ("ep-vs-dp", ["model=moe_tiny", "cluster.gpus_per_node=4", "zero=stage1", "parallel.ep=3"], "parallel.ep",
      "ep=3 does not divide the 4 data-parallel ranks"),
     ("ep-zero", ["model=moe_tiny", "parallel.ep=0"], "parallel.ep", "must be >= 1"),
+    ("uneven-one-stage", ["parallel.first_stage_layers=1"], "parallel.first_stage_layers",
+     "there is one stage (pp x virtual_stages = 1)"),
+    ("uneven-no-room", ["cluster.gpus_per_node=2", "parallel.pp=2", "train.micro_batch=4",
+                        "parallel.first_stage_layers=4"],
+     "parallel.first_stage_layers", "leave 0 of model.n_layers=4 layers for the other 1 of the 2 stages"),
+    ("uneven-unequal", ["cluster.gpus_per_node=4", "parallel.pp=4", "train.micro_batch=2", "model.n_layers=8",
+                        "parallel.first_stage_layers=1"], "parallel.first_stage_layers",
+     "leave 7 of model.n_layers=8 layers for the other 3 of the 4 stages"),
+    ("uneven-negative", ["parallel.last_stage_layers=-1"], "parallel.last_stage_layers", "must be >= 0"),
     ("auto-bad-shape", ["model=moe_tiny", "model.n_heads=3", "parallel=auto"], "model.d_model",
      "not divisible by n_heads 3"),  # before the search, which cannot describe such a model
 ]

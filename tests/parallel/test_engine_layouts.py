@@ -43,6 +43,11 @@ LAYOUTS = {
     "tp2_sp": (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}, 1),
     "pp2_gpipe": (2, {"parallel__pp": 2, "parallel__schedule": "gpipe", **PP}, 1),
     "pp2_1f1b": (2, {"parallel__pp": 2, "parallel__schedule": "1f1b", **PP}, 1),
+    # uneven stages: 3 + 5 layers; interleaved, 1 + 3 + 3 + 1 (the first and last chunk lighter)
+    "pp2_uneven": (2, {"model__n_layers": 8, "parallel__pp": 2, "parallel__first_stage_layers": 3, **PP}, 1),
+    "pp2_interleaved_uneven": (2, {"model__n_layers": 8, "parallel__pp": 2, "parallel__schedule": "interleaved_1f1b",
+                                   "parallel__virtual_stages": 2, "parallel__first_stage_layers": 1,
+                                   "parallel__last_stage_layers": 1, **PP}, 1),
     "pp2_interleaved": (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b",
                             "parallel__virtual_stages": 2, **PP}, 1),
     "pp2_looped_bfs": (2, {"parallel__pp": 2, "parallel__schedule": "looped_bfs", "parallel__virtual_stages": 2,
@@ -75,7 +80,7 @@ LAYOUTS = {
 # The Llama family through the same layouts: grouped-query attention split over TP (one key/value head per rank),
 # the untied head split by vocabulary like the embedding, and held by the last pipeline stage alone.
 LLAMA_LAYOUTS = ["single", "dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero3_offload", "tp2", "tp2_sp", "pp2_1f1b",
-                 "pp2_interleaved", "pp2_zbv", "dp2xtp2", "dp2xpp2", "tp2xpp2", "zero3_dp2xtp2xpp2_sp",
+                 "pp2_uneven", "pp2_interleaved", "pp2_zbv", "dp2xtp2", "dp2xpp2", "tp2xpp2", "zero3_dp2xtp2xpp2_sp",
                  "recompute_full_dp2", "recompute_selective_tp2_sp"]
 LAYOUTS.update({f"llama_{name}": (LAYOUTS[name][0], {**LLAMA, **LAYOUTS[name][1]}, LAYOUTS[name][2])
                 for name in LLAMA_LAYOUTS})
@@ -85,6 +90,9 @@ QWEN3_LAYOUTS = ["single", "tp2_sp", "zero3_dp2", "tp2xpp2"]
 LAYOUTS.update({f"qwen3_{name}": (LAYOUTS[name][0], {**QWEN3, **LAYOUTS[name][1]}, LAYOUTS[name][2])
                 for name in QWEN3_LAYOUTS})
 
+# uneven stages: the layers of each pipeline rank (interleaved: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3)
+UNEVEN = {"pp2_uneven": [[0, 1, 2], [3, 4, 5, 6, 7]], "llama_pp2_uneven": [[0, 1, 2], [3, 4, 5, 6, 7]],
+          "pp2_interleaved_uneven": [[0, 4, 5, 6], [1, 2, 3, 7]]}
 _REFERENCES: dict[tuple, dict] = {}
 
 
@@ -131,6 +139,9 @@ def test_layout_matches_single_process(name: str) -> None:
     assert all(r["val_loss"] == results[0]["val_loss"] for r in results)
     assert _rel(results[0]["val_loss"], ref["val_loss"]) <= 1e-5, (results[0]["val_loss"], ref["val_loss"])
 
+    if name in UNEVEN:  # the layers each pipeline rank holds
+        held = [sorted({int(k.split(".")[1]) for k in r["weights"] if k.startswith("layers.")}) for r in results]
+        assert held == UNEVEN[name], held
     weights: dict[str, torch.Tensor] = {}
     for r in results:  # pipeline ranks each hold their stages' weights
         weights.update(r["weights"])

@@ -27,7 +27,7 @@ def test_ring_volumes():
 def test_3d_layout_hand_case():
     lay = Layout(dp=4, tp=2, pp=2, micro_batch=2, grad_accum=4, dtype="bf16")
     c = comm_per_step(MODEL, lay, HW)
-    g = max(stage_params_per_gpu(MODEL, 2, 2, 0), stage_params_per_gpu(MODEL, 2, 2, 1)) * 2
+    g = max(stage_params_per_gpu(MODEL, lay, 0), stage_params_per_gpu(MODEL, lay, 1)) * 2
     (dp,) = [i for i in c.items if i.kind == "dp"]
     assert dp.bytes == pytest.approx(2 * 3 / 4 * g)
     assert dp.link == NVLINK  # tp * dp = 8 ranks: one node

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.config.layout import lighter_ends
 from hpctrain.launch.cli import run
 from hpctrain.models.params import (
     block_shapes,
@@ -84,12 +85,12 @@ def test_meta_device_llama_3_8b_matches_the_closed_form_per_stage_and_rank(compo
     rows = padded_vocab(128256, 64, 8)
     assert rows == 128512
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED["llama3_8b"] + 2 * (rows - 128256) * 4096
-    whole, shard = meta_stage_counts(cfg, 4, 8)
-    assert stage_param_counts(cfg.model, 4, 8) == whole
-    assert stage_param_counts(cfg.model, 4, 8, per_gpu=True) == shard
+    whole, shard = meta_stage_counts(cfg, (cfg.model.n_layers // 4,) * 4, 8)
+    assert stage_param_counts(cfg.model, (cfg.model.n_layers // 4,) * 4, 8) == whole
+    assert stage_param_counts(cfg.model, (cfg.model.n_layers // 4,) * 4, 8, per_gpu=True) == shard
     # the planner's per-GPU figure is the same closed form: stage 0 embeds, stage 3 holds norm_f and the head
     shape = model_shape(cfg.model, 8192)
-    assert [stage_params_per_gpu(shape, 8, 4, s) for s in range(4)] == shard
+    assert [stage_params_per_gpu(shape, Layout(dp=1, tp=8, pp=4), s) for s in range(4)] == shard
 
 
 def test_405b_training_flops_are_the_papers() -> None:
@@ -165,30 +166,37 @@ def test_llama_weights_per_tp_rank() -> None:
     block = sum(a * b for a, b in ((h + 2048, h), (h, h), (2 * 53248, h), (h, 53248)))
     assert layer_params_per_gpu(LLAMA_405B, 8) == block / 8 + 2 * h
     rows = LLAMA_405B.vocab_rows(8)
-    assert stage_params_per_gpu(LLAMA_405B, 8, 2, 1) == 63 * (block / 8 + 2 * h) + rows * h / 8 + h
-    assert stage_params_per_gpu(LLAMA_405B, 8, 1, 0) == 126 * (block / 8 + 2 * h) + 2 * rows * h / 8 + h
+    assert stage_params_per_gpu(LLAMA_405B, Layout(dp=1, tp=8, pp=2), 1) == 63 * (block / 8 + 2 * h) + rows * h / 8 + h
+    assert stage_params_per_gpu(LLAMA_405B, Layout(dp=1, tp=8, pp=1), 0) == \
+        126 * (block / 8 + 2 * h) + 2 * rows * h / 8 + h
 
 
 def test_the_papers_405b_layout_estimate() -> None:
-    """TP 8 x PP 16 x DP 128, micro-batch 1, 16 microbatches (Table 4: 41% MFU at this size). The planner takes 8
-    layers on the most loaded stage (126 do not split over 16; the paper cuts one from the first and the last).
-    Without recomputation 1F1B idles 15/31 of the pipeline (27%); interleaving brings the estimate to the paper's
-    figure (4 chunks: 41%). hpctrain's own stack would not fit that (DTensor SP's gathered inputs, 16 microbatches
-    in flight): only full recomputation does, at 20-34%. docs/planner.md has the table."""
+    """TP 8 x PP 16 x DP 128, micro-batch 1, 16 microbatches (Table 4: 41% MFU at this size), the paper's cut of 126
+    layers: 7 on the first and the last stage, 8 on each between (parallel.first_stage_layers / last_stage_layers);
+    interleaved, the chunks take the same shape (2 per rank: 3 + 30 x 4 + 3, 4 per rank: 1 + 62 x 2 + 1; 8 per rank
+    would be 128 chunks for 126 layers). The pipeline runs at the pace of the 8-layer ranks (126 / 16 = 7.875 on
+    average). Without recomputation 1F1B idles 15/31 of the pipeline (27%); interleaving brings the estimate to
+    the paper's figure (4 chunks: 41%). hpctrain's own stack would not fit that (DTensor SP's gathered inputs, 16
+    microbatches in flight): only full recomputation does, at 20-31%. docs/planner.md has the table."""
     base = Layout(dp=128, tp=8, pp=16, micro_batch=1, grad_accum=16, zero_stage=1, sequence_parallel=True,
-                  recompute="none", reduce_dtype="fp32")
+                  recompute="none", reduce_dtype="fp32", first_stage_layers=7, last_stage_layers=7)
 
     def at(v: int, recompute: str = "none") -> Layout:
-        return replace(base, virtual_stages=v, schedule="interleaved_1f1b" if v > 1 else "1f1b", recompute=recompute)
+        ends = lighter_ends(126, 16 * v)
+        return replace(base, virtual_stages=v, schedule="interleaved_1f1b" if v > 1 else "1f1b", recompute=recompute,
+                       first_stage_layers=ends, last_stage_layers=ends)
 
-    mfu = {v: estimate_step(LLAMA_405B, at(v), H100).mfu for v in (1, 2, 4, 8)}
+    assert [at(v).layer_split(126)[:2] for v in (1, 2, 4)] == [(7, 8), (3, 4), (1, 2)]
+    assert lighter_ends(126, 128) is None
+    mfu = {v: estimate_step(LLAMA_405B, at(v), H100).mfu for v in (1, 2, 4)}
     assert estimate_step(LLAMA_405B, base, H100).bubble_fraction == pytest.approx(15 / 31)
-    assert [round(mfu[v], 2) for v in (1, 2, 4, 8)] == [0.27, 0.35, 0.41, 0.45]
+    assert [round(mfu[v], 2) for v in (1, 2, 4)] == [0.27, 0.35, 0.41]
     assert not memory_per_gpu(LLAMA_405B, base, H100).fits
-    assert not memory_per_gpu(LLAMA_405B, at(8, "selective"), H100).fits
-    full = {v: estimate_step(LLAMA_405B, at(v, "full"), H100).mfu for v in (1, 8)}
-    assert memory_per_gpu(LLAMA_405B, at(8, "full"), H100).fits
-    assert [round(full[v], 2) for v in (1, 8)] == [0.20, 0.34]
+    assert not memory_per_gpu(LLAMA_405B, at(4, "selective"), H100).fits
+    full = {v: estimate_step(LLAMA_405B, at(v, "full"), H100).mfu for v in (1, 4)}
+    assert memory_per_gpu(LLAMA_405B, at(4, "full"), H100).fits
+    assert [round(full[v], 2) for v in (1, 4)] == [0.20, 0.31]
 
 
 def test_405b_dry_run_prints_the_plan(tmp_path: Path) -> None:

@@ -164,9 +164,10 @@ def test_recompute_adds_one_layer_transient():
 
 def test_stage_params_cover_the_model():
     model = ModelShape(4, 64, 4, 32, 100)
-    assert stage_params_per_gpu(model, 1, 1, 0) == model.params
+    assert stage_params_per_gpu(model, Layout(dp=1, tp=1, pp=1), 0) == model.params
     # pp = 2, tied: the last stage keeps a copy of the word embedding (Megatron)
-    total = stage_params_per_gpu(model, 1, 2, 0) + stage_params_per_gpu(model, 1, 2, 1)
+    two = Layout(dp=1, tp=1, pp=2)
+    total = stage_params_per_gpu(model, two, 0) + stage_params_per_gpu(model, two, 1)
     assert total == model.params + 100 * 64
     assert layer_params_per_gpu(model, 1) == layer_params(64, 256)
     assert layer_params_per_gpu(model, 4) == (layer_params(64, 256) - 6 * 64) / 4 + 6 * 64
@@ -180,8 +181,9 @@ def test_stage_params_use_the_padded_vocabulary():
     assert model.params == plain.params
     assert model.vocab_rows(1) == 128 and model.vocab_rows(2) == 128 and model.vocab_rows(4) == 256
     assert model.padding_params(2) == 28 * 64
-    assert stage_params_per_gpu(model, 1, 1, 0) == model.params + 28 * 64
-    assert stage_params_per_gpu(model, 2, 1, 0) - stage_params_per_gpu(plain, 2, 1, 0) == 28 * 64 / 2
+    assert stage_params_per_gpu(model, Layout(dp=1, tp=1, pp=1), 0) == model.params + 28 * 64
+    tp2 = Layout(dp=1, tp=2, pp=1)
+    assert stage_params_per_gpu(model, tp2, 0) - stage_params_per_gpu(plain, tp2, 0) == 28 * 64 / 2
 
 
 # ------------------------------------------------------------------ the breakdown

@@ -52,7 +52,8 @@ def test_published_totals_and_active_parameters(compose_cfg) -> None:
         assert (model_param_count(m), model_active_param_count(m)) == (total, active), name
         shape = model_shape(m, 4096)
         assert (shape.params, shape.active_params) == (total, active)
-        assert sum(stage_param_counts(m, 2)) == total + 2 * (shape.vocab_rows() - m.vocab_size) * m.d_model
+        halves = (m.n_layers // 2,) * 2
+        assert sum(stage_param_counts(m, halves)) == total + 2 * (shape.vocab_rows() - m.vocab_size) * m.d_model
 
 
 def test_mfu_counts_the_active_parameters(compose_cfg) -> None:
@@ -146,8 +147,8 @@ def test_per_ep_rank_counts_are_the_engines(compose_cfg, ep: int) -> None:
     shape = model_shape(cfg.model, 128)
     assert whole == model_param_count(cfg.model) + 2 * (shape.vocab_rows() - 256) * 64
     assert {n for n in local if shape.family.expert_dim(n) is not None} == experts  # the spec's ep_dims
-    assert sum(local.values()) == stage_param_counts(cfg.model, 1, 1, per_gpu=True, ep=ep)[0] \
-        == stage_params_per_gpu(shape, 1, 1, 0, ep)
+    assert sum(local.values()) == stage_param_counts(cfg.model, (cfg.model.n_layers,), 1, per_gpu=True, ep=ep)[0] \
+        == stage_params_per_gpu(shape, Layout(dp=ep, tp=1, pp=1, ep=ep, zero_stage=1), 0)
     assert whole - sum(local.values()) == 4 * shape.expert_layer_params * (ep - 1) // ep
 
 
@@ -156,7 +157,7 @@ def test_expert_states_are_split_over_ep_and_sharded_over_what_it_leaves(compose
     (dense over 16, this EP rank's experts over 16 / ep), the bf16 working copies and whole gradients the dense
     parameters and 1/ep of the experts."""
     shape = model_shape(compose_cfg("model=qwen3_30b_a3b").model, 4096)
-    n, experts = stage_params_per_gpu(shape, 1, 1, 0), 48 * shape.expert_layer_params
+    n, experts = stage_params_per_gpu(shape, Layout(dp=1, tp=1, pp=1), 0), 48 * shape.expert_layer_params
     for ep in (1, 2, 8, 16):
         lay = Layout(dp=16, tp=1, pp=1, zero_stage=1, micro_batch=1, grad_accum=4, recompute="full",
                      reduce_dtype="fp32", ep=ep)
@@ -201,7 +202,7 @@ def test_dp_traffic_of_the_experts_runs_over_the_ranks_holding_them(compose_cfg)
     shape = model_shape(compose_cfg("model=qwen3_235b_a22b").model, 4096)
     lay = Layout(dp=256, tp=1, pp=1, zero_stage=3, micro_batch=2, grad_accum=4, recompute="full", ep=8)
     experts = 94 * shape.expert_layer_params
-    dense = stage_params_per_gpu(shape, 1, 1, 0) - experts
+    dense = stage_params_per_gpu(shape, Layout(dp=1, tp=1, pp=1), 0) - experts
     gather = next(i for i in dp_items(shape, lay, H100) if i.name.startswith("param all-gather"))
     assert gather.bytes == pytest.approx(8 * (255 / 256 * 2 * dense + 31 / 32 * 2 * experts / 8))
 
@@ -235,14 +236,27 @@ def test_the_search_tries_ep_for_moe_models_only(compose_cfg) -> None:
     assert {c.layout.ep for c in dense} == {1}
 
 
-def test_parallel_auto_picks_an_ep_the_checks_accept(compose_cfg) -> None:
-    from hpctrain.launch.cli import apply_auto
+def test_parallel_auto_can_only_pick_an_ep_the_checks_accept(compose_cfg) -> None:
+    """What `parallel=auto` would set for the fastest expert-parallel candidate of Qwen3-235B on 256 H100s (the
+    fastest of all is a 32-stage pipeline without EP, 2 + 30 x 3 + 2 layers), and for the fastest of all: each
+    passes the checks with the layout it names."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.plan.auto import layout_overrides
     from hpctrain.plan.checks import check_config
 
-    cfg = compose_cfg("+experiment=qwen3_235b_a22b", "parallel=auto", "parallel.ep=1", "dry_run=true")
-    apply_auto(cfg)
-    report = check_config(cfg)
-    assert cfg.parallel.ep == report.layout.ep > 1 and report.estimates.memory.fits
+    base = compose_cfg("+experiment=qwen3_235b_a22b", "dry_run=true")
+    candidates = search_layouts(model_shape(base.model, base.train.seq_len), 256, cluster_hardware(base.cluster),
+                                base.train.global_batch, dtype="bf16", reduce_dtype="fp32")
+    fastest, with_ep = candidates[0], next(c for c in candidates if c.layout.ep > 1)
+    assert (fastest.layout.pp, fastest.layout.first_stage_layers, fastest.layout.last_stage_layers) == (32, 2, 2)
+    for chosen in (fastest, with_ep):
+        cfg = compose_cfg("+experiment=qwen3_235b_a22b", "dry_run=true")
+        for key, value in layout_overrides(chosen.layout).items():
+            OmegaConf.update(cfg, key, value)
+        report = check_config(cfg)
+        assert report.layout.ep == chosen.layout.ep and report.estimates.memory.fits
+        assert report.layout.layer_split(94) == chosen.layout.layer_split(94)
 
 
 def test_the_qwen3_235b_experiment_plans_on_h100_nodes(compose_cfg, capsys) -> None:

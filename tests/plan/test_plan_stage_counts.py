@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
 
+from hpctrain.config.layout import Layout, layer_split, lighter_ends
 from hpctrain.config.schema import Config
 from hpctrain.models.params import param_count, stage_param_counts, tp_local_numel
 from hpctrain.plan.report import stage_counts
@@ -37,10 +37,10 @@ def test_closed_form_matches_the_meta_device_model(tp: int, pp: int, v: int, sch
     from hpctrain.parallel.stages import meta_stage_counts
 
     cfg = _cfg(tp, pad, arch=arch)
-    whole, shard = meta_stage_counts(cfg, pp * v, tp)
-    assert stage_param_counts(cfg.model, pp * v, tp) == whole
-    assert stage_param_counts(cfg.model, pp * v, tp, per_gpu=True) == shard
-    plan = stage_counts(cfg.model, SimpleNamespace(tp=tp, pp=pp, virtual_stages=v), schedule)
+    whole, shard = meta_stage_counts(cfg, (cfg.model.n_layers // (pp * v),) * (pp * v), tp)
+    assert stage_param_counts(cfg.model, (cfg.model.n_layers // (pp * v),) * (pp * v), tp) == whole
+    assert stage_param_counts(cfg.model, (cfg.model.n_layers // (pp * v),) * (pp * v), tp, per_gpu=True) == shard
+    plan = stage_counts(cfg.model, Layout(dp=1, tp=tp, pp=pp, virtual_stages=v, schedule=schedule))
     assert plan["params_per_stage"] == whole
     assert sum(plan["params_per_gpu_before_zero"]) == sum(shard)
 
@@ -48,9 +48,9 @@ def test_closed_form_matches_the_meta_device_model(tp: int, pp: int, v: int, sch
 def test_zbv_puts_the_first_and_the_last_stage_on_rank_0() -> None:
     """The V: rank r holds stages r and 2p - 1 - r, so rank 0 keeps the embedding and its tied copy."""
     cfg = _cfg(2)
-    plan = stage_counts(cfg.model, SimpleNamespace(tp=2, pp=2, virtual_stages=2), "zbv")
+    plan = stage_counts(cfg.model, Layout(dp=1, tp=2, pp=2, virtual_stages=2, schedule="zbv"))
     assert plan["stages_of_rank"] == [[0, 3], [1, 2]]
-    shard = stage_param_counts(cfg.model, 4, 2, per_gpu=True)
+    shard = stage_param_counts(cfg.model, (cfg.model.n_layers // 4,) * 4, 2, per_gpu=True)
     assert plan["params_per_gpu_before_zero"] == [shard[0] + shard[3], shard[1] + shard[2]]
     assert plan["params_per_gpu_before_zero"][0] > plan["params_per_gpu_before_zero"][1]
 
@@ -59,18 +59,50 @@ def test_one_stage_holds_the_whole_model_once() -> None:
     """Without PP the tied head adds nothing: the count is the model's, with the padded rows."""
     cfg = _cfg(1, pad_multiple=64)
     m = cfg.model
-    assert stage_param_counts(m, 1) == [param_count(m.n_layers, m.d_model, 256, m.context, 4 * m.d_model)]
+    assert stage_param_counts(m, (m.n_layers,)) == [param_count(m.n_layers, m.d_model, 256, m.context, 4 * m.d_model)]
 
 
 def test_llama_stages_hold_the_embedding_first_and_the_head_last() -> None:
     """Untied: the first stage holds tok_emb, the last norm_f and output, each once (no embedding copy)."""
     cfg = _cfg(1, pad_multiple=64, arch="llama")
     block = 48 * (48 + 2 * 24) + 48 * 48 + 3 * 48 * 80 + 2 * 48  # QKV with 4 of 8 heads for K and V, SwiGLU
-    assert stage_param_counts(cfg.model, 2) == [4 * block + 256 * 48, 4 * block + 48 + 256 * 48]
-    assert stage_param_counts(cfg.model, 1) == [8 * block + 2 * 256 * 48 + 48]
+    assert stage_param_counts(cfg.model, (4, 4)) == [4 * block + 256 * 48, 4 * block + 48 + 256 * 48]
+    assert stage_param_counts(cfg.model, (8,)) == [8 * block + 2 * 256 * 48 + 48]
 
 
 def test_uneven_tp_split_counts_the_largest_shard() -> None:
     assert tp_local_numel("tok_emb.weight", (250, 48), 4) == 63 * 48
     assert tp_local_numel("layers.0.attn.proj.weight", (48, 48), 4) == 48 * 12
     assert tp_local_numel("layers.0.norm1.weight", (48,), 4) == 48
+
+
+def test_uneven_stages_split_as_set() -> None:
+    """The stages set take their layers, the others share the rest evenly; a cut that cannot be made is None."""
+    assert layer_split(126, 16, 7, 7) == (7,) + (8,) * 14 + (7,)  # Llama 3 405B as Meta cut it
+    assert layer_split(8, 2, 3) == (3, 5) and layer_split(8, 2, 0, 6) == (2, 6)
+    assert layer_split(8, 4, 1, 1) == (1, 3, 3, 1)
+    assert layer_split(8, 2, 3, 6) is None and layer_split(8, 4, 1) is None and layer_split(8, 1, 3) is None
+    assert layer_split(8, 2, 8) is None  # the last stage would hold nothing
+    ends = [lighter_ends(126, 16), lighter_ends(94, 32), lighter_ends(96, 8), lighter_ends(126, 128)]
+    assert ends == [7, 2, None, None]
+
+
+@pytest.mark.parametrize("tp,pp,v,first,last,schedule", [
+    (2, 2, 1, 3, 0, "1f1b"), (1, 2, 2, 1, 1, "interleaved_1f1b"), (2, 3, 1, 2, 2, "1f1b"), (1, 2, 2, 1, 1, "zbv")])
+def test_uneven_closed_form_matches_the_meta_device_model(tp: int, pp: int, v: int, first: int, last: int,
+                                                         schedule: str) -> None:
+    """The planner's per-stage and per-rank counts of an uneven cut equal the meta-device model cut the same way;
+    each rank's layers are its chunks' (zbv: rank 0 holds the first and the last chunk)."""
+    from hpctrain.parallel.stages import meta_stage_counts
+
+    cfg = _cfg(tp, arch="llama")
+    lay = Layout(dp=1, tp=tp, pp=pp, virtual_stages=v, schedule=schedule, first_stage_layers=first,
+                 last_stage_layers=last)
+    split = lay.layer_split(8)
+    whole, shard = meta_stage_counts(cfg, split, tp)
+    assert stage_param_counts(cfg.model, split, tp) == whole
+    assert stage_param_counts(cfg.model, split, tp, per_gpu=True) == shard
+    plan = stage_counts(cfg.model, lay)
+    assert plan["layers_per_stage"] == list(split) and plan["params_per_stage"] == whole
+    assert plan["params_per_gpu_before_zero"] == [sum(shard[s] for s in lay.stages_of(r)) for r in range(pp)]
+    assert sum(lay.layers_on(8, r) for r in range(pp)) == 8

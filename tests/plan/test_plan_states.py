@@ -14,7 +14,7 @@ MODEL = ModelShape(4, 256, 4, 64, 1000)
 
 
 def _n(lay: Layout, stage: int = 0) -> float:
-    return stage_params_per_gpu(MODEL, lay.tp, lay.pp, stage)
+    return stage_params_per_gpu(MODEL, lay, stage)
 
 
 def _layer(lay: Layout) -> float:
@@ -166,7 +166,7 @@ def test_gpt3_1_3b_zero2_dp8_states():
     model = ModelShape(24, 2048, 16, 2048, 50257, vocab_pad_multiple=64)
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=2, micro_batch=8, grad_accum=8, reduce_dtype="fp32")
     mem = memory_per_gpu(model, lay, HW)
-    n, layer = stage_params_per_gpu(model, 1, 1, 0), layer_params_per_gpu(model, 1)
+    n, layer = stage_params_per_gpu(model, Layout(dp=1, tp=1, pp=1), 0), layer_params_per_gpu(model, 1)
     root = n - 24 * layer
     assert n == model.params + (50304 - 50257) * 2048
     assert 4 * root > 6 * layer
