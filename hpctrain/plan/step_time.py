@@ -162,7 +162,7 @@ def estimate_step(
         raise ValueError(f"imbalance is the busiest rank's rows over the mean: >= 1, got {imbalance}")
     n = layout.n_gpus
     flops = flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp)
-    fp8_flops = fp8_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.fp8)
+    fp8_flops = fp8_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.fp8, layout.tp)
     compute_s = compute_seconds(flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency)
     comm = comm_per_step(model, layout, hw, imbalance=imbalance)
     tp_s = tp_exposed * comm.time_of("tp")
