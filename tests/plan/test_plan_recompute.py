@@ -3,8 +3,8 @@
 The bytes a checkpointed block keeps (tests/plan/saved.py: its input and the op outputs the selective policy
 caches, storages counted once, parameters left out; TP on 2 gloo ranks, this rank's shards) equal the planner's
 formula byte for byte, for GPT and Llama blocks, without TP, with TP 2 and with TP 2 + SP, and for the MoE
-families' block. The policy keeps less than no recomputation; in backward it runs no collective that no
-recomputation would not run, and reruns no matmul but the attention's output projection under TP.
+families' block. The policy keeps less than no recomputation; its backward runs the same collectives as
+backward without recomputation, and reruns no matmul but the attention's output projection under TP.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def _tp_block(rank: int, world: int, model_cfg: Any, sp: bool) -> dict[str, Any]
 @pytest.mark.parametrize("arch", list(BLOCKS))
 def test_selective_under_tp_keeps_what_the_formula_counts(compose_cfg: Any, arch: str, sp: bool) -> None:
     """TP 2 (sbh): GPT and Llama here 14 + lse / 2 (the all-reduce outputs 4 whole), with SP 15 + lse / 2 (the
-    gathered inputs 4 whole, the reduce-scatter outputs 2 / t): less than none. Backward runs the collectives no
-    recomputation's backward runs, no more (full recomputation's forward communicates again), and one matmul
+    gathered inputs 4 whole, the reduce-scatter outputs 2 / t): less than none. Backward runs the collectives of
+    backward without recomputation, no more (full recomputation's forward communicates again), and one matmul
     more: the attention's output projection, whose partial sum the policy does not save (full reruns more)."""
     ranks = run_distributed(_tp_block, 2, _cfg(compose_cfg, arch), sp, timeout=300)
     assert ranks[0] == ranks[1]
