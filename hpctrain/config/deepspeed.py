@@ -501,7 +501,7 @@ class _Import:
             self.set("parallel.recompute", "full", ac,
                      note=f"{' and '.join(k.split('.')[-1] for k in implies)}: "
                      f"{'acts' if len(implies) == 1 else 'act'} only on recomputed layers; the section alone "
-                     "recomputes nothing; parallel.recompute=selective recomputes attention only")
+                     "recomputes nothing; parallel.recompute=selective recomputes element-wise ops only")
         self.by_value(f"{ac}.partition_activations", False, "false: not partitioned, as hpctrain",
                       "the nearest is parallel.sequence_parallel (activations split over the TP ranks)")
         self.by_value(f"{ac}.cpu_checkpointing", False, "false: kept on the GPU, as hpctrain",
@@ -514,7 +514,7 @@ class _Import:
             self.seen.add(f"{ac}.number_checkpoints")
         else:
             self.skip(f"{ac}.number_checkpoints", "sizes DeepSpeed's contiguous buffer; hpctrain checkpoints every "
-                      "layer (parallel.recompute=full) or recomputes attention only (selective)")
+                      "layer (parallel.recompute=full) or element-wise ops only (selective)")
         self.by_value(f"{ac}.synchronize_checkpoint_boundary", False, "false: no device synchronisation, as hpctrain",
                       "a device synchronisation at each checkpoint (a debugging aid): hpctrain has none")
         self.by_value(f"{ac}.profile", False, "false: no profiling",

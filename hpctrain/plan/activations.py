@@ -29,10 +29,16 @@ hpctrain.models.gpt.Block on CPU: 32 s b h with dropout 0, 20 s b h with t = 2, 
     divided by t: s b h (4 + (4 + dropout 2 + 24) / t) instead of s b h / t (34).
   * Without FSDP2 (no DP, or DDP) forward runs under torch.autocast: LayerNorm autocasts to fp32 and the
     residual stream stays fp32, so the LayerNorm inputs (and a checkpointed block's input) take 4 bytes.
-  * Selective recompute is hpctrain.parallel.recompute's policy: save the outputs of matmuls and
-    collectives, recompute the rest. Per layer: the block input 2 (/t with SP), QKV and MLP-in outputs
-    (6 + 2 f / h) / t, the two row-parallel outputs (partial sums, full size) 4, and with TP the collective
-    outputs: all-reduces 4, or with SP all-gathers 4 + reduce-scatters 4 / t. (20 s b h without TP.)
+  * Selective recompute is hpctrain.parallel.recompute's policy for flash attention: save the outputs of
+    SDPA, of the matmuls and of the TP collectives, except a row-parallel matmul's partial sum (the collective
+    after it is saved instead), and recompute the element-wise rest (`_selective_bytes`). Per layer: the block
+    input 2 (/t with SP); split by TP, the QKV output 6, the attention output 2 and log-sum-exp 4 a / h, the
+    MLP-in output 2 f / h; for the attention's and the MLP's row-parallel matmul each: its output 2 without TP,
+    the all-reduce's output 2 with TP, the reduce-scatter's 2 / t with SP; with SP the all-gathered attention
+    and MLP inputs 4. GPT (f = 4 h, sbh units, + log-sum-exp): 22 without TP (none: 32), 6 + 16 / t with TP
+    (none: 8 + 24 / t), 4 + 22 / t with SP (none: 4 + 28 / t); GPT-3 175B at t = 8 + SP: 6.75 against 7.5
+    (full: 0.25; Korthikanti's Megatron selective: 4.25, its SP keeping only the shards). Measured on CPU,
+    byte for byte (tests/plan/test_plan_recompute.py).
 fp32 activations (precision=fp32) are approximated by doubling.
 
 hpctrain's Llama block (hpctrain.models.llama; g key/value heads of head_dim, so K and V are k = g h / a wide; a
@@ -50,7 +56,9 @@ So GPT's 32 becomes 22 + 6 k / h + 8 f / h: 51.5 sbh for Llama 3 8B (k = h / 4, 
 norm and matmul-input bytes split by TP (the norms by SP). Measured on CPU for d 256, 8 heads, 2 key/value
 heads, f 704: 45.91 sbh, the formula's 45.63 + the cached RoPE tables 0.25 + the per-token 1/rms 0.03 (tested).
 Selective recompute keeps the QKV output
-2 (h + 2k) / h and the gate/up output 4 f / h per TP rank, + the block input and the row-parallel outputs.
+2 (h + 2k) / h, the attention output 2 and the gate/up output 4 f / h per TP rank, + the block input and the
+row-parallel outputs (or their collectives'), as GPT's: 2 + (2 + 4 k / h) + 2 + 4 f / h + 4 = 10 + 4 k / h + 4 f / h
+sbh without TP (25 for Llama 3 8B against 51.5; measured for the block above: 22.13 against 45.91).
 
 A Mixture-of-Experts block (`BlockActivations.moe`: hpctrain.models.moe.MoE in place of the SwiGLU; E experts of
 width f_e, top_k = k of them per token) keeps the attention's tensors as above, and for the feed-forward, per token
@@ -74,8 +82,9 @@ per token: 108.3 sbh for Qwen3-235B-A22B (k = 8, f_e = 0.375 h), 80.0 for Mixtra
 (tests/plan/test_plan_moe.py; the expert GEMMs' loop fallback). On a GPU
 torch._grouped_mm runs the experts over rows padded to 8 per expert (8 E more rows) and keeps the padded-row
 indices (8 k): a few rows more, not counted. Selective recompute keeps matmul outputs: the fp32 logits 4 E and,
-per routed row, the gate, up and down outputs 4 f_e + 2 h (the loop's mm calls; torch._grouped_mm is not among
-the policy's ops, so on a GPU less is kept: an upper bound); full recompute keeps the block input only.
+per routed row, the gate, up and down outputs 4 f_e + 2 h (the loop's mm calls, or torch._grouped_mm's on a GPU,
+over the padded rows); the router weight's fp32 copy and the balance loss's fractions are recomputed. Full
+recompute keeps the block input only.
 """
 
 from __future__ import annotations
@@ -108,13 +117,13 @@ def korthikanti_bytes_per_layer(
     return sbh * (replicated + (split + scores) / t)
 
 
-def _selective_bytes(sbh: float, t: int, sp: bool, qkv: float, fc_out: float, input_bytes: int) -> float:
-    """hpctrain.parallel.recompute's selective policy: block input + matmul and collective outputs."""
+def _selective_bytes(sbh: float, t: int, sp: bool, split: float, input_bytes: int, rows: int) -> float:
+    """hpctrain.parallel.recompute's selective policy (module docstring): the block input; the QKV, attention
+    (output and log-sum-exp) and MLP-in outputs, `split` sbh split by TP; for each of the `rows` row-parallel
+    matmuls its output (no TP) or the collective's after it, whole or with SP a 1/t slice; SP's all-gathered
+    attention and MLP inputs."""
     shard = t if sp else 1
-    stored = input_bytes / shard + (qkv + fc_out) / t + 4  # input, QKV/MLP-in outputs, row-parallel outputs
-    if t > 1:
-        stored += 4 + 4 / t if sp else 4  # all-gather + reduce-scatter outputs, or all-reduce outputs
-    return sbh * stored
+    return sbh * (input_bytes / shard + split / t + 2 * rows / shard + (4 if sp and t > 1 else 0))
 
 
 # An assumption, not a measurement: under expert parallelism the busiest EP rank's experts run this many times the
@@ -176,8 +185,8 @@ def activation_bytes_per_layer(
         if moe is None:
             raise ValueError(f"the {arch} family's block is a Mixture of Experts: pass its MoELayer")
         experts = s * b * moe_bytes_per_token(h, moe, recompute)
-        if recompute != "full":
-            experts += 4 * moe.n_experts * (h + 1)  # the router weight's fp32 copy, the balance loss's f_e
+        if recompute == "none":  # the router weight's fp32 copy, the balance loss's f_e (recomputed otherwise)
+            experts += 4 * moe.n_experts * (h + 1)
     hd = head_dim or h / a
     q, kv = a * hd / h, (n_kv_heads or a) * hd / h  # the widths of Q and of K (and V), over h
     qkv_out = 2 * q + 4 * kv  # the fused QKV output (Q, K, V as views of it: 6 without grouped-query attention)
@@ -185,8 +194,10 @@ def activation_bytes_per_layer(
     fc_out = 0 if block.moe else (4 if block.gated_mlp else 2) * f / h
     if recompute == "full":
         return norm_bytes * sbh / shard
+    lse = 4 * a / h if flash_attention else 0.0  # fp32 log-sum-exp per head and token
     if recompute == "selective":
-        return _selective_bytes(sbh, t, sequence_parallel, qkv_out, fc_out, norm_bytes) + experts
+        saved = qkv_out + 2 * q + lse + fc_out  # + the attention output
+        return _selective_bytes(sbh, t, sequence_parallel, saved, norm_bytes, 1 if block.moe else 2) + experts
     if recompute != "none":
         raise ValueError(f"unknown recompute {recompute!r}")
     norm = 4 + norm_bytes if block.norm_fp32_copy else norm_bytes  # RMSNorm: fp32 input copy + normalised
@@ -198,7 +209,7 @@ def activation_bytes_per_layer(
     mlp = 0 if block.moe else fc_out + (4 if block.gated_mlp else 2) * f / h  # + silu's output, down's input
     split = qkv_out + rope + heads + 2 * q + mlp  # + the attention output (the projection's input)
     if flash_attention:
-        split += 4 * a / h  # fp32 log-sum-exp per head and token
+        split += lse
     else:
         split += (5 if dropout else 2) * a * s / h  # softmax output (+ its dropout mask and output)
     if sequence_parallel and not sp_keeps_gathered:

@@ -10,9 +10,12 @@ forward runs twice, which gives their eq. (3):
     F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))
 
 Without recomputation the layers cost 3x instead of 4x forward: F = 72 B s l h^2 (1 + s/(6h) + V/(12 l h))
-(the vocabulary term changes too, since the logit layer is never recomputed). Selective recomputation
-(Korthikanti et al. 2022) recomputes only the attention core, adding 4 B s^2 h per layer: 2.7% more
-than no recomputation for GPT-3 175B. For an MLP of width f, "24 h^2" is 8 h^2 + 4 h f.
+(the vocabulary term changes too, since the logit layer is never recomputed). Korthikanti et al. 2022's
+selective recomputation reruns the attention core, 4 B s^2 h per layer; hpctrain's (hpctrain.parallel.recompute,
+for flash attention) saves the attention's and the matmuls' outputs and reruns element-wise work only, except
+under TP, where the attention's output projection (a partial sum, not saved: its collective's output is) reruns,
+2 B s q h per layer (`recomputed_forward_flops`; q the query width). For an MLP of width f, "24 h^2" is
+8 h^2 + 4 h f.
 
 Llama: grouped-query attention makes the K and V projections k = n_kv_heads x head_dim wide, and the SwiGLU MLP
 has three h x f matrices (gate, up, down), so "24 h^2" becomes 2 (2 h^2 + 2 h k + 3 h f) = 4 h^2 + 4 h k + 6 h f
@@ -60,9 +63,15 @@ def linear_forward_flops(tokens: float, d_model: int, ffn_hidden: int | None = N
 
 
 def attention_core_flops(tokens: float, seq_len: int, q_dim: int) -> float:
-    """The part of a layer's forward that selective recomputation reruns (Q K^T, softmax x V); q_dim = n_heads x
-    head_dim (d_model unless the head width is set apart)."""
+    """Q K^T and softmax x V of one layer's forward; q_dim = n_heads x head_dim (d_model unless the head width is
+    set apart)."""
     return 4 * tokens * seq_len * q_dim
+
+
+def recomputed_forward_flops(model: ModelShape, tokens: float, recompute: str, tp: int = 1) -> float:
+    """Matmul FLOPs one layer's selective recomputation reruns (all GPUs together): the attention's output
+    projection under TP (its output is a partial sum the policy does not save), nothing else."""
+    return 2 * tokens * model.q_dim * model.d_model if recompute == "selective" and tp > 1 else 0.0
 
 
 def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full", tp: int = 1) -> float:
@@ -77,13 +86,13 @@ def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "
     # layer_forward_flops for the family's block; the modules TP leaves whole run on every TP rank
     layer_fwd = 2 * tokens * (model.block_matmul_params + (tp - 1) * model.whole_matmul_params) + core
     logits_fwd = 2 * tokens * model.d_model * model.vocab_rows(tp)
-    layer_passes = forward_passes(recompute) * layer_fwd + (core if recompute == "selective" else 0.0)
+    layer_passes = forward_passes(recompute) * layer_fwd + recomputed_forward_flops(model, tokens, recompute, tp)
     return model.n_layers * layer_passes + 3.0 * logits_fwd
 
 
 def forward_passes(recompute: str) -> float:
     """A layer's passes in forward-pass units: forward + backward (2x), and full recomputation's second forward
-    (selective recomputation reruns the attention core only: `flops_per_iteration` adds it)."""
+    (selective recomputation reruns at most the attention's output projection: `recomputed_forward_flops`)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"unknown recompute {recompute!r}")
     return 4.0 if recompute == "full" else 3.0
@@ -97,18 +106,20 @@ def expert_flops_per_iteration(model: ModelShape, global_batch: int, recompute: 
 
 
 def fp8_flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full",
-                            fp8: str = "none") -> float:
+                            fp8: str = "none", tp: int = 1) -> float:
     """The part of `flops_per_iteration` that runs as FP8 GEMMs with precision.fp8 on: the blocks' Linears in
     forward, both backward GEMMs (input and weight gradient) and a full recomputation's second forward, under
-    both torchao recipes (tensorwise, rowwise). 0 without FP8. Selective recomputation reruns the attention
-    core only, which stays in bf16. In a Mixture of Experts only the attention's Linears are counted: torchao
+    both torchao recipes (tensorwise, rowwise), and selective recomputation's rerun output projection (TP).
+    0 without FP8. In a Mixture of Experts only the attention's Linears are counted: torchao
     converts nn.Linear, and the experts are stacked parameters run by grouped GEMMs, the router a matmul in fp32;
     shared experts' Linears (none of the configured models has them) would convert, and are counted at bf16."""
     if fp8 == "none":
         return 0.0
     # the modules TP leaves whole (an MoE layer: stacked experts, not Linears; the router, in fp32) stay bf16
     linear_fwd = 2 * global_batch * model.seq_len * (model.block_matmul_params - model.whole_matmul_params)
-    return model.n_layers * forward_passes(recompute) * linear_fwd
+    tokens = global_batch * model.seq_len
+    return model.n_layers * (forward_passes(recompute) * linear_fwd
+                             + recomputed_forward_flops(model, tokens, recompute, tp))
 
 
 def compute_seconds(flops: float, fp8_flops: float, n_gpus: int, peak_flops: float, fp8_peak_flops: float,

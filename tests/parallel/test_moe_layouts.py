@@ -50,6 +50,10 @@ CASES = {
     "pp2": (2, {"parallel__pp": 2, **PP}),
     "ep2_pp2": (4, {"parallel__ep": 2, "parallel__pp": 2, **PP}),
     "ep2_recompute_full": (2, {"parallel__ep": 2, "parallel__recompute": "full"}),
+    # the selective policy reruns the all-to-alls (and waits on them), takes TP's collectives from its cache
+    "ep2_recompute_selective": (2, {"parallel__ep": 2, "parallel__recompute": "selective"}),
+    "tp2_sp_recompute_selective": (2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
+                                       "parallel__recompute": "selective"}),
     "mixtral_ep2": (2, {**MIXTRAL, "parallel__ep": 2}),
 }
 

@@ -2,8 +2,8 @@
 autocast, and the full-vocabulary fp32 logits on every TP rank (hpctrain/plan/activations.py).
 
 The per-layer figures in sbh units were checked against the tensors autograd saves for
-hpctrain.models.gpt.Block on CPU (saved_tensors_hooks, storages counted once, parameters left out; the
-selective policy's saved outputs counted in its policy function; TP with 2 gloo processes).
+hpctrain.models.gpt.Block on CPU (saved_tensors_hooks, storages counted once, parameters left out; TP with 2
+gloo processes; the selective policy's in tests/plan/test_plan_recompute.py).
 """
 
 import pytest
@@ -81,16 +81,16 @@ def test_dtensor_sequence_parallel_keeps_the_gathered_matmul_inputs():
     assert activation_bytes_per_layer(S, 1, H, A, 2, True, sp_keeps_gathered=False) == pytest.approx(sbh * (16 + lse))
 
 
-def test_selective_policy_saves_matmul_and_collective_outputs():
-    """hpctrain.parallel.recompute saves mm/addmm and collective outputs. Measured on CPU (sbh units): 20 without
-    TP, 17 with t = 2, 18 with t = 2 and SP. With flash attention and SP at t = 8 that is more than no
-    recomputation at all (10.5 vs 7.5 sbh): the row-parallel partial sums and the collective outputs are kept."""
-    sbh = S * H
-    assert activation_bytes_per_layer(S, 1, H, A, 1, False, "selective") == 20 * sbh
-    assert activation_bytes_per_layer(S, 1, H, A, 2, False, "selective") == 17 * sbh
-    assert activation_bytes_per_layer(S, 1, H, A, 2, True, "selective") == 18 * sbh
-    assert activation_bytes_per_layer(S, 1, H, A, 8, True, "selective") == 10.5 * sbh
-    assert activation_bytes_per_layer(S, 1, H, A, 8, True) == pytest.approx(sbh * (7.5 + 4 * A / H / 8))
+def test_selective_policy_saves_attention_matmul_and_collective_outputs():
+    """hpctrain.parallel.recompute saves SDPA, matmul and TP collective outputs, not the row-parallel partial sums
+    (tests/plan/test_plan_recompute.py measures it). sbh units + the log-sum-exp: 22 without TP, 14 with t = 2,
+    15 with t = 2 and SP; at t = 8 and SP 6.75, less than no recomputation's 7.5 (the old policy kept 10.5)."""
+    sbh, lse = S * H, 4 * A / H
+    assert activation_bytes_per_layer(S, 1, H, A, 1, False, "selective") == pytest.approx(sbh * (22 + lse))
+    assert activation_bytes_per_layer(S, 1, H, A, 2, False, "selective") == pytest.approx(sbh * (14 + lse / 2))
+    assert activation_bytes_per_layer(S, 1, H, A, 2, True, "selective") == pytest.approx(sbh * (15 + lse / 2))
+    assert activation_bytes_per_layer(S, 1, H, A, 8, True, "selective") == pytest.approx(sbh * (6.75 + lse / 8))
+    assert activation_bytes_per_layer(S, 1, H, A, 8, True) == pytest.approx(sbh * (7.5 + lse / 8))
 
 
 def test_autocast_keeps_the_residual_stream_in_fp32():

@@ -132,12 +132,13 @@ def test_llama_block_activations() -> None:
     """sbh units, 16-bit, no TP: two RMSNorms 12 (fp32 input copy 4 + normalised 2 each), QKV/MLP-in inputs 4, the
     QKV output 2 + 4 k / h (V is a view of it), RoPE's Q 2 and K 2 k / h, attention output 2, log-sum-exp 4 a / h,
     SwiGLU 8 f / h. Llama 3 8B (k = h / 4, f = 3.5 h): 51.5 + lse, where a GPT block of the same h keeps 32;
-    selective keeps the block input 2, the QKV output 3, the gate/up output 14 and the row-parallel outputs 4."""
+    selective keeps the block input 2, the QKV output 3, the attention output 2 and log-sum-exp, the gate/up output
+    14 and the row-parallel outputs 4."""
     s, h, a = 8192, 4096, 32
     sbh, lse = s * h, 4 * a / h
     llama = {"ffn_hidden": 14336, "arch": "llama", "n_kv_heads": 8}
     assert activation_bytes_per_layer(s, 1, h, a, **llama) == pytest.approx(sbh * (51.5 + lse))
-    assert activation_bytes_per_layer(s, 1, h, a, recompute="selective", **llama) == pytest.approx(sbh * 23)
+    assert activation_bytes_per_layer(s, 1, h, a, recompute="selective", **llama) == pytest.approx(sbh * (25 + lse))
     assert activation_bytes_per_layer(s, 1, h, a, recompute="full", **llama) == 2 * sbh
     # TP 4 + SP: the norms split by SP, the gathered QKV/MLP-in inputs whole, the rest split by TP
     assert activation_bytes_per_layer(s, 1, h, a, 4, True, **llama) == pytest.approx(
@@ -229,8 +230,9 @@ def test_405b_parallel_auto_finds_a_layout_on_16384_gpus(compose_cfg, capsys) ->
 
 
 def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
-    """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 70.8 GiB, within 2% of the
-    fastest layout the search finds; FSDP over 32 GPUs needs selective recomputation and is 1.7x slower."""
+    """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 70.8 GiB, within 3% of the
+    fastest layout the search finds (PP 2 x DP 16 with selective recomputation, whose element-wise rerun the
+    planner counts as free: 2.3% faster); FSDP over 32 GPUs needs selective recomputation and is 1.7x slower."""
     from hpctrain.plan.checks import check_config
     from hpctrain.plan.search import cheapest_fitting
 
@@ -239,7 +241,7 @@ def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
     assert (lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.recompute) == (16, 2, 1, 1, "none")
     assert round(est.memory.total / 2**30, 1) == 70.8 and est.memory.fits
     best = search_layouts(est.model, 32, est.hw, 512, top_k=1)[0]
-    assert est.step.tokens_per_s > best.tokens_per_s / 1.02
+    assert est.step.tokens_per_s > best.tokens_per_s / 1.03
     fsdp = cheapest_fitting(est.model, replace(lay, dp=32, tp=1, grad_accum=16, zero_stage=3,
                                                 sequence_parallel=False), est.hw)
     assert fsdp is not None and fsdp.layout.recompute == "selective"

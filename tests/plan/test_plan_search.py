@@ -62,7 +62,7 @@ def test_article_layout_is_found_ranked_and_explained(candidates):
     article = cheapest_fitting(GPT3, ARTICLE, A100)
     # Without recomputation stage 0 needs ~83 GiB (8 micro-batches x 12 layers at 7.5 sbh, flash attention, and the
     # token embedding's gradient and backward copies, whole on each TP rank), and
-    # hpctrain's selective policy keeps more than that under SP at t = 8 (10.5 sbh): only full recompute fits.
+    # hpctrain's selective policy keeps 6.75 sbh under SP at t = 8, not enough less: only full recompute fits.
     # (Before SDPA's flash attention was modelled, the planner's Korthikanti scores made "selective" the answer.)
     assert article is not None and article.layout.recompute == "full"
     assert article.layout in {c.layout for c in candidates}
