@@ -29,6 +29,9 @@ class Hardware:
     torch.optim.AdamW's CPU step: `cpu_adam_rate` parameters updated per second by the whole node (its memory
     bandwidth is the limit), `cpu_adam_core_rate` by one thread, on `cpu_cores` cores. The defaults are the
     "cpu" entry's placeholders, so a Hardware built with the GPU figures alone still constructs.
+
+    `hbm_bw` is the GPU memory's bandwidth: what memory-bound element-wise kernels are timed by (selective
+    recomputation's rerun, hpctrain.plan.step_time).
     """
 
     name: str
@@ -47,6 +50,7 @@ class Hardware:
     cpu_adam_rate: float = 0.24e9
     cpu_adam_core_rate: float = 0.12e9
     fp8_flops: float = 0.0
+    hbm_bw: float = 20e9
 
     @property
     def has_fp8(self) -> bool:
@@ -61,7 +65,7 @@ class Hardware:
         if self.intra_node_bw <= 0 or self.inter_node_bw <= 0:
             raise ValueError("bandwidths must be positive")
         for name in ("host_mem_bytes", "pcie_bw", "nvme_bytes", "nvme_read_bw", "nvme_write_bw", "cpu_cores",
-                     "cpu_adam_rate", "cpu_adam_core_rate"):
+                     "cpu_adam_rate", "cpu_adam_core_rate", "hbm_bw"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.fp8_flops < 0:
@@ -88,6 +92,8 @@ class Hardware:
 #        twice its BF16; H200 SXM datasheet: the same 3,958* = 1979 dense. A100 (compute capability 8.0) has no
 #        FP8 tensor cores (its datasheet lists none; FP8 GEMMs need 8.9+), so 0. The "cpu" entry: 0, torchao only
 #        emulates FP8 there (no speed-up).
+#  HBM bandwidth (hbm_bw): A100 datasheet 1,555 GB/s (40GB HBM2) and 2,039 GB/s (80GB HBM2e SXM); H100 SXM datasheet
+#        3.35 TB/s; H200 datasheet 4.8 TB/s. cpu: a placeholder, ~20 GB/s of DRAM for two cores.
 #  Memory: the datasheet "GB" of HBM is what nvidia-smi reports in MiB (A100-80GB: 81920 MiB), so it is
 #        taken as GiB; the CUDA context, NCCL buffers and fragmentation are left to memory.py's reserve.
 #  cpu:  one process per core: ~150 GFLOP/s fp32 peak for an AVX-512 core (2 FMA units x 16 lanes x 2 x
@@ -124,14 +130,17 @@ _DGX_A100_HOST = dict(pcie_bw=25 * GB, cpu_cores=128, cpu_adam_rate=2.3e9, cpu_a
 _DGX_H100_HOST = dict(host_mem_bytes=2 * 2**40, pcie_bw=50 * GB, nvme_bytes=8 * 3.84e12, nvme_read_bw=8 * 3.5 * GB,
                       nvme_write_bw=8 * 2 * GB, cpu_cores=112, cpu_adam_rate=3.4e9, cpu_adam_core_rate=0.12e9)
 KNOWN_HARDWARE: dict[str, Hardware] = {
-    "a100_40gb": Hardware("a100_40gb", 8, 40 * GiB, 312e12, 300 * GB, 25 * GB, host_mem_bytes=2**40,
+    "a100_40gb": Hardware("a100_40gb", 8, 40 * GiB, 312e12, 300 * GB, 25 * GB, host_mem_bytes=2**40, hbm_bw=1555 * GB,
                           nvme_bytes=4 * 3.84e12, nvme_read_bw=4 * 3.5 * GB, nvme_write_bw=4 * 2 * GB,
                           **_DGX_A100_HOST),
     "a100_80gb": Hardware("a100_80gb", 8, 80 * GiB, 312e12, 300 * GB, 25 * GB, host_mem_bytes=2 * 2**40,
+                          hbm_bw=2039 * GB,
                           nvme_bytes=8 * 3.84e12, nvme_read_bw=8 * 3.5 * GB, nvme_write_bw=8 * 2 * GB,
                           **_DGX_A100_HOST),
-    "h100_80gb": Hardware("h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, **_DGX_H100_HOST),
-    "h200": Hardware("h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, **_DGX_H100_HOST),
+    "h100_80gb": Hardware("h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, hbm_bw=3350 * GB,
+                          **_DGX_H100_HOST),
+    "h200": Hardware("h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, hbm_bw=4800 * GB,
+                     **_DGX_H100_HOST),
     "cpu": Hardware("cpu", 2, 8 * GiB, 150e9, 5 * GB, 1.25 * GB, efficiency=0.5),
 }
 

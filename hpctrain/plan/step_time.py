@@ -6,6 +6,8 @@ Model (all per GPU, the most loaded one):
              With precision.fp8 the blocks' Linear GEMMs run at the GPU's FP8 peak (Hardware.fp8_flops), the
              attention core and the logit layer at the bf16 peak (flops.compute_seconds). MFU and HFU stay
              against the bf16 peak, so they compare across precisions (an FP8 run can pass what bf16 could reach).
+             Selective recomputation adds its element-wise rerun (norms, RoPE, activations: memory-bound, timed by
+             HBM traffic, `selective_rerun_seconds`), so it is not free against `none`.
   busy     = compute + exposed TP traffic + exposed PP sends + expert parallelism. TP collectives sit between
              the matmuls of every layer and are taken as fully exposed; PP sends likewise by default. Expert
              parallelism (a Mixture of Experts with ep > 1): its all-to-alls (comm.py) sit between the router and
@@ -48,7 +50,7 @@ from hpctrain.plan.flops import (
     fp8_flops_per_iteration,
     mfu,
 )
-from hpctrain.plan.memory import layers_on_stage
+from hpctrain.plan.memory import layer_activation_bytes, layers_on_stage
 from hpctrain.plan.offload import OffloadCosts, offload_costs
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
@@ -127,6 +129,16 @@ class StepEstimate:
         return self.compute_s / self.step_time_s
 
 
+def selective_rerun_seconds(model: ModelShape, layout: Layout, hw: Hardware) -> float:
+    """Time one GPU of the busiest pipeline rank spends per step rerunning selective recomputation's element-wise
+    ops. They regenerate the tensors `none` keeps and the policy does not (activations.py counts both), each
+    written once and its input read once (ASSUMED: 2x those bytes of HBM traffic, at the datasheet bandwidth)."""
+    if layout.recompute != "selective":
+        return 0.0
+    rerun = layer_activation_bytes(model, layout, "none") - layer_activation_bytes(model, layout, "selective")
+    return 2 * max(rerun, 0.0) * layers_on_stage(model, layout) * layout.microbatches / hw.hbm_bw
+
+
 def _exposed_dp(comm: CommBreakdown, layout: Layout, compute_s: float, dp_exposed: float) -> float:
     """Exposed DP time: each overlappable item hides at most (1 - dp_exposed) of itself, and only within its window."""
     exposed = 0.0
@@ -166,7 +178,8 @@ def estimate_step(
     fp8_flops = fp8_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.fp8, layout.tp)
     # a pipeline runs at its busiest rank's pace: with uneven stages the ranks holding more layers (1 when even)
     pace = layers_on_stage(model, layout) * layout.pp / model.n_layers
-    compute_s = pace * compute_seconds(flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency)
+    compute_s = pace * compute_seconds(flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency) \
+        + selective_rerun_seconds(model, layout, hw)
     comm = comm_per_step(model, layout, hw, imbalance=imbalance)
     tp_s = tp_exposed * comm.time_of("tp")
     pp_s = pp_exposed * comm.time_of("pp")
