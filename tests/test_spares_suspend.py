@@ -72,6 +72,16 @@ elif role == "call":  # one store call, bounded to 3 s, that waits for a key the
         print(json.dumps({"answered": True}), flush=True)
     except spares.StoreSilent as exc:
         print(json.dumps({"answered": False, "why": str(exc)}), flush=True)
+elif role == "timed":  # one store call whose client gives up after 2 s of wall time (its own socket timeout)
+    import datetime
+    client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=2))
+    print("ready", flush=True)
+    try:
+        spares.within(10.0, client.wait, ["29/late"])
+        print(json.dumps({"answered": True}), flush=True)
+    except Exception as exc:
+        print(json.dumps({"answered": False, "why": str(exc)}), flush=True)
 """
 
 
@@ -232,3 +242,21 @@ def test_a_store_call_in_flight_at_the_suspension_is_not_given_up_at_the_resume(
     time.sleep(0.5)  # the store's host continues a moment later, and answers
     store.set("29/answer", "1")
     assert json.loads(call.line(20) or "{}") == {"answered": True}, "".join(call.err)
+
+
+@pytest.mark.timeout(120)
+def test_a_store_call_whose_own_timeout_ran_out_while_stopped_is_made_again(store, children) -> None:
+    """The store client's own socket timeout counts wall time: a read in flight at `scontrol suspend` times out
+    at `scontrol resume` (CI saw a training agent give its workers up so). Failing across a stop, the call is
+    made once more, and the store, continued a moment later, answers it."""
+    call = Child("timed", store.port)
+    children.append(call)
+    call.ready()
+    time.sleep(0.3)  # the call is waiting
+    call.signal(signal.SIGSTOP)
+    time.sleep(4.0)  # past the client's 2 s and a stop for spares._wait_running
+    call.signal(signal.SIGCONT)
+    time.sleep(0.5)
+    store.set("29/late", "1")
+    assert json.loads(call.line(20) or "{}") == {"answered": True}, "".join(call.err)
+    assert call.said("failed across a stop of this process")

@@ -71,7 +71,24 @@ def within(seconds: float, call: Callable[..., Any], *args: Any, **kwargs: Any) 
     torch's TCPStore client keeps its timeout only while it waits for a reply: a read that timed out then
     cancels its wait and blocks in recv() for the cancellation's own reply, with no timeout, and holds the
     client's lock meanwhile. Against a host that lost power (or hangs) that is forever, for every later call of
-    that client too. So the call runs in a daemon thread, left behind when it does not return in time."""
+    that client too. So the call runs in a daemon thread, left behind when it does not return in time.
+
+    A call that fails across a stop of this process (a suspended job) is made once more: the client's own socket
+    timeout counts wall time, so a read in flight at `scontrol suspend` times out at `scontrol resume`, while
+    the store's host, stopped too, answers once both continue (seen in CI: an agent gave its workers up so)."""
+    outcome, stopped = _call_running(seconds, call, *args, **kwargs)
+    if "error" in outcome and stopped:
+        log.warning("a rendezvous store call failed across a stop of this process (the job suspended?): %s; "
+                    "once more", outcome["error"])
+        outcome, _ = _call_running(seconds, call, *args, **kwargs)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _call_running(seconds: float, call: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[dict[str, Any], bool]:
+    """`call` in a daemon thread: its outcome ("value" or "error") and whether this process was stopped
+    meanwhile; StoreSilent when it has not returned after `seconds` of this process running."""
     outcome: dict[str, Any] = {}
     done = threading.Event()
 
@@ -84,26 +101,28 @@ def within(seconds: float, call: Callable[..., Any], *args: Any, **kwargs: Any) 
             done.set()
 
     threading.Thread(target=run, name="hpctrain-store-call", daemon=True).start()
-    if not _wait_running(done, seconds):
+    finished, stopped = _wait_running(done, seconds)
+    if not finished:
         raise StoreSilent(f"the rendezvous store did not answer within {seconds:.0f} s")
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    return outcome, stopped
 
 
-def _wait_running(done: threading.Event, seconds: float) -> bool:
+def _wait_running(done: threading.Event, seconds: float) -> tuple[bool, bool]:
     """Wait up to `seconds` for `done`, counting only time this process ran: a stretch it spent stopped (a
     suspended job: the store's host, stopped too, answers once both continue) counts for nothing, or a call in
     flight at `scontrol suspend` would give the store up at `scontrol resume`. Waits in slices: a slice that
-    took far longer than asked was a stop."""
-    left, last = seconds, time.monotonic()
+    took far longer than asked was a stop. Returns (done, whether a stop was seen)."""
+    left, last, stopped = seconds, time.monotonic(), False
     while left > 0:
-        if done.wait(min(left, WAIT_SLICE_S)):
-            return True
+        finished = done.wait(min(left, WAIT_SLICE_S))
         now = time.monotonic()
         took, last = now - last, now
-        left -= took if took <= WAIT_SLICE_S + STOPPED_S else WAIT_SLICE_S
-    return done.is_set()
+        if took > WAIT_SLICE_S + STOPPED_S:
+            stopped, took = True, WAIT_SLICE_S
+        if finished:
+            return True, stopped
+        left -= took
+    return done.is_set(), stopped
 
 
 class BoundedStore:
