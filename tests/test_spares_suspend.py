@@ -62,23 +62,14 @@ elif role == "watch":  # the agent of slot 0 in a job that may shrink (3 slots),
     spares.PeerWatch("127.0.0.1", port, "29", 3, 0, 30, lambda: {1, 2}, told).start()
     ready(0)
     time.sleep(3600)
-elif role == "call":  # one store call, bounded to 3 s, that waits for a key the test sets
+elif role == "call":  # one store call, bounded, that waits for a key the test sets; the client's own timeout given
     import datetime
+    client_s, bound_s, key = float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
     client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=60))
+                                        timeout=datetime.timedelta(seconds=client_s))
     print("ready", flush=True)
     try:
-        spares.within(3.0, client.wait, ["29/answer"])
-        print(json.dumps({"answered": True}), flush=True)
-    except spares.StoreSilent as exc:
-        print(json.dumps({"answered": False, "why": str(exc)}), flush=True)
-elif role == "timed":  # one store call whose client gives up after 2 s of wall time (its own socket timeout)
-    import datetime
-    client = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=2))
-    print("ready", flush=True)
-    try:
-        spares.within(10.0, client.wait, ["29/late"])
+        spares.within(bound_s, client.wait, [key])
         print(json.dumps({"answered": True}), flush=True)
     except Exception as exc:
         print(json.dumps({"answered": False, "why": str(exc)}), flush=True)
@@ -232,7 +223,7 @@ def test_a_store_call_in_flight_at_the_suspension_is_not_given_up_at_the_resume(
     in flight when the job was suspended for longer than that bound is answered once the store's host
     continues too: the time the caller spent stopped must not count, or every agent would take the store
     for dead at `scontrol resume` (and move it)."""
-    call = Child("call", store.port)
+    call = Child("call", store.port, "60", "3", "29/answer")  # bounded to 3 s
     children.append(call)
     call.ready()
     time.sleep(0.3)  # the call is waiting
@@ -249,7 +240,7 @@ def test_a_store_call_whose_own_timeout_ran_out_while_stopped_is_made_again(stor
     """The store client's own socket timeout counts wall time: a read in flight at `scontrol suspend` times out
     at `scontrol resume` (CI saw a training agent give its workers up so). Failing across a stop, the call is
     made once more, and the store, continued a moment later, answers it."""
-    call = Child("timed", store.port)
+    call = Child("call", store.port, "2", "10", "29/late")  # its client gives up after 2 s
     children.append(call)
     call.ready()
     time.sleep(0.3)  # the call is waiting
