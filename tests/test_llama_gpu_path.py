@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpctrain.models import llama
-from hpctrain.models.llama import Llama, LlamaArgs, RMSNorm, sdpa_expands_kv
+from hpctrain.models import attention, llama
+from hpctrain.models.attention import sdpa_expands_kv
+from hpctrain.models.llama import Llama, LlamaArgs, RMSNorm
 
 ARGS = LlamaArgs(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=100, ffn_hidden=96, padded_vocab=128,
                  rope_theta=500000.0)
@@ -208,7 +209,7 @@ def test_the_torch_rules_the_decision_rests_on() -> None:
         out, q, k, v, None, out, torch.empty(1, 4, 32, device=meta), seed, seed, 0.0, [True, True, True, False],
         True)
     assert flash[1].shape[1] == 2
-    assert efficient[1].shape[1] == 4, "memory-efficient SDPA may take GQA now: revisit llama.sdpa_expands_kv"
+    assert efficient[1].shape[1] == 4, "memory-efficient SDPA may take GQA now: revisit attention.sdpa_expands_kv"
 
 
 @pytest.mark.parametrize("kv", [1, 2])
@@ -229,7 +230,7 @@ def test_repeated_key_value_heads_give_the_grouped_attention(monkeypatch: pytest
     grouped(tokens).sum().backward()
     assert set(seen) == {(4, kv, True)}
     seen.clear()
-    monkeypatch.setattr(llama, "sdpa_expands_kv", lambda *a: True)
+    monkeypatch.setattr(attention, "sdpa_expands_kv", lambda *a: True)
     repeated(tokens).sum().backward()
     assert set(seen) == {(4, 4, False)}
     torch.testing.assert_close(repeated(tokens), grouped(tokens), rtol=1e-5, atol=1e-6)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.models.attention import CausalAttention
 from hpctrain.models.hf_recipes import Recipe, same, transposed, vocab
 from hpctrain.models.params import ffn_hidden_of, padded_vocab
 
@@ -68,17 +69,13 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(args.d_model, 3 * args.d_model)
         self.proj = nn.Linear(args.d_model, args.d_model)
         self.dropout = args.dropout
+        self.attention = CausalAttention()  # replaced by hpctrain.parallel for context parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.qkv(x).view(bsz, seqlen, -1, 3, self.head_dim).unbind(3)
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        y = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -118,6 +115,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(args.dropout)
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm_f: nn.LayerNorm | None = nn.LayerNorm(args.d_model, eps=args.norm_eps)
+        self.attention = CausalAttention()  # where the tokens sit in the sequence (context parallelism)
 
     @property
     def embeds(self) -> bool:
@@ -131,7 +129,9 @@ class GPT(nn.Module):
         them there, after TP has gathered the vocabulary-sharded logits)."""
         h = tokens
         if self.embeds:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = self.attention.positions(tokens.shape[1], tokens.device)
+            if positions is None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
             h = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
         for layer in self.layers.values():
             h = layer(h)

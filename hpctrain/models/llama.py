@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpctrain.models.attention import CausalAttention
 from hpctrain.models.gpt import init_by_name
 from hpctrain.models.family import Dims
 from hpctrain.models.hf_recipes import Recipe, same, vocab
@@ -118,8 +119,9 @@ ROPE_CACHE_SIZE = 16  # (length, device, dtype) entries kept: training uses one 
 _ROPE_CACHE: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
 
-def rope_tables(args: LlamaArgs, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rope_cos_sin for the positions of `like` ([..., T, head_dim]: its length, device and dtype, to which they are
+def rope_tables(args: LlamaArgs, like: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_cos_sin for the positions of `like` ([..., T, head_dim]: its length unless `seq_len` is given, as under
+    context parallelism, where T tokens are chunks of a longer sequence; its device and dtype, to which they are
     cast as Hugging Face casts them to the activations'), built once per (RoPE arguments, length, device, dtype)
     and reused by every layer, micro-batch and recomputation.
 
@@ -130,7 +132,7 @@ def rope_tables(args: LlamaArgs, like: torch.Tensor) -> tuple[torch.Tensor, torc
     tensors (hpctrain.simulate) a real table must not enter the trace nor a fake one the cache, and under
     torch.compile the few ops are traced into the graph instead. The tables are never written to once made.
     """
-    seq_len, device, dtype = like.shape[-2], like.device, like.dtype
+    seq_len, device, dtype = like.shape[-2] if seq_len is None else seq_len, like.device, like.dtype
     if (type(like) is not torch.Tensor or torch.compiler.is_compiling()
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):
         cos, sin = rope_cos_sin(args, seq_len, device)
@@ -187,39 +189,6 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, self.normalized_shape, eps=self.eps)
 
 
-def sdpa_expands_kv(dtype: torch.dtype, device_type: str, n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
-    """Whether grouped-query attention should repeat its key/value heads before SDPA (instead of enable_gqa=True),
-    because on this device and dtype no fused kernel accepts fewer key/value heads than query heads, while the
-    memory-efficient one accepts the repeated heads. Otherwise SDPA would pick its math kernel, which repeats the
-    heads itself and materialises the [B, heads, T, T] scores (fp32 softmax) for backward.
-
-    torch 2.13's rules (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp; sdp_utils_cpp.h for
-    check_batch_size_and_num_heads_dense, which only admits Hq != Hkv for a backend compiled with supports_gqa):
-      flash      sm80-sm121 (A100, H100/H200): fp16/bf16 only (check_dtypes_flash_attention; FA3 adds fp8), q/k/v
-                 head_dim equal and <= 256, no attn_mask; dense constraints supports_gqa = true.
-      cuDNN      fp16/bf16 only (check_dtypes_low_precision); head_dim <= 128 (256 on sm90/sm10x with a recent
-                 cuDNN), a multiple of 8; GQA accepted (supports_gqa, requires_same_num_heads = false).
-      efficient  fp16/fp32/bf16 on sm80+, but check_batch_size_and_num_heads_dense<false> (no GQA): Hq must equal
-                 Hkv. (GQA for this kernel came later, pytorch PR #191085: the installed 2.13's meta kernel for
-                 _scaled_dot_product_efficient_attention_backward still shapes grad_k by the query heads, and its
-                 dispatcher still rejects the implicit MQA broadcast that PR added.)
-      math       anything (repeat_interleave of K/V, then the explicit scores).
-    So on CUDA: bf16/fp16 with head_dim <= 256 -> flash (or cuDNN, first on sm90 with a recent cuDNN) runs GQA:
-    keep enable_gqa. fp32 -> neither flash nor cuDNN take the dtype and efficient rejects GQA, only math would:
-    repeat the heads (what Hugging Face's repeat_kv does) so efficient attention runs. Same for 16-bit with
-    head_dim > 256. fp64 has no fused CUDA kernel either way: nothing gained by repeating.
-    CPU: torch 2.13's CPU flash kernel (_scaled_dot_product_flash_attention_for_cpu) takes enable_gqa in every
-    dtype (checked on the installed build), so never. Other devices (meta, fake tensors' "meta"): never.
-    Under autocast, q is already in the autocast dtype (the QKV projection autocasts), so callers pass q.dtype.
-    Pure: dtype, device type and ints, nothing read from a tensor (fine on meta/fake tensors, under compile).
-    """
-    if n_heads == n_kv_heads or device_type != "cuda":
-        return False
-    if dtype == torch.float32:
-        return True
-    return dtype in (torch.float16, torch.bfloat16) and head_dim > 256
-
-
 class Attention(nn.Module):
     """Grouped-query attention: `group` query heads share each key/value head."""
 
@@ -233,6 +202,7 @@ class Attention(nn.Module):
         # Qwen3's per-head norms (named norm_* so that init_by_name starts them at one, as the block's norms)
         self.norm_q = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.norm_k = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.attention = CausalAttention()  # replaced by hpctrain.parallel for context parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d], the full sequence in every layout (with SP, TP's input layout gathers it)."""
@@ -246,12 +216,12 @@ class Attention(nn.Module):
         if self.norm_q is not None:
             q, k = self.norm_q(q), self.norm_k(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = rope_tables(self.args, q)
+        cos, sin = rope_tables(self.args, q, self.attention.full_length(seqlen))
+        positions = self.attention.positions(seqlen, q.device)
+        if positions is not None:  # this rank's chunks of the sequence: their true positions
+            cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        expand = sdpa_expands_kv(q.dtype, q.device.type, self.args.n_heads, self.args.n_kv_heads, self.head_dim)
-        if expand:  # head g * group + j reads key/value head g: SDPA's enable_gqa order (repeat_interleave)
-            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not expand)
+        y = self.attention(q, k, v)  # query head g * group + j reads key/value head g
         return self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 

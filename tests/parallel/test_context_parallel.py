@@ -1,0 +1,106 @@
+"""Context parallelism's chunking and attention: on gloo ranks, the CP attention's output and input gradients
+equal full causal attention on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hpctrain.models import attention
+from hpctrain.parallel import context_parallel as cpmod
+from hpctrain.parallel.engine import token_loss
+from tests.distributed_harness import run_distributed
+
+
+def test_chunks_mirror_and_cover_the_sequence() -> None:
+    assert cpmod.chunk_order(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert cpmod.chunk_order(8, 2, 1).tolist() == [2, 3, 4, 5]
+    held = torch.cat([cpmod.chunk_order(24, 3, r) for r in range(3)])
+    assert sorted(held.tolist()) == list(range(24))
+    assert torch.equal(held[cpmod.gathered_to_global(24, 3)], torch.arange(24))
+    tokens = torch.arange(16).view(2, 8)
+    assert cpmod.shard_sequence(tokens, 2, 1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    step = torch.arange(2 * 3 * 2 * 8).view(2, 3, 2, 8)  # the engine's [inputs/targets, microbatches, micro_batch, seq]
+    assert torch.equal(cpmod.shard_sequence(step, 2, 0, dim=-1), step[..., [0, 1, 6, 7]])
+
+
+def test_a_sequence_that_does_not_cut_evenly_is_refused() -> None:
+    with pytest.raises(ValueError, match="divisible by 2 \\* cp = 4"):
+        cpmod.chunk_order(10, 2, 0)
+
+
+def _attention_matches(rank: int, world: int, hq: int, hkv: int, seq_len: int, repeat: bool) -> float:
+    """Max abs difference of output and q/k/v gradients between CP attention and full causal attention.
+    `repeat`: take the path of CUDA in fp32, key/value heads repeated after the gather (attention.grouped_kv)."""
+    if repeat:
+        attention.sdpa_expands_kv = lambda *args: True  # this forked rank's copy of the module only
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, hq, seq_len, 8, generator=gen, requires_grad=True)
+    k = torch.randn(2, hkv, seq_len, 8, generator=gen, requires_grad=True)
+    v = torch.randn(2, hkv, seq_len, 8, generator=gen, requires_grad=True)
+    grad = torch.randn(2, hq, seq_len, 8, generator=gen)
+    gqa = hq != hkv
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    ref.backward(grad)
+
+    local = [cpmod.shard_sequence(t.detach(), world, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out = cpmod.cp_attention(*local, group=dist.group.WORLD)
+    out.backward(cpmod.shard_sequence(grad, world, rank, dim=2))
+    diffs = [(out - cpmod.shard_sequence(ref.detach(), world, rank, dim=2)).abs().max()]
+    for mine, full in zip(local, (q, k, v)):
+        diffs.append((mine.grad - cpmod.shard_sequence(full.grad, world, rank, dim=2)).abs().max())
+    return max(float(d) for d in diffs)
+
+
+@pytest.mark.parametrize("world,hq,hkv,repeat", [(2, 4, 4, False), (2, 4, 2, False), (2, 4, 2, True), (4, 4, 1, False)],
+                         ids=["mha-cp2", "gqa-cp2", "gqa-cp2-repeated", "mqa-cp4"])
+def test_cp_attention_equals_full_causal_attention(world: int, hq: int, hkv: int, repeat: bool) -> None:
+    diffs = run_distributed(_attention_matches, world, hq, hkv, 16, repeat, timeout=120)
+    assert max(diffs) < 1e-5, diffs
+
+
+def _model(family: str) -> torch.nn.Module:
+    from hpctrain.models.gpt import GPT, GPTArgs
+    from hpctrain.models.llama import Llama, LlamaArgs
+
+    if family == "gpt":
+        model = GPT(GPTArgs(n_layers=2, d_model=32, n_heads=4, vocab_size=50, seq_len=16, ffn_hidden=64))
+    else:
+        model = Llama(LlamaArgs(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=50, ffn_hidden=64))
+    model.init_weights(seed=0)
+    return model
+
+
+def _model_matches(rank: int, world: int, family: str) -> float:
+    """Max abs difference of the logits, the loss and the gradients between a CP model on this rank's chunks and
+    the one-process model. Each CP rank takes the engine's loss (`token_loss`, the mean over its tokens) and
+    the gradients are averaged over the CP group (what FSDP over (dp_shard, cp) does): every CP rank holds the
+    same number of tokens, so that is exactly the one-process token mean."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 50, (2, 16), generator=gen)
+    labels = torch.randint(0, 50, (2, 16), generator=gen)
+    ref_model, model = _model(family), _model(family)
+    ref = ref_model(tokens)
+    ref_loss = token_loss(ref, labels)
+    ref_loss.backward()
+
+    cpmod.apply_context_parallel(model, dist.group.WORLD)
+    logits = model(cpmod.shard_sequence(tokens, world, rank))
+    loss = token_loss(logits, cpmod.shard_sequence(labels, world, rank))
+    loss.backward()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    diffs = [(logits.detach() - cpmod.shard_sequence(ref.detach(), world, rank)).abs().max(),
+             (mean_loss / world - ref_loss.detach()).abs()]
+    for p, ref_p in zip(model.parameters(), ref_model.parameters()):
+        dist.all_reduce(p.grad)
+        diffs.append((p.grad / world - ref_p.grad).abs().max())
+    return max(float(d) for d in diffs)
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_cp2_model_equals_the_one_process_model(family: str) -> None:
+    diffs = run_distributed(_model_matches, 2, family, timeout=120)
+    assert max(diffs) < 1e-5, diffs
