@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from hpctrain import schedules
-from hpctrain.config.layout import Layout, data_parallel_kind, model_fit_problems
+from hpctrain.config.layout import Layout, data_parallel_kind, model_fit_problems, sequence_problems
 from hpctrain.config.cluster_checks import cluster_checks
 from hpctrain.config.file_checks import walk_values
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
@@ -125,6 +125,12 @@ def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
                "set parallel.sequence_parallel=false, or parallel.tp>1 to use it")
     for key, message, fix in model_fit_problems(lay, m.n_layers, m.n_heads, kv_heads_of(m), ffn_hidden_of(m),
                                                 m.moe.n_experts):
+        r.error(key, message, fix)
+
+
+def _context_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """The sequence against the CP degree (config.layout.sequence_problems: the search obeys the same)."""
+    for key, message, fix in sequence_problems(lay, cfg.train.seq_len, cfg.model.dropout):
         r.error(key, message, fix)
 
 
@@ -510,6 +516,6 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _dry_run, _finite_numbers, _model_shape, _experts, _tensor_parallel, _pipeline, _zero, _precision, _fp8, _optim,
+    _dry_run, _finite_numbers, _model_shape, _experts, _tensor_parallel, _context_parallel, _pipeline, _zero, _precision, _fp8, _optim,
     _train_and_data, _run_paths, *cluster_checks, _checkpoint,
 ]

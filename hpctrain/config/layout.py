@@ -28,13 +28,14 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """How one training step is spread over dp x tp x pp GPUs: the one layout object of a run.
+    """How one training step is spread over dp x tp x pp x cp GPUs: the one layout object of a run.
 
     Resolved once on the login node from the config (`resolve_layout`), validated here, shipped with the task;
     the planner builds and compares thousands of them (no torch import), `ParallelDims` only builds the mesh.
     Megatron conventions: the number of pipeline microbatches per step is `grad_accum`, so
-    global_batch = micro_batch x grad_accum x dp. Rank order is TP innermost, then DP, then PP. ZeRO shards over
-    dp / dp_replicate ranks (dp_replicate > 1 is HSDP). `reduce_dtype` is the dtype gradients are reduced in
+    global_batch = micro_batch x grad_accum x dp. Rank order is TP innermost, then CP, then DP, then PP (torchtitan's).
+    ZeRO shards over dp / dp_replicate x cp ranks (dp_replicate > 1 is HSDP; CP ranks read the same samples, so
+    they share the parameter sharding with DP, as in torchtitan). `reduce_dtype` is the dtype gradients are reduced in
     (None: `dtype`).
     """
 
@@ -60,6 +61,7 @@ class Layout:
     ep: int = 1  # expert parallelism: MoE experts split over ep ranks of each FSDP shard group (dp_shard)
     first_stage_layers: int = 0  # parallel.first_stage_layers: layers of the first stage (0: as the others)
     last_stage_layers: int = 0  # parallel.last_stage_layers: layers of the last stage (0: as the others)
+    cp: int = 1  # parallel.cp: context parallelism, each sequence split over cp ranks
 
     def __post_init__(self) -> None:
         problems = layout_problems(self)
@@ -68,7 +70,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def n_stages(self) -> int:
@@ -115,7 +117,10 @@ class Layout:
         """Ranks ZeRO/FSDP shards over: the whole DP group, or one HSDP shard group."""
         return self.dp // self.dp_replicate
 
-    zero_shard = dp_shard
+    @property
+    def zero_shard(self) -> int:
+        """Ranks ZeRO/FSDP shards a (dense) parameter over: a shard group's DP ranks and their CP peers."""
+        return self.dp_shard * self.cp
 
     @property
     def dp_shard_mod_ep(self) -> int:
@@ -166,8 +171,8 @@ def layer_split(n_layers: int, n_stages: int, first: int = 0, last: int = 0) -> 
 
 def data_parallel_kind(layout: Layout) -> str:
     """The wrapper hpctrain's engine uses: "none", "ddp", "fsdp" or "replicate" (engine.py, data_parallel.uses_fsdp:
-    DDP holds no DTensor parameter, TP's or EP's)."""
-    if layout.dp == 1:
+    DDP holds no DTensor parameter, TP's or EP's). CP ranks average their gradients as DP ranks do."""
+    if layout.dp * layout.cp == 1:
         return "none"
     if layout.zero_stage >= 1:
         return "fsdp"
@@ -178,8 +183,8 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     """(parallel.* key, what is wrong, the fix) for every rule a layout breaks, checked in this one place."""
     out: list[tuple[str, str, str]] = []
     for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "dp_replicate", "gpus_per_node",
-                 "ep"):
-        if getattr(lay, name) < 1:
+                 "ep", "cp"):
+        if getattr(lay, name, 1) < 1:
             out.append((name, f"must be >= 1, got {getattr(lay, name)}", "set it to a positive integer"))
     for name in ("first_stage_layers", "last_stage_layers"):
         if getattr(lay, name, 0) < 0:
@@ -220,6 +225,10 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     elif lay.offload_device == "nvme" and not lay.offload_optimizer:
         out.append(("offload_device", "NVMe holds offloaded optimizer state, but zero.offload_optimizer=false",
                     "set zero.offload_optimizer=true (or zero=stage3_nvme)"))
+    if getattr(lay, "cp", 1) > 1 and lay.ep > 1:
+        out.append(("cp", f"context parallelism (cp={lay.cp}) with expert parallelism (ep={lay.ep}) is not supported "
+                    "yet: an EP group is made of DP ranks, and CP ranks would route the same sequences' tokens",
+                    "set parallel.cp=1 for an MoE model with parallel.ep>1, or parallel.ep=1"))
     if lay.sequence_parallel and lay.tp == 1:
         out.append(("sequence_parallel", "sequence parallelism shards along the TP group, but tp=1",
                     "set parallel.tp>1 or parallel.sequence_parallel=false"))
@@ -282,11 +291,30 @@ def model_fit_problems(lay: Any, n_layers: int, n_heads: int, kv_heads: int, ffn
     return out
 
 
+def sequence_problems(lay: Any, seq_len: int, dropout: float) -> list[tuple[str, str, str]]:
+    """(config key, what is wrong, the fix) for the rules context parallelism puts on the sequence: the one owner,
+    which the checks report and the layout search obeys."""
+    cp = getattr(lay, "cp", 1)
+    if cp == 1:
+        return []
+    out: list[tuple[str, str, str]] = []
+    if seq_len % (2 * cp):
+        out.append(("train.seq_len", f"{seq_len} tokens cannot be cut into 2 x cp = {2 * cp} equal chunks: context "
+                    "parallelism gives each CP rank two chunks (one from each end, so the causal mask leaves no rank "
+                    "idle)", f"use a train.seq_len that is a multiple of {2 * cp}, or a parallel.cp that divides "
+                    f"{seq_len // 2 if seq_len % 2 == 0 else seq_len}"))
+    if dropout > 0:
+        out.append(("model.dropout", f"{dropout} with cp={cp}: the CP attention computes each rank's chunks against "
+                    "keys gathered from the whole sequence and draws no attention-dropout masks",
+                    "set model.dropout=0 (long-context pre-training uses none), or parallel.cp=1"))
+    return out
+
+
 def resolve_layout(cfg: Config) -> Layout:
     """Infer dp and grad_accum where they are -1; raise ConfigError when the numbers cannot fit together."""
     c, p, t = cfg.cluster, cfg.parallel, cfg.train
     _require_positive(cfg)
-    dp = _infer_dp(c.nodes, c.gpus_per_node, p.dp, p.tp, p.pp, lambda dp: _job_size_for(cfg, dp))
+    dp = _infer_dp(c.nodes, c.gpus_per_node, p.dp, p.tp, p.pp, p.cp, lambda dp: _job_size_for(cfg, dp))
     grad_accum = _infer_grad_accum(cfg, dp)
     values = dict(
         dp=dp, tp=p.tp, pp=p.pp, virtual_stages=p.virtual_stages, zero_stage=cfg.zero.stage,
@@ -299,7 +327,7 @@ def resolve_layout(cfg: Config) -> Layout:
         schedule=p.schedule, dtype=_value(cfg.precision.dtype),
         dp_replicate=p.dp_replicate, reduce_dtype=_value(cfg.precision.reduce_dtype), gpus_per_node=c.gpus_per_node,
         fp8=str(cfg.precision.fp8), ep=p.ep, first_stage_layers=p.first_stage_layers,
-        last_stage_layers=p.last_stage_layers)
+        last_stage_layers=p.last_stage_layers, cp=p.cp)
     broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
     if broken:
         raise ConfigError([Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix)
@@ -324,6 +352,7 @@ def _require_positive(cfg: Config) -> None:
         "parallel.tp": p.tp,
         "parallel.pp": p.pp,
         "parallel.ep": p.ep,
+        "parallel.cp": p.cp,
         "parallel.dp_replicate": p.dp_replicate,
         "parallel.virtual_stages": p.virtual_stages,
         "train.micro_batch": t.micro_batch,
@@ -336,10 +365,10 @@ def _require_positive(cfg: Config) -> None:
 
 
 def _job_size_for(cfg: Config, dp: int) -> str:
-    """The job size (and batch) that fits dp x tp x pp, as overrides: whole nodes of cluster.gpus_per_node if it
+    """The job size (and batch) that fits dp x tp x pp x cp, as overrides: whole nodes of cluster.gpus_per_node if it
     divides, else nodes of fewer GPUs that TP still fits in (one node on the local executor)."""
     c, p, t = cfg.cluster, cfg.parallel, cfg.train
-    need = dp * p.tp * p.pp
+    need = dp * p.tp * p.pp * p.cp
     if need % c.gpus_per_node == 0 and (need // c.gpus_per_node == 1 or _value(c.executor) != "local"):
         size = f"cluster.nodes={need // c.gpus_per_node}"
     elif _value(c.executor) == "local":
@@ -354,16 +383,19 @@ def _job_size_for(cfg: Config, dp: int) -> str:
     return size
 
 
-def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int, job_size: Any = None) -> int:
-    """parallel.dp, or (-1) the world size over tp x pp. `job_size(dp)`: the cluster overrides that fit a dp."""
-    world, model_parallel = nodes * gpus_per_node, tp * pp
+def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int, cp: int = 1, job_size: Any = None
+               ) -> int:
+    """parallel.dp, or (-1) the world size over tp x pp x cp. `job_size(dp)`: the cluster overrides that fit a dp."""
+    world, model_parallel = nodes * gpus_per_node, tp * pp * cp
+    names, degrees = ("tp x pp x cp", f"{tp} x {pp} x {cp}") if cp > 1 else ("tp x pp", f"{tp} x {pp}")
     if dp == -1:
         if world % model_parallel:
             raise ConfigError([Problem(
                 "parallel.dp",
                 f"world size {world} (cluster.nodes={nodes} x cluster.gpus_per_node={gpus_per_node}) "
-                f"is not divisible by tp x pp = {tp} x {pp} = {model_parallel}, so dp cannot be inferred",
-                f"choose tp and pp whose product divides {world}, or change cluster.nodes",
+                f"is not divisible by {names} = {degrees} = {model_parallel}, so dp cannot be inferred",
+                f"choose {'tp, pp and cp' if cp > 1 else 'tp and pp'} whose product divides {world}, or change "
+                "cluster.nodes",
             )])
         return world // model_parallel
     if dp < 1:
@@ -372,7 +404,7 @@ def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int, job_siz
     if dp * model_parallel != world:
         raise ConfigError([Problem(
             "parallel.dp",
-            f"dp x tp x pp = {dp} x {tp} x {pp} = {dp * model_parallel} GPUs, but the job has "
+            f"dp x {names} = {dp} x {degrees} = {dp * model_parallel} GPUs, but the job has "
             f"cluster.nodes x cluster.gpus_per_node = {nodes} x {gpus_per_node} = {world}",
             f"set parallel.dp={world // model_parallel if world % model_parallel == 0 else -1} "
             f"(or -1 to infer it), or " + (job_size(dp) if job_size else

@@ -114,11 +114,15 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: int = -1  # -1: inferred as world_size / (tp * pp)
+    dp: int = -1  # -1: inferred as world_size / (tp * pp * cp)
     dp_replicate: int = 1  # >1: HSDP, ZeRO shards within groups of dp/dp_replicate ranks
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallelism: each MoE layer's experts split over ep of the data-parallel ranks
+    # Context parallelism: each sequence split over cp ranks (2 x cp chunks, rank r holding chunk r and its mirror,
+    # so the causal mask leaves no rank idle); keys and values are all-gathered over the cp group in each attention.
+    # The world is dp x tp x pp x cp; ZeRO/FSDP shards over the dp_shard x cp ranks.
+    cp: int = 1
     virtual_stages: int = 1  # interleaved 1F1B: model chunks per pipeline rank
     # Uneven pipeline stages (Llama 3 405B: one layer fewer on the stages holding the embedding and the head). The
     # layers of the first and of the last stage (model chunk); 0: as the others. The stages not set share the rest.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
+from torch.distributed._functional_collectives import all_gather_single_autograd
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
@@ -60,8 +60,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.
     """Causal attention of this rank's chunks against the whole sequence's keys and values.
 
     q [B, Hq, L, D], k and v [B, Hkv, L, D] hold this rank's two chunks (L = seq_len / cp, chunk_order's order).
-    Keys and values are all-gathered over `group` with autograd (the backward reduces each rank's key/value
-    gradients back to their owner) and restored to global order. Chunk i attends to the keys of chunks 0..i,
+    Keys and values are all-gathered over `group` with autograd (the backward reduce-scatters each rank's
+    key/value gradients back to their owner) and restored to global order. The gathers are functional collectives
+    (`_c10d_functional.all_gather_into_tensor` + `wait_tensor`): the ops the selective recomputation policy saves
+    (so backward does not gather again) and torch.compile traces. Chunk i attends to the keys of chunks 0..i,
     with the causal diagonal aligned bottom-right (`causal_lower_right`): SDPA's is_causal with fewer queries
     than keys aligns top-left, which would be wrong here. Grouped-query attention gathers the few key/value heads
     and only then repeats them where SDPA needs that (`grouped_kv`). Returns [B, Hq, L, D] like SDPA.
@@ -71,8 +73,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.
     seq_len = q.shape[2] * cp
     c = chunk_size(seq_len, cp)
     order = gathered_to_global(seq_len, cp, q.device)
-    keys = torch.cat(dist_fn.all_gather(k, group=group), dim=2).index_select(2, order)
-    values = torch.cat(dist_fn.all_gather(v, group=group), dim=2).index_select(2, order)
+    keys = all_gather_single_autograd(k.contiguous(), 2, group).index_select(2, order)
+    values = all_gather_single_autograd(v.contiguous(), 2, group).index_select(2, order)
     keys, values, gqa = grouped_kv(q, keys, values)
     outs = []
     for local, chunk in enumerate(chunk_ids(cp, rank)):

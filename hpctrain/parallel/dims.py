@@ -1,8 +1,10 @@
 """The parallel degrees of a run and the named device mesh they make (torchtitan's ParallelDims, in small).
 
-Mesh order, outermost first: ("pp", "dp_replicate", "dp_shard", "tp"). TP is innermost so a TP group is
-consecutive ranks (the GPUs of one node, on NVLink); PP is outermost so only point-to-point activations
-cross the slowest links. Size-1 dims are kept: every slice below exists in every layout, which keeps the
+Mesh order, outermost first: ("pp", "dp_replicate", "dp_shard", "cp", "tp") (torchtitan's). TP is innermost so a
+TP group is consecutive ranks (the GPUs of one node, on NVLink); CP next, its all-gathers of keys and values in
+every attention the next busiest traffic; PP is outermost so only point-to-point activations cross the slowest
+links. CP ranks read the same samples (each a part of every sequence), so the data rank is the (dp_replicate,
+dp_shard) coordinate, while gradients are averaged, and FSDP shards parameters, over dp_shard x cp. Size-1 dims are kept: every slice below exists in every layout, which keeps the
 callers free of special cases, and a size-1 group costs nothing at run time.
 
 With expert parallelism (ep > 1) dp_shard is built as ("dp_shard_mod_ep", "ep") and flattened back to "dp_shard"
@@ -20,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpctrain.config.layout import Layout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
-EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")  # cp is 1 with ep > 1 (layout's rule)
 
 
 class ParallelDimsError(ValueError):
@@ -45,9 +47,9 @@ class ParallelDims:
         if self.world_size > 1 and self.layout.world_size != self.world_size:
             lay = self.layout
             raise ParallelDimsError(
-                f"dp x tp x pp = {lay.dp} x {lay.tp} x {lay.pp} = {lay.world_size} ranks, but there are "
-                f"{self.world_size} processes: change parallel.dp / parallel.tp / parallel.pp so their product is "
-                "the number of processes")
+                f"dp x tp x pp x cp = {lay.dp} x {lay.tp} x {lay.pp} x {lay.cp} = {lay.world_size} ranks, but there "
+                f"are {self.world_size} processes: change parallel.dp / parallel.tp / parallel.pp / parallel.cp so "
+                "their product is the number of processes")
 
     dp_replicate = _of_layout("dp_replicate")
     dp_shard = _of_layout("dp_shard")
@@ -56,6 +58,7 @@ class ParallelDims:
     virtual_stages = _of_layout("virtual_stages")
     dp = _of_layout("dp")
     ep = _of_layout("ep")
+    cp = _of_layout("cp")
 
     @property
     def n_stages(self) -> int:
@@ -75,27 +78,45 @@ class ParallelDims:
         if not dist.is_initialized():
             raise RuntimeError("a device mesh needs torch.distributed to be initialised")
         if self.ep == 1:
-            return init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            return init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                     mesh_dim_names=MESH_DIMS)
         mesh = init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep,
-                                                   self.tp), mesh_dim_names=EP_MESH_DIMS)
+                                                   self.cp, self.tp), mesh_dim_names=EP_MESH_DIMS)
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         return mesh
 
     @cached_property
     def rank_grid(self) -> list:
-        """The world mesh's ranks as nested lists (pp, dp_replicate, dp_shard, tp): host data, read once."""
-        return self.mesh.mesh.reshape(self.pp, self.dp_replicate, self.dp_shard, self.tp).tolist()
+        """The world mesh's ranks as nested lists (pp, dp_replicate, dp_shard, cp, tp): host data, read once."""
+        return self.mesh.mesh.reshape(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp).tolist()
 
     @cached_property
     def dp_mesh(self) -> DeviceMesh:
-        """All data-parallel ranks as one dim (what DDP reduces over)."""
+        """All data-parallel ranks as one dim: the ranks that read different samples."""
         return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
-    @property
+    @cached_property
+    def grad_mesh(self) -> DeviceMesh:
+        """The ranks whose gradients are averaged (what DDP reduces over): the DP ranks and, with context
+        parallelism, their CP peers, which saw other parts of the same sequences."""
+        if self.cp == 1:
+            return self.dp_mesh
+        return self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
+    @cached_property
     def fsdp_mesh(self) -> DeviceMesh:
-        """FSDP2's mesh: 1-D (shard) or, for HSDP, 2-D (replicate x shard)."""
-        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        """FSDP2's mesh: 1-D (shard) or, for HSDP, 2-D (replicate x shard); with context parallelism the shard
+        dim is dp_shard x cp (torchtitan's dp_shard_cp)."""
+        shard = "dp_shard"
+        if self.cp > 1:
+            self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            shard = "dp_shard_cp"
+        return self.mesh["dp_replicate", shard] if self.dp_replicate > 1 else self.mesh[shard]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        """The ranks one sequence is split over (context parallelism)."""
+        return self.mesh["cp"]
 
     @property
     def ep_mesh(self) -> DeviceMesh:
@@ -131,3 +152,8 @@ class ParallelDims:
     @property
     def tp_rank(self) -> int:
         return self.coordinate("tp")
+
+    @property
+    def cp_rank(self) -> int:
+        """Which chunks of every sequence this rank holds (hpctrain.parallel.context_parallel.chunk_ids)."""
+        return self.coordinate("cp")

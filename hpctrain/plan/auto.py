@@ -22,6 +22,7 @@ def layout_overrides(layout: Layout) -> dict[str, Any]:
     """The config keys (dotted) and values that make a run use `layout` (what `parallel=auto` sets)."""
     return {
         "parallel.dp": layout.dp, "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.ep": layout.ep,
+        "parallel.cp": layout.cp,
         "parallel.virtual_stages": layout.virtual_stages, "parallel.schedule": layout.schedule,
         "parallel.first_stage_layers": layout.first_stage_layers,
         "parallel.last_stage_layers": layout.last_stage_layers,
