@@ -105,6 +105,11 @@ def _experts(cfg: Config, lay: Layout, r: CheckReport) -> None:
                         f"remove model.moe.{f.name}, or use an MoE family (model.arch={moe_families}; e.g. "
                         "model=mixtral_8x7b, model=qwen3_30b_a3b)")
         return
+    if lay.cp > 1:
+        r.error("parallel.cp", f"model.arch={family.name} is a Mixture-of-Experts model: its load-balancing losses "
+                "are computed over the tokens a rank routes, and context parallelism would cut them to parts of "
+                "sequences (hpctrain's CP is tested equal to one process for the dense families only)",
+                "set parallel.cp=1 for MoE models, or use a dense family (model.arch=gpt or llama)")
     if cfg.parallel.compile:
         r.error("parallel.compile", f"model.arch={family.name} routes tokens to experts: the rows each expert "
                 "gets (and, with expert parallelism, the all-to-all's split sizes) change every step, "
@@ -132,6 +137,11 @@ def _context_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """The sequence against the CP degree (config.layout.sequence_problems: the search obeys the same)."""
     for key, message, fix in sequence_problems(lay, cfg.train.seq_len, cfg.model.dropout):
         r.error(key, message, fix)
+    if lay.cp > 1 and cfg.parallel.compile:
+        r.error("parallel.compile", f"with cp={lay.cp}: the CP attention's bottom-right causal mask (torch's "
+                "CausalBias, which lets flash attention take a chunk against a longer key prefix) is a tensor "
+                "subclass whose constructor torch 2.13's dynamo cannot trace, and blocks compile as one graph "
+                "(fullgraph)", "set parallel.compile=false with context parallelism")
 
 
 def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -177,8 +187,9 @@ def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if lay.dp_replicate > 1 and z.stage < 2:
         r.error("parallel.dp_replicate", "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
                 "set zero.stage=3, or parallel.dp_replicate=1")
-    if z.stage > 0 and lay.dp == 1:
-        r.warn("zero.stage", f"ZeRO stage {z.stage} with dp=1 shards nothing", "use zero=stage0")
+    if z.stage > 0 and lay.zero_shard == 1:
+        r.warn("zero.stage", f"ZeRO stage {z.stage} with dp=1" + (" and cp=1" if lay.cp == 1 else "")
+               + " shards nothing", "use zero=stage0")
     for key, value in {"zero.reduce_bucket_size": z.reduce_bucket_size,
                        "zero.allgather_bucket_size": z.allgather_bucket_size}.items():
         if value < 1_000_000:

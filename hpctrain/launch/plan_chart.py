@@ -39,7 +39,9 @@ def write_chart(plan: dict[str, Any], path: Path) -> Path:
               if span else "")
     ax_time.set_title(f"step {plan['est_step_time_s']:.2f} s{spread}, MFU {plan['est_mfu']:.0%}")
     lay = plan["layout"]
-    fig.suptitle(f"{plan['model']['name']}: DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}, ZeRO-{lay['zero_stage']}")
+    cp = f" x CP {lay['cp']}" if lay.get("cp", 1) > 1 else ""
+    fig.suptitle(f"{plan['model']['name']}: DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}{cp}, "
+                 f"ZeRO-{lay['zero_stage']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

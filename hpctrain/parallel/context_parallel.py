@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single_autograd
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hpctrain.models.attention import CausalAttention, grouped_kv, set_attention
 
@@ -81,8 +82,16 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.
         end = (chunk + 1) * c
         outs.append(F.scaled_dot_product_attention(
             q[:, :, local * c:(local + 1) * c], keys[:, :, :end], values[:, :, :end],
-            attn_mask=causal_lower_right(c, end), enable_gqa=gqa))
+            attn_mask=_lower_right(c, end), enable_gqa=gqa))
     return torch.cat(outs, dim=2)
+
+
+def _lower_right(queries: int, keys: int) -> CausalBias:
+    """The causal mask aligned bottom-right, made outside any dispatch mode: CausalBias is a tensor subclass, and
+    creating one under selective recomputation's mode (torch's SAC) fails in torch 2.13 ("the raw Tensor object
+    is already associated to a python object"). It holds no data; SDPA reads its variant and sizes."""
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
 
 
 class ContextParallelAttention(CausalAttention):

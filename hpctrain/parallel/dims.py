@@ -4,8 +4,12 @@ Mesh order, outermost first: ("pp", "dp_replicate", "dp_shard", "cp", "tp") (tor
 TP group is consecutive ranks (the GPUs of one node, on NVLink); CP next, its all-gathers of keys and values in
 every attention the next busiest traffic; PP is outermost so only point-to-point activations cross the slowest
 links. CP ranks read the same samples (each a part of every sequence), so the data rank is the (dp_replicate,
-dp_shard) coordinate, while gradients are averaged, and FSDP shards parameters, over dp_shard x cp. Size-1 dims are kept: every slice below exists in every layout, which keeps the
-callers free of special cases, and a size-1 group costs nothing at run time.
+dp_shard) coordinate, while gradients are averaged, and FSDP shards parameters, over dp_shard x cp.
+
+Size-1 dims are kept: every slice below exists in every layout, which keeps the callers free of special cases,
+and a size-1 group costs nothing at run time. The exception is "cp", in the mesh only with context parallelism
+(cp > 1): each dim is one more world-wide communicator split at start-up on a device-bound world, and nothing
+reads a cp dim of one rank.
 
 With expert parallelism (ep > 1) dp_shard is built as ("dp_shard_mod_ep", "ep") and flattened back to "dp_shard"
 (torchtitan's layout): an EP group is ep consecutive DP ranks of one shard group (nearest each other after TP),
@@ -23,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hpctrain.config.layout import Layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")  # cp is 1 with ep > 1 (layout's rule)
+EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")  # no cp: cp > 1 with ep > 1 is refused
 
 
 class ParallelDimsError(ValueError):
@@ -78,10 +82,11 @@ class ParallelDims:
         if not dist.is_initialized():
             raise RuntimeError("a device mesh needs torch.distributed to be initialised")
         if self.ep == 1:
-            return init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
-                                    mesh_dim_names=MESH_DIMS)
+            sizes = dict(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp)
+            names = tuple(name for name in MESH_DIMS if name != "cp" or self.cp > 1)
+            return init_device_mesh(self.device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
         mesh = init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep,
-                                                   self.cp, self.tp), mesh_dim_names=EP_MESH_DIMS)
+                                                   self.tp), mesh_dim_names=EP_MESH_DIMS)
         mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         return mesh
 
@@ -107,15 +112,14 @@ class ParallelDims:
     def fsdp_mesh(self) -> DeviceMesh:
         """FSDP2's mesh: 1-D (shard) or, for HSDP, 2-D (replicate x shard); with context parallelism the shard
         dim is dp_shard x cp (torchtitan's dp_shard_cp)."""
-        shard = "dp_shard"
-        if self.cp > 1:
-            self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-            shard = "dp_shard_cp"
-        return self.mesh["dp_replicate", shard] if self.dp_replicate > 1 else self.mesh[shard]
+        if self.cp == 1:
+            return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        flat = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return self.mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else flat
 
     @property
     def cp_mesh(self) -> DeviceMesh:
-        """The ranks one sequence is split over (context parallelism)."""
+        """The ranks one sequence is split over (context parallelism: cp > 1 only)."""
         return self.mesh["cp"]
 
     @property
@@ -156,4 +160,4 @@ class ParallelDims:
     @property
     def cp_rank(self) -> int:
         """Which chunks of every sequence this rank holds (hpctrain.parallel.context_parallel.chunk_ids)."""
-        return self.coordinate("cp")
+        return self.coordinate("cp") if self.cp > 1 else 0

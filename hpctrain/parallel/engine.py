@@ -6,8 +6,8 @@ and the reductions that make the reported loss the mean over the global batch on
 the same for every layout.
 
 Layouts are applied from outside the model, in torchtitan's order, to each pipeline stage:
-    stage cut (meta) -> FP8 Linears -> activation checkpointing -> TP -> FSDP2 -> compile -> materialise -> DDP
-    -> PipelineStage
+    stage cut (meta) -> FP8 Linears -> context-parallel attention -> activation checkpointing -> TP -> FSDP2
+    -> compile -> materialise -> DDP -> PipelineStage
 Weights are created after the layout (`init_weights` draws each parameter from a generator seeded by its
 name), so every layout starts from exactly the single-process model's weights without a full copy.
 """
@@ -41,6 +41,7 @@ from hpctrain.models.moe import ROUTING_FIELDS, moe_layers
 from hpctrain.models.registry import family_of
 from hpctrain.parallel.clipping import clip_grads_, reduce_partial_grads_, squared_norm_share
 from hpctrain.parallel.compile import apply_compile
+from hpctrain.parallel.context_parallel import apply_context_parallel, shard_sequence
 from hpctrain.parallel.data_parallel import (
     ExpertSharding,
     apply_ddp,
@@ -120,7 +121,7 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | No
 
 
 class Engine:
-    """Every layout (DP/ZeRO/HSDP x TP(+SP) x PP) behind one step()."""
+    """Every layout (DP/ZeRO/HSDP x TP(+SP) x PP x CP) behind one step()."""
 
     def __init__(self, cfg: Config, layout: Layout, device: torch.device, dims: ParallelDims | None = None,
                  tensors: contextlib.AbstractContextManager[Any] | None = None) -> None:
@@ -132,9 +133,11 @@ class Engine:
         self.dims = dims or ParallelDims(layout, world, device.type)
         dims = self.dims
         self.dp_rank, self.dp_size = dims.dp_rank, dims.dp
+        self.cp_rank = dims.cp_rank  # read by every step; the mesh's coordinates are host reads: taken once here
         # Dropout masks: different per DP rank, the same on TP peers (their replicated regions must agree).
         torch.manual_seed(cfg.train.seed + self.dp_rank)
-        data_parallel = dims.distributed and dims.dp > 1
+        # CP ranks hold other parts of the same sequences: their gradients are averaged as DP ranks' are
+        data_parallel = dims.distributed and dims.dp * dims.cp > 1
         self.fsdp = data_parallel and uses_fsdp(layout.zero_stage, dims.tp, dims.pp, dims.ep)
         self.ddp = data_parallel and not self.fsdp
         self.pipeline_schedule = schedules.get(layout.schedule)
@@ -188,9 +191,12 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------------------
 
     def _apply_layout(self, model: Transformer) -> Transformer:
-        """FP8, recomputation, TP, FSDP2 and compilation on the meta-device model (no memory yet)."""
+        """FP8, context parallelism, recomputation, TP, FSDP2 and compilation on the meta-device model (no memory
+        yet)."""
         cfg, dims = self.cfg, self.dims
         apply_float8(model, cfg.precision, self.layout, self.device, self.fsdp)  # FP8 Linears first (torchtitan)
+        if dims.cp > 1:  # the attention core; recomputation then replays (or, selective, keeps) its gathers
+            apply_context_parallel(model, dims.cp_mesh.get_group())
         # Checkpointing first: TP's input hook on the first block must run inside the checkpointed region,
         # or recomputation replays it on already-sharded input.
         apply_recompute(model, self.layout.recompute)
@@ -202,7 +208,7 @@ class Engine:
             experts = ExpertSharding(dims.expert_fsdp_mesh)
         if self.fsdp:
             if self.layout.zero_stage == 0:
-                apply_replicate(model, dims.dp_mesh, cfg.precision, experts)
+                apply_replicate(model, dims.grad_mesh, cfg.precision, experts)
             else:
                 apply_fsdp(model, dims.fsdp_mesh, cfg.zero, cfg.precision, self.layout.zero_stage, experts)
         if cfg.parallel.compile:  # forwards only: every layout's hooks stay outside the graphs
@@ -216,7 +222,7 @@ class Engine:
         model.to_empty(device=torch.device("cpu") if self.fsdp and offload else self.device)
         model.init_weights(seed=cfg.train.seed)
         if self.ddp:
-            return apply_ddp(model, dims.dp_mesh, cfg.zero, cfg.precision)
+            return apply_ddp(model, dims.grad_mesh, cfg.zero, cfg.precision)
         return model
 
     def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
@@ -300,7 +306,7 @@ class Engine:
             for layer in self.moe_layers.values():  # a pipeline's evaluation may run a forward with grad on
                 layer.take_routing()
         self._sum_over_ranks(total)
-        return total.item() / (self.dims.dp * self.dims.tp * len(batches))
+        return total.item() / (self.dims.dp * self.dims.tp * self.dims.cp * len(batches))
 
     def _eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's mean loss over one batch's microbatches (0 on pipeline ranks without the last stage)."""
@@ -320,8 +326,11 @@ class Engine:
 
     def _to_device(self, batches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[2, microbatches, micro_batch, seq] inputs and targets on the device: one copy, asynchronous from
-        the data reader's pinned buffer on GPUs (hpctrain.data.loader.BatchReader)."""
+        the data reader's pinned buffer on GPUs (hpctrain.data.loader.BatchReader); with context parallelism
+        this rank's two chunks of every sequence (CP peers read the same samples)."""
         both = batches.to(self.device, non_blocking=True)
+        if self.dims.cp > 1:
+            both = shard_sequence(both, self.dims.cp, self.cp_rank, dim=-1)
         return both[0], both[1]
 
     def _accumulate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -448,9 +457,10 @@ class Engine:
 
     def _stats(self, values: torch.Tensor, n_control: int) -> tuple[float, float, list[float], list[float]]:
         """The reduced values on the host: loss (the mean over the global batch: the last-stage ranks' losses
-        averaged over DP x TP copies), the global gradient norm, the summed control values and routing records."""
+        averaged over DP x TP copies and CP parts, each CP rank's the mean over its seq/cp tokens of every
+        sequence), the global gradient norm, the summed control values and routing records."""
         total_loss, squared_norm, *rest = self._read(values)
-        return (total_loss / (self.dims.dp * self.dims.tp), math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
+        return (total_loss / (self.dims.dp * self.dims.tp * self.dims.cp), math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
                 rest[:n_control], rest[n_control:])
 
     @staticmethod

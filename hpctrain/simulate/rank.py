@@ -48,6 +48,7 @@ class Simulation:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    cp_rank: int | None  # None without context parallelism
     stages: tuple[int, ...]  # the pipeline stages (model chunks) this rank holds
     categories: dict[str, int]  # torch's peak snapshot by its categories, bytes
     category_peaks: dict[str, int]  # the most each of torch's categories held at any point of the step
@@ -149,7 +150,7 @@ def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None 
         categories = peak_by_category(tracker)
         return Simulation(
             rank=rank, world_size=layout.world_size, pp_rank=dims.pp_rank, dp_rank=dims.dp_rank,
-            tp_rank=dims.tp_rank, stages=tuple(engine.stage_ids), categories=categories,
+            tp_rank=dims.tp_rank, cp_rank=dims.cp_rank if dims.cp > 1 else None, stages=tuple(engine.stage_ids), categories=categories,
             category_peaks=category_peaks(tracker), column_peaks=column_peaks(tracker),
             peak=sum(categories.values()), microbatches=microbatches, step_microbatches=step_microbatches,
             groups_held=groups_held(), group_calls=len(calls), collectives=counter.summary(),

@@ -84,11 +84,13 @@ def list_checkpoints_of(run_dir: Path, tmp_path: Path) -> list:
 
 
 @pytest.mark.timeout(300)
-def test_resume_is_bit_identical_to_an_uninterrupted_run(compose_cfg, tmp_path: Path) -> None:
-    common = ["train.max_steps=12", *tiers(tmp_path / "a", ram=4, local=100, shared=100)]
+@pytest.mark.parametrize("layout", [[], ["parallel.cp=2"]], ids=["dp2", "cp2"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(compose_cfg, tmp_path: Path, layout: list[str]) -> None:
+    """Both ranks read different samples (DP 2), or the two halves of the same sequences (CP 2)."""
+    common = ["train.max_steps=12", *tiers(tmp_path / "a", ram=4, local=100, shared=100), *layout]
     straight = tmp_path / "straight"
     train(2, config(compose_cfg, tmp_path / "a", 2, *common), straight)
-    common = ["train.max_steps=12", *tiers(tmp_path / "b", ram=4, local=100, shared=100)]
+    common = ["train.max_steps=12", *tiers(tmp_path / "b", ram=4, local=100, shared=100), *layout]
     stopped = tmp_path / "stopped"
     cfg = config(compose_cfg, tmp_path / "b", 2, *common)
     first = train(2, cfg, stopped, signal_at=7, signal_rank=1)  # USR2 to rank 1 only, in step 8
@@ -224,6 +226,9 @@ RESHARD = {
     "pp2-to-pp2-uneven": ((2, ["model.n_layers=4", "parallel.pp=2"]),
                           (2, ["model.n_layers=4", "parallel.pp=2", "parallel.last_stage_layers=3"])),
     "zero1-to-zero3": ((2, ["zero=stage1"]), (2, ["zero=stage3"])),
+    # context parallelism: FSDP's shards over dp_shard x cp onto DP alone, and a plain DDP run onto CP x ZeRO-2
+    "cp2-zero3-to-dp2-zero3": ((2, ["parallel.cp=2", "zero=stage3"]), (2, ["zero=stage3"])),
+    "dp2-to-cp2-zero2": ((2, []), (2, ["parallel.cp=2", "zero=stage2"])),
 }
 
 

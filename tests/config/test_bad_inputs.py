@@ -200,6 +200,15 @@ BAD = [
     ("uneven-negative", ["parallel.last_stage_layers=-1"], "parallel.last_stage_layers", "must be >= 0"),
     ("auto-bad-shape", ["model=moe_tiny", "model.n_heads=3", "parallel=auto"], "model.d_model",
      "not divisible by n_heads 3"),  # before the search, which cannot describe such a model
+    # issue 33: context parallelism (parallel.cp)
+    ("cp-zero", ["parallel.cp=0"], "parallel.cp", "must be >= 1"),
+    ("cp-world", ["parallel.cp=2", "parallel.dp=2"], "parallel.dp", "dp x tp x pp x cp = 2 x 1 x 1 x 2 = 4 GPUs"),
+    ("cp-vs-seq", ["parallel.cp=2", "train.seq_len=126"], "train.seq_len", "cannot be cut into 2 x cp = 4 equal"),
+    ("cp-dropout", ["parallel.cp=2", "model.dropout=0.1"], "model.dropout", "0.1 with cp=2"),
+    ("cp-moe", ["model=moe_tiny", "parallel.cp=2"], "parallel.cp", "is a Mixture-of-Experts model"),
+    ("cp-with-ep", ["model=moe_tiny", "cluster.gpus_per_node=4", "zero=stage1", "parallel.ep=2", "parallel.cp=2"],
+     "parallel.cp", "with expert parallelism (ep=2) is not supported"),
+    ("cp-compile", ["parallel.cp=2", "parallel.compile=true"], "parallel.compile", "with cp=2"),
 ]
 
 

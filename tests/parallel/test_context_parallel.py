@@ -104,3 +104,40 @@ def _model_matches(rank: int, world: int, family: str) -> float:
 def test_a_cp2_model_equals_the_one_process_model(family: str) -> None:
     diffs = run_distributed(_model_matches, 2, family, timeout=120)
     assert max(diffs) < 1e-5, diffs
+
+
+def _gathers_in_backward(rank: int, world: int, mode: str) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) dispatched by the backward of a 2-layer CP Llama under `mode`."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpctrain.parallel.recompute import apply_recompute
+
+    ops = torch.ops._c10d_functional
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gathers = self.scatters = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.gathers += func == ops.all_gather_into_tensor.default
+            self.scatters += func == ops.reduce_scatter_tensor.default
+            return func(*args, **(kwargs or {}))
+
+    model = _model("llama")
+    cpmod.apply_context_parallel(model, dist.group.WORLD)
+    apply_recompute(model, mode)
+    tokens = cpmod.shard_sequence(torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1)), world,
+                                  rank)
+    loss = model(tokens).float().mean()
+    with Count() as count:
+        loss.backward()
+    return count.gathers, count.scatters
+
+
+@pytest.mark.parametrize("mode,gathers", [("none", 0), ("selective", 0), ("full", 4)])
+def test_recomputation_gathers_keys_and_values_again_only_when_full(mode: str, gathers: int) -> None:
+    """The selective policy keeps the all-gathered keys and values (collective outputs), so backward only
+    reduce-scatters their gradients (2 per layer); full recomputation reruns each layer's 2 gathers."""
+    counts = run_distributed(_gathers_in_backward, 2, mode, timeout=120)
+    assert all(c == (gathers, 4) for c in counts), counts

@@ -60,7 +60,8 @@ def _count_collectives(rank: int, world: int, config: dict[str, Any], run_dir: s
 @pytest.mark.parametrize("world,layout", [
     (2, []),  # DDP
     (4, ["parallel.tp=2", "zero=stage3"]),  # FSDP2 x TP: the gradient norm's groups used to cost 6 more
-], ids=["ddp2", "fsdp2xtp2"])
+    (2, ["parallel.cp=2", "zero=stage2"]),  # CP: its gathers are functional collectives on the CP group, not these
+], ids=["ddp2", "fsdp2xtp2", "cp2_zero2"])
 def test_one_collective_per_step_on_the_default_group(compose_cfg, tmp_path: Path, world: int,
                                                       layout: list[str]) -> None:
     """A clock-timed checkpoint tier, straggler probes every 2 steps and the stop flag all ride on the loss

@@ -76,12 +76,21 @@ LAYOUTS = {
     "recompute_selective_tp2_sp": (2, {"parallel__recompute": "selective", "parallel__tp": 2,
                                        "parallel__sequence_parallel": True}, 1),
     "recompute_full_tp2xpp2": (4, {"parallel__recompute": "full", "parallel__tp": 2, "parallel__pp": 2, **PP}, 1),
+    # context parallelism: each sequence in 2 x cp chunks, keys and values gathered over the CP group
+    "cp2": (2, {"parallel__cp": 2}, 1),
+    "cp4": (4, {"parallel__cp": 4}, 1),
+    "dp2xcp2": (4, {"parallel__cp": 2}, 2),  # DDP over the 4 ranks of DP x CP
+    "zero3_dp2xcp2": (4, {"parallel__cp": 2, "zero__stage": 3, "train__micro_batch": 2}, 2),  # FSDP over dp_shard x cp
+    "cp2xtp2_sp": (4, {"parallel__cp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True}, 1),
+    "cp2xpp2": (4, {"parallel__cp": 2, "parallel__pp": 2, **PP}, 1),
+    "recompute_selective_cp2": (2, {"parallel__cp": 2, "parallel__recompute": "selective"}, 1),
+    "recompute_full_zero2_cp2": (2, {"parallel__cp": 2, "parallel__recompute": "full", "zero__stage": 2}, 1),
 }
 # The Llama family through the same layouts: grouped-query attention split over TP (one key/value head per rank),
 # the untied head split by vocabulary like the embedding, and held by the last pipeline stage alone.
 LLAMA_LAYOUTS = ["single", "dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero3_offload", "tp2", "tp2_sp", "pp2_1f1b",
                  "pp2_uneven", "pp2_interleaved", "pp2_zbv", "dp2xtp2", "dp2xpp2", "tp2xpp2", "zero3_dp2xtp2xpp2_sp",
-                 "recompute_full_dp2", "recompute_selective_tp2_sp"]
+                 "recompute_full_dp2", "recompute_selective_tp2_sp", "cp2", "zero3_dp2xcp2", "cp2xtp2_sp", "cp2xpp2"]
 LAYOUTS.update({f"llama_{name}": (LAYOUTS[name][0], {**LLAMA, **LAYOUTS[name][1]}, LAYOUTS[name][2])
                 for name in LLAMA_LAYOUTS})
 # Qwen3: heads wider than d_model / n_heads split over TP (QKV and the projection's input are 2 x 128 wide), the

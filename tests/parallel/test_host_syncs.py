@@ -57,7 +57,8 @@ def _events_per_step(rank: int, world: int, overrides: dict[str, Any]) -> list[l
     (2, {"zero__stage": 3}),  # FSDP2
     (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),  # TP (+ the partial gradients' reduction)
     (2, {"parallel__pp": 2, "parallel__schedule": "1f1b", **PP}),  # PP (+ the tied embedding's reduction)
-], ids=["ddp2", "fsdp2", "tp2_sp", "pp2"])
+    (2, {"parallel__cp": 2}),  # CP: the chunks cut on the device, positions and gathers' order made there
+], ids=["ddp2", "fsdp2", "tp2_sp", "pp2", "cp2"])
 def test_one_host_sync_per_step_after_the_optimizer_step(world: int, overrides: dict[str, Any]) -> None:
     """Every step, the first included; under PP torch's schedule adds its stages' one-time start-up to the
     first step (shapes exchanged as pickled objects: `recv_object_list` reads their sizes), none of it ours."""
