@@ -76,6 +76,7 @@ def step_lines(est: Estimates) -> list[str]:
         f"  step time            {st.step_time_s:.3f} s = compute {st.compute_s:.3f} + TP {st.tp_s:.3f} + "
         f"PP {st.pp_s:.3f}"
         + (f" + EP all-to-all {st.ep_s:.3f} + expert imbalance {st.imbalance_s:.3f}" if est.layout.ep > 1 else "")
+        + (f" + CP K/V {st.cp_s:.3f}" if est.layout.cp > 1 else "")
         + f" + bubble {st.bubble_s:.3f} + exposed DP {st.dp_exposed_s:.3f}"
         + (f" + offload {st.offload_s:.3f}" if st.offload is not None else ""),
         *offload_step_lines(est),

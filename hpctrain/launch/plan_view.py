@@ -81,7 +81,7 @@ def recovery_summary(cfg: Any) -> str:
 
 def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_len: int) -> dict[str, Any]:
     return {"nodes": lay.nodes, "gpus_per_node": lay.gpus_per_node, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-            "cp": lay.cp, "ep": lay.ep, "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages,
+            "ep": lay.ep, "cp": lay.cp, "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages,
             "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
             "schedule": parallel.schedule,
             "sequence_parallel": parallel.sequence_parallel, "zero_stage": lay.zero_stage,
@@ -118,8 +118,8 @@ def render_text(plan: dict[str, Any]) -> str:
         f"({plan['executor']} executor)",
         f"  recovery        {plan['recovery']}",
         f"  layout          DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}"
+        + (f" x CP {lay['cp']} (each sequence split over {lay['cp']} GPUs)" if lay.get("cp", 1) > 1 else "")
         + (f" (HSDP: {lay['dp_replicate']} replicas)" if lay["dp_replicate"] > 1 else "")
-        + (f" x CP {lay['cp']} (each sequence split over {lay['cp']} ranks)" if lay.get("cp", 1) > 1 else "")
         + (f", EP {lay['ep']} (experts split over {lay['ep']} of the DP ranks)" if lay.get("ep", 1) > 1 else "")
         + (f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else "")
         + (f", first/last stage {lay['first_stage_layers'] or 'as the others'} / "

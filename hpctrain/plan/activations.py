@@ -41,6 +41,21 @@ hpctrain.models.gpt.Block on CPU: 32 s b h with dropout 0, 20 s b h with t = 2, 
     byte for byte (tests/plan/test_plan_recompute.py).
 fp32 activations (precision=fp32) are approximated by doubling.
 
+Context parallelism (cp > 1, hpctrain.parallel.context_parallel: each CP rank holds s / cp tokens as two chunks and
+all-gathers K and V over the CP group in every attention layer): everything above is per local token, so it is
+counted at s / cp (sbh below: (s / cp) b h), and the attention saves, per TP rank (split by t):
+  * the gathered K and V of the whole sequence (index_select's outputs, put back in global order, which each
+    chunk's SDPA saves): 2 x 2 k cp / h sbh, i.e. 2 s b k bytes each;
+  * each chunk's SDPA output 2 q / h besides their concatenation (the projection's input, counted above);
+  * no longer the QKV output through V's view (V is gathered, not viewed), nor the local rotated K; the rotated Q
+    stays (Llama), or, without RoPE (GPT), Q's view keeps the whole QKV output as before.
+So Llama's 6 + 6 k / h (QKV output 2 + 4 k / h, rotated Q and K 2 + 2 k / h) becomes 2 + 4 k cp / h + 2. Measured
+for the GPT and the Llama block on a 2-rank CP group on CPU (tests/plan/test_plan_cp.py), byte for byte beside a
+few s-sized tensors left out (the CPU's materialised lower-right causal mask of the later chunks, the int64 gather
+order, the norms' per-token statistics, the index-selected RoPE tables). Selective recomputation adds the all-gather outputs, 4 k cp / h (the policy saves
+the collectives' outputs): not measured, the selective checkpoint context refuses CP attention's CausalBias mask
+on CPU in torch 2.13. Full recomputation keeps the block input of the local tokens.
+
 hpctrain's Llama block (hpctrain.models.llama; g key/value heads of head_dim, so K and V are k = g h / a wide; a
 SwiGLU MLP of width f; no biases), counted the same way from what autograd saves on CPU (sbh units, 16-bit):
   * RMSNorm (Hugging Face's: normalised in fp32) keeps an fp32 copy of its input 4 and the normalised tensor
@@ -167,11 +182,13 @@ def activation_bytes_per_layer(
     recompute: str = "none", ffn_hidden: int | None = None, *, flash_attention: bool = True,
     dropout: bool = False, sp_keeps_gathered: bool = True, fp32_residual: bool = False,
     arch: str = "gpt", n_kv_heads: int | None = None, head_dim: int | None = None, moe: MoELayer | None = None,
+    cp: int = 1,
 ) -> float:
     """Bytes the block of model family `arch` saves for backward per micro-batch (16-bit activations; its
     `BlockActivations`); see the module docstring. n_kv_heads: key/value heads (grouped-query attention), n_heads
     when None; head_dim: each head's width, d_model / n_heads when None; moe: the feed-forward's experts, for a
-    family whose block is a Mixture of Experts.
+    family whose block is a Mixture of Experts; cp: context parallelism, seq_len being this rank's s / cp tokens
+    (the gathered keys and values of the whole sequence come on top: module docstring, "Context parallelism").
 
     flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula.
     """
@@ -195,8 +212,9 @@ def activation_bytes_per_layer(
     if recompute == "full":
         return norm_bytes * sbh / shard
     lse = 4 * a / h if flash_attention else 0.0  # fp32 log-sum-exp per head and token
+    gathered_kv = 4 * kv * cp if cp > 1 else 0.0  # CP: the whole sequence's K and V, over this rank's s / cp
     if recompute == "selective":
-        saved = qkv_out + 2 * q + lse + fc_out  # + the attention output
+        saved = qkv_out + 2 * q + lse + fc_out + gathered_kv  # + the attention output (+ CP's all-gather outputs)
         return _selective_bytes(sbh, t, sequence_parallel, saved, norm_bytes, 1 if block.moe else 2) + experts
     if recompute != "none":
         raise ValueError(f"unknown recompute {recompute!r}")
@@ -207,7 +225,10 @@ def activation_bytes_per_layer(
     # per-head norms: HEAD_NORM_BYTES per element of Q and K, and an fp32 1/rms per head and token
     heads = (HEAD_NORM_BYTES * (q + kv) + 4 * (a + (n_kv_heads or a)) / h) if block.head_norms else 0
     mlp = 0 if block.moe else fc_out + (4 if block.gated_mlp else 2) * f / h  # + silu's output, down's input
-    split = qkv_out + rope + heads + 2 * q + mlp  # + the attention output (the projection's input)
+    if cp > 1:  # K and V are gathered: no view of the QKV output is saved, nor the local rotated K ...
+        qkv_out, rope = (0.0, 2 * q) if block.rope else (qkv_out, 0.0)  # ... but Q (rotated, or a view of it)
+        gathered_kv += 2 * q  # each chunk's SDPA output, besides their concatenation (the projection's input)
+    split = qkv_out + rope + heads + 2 * q + mlp + gathered_kv  # + the attention output (the projection's input)
     if flash_attention:
         split += lse
     else:

@@ -11,8 +11,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hpctrain import schedules
+from hpctrain.config.layout import sequence_problems
 from hpctrain.plan.bubble import bubble_fraction
-from hpctrain.plan.memory import memory_per_gpu
+from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from hpctrain.plan.search import Candidate
 from hpctrain.plan.step_time import estimate_step
 from hpctrain.plan.types import Hardware, Layout, ModelShape
@@ -37,7 +38,7 @@ def search_summary(candidates: list[Candidate], mine: Candidate, top_k: int) -> 
     """The search as data: how many layouts fit, where the configured one ranks, the top ones."""
     rank = 1 + sum(1 for c in candidates if c.tokens_per_s > mine.tokens_per_s)
     return {"candidates": len(candidates), "configured_rank": rank,
-            "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp, "ep": c.layout.ep,
+            "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp, "ep": c.layout.ep, "cp": c.layout.cp,
                      "virtual_stages": c.layout.virtual_stages, "first_stage_layers": c.layout.first_stage_layers,
                      "last_stage_layers": c.layout.last_stage_layers, "micro_batch": c.layout.micro_batch,
                      "grad_accum": c.layout.grad_accum, "zero_stage": c.layout.zero_stage,
@@ -88,3 +89,23 @@ def better_microbatches(model: ModelShape, layout: Layout, hw: Hardware,
             frac = bubble_fraction(layout.pp, m, layout.virtual_stages, layout.schedule)
             best = MicrobatchTip(micro, m, frac, step, current)
     return best
+
+
+def context_for_fit(model: ModelShape, layout: Layout, hw: Hardware, max_cp: int = 32
+                    ) -> tuple[Layout, MemoryBreakdown] | None:
+    """The smallest CP degree above `layout`'s (doubling, up to max_cp) that makes it fit, and its memory; None where
+    none does. The CP ranks come out of DP, so the job's GPUs and the global batch stay (each DP rank runs cp' / cp
+    times the micro-batches); only degrees the sequence's rules allow (config.layout.sequence_problems), never with
+    expert parallelism."""
+    if layout.ep > 1:
+        return None
+    ranks, cp = layout.dp * layout.cp, 2 * layout.cp
+    while cp <= max_cp and ranks % cp == 0 and (ranks // cp) % layout.dp_replicate == 0:
+        dp = ranks // cp
+        trial = replace(layout, cp=cp, dp=dp, grad_accum=layout.global_batch // (layout.micro_batch * dp))
+        if not sequence_problems(trial, model.seq_len, model.dropout):
+            mem = memory_per_gpu(model, trial, hw)
+            if mem.fits:
+                return trial, mem
+        cp *= 2
+    return None

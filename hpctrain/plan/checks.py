@@ -19,7 +19,7 @@ from hpctrain.config.file_checks import check_resume, file_checks, resumed_run_d
 from hpctrain.config.layout import Layout, resolve_layout
 from hpctrain.config.problems import CheckReport, ConfigError
 from hpctrain.config.schema import SCHEDULES, Config
-from hpctrain.plan.auto import better_microbatches
+from hpctrain.plan.auto import better_microbatches, context_for_fit
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.estimate import estimate
 from hpctrain.plan.memory import memory_per_gpu
@@ -118,6 +118,24 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("parallel", message, "try: " + ", or ".join(fixes))
 
 
+def _context(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """A layout that does not fit, where splitting each sequence over more GPUs (context parallelism: the activations
+    are per local token) would: the smallest CP degree that fits, its GPUs taken from DP (after `_memory`)."""
+    est = r.estimates
+    if est is None or est.memory.fits:
+        return
+    fit = context_for_fit(est.model, lay, est.hw)
+    if fit is None:
+        return
+    wider, mem = fit
+    r.warn("parallel.cp", f"the activations of {cfg.train.seq_len}-token sequences ({est.memory.activations / GiB:.1f}"
+           f" GiB per GPU at cp={lay.cp}) leave {est.memory.total / GiB:.1f} GiB, over the {mem.usable / GiB:.1f} "
+           f"GiB usable; cp={wider.cp} splits each sequence over {wider.cp} GPUs: {mem.total / GiB:.1f} GiB "
+           f"(activations {mem.activations / GiB:.1f})",
+           f"set parallel.cp={wider.cp} parallel.dp={wider.dp} (the same GPUs and global batch, "
+           f"{wider.grad_accum} micro-batches per DP rank)")
+
+
 HOST_MEMORY_WARN = 0.8  # offloaded state above this share of a node's host memory leaves too little for the rest
 OFFLOAD_SHARE_WARN = 0.10  # exposed offload time above this share of the step: warn
 
@@ -190,5 +208,5 @@ def _offload_fix(cfg: Config, lay: Layout, est: Any, bigger_dp: str) -> str:
 
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    *config_checks.CHECKS, _memory, _offload, _bubble, file_checks,
+    *config_checks.CHECKS, _memory, _context, _offload, _bubble, file_checks,
 ]

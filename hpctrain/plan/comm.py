@@ -38,9 +38,21 @@ per-expert counts before each dispatch (n_experts integers) is a latency term, l
 expert weights runs over the dp_shard / ep ranks that hold the same experts (their gradients and weights are 1/ep
 of the layers' experts): ZeRO's volumes per group, summed.
 
-Links: ranks are ordered TP innermost, then DP, then PP (Megatron's default); an EP group is ep consecutive DP
-ranks (torchtitan's dp_shard_in_ep inside dp_shard), so its all-to-all spans tp x ep ranks. A group uses NVLink when
-all its ranks fit in one node and the network (per-GPU NIC bandwidth) otherwise. Ignored: latency
+Context parallelism (Layout.cp > 1, hpctrain.parallel.context_parallel): every attention layer all-gathers the
+keys and values of its s / cp tokens over the cp ranks in forward and reduce-scatters their gradients in backward
+(the all-gather's autograd), each a buffer of the whole sequence's K and V on this TP rank, 2 s b k / t elements
+(k = n_kv_heads x head_dim: grouped-query attention gathers the few KV heads only) in the compute dtype:
+(cp - 1)/cp of it per collective, 2 collectives per layer and micro-batch (3 with full recomputation, whose
+forward gathers again). Exposed in full: the gather sits between the QKV projection and attention of the same
+layer, and nothing in hpctrain prefetches it (Llama 3 (Grattafiori et al. 2024, sec. 3.3.2) chose all-gather CP
+for its simplicity and GQA's small K/V, and exposes it too). TP, PP and EP traffic is per local token (s / cp).
+The CP ranks also reduce the gradients with their DP peers: the ZeRO group is dp_shard x cp ranks (Layout.
+zero_shard), ZeRO-0's all-reduce dp x cp.
+
+Links: ranks are ordered TP innermost, then CP, then DP, then PP (torchtitan's; Megatron's default without CP);
+an EP group is ep consecutive DP ranks (torchtitan's dp_shard_in_ep inside dp_shard), so its all-to-all spans
+tp x ep ranks; a CP group spans tp x cp ranks. A group uses NVLink when all its ranks fit in one node and the
+network (per-GPU NIC bandwidth) otherwise. Ignored: latency
 terms, the tied-embedding all-reduce between first and last stage (GPT; Llama's head is untied and has
 none), vocab-parallel loss reductions.
 """
@@ -51,7 +63,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hpctrain.plan.activations import EXPERT_IMBALANCE
-from hpctrain.plan.memory import layers_on_stage, stage_expert_params_per_gpu, stage_params_per_gpu
+from hpctrain.plan.memory import layers_on_stage, local_seq_len, stage_expert_params_per_gpu, stage_params_per_gpu
 from hpctrain.plan.states import gradient_reductions
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
@@ -64,7 +76,7 @@ class CommItem:
     """One kind of traffic: bytes one GPU sends per step, over which link, and whether it can hide behind compute."""
 
     name: str
-    kind: str  # "dp", "tp", "pp" or "ep"
+    kind: str  # "dp", "tp", "pp", "ep" or "cp"
     bytes: float
     link: str
     bandwidth: float
@@ -102,6 +114,10 @@ class CommBreakdown:
         return self.bytes_of("ep")
 
     @property
+    def cp_bytes(self) -> float:
+        return self.bytes_of("cp")
+
+    @property
     def total_bytes(self) -> float:
         return sum(i.bytes for i in self.items)
 
@@ -125,18 +141,18 @@ def param_all_gathers(layout: Layout) -> int:
     """Parameter all-gathers per step as `dp_items` counts them: none without DP or at ZeRO-0, one at ZeRO-1/2,
     one in forward and one in backward of every micro-batch at ZeRO-3 (offload.py copies the fp32 shard to the
     GPU before each)."""
-    if layout.dp == 1 or layout.zero_stage == 0:
+    if layout.dp * layout.cp == 1 or layout.zero_stage == 0:
         return 0
     return 2 * layout.microbatches if layout.zero_stage >= 3 else 1
 
 
 def dp_groups(model: ModelShape, layout: Layout) -> list[tuple[float, int]]:
     """(parameters on the GPU with the most, the ranks their gradients are reduced over): all of them over the DP
-    group (the ZeRO shard group, ZeRO-0: all DP ranks); with expert parallelism the experts apart, over the 1/ep
-    of those ranks that hold the same experts."""
+    group and its CP peers (the ZeRO shard group dp_shard x cp, ZeRO-0: all dp x cp ranks); with expert parallelism
+    the experts apart, over the 1/ep of those ranks that hold the same experts."""
     stage = max(range(layout.pp), key=lambda s: stage_params_per_gpu(model, layout, s))
     n = stage_params_per_gpu(model, layout, stage)
-    group = layout.zero_shard if layout.zero_stage > 0 else layout.dp
+    group = layout.zero_shard if layout.zero_stage > 0 else layout.dp * layout.cp
     experts = stage_expert_params_per_gpu(model, layout, stage) if layout.ep > 1 else 0.0
     return [(n - experts, group)] + ([(experts, group // layout.ep)] if experts else [])
 
@@ -144,7 +160,7 @@ def dp_groups(model: ModelShape, layout: Layout) -> list[tuple[float, int]]:
 def dp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
     """Data-parallel / ZeRO traffic of the GPU with the most parameters (with expert parallelism, the dense
     parameters' and the experts' groups summed: `dp_groups`)."""
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:
         return []
     groups = dp_groups(model, layout)
     c, r_bytes = layout.compute_bytes, layout.reduce_bytes
@@ -168,7 +184,7 @@ def dp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
                                   param_all_gathers(layout) * ring(all_gather_bytes, c), link, bw, "compute"))
     r = layout.dp_replicate
     if z > 0 and r > 1:
-        rlink, rbw = _link(layout.tp * layout.dp, hw)
+        rlink, rbw = _link(layout.tp * layout.cp * layout.dp, hw)
         shard_grads = sum(n / ranks for n, ranks in groups) * r_bytes
         items.append(CommItem("HSDP replica all-reduce", "dp", reductions * all_reduce_bytes(r, shard_grads),
                               rlink, rbw, "backward"))
@@ -181,7 +197,7 @@ def ep_items(model: ModelShape, layout: Layout, hw: Hardware, imbalance: float =
     ep = layout.ep
     if ep == 1 or not model.moe:
         return []
-    rows = model.seq_len * layout.micro_batch * model.top_k * model.d_model * layout.compute_bytes
+    rows = local_seq_len(model, layout) * layout.micro_batch * model.top_k * model.d_model * layout.compute_bytes
     per_layer = 4 if layout.recompute == "none" else 6
     n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(layout.tp * ep, hw)
@@ -194,7 +210,7 @@ def tp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
     t = layout.tp
     if t == 1:
         return []
-    sbh = model.seq_len * layout.micro_batch * model.d_model * layout.compute_bytes
+    sbh = local_seq_len(model, layout) * layout.micro_batch * model.d_model * layout.compute_bytes
     per_layer = 6 if layout.recompute == "full" else 4
     n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(t, hw)
@@ -206,17 +222,32 @@ def pp_items(model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bo
     """Point-to-point activation/gradient sends of a middle pipeline stage."""
     if layout.pp == 1:
         return []
-    sbh = model.seq_len * layout.micro_batch * model.d_model * layout.compute_bytes
+    sbh = local_seq_len(model, layout) * layout.micro_batch * model.d_model * layout.compute_bytes
     if scatter_gather or layout.sequence_parallel:
         sbh /= layout.tp
     volume = 2 * layout.microbatches * layout.virtual_stages * sbh
-    link, bw = _link(layout.tp * layout.dp * layout.pp, hw)
+    link, bw = _link(layout.tp * layout.cp * layout.dp * layout.pp, hw)
     return [CommItem("p2p activations fwd+bwd", "pp", volume, link, bw, "none")]
+
+
+def cp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
+    """Context parallelism's key/value traffic of one GPU of the most loaded stage (module docstring): per layer
+    and micro-batch an all-gather of K and V in forward, a reduce-scatter of their gradients in backward, and the
+    forward's gather again under full recomputation (selective keeps the gathered tensors)."""
+    cp = layout.cp
+    if cp == 1:
+        return []
+    kv = 2 * model.seq_len * layout.micro_batch * model.kv_dim / layout.tp * layout.compute_bytes
+    per_layer = 3 if layout.recompute == "full" else 2
+    n = layers_on_stage(model, layout) * layout.microbatches * per_layer
+    link, bw = _link(layout.tp * cp, hw)
+    return [CommItem(f"CP K/V all-gather + grad reduce-scatter x{per_layer}/layer", "cp",
+                     n * all_gather_bytes(cp, kv), link, bw, "none")]
 
 
 def comm_per_step(model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bool = True,
                   imbalance: float = EXPERT_IMBALANCE) -> CommBreakdown:
     """All traffic one GPU sends in one step, by kind, with the link it uses."""
     items = dp_items(model, layout, hw) + tp_items(model, layout, hw) + pp_items(model, layout, hw, scatter_gather) \
-        + ep_items(model, layout, hw, imbalance)
+        + ep_items(model, layout, hw, imbalance) + cp_items(model, layout, hw)
     return CommBreakdown(tuple(items))

@@ -28,6 +28,10 @@ a GPU (the family's `ep_dims`), whole over TP; FSDP2 shards them over the dp_sha
 working bf16 copies, gathered units, accumulated gradients), not the shards. The MoE layer's activations are
 activations.py's (whole on every TP rank; the busiest EP rank's experts run EXPERT_IMBALANCE x the mean rows).
 
+Context parallelism (Layout.cp): every activation above is of the GPU's s / cp tokens (`local_seq_len`), the
+attention adding the whole sequence's gathered keys and values (activations.py); the model states are sharded over
+dp_shard x cp ranks (Layout.zero_shard: CP ranks share FSDP's sharding with DP, as in torchtitan).
+
 Headroom: CUDA context, NCCL buffers and allocator fragmentation take memory the formulas don't see;
 `reserve_fraction` (10% by default) of the GPU is set aside for them and `fits` compares against the rest.
 """
@@ -161,10 +165,15 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | N
     """One layer's stored activations for one micro-batch of `layout` (activations.py), in its dtype."""
     scale = layout.compute_bytes / 2
     return scale * activation_bytes_per_layer(
-        model.seq_len, layout.micro_batch, model.d_model, model.n_heads, layout.tp, layout.sequence_parallel,
-        recompute or layout.recompute, model.ffn, dropout=model.dropout > 0,
+        local_seq_len(model, layout), layout.micro_batch, model.d_model, model.n_heads, layout.tp,
+        layout.sequence_parallel, recompute or layout.recompute, model.ffn, dropout=model.dropout > 0,
         fp32_residual=autocast_forward(layout), arch=model.arch, n_kv_heads=model.kv_heads,
-        head_dim=model.dims.head_dim, moe=moe_layer(model, layout.ep))
+        head_dim=model.dims.head_dim, moe=moe_layer(model, layout.ep), cp=layout.cp)
+
+
+def local_seq_len(model: ModelShape, layout: Layout) -> int:
+    """Tokens of each sequence one GPU holds: s / cp under context parallelism (two chunks of s / 2cp)."""
+    return model.seq_len // layout.cp
 
 
 def moe_layer(model: ModelShape, ep: int) -> MoELayer | None:
@@ -187,7 +196,7 @@ def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:
 def _head_bytes(model: ModelShape, layout: Layout) -> float:
     """Last stage: final norm's saved input (RMSNorm: + its fp32 copy), the head's gathered input, logits and loss
     (activations.logits_bytes)."""
-    s, b, h, c = model.seq_len, layout.micro_batch, model.d_model, layout.compute_bytes
+    s, b, h, c = local_seq_len(model, layout), layout.micro_batch, model.d_model, layout.compute_bytes
     held = logits_inflight(layout.pp, layout.microbatches, layout.schedule)
     norm_in = (4 if autocast_forward(layout) else c) + (4 if model.family.activations.norm_fp32_copy else 0)
     hidden = s * b * h * (norm_in / (layout.tp if layout.sequence_parallel else 1) + c) * held
@@ -203,14 +212,14 @@ def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> lis
     parts = [Part("activations", name, layer_activation_bytes(model, layout) * n_layers * inflight)]
     if stage == 0 and model.dropout > 0:
         parts.append(Part("activations", "embedding dropout mask",
-                          model.seq_len * layout.micro_batch * model.d_model * inflight))
+                          local_seq_len(model, layout) * layout.micro_batch * model.d_model * inflight))
     if stage == layout.pp - 1:
         parts.append(Part("activations", f"output head + logits ({model.vocab_rows(layout.tp)} columns, "
                           "full on every TP rank) + fp32 loss", _head_bytes(model, layout)))
     if stage == 0 and layout.tp > 1 and layout.sequence_parallel and layout.recompute == "full":
         # the first block's checkpoint saves its input before SP slices it (the slicing hook runs inside)
         parts.append(Part("activations", "first block's checkpointed input: the embedding output, whole sequence",
-                          model.seq_len * layout.micro_batch * model.d_model * _residual_bytes(layout)
+                          local_seq_len(model, layout) * layout.micro_batch * model.d_model * _residual_bytes(layout)
                           * (1 - 1 / layout.tp) * inflight))
     if stage == 0 and layout.tp > 1 and accumulates_unsharded(layout):
         parts.append(Part("activations", "token embedding backward's working copies ("

@@ -15,6 +15,13 @@ Rules a candidate obeys (Megatron's, plus the global batch):
     a dense model keeps ep = 1 (model_fit_problems refuses ep > 1 on it). EP trades the experts' unsharded
     memory and DP traffic (/ ep) for all-to-alls and the wait for the busiest rank (comm.py, step_time.py), so
     only fitting layouts are kept and the estimate ranks them.
+  * context parallelism (cp > 1: each sequence split over cp GPUs, which come out of DP) is tried for long
+    sequences only, seq_len >= CP_MIN_SEQ_LEN, or where no layout without it fits: cp a power of two up to
+    `max_context_parallel` that obeys the sequence's rules (config.layout.sequence_problems: seq_len a multiple of
+    2 cp, no dropout) and leaves a whole dp; never with expert parallelism (ep = 1 when cp > 1, the layout's rule).
+    CP moves keys and values over its group every layer (comm.py) for activations / cp (memory.py): it pays
+    where the sequence's activations are what does not fit, which short sequences never are, so they keep their
+    candidates (and the search its speed).
 Pruning that keeps a 4096-GPU search well under a second, and why it loses nothing:
   * sequence parallelism is always on when tp > 1: it moves the same bytes as TP alone (comm.py)
     and stores less (memory.py), so layouts without it are dominated;
@@ -33,12 +40,17 @@ import itertools
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from hpctrain.config.layout import lighter_ends, model_fit_problems
+from hpctrain.config.layout import lighter_ends, model_fit_problems, sequence_problems
 from hpctrain.plan.bubble import microbatches_for_efficiency
 from hpctrain.plan.flops import mfu
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from hpctrain.plan.step_time import StepEstimate, estimate_step
 from hpctrain.plan.types import RECOMPUTE, GiB, Hardware, Layout, ModelShape
+
+
+# Sequences at least this long also try context parallelism (Llama 3 used it from 131,072 tokens; at 16,384 a
+# 70B-class layer's activations already take GiBs per micro-batch); shorter ones only when nothing fits without it.
+CP_MIN_SEQ_LEN = 16384
 
 
 @dataclass(frozen=True)
@@ -68,9 +80,21 @@ def shape_problems(model: ModelShape, tp: int, pp: int, virtual_stages: int, gpu
             model_fit_problems(degrees, model.n_layers, model.n_heads, model.kv_heads, model.ffn, model.n_experts)]
 
 
-def expert_degrees(model: ModelShape, dp: int, zero_stage: int) -> list[int]:
-    """The ep degrees to try: divisors of dp that divide n_experts, under FSDP2 (ZeRO >= 1); 1 for a dense model."""
-    if not model.moe or zero_stage == 0:
+def context_degrees(model: ModelShape, gpus: int, max_cp: int) -> list[int]:
+    """The cp > 1 degrees to try on `gpus` GPUs (n_gpus / tp): powers of two up to max_cp that divide them and obey
+    the sequence's rules (config.layout.sequence_problems, its one owner)."""
+    out, cp = [], 2
+    while cp <= max_cp and gpus % cp == 0:
+        if not sequence_problems(SimpleNamespace(cp=cp), model.seq_len, model.dropout):
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def expert_degrees(model: ModelShape, dp: int, zero_stage: int, cp: int = 1) -> list[int]:
+    """The ep degrees to try: divisors of dp that divide n_experts, under FSDP2 (ZeRO >= 1); 1 for a dense model
+    and under context parallelism (the layout's rule: CP and EP do not combine)."""
+    if not model.moe or zero_stage == 0 or cp > 1:
         return [1]
     return [e for e in _divisors(dp) if model.n_experts % e == 0]
 
@@ -79,7 +103,8 @@ def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int
     """The search rules `layout` breaks (empty when it is a legal candidate)."""
     bad = []
     if layout.n_gpus != n_gpus:
-        bad.append(f"dp*tp*pp = {layout.n_gpus} != {n_gpus} GPUs")
+        bad.append(f"dp*tp*pp*cp = {layout.n_gpus} != {n_gpus} GPUs")
+    bad += [message for _, message, _ in sequence_problems(layout, model.seq_len, model.dropout)]
     bad += shape_problems(model, layout.tp, layout.pp, layout.virtual_stages, hw.gpus_per_node, layout.ep,
                           layout.first_stage_layers, layout.last_stage_layers)
     if layout.global_batch != global_batch:
@@ -95,7 +120,8 @@ def _why(layout: Layout, mem: MemoryBreakdown, step: StepEstimate, recompute_nee
     """One line: the layout and what costs it most."""
     parts = [
         f"tp{layout.tp} pp{layout.pp}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
-        + f" dp{layout.dp}" + (f" ep{layout.ep}" if layout.ep > 1 else "")
+        + (f" cp{layout.cp}" if layout.cp > 1 else "") + f" dp{layout.dp}"
+        + (f" ep{layout.ep}" if layout.ep > 1 else "")
         + f" mb{layout.micro_batch} m{layout.microbatches} zero{layout.zero_stage}"
         + ("+accumulate_unsharded" if layout.accumulate_unsharded else "") + f" rc={layout.recompute}",
         f"{step.tokens_per_s:,.0f} tok/s, MFU {step.mfu:.0%}",
@@ -140,22 +166,37 @@ def search_layouts(
     max_micro_batch: int = 16,
     max_virtual_stages: int = 8,
     top_k: int | None = None,
+    max_context_parallel: int = 32,
     **step_kwargs: float,
 ) -> list[Candidate]:
     """All legal layouts of `model` on n_gpus that fit in memory, fastest first (see module docstring); gradients
     reduced in `reduce_dtype` (precision.reduce_dtype; None: in `dtype`), as the run will."""
     if seq_len is not None and seq_len != model.seq_len:
         model = replace(model, seq_len=seq_len)
+    args = (model, n_gpus, hw, global_batch, dtype, reduce_dtype, zero_stages, max_micro_batch, max_virtual_stages)
+    long = model.seq_len >= CP_MIN_SEQ_LEN
+    out = _candidates(*args, True, long, max_context_parallel, step_kwargs)
+    if not out and not long:  # nothing fits: the sequence's activations may, split over a CP group
+        out = _candidates(*args, False, True, max_context_parallel, step_kwargs)
+    out.sort(key=lambda c: (-c.tokens_per_s, c.memory.total))
+    return out[:top_k] if top_k is not None else out
+
+
+def _candidates(model: ModelShape, n_gpus: int, hw: Hardware, global_batch: int, dtype: str,
+                reduce_dtype: str | None, zero_stages: tuple[int, ...], max_micro_batch: int, max_virtual_stages: int,
+                plain: bool, split: bool, max_cp: int, step_kwargs: dict[str, float]) -> list[Candidate]:
+    """The fitting layouts (module docstring's rules): without CP where `plain`, with cp > 1 where `split`."""
     tps = [t for t in _divisors(hw.gpus_per_node)
            if n_gpus % t == 0 and not shape_problems(model, t, 1, 1, hw.gpus_per_node)]
     out: list[Candidate] = []
     for tp in tps:
-        for pp in _divisors(n_gpus // tp):
+        cps = ([1] if plain else []) + (context_degrees(model, n_gpus // tp, max_cp) if split else [])
+        for cp, pp in ((cp, pp) for cp in cps for pp in _divisors(n_gpus // (tp * cp))):
             # even stages, or the first and last one layer lighter (they hold the embedding and the head)
             ends = lighter_ends(model.n_layers, pp)
             if model.n_layers % pp and ends is None:
                 continue
-            dp = n_gpus // (tp * pp)
+            dp = n_gpus // (tp * pp * cp)
             if global_batch % dp:
                 continue
             per_replica = global_batch // dp
@@ -169,21 +210,20 @@ def search_layouts(
                 if pp >= 2 and m % pp == 0 and ends is None:
                     vs += [v for v in range(2, max_virtual_stages + 1) if model.n_layers % (pp * v) == 0]
                 for v in vs:
-                    for z in zero_stages if dp > 1 else (0,):
+                    for z in zero_stages if dp * cp > 1 else (0,):
                         unsharded_options = (False, True) if z >= 2 and m > 1 and pp == 1 else (False,)
-                        for ep, unsharded in itertools.product(expert_degrees(model, dp, z), unsharded_options):
+                        for ep, unsharded in itertools.product(expert_degrees(model, dp, z, cp), unsharded_options):
                             layout = Layout(
                                 dp=dp, tp=tp, pp=pp, virtual_stages=v, zero_stage=z, micro_batch=micro,
                                 grad_accum=m, sequence_parallel=tp > 1,
                                 schedule="interleaved_1f1b" if v > 1 else "1f1b", dtype=dtype,
                                 reduce_dtype=reduce_dtype, accumulate_unsharded=unsharded, ep=ep,
-                                first_stage_layers=ends or 0, last_stage_layers=ends or 0,
+                                first_stage_layers=ends or 0, last_stage_layers=ends or 0, cp=cp,
                             )
                             cand = cheapest_fitting(model, layout, hw, **step_kwargs)
                             if cand is not None:
                                 out.append(cand)
-    out.sort(key=lambda c: (-c.tokens_per_s, c.memory.total))
-    return out[:top_k] if top_k is not None else out
+    return out
 
 
 def rank_of(layout: Layout, candidates: list[Candidate], model: ModelShape | None = None,
@@ -212,6 +252,7 @@ def explain(candidate: Candidate, best: Candidate | None = None) -> str:
         + (f", {mem.nvme_bytes / g:.1f} GiB to NVMe" if mem.nvme_bytes else ""),
         f"step {st.step_time_s:.2f} s = compute {st.compute_s:.2f} + TP {st.tp_s:.2f} + PP {st.pp_s:.2f}"
         + (f" + EP {st.ep_s:.2f} + imbalance {st.imbalance_s:.2f}" if lay.ep > 1 else "")
+        + (f" + CP {st.cp_s:.2f}" if lay.cp > 1 else "")
         + f" + bubble {st.bubble_s:.2f} + exposed DP {st.dp_exposed_s:.2f}"
         + (f" + offload {st.offload_s:.2f}" if st.offload is not None else "")
         + f" ({st.samples_per_s:.1f} samples/s, MFU {st.mfu:.1%}, HFU {st.hfu:.1%})",

@@ -195,7 +195,8 @@ def _unsharded_parts(n: float, layout: Layout) -> list[Part]:
     parts = [Part("params", "fp32 parameters (master weights)", MASTER * n)]
     if c < MASTER:
         parts.append(Part("params", f"{layout.dtype} autocast weight copies, saved for backward", c * n))
-    parts.append(Part("grads", "fp32 gradients, full" + (" (DDP buckets)" if layout.dp > 1 else ""), MASTER * n))
+    buckets = " (DDP buckets)" if layout.dp * layout.cp > 1 else ""
+    parts.append(Part("grads", "fp32 gradients, full" + buckets, MASTER * n))
     parts.append(Part("optimizer", "Adam moments", ADAM * n))
     return parts
 

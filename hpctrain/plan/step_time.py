@@ -14,6 +14,10 @@ Model (all per GPU, the most loaded one):
              the experts and between the experts and the combine, fully exposed, and every rank waits at the
              combine for the busiest one, whose experts run EXPERT_IMBALANCE x the mean rows: (imbalance - 1) x
              the experts' GEMM time (flops.expert_flops_per_iteration) on top of compute.
+             Context parallelism's key/value all-gathers and gradient reduce-scatters (comm.py) are taken as fully
+             exposed too: each layer's gather is needed by that layer's attention, right after its QKV projection.
+             Compute per GPU is the iteration's FLOPs over all dp x tp x pp x cp GPUs: the causal load balancing
+             gives every CP rank the same share of the attention.
   pipeline = busy / (1 - bubble_fraction): the bubble stretches everything a stage does per micro-batch.
   DP       = data-parallel / ZeRO traffic outside the pipeline. Traffic that can overlap compute hides
              at most (1 - dp_exposed) of itself and never more than the compute it can overlap with:
@@ -101,6 +105,7 @@ class StepEstimate:
     offload: OffloadCosts | None = None  # the offload's costs when the layout offloads
     ep_s: float = 0.0  # expert parallelism's all-to-alls (exposed)
     imbalance_s: float = 0.0  # the wait for the busiest EP rank's experts (module docstring)
+    cp_s: float = 0.0  # context parallelism's key/value collectives (exposed)
 
     @property
     def offload_share(self) -> float:
@@ -114,7 +119,7 @@ class StepEstimate:
     @property
     def comm_s(self) -> float:
         """Communication on the critical path (exposed)."""
-        return self.tp_s + self.pp_s + self.ep_s + self.dp_exposed_s
+        return self.tp_s + self.pp_s + self.ep_s + self.cp_s + self.dp_exposed_s
 
     @property
     def comm_share(self) -> float:
@@ -184,11 +189,12 @@ def estimate_step(
     tp_s = tp_exposed * comm.time_of("tp")
     pp_s = pp_exposed * comm.time_of("pp")
     ep_s = comm.time_of("ep")
+    cp_s = comm.time_of("cp")
     imbalance_s = 0.0
     if layout.ep > 1:  # the experts' GEMMs (bf16: flops.fp8_flops_per_iteration leaves them out) on more rows
         experts = expert_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp)
         imbalance_s = (imbalance - 1.0) * compute_seconds(experts, 0.0, n, hw.peak_flops, 0.0, hw.efficiency)
-    busy = compute_s + tp_s + pp_s + ep_s + imbalance_s
+    busy = compute_s + tp_s + pp_s + ep_s + cp_s + imbalance_s
     frac = bubble_fraction(layout.pp, layout.microbatches, layout.virtual_stages, layout.schedule)
     pipeline_s = busy / (1.0 - frac)
     dp_s = comm.time_of("dp")
@@ -215,6 +221,7 @@ def estimate_step(
         offload=costs if costs.offloaded else None,
         ep_s=ep_s,
         imbalance_s=imbalance_s,
+        cp_s=cp_s,
     )
 
 

@@ -26,7 +26,7 @@ def test_experiment_passes_checks(compose_cfg, experiment: str) -> None:
     cfg = compose_cfg(f"+experiment={experiment}", "dry_run=true")
     report = check_config(cfg)
     lay = report.layout
-    assert lay.dp * lay.tp * lay.pp == lay.world_size == cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    assert lay.dp * lay.tp * lay.pp * lay.cp == lay.world_size == cfg.cluster.nodes * cfg.cluster.gpus_per_node
     assert lay.micro_batch * lay.grad_accum * lay.dp == cfg.train.global_batch
 
 
@@ -36,7 +36,7 @@ def test_experiment_dry_run_exits_zero_and_submits_nothing(experiment: str, tmp_
                         f"run.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
-    assert plan["layout"]["dp"] * plan["layout"]["tp"] * plan["layout"]["pp"] == plan["world_size"]
+    assert plan["layout"]["dp"] * plan["layout"]["tp"] * plan["layout"]["pp"] * plan["layout"]["cp"] == plan["world_size"]
     assert not any(tmp_path.iterdir()), "a dry run must create nothing"
 
 

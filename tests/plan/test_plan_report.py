@@ -70,10 +70,11 @@ def test_parallel_auto_never_picks_what_the_checks_refuse(compose_cfg, capsys) -
 
 
 def test_parallel_auto_says_when_no_legal_layout_fits(compose_cfg, capsys) -> None:
-    """Llama 3 70B with an odd MLP on 32 GPUs: TP 1 is the only legal degree and nothing fits; auto says so
-    rather than choosing TP 2, which the checks refused with an error about the MLP."""
+    """Llama 3 70B with an odd MLP on 8 GPUs: TP 1 is the only legal degree and nothing fits, not even with its
+    sequences split over CP ranks (ZeRO-3's 16 bytes a parameter over 8 GPUs alone pass 80 GB); auto says so rather
+    than choosing TP 2, which the checks refused with an error about the MLP. (On 32 GPUs CP 2 x ZeRO-3 fits.)"""
     cfg = compose_cfg("+experiment=llama3_8b_4node", "model=llama3_70b", "model.ffn_hidden=28671", "parallel=auto",
-                      "dry_run=true")
+                      "cluster.nodes=1", "dry_run=true")
     assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "parallel.auto: no layout of llama3_70b" in err and "not divisible by tp" not in err
