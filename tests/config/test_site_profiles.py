@@ -10,7 +10,9 @@ from hydra import compose, initialize_config_dir
 
 from hpctrain.config.site import VARIABLE, register_site_path, site_dirs
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR
-from tests.conftest import CONF_DIR, run_hpctrain
+from tests.conftest import CONF_DIR, REPO, run_hpctrain
+
+GOLDEN = REPO / "tests" / "launch" / "golden"
 
 SITE_CLUSTER = """\
 # A site's cluster: what conf/cluster/slurm.yaml's comment asks a site to set, kept outside the checkout.
@@ -74,3 +76,43 @@ def test_a_directory_that_is_not_there_is_named(site: Path, tmp_path: Path) -> N
     assert proc.returncode == EXIT_CONFIG_ERROR
     assert f"{VARIABLE}: {missing} is not a directory" in proc.stderr and "fix: " in proc.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+def _yaml_blocks(page: str) -> list[str]:
+    text = (REPO / "docs" / page).read_text()
+    return [block.split("```", 1)[0] for block in text.split("```yaml\n")[1:]]
+
+
+def _srun_and_setup(script: str) -> list[str]:
+    return [line for line in script.split("# command")[0].split("# setup")[1].splitlines() if line] + \
+        [line for line in script.splitlines() if line.startswith("srun ")]
+
+
+def test_the_docs_cluster_files_work_as_site_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/site_profiles.md's and docs/containers.md's cluster files, saved in a site directory, compose and pass
+    the checks; the containers page's two write the golden files' setup and srun lines."""
+    from omegaconf import OmegaConf
+
+    from hpctrain.launch.executor import sbatch_preview
+    from hpctrain.plan.checks import check_config
+
+    conf = tmp_path / "conf" / "cluster"
+    conf.mkdir(parents=True)
+    blocks = _yaml_blocks("site_profiles.md") + _yaml_blocks("containers.md")
+    names = [OmegaConf.create(block).name for block in blocks]
+    assert names == ["mysite", "mysite_pyxis", "mysite_apptainer"]
+    for name, block in zip(names, blocks):
+        (conf / f"{name}.yaml").write_text(block)
+    register_site_path()
+    monkeypatch.setenv(VARIABLE, str(conf.parent))
+    with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
+        for name in names:
+            cfg = compose(config_name="config", overrides=["+experiment=gpt3_1.3b_1node", f"cluster={name}",
+                                                           "dry_run=true"])
+            assert cfg.cluster.name == name and cfg.cluster.partition == "gpu"
+            layout = check_config(cfg).layout
+            runtime = name.partition("_")[2]
+            if runtime:
+                folder = Path("/runs") / runtime / "RUNID" / "submitit"
+                golden = (GOLDEN / f"{runtime}.sbatch").read_text()
+                assert _srun_and_setup(sbatch_preview(cfg, layout, "RUNID", folder)) == _srun_and_setup(golden)
