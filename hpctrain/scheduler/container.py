@@ -48,8 +48,12 @@ def parse_mount(spec: str) -> tuple[str, str, str]:
 
 
 def _shows(spec: str, path: Path) -> bool:
-    """Whether a mount already shows `path` at its own path, writable."""
-    source, target, flags = parse_mount(spec)
+    """Whether a mount already shows `path` at its own path, writable. One that does not parse shows nothing: the
+    checks refuse it, and the dry run still prints the script with it as written."""
+    try:
+        source, target, flags = parse_mount(spec)
+    except ValueError:
+        return False
     inside = PurePosixPath(path).is_relative_to(source)
     return source == target and inside and "ro" not in flags.replace("+", ",").split(",")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.config.schema import ContainerConfig, ContainerRuntime
+from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
 from hpctrain.launch.executor import build_executor, sbatch_preview
 from hpctrain.plan.checks import check_config
 from hpctrain.scheduler import container
@@ -75,6 +76,15 @@ def test_apptainer_passes_only_the_variables_the_host_has() -> None:
 def test_a_mount_must_be_two_absolute_paths(spec: str, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         container.parse_mount(spec)
+
+
+def test_a_dry_run_prints_a_bad_mount_and_the_error(compose_cfg, capsys, tmp_path: Path) -> None:
+    """The plan renders the script before the errors are printed: a mount the checks refuse must not crash it."""
+    cfg = compose_cfg("cluster=dev", "cluster.container.runtime=pyxis", "cluster.container.image=/i.sqsh",
+                      "cluster.container.mounts=[data]", "dry_run=true", f"run.root={tmp_path}")
+    assert run(cfg).code == EXIT_CONFIG_ERROR
+    out, err = capsys.readouterr()
+    assert "--container-mounts=data," in out and "cluster.container.mounts[0]: " in err
 
 
 @pytest.mark.parametrize("name", ["pyxis", "apptainer"])
