@@ -8,10 +8,11 @@ can tell (the image exists there, the registry answers) is left to them.
 from __future__ import annotations
 
 import re
+from pathlib import PurePosixPath
 
 from hpctrain.config.layout import Layout
 from hpctrain.config.problems import CheckReport
-from hpctrain.config.schema import Config, Executor
+from hpctrain.config.schema import Config, Executor, parse_blend
 from hpctrain.scheduler.container import APPTAINER, PYXIS, parse_mount, runtime
 
 KEY = "cluster.container"
@@ -46,6 +47,38 @@ def _image(name: str, image: str, r: CheckReport) -> None:
         registry, _, rest = image.partition("/")
         r.error(key, f"{image!r}: enroot separates the registry from the image with '#', so pyxis would look for "
                 f"an image named {image} on Docker Hub", f"use {KEY}.image='{registry}#{rest}'")
+
+
+def job_paths(cfg: Config) -> list[tuple[str, str]]:
+    """(key, path) of each absolute path the tasks read or write besides the run directory (which is mounted)."""
+    d = cfg.data
+    paths = [("data.path", d.path), ("model.init_from", cfg.model.init_from), ("zero.nvme_path", cfg.zero.nvme_path)]
+    for key in ("blend", "valid_blend"):
+        try:
+            paths += [(f"data.{key}", prefix) for _, prefix in parse_blend(getattr(d, key) or "")]
+        except ValueError:
+            pass  # the data checks report it
+    paths += [(f"checkpoint.tiers[{i}].path", tier.path) for i, tier in enumerate(cfg.checkpoint.tiers)]
+    return [(key, str(path)) for key, path in paths if path and str(path).startswith("/")]
+
+
+def _paths_inside(cfg: Config, r: CheckReport) -> None:
+    """The config's paths are the login node's (its file checks read them there) and the tasks use them as written:
+    a mount must show each at the same path. A warning: the site's runtime may mount it by default (enroot's
+    mount configuration; Apptainer's bind path, $HOME, /tmp, /dev)."""
+    shown = []
+    for spec in cfg.cluster.container.mounts:
+        try:
+            source, target, _ = parse_mount(str(spec))
+        except ValueError:
+            continue  # refused above
+        shown.append((source, target))
+    for key, path in job_paths(cfg):
+        if any(source == target and PurePosixPath(path).is_relative_to(target) for source, target in shown):
+            continue
+        r.warn(key, f"{path} is used inside the container as written, and no {KEY}.mounts entry shows it at that "
+               "path", f"mount it at its own path, e.g. {KEY}.mounts=[...,{path}:{path}], unless the site's "
+               "runtime mounts it by default")
 
 
 def container_checks(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -90,3 +123,4 @@ def container_checks(cfg: Config, lay: Layout, r: CheckReport) -> None:
                     f"list the name only, e.g. {KEY}.env=[HF_TOKEN], and export the variable before submitting")
     if not str(c.python).strip():
         r.error(f"{KEY}.python", "is empty: srun needs the image's interpreter", f"use {KEY}.python=python")
+    _paths_inside(cfg, r)

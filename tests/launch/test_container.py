@@ -87,6 +87,18 @@ def test_a_dry_run_prints_a_bad_mount_and_the_error(compose_cfg, capsys, tmp_pat
     assert "--container-mounts=data," in out and "cluster.container.mounts[0]: " in err
 
 
+@pytest.mark.parametrize("mounts,warned", [("[]", True), ("[/shared:/shared:ro]", False),
+                                           ("[/shared/datasets:/data]", True), ("[/shared/data:/shared/data]", True)])
+def test_a_data_path_no_mount_shows_at_its_own_path_is_a_warning(compose_cfg, mounts: str, warned: bool) -> None:
+    """The 1.3B experiment reads data.path=/shared/datasets/pile/train.bin: the login node's path, used as written."""
+    cfg = compose_cfg("+experiment=gpt3_1.3b_1node", "cluster.container.runtime=pyxis",
+                      "cluster.container.image=/i.sqsh", f"cluster.container.mounts={mounts}", "dry_run=true")
+    report = check_config(cfg)
+    assert [w.key for w in report.warnings if "no cluster.container.mounts entry" in w.message] == \
+        (["data.path"] if warned else [])
+    assert not report.errors
+
+
 @pytest.mark.parametrize("name", ["pyxis", "apptainer"])
 def test_the_supervisor_runs_on_the_host(name: str) -> None:
     """It calls sbatch and scontrol, which images rarely hold: the batch script's last line, outside srun."""
