@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from hpctrain.config.container_checks import container_checks
 from hpctrain.config.layout import Layout, layout_on_nodes
 from hpctrain.config.problems import CheckReport, ConfigError
 from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, Executor
@@ -203,4 +204,4 @@ def _sbatch_values(cfg: Config, lay: Layout, r: CheckReport) -> None:
                     "_; not starting with a digit): the tasks could not set it", "rename the variable")
 
 
-cluster_checks = [_cluster, _timeouts, _elastic, _control_characters, _sbatch_values]
+cluster_checks = [_cluster, _timeouts, _elastic, _control_characters, _sbatch_values, container_checks]

@@ -270,6 +270,30 @@ class NcclConfig:
     debug_subsys: Optional[str] = None  # NCCL_DEBUG_SUBSYS, e.g. INIT,NET
 
 
+class ContainerRuntime(str, Enum):
+    none = "none"
+    pyxis = "pyxis"  # NVIDIA pyxis/enroot: srun --container-image=...
+    apptainer = "apptainer"  # srun apptainer exec IMAGE python ...
+
+
+@dataclass
+class ContainerConfig:
+    """The image the job's tasks run in (docs/containers.md). The one srun step holds every process of the job but
+    the supervisor: agents, workers, spares and the pre-flight all start inside it, so they share this setting."""
+
+    runtime: ContainerRuntime = ContainerRuntime.none
+    # pyxis: an enroot image reference (nvcr.io#nvidia/pytorch:24.05-py3) or an absolute .sqsh path;
+    # apptainer: an absolute .sif path (or a docker://, oras://, library:// URI)
+    image: Optional[str] = None
+    # host:container[:flags] bind mounts; the run directory is mounted at its own path without being listed
+    mounts: list[str] = field(default_factory=list)
+    workdir: Optional[str] = None  # working directory inside the container (default: the runtime's)
+    # Names of host variables whose values override the image's (pyxis --container-env, APPTAINERENV_NAME)
+    env: list[str] = field(default_factory=list)
+    python: str = "python"  # the interpreter inside the image, with hpctrain and submitit importable
+    args: list[str] = field(default_factory=list)  # more runtime options: srun's for pyxis, apptainer exec's
+
+
 @dataclass
 class ClusterConfig:
     name: str = MISSING
@@ -296,6 +320,7 @@ class ClusterConfig:
     srun_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every task
     nccl: NcclConfig = field(default_factory=NcclConfig)
+    container: ContainerConfig = field(default_factory=ContainerConfig)
 
 
 # hpctrain's hang limits must end this much before the collective timeout: a poll, the dumps, the record.

@@ -25,6 +25,7 @@ class JobSpec:
 
     name: str
     folder: Path  # submitit's folder: batch scripts, pickles, task logs
+    run_dir: Path  # what the tasks write (the folder is inside it): a container mounts it
     nodes: int
     tasks_per_node: int  # one per rank, or one per node (an elastic agent starts the node's ranks)
     gpus_per_node: int = 0  # GPUs the job asks each node for (0: a CPU job)

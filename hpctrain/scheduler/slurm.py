@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpctrain.scheduler import container as containers
 from hpctrain.scheduler.base import Allocation, JobSpec, Scheduler
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ SACCT_FIELDS = ("JobIDRaw", "State", "Submit", "Eligible", "Start", "End", "NNod
 
 
 def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
-    """submitit's Slurm parameters (sbatch option names) from conf/cluster."""
+    """submitit's Slurm parameters (sbatch option names) from conf/cluster; the container's srun options and
+    setup lines come after the site's own (hpctrain/scheduler/container.py)."""
     c = cluster
     params: dict[str, Any] = {
         "job_name": job.name,
@@ -43,8 +45,8 @@ def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
         "cpus_per_task": job.cpus_per_task,
         "time": c.time_min,
         "signal_delay_s": c.signal_delay_s,
-        "setup": list(c.setup),
-        "srun_args": list(c.srun_args),
+        "setup": [*c.setup, *containers.setup_lines(c.container)],
+        "srun_args": [*c.srun_args, *containers.srun_args(c.container, job.run_dir)],
         "stderr_to_stdout": False,
     }
     if job.after:  # `$?` is srun's exit code on the line right after it
@@ -73,6 +75,12 @@ def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
     return params
 
 
+def python_command(cluster: "ClusterConfig", job: JobSpec) -> str:
+    """What srun starts the tasks' interpreter with: the container's, or this process' own (submitit's default)."""
+    return (containers.python_command(cluster.container, job.run_dir, gpus=job.gpus_per_node > 0)
+            or shlex.quote(sys.executable))
+
+
 def _own_job_id() -> str | None:
     env = os.environ
     array = env.get("SLURM_ARRAY_JOB_ID") and f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
@@ -89,7 +97,8 @@ class SlurmScheduler(Scheduler):
     def executor(self, cluster: "ClusterConfig", job: JobSpec) -> "submitit.Executor":
         import submitit
 
-        executor = submitit.SlurmExecutor(folder=job.folder, max_num_timeout=cluster.max_num_timeout)
+        executor = submitit.SlurmExecutor(folder=job.folder, max_num_timeout=cluster.max_num_timeout,
+                                          python=python_command(cluster, job))
         executor.update_parameters(**slurm_parameters(cluster, job))
         return executor
 
@@ -97,7 +106,7 @@ class SlurmScheduler(Scheduler):
         # Private, pinned by tests/launch/test_submitit_private.py: see the module docstring.
         from submitit.slurm.slurm import _make_sbatch_string
 
-        command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(job.folder))])
+        command = " ".join([python_command(cluster, job), "-u -m submitit.core._submit", shlex.quote(str(job.folder))])
         return _make_sbatch_string(command=command, folder=job.folder, **slurm_parameters(cluster, job))
 
     def partition_nodes(self, partition: str | None) -> list[str]:

@@ -211,6 +211,38 @@ BAD = [
     ("cp-compile", ["parallel.cp=2", "parallel.compile=true"], "parallel.compile", "with cp=2"),
 ]
 
+# cluster.container (hpctrain/config/container_checks.py): on Slurm, with an image that works unless a case breaks it
+PYXIS = ["cluster=dev", "cluster.container.runtime=pyxis", "cluster.container.image='nvcr.io#nvidia/pytorch:24.05-py3'"]
+APPTAINER = ["cluster=dev", "cluster.container.runtime=apptainer", "cluster.container.image=/shared/pytorch.sif"]
+BAD += [
+    ("container-relative-sif", [*APPTAINER, "cluster.container.image=images/pytorch.sif"], "cluster.container.image",
+     "is a relative path"),
+    ("container-relative-sqsh", [*PYXIS, "cluster.container.image=./pytorch.sqsh"], "cluster.container.image",
+     "pyxis reads a squashfs file at its path"),
+    ("container-sif-on-pyxis", [*PYXIS, "cluster.container.image=/shared/pytorch.sif"], "cluster.container.image",
+     "is an Apptainer image"),
+    ("container-registry-without-hash", [*PYXIS, "cluster.container.image=nvcr.io/nvidia/pytorch:24.05-py3"],
+     "cluster.container.image", "separates the registry from the image with '#'"),
+    ("container-without-image", ["cluster=dev", "cluster.container.runtime=pyxis"], "cluster.container.image",
+     "needs an image"),
+    ("container-image-without-runtime", ["cluster=dev", "cluster.container.image=/shared/pytorch.sif"],
+     "cluster.container.image", "cluster.container.runtime=none"),
+    ("container-on-local", ["cluster.container.runtime=apptainer", "cluster.container.image=/shared/pytorch.sif"],
+     "cluster.container.runtime", "cluster.executor=local runs them as processes of this machine"),
+    ("container-mount-one-path", [*PYXIS, "cluster.container.mounts=[/data]"], "cluster.container.mounts[0]",
+     "is not host_path:container_path"),
+    ("container-mount-relative", [*PYXIS, "cluster.container.mounts=[data:/data]"], "cluster.container.mounts[0]",
+     "the host path 'data'"),
+    ("container-mount-flags", [*APPTAINER, "cluster.container.mounts=[/data:/data:ro+rprivate]"],
+     "cluster.container.mounts[0]", "apptainer takes ro or rw"),
+    ("container-workdir-relative", [*PYXIS, "cluster.container.workdir=work"], "cluster.container.workdir",
+     "is relative"),
+    ("container-env-value", [*PYXIS, "cluster.container.env=['HF_TOKEN=abc']"], "cluster.container.env[0]",
+     "not an environment variable name"),
+    ("container-cleanenv", [*APPTAINER, "cluster.container.args=[--cleanenv]"], "cluster.container.args",
+     "without the host's environment"),
+]
+
 
 @pytest.mark.parametrize("overrides,key,words", [c[1:] for c in BAD], ids=[c[0] for c in BAD])
 def test_bad_input_is_rejected_before_submission(compose_cfg, capsys, tmp_path: Path, overrides: list[str],

@@ -22,6 +22,16 @@ CASES = {
                    "cluster.qos=high", "cluster.constraint=a100", "cluster.exclude='node[07-08]'",
                    "cluster.mem_gb=480", "cluster.setup=[module load cuda/12.4,source /opt/venv/bin/activate]",
                    "+cluster.sbatch_extra.mail-type=FAIL"],
+    # docs/containers.md's two examples: neither runtime is on the dev cluster, so these files are what is checked
+    "pyxis": ["+experiment=gpt3_1.3b_1node", "cluster.container.runtime=pyxis",
+              "cluster.container.image='nvcr.io#nvidia/pytorch:24.05-py3'",
+              "cluster.container.mounts=[/shared/datasets:/shared/datasets:ro,/home/me/hpctrain:/opt/hpctrain]",
+              "cluster.container.workdir=/opt/hpctrain", "cluster.container.env=[HF_TOKEN,WANDB_API_KEY]",
+              "cluster.container.args=[--no-container-mount-home]"],
+    "apptainer": ["+experiment=gpt3_1.3b_1node", "cluster.container.runtime=apptainer",
+                  "cluster.container.image=/shared/images/pytorch-24.05.sif",
+                  "cluster.container.mounts=[/shared/datasets:/shared/datasets:ro,/home/me/hpctrain:/opt/hpctrain]",
+                  "cluster.container.workdir=/opt/hpctrain", "cluster.container.env=[HF_TOKEN,WANDB_API_KEY]"],
 }
 
 
