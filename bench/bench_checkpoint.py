@@ -52,6 +52,7 @@ from hpctrain.checkpoint.manager import CheckpointManager  # noqa: E402
 from hpctrain.config.layout import resolve_layout  # noqa: E402
 from hpctrain.config.schema import Config  # noqa: E402
 from hpctrain.parallel.engine import build_engine  # noqa: E402
+from hpctrain.entry import EntryParser
 
 
 _TOKENS = torch.randint(0, 50257, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -125,7 +126,7 @@ class Saves:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--d-model", type=int, default=640)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/hpctrain-bench-ckpt"))

@@ -40,7 +40,6 @@ bench/context_parallel.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -58,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 from bench.ring_attention import allgather_flash_attention, ring_attention  # noqa: E402
 from hpctrain.models.attention import CausalAttention  # noqa: E402
 from hpctrain.parallel.context_parallel import cp_attention  # noqa: E402
+from hpctrain.entry import EntryParser
 from tests.distributed_harness import run_distributed  # noqa: E402
 
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
@@ -128,7 +128,7 @@ def traffic(cp: int, seq: int, kv: int, elem: int = 4) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--cps", type=int, nargs="+", default=[2, 4])

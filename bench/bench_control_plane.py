@@ -28,7 +28,6 @@ the world size; (b) adds no collective, (d) adds three per step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.distributed_harness import run_distributed  # noqa: E402
+from hpctrain.entry import EntryParser
 
 STEP_VALUES = 2  # loss, squared gradient norm
 SIZES = (2, 7, 16, 64, 1024)
@@ -93,7 +93,7 @@ def _sizes(rank: int, world: int, iters: int, warmup: int) -> dict[int, float] |
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)

@@ -11,7 +11,6 @@ thread would cost.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -19,6 +18,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without an install too
+
+from hpctrain.entry import EntryParser  # noqa: E402
 
 CASES = {
     "smoke (flat bytes)": ["+experiment=smoke"],
@@ -45,7 +48,7 @@ def wait_share(metrics: list[dict]) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

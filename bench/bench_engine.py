@@ -20,7 +20,6 @@ Prints a table (throughput ratio = baseline time / variant time: > 1 is faster) 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from hpctrain.config.layout import resolve_layout  # noqa: E402
 from hpctrain.config.schema import Config  # noqa: E402
+from hpctrain.entry import EntryParser
 
 VOCAB = 2000  # torchtitan's debug tokenizer; the embedding and head are padded to 2048 rows
 MODEL = {"name": "bench", "arch": "llama", "n_layers": 6, "d_model": 256, "n_heads": 16, "n_kv_heads": 16,
@@ -218,7 +218,7 @@ def compare(label: str, base: str, variant: str, medians: dict[str, dict[str, li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=3)

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from devcluster import metrics, state, submit_smoke  # noqa: E402
 
 from hpctrain.goodput.model import goodput_exact  # noqa: E402
+from hpctrain.entry import EntryParser
 
 
 def job_processes(job: str) -> dict[int, dict[bytes, bytes]]:
@@ -119,7 +120,7 @@ class Measured:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--interval", type=int, default=12,
                         help="RAM tier interval in steps; 12 (2 s) is about the model's optimum sqrt(2 C M) for the "

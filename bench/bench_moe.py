@@ -42,7 +42,6 @@ Prints a table and writes bench/moe.json.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -61,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from hpctrain.config.layout import resolve_layout  # noqa: E402
 from hpctrain.config.schema import Config  # noqa: E402
+from hpctrain.entry import EntryParser
 from tests.distributed_harness import run_distributed  # noqa: E402
 
 RANKS = 2
@@ -264,7 +264,7 @@ def a2a_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
     parser.add_argument("--warmup", type=int, default=2)

@@ -19,7 +19,6 @@ between the three measures (this machine is noisy) and the medians are reported.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpctrain.parallel.nvme import MomentFile, NvmeAdamW, _aligned_buffer, chunk_elements  # noqa: E402
+from hpctrain.entry import EntryParser
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
 
@@ -105,7 +105,7 @@ def raw_mixed(directory: Path, nbytes: int, block: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--params", type=float, default=50e6)
     parser.add_argument("--chunk-mb", type=float, default=64.0)
     parser.add_argument("--repeats", type=int, default=5)

@@ -1,4 +1,7 @@
-"""Not a test: times the 4096-GPU search for GPT-3 175B and prints the top layouts (python bench/bench_plan_search.py)."""
+"""Times the planner's 4096-GPU layout search for GPT-3 175B and prints the top layouts (not a test).
+
+    python bench/bench_plan_search.py
+"""
 
 import sys
 import time
@@ -9,6 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hpctrain.plan.search import evaluate, explain, rank_of, search_layouts  # noqa: E402
 from hpctrain.plan.step_time import step_range  # noqa: E402
 from hpctrain.plan.types import Layout, ModelShape, hardware  # noqa: E402
+from hpctrain.entry import EntryParser  # noqa: E402
+
+EntryParser(description=__doc__).parse_args()  # --help says what this is; it takes no options
 
 model = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257, vocab_pad_multiple=64)
 hw = hardware("a100_80gb")

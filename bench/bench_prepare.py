@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpctrain.data.prepare import prepare, stdlib_documents, train_tokenizer  # noqa: E402
+from hpctrain.entry import EntryParser
 
 
 def corpus(megabytes: float | None) -> list[str]:
@@ -66,7 +67,7 @@ def raw_child(tokenizer: Path, corpus_file: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--megabytes", type=float, help="default: all of the standard library (13 MB on 3.11)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--vocab-size", type=int, default=32768)

@@ -20,7 +20,6 @@ full. Prints a table and writes bench/recompute.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from hpctrain.models import create_model  # noqa: E402
 from hpctrain.parallel.recompute import apply_recompute  # noqa: E402
 from hpctrain.plan.activations import activation_bytes_per_layer  # noqa: E402
+from hpctrain.entry import EntryParser
 from tests.conftest import _compose  # noqa: E402
 from tests.plan.saved import saved_bytes  # noqa: E402
 
@@ -98,7 +98,7 @@ def time_modes(cfg: Any, seq: int, rounds: int, steps: int, warmup: int) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per mode and round")
     parser.add_argument("--warmup", type=int, default=1)

@@ -31,7 +31,6 @@ and once with resubmission: the resubmitted job waits for the queue, the agents 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -51,6 +50,7 @@ from devcluster import metrics, state, submit_smoke  # noqa: E402
 
 from hpctrain.records.paths import RunPaths  # noqa: E402
 from hpctrain.records.history import ATTEMPT_MARKS, ATTEMPT_PARTS  # noqa: E402
+from hpctrain.entry import EntryParser
 
 STEP = 35  # the failing step; the RAM tier's last save before it is step 30
 STEPS = 80
@@ -147,7 +147,7 @@ def breakdown(run_dir: Path, job: str, kind: str, killed_at: float | None) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--kinds", nargs="+", default=["raise", "kill", "hang", *NODE_DEATHS])
     parser.add_argument("--busy", type=int, default=0, metavar="N",
                         help="also: a raise on a busy cluster (N jobs of every node queued behind the run), with "

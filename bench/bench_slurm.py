@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -20,8 +19,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without an install too
 
 from devcluster import metrics, state, submit_smoke  # noqa: E402
+from hpctrain.entry import EntryParser  # noqa: E402
 
 
 def signal_to_resumed(run_dir: Path, rows: list[dict], signals: list[float]) -> list[float]:
@@ -39,7 +40,7 @@ def signal_to_resumed(run_dir: Path, rows: list[dict], signals: list[float]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--every", type=float, default=60.0)
     parser.add_argument("--max-signals", type=int, default=3)

@@ -33,10 +33,11 @@ from hpctrain.checkpoint.hf import MAX_SHARD_BYTES, export_hf, run_model_config
 from hpctrain.checkpoint.inspect import describe, export_model, find, list_checkpoints, unusable
 from hpctrain.checkpoint.integrity import UnsafeCheckpoint
 from hpctrain.models.hf import HFMismatch
+from hpctrain.entry import EntryParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = EntryParser(description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("list", "verify", "export"):
         p = sub.add_parser(name)

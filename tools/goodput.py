@@ -40,12 +40,13 @@ from hpctrain.goodput.model import (
     young_interval,
 )
 from hpctrain.goodput.simulate import simulate
+from hpctrain.entry import EntryParser
 
 POLICIES = ("ram+shared", "shared only", "fixed")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = EntryParser(description=__doc__)
     p.add_argument("--rate", type=float, default=0.001, help="failures per GPU per day (0.001 = 0.1%%)")
     p.add_argument("--gpus", default=",".join(str(64 << i) for i in range(9)), help="comma-separated GPU counts")
     p.add_argument("--costs", type=Path, help="measured costs JSON (schema in hpctrain/goodput/costs.py)")

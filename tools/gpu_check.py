@@ -77,6 +77,7 @@ from tools.gpu_checks.common import (  # noqa: E402
 from tools.gpu_checks.control import check_ctl, check_fr, synthetic_batches  # noqa: E402
 from tools.gpu_checks.llama_hf import check_hf, check_llama  # noqa: E402
 from tools.gpu_checks.runner import Check, run_check  # noqa: E402
+from hpctrain.entry import EntryParser
 
 # The tool's interface for checks written against it (tests/tools): a Check runs fn(Ctx) -> Outcome.
 __all__ = ["CHECKS", "Check", "Ctx", "Outcome", "main"]
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = EntryParser(description=__doc__)
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, the tiny model): the test suite")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--only", help="comma-separated checks to run (cmd,ctl,llama,hf,fr,a,b1,b2,c,d,e,f8; "

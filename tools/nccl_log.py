@@ -17,16 +17,16 @@ Exit 2: a path is unreadable, a directory holds no log files, or no NCCL line wa
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from hpctrain.health.nccl_log import analyze
 from hpctrain.health.nccl_report import format_text
+from hpctrain.entry import EntryParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = EntryParser(description=__doc__)
     parser.add_argument("logs", nargs="+", help="log files or directories of per-rank logs")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--allow-socket", action="store_true",

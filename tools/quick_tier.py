@@ -12,10 +12,14 @@ leaves them out, but for a few REPRESENTATIVES of the real multi-process paths. 
 
 from __future__ import annotations
 
-import argparse
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without an install too
+
+from hpctrain.entry import EntryParser  # noqa: E402
 
 LIST = Path(__file__).resolve().parents[1] / "tests" / "slow_tests.txt"
 # Kept in the quick tier however long they take: one real multi-process run of each path a change most often
@@ -41,7 +45,7 @@ def durations(log: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = EntryParser(description=__doc__)
     parser.add_argument("log", type=Path, help="the output of a pytest run with --durations=0")
     parser.add_argument("--over", type=float, default=0.75, help="seconds from which a test is slow")
     parser.add_argument("--out", type=Path, default=LIST, help="where the list goes")

@@ -48,7 +48,6 @@ before any work (a probe file, removed): an unwritable `--output` is said at onc
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import itertools
 import json
@@ -70,6 +69,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hpctrain.data.indexed import CODES, IndexedDatasetWriter, bin_path, idx_path, optimal_dtype
 from hpctrain.data.sources import stdlib_sources
+from hpctrain.entry import EntryParser
 
 STDLIB = "stdlib"
 JSON_LINES = (".jsonl", ".json")
@@ -661,8 +661,7 @@ def _then(items: Iterable[str], after: Callable[[], None]) -> Iterator[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="prepare_data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = EntryParser(prog="prepare_data", description=__doc__)
     parser.add_argument("--input", nargs="+", required=True, metavar="PATH", help=f"files, directories, {STDLIB}")
     parser.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
     which = parser.add_mutually_exclusive_group()

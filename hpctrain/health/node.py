@@ -214,4 +214,9 @@ def inconsistencies(reports: dict[str, dict[str, Any]]) -> list[tuple[str, list[
 if __name__ == "__main__":
     import json
 
-    json.dump(node_report(int(sys.argv[1]) if len(sys.argv) > 1 else 0, None), sys.stdout, indent=2)
+    from hpctrain.entry import EntryParser
+
+    parser = EntryParser(prog="python -m hpctrain.health.node", description=__doc__)
+    parser.add_argument("expected_gpus", type=int, nargs="?", default=0,
+                        help="the GPUs this node should have (0: any number)")
+    json.dump(node_report(parser.parse_args().expected_gpus, None), sys.stdout, indent=2)

@@ -32,6 +32,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from hpctrain.entry import EntryParser
 from hpctrain.records.failures import (
     attempt_key,
     diagnose,
@@ -91,7 +92,12 @@ def cannot_fit(partition_nodes: list[str], exclude: list[str], needed: int, part
 
 
 def main(argv: list[str]) -> int:
-    run_dir, job_id, exit_code = Path(argv[0]), argv[1], int(argv[2]) % 256
+    parser = EntryParser(prog="python -m hpctrain.launch.supervise", description=__doc__)
+    parser.add_argument("run_dir", type=Path, help="the run directory")
+    parser.add_argument("job_id", help="the Slurm job that just ended")
+    parser.add_argument("exit_code", type=int, help="srun's exit status")
+    args = parser.parse_args(argv)
+    run_dir, job_id, exit_code = args.run_dir, args.job_id, args.exit_code % 256
     cfg = OmegaConf.load(RunPaths(run_dir).config)
     if exit_code and superseded(run_dir, job_id, [j["job_id"] for j in read_jobs(run_dir)]):
         print(f"hpctrain supervisor: job {job_id} failed, but a later job holds the run "

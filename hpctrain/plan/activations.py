@@ -52,9 +52,9 @@ counted at s / cp (sbh below: (s / cp) b h), and the attention saves, per TP ran
 So Llama's 6 + 6 k / h (QKV output 2 + 4 k / h, rotated Q and K 2 + 2 k / h) becomes 2 + 4 k cp / h + 2. Measured
 for the GPT and the Llama block on a 2-rank CP group on CPU (tests/plan/test_plan_cp.py), byte for byte beside a
 few s-sized tensors left out (the CPU's materialised lower-right causal mask of the later chunks, the int64 gather
-order, the norms' per-token statistics, the index-selected RoPE tables). Selective recomputation adds the all-gather outputs, 4 k cp / h (the policy saves
-the collectives' outputs): not measured, the selective checkpoint context refuses CP attention's CausalBias mask
-on CPU in torch 2.13. Full recomputation keeps the block input of the local tokens.
+order, the norms' per-token statistics, the index-selected RoPE tables). Selective recomputation adds the
+all-gather outputs, 4 k cp / h (the policy saves the collectives' outputs), measured byte for byte on the same
+blocks (the extras above are rerun, not kept). Full recomputation keeps the block input of the local tokens.
 
 hpctrain's Llama block (hpctrain.models.llama; g key/value heads of head_dim, so K and V are k = g h / a wide; a
 SwiGLU MLP of width f; no biases), counted the same way from what autograd saves on CPU (sbh units, 16-bit):

@@ -8,7 +8,6 @@ run directory's; a node's RAM only on that node), or the newest the run's metric
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -20,11 +19,11 @@ from hpctrain.goodput.measure import measure, run_settings
 from hpctrain.launch.rundir import find_run
 from hpctrain.records.jobs import read_completed, read_report
 from hpctrain.status.view import render
+from hpctrain.entry import EntryParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hpctrain.status", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = EntryParser(prog="python -m hpctrain.status", description=__doc__)
     parser.add_argument("run", help="a run directory, or a run id under --root")
     parser.add_argument("--root", default="outputs", help="where run ids are looked for (run.root; default outputs)")
     parser.add_argument("--json", action="store_true", help="the whole ledger as JSON")

@@ -47,7 +47,7 @@ def _cp_block(rank: int, world: int, model_cfg: Any) -> dict[str, int]:
     from hpctrain.parallel.context_parallel import apply_context_parallel
 
     out = {}
-    for mode in ("none", "full"):
+    for mode in ("none", "selective", "full"):
         torch.manual_seed(0)
         block = create_model(model_cfg).to(torch.bfloat16).layers["0"]
         apply_context_parallel(block, dist.group.WORLD)
@@ -73,13 +73,16 @@ def _extras(arch: str, rank: int, cp: int) -> int:
 def test_cp_block_keeps_what_the_formula_counts(compose_cfg: Any, arch: str) -> None:
     """CP 2 on gloo: each rank's block keeps the formula's bytes at S / 2 tokens with cp=2 (the gathered K and V of
     the whole sequence, each chunk's attention output, no QKV output kept through V's view, Llama: no local rotated
-    K), byte for byte beside a few s-sized extras; full recomputation the local block input. Without the CP terms
-    the formula would miss: it is not the cp=1 formula at S / 2."""
+    K), byte for byte beside a few s-sized extras; the selective policy the formula's bytes exactly (it keeps the
+    gathers' outputs, and none of the extras: masks, orders and statistics are rerun); full recomputation the local
+    block input. Without the CP terms the formula would miss: it is not the cp=1 formula at S / 2."""
     ranks = run_distributed(_cp_block, 2, _cfg(compose_cfg, arch), timeout=300)
     local = S // 2
     for rank, got in enumerate(ranks):
         formula = activation_bytes_per_layer(local, B, D, A, cp=2, **BLOCKS[arch][1])
         assert got["none"] == formula + _extras(arch, rank, 2)
+        selective = activation_bytes_per_layer(local, B, D, A, recompute="selective", cp=2, **BLOCKS[arch][1])
+        assert got["selective"] == selective < formula
         assert got["full"] == activation_bytes_per_layer(local, B, D, A, recompute="full", cp=2,
                                                          **BLOCKS[arch][1]) == 2 * local * B * D
         assert formula != activation_bytes_per_layer(local, B, D, A, **BLOCKS[arch][1])
