@@ -74,6 +74,7 @@ from tools.gpu_checks.common import (  # noqa: E402
     small_overrides,
     write_json,
 )
+from tools.gpu_checks.context import check_cp  # noqa: E402
 from tools.gpu_checks.control import check_ctl, check_fr, synthetic_batches  # noqa: E402
 from tools.gpu_checks.llama_hf import check_hf, check_llama  # noqa: E402
 from tools.gpu_checks.runner import Check, run_check  # noqa: E402
@@ -203,6 +204,8 @@ CHECKS = [
     Check("e", "2 ranks on 1 device: DDP vs ZeRO-1", check_e, 240, 300, uses_cuda=False),
     Check("f8", "bf16 vs FP8 (torchao): tokens/s, MFU", check_f8, 180, 240,
           cpu_title="bf16 vs FP8 emulated (torchao): losses"),
+    Check("cp", "context-parallel chunks on flash attention", check_cp, 60, 120,
+          cpu_title="context-parallel chunks against full causal attention"),
 ]
 
 # ---------------------------------------------------------------------------------------------------------

@@ -70,12 +70,18 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.
     and only then repeats them where SDPA needs that (`grouped_kv`). Returns [B, Hq, L, D] like SDPA.
     """
     cp = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    seq_len = q.shape[2] * cp
-    c = chunk_size(seq_len, cp)
-    order = gathered_to_global(seq_len, cp, q.device)
+    order = gathered_to_global(q.shape[2] * cp, cp, q.device)
     keys = all_gather_single_autograd(k.contiguous(), 2, group).index_select(2, order)
     values = all_gather_single_autograd(v.contiguous(), 2, group).index_select(2, order)
+    return chunk_attention(q, keys, values, cp, dist.get_rank(group))
+
+
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """CP rank `rank`'s two query chunks (q [B, Hq, s / cp, D], chunk_order's order) against the whole sequence's
+    keys and values in global order ([B, Hkv, s, D]): chunk i against keys [0, end of chunk i), one SDPA call each
+    with the causal diagonal aligned bottom-right. The part of `cp_attention` after the gathers (tools/gpu_check's
+    CP check runs it on one GPU, every rank's part in turn)."""
+    c = chunk_size(keys.shape[2], cp)
     keys, values, gqa = grouped_kv(q, keys, values)
     outs = []
     for local, chunk in enumerate(chunk_ids(cp, rank)):

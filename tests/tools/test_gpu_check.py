@@ -15,7 +15,7 @@ import pytest
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.py"
 FIRST_BLOCK = ["cmd", "ctl", "llama", "hf", "fr"]  # what a user runs: first, and alone with --quick
-CHECKS = [*FIRST_BLOCK, "a", "b1", "b2", "c", "d", "e", "f8"]
+CHECKS = [*FIRST_BLOCK, "a", "b1", "b2", "c", "d", "e", "f8", "cp"]
 
 
 def _tool():
