@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpctrain.checkpoint.integrity import SummingWriter  # noqa: E402
-from hpctrain.checkpoint.layout import committed_in  # noqa: E402
+from hpctrain.checkpoint.storage import committed_in  # noqa: E402
 from hpctrain.checkpoint.manager import CheckpointManager  # noqa: E402
 from hpctrain.config.layout import resolve_layout  # noqa: E402
 from hpctrain.config.schema import Config  # noqa: E402

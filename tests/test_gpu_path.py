@@ -137,7 +137,7 @@ def test_export_of_a_padded_checkpoint_has_the_tokenizers_rows(tmp_path: Path) -
     import torch.distributed.checkpoint as dcp
 
     from hpctrain.checkpoint.inspect import export_model
-    from hpctrain.checkpoint.layout import Committed
+    from hpctrain.checkpoint.storage import Committed
 
     cfg = make_cfg(1, model__vocab_size=50, data__vocab_size=50, model__vocab_pad_multiple=64)
     engine = build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))

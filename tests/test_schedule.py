@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpctrain.train.schedule import lr_at
+from hpctrain.train.lr_schedule import lr_at
 
 
 def optim(decay: str = "cosine") -> SimpleNamespace:

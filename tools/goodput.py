@@ -29,13 +29,13 @@ from hpctrain.goodput.costs import (
     scale_tier,
 )
 from hpctrain.goodput.model import (
+    CheckpointPolicy,
     Failures,
-    Plan,
     daly_interval,
     expected_goodput,
     loss_split,
     mtbf_s,
-    optimal_plan,
+    optimal_policy,
     restart_cost,
     young_interval,
 )
@@ -100,17 +100,17 @@ def rows(args: argparse.Namespace) -> list[dict]:
         fast = scaled[fast_name] if fast_name else None
         restart_s = restart_cost(restart, args.queue_wait_s, args.p_stay, args.in_allocation_s)
         failures = Failures(mtbf_s(args.rate, n), p_fast, restart_s + args.delay_s)
-        plans = {"ram+shared": optimal_plan(slow, failures, fast, rule),
-                 "shared only": optimal_plan(slow, failures, None, rule),
-                 "fixed": Plan(slow, 60.0 * args.fixed_min)}
+        policies = {"ram+shared": optimal_policy(slow, failures, fast, rule),
+                    "shared only": optimal_policy(slow, failures, None, rule),
+                    "fixed": CheckpointPolicy(slow, 60.0 * args.fixed_min)}
         row = {"gpus": n, "mtbf_h": failures.mtbf_s / 3600, "node_state_gb": node_bytes / 1e9,
                "fast": asdict(fast) if fast else None, "slow": asdict(slow), "policies": {}}
-        for name, plan in plans.items():
-            loss = loss_split(plan, failures)
-            entry = {"tau_fast_s": plan.tau_fast_s if plan.fast else None, "tau_slow_s": plan.tau_slow_s,
-                     "model": expected_goodput(plan, failures), "loss": asdict(loss), "dominant": loss.dominant}
+        for name, policy in policies.items():
+            loss = loss_split(policy, failures)
+            entry = {"tau_fast_s": policy.tau_fast_s if policy.fast else None, "tau_slow_s": policy.tau_slow_s,
+                     "model": expected_goodput(policy, failures), "loss": asdict(loss), "dominant": loss.dominant}
             if args.reps > 0:
-                sim = simulate(plan, Failures(failures.mtbf_s, p_fast, restart_s), args.days * 86400.0,
+                sim = simulate(policy, Failures(failures.mtbf_s, p_fast, restart_s), args.days * 86400.0,
                                args.reps, args.seed, args.weibull_shape, args.delay_s)
                 entry["sim"] = asdict(sim)
             row["policies"][name] = entry

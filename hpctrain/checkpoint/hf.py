@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hpctrain.checkpoint.inspect import like_a_normal_file, model_tensors
-from hpctrain.checkpoint.layout import Committed
+from hpctrain.checkpoint.storage import Committed
 from hpctrain.checkpoint.reshard import legacy_source, load_state
 from hpctrain.models.hf import (
     VOCAB_ROWS,
@@ -58,19 +58,19 @@ def run_model_config(run_dir: Path) -> ModelConfig:
 def export_hf(c: Committed, m: ModelConfig, out: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
     """A checkpoint (any layout) -> the HF model directory `out`, read one safetensors file's weights at a time:
     the host never holds more of the model than one file (a 405B model does not fit in one node's memory).
-    A checkpoint of an older layout (a Llama's interleaved `mlp.fc.weight`) is read in today's names."""
+    A checkpoint in older weight names (a Llama's interleaved `mlp.fc.weight`) is read in today's names."""
     tensors = _named_as_today(model_tensors(c), m)
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:  # inspect.consolidated_model, in today's names
         state = {k: torch.empty(tensors[k].shape, dtype=tensors[k].dtype) for k in names}
-        load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)  # converts an old layout
+        load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)  # converts older weight names
         return state
 
     return _write(tensors, read, m, out, max_shard_bytes)
 
 
 def _named_as_today(saved: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """A checkpoint's model tensors (meta) under the config's weight names, those an older layout holds under
+    """A checkpoint's model tensors (meta) under the config's weight names, those an older checkpoint holds under
     another name (reshard.legacy_source) converted on the meta device; names no weight of the config takes are
     kept, for `to_hf` to report."""
     out: dict[str, torch.Tensor] = {}
@@ -102,9 +102,9 @@ def _write(tensors: Mapping[str, torch.Tensor], read: Callable[[list[str]], Mapp
         raise FileExistsError(f"{out} is not empty: export into a new directory (or remove this one first)")
     table = recipes(m)
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in tensors.items()}
-    layout = to_hf(meta, m)  # names and shapes checked against the config before anything is read
-    config = hf_config(m, next(iter(layout.values())).dtype)  # and what HF cannot represent, refused before too
-    nbytes = {name: sum(layout[k].numel() * layout[k].element_size() for k in table[name].hf_names)
+    hf_meta = to_hf(meta, m)  # names and shapes checked against the config before anything is read
+    config = hf_config(m, next(iter(hf_meta.values())).dtype)  # and what HF cannot represent, refused before too
+    nbytes = {name: sum(hf_meta[k].numel() * hf_meta[k].element_size() for k in table[name].hf_names)
               for name in table}
     groups = _groups(nbytes, max_shard_bytes)
     files = [WEIGHTS] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"

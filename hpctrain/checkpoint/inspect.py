@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hpctrain.checkpoint.integrity import METADATA, UnsafeCheckpoint, check_files, read_metadata
-from hpctrain.checkpoint.layout import CORRUPT, Committed, broken_in, committed_in, step_of, tier_path, verify
+from hpctrain.checkpoint.storage import CORRUPT, Committed, broken_in, committed_in, step_of, tier_path, verify
 from hpctrain.records.fingerprint import ModelShape
 from hpctrain.records.paths import RunPaths
 

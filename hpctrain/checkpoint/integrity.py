@@ -353,7 +353,7 @@ def check_files(directory: Path, manifest: dict[str, Any], names: list[str] | No
     for name in names if names is not None else sorted(sizes):
         path = directory / name
         if not path.is_file():
-            continue  # a missing file is a structural problem (`layout.verify`), or a peer's on a node-local tier
+            continue  # a missing file is a structural problem (`storage.verify`), or a peer's on a node-local tier
         size = path.stat().st_size
         if size != sizes.get(name, size):
             damage.append(Damage(name, f"{size} bytes, the manifest says {sizes[name]}"))

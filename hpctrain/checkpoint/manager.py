@@ -9,12 +9,12 @@ that interval skipped, not queued.
 Every decision that could differ between ranks (a clock-based interval, whether a background write has
 finished) is agreed at a step boundary with one small all-reduce, so all ranks start, commit and skip the
 same saves. A save is committed (manifest written last, directory renamed) only once every rank's write has
-finished; see `layout.py` for the on-disk protocol. A node-local tier (RAM, local SSD: not every rank sees the
+finished; see `storage.py` for the on-disk protocol. A node-local tier (RAM, local SSD: not every rank sees the
 same directory) is copied to the next node as part of the save, and read back from peers at resume
 (`peers.py`), so it outlives one lost node.
 
 The whole of a save after staging runs in its background thread, on the tier's group: DCP's write, the copy to
-the next node, the gather of every rank's file sums, the leader's durable commit (`layout.commit_steps`) and a
+the next node, the gather of every rank's file sums, the leader's durable commit (`storage.commit_steps`) and a
 barrier. At the step boundary where every rank's future is done, the training thread only books it: the time it
 waits for a save is the staging, and the `blocked_s` of a committed save counts both.
 
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.utils import CheckpointException
 
 from hpctrain.checkpoint import integrity, peers
-from hpctrain.checkpoint.layout import (
+from hpctrain.checkpoint.storage import (
     MANIFEST,
     Committed,
     broken_in,
@@ -325,7 +325,7 @@ class CheckpointManager:
             detail = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items())
             raise CheckpointError(
                 f"resuming {ckpt.path} would not continue the same training exactly ({detail}): the data "
-                "position or schedule would differ. Restore those settings, or set checkpoint.force_resume=true")
+                "order or position would differ. Restore those settings, or set checkpoint.force_resume=true")
         if changed:
             log.warning("forced resume despite changes: %s", changed)
 
@@ -342,26 +342,26 @@ class CheckpointManager:
         lost = peers.missing_from(required, held)
         if lost or METADATA not in required:
             return None, [f"no node holds {', '.join(lost[:3]) or METADATA}"]
-        plan = peers.fetch_plan(required, held, [{METADATA}] * len(held), tier.nodes)
-        peers.run_transfers(plan, self.rank, path, path, self.control_group)
+        transfers = peers.fetch_transfers(required, held, [{METADATA}] * len(held), tier.nodes)
+        peers.run_transfers(transfers, self.rank, path, path, self.control_group)
         self._barrier()
         return Committed(tier.name, step, path, manifest), [str(d) for d in integrity.check_files(path, manifest,
                                                                                                  [METADATA])]
 
     def _fetch_missing(self, tier: Tier, ckpt: Committed, files: set[str]) -> int:
         """Bring the files each node's ranks will read from the nodes that hold them; each node then holds a
-        committed copy of its own. Returns the bytes moved between nodes, job-wide (every rank has the plan)."""
+        committed copy of its own. Returns the bytes moved between nodes, job-wide (every rank has the list of transfers)."""
         required: dict[str, int] = ckpt.manifest["files"]
         needed = self._all_gather(sorted(files))
         per_node = [set().union(*(needed[r] for r in group)) for group in tier.nodes.groups]
         leader = self._leader(tier)
         held = peers.by_node(self._all_gather(peers.holdings(ckpt.path, required) if leader else None), tier.nodes)
-        plan = peers.fetch_plan(required, held, per_node, tier.nodes)
-        peers.run_transfers(plan, self.rank, ckpt.path, ckpt.path, self.control_group)
+        transfers = peers.fetch_transfers(required, held, per_node, tier.nodes)
+        peers.run_transfers(transfers, self.rank, ckpt.path, ckpt.path, self.control_group)
         if leader and not (ckpt.path / MANIFEST).exists():
             write_manifest(ckpt.path, ckpt.manifest)
         self._barrier()
-        return sum(t.size for t in plan)
+        return sum(t.size for t in transfers)
 
     def _load(self, ckpt: Committed, engine: Any, tier: Tier) -> int:
         """Load a committed checkpoint into the engine (and this rank's RNG); the bytes fetched from peers."""

@@ -81,7 +81,7 @@ def find_nodes(directory: Path, rank: int, world_size: int, group: dist.ProcessG
 
 
 # ---------------------------------------------------------------- saving: the ring replica
-def replica_plan(files_by_rank: list[dict[str, int]], nodes: Nodes) -> list[Transfer]:
+def replica_transfers(files_by_rank: list[dict[str, int]], nodes: Nodes) -> list[Transfer]:
     """Every rank's own files to the rank in the same place on the next node; `.metadata` to every node."""
     transfers = []
     count = len(nodes.groups)
@@ -106,7 +106,7 @@ def own_files(directory: Path, rank: int) -> dict[str, int]:
 def replicate(directory: Path, nodes: Nodes, rank: int, world_size: int, group: dist.ProcessGroup) -> int:
     """After this rank's DCP write: copy it to the next node. Returns the bytes this rank received."""
     everyone = all_gather(own_files(directory, rank), world_size, group)
-    return run_transfers(replica_plan(everyone, nodes), rank, directory, directory, group)
+    return run_transfers(replica_transfers(everyone, nodes), rank, directory, directory, group)
 
 
 # ---------------------------------------------------------------- resuming: fetch what a node lacks
@@ -115,7 +115,7 @@ def missing_from(required: dict[str, int], held: list[dict[str, int]]) -> list[s
     return sorted(n for n, size in required.items() if not any(h.get(n) == size for h in held))
 
 
-def fetch_plan(required: dict[str, int], held: list[dict[str, int]], needed: list[set[str]],
+def fetch_transfers(required: dict[str, int], held: list[dict[str, int]], needed: list[set[str]],
                nodes: Nodes) -> list[Transfer]:
     """For each node, the files its ranks will read and it does not hold, each from the nearest node after it
     (around the ring) that holds it whole. `held` and `needed` are per node, in the order of `nodes.groups`."""

@@ -7,7 +7,7 @@ record's end), `data.pkl` (dtype, size, stride: a restricted unpickler builds no
 header, then reads the storage's bytes straight into the destination tensor when the request is the whole
 stored tensor and the destination a contiguous CPU tensor of its dtype and shape (a resume in the layout that
 saved it). Any other request (resharding, a GPU, strided or other-dtype destination) reads the storage into a
-CPU buffer and copies from there as DCP does; a record the parser does not recognise (a new torch.save layout:
+CPU buffer and copies from there as DCP does; a record the parser does not recognise (a new torch.save format:
 `test_reader.py` pins the current one) goes through `torch.load` as in DCP. `stats` counts which way each
 request went. Small records are read in runs (one call for up to 1 MiB), a large one in three (its end, its
 head, its storage); the files are read by a pool of threads, each file in parts of consecutive records in
@@ -132,7 +132,7 @@ class Directory(NamedTuple):
 
 
 def directory(tail: bytes | memoryview, tail_start: int) -> Directory | None:
-    """A record's zip directory, from its bytes [tail_start, end) in `tail`; None for a layout not understood."""
+    """A record's zip directory, from its bytes [tail_start, end) in `tail`; None for a format not understood."""
     if len(tail) < _EOCD.size:
         return None
     sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)

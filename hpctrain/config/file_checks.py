@@ -507,7 +507,7 @@ def _read_only(path: Path) -> bool:
 
 # ---------------------------------------------------------------- resume: the checkpoint's fingerprint
 
-MANIFEST, STEP_PREFIX, SEAL = "manifest.json", "step_", "manifest_crc32c"  # hpctrain.checkpoint.layout/integrity
+MANIFEST, STEP_PREFIX, SEAL = "manifest.json", "step_", "manifest_crc32c"  # hpctrain.checkpoint.storage/integrity
 
 
 def _manifest_sealed(manifest: dict[str, Any]) -> bool:
@@ -570,7 +570,7 @@ def check_resume(cfg: Config, run_dir: str | os.PathLike, r: CheckReport) -> Non
                     "model's shape), or start a new run instead of resuming")
     report = r.warn if cfg.checkpoint.force_resume else r.error
     tail = (": checkpoint.force_resume=true resumes anyway, not exactly" if cfg.checkpoint.force_resume else
-            ": the data position or schedule would differ")
+            ": the data order or position would differ")
     for field, key in _FINGERPRINT_KEYS.items():
         if saved.get(field) != ours[field]:
             report(key, f"{ours[field]!r} here, {saved.get(field)!r} in {where}{tail}",

@@ -247,7 +247,7 @@ class CheckpointConfig:
     enabled: bool = True
     tiers: list[TierConfig] = field(default_factory=list)
     save_final: bool = True
-    # Resume even if the data order, batch or schedule would differ from the saved run (not exact).
+    # Resume even if the data order, batch or sequence length would differ from the saved run (not exact).
     force_resume: bool = False
     # A tier's save still running at its next interval: "skip" that interval (training never waits) or
     # "wait" for it (every interval saved, training may block).

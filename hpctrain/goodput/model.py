@@ -44,7 +44,7 @@ class Failures:
 
 
 @dataclass(frozen=True)
-class Plan:
+class CheckpointPolicy:
     """A checkpoint policy: the durable tier every tau_slow_s of work, optionally a fast tier every tau_fast_s."""
 
     slow: TierCost
@@ -137,8 +137,8 @@ def goodput_exact(tau: float, c: float, m: float, r: float, w: float = 0.0) -> f
     return tau * math.exp(-w / m) / ((m + r) * math.expm1((tau + c) / m))
 
 
-def loss_split(plan: Plan, failures: Failures) -> Loss:
-    """Loss split of a one- or two-tier plan, first order in tau/M, counted per failure cycle.
+def loss_split(policy: CheckpointPolicy, failures: Failures) -> Loss:
+    """Loss split of a one- or two-tier policy, first order in tau/M, counted per failure cycle.
 
     A cycle is M of computing (failures strike only then) plus the restart R' = R + load, so the fractions
     are per M + R' of wall time rather than per M as in `goodput_first_order`; both agree to first order, but
@@ -147,18 +147,18 @@ def loss_split(plan: Plan, failures: Failures) -> Loss:
     of the newest committed checkpoint of either tier, ~ min(tau_f/2 + W_f, tau_s/2 + W_s); any other redoes
     ~ tau_s/2 + W_s. Restart: R plus the load of the tier restored from.
     """
-    tau_s = effective_interval(plan.tau_slow_s, plan.slow.write_s)
-    busy = plan.slow.blocked_s / (tau_s + plan.slow.blocked_s)
-    lost = tau_s / 2.0 + plan.slow.write_s
-    load = plan.slow.load_s
-    if plan.fast is not None and not math.isinf(plan.tau_fast_s):
-        tau_f = effective_interval(plan.tau_fast_s, plan.fast.write_s)
-        busy += plan.fast.blocked_s / (tau_f + plan.fast.blocked_s)
-        lost_fast = tau_f / 2.0 + plan.fast.write_s
+    tau_s = effective_interval(policy.tau_slow_s, policy.slow.write_s)
+    busy = policy.slow.blocked_s / (tau_s + policy.slow.blocked_s)
+    lost = tau_s / 2.0 + policy.slow.write_s
+    load = policy.slow.load_s
+    if policy.fast is not None and not math.isinf(policy.tau_fast_s):
+        tau_f = effective_interval(policy.tau_fast_s, policy.fast.write_s)
+        busy += policy.fast.blocked_s / (tau_f + policy.fast.blocked_s)
+        lost_fast = tau_f / 2.0 + policy.fast.write_s
         p = failures.p_fast
-        load_fast = plan.fast.load_s if lost_fast < lost else plan.slow.load_s
+        load_fast = policy.fast.load_s if lost_fast < lost else policy.slow.load_s
         lost = p * min(lost_fast, lost) + ((1.0 - p) * lost if p < 1.0 else 0.0)
-        load = p * load_fast + (1.0 - p) * plan.slow.load_s
+        load = p * load_fast + (1.0 - p) * policy.slow.load_s
     m = failures.mtbf_s
     if math.isinf(m):
         return Loss(busy, 0.0, 0.0)
@@ -167,20 +167,20 @@ def loss_split(plan: Plan, failures: Failures) -> Loss:
     return Loss(busy * m / cycle, lost / cycle, restart / cycle)
 
 
-def expected_goodput(plan: Plan, failures: Failures) -> float:
-    """Exact renewal-reward goodput for a one-tier plan; `loss_split` for two tiers, which have no simple exact
+def expected_goodput(policy: CheckpointPolicy, failures: Failures) -> float:
+    """Exact renewal-reward goodput for a one-tier policy; `loss_split` for two tiers, which have no simple exact
     form (after a fast restart the durable position lags behind, so cycles are not independent)."""
-    if plan.fast is None or math.isinf(plan.tau_fast_s):
-        return goodput_exact(plan.tau_slow_s, plan.slow.blocked_s, failures.mtbf_s,
-                             failures.restart_s + plan.slow.load_s, plan.slow.write_s)
-    return loss_split(plan, failures).goodput
+    if policy.fast is None or math.isinf(policy.tau_fast_s):
+        return goodput_exact(policy.tau_slow_s, policy.slow.blocked_s, failures.mtbf_s,
+                             failures.restart_s + policy.slow.load_s, policy.slow.write_s)
+    return loss_split(policy, failures).goodput
 
 
 IntervalRule = Callable[[float, float], float]
 
 
-def optimal_plan(slow: TierCost, failures: Failures, fast: TierCost | None = None,
-                 rule: IntervalRule = daly_interval) -> Plan:
+def optimal_policy(slow: TierCost, failures: Failures, fast: TierCost | None = None,
+                   rule: IntervalRule = daly_interval) -> CheckpointPolicy:
     """Intervals per tier in closed form, each tier covering the failures only it can recover.
 
     The first-order two-tier waste C_f/tau_f + p tau_f/(2M) + C_s/tau_s + (1-p) tau_s/(2M) + const separates,
@@ -190,11 +190,11 @@ def optimal_plan(slow: TierCost, failures: Failures, fast: TierCost | None = Non
     all failures, M): with equal blocking costs the durable tier saved more often is as good.
     """
     m = failures.mtbf_s
-    alone = Plan(slow, max(rule(slow.blocked_s, m), slow.write_s))
+    alone = CheckpointPolicy(slow, max(rule(slow.blocked_s, m), slow.write_s))
     p = failures.p_fast
     if fast is None or p <= 0.0:
         return alone
     m_slow = m / (1.0 - p) if p < 1.0 else math.inf
-    both = Plan(slow, max(rule(slow.blocked_s, m_slow), slow.write_s), fast,
+    both = CheckpointPolicy(slow, max(rule(slow.blocked_s, m_slow), slow.write_s), fast,
                 max(rule(fast.blocked_s, m / p), fast.write_s))
     return both if loss_split(both, failures).total < loss_split(alone, failures).total else alone

@@ -1,15 +1,15 @@
-"""Monte-Carlo replay of a checkpoint plan under random failures: the check on the analytic model.
+"""Monte-Carlo replay of a checkpoint policy under random failures: the check on the analytic model.
 
 The job computes until the next failure (exponential or Weibull time, drawn afresh after every restart, with
 mean M), pays the restart (fixed cost, optionally an exponential scheduler delay, plus the load of the tier
-restored from) and resumes from the newest usable committed checkpoint. Saves follow the plan as hpctrain
+restored from) and resumes from the newest usable committed checkpoint. Saves follow the policy as hpctrain
 runs them: each tier is due every tau of work since the (re)start, blocks training for its staging cost,
 commits write_s later, and is skipped when its previous write still runs. A failure is of the fast kind
 (every node survives: fast and durable checkpoints usable) with probability p_fast, else it loses a node
 (only the durable tier is usable; the durable position may then lie before the position restarted from).
 
-Repetitions run in lockstep as numpy arrays, one failure per iteration; the schedule after a restart is the
-same every time, so it is computed once and looked up (np.interp, searchsorted).
+Repetitions run in lockstep as numpy arrays, one failure per iteration; the timeline of saves after a restart
+is the same every time, so it is computed once and looked up (np.interp, searchsorted).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hpctrain.goodput.model import Failures, Plan, TierCost
+from hpctrain.goodput.model import CheckpointPolicy, Failures, TierCost
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class SimResult:
 
 @dataclass(frozen=True)
 class _Timeline:
-    """The schedule after a restart, against wall time since the restart, up to `until`."""
+    """The timeline of saves after a restart, against wall time since the restart, up to `until`."""
 
     until: float
     wall: np.ndarray  # breakpoints of work(wall): flat while a save blocks training
@@ -57,9 +57,9 @@ class _Timeline:
         return np.where(i >= 0, positions[np.maximum(i, 0)], -np.inf)
 
 
-def _timeline(plan: Plan, until: float) -> _Timeline:
-    taus = (plan.tau_fast_s if plan.fast is not None else math.inf, plan.tau_slow_s)
-    costs = (plan.fast or TierCost(0.0), plan.slow)
+def _timeline(policy: CheckpointPolicy, until: float) -> _Timeline:
+    taus = (policy.tau_fast_s if policy.fast is not None else math.inf, policy.tau_slow_s)
+    costs = (policy.fast or TierCost(0.0), policy.slow)
     k = [1, 1]
     busy = [-math.inf, -math.inf]
     commits: tuple[list[float], list[float]] = ([], [])
@@ -102,12 +102,12 @@ def _draw(rng: np.random.Generator, mean: float, shape: float | None, n: int) ->
     return mean / math.gamma(1.0 + 1.0 / shape) * rng.weibull(shape, n)
 
 
-def simulate(plan: Plan, failures: Failures, horizon_s: float, reps: int = 200, seed: int = 0,
+def simulate(policy: CheckpointPolicy, failures: Failures, horizon_s: float, reps: int = 200, seed: int = 0,
              weibull_shape: float | None = None, delay_mean_s: float = 0.0) -> SimResult:
     """Goodput of `reps` runs of horizon_s wall time each; progress at the horizon counts even if uncommitted."""
     rng = np.random.default_rng(seed)
     fast, slow = 0, 1
-    load = (plan.fast.load_s if plan.fast is not None else 0.0, plan.slow.load_s)
+    load = (policy.fast.load_s if policy.fast is not None else 0.0, policy.slow.load_s)
     t = np.zeros(reps)              # wall time used
     base = np.zeros(reps)           # position the current cycle started from
     durable = np.zeros(reps)        # newest durable position
@@ -116,7 +116,7 @@ def simulate(plan: Plan, failures: Failures, horizon_s: float, reps: int = 200, 
     blocked, lost, restart = np.zeros(reps), np.zeros(reps), np.zeros(reps)
     n_fail = np.zeros(reps)
     active = np.ones(reps, bool)
-    tl = _timeline(plan, min(horizon_s, 10.0 * failures.mtbf_s))
+    tl = _timeline(policy, min(horizon_s, 10.0 * failures.mtbf_s))
     while active.any():
         x = _draw(rng, failures.mtbf_s, weibull_shape, reps)
         delay = rng.exponential(delay_mean_s, reps) if delay_mean_s > 0 else np.zeros(reps)
@@ -126,7 +126,7 @@ def simulate(plan: Plan, failures: Failures, horizon_s: float, reps: int = 200, 
         fails = active & ~ends
         run = np.where(active, np.minimum(x, remaining), 0.0)
         if run.max() > tl.until:
-            tl = _timeline(plan, min(horizon_s, max(run.max(), 2.0 * tl.until)))
+            tl = _timeline(policy, min(horizon_s, max(run.max(), 2.0 * tl.until)))
         w = tl.work_at(run)
         blocked += run - w
         final = np.where(ends, base + w, final)

@@ -73,7 +73,7 @@ def _ended(run_dir: Path, ledger: Ledger) -> str | None:
     return f"the run stopped: {report['why']}" if report else None
 
 
-# As hpctrain.checkpoint.layout writes them (not imported: it imports torch, seconds on a login node):
+# As hpctrain.checkpoint.storage writes them (not imported: it imports torch, seconds on a login node):
 # `<tier>/step_<N>/manifest.json` exists only for a committed checkpoint.
 PREFIX, MANIFEST = "step_", "manifest.json"
 

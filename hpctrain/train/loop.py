@@ -64,7 +64,7 @@ from hpctrain.train.preemption import (
     wait_to_be_ended,
 )
 from hpctrain.train.progress import StepReporter
-from hpctrain.train.schedule import lr_at
+from hpctrain.train.lr_schedule import lr_at
 
 log = logging.getLogger("hpctrain")
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 import hpctrain.checkpoint.manager as manager_module
 from hpctrain.checkpoint.inspect import export_model, find, list_checkpoints
-from hpctrain.checkpoint.layout import Committed, committed_in, verify
+from hpctrain.checkpoint.storage import Committed, committed_in, verify
 from hpctrain.checkpoint.manager import ReusingStager
 from hpctrain.records.failures import read_failures
 from tests.checkpoint.training import consumed_samples, losses_by_step, train

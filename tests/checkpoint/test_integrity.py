@@ -20,8 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
-from hpctrain.checkpoint import integrity, layout
-from hpctrain.checkpoint.layout import committed_in, partial_dir, step_dir, verify
+from hpctrain.checkpoint import integrity, storage
+from hpctrain.checkpoint.storage import committed_in, partial_dir, step_dir, verify
 from hpctrain.checkpoint.reshard import load_state
 from tests.checkpoint.test_checkpoint import SMALL, model_weights
 from tests.checkpoint.training import consumed_samples, train
@@ -198,7 +198,7 @@ def _save(tier: Path, step: int, value: float) -> Path:
 
 def _save_and_commit(tier: Path, step: int, value: float, kill_after: int | None) -> None:
     partial, manifest = _save(tier, step, value)
-    for i, (_, run) in enumerate(layout.commit_steps(partial, step_dir(tier, step), manifest)):
+    for i, (_, run) in enumerate(storage.commit_steps(partial, step_dir(tier, step), manifest)):
         if i == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
         run()
@@ -214,14 +214,14 @@ def _in_child(fn: Callable[[], None]) -> int:
     return os.waitpid(pid, 0)[1]
 
 
-def _loads(ckpt: layout.Committed) -> float:
+def _loads(ckpt: storage.Committed) -> float:
     state = {"w": torch.empty(64, 64), "b": torch.empty(100, dtype=torch.int64)}
     load_state(state, str(ckpt.path), None, no_dist=True)
     assert torch.equal(state["b"], torch.arange(100) * ckpt.step)
     return float(state["w"][0, 0])
 
 
-POINTS = (["in the shard writes"] + [f"before: {name}" for name, _ in layout.commit_steps(Path("p"), Path("f"), {})]
+POINTS = (["in the shard writes"] + [f"before: {name}" for name, _ in storage.commit_steps(Path("p"), Path("f"), {})]
           + ["after the last step"])
 
 
@@ -231,7 +231,7 @@ def test_a_commit_killed_at_any_point_leaves_the_old_or_the_new_checkpoint_compl
     tier = tmp_path / "tier"
     tier.mkdir()
     partial, manifest = _save(tier, 1, 1.0)
-    layout.publish(partial, step_dir(tier, 1), manifest)
+    storage.publish(partial, step_dir(tier, 1), manifest)
     if point == 0:  # killed while DCP writes its files
         status = _in_child(lambda: (_save(tier, 2, 2.0), os.kill(os.getpid(), signal.SIGKILL)))
     else:
@@ -242,7 +242,7 @@ def test_a_commit_killed_at_any_point_leaves_the_old_or_the_new_checkpoint_compl
     for c in found:  # whatever is committed is whole and sound
         assert verify(c) == [] and integrity.check_files(c.path, c.manifest) == []
         assert _loads(c) == float(c.step)
-    layout.remove_debris(tier)  # what a restart does
+    storage.remove_debris(tier)  # what a restart does
     assert sorted(p.name for p in tier.iterdir()) == [step_dir(tier, c.step).name for c in found]
 
 
@@ -251,7 +251,7 @@ def test_a_deletion_killed_half_way_never_leaves_a_manifest_beside_missing_files
     tier.mkdir()
     for step in (1, 2):
         partial, manifest = _save(tier, step, float(step))
-        layout.publish(partial, step_dir(tier, step), manifest)
+        storage.publish(partial, step_dir(tier, step), manifest)
 
     def killed_in_rmtree() -> None:
         real = shutil.rmtree
@@ -262,13 +262,13 @@ def test_a_deletion_killed_half_way_never_leaves_a_manifest_beside_missing_files
 
         shutil.rmtree = half
         try:
-            layout.retain(tier, keep_last=1)
+            storage.retain(tier, keep_last=1)
         finally:
             shutil.rmtree = real
 
     assert os.WIFSIGNALED(_in_child(killed_in_rmtree))
     assert [c.step for c in committed_in(tier)] == [2]
-    assert [p.name for p in layout.remove_debris(tier)] == ["step_00000001.deleting"]
+    assert [p.name for p in storage.remove_debris(tier)] == ["step_00000001.deleting"]
 
 
 def test_the_commit_fsyncs_each_file_before_its_rename_and_the_directory_after(tmp_path: Path,
@@ -289,7 +289,7 @@ def test_the_commit_fsyncs_each_file_before_its_rename_and_the_directory_after(t
     assert shards <= {name for op, name in calls if op == "fsync"}  # DCP fsyncs every file it writes (.metadata
     # under its temporary name, then renames it)
     calls.clear()
-    layout.publish(partial, step_dir(tier, 1), manifest)
+    storage.publish(partial, step_dir(tier, 1), manifest)
     final = str(step_dir(tier, 1))
     assert [op for op, _ in calls] == ["fsync", "rename", "fsync", "rename", "fsync"], calls
     assert calls[0][1].startswith(str(partial / ".manifest.json"))  # the manifest's data, under its temporary name

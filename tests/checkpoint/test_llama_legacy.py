@@ -127,7 +127,7 @@ def test_an_old_checkpoint_exports_to_hugging_face(old_checkpoint, tmp_path: Pat
     from safetensors.torch import load_file
 
     from hpctrain.checkpoint.hf import export_hf
-    from hpctrain.checkpoint.layout import Committed
+    from hpctrain.checkpoint.storage import Committed
     from hpctrain.records.fingerprint import fingerprint_of
 
     path, saved, _ = old_checkpoint

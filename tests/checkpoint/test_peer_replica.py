@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.checkpoint.layout import Committed, verify
+from hpctrain.checkpoint.storage import Committed, verify
 from hpctrain.checkpoint.peers import (
     Nodes,
     Transfer,
-    fetch_plan,
+    fetch_transfers,
     group_by_view,
     missing_from,
-    replica_plan,
+    replica_transfers,
     run_transfers,
 )
 from tests.checkpoint.test_checkpoint import config, model_weights, steps_in
@@ -33,7 +33,7 @@ def test_the_ring_sends_each_ranks_files_to_the_next_node_and_metadata_everywher
     nodes = group_by_view([[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5]])
     assert nodes.groups == ((0, 1), (2, 3), (4, 5)) and not nodes.shared and nodes.leader(3) == 2
     files = [{"__0_0.distcp": 5, ".metadata": 2}, {"__1_0.distcp": 6}, {"__2_0.distcp": 7}, {}, {}, {"__5_0.distcp": 8}]
-    assert replica_plan(files, nodes) == [
+    assert replica_transfers(files, nodes) == [
         Transfer(0, 2, ".metadata", 2), Transfer(0, 4, ".metadata", 2), Transfer(0, 2, "__0_0.distcp", 5),
         Transfer(1, 3, "__1_0.distcp", 6), Transfer(2, 4, "__2_0.distcp", 7), Transfer(5, 1, "__5_0.distcp", 8)]
 
@@ -43,7 +43,7 @@ def test_a_node_fetches_only_what_it_reads_and_lacks_from_the_nearest_holder() -
     required = {"a": 1, "b": 2, "c": 3}
     held = [{"a": 1, "c": 3}, {"b": 2, "a": 1}, {}]  # node 2 is a fresh spare
     assert missing_from(required, held) == []
-    assert fetch_plan(required, held, [{"a"}, {"a", "c"}, {"b", "c"}], nodes) == [
+    assert fetch_transfers(required, held, [{"a"}, {"a", "c"}, {"b", "c"}], nodes) == [
         Transfer(0, 1, "c", 3), Transfer(1, 2, "b", 2), Transfer(0, 2, "c", 3)]
     assert missing_from(required, [{"a": 1}, {"b": 1}, {}]) == ["b", "c"]  # a torn copy does not count
 

@@ -24,10 +24,10 @@ from omegaconf import OmegaConf
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from hpctrain.checkpoint import integrity, layout
+from hpctrain.checkpoint import integrity, storage
 from hpctrain.checkpoint.inspect import consolidated_model, find
 from hpctrain.checkpoint.integrity import METADATA_CLASSES, TORCH_DTYPES, UnsafeCheckpoint, read_metadata
-from hpctrain.checkpoint.layout import step_dir
+from hpctrain.checkpoint.storage import step_dir
 from hpctrain.checkpoint.reader import FastReader
 from hpctrain.records.failures import read_failures
 from tests.checkpoint.test_checkpoint import SMALL
@@ -84,17 +84,17 @@ def _legit_metadata(ckpt: Path) -> Any:
 def _reseal(ckpt: Path, changed: list[str], seal: bool) -> None:
     """Update the manifest's sizes and CRC32Cs of the changed files, and seal it with hpctrain's own function
     (as an attacker could), or drop the seal (a manifest without one is trusted, as older versions wrote)."""
-    manifest = json.loads((ckpt / layout.MANIFEST).read_text())
+    manifest = json.loads((ckpt / storage.MANIFEST).read_text())
     for name in changed:
         data = (ckpt / name).read_bytes()
         manifest["files"][name] = len(data)
         manifest[integrity.ALGORITHM][name] = integrity.hexdigest(crc32c.crc32c(data))
     if seal:
-        layout.write_manifest(ckpt, manifest)
+        storage.write_manifest(ckpt, manifest)
     else:
         manifest.pop(integrity.SELF, None)
-        (ckpt / layout.MANIFEST).write_text(json.dumps(manifest))
-    assert integrity.check_files(ckpt, json.loads((ckpt / layout.MANIFEST).read_text())) == []  # sums all match
+        (ckpt / storage.MANIFEST).write_text(json.dumps(manifest))
+    assert integrity.check_files(ckpt, json.loads((ckpt / storage.MANIFEST).read_text())) == []  # sums all match
 
 
 def craft_metadata(ckpt: Path, marker: Path, seal: bool = True) -> None:

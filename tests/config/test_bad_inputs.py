@@ -344,7 +344,7 @@ def test_setup_lines_may_hold_what_a_shell_line_holds(compose_cfg) -> None:
 def test_warmup_longer_than_the_run_is_a_warning_and_the_run_trains(compose_cfg, tmp_path: Path) -> None:
     """`python -m hpctrain train.max_steps=10` with the default 30 warmup steps: a trial run, not an error."""
     from hpctrain.plan.checks import check_config
-    from hpctrain.train.schedule import lr_at
+    from hpctrain.train.lr_schedule import lr_at
 
     report = check_config(compose_cfg("train.max_steps=10"))
     assert [w.key for w in report.warnings if "warmup" in w.message] == ["optim.warmup_steps"]

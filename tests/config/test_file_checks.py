@@ -405,7 +405,7 @@ def test_a_topology_file_this_machine_does_not_have_is_a_warning(compose_cfg, tm
 def committed_run(compose_cfg, root: Path, *overrides: str, steps: tuple[int, ...] = (200,)) -> Path:
     """A run directory (config.yaml) with checkpoints committed by hpctrain's own manifest writer (sealed), each
     with the fingerprint of the run's config."""
-    from hpctrain.checkpoint.layout import partial_dir, publish, step_dir
+    from hpctrain.checkpoint.storage import partial_dir, publish, step_dir
     from hpctrain.records.fingerprint import fingerprint_of
 
     cfg = compose_cfg(*overrides, f"run.root={root}", "run.id=r1")

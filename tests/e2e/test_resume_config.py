@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpctrain.train.schedule import lr_at
+from hpctrain.train.lr_schedule import lr_at
 from tests.conftest import run_hpctrain
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hpctrain.goodput.model import (
+    CheckpointPolicy,
     Failures,
-    Plan,
     TierCost,
     daly_interval,
     effective_interval,
@@ -18,7 +18,7 @@ from hpctrain.goodput.model import (
     goodput_first_order,
     loss_split,
     mtbf_s,
-    optimal_plan,
+    optimal_policy,
     young_interval,
 )
 
@@ -79,30 +79,31 @@ def test_effective_interval_skips_busy_saves() -> None:
 def test_two_tier_closed_form_matches_numeric_minimum() -> None:
     slow, fast, f = TierCost(30.0), TierCost(2.0), Failures(1e5, 0.3, 0.0)
     taus = np.geomspace(100, 20000, 300)
-    _, tau_f, tau_s = min((loss_split(Plan(slow, ts, fast, tf), f).total, tf, ts) for tf in taus for ts in taus)
-    plan = optimal_plan(slow, f, fast, young_interval)
-    assert plan.tau_fast_s == pytest.approx(math.sqrt(2 * 2.0 * 1e5 / 0.3))  # Young with M_f = M / p
-    assert plan.tau_slow_s == pytest.approx(math.sqrt(2 * 30.0 * 1e5 / 0.7))  # Young with M_s = M / (1 - p)
+    _, tau_f, tau_s = min((loss_split(CheckpointPolicy(slow, ts, fast, tf), f).total, tf, ts)
+                          for tf in taus for ts in taus)
+    policy = optimal_policy(slow, f, fast, young_interval)
+    assert policy.tau_fast_s == pytest.approx(math.sqrt(2 * 2.0 * 1e5 / 0.3))  # Young with M_f = M / p
+    assert policy.tau_slow_s == pytest.approx(math.sqrt(2 * 30.0 * 1e5 / 0.7))  # Young with M_s = M / (1 - p)
     step = taus[1] / taus[0]
-    assert plan.tau_fast_s == pytest.approx(tau_f, rel=2 * (step - 1))
-    assert plan.tau_slow_s == pytest.approx(tau_s, rel=2 * (step - 1))
+    assert policy.tau_fast_s == pytest.approx(tau_f, rel=2 * (step - 1))
+    assert policy.tau_slow_s == pytest.approx(tau_s, rel=2 * (step - 1))
 
 
 def test_fast_tier_kept_only_when_it_pays() -> None:
     f = Failures(3600.0, 0.5, 300.0)
-    cheap = optimal_plan(TierCost(60.0), f, TierCost(1.0))
+    cheap = optimal_policy(TierCost(60.0), f, TierCost(1.0))
     assert cheap.fast is not None and cheap.tau_fast_s < cheap.tau_slow_s
-    alone = optimal_plan(TierCost(60.0), f)
+    alone = optimal_policy(TierCost(60.0), f)
     assert loss_split(cheap, f).total < loss_split(alone, f).total - 0.02
     # same blocking cost and no write: the durable tier saved more often is as good, so no fast tier
-    assert optimal_plan(TierCost(1.0), f, TierCost(1.0)).fast is None
-    assert optimal_plan(TierCost(60.0), Failures(3600.0, 0.0, 300.0), TierCost(1.0)).fast is None
+    assert optimal_policy(TierCost(1.0), f, TierCost(1.0)).fast is None
+    assert optimal_policy(TierCost(60.0), Failures(3600.0, 0.0, 300.0), TierCost(1.0)).fast is None
 
 
 def test_loss_split_is_close_to_exact_for_one_tier() -> None:
-    plan, f = Plan(TierCost(60.0), 618.0), Failures(3600.0, 0.0, 300.0)
-    loss = loss_split(plan, f)
-    assert loss.goodput == pytest.approx(expected_goodput(plan, f), abs=0.005)
+    policy, f = CheckpointPolicy(TierCost(60.0), 618.0), Failures(3600.0, 0.0, 300.0)
+    loss = loss_split(policy, f)
+    assert loss.goodput == pytest.approx(expected_goodput(policy, f), abs=0.005)
     assert loss.goodput - goodput_first_order(618.0, 60.0, 3600.0, 300.0) > 0.02  # per cycle, not per M
     assert loss.dominant in ("blocking", "lost work", "restarts")
 

@@ -7,65 +7,65 @@ import time
 import pytest
 
 from hpctrain.goodput.model import (
+    CheckpointPolicy,
     Failures,
-    Plan,
     TierCost,
     daly_interval,
     expected_goodput,
     loss_split,
     mtbf_s,
-    optimal_plan,
+    optimal_policy,
 )
 from hpctrain.goodput.simulate import simulate
 
 M = 3600.0
 HORIZON = 400 * M
 
-# (plan, failures, mean scheduler delay): synchronous saves; background writes with loads and node-surviving
+# (policy, failures, mean scheduler delay): synchronous saves; background writes with loads and node-surviving
 # failures (no fast tier, so they change nothing); writes longer than the interval (skips) plus random delay
 SINGLE_TIER = {
-    "sync": (Plan(TierCost(60.0), daly_interval(60.0, M)), Failures(M, 0.0, 300.0), 0.0),
-    "async": (Plan(TierCost(5.0, 400.0, 120.0), 600.0), Failures(M, 0.5, 300.0), 0.0),
-    "skip+delay": (Plan(TierCost(20.0, 500.0), 200.0), Failures(M, 0.0, 200.0), 100.0),
+    "sync": (CheckpointPolicy(TierCost(60.0), daly_interval(60.0, M)), Failures(M, 0.0, 300.0), 0.0),
+    "async": (CheckpointPolicy(TierCost(5.0, 400.0, 120.0), 600.0), Failures(M, 0.5, 300.0), 0.0),
+    "skip+delay": (CheckpointPolicy(TierCost(20.0, 500.0), 200.0), Failures(M, 0.0, 200.0), 100.0),
 }
 
 
 @pytest.mark.parametrize("case", SINGLE_TIER)
 def test_simulation_matches_exact_model_within_ci(case: str) -> None:
-    plan, f, delay = SINGLE_TIER[case]
-    exact = expected_goodput(plan, Failures(f.mtbf_s, f.p_fast, f.restart_s + delay))
-    sim = simulate(plan, f, HORIZON, reps=100, seed=0, delay_mean_s=delay)
+    policy, f, delay = SINGLE_TIER[case]
+    exact = expected_goodput(policy, Failures(f.mtbf_s, f.p_fast, f.restart_s + delay))
+    sim = simulate(policy, f, HORIZON, reps=100, seed=0, delay_mean_s=delay)
     assert abs(sim.goodput - exact) <= sim.ci95, (sim, exact)
     assert 0 < sim.ci95 < 0.005
     assert sim.goodput + sim.blocking + sim.lost_work + sim.restart == pytest.approx(1.0, abs=1e-9)
 
 
 def test_weibull_shape_one_is_exponential() -> None:
-    plan, f, _ = SINGLE_TIER["sync"]
-    expo = simulate(plan, f, HORIZON, reps=100, seed=1)
-    weib = simulate(plan, f, HORIZON, reps=100, seed=2, weibull_shape=1.0)
+    policy, f, _ = SINGLE_TIER["sync"]
+    expo = simulate(policy, f, HORIZON, reps=100, seed=1)
+    weib = simulate(policy, f, HORIZON, reps=100, seed=2, weibull_shape=1.0)
     assert abs(expo.goodput - weib.goodput) <= 1.5 * (expo.ci95 + weib.ci95)
 
 
 @pytest.mark.parametrize("shape", [0.5, 1.5])
 def test_weibull_keeps_the_mean_time_between_failures(shape: float) -> None:
-    plan, f, _ = SINGLE_TIER["sync"]
-    sim = simulate(plan, f, HORIZON, reps=50, seed=3, weibull_shape=shape)
+    policy, f, _ = SINGLE_TIER["sync"]
+    sim = simulate(policy, f, HORIZON, reps=50, seed=3, weibull_shape=shape)
     computing = HORIZON * (1 - sim.restart)  # failures strike only while the job computes
     assert sim.failures * M / computing == pytest.approx(1.0, abs=0.02)
 
 
 def test_weibull_early_failures_lose_less_work() -> None:
-    plan, f, _ = SINGLE_TIER["sync"]
-    weib = simulate(plan, f, HORIZON, reps=50, seed=3, weibull_shape=0.5)
-    expo = simulate(plan, f, HORIZON, reps=50, seed=3)
+    policy, f, _ = SINGLE_TIER["sync"]
+    weib = simulate(policy, f, HORIZON, reps=50, seed=3, weibull_shape=0.5)
+    expo = simulate(policy, f, HORIZON, reps=50, seed=3)
     assert weib.goodput - expo.goodput > 2 * (weib.ci95 + expo.ci95)  # many failures soon after a restart
 
 
 def test_fast_tier_helps_in_simulation() -> None:
     f = Failures(M, 0.5, 300.0)
-    both = optimal_plan(TierCost(60.0), f, TierCost(1.0))
-    alone = optimal_plan(TierCost(60.0), f)
+    both = optimal_policy(TierCost(60.0), f, TierCost(1.0))
+    alone = optimal_policy(TierCost(60.0), f)
     sim_both = simulate(both, f, HORIZON, reps=100, seed=4)
     sim_alone = simulate(alone, f, HORIZON, reps=100, seed=4)
     assert sim_both.goodput - sim_alone.goodput > 0.02
@@ -77,15 +77,15 @@ def test_fast_tier_helps_in_simulation() -> None:
 
 
 def test_skipped_saves_follow_the_effective_interval() -> None:
-    plan, f = Plan(TierCost(10.0, 150.0), 60.0), Failures(1e9, 0.0, 0.0)
-    sim = simulate(plan, f, 1e6, reps=2, seed=0)
+    policy, f = CheckpointPolicy(TierCost(10.0, 150.0), 60.0), Failures(1e9, 0.0, 0.0)
+    sim = simulate(policy, f, 1e6, reps=2, seed=0)
     assert sim.blocking == pytest.approx(10.0 / 190.0, rel=1e-3)  # every third due point: 180 s work + 10 s
 
 
 def test_simulation_is_fast_at_scale() -> None:
     f = Failures(mtbf_s(0.001, 16384), 0.3, 300.0)
-    plan = optimal_plan(TierCost(0.3, 61.0, 61.0), f, TierCost(0.3, 0.3, 0.3))
+    policy = optimal_policy(TierCost(0.3, 61.0, 61.0), f, TierCost(0.3, 0.3, 0.3))
     started = time.perf_counter()
-    sim = simulate(plan, f, 54 * 86400.0, reps=200, seed=0)
+    sim = simulate(policy, f, 54 * 86400.0, reps=200, seed=0)
     assert time.perf_counter() - started < 10.0  # ~0.2 s here: 54 days, ~830 failures per run, 200 runs
     assert sim.failures == pytest.approx(54 * 86400.0 * (1 - sim.restart) / f.mtbf_s, rel=0.02)

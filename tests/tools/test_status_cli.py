@@ -55,7 +55,7 @@ def test_a_run_that_is_not_there(tmp_path: Path) -> None:
 
 
 def commit(run_dir: Path, step: int, tier_dir: str = "checkpoints") -> None:
-    """A committed checkpoint as hpctrain.checkpoint.layout leaves it: `step_<N>/` with its manifest (the
+    """A committed checkpoint as hpctrain.checkpoint.storage leaves it: `step_<N>/` with its manifest (the
     status page reads the manifest's step, not the shards)."""
     directory = run_dir / tier_dir / f"step_{step:08d}"
     directory.mkdir(parents=True)

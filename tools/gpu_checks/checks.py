@@ -46,7 +46,7 @@ def check_a(ctx: Ctx) -> Outcome:
     init_world(ctx, 0, 1, free_port(), backend)
     result = run_train(config, run_dir)  # destroys the group when it ends
     metrics = read_metrics(run_dir)
-    from hpctrain.checkpoint.layout import committed_in
+    from hpctrain.checkpoint.storage import committed_in
 
     saved = [c.step for c in committed_in(run_dir / "checkpoints")]
     losses = [m["loss"] for m in metrics]

@@ -116,7 +116,7 @@ def _events(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def check_cmd(ctx: Ctx) -> Outcome:
-    from hpctrain.checkpoint.layout import committed_in
+    from hpctrain.checkpoint.storage import committed_in
 
     root = ctx.workdir / "cmd_runs"
     root.mkdir(parents=True, exist_ok=True)
@@ -189,7 +189,7 @@ def _check_first(ctx: Ctx, run_dir: Path) -> bool:
     run's launcher.in_allocation (True)."""
     import yaml
 
-    from hpctrain.checkpoint.layout import committed_in
+    from hpctrain.checkpoint.storage import committed_in
 
     config = yaml.safe_load(RunPaths(run_dir).config.read_text())
     expect(config["launcher"]["in_allocation"] is True,
