@@ -138,3 +138,26 @@ def test_an_unknown_family_is_named_with_the_known_ones() -> None:
         registry.get("mamba")
     with pytest.raises(ValueError, match="model_type 'mamba': hpctrain converts gpt2"):
         registry.for_hf("mamba")
+
+
+def test_a_registered_family_is_accepted_until_unregistered() -> None:
+    """registry.register (a family defined outside hpctrain: tests/models/test_family_guide.py) gives model.arch the
+    new name; unregister takes it out again, and hpctrain's own families stay."""
+    from dataclasses import replace
+
+    from omegaconf.errors import ValidationError
+
+    family = replace(registry.get("gpt"), name="gpt_other")
+    registry.register(family)
+    try:
+        m = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"arch": "gpt_other"})
+        assert registry.family_of(m) is family
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register(family)
+    finally:
+        registry.unregister("gpt_other")
+    with pytest.raises(ValidationError, match="gpt_other"):
+        OmegaConf.merge(OmegaConf.structured(ModelConfig), {"arch": "gpt_other"})
+    with pytest.raises(ValueError, match="one of hpctrain's own"):
+        registry.unregister("gpt")
+    assert set(registry.FAMILIES) == registry.BUILT_IN

@@ -18,6 +18,28 @@ from hpctrain.models.qwen3_spec import QWEN3_FAMILY
 FAMILIES: dict[str, Family] = {f.name: f for f in (GPT_FAMILY, LLAMA_FAMILY, QWEN3_FAMILY, MIXTRAL_FAMILY,
                                                    QWEN3_MOE_FAMILY)}
 DEFAULT = GPT_FAMILY.name  # model.arch when a model config leaves it out
+BUILT_IN = frozenset(FAMILIES)
+
+
+def register(family: Family) -> None:
+    """Add a family defined outside hpctrain (a test's, a site's) at run time: `model.arch=<its name>` is then
+    accepted by the configs composed afterwards. hpctrain's own families are the entries of FAMILIES above."""
+    if family.name in FAMILIES:
+        raise ValueError(f"model arch {family.name!r} is already registered")
+    FAMILIES[family.name] = family
+    from hpctrain.config.schema import sync_model_arch  # model.arch's enum, made from FAMILIES at import
+
+    sync_model_arch()
+
+
+def unregister(name: str) -> None:
+    """Take a family `register` added out again (hpctrain's own stay)."""
+    if name in BUILT_IN:
+        raise ValueError(f"model arch {name!r} is one of hpctrain's own families")
+    FAMILIES.pop(name, None)
+    from hpctrain.config.schema import sync_model_arch
+
+    sync_model_arch()
 
 
 def get(name: str) -> Family:
