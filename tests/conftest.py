@@ -67,3 +67,16 @@ def run_hpctrain(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str
     full_env = rules_environment({**os.environ, "WANDB_MODE": "offline", **(env or {})})
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+
+
+@pytest.fixture
+def fake_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An `sbatch` on PATH that only answers job id 4242, and the `srun` submitit's executor insists on finding
+    (nothing runs it: a fresh machine has no Slurm yet). Returns their folder."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for tool, body in {"sbatch": "echo 'Submitted batch job 4242'", "srun": "exit 1"}.items():
+        (fake / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (fake / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    return fake

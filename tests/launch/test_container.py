@@ -108,15 +108,9 @@ def test_the_supervisor_runs_on_the_host(name: str) -> None:
     assert text.rstrip().splitlines()[-1].startswith("PYTHON -m hpctrain.launch.supervise")
 
 
-def test_the_submitted_script_is_the_preview(compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("fake_sbatch")
+def test_the_submitted_script_is_the_preview(compose_cfg, tmp_path: Path) -> None:
     """SlurmExecutor gets the container's interpreter too (its `python`), not only the preview."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "sbatch").write_text("#!/bin/sh\necho 'Submitted batch job 4242'\n")
-    (fake / "srun").write_text("#!/bin/sh\nexit 1\n")
-    for tool in ("sbatch", "srun"):
-        (fake / tool).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     cfg = compose_cfg("+experiment=gpt3_1.3b_1node", "cluster.container.runtime=apptainer",
                       "cluster.container.image=/images/pt.sif", "cluster.container.env=[HF_TOKEN]", "dry_run=true")
     layout = check_config(cfg).layout

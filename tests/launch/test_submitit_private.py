@@ -64,17 +64,10 @@ def test_the_full_parameter_set_renders_as_pinned() -> None:
     assert text == GOLDEN.read_text(), f"{WHAT_TO_DO}: its output changed (golden {GOLDEN.name})"
 
 
-def test_the_preview_is_the_script_slurm_executor_submits(compose_cfg, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("fake_sbatch")
+def test_the_preview_is_the_script_slurm_executor_submits(compose_cfg, tmp_path: Path) -> None:
     """Through submitit's public path (submit, with an sbatch that only answers a job id; submitit's executor
     also insists on finding an srun, which nothing here runs: a fresh machine has no Slurm yet)."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "sbatch").write_text("#!/bin/sh\necho 'Submitted batch job 4242'\n")
-    (fake / "srun").write_text("#!/bin/sh\nexit 1\n")
-    for tool in ("sbatch", "srun"):
-        (fake / tool).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
     cfg = compose_cfg("+experiment=gpt3_1.3b_1node", "cluster.partition=gpu", "cluster.account=llm",
                       "cluster.setup=[module load cuda/12.4]", "+cluster.sbatch_extra.mail-type=FAIL", "dry_run=true")
     layout = check_config(cfg).layout
