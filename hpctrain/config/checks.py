@@ -527,6 +527,6 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _dry_run, _finite_numbers, _model_shape, _experts, _tensor_parallel, _context_parallel, _pipeline, _zero, _precision, _fp8, _optim,
-    _train_and_data, _run_paths, *cluster_checks, _checkpoint,
+    _dry_run, _finite_numbers, _model_shape, _experts, _tensor_parallel, _context_parallel, _pipeline, _zero,
+    _precision, _fp8, _optim, _train_and_data, _run_paths, *cluster_checks, _checkpoint,
 ]

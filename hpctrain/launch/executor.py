@@ -28,7 +28,8 @@ def job_spec(cfg: Any, run_id: str, layout: Layout, folder: Path) -> JobSpec:
     per rank."""
     ranks_per_task = layout.gpus_per_node if cfg.launcher.in_allocation else 1
     spares = cfg.cluster.spare_nodes if cfg.launcher.in_allocation else 0
-    return JobSpec(name=f"hpctrain-{cfg.run.name}-{run_id}", folder=folder, run_dir=folder.parent, nodes=layout.nodes + spares,
+    return JobSpec(name=f"hpctrain-{cfg.run.name}-{run_id}", folder=folder, run_dir=folder.parent,
+                   nodes=layout.nodes + spares,
                    tasks_per_node=layout.gpus_per_node // ranks_per_task,
                    gpus_per_node=0 if cfg.cluster.gpu_type == "cpu" else layout.gpus_per_node,
                    cpus_per_task=cfg.cluster.cpus_per_task * ranks_per_task,

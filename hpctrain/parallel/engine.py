@@ -134,6 +134,8 @@ class Engine:
         dims = self.dims
         self.dp_rank, self.dp_size = dims.dp_rank, dims.dp
         self.cp_rank = dims.cp_rank  # read by every step; the mesh's coordinates are host reads: taken once here
+        # the mean losses the step's reduction sums: one per DP rank, TP peer and CP part of the sequences
+        self.loss_copies = dims.dp * dims.tp * dims.cp
         # Dropout masks: different per DP rank, the same on TP peers (their replicated regions must agree).
         torch.manual_seed(cfg.train.seed + self.dp_rank)
         # CP ranks hold other parts of the same sequences: their gradients are averaged as DP ranks' are
@@ -306,7 +308,7 @@ class Engine:
             for layer in self.moe_layers.values():  # a pipeline's evaluation may run a forward with grad on
                 layer.take_routing()
         self._sum_over_ranks(total)
-        return total.item() / (self.dims.dp * self.dims.tp * self.dims.cp * len(batches))
+        return total.item() / (self.loss_copies * len(batches))
 
     def _eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's mean loss over one batch's microbatches (0 on pipeline ranks without the last stage)."""
@@ -460,7 +462,7 @@ class Engine:
         averaged over DP x TP copies and CP parts, each CP rank's the mean over its seq/cp tokens of every
         sequence), the global gradient norm, the summed control values and routing records."""
         total_loss, squared_norm, *rest = self._read(values)
-        return (total_loss / (self.dims.dp * self.dims.tp * self.dims.cp), math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
+        return (total_loss / self.loss_copies, math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
                 rest[:n_control], rest[n_control:])
 
     @staticmethod

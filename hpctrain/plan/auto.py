@@ -11,10 +11,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hpctrain import schedules
-from hpctrain.config.layout import sequence_problems
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
-from hpctrain.plan.search import Candidate
+from hpctrain.plan.search import Candidate, context_degrees
 from hpctrain.plan.step_time import estimate_step
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
@@ -93,19 +92,19 @@ def better_microbatches(model: ModelShape, layout: Layout, hw: Hardware,
 
 def context_for_fit(model: ModelShape, layout: Layout, hw: Hardware, max_cp: int = 32
                     ) -> tuple[Layout, MemoryBreakdown] | None:
-    """The smallest CP degree above `layout`'s (doubling, up to max_cp) that makes it fit, and its memory; None where
-    none does. The CP ranks come out of DP, so the job's GPUs and the global batch stay (each DP rank runs cp' / cp
-    times the micro-batches); only degrees the sequence's rules allow (config.layout.sequence_problems), never with
-    expert parallelism."""
+    """The smallest CP degree above `layout`'s (search.context_degrees: powers of two up to max_cp that the sequence's
+    rules allow) that makes it fit, and its memory; None where none does. The CP ranks come out of DP, so the job's
+    GPUs and the global batch stay (each DP rank runs cp' / cp times the micro-batches); never with expert
+    parallelism."""
     if layout.ep > 1:
         return None
-    ranks, cp = layout.dp * layout.cp, 2 * layout.cp
-    while cp <= max_cp and ranks % cp == 0 and (ranks // cp) % layout.dp_replicate == 0:
+    ranks = layout.dp * layout.cp
+    for cp in context_degrees(model, ranks, max_cp):
         dp = ranks // cp
+        if cp <= layout.cp or dp % layout.dp_replicate:
+            continue
         trial = replace(layout, cp=cp, dp=dp, grad_accum=layout.global_batch // (layout.micro_batch * dp))
-        if not sequence_problems(trial, model.seq_len, model.dropout):
-            mem = memory_per_gpu(model, trial, hw)
-            if mem.fits:
-                return trial, mem
-        cp *= 2
+        mem = memory_per_gpu(model, trial, hw)
+        if mem.fits:
+            return trial, mem
     return None

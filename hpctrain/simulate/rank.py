@@ -150,7 +150,8 @@ def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None 
         categories = peak_by_category(tracker)
         return Simulation(
             rank=rank, world_size=layout.world_size, pp_rank=dims.pp_rank, dp_rank=dims.dp_rank,
-            tp_rank=dims.tp_rank, cp_rank=dims.cp_rank if dims.cp > 1 else None, stages=tuple(engine.stage_ids), categories=categories,
+            tp_rank=dims.tp_rank, cp_rank=dims.cp_rank if dims.cp > 1 else None, stages=tuple(engine.stage_ids),
+            categories=categories,
             category_peaks=category_peaks(tracker), column_peaks=column_peaks(tracker),
             peak=sum(categories.values()), microbatches=microbatches, step_microbatches=step_microbatches,
             groups_held=groups_held(), group_calls=len(calls), collectives=counter.summary(),

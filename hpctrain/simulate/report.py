@@ -65,7 +65,8 @@ def simulation_lines(data: dict[str, Any]) -> list[str]:
         f" (micro-batches 1 and 2 of {data['step_microbatches']}: the later ones repeat the second's allocations)"
     lines = [f"simulation: rank {data['rank']} of {data['world_size']} (pipeline rank {data['pp_rank']}, stage(s) "
              f"{stages}; DP {data['dp_rank']}, TP {data['tp_rank']}"
-             + (f", CP {data['cp_rank']}" if data.get("cp_rank") is not None else "") + "), one training step on fake tensors, "
+             + (f", CP {data['cp_rank']}" if data.get("cp_rank") is not None else "")
+             + "), one training step on fake tensors, "
              f"{data['seconds']:.1f} s{sliced}",
              f"  {'':<18} {'planner':>10} {'torch':>10}  torch vs planner (a column: its most in the step; "
              "total: torch's peak, one moment)"]
