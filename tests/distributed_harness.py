@@ -21,10 +21,12 @@ our own children only) when the timeout expires.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -49,6 +51,12 @@ def _init_process_group(store_path: str, rank: int, world_size: int, attempt: in
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, results: Any,
            args: tuple[Any, ...], backend: str) -> None:
+    # The rank's stderr goes to a file the parent reads back: a rank killed by a signal (a C++ abort in gloo)
+    # leaves its last words there and, through faulthandler, every thread's Python stack.
+    log = open(_log_path(store_dir, rank), "w")
+    os.dup2(log.fileno(), 2)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # not pytest's capture, which the parent owns
+    faulthandler.enable(file=2, all_threads=True)
     torch.set_num_threads(1)
     if os.environ.get(gpu_rules.ENV) == "1":
         gpu_rules.install()
@@ -78,6 +86,8 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, r
         if dist.is_initialized():
             dist.destroy_process_group()
     finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(code)
 
 
@@ -99,29 +109,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
         collected: dict[int, tuple[bool, Any]] = {}
         try:
-            while len(collected) < world_size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DistributedTestError(f"timed out after {timeout:.0f} s; ranks that reported: "
-                                               f"{sorted(collected)}" + _failures(collected))
-                try:
-                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
-                    collected[rank] = (ok, pickle.loads(value))
-                    if not ok:  # one rank failed: the others may wait for it forever, give them a moment
-                        deadline = min(deadline, time.monotonic() + 10.0)
-                except queue.Empty:
-                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
-                    if dead:
-                        raise DistributedTestError(f"rank(s) {dead} died with exit codes "
-                                                   f"{[procs[i].exitcode for i in dead]}" + _failures(collected))
-            failed = _failures(collected)
-            if failed:
-                raise DistributedTestError(failed)
+            _collect(procs, results, collected, time.monotonic() + timeout, timeout, store_dir)
             for p in procs:
                 p.join(timeout=30)
+            sys.stderr.write(_logs(store_dir, world_size))  # what the ranks logged, for pytest's capture
             return [collected[r][1] for r in range(world_size)]
         finally:
             for p in procs:
@@ -131,6 +124,50 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     p.kill()
                     p.join(timeout=5)
             results.close()
+
+
+def _collect(procs: list[Any], results: Any, collected: dict[int, tuple[bool, Any]], deadline: float,
+             timeout: float, store_dir: str) -> None:
+    """Wait for every rank's result; raise on a failure, a death or the deadline, with the ranks' logs."""
+    world_size = len(procs)
+    while len(collected) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DistributedTestError(f"timed out after {timeout:.0f} s; ranks that reported: "
+                                       f"{sorted(collected)}" + _failures(collected) + _logs(store_dir, world_size))
+        try:
+            rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            collected[rank] = (ok, pickle.loads(value))
+            if not ok:  # one rank failed: the others may wait for it forever, give them a moment
+                deadline = min(deadline, time.monotonic() + 10.0)
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in collected]
+            if dead:
+                time.sleep(0.5)  # the survivors' errors, if any, are on their way
+                raise DistributedTestError(f"rank(s) {dead} died with exit codes "
+                                           f"{[procs[i].exitcode for i in dead]}" + _failures(collected)
+                                           + _logs(store_dir, world_size))
+    failed = _failures(collected)
+    if failed:
+        raise DistributedTestError(failed + _logs(store_dir, world_size))
+
+
+def _log_path(store_dir: str, rank: int) -> str:
+    return os.path.join(store_dir, f"rank{rank}.stderr")
+
+
+def _logs(store_dir: str, world_size: int, tail: int = 6000) -> str:
+    """Each rank's stderr (its last `tail` characters), for an error message or the test's captured output."""
+    out = []
+    for r in range(world_size):
+        try:
+            with open(_log_path(store_dir, r), errors="replace") as f:
+                text = f.read()
+        except FileNotFoundError:
+            continue
+        if text.strip():
+            out.append(f"\n--- rank {r} stderr ---\n{text[-tail:]}")
+    return "".join(out)
 
 
 def _failures(collected: dict[int, tuple[bool, Any]]) -> str:

@@ -44,6 +44,7 @@ from hpctrain.parallel.compile import apply_compile
 from hpctrain.parallel.context_parallel import apply_context_parallel, shard_sequence
 from hpctrain.parallel.data_parallel import (
     ExpertSharding,
+    accumulates_unsharded,
     apply_ddp,
     apply_fsdp,
     apply_replicate,
@@ -52,6 +53,7 @@ from hpctrain.parallel.data_parallel import (
 )
 from hpctrain.parallel.dims import ParallelDims
 from hpctrain.parallel.expert_parallel import apply_ep
+from hpctrain.parallel.grad_buffer import fill_as_made, fills_buffer
 from hpctrain.parallel.moe_stats import MoEStepStats
 from hpctrain.parallel.float8 import apply_float8, register_scale_precompute
 from hpctrain.parallel.groups import own_group, tied_embedding_pairs
@@ -178,6 +180,10 @@ class Engine:
                 stages = [PipelineStage(part, sid, dims.n_stages, device, group=self.pp_group)
                           for part, sid in zip(self.model_parts, self.stage_ids)]
                 self.schedule = build_schedule(stages, layout.schedule, layout.microbatches, self._pipeline_loss)
+        # ZeRO-1's gradient buffer filled as gradients are made (grad_buffer): the accumulation loop arms it
+        unsharded = accumulates_unsharded(layout.zero_stage, layout.accumulate_unsharded)
+        self.buffer_fill = fill_as_made(self.model_parts[0], self.tied_embeddings) if self.fsdp and \
+            layout.zero_stage >= 1 and fills_buffer(unsharded, layout.microbatches, dims.pp) else None
         self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
             else self.model_parts
         for layer in self.moe_layers.values():  # DDP's settling forward is no training step
@@ -342,6 +348,8 @@ class Engine:
         for i in range(n):
             with self._grad_sync(model, i == n - 1), autocast(self.cfg.precision, self.device, not self.fsdp):
                 loss = token_loss(model(inputs[i]), targets[i], self.vocab_size)
+            if self.buffer_fill is not None:
+                self.buffer_fill.arm()
             self.scaler.scale_loss(loss / n).backward()
             total += loss.detach()
         return total / n

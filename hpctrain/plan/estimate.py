@@ -13,7 +13,7 @@ from hpctrain.models import registry
 from hpctrain.models.family import Dims
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of
 from hpctrain.plan.flops import flops_per_iteration
-from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
+from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu, stage_params_per_gpu
 from hpctrain.plan.offload import offload_costs
 from hpctrain.plan.step_time import StepEstimate, StepRange, step_range
 from hpctrain.plan.types import Hardware, Layout, ModelShape, hardware
@@ -69,6 +69,16 @@ def estimate(cfg: Any, layout: Layout) -> Estimates:
     )
 
 
+def model_states_per_param(est: Estimates) -> dict[str, float]:
+    """The model-state columns over the parameters the most loaded GPU holds as built (its stage, its TP and EP
+    share, vocabulary padding included): the ZeRO paper's and Megatron's bytes per parameter (ZeRO-1 with
+    Megatron's distributed optimizer 6 + 12/N)."""
+    mem = est.memory
+    n = stage_params_per_gpu(est.model, est.layout, mem.stage)
+    states = {"params": mem.params / n, "grads": mem.grads / n, "optimizer": mem.optimizer / n}
+    return {"params_on_gpu": n, **states, "total": (mem.params + mem.grads + mem.optimizer) / n}
+
+
 def as_json(est: Estimates) -> dict[str, Any]:
     mem, st = est.memory, est.step
     return {
@@ -78,6 +88,7 @@ def as_json(est: Estimates) -> dict[str, Any]:
                                  "fits": mem.fits, "pipeline_stage": mem.stage},
         "memory_parts_bytes": [{"kind": p.kind, "name": p.name, "bytes": p.bytes, "cpu": p.cpu, "nvme": p.nvme}
                                for p in mem.parts],
+        "model_states_bytes_per_param": model_states_per_param(est),
         "flops_per_iteration": est.flops_per_iteration,
         "est_step_time_s": st.step_time_s,
         "est_tokens_per_s": st.tokens_per_s,

@@ -119,6 +119,18 @@ def fsdp_unit_params_per_gpu(model: ModelShape, layout: Layout) -> float:
     return max(_block_per_rank(model, layout.tp, layout.ep, prefix) for prefix in ("attn.", "mlp."))
 
 
+def largest_param_per_gpu(model: ModelShape, layout: Layout) -> float:
+    """The largest single parameter on one GPU, TP and EP splitting theirs (the embedding, or a block's widest
+    matrix): the fresh gradient backward holds where each is added into the buffer as it is made."""
+    family = model.family
+
+    def on_gpu(name: str, shape: tuple[int, ...]) -> float:
+        split = layout.ep if family.expert_dim(name) is not None else \
+            layout.tp if family.sharded_dim(name) is not None else 1
+        return math.prod(shape) / split
+    return max(on_gpu(name, shape) for name, shape in {**model.block_shapes(), **model.top_shapes(layout.tp)}.items())
+
+
 def layers_on_stage(model: ModelShape, layout: Layout, stage: int | None = None) -> int:
     """Layers one GPU of pipeline stage (rank) `stage` holds over its model chunks, uneven stages included; None:
     the most any pipeline rank holds (the one that sets the pipeline's pace)."""
@@ -303,7 +315,8 @@ def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     unit = fsdp_unit_params_per_gpu(model, layout)
     root = n - layers_on_stage(model, layout, stage) * layer
     sharded = shard_params_per_gpu(model, layout, stage)
-    return hpctrain_state_parts(n, layer, layout, unit, root, sharded) + embedding_grad_parts(model, layout, stage) \
+    return hpctrain_state_parts(n, layer, layout, unit, root, sharded, largest_param_per_gpu(model, layout)) \
+        + embedding_grad_parts(model, layout, stage) \
         + stage_activation_parts(model, layout, stage)
 
 

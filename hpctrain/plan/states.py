@@ -67,9 +67,13 @@ freed before the last micro-batch's reduce-scatter input is made: it counts unde
     keeps the fp32 parameter shard (FSDP2 copies it to the GPU for every all-gather, so it must stay resident)
     and the gradient shard, 8 n / N; the NVMe holds 8 n / N per GPU. The chunks streamed through host memory
     at each step (zero.nvme_chunk_mb, a few per rank) are not counted. Traffic and time: offload.py.
+  * Where gradients accumulate unsharded in a wider dtype over several micro-batches without PP (`fills_buffer`),
+    the engine adds each gradient into the reduce-dtype accumulator as backward makes it, the tied head's too
+    (hpctrain/parallel/grad_buffer.py, Megatron's main_grad hooks): no unit's fresh gradient and no held head
+    gradient beside the buffer, one parameter's fresh gradient at a time, a temporary under buffers.
 Each model-state column is its own peak over the step (what tests/parallel/test_zero_memory.py measures on gloo
 ranks): ZeRO-1 holds 2 + 4 + 12/N bytes per parameter (Megatron's distributed optimizer), ZeRO-2 2 + 16/N,
-ZeRO-3 16/N, each plus the transients `_fsdp_parts` names; the buffers column is the collectives' staging those
+ZeRO-3 16/N, ZeRO-2/3 plus the transients `_fsdp_parts` names; the buffers column is the collectives' staging those
 peaks held (one all-gather in forward, one reduce-scatter in backward), so that the parts add up to the total. docs/planner.md ("ZeRO's memory") has
 GPT-3 6.7B's figures.
 """
@@ -167,13 +171,21 @@ def gradient_reductions(layout: Layout) -> int:
     return 1 if layout.zero_stage == 0 or accumulates_unsharded(layout) else layout.microbatches
 
 
+def fills_buffer(layout: Layout) -> bool:
+    """Each gradient is added into FSDP2's reduce-dtype accumulator as backward makes it, Megatron's main_grad
+    (hpctrain/parallel/grad_buffer.py, whose `fills_buffer` says the same for the engine): where gradients
+    accumulate unsharded in a wider dtype than they are computed in, without PP."""
+    return (data_parallel_kind(layout) == "fsdp" and layout.zero_stage >= 1 and accumulates_unsharded(layout)
+            and layout.pp == 1 and layout.reduce_bytes > layout.compute_bytes)
+
+
 def split_units(layout: Layout) -> bool:
     """Each block's attention and MLP are FSDP units of their own (data_parallel.apply_fsdp: ZeRO-3)."""
     return data_parallel_kind(layout) == "fsdp" and layout.zero_stage == 3
 
 
 def hpctrain_state_parts(n: float, layer: float, layout: Layout, unit: float | None = None,
-                         root: float = 0.0, sharded: float | None = None) -> list[Part]:
+                         root: float = 0.0, sharded: float | None = None, largest: float = 0.0) -> list[Part]:
     """Parameters, gradients, optimizer state and collective buffers one GPU holds for n parameters, each column
     at its own peak
     (layer: one layer's share; unit: the largest block-level FSDP unit's, a layer unless `split_units`, None: a
@@ -186,7 +198,7 @@ def hpctrain_state_parts(n: float, layer: float, layout: Layout, unit: float | N
     if kind == "replicate":
         return _replicate_parts(n, layer, layout)
     return _fsdp_parts(n, layer, layer if unit is None else unit, root, layout,
-                       n / layout.zero_shard if sharded is None else sharded)
+                       n / layout.zero_shard if sharded is None else sharded, largest)
 
 
 def _unsharded_parts(n: float, layout: Layout) -> list[Part]:
@@ -216,7 +228,8 @@ def _replicate_parts(n: float, layer: float, layout: Layout) -> list[Part]:
     ]
 
 
-def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout, sharded: float) -> list[Part]:
+def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout, sharded: float,
+                largest: float) -> list[Part]:
     """FSDP2 fully_shard over N = zero_shard ranks (ZeRO-1/2/3), with CPU offload when configured.
 
     Measured against real gloo ranks in tests/parallel/test_zero_memory.py (torch's MemTracker, each column's
@@ -250,6 +263,8 @@ def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout
                           "the last micro-batch's reduce-scatter", held))
         if cpu:
             parts.append(Part("grads", f"fp32 gradient shard{of}", shards, True))
+        if fills_buffer(layout):
+            return parts + _filled_buffer_parts(layout, unit, largest, unit_name)
         # a unit's fresh gradient (a gradient: its own peak) is added in and freed before the last micro-batch's
         # reduce-scatter input is made; that input is staging, counted beyond the gradient it follows
         peak = (c * unit, max(r - c, 0) * unit, unit_name)
@@ -266,3 +281,15 @@ def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout
         parts.append(Part("buffers", f"the {whose}'s reduce-scatter input ({layout.reduce_dtype or layout.dtype}"
                           f"{beyond})", staged))
     return parts
+
+
+def _filled_buffer_parts(layout: Layout, unit: float, largest: float, unit_name: str) -> list[Part]:
+    """Beyond the gradient buffer where each gradient is added in as it is made (`fills_buffer`): one parameter's
+    fresh gradient at a time (a temporary, as in Megatron without gradient-accumulation fusion), and in the last
+    micro-batch one unit's reduce-scatter input, made while the rest of the buffer is still held. The root's
+    input, at the very end, is made once every block's part of the buffer has become a shard, so it is no peak
+    beside the buffer."""
+    c, r = layout.compute_bytes, layout.reduce_bytes
+    return [Part("buffers", f"one parameter's fresh {layout.dtype} gradient while it is added into the buffer",
+                 c * largest),
+            Part("buffers", f"one {unit_name}'s reduce-scatter input ({layout.reduce_dtype})", r * unit)]

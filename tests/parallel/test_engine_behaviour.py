@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from typing import Any
 
@@ -277,6 +279,24 @@ def _fails_on_rank_1(rank: int, world: int) -> int:
 def test_harness_reports_the_failing_ranks_traceback() -> None:
     with pytest.raises(DistributedTestError, match="rank one is unhappy"):
         run_distributed(_fails_on_rank_1, 2, timeout=60)
+
+
+def _aborts_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        print("rank one's last words", file=sys.stderr, flush=True)
+        os.abort()  # as a C++ exception thrown on a gloo thread ends a rank: SIGABRT, no Python traceback
+    return rank
+
+
+def test_harness_reports_a_killed_ranks_stderr_and_stacks() -> None:
+    """A rank killed by a signal reports nothing through the queue: its stderr and faulthandler's stacks are
+    what tell a CI log why."""
+    with pytest.raises(DistributedTestError) as err:
+        run_distributed(_aborts_on_rank_1, 2, timeout=60)
+    message = str(err.value)
+    assert "rank(s) [1] died with exit codes [-6]" in message
+    assert "rank one's last words" in message and "Fatal Python error: Aborted" in message
+    assert "_aborts_on_rank_1" in message  # the Python stack of the aborting thread
 
 
 def _sleeps(rank: int, world: int) -> None:

@@ -178,6 +178,16 @@ MIXED = {
     "llama_bf16_tp2_sp": (2, {**LLAMA, "precision__dtype": "bf16", "parallel__tp": 2,
                               "parallel__sequence_parallel": True}, 2e-3, 2e-2),
     "llama_bf16_zero3_mp_policy": (2, {**LLAMA, "precision__dtype": "bf16", "zero__stage": 3}, 2e-3, 2e-2),
+    # 4 micro-batches a rank: ZeRO-1's fp32 gradient buffer filled as each gradient is made (grad_buffer), the
+    # tied head's gradient through a leaf of its own
+    "bf16_zero1_buffer": (2, {"precision__dtype": "bf16", "zero__stage": 1, "train__micro_batch": 1}, 2e-3, 2e-2),
+    "llama_bf16_zero1_buffer": (2, {**LLAMA, "precision__dtype": "bf16", "zero__stage": 1, "train__micro_batch": 1},
+                                2e-3, 2e-2),
+    "bf16_zero3_accumulate_unsharded_buffer": (2, {"precision__dtype": "bf16", "zero__stage": 3,
+                                                   "zero__accumulate_unsharded": True, "train__micro_batch": 1},
+                                               2e-3, 2e-2),
+    "bf16_zero1_tp2_buffer": (4, {"precision__dtype": "bf16", "zero__stage": 1, "parallel__tp": 2,
+                                  "train__micro_batch": 1}, 2e-3, 2e-2),
     "fp16_dp2": (2, {"precision__dtype": "fp16", "precision__loss_scaling": True}, 5e-4, 5e-3),
     "fp16_zero3": (2, {"precision__dtype": "fp16", "precision__loss_scaling": True, "zero__stage": 3}, 5e-4, 5e-3),
     "fp16_tp2xpp2": (4, {"precision__dtype": "fp16", "precision__loss_scaling": True, "parallel__tp": 2,

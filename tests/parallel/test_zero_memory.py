@@ -12,14 +12,14 @@ zero.accumulate_unsharded +1.5%, where the planner counts a whole MLP's gradient
 less).
 
 The collectives' staging is a column of its own, "buffers" (torch's ALL_GATHER and REDUCE_SCATTER categories,
-hpctrain.plan.states "Columns"). Measured: the reduce-scatter input's peak is the planner's exactly (one
-layer's, under ZeRO-3 one MLP's, fp32; where gradients accumulate unsharded the planner counts it beyond the
-unit's bf16 gradient, which is freed before the input is made and stays a gradient); the all-gather outputs
+hpctrain.plan.states "Columns"). ZeRO-1 and zero.accumulate_unsharded fill their fp32 gradient buffer as
+backward makes each gradient (hpctrain/parallel/grad_buffer.py): their gradients' peak is the buffer alone, and
+one parameter's fresh bf16 gradient, a temporary to torch, is under buffers. Measured: the reduce-scatter input's
+peak is the planner's exactly (one layer's, under ZeRO-3 one MLP's, fp32); the all-gather outputs
 peak at two units (the one copied out and the next, prefetched: 2 layers under ZeRO-1/2, a block's MLP and
 attention under ZeRO-3) where the planner counts one; the column's own peak (ZeRO-1/2: the forward's two
 all-gathers or the backward's reduce-scatter, never together; ZeRO-3: the MLP's reduce-scatter and the
-attention's prefetched all-gather) is 100% of the planner's buffers column under ZeRO-1, 67% under ZeRO-2, 83%
-under ZeRO-3 and 125% under ZeRO-3 with zero.accumulate_unsharded (the freed gradient's share is under grads).
+attention's prefetched all-gather) stays within the planner's all-gather plus reduce-scatter.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ STATES = ("params", "grads", "optimizer")
 BASE = {"precision__dtype": "bf16", "precision__reduce_dtype": "fp32", "train__global_batch": 16,
         "train__micro_batch": 2,
         "model__n_layers": 4, "model__d_model": 128, "model__n_heads": 4}
-ACCUMULATE_UNSHARDED = {"zero1", "zero3_accumulate_unsharded"}
+FILLED = {"zero1", "zero3_accumulate_unsharded"}  # the fp32 buffer filled as gradients are made (grad_buffer)
 CASES = {
     "zero1": {"zero__stage": 1},
     "zero2": {"zero__stage": 2},
@@ -78,7 +78,8 @@ def _planned(overrides: dict[str, Any], world: int) -> dict[str, float]:
     layout = resolve_layout(cfg)
     mem = memory_per_gpu(model_shape(cfg.model, cfg.train.seq_len), layout, cluster_hardware(cfg.cluster))
     staged = {name: sum(p.bytes for p in mem.parts if p.kind == "buffers" and p.on_gpu and key in p.name)
-              for name, key in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"))}
+              for name, key in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
+                                ("fresh", "fresh"))}
     return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "buffers": mem.buffers, **staged}
 
 
@@ -110,18 +111,27 @@ def test_sharding_gradients_across_micro_batches_saves_their_unsharded_buffer(
     assert params["zero3"] < 0.75 * params["zero2"], params  # ZeRO-3 gathers a unit at a time
 
 
+@pytest.mark.parametrize("name", sorted(FILLED))
+def test_the_gradient_buffer_is_all_the_gradients_held(name: str, measured: dict[str, list[dict[str, int]]]) -> None:
+    """ZeRO-1 and zero.accumulate_unsharded: each gradient goes into the fp32 buffer as backward makes it (the tied
+    head's too), so the gradients' peak is the buffer, Megatron's 4 bytes a parameter, and nothing besides."""
+    plan = _planned({**BASE, **CASES[name]}, 2)
+    for rank, mine in enumerate(measured[name]):
+        assert plan["grads"] == pytest.approx(mine["grads"], rel=0.01), (rank, plan, mine)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_collective_buffers_are_counted_apart_as_torch_names_them(
         name: str, measured: dict[str, list[dict[str, int]]]) -> None:
-    """The buffers column is staging only (one unit's all-gather output, one unit's reduce-scatter input); the
-    reduce-scatter input is torch's reduce-scatter peak (where gradients accumulate unsharded, the planner counts
-    it beyond the unit's bf16 gradient, freed before it and as large as the unit's all-gather output); torch's
-    all-gather peak is one unit and its prefetched neighbour; torch's buffers column holds at most one of each."""
+    """The buffers column is staging (one unit's all-gather output, one unit's reduce-scatter input) and, where the
+    buffer is filled as gradients are made, one parameter's fresh bf16 gradient (torch counts it a temporary);
+    the reduce-scatter input is torch's reduce-scatter peak; torch's all-gather peak is one unit and its
+    prefetched neighbour; torch's buffers column holds at most one of each."""
     plan = _planned({**BASE, **CASES[name]}, 2)
-    assert plan["buffers"] == plan["all_gather"] + plan["reduce_scatter"], plan
-    reduce_scatter_input = plan["reduce_scatter"] + (plan["all_gather"] if name in ACCUMULATE_UNSHARDED else 0)
+    assert plan["buffers"] == plan["all_gather"] + plan["reduce_scatter"] + plan["fresh"], plan
+    assert (plan["fresh"] > 0) == (name in FILLED)
     for rank, mine in enumerate(measured[name]):
-        assert reduce_scatter_input == pytest.approx(mine["reduce_scatter"], rel=0.01), (rank, plan, mine)
+        assert plan["reduce_scatter"] == pytest.approx(mine["reduce_scatter"], rel=0.01), (rank, plan, mine)
         assert plan["all_gather"] <= mine["all_gather"] <= 2 * plan["all_gather"], (rank, plan, mine)
         # at most one reduce-scatter input and one all-gather output are held together
-        assert mine["buffers"] <= reduce_scatter_input + plan["all_gather"], (rank, plan, mine)
+        assert mine["buffers"] <= plan["reduce_scatter"] + plan["all_gather"], (rank, plan, mine)

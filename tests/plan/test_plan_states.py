@@ -2,11 +2,21 @@
 FSDP2 (ZeRO-1/2/3) with fp32 master shards, unsharded working parameters, sharded or unsharded accumulated
 gradients, CPU offload. tests/parallel/test_zero_memory.py measures the same on real gloo ranks."""
 
+import json
+
 import pytest
 
+from hpctrain.launch.cli import run
 from hpctrain.plan.comm import comm_per_step
-from hpctrain.plan.memory import fsdp_unit_params_per_gpu, layer_params_per_gpu, memory_per_gpu, stage_params_per_gpu
-from hpctrain.plan.states import data_parallel_kind, gradient_reductions, zero_model_states
+from hpctrain.plan.memory import (
+    embedding_grad_parts,
+    fsdp_unit_params_per_gpu,
+    largest_param_per_gpu,
+    layer_params_per_gpu,
+    memory_per_gpu,
+    stage_params_per_gpu,
+)
+from hpctrain.plan.states import data_parallel_kind, fills_buffer, gradient_reductions, zero_model_states
 from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
 
 HW = Hardware("test", 8, 80 * GiB, 312e12, 300e9, 25e9)
@@ -44,18 +54,45 @@ def test_ddp_gradients_are_full_fp32_with_or_without_accumulation():
 
 
 def test_zero1_is_megatrons_distributed_optimizer():
-    """bf16 working parameters, an fp32 gradient buffer accumulated unsharded (+ the root's held gradient and a
-    unit's fresh one), fp32 master + Adam sharded: 6 + 12/N; the buffers apart: one unit's all-gather output and
-    its fp32 reduce-scatter input beyond the bf16 gradient freed before it is made."""
+    """bf16 working parameters, an fp32 gradient buffer each gradient is added into as backward makes it
+    (hpctrain/parallel/grad_buffer.py), fp32 master + Adam sharded: 6 + 12/N exactly; the buffers apart: one
+    unit's all-gather output, one parameter's fresh bf16 gradient (the largest: an MLP matrix here) and the
+    layer's fp32 reduce-scatter input."""
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=1, grad_accum=8, reduce_dtype="fp32")
     mem, n, layer, root = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay), _root(lay)
+    assert fills_buffer(lay)
     assert mem.params == pytest.approx(4 * n / 8 + 2 * n)
-    assert mem.grads == pytest.approx(4 * n + 2 * root + 2 * layer)
+    assert mem.grads == pytest.approx(4 * n)
     assert mem.optimizer == pytest.approx(8 * n / 8)
-    assert mem.buffers == pytest.approx(2 * layer + (4 - 2) * layer)
+    largest = largest_param_per_gpu(MODEL, lay)
+    assert largest == 4 * 256 * 256 > MODEL.vocab_rows() * MODEL.d_model  # an MLP matrix beats the embedding
+    assert mem.buffers == pytest.approx(2 * layer + 2 * largest + 4 * layer)
     assert gradient_reductions(lay) == 1
+    assert (mem.params + mem.grads + mem.optimizer) / n == pytest.approx(6 + 12 / 8)
     paper = zero_model_states(n, 8, 1)  # 2 + 2 + 12/N: the paper's gradients are fp16
-    assert mem.params + mem.grads + mem.optimizer == pytest.approx(paper.total + 2 * n + 2 * root + 2 * layer)
+    assert mem.params + mem.grads + mem.optimizer == pytest.approx(paper.total + 2 * n)
+
+
+def test_the_buffer_is_filled_only_where_fsdp2_accumulates_in_a_wider_dtype():
+    """One micro-batch, PP (torch's schedules drive FSDP2) or one dtype for compute and reduction: FSDP2's own
+    accumulation, with the tied head's gradient held through backward and a unit's fresh gradient."""
+    base = dict(dp=8, tp=1, pp=1, zero_stage=1, grad_accum=8, reduce_dtype="fp32")
+    assert fills_buffer(Layout(**base))
+    assert fills_buffer(Layout(**{**base, "zero_stage": 3, "accumulate_unsharded": True}))
+    assert not fills_buffer(Layout(**{**base, "zero_stage": 2}))  # reduce-scattered every micro-batch
+    assert not fills_buffer(Layout(**{**base, "grad_accum": 1}))
+    assert not fills_buffer(Layout(**{**base, "pp": 2}))
+    assert not fills_buffer(Layout(**{**base, "reduce_dtype": "bf16"}))
+    assert not fills_buffer(Layout(**{**base, "zero_stage": 0, "tp": 2}))  # replicate
+    # under TP too (the tied head's leaf is a DTensor): only the embedding's gradient, whole on every TP rank
+    tp = Layout(**{**base, "tp": 2})
+    assert fills_buffer(tp)
+    assert memory_per_gpu(MODEL, tp, HW).grads == pytest.approx(4 * _n(tp) + _embedding_whole_share(tp))
+
+
+def _embedding_whole_share(lay: Layout) -> float:
+    """embedding_grad_parts: the TP-sharded embedding's gradient comes back whole (the other (tp-1)/tp)."""
+    return sum(p.bytes for p in embedding_grad_parts(MODEL, lay, 0) if p.kind == "grads")
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
@@ -94,7 +131,11 @@ def test_fsdp_accumulation_keeps_unsharded_gradients_in_the_reduce_dtype(reduce_
     to_accumulated_grad_if_needed upcasts the unsharded gradient to reduce_dtype (bf16 reduce: it stays .grad)."""
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=1, grad_accum=8, reduce_dtype=reduce_dtype)
     mem, n, layer, root = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay), _root(lay)
-    # the layer's bf16 gradient is added in and freed before its reduce-scatter input (r bytes) is made
+    if r == 4:  # the buffer is filled as gradients are made: it alone is the gradients
+        assert mem.grads == pytest.approx(r * n)
+        return
+    # one dtype: FSDP2's own accumulation. The layer's bf16 gradient is added in and freed before its reduce-scatter
+    # input is made; the tied head's gradient waits for the embedding's
     assert mem.grads == pytest.approx(max(r * n, 4 * n / 8) + 2 * root + 2 * layer)
     assert mem.buffers == pytest.approx(2 * layer + (r - 2) * layer)
 
@@ -113,8 +154,8 @@ def test_zero3_gathers_a_block_at_a_time_and_keeps_gradients_sharded():
     assert mem.buffers == pytest.approx(2 * mlp + 4 * mlp)
     acc = memory_per_gpu(MODEL, Layout(dp=8, tp=1, pp=1, zero_stage=3, grad_accum=8, reduce_dtype="fp32",
                                        accumulate_unsharded=True), HW)
-    assert acc.grads == pytest.approx(4 * n + 2 * root + 2 * mlp)
-    assert acc.buffers == pytest.approx(2 * mlp + (4 - 2) * mlp)
+    assert acc.grads == pytest.approx(4 * n)  # the buffer filled as gradients are made
+    assert acc.buffers == pytest.approx(2 * mlp + 2 * largest_param_per_gpu(MODEL, lay) + 4 * mlp)
 
 
 def test_fsdp_under_pp_keeps_the_stage_unsharded():
@@ -153,7 +194,7 @@ def test_cpu_offload_moves_the_fp32_shards_and_adam():
     assert mem.cpu_offload_bytes == pytest.approx((4 + 4 + 8) * n / 4)
     accum = memory_per_gpu(MODEL, Layout(dp=4, tp=1, pp=1, zero_stage=2, offload_optimizer=True, grad_accum=4,
                                          reduce_dtype="fp32", accumulate_unsharded=True), HW)
-    assert accum.grads == pytest.approx(4 * n + 2 * root + 2 * layer)  # the unsharded accumulation stays on the GPU
+    assert accum.grads == pytest.approx(4 * n)  # the unsharded buffer stays on the GPU
     assert accum.cpu_offload_bytes == pytest.approx(16 * n / 4)
 
 
@@ -191,3 +232,20 @@ def test_the_search_prices_unsharded_accumulation_against_per_micro_batch_reduce
         assert once.step.comm.dp_bytes < per_micro_batch.step.comm.dp_bytes
         assert once.tokens_per_s >= per_micro_batch.tokens_per_s
         assert once.memory.grads > per_micro_batch.memory.grads
+
+
+@pytest.mark.parametrize("stage, bound", [(1, 6 + 12 / 64), (2, 1.1 * (2 + 16 / 64)), (3, 2 * 16 / 64)])
+def test_gpt3_6_7b_on_64_gpus_meets_zeros_bytes(capsys, compose_cfg, stage: int, bound: float) -> None:
+    """Issue 31's table through the dry run's JSON: model states per parameter the GPU holds as built, ZeRO-1 at
+    Megatron's 6 + 12/N, ZeRO-2 within 1.1 x the paper's 2 + 16/N (with fp32 gradient shards: 2 + 4/N + 12/N),
+    ZeRO-3 within 2 x 16/N."""
+    cfg = compose_cfg("+experiment=175b", "model=gpt3_6.7b", "cluster.nodes=8", "parallel.dp=64", "parallel.tp=1",
+                      "parallel.pp=1", f"zero.stage={stage}", "dry_run=true", "plan.format=json")
+    assert run(cfg).code == 0
+    plan = json.loads(capsys.readouterr().out)
+    per_param = plan["model_states_bytes_per_param"]
+    assert per_param["params_on_gpu"] == plan["params_total"] + plan["vocab_padding"]["extra_params"]
+    assert per_param["total"] <= bound, per_param
+    assert per_param["total"] == pytest.approx(per_param["params"] + per_param["grads"] + per_param["optimizer"])
+    if stage == 1:
+        assert (per_param["params"], per_param["grads"], per_param["optimizer"]) == (2 + 4 / 64, 4.0, 8 / 64)
