@@ -41,8 +41,12 @@ def _fsdp_params(model: nn.Module) -> list[Any]:
     params = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                params.extend(group.fsdp_params)
+            state = module._get_fsdp_state()
+            # torch 2.13 keeps a list of groups per module; earlier releases one group (or None)
+            groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+            for group in groups:
+                if group is not None:
+                    params.extend(group.fsdp_params)
     return params
 
 
@@ -60,15 +64,24 @@ class BufferFill:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.by_param: dict[int, Any] = {}
+        self.armed = False  # every unsharded parameter hooked: later calls return at once
 
     def arm(self) -> None:
-        """Hook every unsharded parameter not hooked yet (each lives from its unit's first all-gather on)."""
+        """Hook every unsharded parameter not hooked yet (each lives from its unit's first all-gather on: after
+        the first forward, all of them)."""
+        if self.armed:
+            return
+        waiting = 0
         for fsdp_param in _fsdp_params(self.model):
-            param = getattr(fsdp_param, "_unsharded_param", None)
-            if param is None or id(param) in self.by_param or fsdp_param.reduce_dtype is None:
+            if fsdp_param.reduce_dtype is None:
                 continue
-            self.by_param[id(param)] = fsdp_param
-            param.register_post_accumulate_grad_hook(self._move(fsdp_param))
+            param = getattr(fsdp_param, "_unsharded_param", None)
+            if param is None:
+                waiting += 1
+            elif id(param) not in self.by_param:
+                self.by_param[id(param)] = fsdp_param
+                param.register_post_accumulate_grad_hook(self._move(fsdp_param))
+        self.armed = not waiting
 
     @staticmethod
     def _move(fsdp_param: Any) -> Any:

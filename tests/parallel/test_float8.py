@@ -168,9 +168,12 @@ def _fsdp_fp8(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any
             "names": sorted(n for n, _ in engine.model_parts[0].named_parameters())}
 
 
-def test_fsdp2_float8_all_gather_follows_bf16() -> None:
-    results = run_distributed(_fsdp_fp8, 2, {**SMALL, "zero__stage": 3, "precision__fp8": "tensorwise"},
-                              timeout=240)
+@pytest.mark.parametrize("zero", [{"zero__stage": 3}, {"zero__stage": 1, "train__micro_batch": 1}],
+                         ids=["zero3", "zero1_buffer"])
+def test_fsdp2_float8_all_gather_follows_bf16(zero: dict[str, Any]) -> None:
+    """ZeRO-3, and ZeRO-1 over 2 micro-batches a rank, whose fp32 gradient buffer is filled through hooks on
+    torchao's float8 weight wrappers (hpctrain/parallel/grad_buffer.py)."""
+    results = run_distributed(_fsdp_fp8, 2, {**SMALL, **zero, "precision__fp8": "tensorwise"}, timeout=240)
     for r in results:
         assert r["wrapped"] and all(r["wrapped"]), "FSDP2 shards are not torchao's float8 weight wrapper"
         for got, expected in r["scales"]:
