@@ -260,7 +260,8 @@ def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout
     if accumulates_unsharded(layout):
         held = r * n if cpu else max(r * n, shards)  # the shards replace the accumulated gradients unit by unit
         parts.append(Part("grads", f"unsharded {layout.reduce_dtype or layout.dtype} gradients, accumulated until "
-                          "the last micro-batch's reduce-scatter", held))
+                          "the last micro-batch's reduce-scatter" + (" (the buffer each gradient is added into as "
+                          "backward makes it)" if fills_buffer(layout) else ""), held))
         if cpu:
             parts.append(Part("grads", f"fp32 gradient shard{of}", shards, True))
         if fills_buffer(layout):
