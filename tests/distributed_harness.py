@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -42,13 +43,18 @@ from tests import gpu_rules
 class DistributedTestError(RuntimeError):
     """A rank raised, died or timed out; the message carries the child's traceback (and the ranks' stderr)."""
 
-    def __init__(self, message: str, killed: bool = False) -> None:
+    def __init__(self, message: str, crashed: bool = False) -> None:
         super().__init__(message)
-        self.killed = killed  # a rank was ended by a signal, not by a Python error
+        self.crashed = crashed  # a rank crashed in native code (SIGABRT, SIGSEGV, SIGBUS), not by a Python error
 
 
-class KilledRankRetried(UserWarning):
-    """A rank died by a signal and the run was repeated once: the first run's logs, for the CI log."""
+class CrashedRankRetried(UserWarning):
+    """A rank crashed in native code and the run was repeated once: the first run's logs, for the CI log."""
+
+
+# Native crashes, retried once. Not SIGKILL: tests kill ranks on purpose with it (a node dying mid-save), and so
+# does the kernel's OOM killer.
+CRASHES = {-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS}
 
 
 def _init_process_group(store_path: str, rank: int, world_size: int, attempt: int, backend: str) -> None:
@@ -108,17 +114,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     backend for CPU tensors; "cpu:gloo,cuda:gloo" is the GPU path's "cpu:gloo,cuda:nccl" on this machine.
 
     Raises DistributedTestError with the first failing rank's traceback, or on timeout (after killing
-    the children still alive). A rank killed by a signal (SIGABRT from a C++ abort in gloo was seen once in a
-    CI run of the CP layouts, and not in 79 repeats of that test here) repeats the run
-    once, with a KilledRankRetried warning carrying the first run's stderr and stacks; a second death, a
-    Python error or a timeout fails at once.
+    the children still alive). A rank that crashes in native code (`CRASHES`: a SIGABRT from a C++ abort in gloo
+    was seen once in a CI run of the CP layouts, and not in 79 repeats of that test here) repeats the run once,
+    with a CrashedRankRetried warning carrying the first run's stderr and stacks; a second crash, a rank killed
+    (SIGKILL), a Python error or a timeout fails at once.
     """
     try:
         return _run_once(fn, world_size, args, timeout, backend)
     except DistributedTestError as err:
-        if not err.killed:
+        if not err.crashed:
             raise
-        warnings.warn(KilledRankRetried(f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks: {err}"))
+        warnings.warn(CrashedRankRetried(f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks: {err}"))
     return _run_once(fn, world_size, args, timeout, backend)
 
 
@@ -169,7 +175,7 @@ def _collect(procs: list[Any], results: Any, collected: dict[int, tuple[bool, An
                 time.sleep(0.5)  # the survivors' errors, if any, are on their way
                 codes = [procs[i].exitcode for i in dead]
                 raise DistributedTestError(f"rank(s) {dead} died with exit codes {codes}" + _failures(collected)
-                                           + _logs(store_dir, world_size), killed=any(c < 0 for c in codes))
+                                           + _logs(store_dir, world_size), crashed=any(c in CRASHES for c in codes))
     failed = _failures(collected)
     if failed:
         raise DistributedTestError(failed + _logs(store_dir, world_size))

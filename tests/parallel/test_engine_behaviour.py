@@ -12,7 +12,7 @@ import torch
 
 from hpctrain.config.layout import resolve_layout
 from hpctrain.parallel.dims import ParallelDims, ParallelDimsError
-from tests.distributed_harness import DistributedTestError, KilledRankRetried, run_distributed
+from tests.distributed_harness import DistributedTestError, CrashedRankRetried, run_distributed
 from tests.parallel.layouts import LLAMA, make_cfg, rank_batches, reference
 
 PP = {"train__micro_batch": 2}
@@ -288,10 +288,10 @@ def _aborts_on_rank_1(rank: int, world: int) -> int:
     return rank
 
 
-def test_harness_reports_a_killed_ranks_stderr_and_stacks() -> None:
+def test_harness_reports_a_crashed_ranks_stderr_and_stacks() -> None:
     """A rank killed by a signal reports nothing through the queue: its stderr and faulthandler's stacks are
     what tell a CI log why."""
-    with pytest.warns(KilledRankRetried, match="rank one's last words"), pytest.raises(DistributedTestError) as err:
+    with pytest.warns(CrashedRankRetried, match="rank one's last words"), pytest.raises(DistributedTestError) as err:
         run_distributed(_aborts_on_rank_1, 2, timeout=60)  # killed twice: retried once, then it fails
     message = str(err.value)
     assert "rank(s) [1] died with exit codes [-6]" in message

@@ -230,7 +230,7 @@ def test_405b_parallel_auto_finds_a_layout_on_16384_gpus(compose_cfg, capsys) ->
 
 
 def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
-    """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 70.8 GiB, within 2% of the
+    """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 70.3 GiB, within 2% of the
     fastest layout the search finds (PP 4 x DP 8, no recomputation: 0.8% faster); FSDP over 32 GPUs needs
     selective recomputation and is 1.7x slower."""
     from hpctrain.plan.checks import check_config
@@ -239,7 +239,7 @@ def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
     est = check_config(compose_cfg("+experiment=llama3_8b_4node", "dry_run=true")).estimates
     lay = est.layout
     assert (lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.recompute) == (16, 2, 1, 1, "none")
-    assert round(est.memory.total / 2**30, 1) == 70.8 and est.memory.fits
+    assert round(est.memory.total / 2**30, 1) == 70.3 and est.memory.fits
     best = search_layouts(est.model, 32, est.hw, 512, top_k=1)[0]
     assert est.step.tokens_per_s > best.tokens_per_s / 1.02
     fsdp = cheapest_fitting(est.model, replace(lay, dp=32, tp=1, grad_accum=16, zero_stage=3,
