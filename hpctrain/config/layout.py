@@ -179,6 +179,16 @@ def data_parallel_kind(layout: Layout) -> str:
     return "replicate" if layout.tp > 1 or layout.pp > 1 or layout.ep > 1 else "ddp"
 
 
+def fills_buffer(layout: Layout) -> bool:
+    """The engine adds each gradient into FSDP2's reduce-dtype accumulator as backward makes it, Megatron's main_grad
+    (hpctrain/parallel/grad_buffer.py; the planner counts it, hpctrain.plan.states): where FSDP2 accumulates
+    unsharded (ZeRO-1, or zero.accumulate_unsharded) over several micro-batches, in a wider dtype than it
+    computes in, without PP (whose schedules drive FSDP2's accumulation themselves)."""
+    return (data_parallel_kind(layout) == "fsdp" and layout.pp == 1 and layout.microbatches > 1
+            and (layout.zero_stage == 1 or layout.accumulate_unsharded)
+            and layout.reduce_bytes > layout.compute_bytes)
+
+
 def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     """(parallel.* key, what is wrong, the fix) for every rule a layout breaks, checked in this one place."""
     out: list[tuple[str, str, str]] = []

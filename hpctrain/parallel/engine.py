@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
 
 from hpctrain import schedules
-from hpctrain.config.layout import Layout
+from hpctrain.config.layout import Layout, fills_buffer
 from hpctrain.config.schema import Config, ModelConfig, OptimConfig, PrecisionConfig
 from hpctrain.models import create_model
 from hpctrain.models.moe import ROUTING_FIELDS, moe_layers
@@ -44,7 +44,6 @@ from hpctrain.parallel.compile import apply_compile
 from hpctrain.parallel.context_parallel import apply_context_parallel, shard_sequence
 from hpctrain.parallel.data_parallel import (
     ExpertSharding,
-    accumulates_unsharded,
     apply_ddp,
     apply_fsdp,
     apply_replicate,
@@ -53,7 +52,7 @@ from hpctrain.parallel.data_parallel import (
 )
 from hpctrain.parallel.dims import ParallelDims
 from hpctrain.parallel.expert_parallel import apply_ep
-from hpctrain.parallel.grad_buffer import fill_as_made, fills_buffer
+from hpctrain.parallel.grad_buffer import fill_as_made
 from hpctrain.parallel.moe_stats import MoEStepStats
 from hpctrain.parallel.float8 import apply_float8, register_scale_precompute
 from hpctrain.parallel.groups import own_group, tied_embedding_pairs
@@ -181,9 +180,7 @@ class Engine:
                           for part, sid in zip(self.model_parts, self.stage_ids)]
                 self.schedule = build_schedule(stages, layout.schedule, layout.microbatches, self._pipeline_loss)
         # ZeRO-1's gradient buffer filled as gradients are made (grad_buffer): the accumulation loop arms it
-        unsharded = accumulates_unsharded(layout.zero_stage, layout.accumulate_unsharded)
-        self.buffer_fill = fill_as_made(self.model_parts[0], self.tied_embeddings) if self.fsdp and \
-            layout.zero_stage >= 1 and fills_buffer(unsharded, layout.microbatches, dims.pp) else None
+        self.buffer_fill = fill_as_made(self.model_parts[0], self.tied_embeddings) if fills_buffer(layout) else None
         self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
             else self.model_parts
         for layer in self.moe_layers.values():  # DDP's settling forward is no training step

@@ -11,7 +11,7 @@ Adam. FSDP2's own no-sync accumulation holds more, in the compute dtype, on top 
     autograd holds the head's contribution until the embedding's arrives at the very end of backward.
 `fill_as_made` does Megatron's part on FSDP2. A post-accumulate-grad hook on each unsharded parameter adds the
 fresh gradient into the accumulator (created in the reduce dtype by the first micro-batch's) and drops it; the
-tied head reads the embedding through a leaf of its own (`TiedHead`), whose gradient goes the same way into the
+tied head reads the embedding through a leaf of its own (`BufferFill.head_weight`), whose gradient goes the same way into the
 embedding's accumulator as soon as the head's backward makes it (under TP too: DTensor adds the head's
 vocabulary-parallel gradient to the embedding's as autograd would have). FSDP2's post-backward then finds no `.grad`
 to add, and in the last micro-batch reduce-scatters the accumulator as before. Beyond the buffer, one
@@ -19,7 +19,7 @@ parameter's fresh gradient lives at a time (Megatron's transient without gradien
 
 Only where FSDP2 accumulates in a wider dtype than it computes (reduce_dtype set: bf16 with fp32 reduction);
 with one dtype `.grad` is the accumulator and AccumulateGrad adds in place. Not under PP, whose schedules
-drive FSDP2's accumulation themselves (hpctrain.plan.states). Reads FSDP2's FSDPParam (torch 2.13):
+drive FSDP2's accumulation themselves: config.layout.fills_buffer says where. Reads FSDP2's FSDPParam (torch 2.13):
 `_unsharded_param`, which lives from the first all-gather on, and `unsharded_accumulated_grad`.
 """
 
@@ -30,11 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-
-
-def fills_buffer(accumulates_unsharded: bool, microbatches: int, pp: int) -> bool:
-    """Whether the engine fills FSDP2's accumulator as gradients are made (the planner counts the same)."""
-    return accumulates_unsharded and microbatches > 1 and pp == 1
 
 
 def _fsdp_params(model: nn.Module) -> list[Any]:

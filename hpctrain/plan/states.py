@@ -82,7 +82,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpctrain.config.layout import data_parallel_kind  # noqa: F401 (the layout owns it; planned here)
+from hpctrain.config.layout import data_parallel_kind, fills_buffer  # noqa: F401 (the layout owns them)
 from hpctrain.plan.types import Layout
 
 MIXED_PRECISION_BYTES = (2, 2, 12)  # (params, grads, optimizer K) per param, ZeRO paper sec. 3.1
@@ -169,14 +169,6 @@ def accumulates_unsharded(layout: Layout) -> bool:
 def gradient_reductions(layout: Layout) -> int:
     """Reduce-scatters (all-reduces at ZeRO-0) of the whole gradient per step: one, or one per micro-batch."""
     return 1 if layout.zero_stage == 0 or accumulates_unsharded(layout) else layout.microbatches
-
-
-def fills_buffer(layout: Layout) -> bool:
-    """Each gradient is added into FSDP2's reduce-dtype accumulator as backward makes it, Megatron's main_grad
-    (hpctrain/parallel/grad_buffer.py, whose `fills_buffer` says the same for the engine): where gradients
-    accumulate unsharded in a wider dtype than they are computed in, without PP."""
-    return (data_parallel_kind(layout) == "fsdp" and layout.zero_stage >= 1 and accumulates_unsharded(layout)
-            and layout.pp == 1 and layout.reduce_bytes > layout.compute_bytes)
 
 
 def split_units(layout: Layout) -> bool:
