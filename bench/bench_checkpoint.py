@@ -14,7 +14,8 @@ For a GPT whose model + AdamW state is a few hundred MB:
   write throughput of the save (start to durable commit) against the disk's own sequential write of the same
   bytes (a plain file, fsynced), each repeat measuring both, one after the other;
   load throughput (the manager's resume: find, check, load, set state; records verified as they are read, and
-  without verification) against a plain sequential read of the same bytes, interleaved.
+  without verification) against a plain sequential read of the same bytes into memory of their size, one
+  thread, interleaved.
 Targets: (b) <= 10% of (a); save throughput >= 80% of the raw disk; resume >= 80% of the raw read.
 
 Every figure is a median over --repeats (at least 3) repetitions in which the ways being compared run one after
@@ -29,6 +30,7 @@ defaults.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import statistics
@@ -78,15 +80,26 @@ def raw_write(path: Path, nbytes: int, block: int = 64 << 20) -> float:
     return time.perf_counter() - started
 
 
-def raw_read(paths: list[Path], block: int = 64 << 20) -> float:
-    """Seconds to read files sequentially into one reused buffer: the bytes' own read speed, no allocation."""
-    buf = memoryview(bytearray(block))
+def raw_read(paths: list[Path], into: memoryview, block: int = 64 << 20) -> float:
+    """Seconds to read files sequentially, one thread, in blocks of `block` bytes, into `into`: memory allocated
+    and touched before (no allocation or page fault timed). Given the files' size, that is a load's own work:
+    every byte placed in memory of its own, as a resume places it in the state's tensors. Given one block
+    (the bench's reference until 2026-12: a 64 MiB buffer that each call allocated anew) it reads into the same
+    memory over and over: as fast as the reads into the state where that buffer's pages were warm (reused from
+    the heap), and half as fast where they were fresh, which made the ratio of a resume swing 2x with the
+    allocator's state: printed beside, not judged."""
+    reused, at = len(into) <= block, 0
     started = time.perf_counter()
     for path in paths:
         with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
+            while n := f.readinto(into if reused else into[at:at + block]):
+                at += 0 if reused else n
     return time.perf_counter() - started
+
+
+def touched(nbytes: int) -> memoryview:
+    """Memory of nbytes, every page written once (faulted in)."""
+    return memoryview(torch.ones(nbytes, dtype=torch.uint8).numpy())
 
 
 def drop_page_cache() -> bool:
@@ -146,6 +159,7 @@ def main() -> None:
     manager = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, args.dir, "bench", 0, 1,
                                 {"model": "bench"})
     engine.before_update = manager.wait_for_staging  # as the training loop wires them
+    gc.freeze()  # as the training task does once its engine and manager are built (`train.loop._resume`)
     raw_file = args.dir / "raw.bin"
     saves = measure_saves(args, engine, manager, raw_file)
     loads = {"page cache": measure_loads(args, engine, manager, cold=False)}
@@ -254,11 +268,12 @@ def synchronous(save: Callable[[], None], target: Path) -> float:
 @dataclass
 class Loads:
     """Seconds per repeat of the manager's resume, with and without verifying each record as it is read, and of
-    a plain sequential read of the same files."""
+    a plain sequential read of the same files into memory of their size (`raw`) and into one 64 MiB block."""
 
     verified: list[float]
     unverified: list[float]
     raw: list[float]
+    raw_block: list[float]
 
 
 def measure_loads(args: argparse.Namespace, engine: Any, manager: CheckpointManager, cold: bool) -> Loads:
@@ -266,15 +281,16 @@ def measure_loads(args: argparse.Namespace, engine: Any, manager: CheckpointMana
     else from the page cache (as from a RAM tier, or a file just written)."""
     ckpt = committed_in(args.dir / "tier" / "bench")[-1]  # an absolute tier path gets the run id appended
     files = sorted(ckpt.path.iterdir())
-    times: dict[str, list[float]] = {"raw": [], "verified": [], "unverified": []}
-    raw_read(files)  # warm: the cache holds the files from here on
+    into = {"raw": touched(sum(p.stat().st_size for p in files)), "raw_block": touched(64 << 20)}
+    times: dict[str, list[float]] = {"raw": [], "verified": [], "unverified": [], "raw_block": []}
+    raw_read(files, into["raw"])  # warm: the cache holds the files from here on
     ways = list(times)
     for repeat in range(args.repeats):  # what a restart does: find the newest checkpoint, check it, load it
-        for way in ways[repeat % 3:] + ways[: repeat % 3]:  # each way first in turn: no order bias
+        for way in ways[repeat % 4:] + ways[: repeat % 4]:  # each way first in turn: no order bias
             if cold:
                 drop_page_cache()
-            if way == "raw":
-                times[way].append(raw_read(files))
+            if way in into:
+                times[way].append(raw_read(files, into[way]))
                 continue
             manager.verify_on_load = way == "verified"
             started = time.perf_counter()
@@ -330,7 +346,10 @@ def print_results(disk: Path, params: int, saves: Saves, loads: dict[str, Loads]
         print(f"  resume (find, check, load, set state):   {lv:8.3f} s  ({mb / lv:7.0f} MB/s)  records verified")
         print(f"    the same without verification:         {lu:8.3f} s  ({mb / lu:7.0f} MB/s)  "
               f"-> verification costs {lv / lu - 1:+.1%} of the load")
-        print(f"  raw sequential read:                     {lr:8.3f} s  ({mb / lr:7.0f} MB/s)")
+        print(f"  raw sequential read into memory:         {lr:8.3f} s  ({mb / lr:7.0f} MB/s)  one thread")
+        lb = med(ld.raw_block)
+        print(f"    the same into one 64 MiB block:        {lb:8.3f} s  ({mb / lb:7.0f} MB/s)  the same memory each "
+              f"time: not a load's work (resume at {statistics.median(ratios(ld.raw_block, ld.verified)):.1%} of it)")
     print("goals (median of the per-repeat ratios):")
     met = [verdict("async save blocks training, share of a synchronous save",
                    ratios(saves.async_blocked, saves.sync_blocked[1:]), 0.10, at_most=True),

@@ -55,7 +55,7 @@ from hpctrain.checkpoint.integrity import UnsafeCheckpoint, read_metadata
 
 SMALL = 1 << 20  # a record up to this size is read whole in one call and its storage copied out of the buffer
 SHARES = 4  # parts of the requested bytes per reading thread: whichever thread is free takes the next
-PIECE = 4 << 20  # a large record's storage is read and summed in pieces of this size
+PIECE = 1 << 20  # a large record's storage is read and summed in pieces of this size: each summed while in L2
 TAIL = 4096  # the end of a larger record read first: the zip64 end records and the central directory
 HEAD_SLACK = 512  # read past the storage's local header offset: its header, name and alignment padding
 

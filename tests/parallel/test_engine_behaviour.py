@@ -193,6 +193,33 @@ def test_a_checkpoint_holds_no_hyperparameters_and_a_load_keeps_the_runs_own() -
         assert torch.equal(a, b), name
 
 
+def _in_place(rank: int, world: int, overrides: dict[str, Any]) -> tuple[bool, bool]:
+    from hpctrain.parallel.engine import _loaded_in_place
+
+    cfg, engine = _engine(world, overrides)
+    engine.step(rank_batches(0, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr)
+    state = engine.state_dict()
+    whole = _loaded_in_place(state, engine.model_parts, engine.optimizers)
+    name = next(iter(state["optim"]))
+    state["optim"][name] = state["optim"][name].clone()  # one tensor of its own: the setters must run
+    return whole, _loaded_in_place(state, engine.model_parts, engine.optimizers)
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (1, {}),
+    (2, {"zero__stage": 3}),
+    (2, {**LLAMA, "parallel__tp": 2}),
+    (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
+], ids=["one_process", "zero3", "llama_tp2", "pp2_interleaved"])
+def test_a_state_loaded_in_place_is_not_set_again(world: int, overrides: dict[str, Any]) -> None:
+    """`state_dict()`'s tensors are the rank's parameters and optimizer states themselves (FSDP2's shards, TP's
+    DTensors, every virtual stage's): a checkpoint loaded into them needs no setter, which a resume skips; a
+    state holding any tensor of its own goes through torch's setters. The resumes that end bit-identical to
+    unbroken runs (`tests/checkpoint`) take the skipping path."""
+    flags = run_distributed(_in_place, world, overrides, timeout=120) if world > 1 else [_in_place(0, 1, overrides)]
+    assert all(whole and not cloned for whole, cloned in flags), flags
+
+
 # ---- pipeline stage sizes (the plan's numbers) ----------------------------------------------------------------
 
 def test_stage_param_counts_tiny_model_matches_engine() -> None:
