@@ -30,6 +30,7 @@ UP_TIMEOUT=${HPCTRAIN_SLURM_TIMEOUT:-60}
 CLUSTER=hpctrain-dev
 BRIDGE=hpcslurm0
 NS_PREFIX=hpcslurm-          # network namespaces: /run/netns/hpcslurm-n1 ...
+FREEZER=/sys/fs/cgroup/freezer  # each node's processes in a freezer cgroup of its own, where the machine has one
 VETH_PREFIX=hpcs-            # host side of each node's veth pair: hpcs-n1 ...
 CTL_ADDR=$SUBNET.1
 CTL_HOST=$(hostname -s)
@@ -434,16 +435,25 @@ start_slurmctld() {
     fi
 }
 
+node_freezer() {  # node -> its freezer cgroup (cgroup v1: every process slurmd forks stays in it), made here;
+    # nothing where this machine has none or may not make one (kill-node then stops the processes one by one)
+    local cg=$FREEZER/hpctrain-dev-$1
+    mkdir -p "$cg" 2>/dev/null && [[ -w $cg/freezer.state && -w $cg/cgroup.procs ]] && echo "$cg"
+    return 0
+}
+
 start_slurmd() {  # node
-    local n=$1 ns=$NS_PREFIX$1
+    local n=$1 ns=$NS_PREFIX$1 cg
     [[ -n $(daemon_pid "$RUN/slurmd-$n.pid" slurmd) ]] && return 0
     mkdir -p "$S/nodes/$n/spool"
-    say "starting slurmd $n ($(node_addr "$n"), namespace $ns)"
+    cg=$(node_freezer "$n")
+    [[ -z $cg ]] || echo THAWED >"$cg/freezer.state"
+    say "starting slurmd $n ($(node_addr "$n"), namespace $ns${cg:+, cgroup $cg})"
     # Not `ip netns exec`: it remounts /sys and slurmd dies ("No filesystem mounted on /sys/fs/cgroup").
     # /dev/shm is the node's own RAM, as on real nodes: a tmpfs in its mount namespace, gone when the node dies
     # (kill-node ends every process holding it), empty when it comes back.
     nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private \
-        sh -c "hostname $n && mount --bind $S/nodes/$n/hosts /etc/hosts \
+        sh -c "${cg:+echo \$\$ >$cg/cgroup.procs && }hostname $n && mount --bind $S/nodes/$n/hosts /etc/hosts \
                && mount -t tmpfs -o size=$NODE_SHM,mode=1777 tmpfs /dev/shm \
                && exec slurmd -f $CONF -N $n" 9>&- </dev/null \
         || { tail -20 "$LOG/slurmd-$n.log" >&2 || true; die "slurmd $n failed to start"; }
@@ -583,6 +593,7 @@ cmd_down() {
     stop_daemon "$MUNGE_DIR/munged.pid" munged
     teardown_network
     remove_host_files
+    rmdir "$FREEZER"/hpctrain-dev-* 2>/dev/null || true  # the nodes' cgroups, empty once their processes ended
     say "down (state and logs kept in $S)"
 }
 
@@ -631,10 +642,25 @@ cmd_kill_node() {  # node [--silent]: a node dies: SIGKILL its slurmd and everyt
     if [[ ${2:-} == --silent ]]; then ip link set "$VETH_PREFIX$n" down; fi
     # A node dies at once: none of its processes may see another die first and act on it (srun forks a child
     # that ends the whole step, on every node, when its parent dies before it). So all of them are stopped
-    # before any is killed, and looked at again until every one is: a look finds what was forked meanwhile,
-    # and a process a parent continued (slurmstepd sends SIGCONT to a child it sees stop, if it is stopped
-    # after the child: seen in CI as "srun: got SIGCONT", then srun ending the step on the other nodes).
-    local stopped="" running _
+    # before any is killed. Where the node has a freezer cgroup, the kernel freezes all of them in one write
+    # (what it forks meanwhile included; nothing frozen runs, whatever signal it is sent). Else each is sent
+    # SIGSTOP, and looked at again until every one is stopped: a look finds what was forked meanwhile, and a
+    # process a parent continued (slurmstepd sends SIGCONT to a child it sees stop, if it is stopped after the
+    # child: seen in CI as "srun: got SIGCONT", then srun ending the step on the other nodes, twice).
+    local stopped="" running _ cg=$FREEZER/hpctrain-dev-$n
+    if [[ -w $cg/freezer.state && -n $(cat "$cg/cgroup.procs" 2>/dev/null) ]]; then  # (a cgroup file's size is 0)
+        echo FROZEN >"$cg/freezer.state"
+        for _ in $(seq 100); do [[ $(<"$cg/freezer.state") == FROZEN ]] && break; sleep 0.05; done
+        stopped=$(sort -un "$cg/cgroup.procs" | xargs)
+        say "killing node $n: $(echo $stopped | wc -w) process(es), frozen ($(<"$cg/freezer.state"))"
+        # shellcheck disable=SC2086
+        [[ -z $stopped ]] || kill -KILL $stopped 2>/dev/null || true
+        echo THAWED >"$cg/freezer.state"  # they die as they thaw
+        stopped=$(live_pids $(node_ns_pids "$n"))  # anything outside the cgroup (a node started before it)
+        # shellcheck disable=SC2086
+        [[ -z $stopped ]] || kill -KILL $stopped 2>/dev/null || true
+        return 0
+    fi
     for _ in 1 2 3 4 5 6; do
         stopped=$(echo $stopped $(live_pids $(node_ns_pids "$n")) | tr ' ' '\n' | sort -un | xargs)
         [[ -n $stopped ]] || break
