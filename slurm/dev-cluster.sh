@@ -647,8 +647,9 @@ cmd_kill_node() {  # node [--silent]: a node dies: SIGKILL its slurmd and everyt
     # SIGSTOP, and looked at again until every one is stopped: a look finds what was forked meanwhile, and a
     # process a parent continued (slurmstepd sends SIGCONT to a child it sees stop, if it is stopped after the
     # child: seen in CI as "srun: got SIGCONT", then srun ending the step on the other nodes, twice).
-    local stopped="" running _ cg=$FREEZER/hpctrain-dev-$n
-    if [[ -w $cg/freezer.state && -n $(cat "$cg/cgroup.procs" 2>/dev/null) ]]; then  # (a cgroup file's size is 0)
+    local stopped="" running _ cg
+    cg=$(node_freezer "$n")
+    if [[ -n $cg && -n $(<"$cg/cgroup.procs") ]]; then  # (not `-s`: a cgroup file's size is 0)
         echo FROZEN >"$cg/freezer.state"
         for _ in $(seq 100); do [[ $(<"$cg/freezer.state") == FROZEN ]] && break; sleep 0.05; done
         stopped=$(sort -un "$cg/cgroup.procs" | xargs)
