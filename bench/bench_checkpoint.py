@@ -21,10 +21,11 @@ Targets: (b) <= 10% of (a); save throughput >= 80% of the raw disk; resume >= 80
 Every figure is a median over --repeats (at least 3) repetitions in which the ways being compared run one after
 the other (A B C A B C ..., the first of each repetition rotated), and each goal is judged on the median of the
 per-repetition ratios: a ratio of two neighbours in time, so that a noisy moment of a shared machine moves both.
-The machine's load average is printed beside the results. About 2 minutes on a quiet 2-core machine with the
-defaults.
+The machine's load average is printed beside the results. The default is 7 repetitions: a virtual disk's own
+reads spread 2x-4x between neighbouring repetitions (53-242% in one run), and a median of 3 of those is one
+noisy moment. About 2 minutes on a quiet 2-core machine with the defaults.
 
-    python bench/bench_checkpoint.py [--layers 12 --d-model 640] [--dir /tmp/hpctrain-bench-ckpt] [--repeats 3]
+    python bench/bench_checkpoint.py [--layers 12 --d-model 640] [--dir /tmp/hpctrain-bench-ckpt] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--d-model", type=int, default=640)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/hpctrain-bench-ckpt"))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error("--repeats must be at least 3: a median of fewer is one noisy moment's figure")

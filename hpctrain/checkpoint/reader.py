@@ -42,7 +42,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
-import crc32c
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -51,12 +50,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from hpctrain.checkpoint.integrity import UnsafeCheckpoint, read_metadata
+from hpctrain.checkpoint.integrity import UnsafeCheckpoint, read_metadata, update
 
 SMALL = 1 << 20  # a record up to this size is read whole in one call and its storage copied out of the buffer
 SHARES = 4  # parts of the requested bytes per reading thread: whichever thread is free takes the next
 PIECE = 1 << 20  # a large record's storage is read and summed in pieces of this size: each summed while in L2
 TAIL = 4096  # the end of a larger record read first: the zip64 end records and the central directory
+MAX_THREADS = 4  # reading threads at most (more were never measured)
 HEAD_SLACK = 512  # read past the storage's local header offset: its header, name and alignment padding
 
 _EOCD = struct.Struct("<4sHHHHIIH")  # end of central directory
@@ -291,6 +291,13 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
+def reading_threads() -> int:
+    """One reading thread per core this process may run on, at most MAX_THREADS. From the page cache a read is a
+    copy and a CRC32C, both CPU work: a thread more than the cores only waits for one (2 threads read 2-3% faster
+    than 4 on 2 cores, docs/checkpoint.md). A GPU node's rank has its cores (`cpus_per_task`) and gets 4."""
+    return max(1, min(MAX_THREADS, len(os.sched_getaffinity(0))))
+
+
 class _Dest(NamedTuple):
     """A request's destination, resolved before the reads start (its bytes when it is a contiguous CPU tensor):
     the reading threads then make no torch calls on the direct path, each of which would hand the GIL over."""
@@ -311,10 +318,10 @@ class FastReader(dcp.FileSystemReader):
     """DCP's file reader that reads records straight into their destinations, a rank's files in parallel, and
     checks each record's CRC32C (when `.metadata` holds one and `verify` is on)."""
 
-    def __init__(self, path: str | os.PathLike, verify: bool = True, threads: int = 4) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True, threads: int | None = None) -> None:
         super().__init__(path)
         self.verify = verify
-        self.threads = threads
+        self.threads = threads or reading_threads()
         self.stats: Counter[str] = Counter()  # read requests by way: direct, staged, torch_load, bytes
         self._planner_lock = threading.Lock()  # DCP's planners are written for one reading thread
         self._metadata: dict[str, Metadata] = {}  # by path: a load asks twice (its caller plans, then dcp.load)
@@ -395,7 +402,7 @@ class FastReader(dcp.FileSystemReader):
         checksum = getattr(info, "checksum", None) if self.verify else None
         if read is not None:  # a small record: its storage is copied out of the run's buffer
             if checksum is not None:
-                _check(crc32c.crc32c(read), checksum)
+                _check(update(read), checksum)
             found = directory(read, 0) if kind == LoadItemType.TENSOR and not info.transform_descriptors else None
             stored = locate(read, found, info.length) if found is not None else None
             if stored is None:
@@ -426,13 +433,13 @@ class FastReader(dcp.FileSystemReader):
             return self._commit(stored, record, staging, planner)
         after = max(head_end, stored.end)  # the first byte that neither the head nor the storage holds
         gap = memoryview(bytearray(max(0, tail_start - after)))
-        value, at = crc32c.crc32c(head), info.offset + head_end
+        value, at = update(head), info.offset + head_end
         for start in range(0, len(rest), PIECE):  # each piece summed right after it is read: still in the cache
             piece = rest[start:start + PIECE]
             _fill(fd, [piece], at)
-            value, at = crc32c.crc32c(piece, value), at + len(piece)
+            value, at = update(piece, value), at + len(piece)
         _fill(fd, [gap], at)
-        _check(crc32c.crc32c(tail[max(0, after - tail_start):], crc32c.crc32c(gap, value)), checksum)
+        _check(update(tail[max(0, after - tail_start):], update(gap, value)), checksum)
         return self._commit(stored, record, staging, planner)
 
     def _commit(self, stored: Stored, record: _Record, staging: torch.Tensor | None, planner: LoadPlanner) -> str:
@@ -524,7 +531,7 @@ def _whole(fd: int, info: _StorageInfo, checksum: str | None) -> bytes:
     view = memoryview(bytearray(info.length))
     _fill(fd, [view], info.offset)
     if checksum is not None:
-        _check(crc32c.crc32c(view), checksum)
+        _check(update(view), checksum)
     return cast(bytes, view.obj)
 
 

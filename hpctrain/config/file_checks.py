@@ -514,10 +514,10 @@ def _manifest_sealed(manifest: dict[str, Any]) -> bool:
     """hpctrain.checkpoint.integrity.seal_problem is None (a manifest from before seals is trusted)."""
     if SEAL not in manifest:
         return True
-    import crc32c
+    from fastcrc.crc32 import iscsi as crc32c
 
     body = {k: v for k, v in manifest.items() if k != SEAL}
-    return manifest[SEAL] == f"{crc32c.crc32c(json.dumps(body, sort_keys=True).encode()):08x}"
+    return manifest[SEAL] == f"{crc32c(json.dumps(body, sort_keys=True).encode()):08x}"
 
 
 def newest_checkpoint(cfg: Config, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:

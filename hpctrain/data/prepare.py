@@ -58,8 +58,9 @@ import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing.pool import AsyncResult
+from multiprocessing.pool import AsyncResult, Pool
 from pathlib import Path
 from typing import IO, Callable, Iterable, Iterator, Sequence
 
@@ -584,7 +585,7 @@ def _tokenize(work: Iterable[Work], writer: IndexedDatasetWriter, tokenizer: Tok
         progress.wrote(lengths.size, ids.size)
 
     context = multiprocessing.get_context("spawn")  # no fork: the parent may hold tokenizers' threads
-    with context.Pool(workers, _start_worker, (tokenizer.to_str(), eod, writer.dtype.name)) as pool:
+    with _finished(context.Pool(workers, _start_worker, (tokenizer.to_str(), eod, writer.dtype.name))) as pool:
         pending: deque[tuple[str, AsyncResult, bool]] = deque()
         for kind, payload, last in work:
             pending.append((kind, pool.apply_async(_encode if kind == "documents" else _encode_piece, (payload,)),
@@ -594,6 +595,25 @@ def _tokenize(work: Iterable[Work], writer: IndexedDatasetWriter, tokenizer: Tok
         while pending:
             write(*pending.popleft())
     return documents, tokens
+
+
+@contextmanager
+def _finished(pool: Pool) -> Iterator[Pool]:
+    """The pool, closed and joined when the block ends, also by an error: the tasks still in flight (at most two per
+    worker) finish, then the workers exit. `Pool.__exit__` terminates instead, and terminating with tasks in flight
+    can leave CPython's task-handler thread waiting for the input queue's lock for ever (seen once in the test
+    suite, Python 3.11: a bad line half-way through a corpus hung `prepare`). An interrupt still terminates."""
+    try:
+        yield pool
+    except Exception:
+        pool.close()
+        pool.join()
+        raise
+    except BaseException:
+        pool.terminate()
+        raise
+    pool.close()
+    pool.join()
 
 
 def prepare(inputs: Sequence[str | Path], output: str | Path, tokenizer: str | Path | None = None,

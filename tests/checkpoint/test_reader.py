@@ -5,6 +5,7 @@ records (a flipped bit, a cut file) refused by name."""
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from contextlib import contextmanager
 from pathlib import Path
@@ -402,3 +403,15 @@ def test_the_error_crosses_ranks_intact() -> None:
     error = pickle.loads(pickle.dumps(CorruptCheckpoint("__1_0.distcp", ["a", "b"], ["x", "y"])))
     assert (error.file, error.records, str(error)) == ("__1_0.distcp", ["a", "b"], "__1_0.distcp: x; y")
 
+
+
+def test_one_reading_thread_per_core_the_process_may_use_at_most_four() -> None:
+    """From the page cache a read is CPU work (the copy and the CRC32C): a thread more than the cores only waits."""
+    allowed = os.sched_getaffinity(0)
+    assert FastReader("unused").threads == min(4, len(allowed))
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        assert FastReader("unused").threads == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert FastReader("unused", threads=3).threads == 3
