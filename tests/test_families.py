@@ -10,7 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain.config.schema import ModelConfig
+from hpctrain.config.checks import check_schema
+from hpctrain.config.problems import ConfigError
+from hpctrain.config.schema import Config, ModelConfig
 from hpctrain.models import registry
 from hpctrain.models.family import Dims, Family
 
@@ -38,7 +40,7 @@ def _names() -> set[str]:
 
 def architecture_branches(source: str, names: set[str]) -> list[str]:
     """Lines that decide by a family's name: a comparison or membership test against it, a dict keyed by it, a
-    match case on it, or an attribute of the ModelArch enum."""
+    or match case on it."""
     found: list[str] = []
     for node in ast.walk(ast.parse(source)):
         consts: list[ast.expr] = []
@@ -49,8 +51,6 @@ def architecture_branches(source: str, names: set[str]) -> list[str]:
             consts = [k for k in node.keys if k is not None]
         elif isinstance(node, ast.MatchValue):
             consts = [node.value]
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ModelArch":
-            found.append(f"line {node.lineno}: ModelArch.{node.attr}")
         found += [f"line {c.lineno}: {c.value!r}" for c in consts
                   if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in names]
     return found
@@ -73,11 +73,10 @@ if arch == "gpt": pass
 kv = n if arch_of(m) == "llama" else 0
 if kind in ("gpt2", "llama"): pass
 table = {"gpt": 1}
-if m.arch == ModelArch.llama: pass
 match kind:
     case "LlamaForCausalLM": pass
 """
-    assert len(architecture_branches(planted, names)) == 7
+    assert len(architecture_branches(planted, names)) == 6
     assert architecture_branches('if schedule == "1f1b": pass\nname = "llama"  # a value, not a branch\n', names) == []
 
 
@@ -145,19 +144,19 @@ def test_a_registered_family_is_accepted_until_unregistered() -> None:
     new name; unregister takes it out again, and hpctrain's own families stay."""
     from dataclasses import replace
 
-    from omegaconf.errors import ValidationError
-
     family = replace(registry.get("gpt"), name="gpt_other")
+    config = OmegaConf.structured(Config)
+    config.model.merge_with({"name": "other", "arch": "gpt_other"})
     registry.register(family)
     try:
-        m = OmegaConf.merge(OmegaConf.structured(ModelConfig), {"arch": "gpt_other"})
-        assert registry.family_of(m) is family
+        check_schema(config)
+        assert registry.family_of(config.model) is family
         with pytest.raises(ValueError, match="already registered"):
             registry.register(family)
     finally:
         registry.unregister("gpt_other")
-    with pytest.raises(ValidationError, match="gpt_other"):
-        OmegaConf.merge(OmegaConf.structured(ModelConfig), {"arch": "gpt_other"})
+    with pytest.raises(ConfigError, match=r"model.arch: 'gpt_other' is not a model family\n.*The families: gpt, llama"):
+        check_schema(config)
     with pytest.raises(ValueError, match="one of hpctrain's own"):
         registry.unregister("gpt")
     assert set(registry.FAMILIES) == registry.BUILT_IN

@@ -43,12 +43,20 @@ from hpctrain.models.registry import FAMILIES, family_of
 
 
 def check_schema(cfg: Any) -> None:
-    """Keys added with Hydra's `+key=value` bypass the schema during composition: catch them here."""
+    """Keys added with Hydra's `+key=value` bypass the schema during composition: catch them here. And
+    model.arch names a registered family (a string in the schema, so that a family registered at run time,
+    a site's or a test's, needs no change to it)."""
     try:
-        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
     except ConfigKeyError as err:
         key = str(err.full_key)
         raise ConfigError([Problem(key, "is not a key of hpctrain's config schema", _suggest(key))]) from None
+    arch = merged.model.arch
+    if arch not in FAMILIES:
+        close = difflib.get_close_matches(arch, list(FAMILIES), n=1)
+        raise ConfigError([Problem("model.arch", f"{arch!r} is not a model family",
+                                   (f"did you mean model.arch={close[0]}? " if close else "")
+                                   + f"The families: {', '.join(FAMILIES)} (hpctrain.models.registry)")])
 
 
 def _suggest(key: str) -> str:

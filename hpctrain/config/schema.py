@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from hpctrain.models.registry import DEFAULT as DEFAULT_FAMILY, FAMILIES
+from hpctrain.models.registry import DEFAULT as DEFAULT_FAMILY
 from hpctrain.schedules import RUNNABLE
 
 
@@ -56,28 +56,6 @@ class PlanFormat(str, Enum):
     json = "json"
 
 
-# model.arch: one member per model family (hpctrain.models.registry), so composition refuses an unknown one
-ModelArch = Enum("ModelArch", {name: name for name in FAMILIES}, type=str)  # type: ignore[misc]
-
-
-def sync_model_arch() -> None:
-    """Give ModelArch one member per family again after `registry.register`/`unregister` (a family defined outside
-    hpctrain: a test's, a site's); configs composed afterwards accept, or refuse, its name."""
-    enum: Any = ModelArch  # its members, not a branch on one (tests/test_families.py)
-    for name in [n for n in enum._member_names_ if n not in FAMILIES]:
-        enum._member_names_.remove(name)
-        enum._value2member_map_.pop(name, None)
-        del enum._member_map_[name]
-        type.__delattr__(enum, name)
-    for name in [n for n in FAMILIES if n not in enum._member_map_]:
-        member = str.__new__(enum, name)
-        member._name_, member._value_, member.__objclass__ = name, name, enum
-        member._sort_order_ = len(enum._member_names_)
-        enum._member_map_[name] = enum._value2member_map_[name] = member
-        enum._member_names_.append(name)
-        type.__setattr__(enum, name, member)
-
-
 @dataclass
 class RopeConfig:
     theta: float = 10000.0  # base of the rotary frequencies (Llama 3: 500000)
@@ -111,7 +89,7 @@ class MoEConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    arch: ModelArch = ModelArch[DEFAULT_FAMILY]  # type: ignore[misc]
+    arch: str = DEFAULT_FAMILY  # a family of hpctrain.models.registry (`check_schema` names the known ones)
     n_layers: int = MISSING
     d_model: int = MISSING
     n_heads: int = MISSING

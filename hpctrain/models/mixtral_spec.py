@@ -51,7 +51,7 @@ def shape_problems(m: ModelConfig) -> list[ShapeProblem]:
     out = llama_spec.shape_problems(m)
     moe = m.moe
     if moe.n_experts < 1:
-        out.append(("model.moe.n_experts", f"model.arch={m.arch.value if hasattr(m.arch, 'value') else m.arch} "
+        out.append(("model.moe.n_experts", f"model.arch={m.arch} "
                     f"is a Mixture of Experts, but model.moe.n_experts={moe.n_experts}",
                     "set model.moe.n_experts (Mixtral 8, Qwen3-MoE 128), or a dense arch (llama, qwen3)"))
         return out

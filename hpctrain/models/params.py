@@ -54,7 +54,7 @@ def kv_heads_of(model: ModelConfig) -> int:
 
 
 def arch_of(model: ModelConfig) -> str:
-    """The config's model family (model.arch) as a plain string, whether OmegaConf gives the enum or not."""
+    """The config's model family (model.arch), checked against the registry."""
     return registry.family_of(model).name
 
 

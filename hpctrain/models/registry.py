@@ -27,9 +27,6 @@ def register(family: Family) -> None:
     if family.name in FAMILIES:
         raise ValueError(f"model arch {family.name!r} is already registered")
     FAMILIES[family.name] = family
-    from hpctrain.config.schema import sync_model_arch  # model.arch's enum, made from FAMILIES at import
-
-    sync_model_arch()
 
 
 def unregister(name: str) -> None:
@@ -37,9 +34,6 @@ def unregister(name: str) -> None:
     if name in BUILT_IN:
         raise ValueError(f"model arch {name!r} is one of hpctrain's own families")
     FAMILIES.pop(name, None)
-    from hpctrain.config.schema import sync_model_arch
-
-    sync_model_arch()
 
 
 def get(name: str) -> Family:
@@ -51,8 +45,8 @@ def get(name: str) -> Family:
 
 
 def family_of(model: Any) -> Family:
-    """The family of a config's `model` section, whether OmegaConf gives model.arch as the enum or a string."""
-    return get(str(getattr(model.arch, "value", model.arch)))
+    """The family of a config's `model` section."""
+    return get(model.arch)
 
 
 def for_hf(model_type: Any) -> Family:

@@ -40,7 +40,6 @@ class ModelShape:
     head_dim: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "arch", str(getattr(self.arch, "value", self.arch)))
         object.__setattr__(self, "n_kv_heads", int(self.n_kv_heads) or self.n_heads)
         object.__setattr__(self, "ffn_hidden", int(self.ffn_hidden) or self.ffn_mult * self.d_model)
         object.__setattr__(self, "head_dim", int(self.head_dim) or self.d_model // self.n_heads)

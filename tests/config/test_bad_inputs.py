@@ -166,6 +166,7 @@ BAD = [
                       "precision.fp8=tensorwise"], "model.ffn_hidden", "336 / tp 2 = 168 is not a multiple of 16"),
     ("fp8-emulated-compile", ["precision=bf16", "precision.fp8=tensorwise", "parallel.compile=true"],
      "parallel.compile", "emulation (gpu_type=cpu) does not support torch.compile"),
+    ("arch-unknown", ["model.arch=lama"], "model.arch", "'lama' is not a model family"),
     # issue 32: Mixture of Experts (model.moe, parallel.ep)
     ("moe-keys-on-dense", ["model=llama_tiny", "model.moe.n_experts=8"], "model.moe.n_experts",
      "model.arch=llama is a dense model"),
@@ -276,6 +277,7 @@ SCHEMA = [
     (["precision.dtype=fp8"], "precision.dtype"),  # not a precision
     (["+model.n_layer=3"], "did you mean model.n_layers?"),  # added with +: caught by hpctrain's own check
     (["train.max_steps=1e20"], "train.max_steps"),  # a float for an integer; 10**20 itself: max-steps-overflow
+    (["model.arch=lama"], "did you mean model.arch=llama?"),  # a family's name mistyped
 ]
 
 
