@@ -39,6 +39,12 @@ class StaleAttempt(RuntimeError):
 class Lease:
     token: int
     job_id: str
+    previous_job: str | None = None  # who held the run when this attempt took it (None: nobody, or not known)
+
+    def displaced_another_job(self) -> bool:
+        """Another job held the run: it may still be training (a run started twice) until its watch reads the
+        token. An earlier attempt of this job (a restart inside the allocation) has ended before this one began."""
+        return self.previous_job is not None and self.previous_job != self.job_id
 
 
 def take_lease(run_dir: Path, job_id: str) -> Lease:
@@ -48,7 +54,8 @@ def take_lease(run_dir: Path, job_id: str) -> Lease:
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         held = current_lease(run_dir)
-        lease = Lease(token=(held.token if held else 0) + 1, job_id=str(job_id))
+        lease = Lease(token=(held.token if held else 0) + 1, job_id=str(job_id),
+                      previous_job=held.job_id if held else None)
         tmp = path.with_suffix(f".tmp.{os.getpid()}")
         with open(tmp, "w") as f:
             json.dump({"token": lease.token, "job_id": lease.job_id, "host": socket.gethostname(),
@@ -57,6 +64,14 @@ def take_lease(run_dir: Path, job_id: str) -> Lease:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     return lease
+
+
+def settle_time(lease: Lease, taken_at: float, interval_s: float) -> float:
+    """When an attempt that took `lease` at `taken_at` may first write into the run: at once, unless it displaced
+    another job's attempt, which may still be training; then after two of that attempt's watch intervals, by
+    which its watch has read the token (and it writes nothing from then on, `LeaseWatch.lost`). Without this, a
+    new attempt that loads a small checkpoint in under a second wrote metrics between the old attempt's last ones."""
+    return taken_at + 2 * interval_s if lease.displaced_another_job() else taken_at
 
 
 def current_lease(run_dir: Path) -> Lease | None:

@@ -53,7 +53,7 @@ from hpctrain.records.failures import (
 from hpctrain.records.fingerprint import fingerprint_of
 from hpctrain.records.history import ATTEMPT_MARKS
 from hpctrain.records.jobs import write_completed, write_report
-from hpctrain.records.lease import LeaseWatch, StaleAttempt, current_lease, holds, take_lease
+from hpctrain.records.lease import LeaseWatch, StaleAttempt, current_lease, holds, settle_time, take_lease
 from hpctrain.tracking.tracker import Tracker
 from hpctrain.train.control import StepControl
 from hpctrain.train.faults import Fault
@@ -208,6 +208,7 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
                              pin=device.type == "cuda", ahead=cfg.data.prefetch, vocab_size=cfg.data.vocab_size)
         validation = Validation(cfg, layout, engine, data.valid) if t.eval_every else None
         if env.is_main:
+            time.sleep(max(0.0, settle_time(taken, timeline["leased"], cfg.run.lease_check_s) - time.time()))
             tracker = Tracker(cfg, run_dir, str(cfg.run.id), OmegaConf.to_container(cfg, resolve=True))
             for e in ckpt.events:  # what the resume did: the tier used and the ones skipped, and why
                 tracker.event(e.pop("event"), **e)
@@ -243,7 +244,7 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
             evaluated = validation.after_step(done) if validation is not None else {}
             if evaluated:
                 watchdog.touch()  # the next step's hang limit starts after the evaluation
-            if tracker is not None:
+            if tracker is not None and not watch.lost():  # lost during this step: stop at the next, writing nothing
                 reporter.step(tracker, done, consumed, stats, lr, step_time, ckpt.events, monitor_out,
                               {"data_wait_s": reader.wait_s, "ckpt_s": ckpt_s, **compiling.report(), **evaluated})
                 if done == start_step + 1:  # how long this attempt took to train again, part by part

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from hpctrain.launch import supervise
 from hpctrain.records.jobs import append_job
-from hpctrain.records.lease import Lease, LeaseWatch, current_lease, holds, superseded, take_lease
+from hpctrain.records.lease import Lease, LeaseWatch, current_lease, holds, settle_time, superseded, take_lease
 from tests.checkpoint import training
 from tests.checkpoint.test_checkpoint import config, steps_in, tiers
 from tests.checkpoint.training import metrics, train
@@ -24,6 +24,16 @@ def test_tokens_go_up_and_only_the_newest_holds(tmp_path: Path) -> None:
     second = take_lease(tmp_path, "101")
     assert (first.token, second.token) == (1, 2) and current_lease(tmp_path).job_id == "101"
     assert holds(tmp_path, second) and not holds(tmp_path, first)
+
+
+def test_an_attempt_that_displaced_another_job_waits_for_its_watch_before_writing(tmp_path: Path) -> None:
+    """The old attempt's watch reads the token within one interval and it writes nothing after that; the new
+    one holds its first write two intervals. A restart of the same job, or the first attempt, writes at once."""
+    first = take_lease(tmp_path, "100")
+    again = take_lease(tmp_path, "100")  # the same job restarted inside its allocation: its workers ended first
+    other = take_lease(tmp_path, "101")  # another job: the first may still be training
+    assert (first.previous_job, again.previous_job, other.previous_job) == (None, "100", "100")
+    assert [settle_time(lease, 1000.0, 1.5) for lease in (first, again, other)] == [1000.0, 1000.0, 1003.0]
 
 
 def test_an_attempt_that_lost_the_lease_stops_without_writing(compose_cfg, tmp_path: Path, monkeypatch) -> None:
