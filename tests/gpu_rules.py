@@ -13,8 +13,11 @@ rules this covers and the ones only `tools/gpu_check.py` on a GPU can see):
   code path raises one call later, at `set_device`.)
 - threads: a collective on a device group (one that would be NCCL: the default group and every group that
   inherits its backends, the mesh's included) from a thread other than the one that created the default
-  group. Two threads issuing on one NCCL communicator interleave differently per rank and deadlock;
-  background work belongs on a group made with backend="gloo".
+  group or autograd's device thread. NCCL needs a communicator's collectives issued in one order on every
+  rank: the main thread's forward and step, then backward's, which on a GPU runs on autograd's device thread
+  (FSDP2's reduce-scatters, TP's and EP's collectives in backward); a thread of the code's own interleaves
+  differently per rank and deadlocks. Background work belongs on a group made with backend="gloo". (On CPU,
+  backward runs on the calling thread; fake CUDA runs it where a GPU does: hpctrain.simulate.fake_cuda.rules.)
 - host syncs: more than one copy of a device value to the host (`item`, `tolist`, `cpu`, `float()`...) from
   hpctrain's own code in one Engine.step. Each is a full stop of the GPU's queue; the control plane's one
   `.tolist()` a step is the budget.
@@ -125,6 +128,10 @@ def _check_thread(api: str, group: Any) -> None:
 
     if not dist.is_initialized() or STATE.owner_thread in (None, threading.get_ident()):
         return
+    import torch
+
+    if torch._C._current_graph_task_id() != -1:  # backward, on autograd's device thread (as on a GPU)
+        return
     if isinstance(group, tuple):  # a functional collective's (mesh, dim): a mesh group inherits the default's
         group = None
     name = _group_name(group)
@@ -204,7 +211,8 @@ def _engine_step_frame(frame: Any) -> Any:
 # An MoE layer's reads of its routing's sizes, one per layer forward where it needs them: expert parallelism's
 # all-to-all split sizes (host lists), and the per-expert loop where no grouped GEMM serves (CPU; not on H100/B200
 # in bf16). A GPU run pays them as torchtitan's does; tests/parallel/test_host_syncs.py pins their number.
-ROUTING_SYNCS = {("hpctrain.models.moe", "_dispatch"), ("hpctrain.models.moe", "run_experts")}
+ROUTING_SYNCS = {("hpctrain.models.moe", "_dispatch"), ("hpctrain.models.moe", "run_experts"),
+                 ("hpctrain.models.moe", "_fake_host_read")}  # the same reads, made on fake tensors (simulate)
 
 
 def _count_syncs(torch: Any) -> None:

@@ -160,3 +160,19 @@ def test_a_gpu_run_that_finds_no_gpu_stops_instead_of_training_on_the_cpu(monkey
         _expect_a_gpu("h100_80gb", torch.device("cpu"))
     _expect_a_gpu("cpu", torch.device("cpu"))
     _expect_a_gpu("h100_80gb", torch.device("cuda", 0))
+
+
+def test_a_gpu_step_reports_reserved_memory_and_allocator_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an out-of-memory compares with is what the caching allocator reserved, not what tensors hold: both are
+    reported per step, and the retries that precede an out-of-memory (torch.cuda.memory_stats' num_alloc_retries).
+    The CUDA allocator is what this machine lacks: its three queries stand in, with a GPU's figures."""
+    import torch
+
+    from hpctrain.parallel.metrics import memory_metrics
+
+    assert set(memory_metrics(torch.device("cpu"))) == {"peak_mem_gb"}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 60 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 72 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 3})
+    assert memory_metrics(torch.device("cuda", 0)) == {"peak_mem_gb": 60.0, "peak_reserved_gb": 72.0,
+                                                       "alloc_retries": 3.0}

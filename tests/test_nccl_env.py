@@ -118,3 +118,12 @@ def test_every_executor_keeps_a_flight_recorder_and_dumps_it_on_a_timeout(compos
         env = task_environment(compose_cfg(*overrides))
         assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
         assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # deprecated: torch 2.13 warns in every task's stderr
+
+
+def test_gpu_tasks_get_expandable_segments_unless_the_site_sets_the_allocator(compose_cfg) -> None:
+    assert task_environment(compose_cfg("+experiment=175b"))["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_ALLOC_CONF" not in task_environment(compose_cfg())  # the CPU default has no CUDA allocator
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):  # a site's own setting, either name, wins
+        env = task_environment(compose_cfg("+experiment=175b", f"+cluster.env.{name}=max_split_size_mb:512"))
+        assert env[name] == "max_split_size_mb:512"
+        assert {n for n in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if n in env} == {name}

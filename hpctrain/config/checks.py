@@ -259,6 +259,11 @@ def _fp8(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("precision.fp8", f"cluster.gpu_type={gpu} has no FP8 tensor cores (FP8 GEMMs need compute "
                 "capability 8.9 or newer: Ada, Hopper, Blackwell)",
                 f"set precision.fp8=none (bf16 is this GPU's fastest), or run on {fp8_gpus}")
+    elif not cfg.parallel.compile:
+        r.warn("parallel.compile", f"precision.fp8={recipe} eager: each Float8Linear casts, takes the amax and "
+               "scales in kernels of their own, around every GEMM; torchao's own figures show FP8 faster than bf16 "
+               "only compiled (fused), and eager it is slower. The plan's step time assumes the compiled speed-up",
+               "set parallel.compile=true (tools/gpu_check.py's f8 and fp8x rows measure both on your GPU)")
     dtype = cfg.precision.dtype
     if dtype == DType.fp16:
         r.error("precision.dtype", "FP8 with fp16: fp16's loss scaling and FP8's own per-tensor scaling would both "

@@ -56,6 +56,14 @@ class PlanFormat(str, Enum):
     json = "json"
 
 
+class SimulateDevice(str, Enum):
+    """Where dry_run=simulate runs its rank: fake CUDA (a GPU's attention kernels) where it can be built, or not."""
+
+    auto = "auto"
+    cuda = "cuda"
+    cpu = "cpu"
+
+
 @dataclass
 class RopeConfig:
     theta: float = 10000.0  # base of the rotary frequencies (Llama 3: 500000)
@@ -401,6 +409,7 @@ class PlanConfig:
     search: int = 0  # >0: the dry-run plan ranks the top N layouts and explains where the configured one stands
     png: Optional[str] = None  # also write the memory / step-time chart here (needs matplotlib)
     simulate_rank: Optional[int] = None  # dry_run=simulate builds this rank (default: the planner's most loaded)
+    simulate_device: SimulateDevice = SimulateDevice.auto  # fake CUDA where g++ can build it (auto), or cpu
 
 
 @dataclass

@@ -56,6 +56,18 @@ def compile_cache_environment(node_tmp: str, user: str, gpu: bool) -> dict[str, 
     return env
 
 
+ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")  # torch 2.9's name, and the older one
+
+
+def allocator_environment(gpu: bool, user_env: Mapping[str, Any]) -> dict[str, str]:
+    """CUDA's caching allocator with expandable segments on GPUs (torchtitan's and Megatron's default): FSDP2's
+    all-gather buffers and activations change size every layer, and fixed segments fragment until a run that fits
+    on paper fails with "reserved but unallocated" memory. A site's own setting in cluster.env (either name) wins."""
+    if not gpu or any(name in user_env for name in ALLOC_CONF):
+        return {}
+    return {ALLOC_CONF[0]: "expandable_segments:True"}
+
+
 def task_environment(cfg: Any, node_tmp: str | None = None) -> dict[str, str]:
     """`node_tmp`: the node's scratch directory (default: `node_local_tmp()` of this process)."""
     threads = str(cfg.train.threads_per_rank)
@@ -71,7 +83,9 @@ def task_environment(cfg: Any, node_tmp: str | None = None) -> dict[str, str]:
     # GPU) this long; torch's 480 s is below health.hang_timeout_s, so it killed the rank before hpctrain's
     # watchdog left its stacks and failure record. The collective timeout outlasts the hang limits (checked).
     env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] = str(int(cfg.launcher.collective_timeout_s))
+    gpu = cfg.cluster.gpu_type != "cpu"
     if cfg.parallel.compile:
-        env.update(compile_cache_environment(node_tmp or node_local_tmp(), _user(), cfg.cluster.gpu_type != "cpu"))
+        env.update(compile_cache_environment(node_tmp or node_local_tmp(), _user(), gpu))
+    env.update(allocator_environment(gpu, cfg.cluster.env))
     env.update({str(k): str(v) for k, v in cfg.cluster.env.items()})
     return env

@@ -15,10 +15,12 @@ parallelism can shard dim 0. Tokens are routed dropless by default: the (token, 
 expert, so each expert's tokens form one contiguous segment of the sorted rows. With capacity_factor > 0 each
 expert keeps at most ceil(capacity_factor * tokens * top_k / n_experts) assignments, those with the highest router
 weight (ties: token order); a dropped assignment contributes nothing (the others' weights are not renormalised).
+The shapes stay static (no host sync): the dropped assignments are sorted after the kept ones, outside every
+expert's count, and weighted zero.
 
-On fake tensors (hpctrain.simulate) no routing has values: the load is taken as balanced (`balanced`), the split
-sizes expert parallelism reads on the host and the rows a capacity keeps are those of an even routing, and the
-experts run the path an H100 runs (`grouped_mm_serves`).
+On fake tensors (hpctrain.simulate) no routing has values: the load is taken as balanced (`balanced`): the split
+sizes expert parallelism reads on the host are those of an even routing (which a capacity of 1 or more keeps
+whole), and the experts run the path an H100 runs (`grouped_mm_serves`).
 
 Hugging Face equivalents (transformers 5): router.weight is `mlp.gate.weight`; the in-memory fused experts are
 `gate_up_proj` = cat(w_gate, w_up, dim=1) and `down_proj` = w_down; on disk (what save_pretrained writes back)
@@ -28,9 +30,10 @@ DeepSeek-V3): w_gate[e], w_up[e], w_down[e]. DeepSeek-V3's bias is `mlp.gate.e_s
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,6 +44,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from hpctrain.models.gpt import assign_param, stable_hash
+from hpctrain.models.host_reads import record_host_read, replayed_host_read
 
 GROUP_ROWS = 8  # grouped GEMM: each expert's rows padded to a multiple (16 bytes of bf16), at least one multiple
 
@@ -101,6 +105,22 @@ class MoEStats:
     dropped: torch.Tensor  # int64 scalar: assignments dropped for capacity (0 when dropless)
 
 
+@contextlib.contextmanager
+def full_fp32_matmul(device_type: str) -> Iterator[None]:
+    """fp32 matmuls run in fp32 inside: not in TF32, which hpctrain.parallel.precision sets for GPUs (matmul
+    precision "high"), nor in autocast's dtype; both restored after. Eager only: dynamo traces neither the
+    precision's getter nor its setter, and the MoE families do not compile (hpctrain.config.checks)."""
+    before = torch.get_float32_matmul_precision()
+    no_autocast = torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
+        else contextlib.nullcontext()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with no_autocast:
+            yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 class SwiGLU(nn.Module):
     """The shared experts: Llama's MLP (same names: gate, up, proj) of a given hidden size."""
 
@@ -134,19 +154,40 @@ def grouped_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
 
 
+def _fake_host_read(values: torch.Tensor) -> None:
+    """The host read of sizes that fake tensors cannot give (the caller assumes an even routing instead), made
+    all the same: a blocking copy to the host, the GPU's sync that fake CUDA counts; replayed, as the real read
+    is, in a recomputation (none there)."""
+    if replayed_host_read() is None:
+        record_host_read(values.cpu())
+
+
 def run_experts(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                 w_down: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
-    """Rows `x` [N, d] sorted by expert, counts[e] of them for expert e (sum N) -> each row through its expert's
-    SwiGLU, [N, d]. One grouped GEMM per projection where `grouped_mm_serves` (or `grouped`=True), else a loop over
-    the experts' segments (which reads the counts on the host)."""
+    """Rows `x` [N, d] sorted by expert, counts[e] of them for expert e -> each row through its expert's SwiGLU,
+    [N, d]. The rows past sum(counts) (what a capacity drops) are no expert's: the caller weights their output
+    zero (the loop leaves it zero, the grouped GEMM runs them in the last expert's padding, which it computes
+    anyway). One grouped GEMM per projection where `grouped_mm_serves` (or `grouped`=True), else a loop over the
+    experts' segments (which reads the counts on the host; a recomputation replays the forward's read).
+
+    Under autocast the operands are cast to its dtype first, as autocast casts a matmul's: with fp32 parameters
+    (one GPU, DDP: no FSDP2 mixed precision) the grouped GEMM then serves as with bf16 ones."""
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w_gate, w_up, w_down = (t if t.dtype == torch.float64 else t.to(dtype) for t in (x, w_gate, w_up, w_down))
     if grouped is None:
         grouped = grouped_mm_serves(x, w_gate)
     if grouped:
         return _experts_grouped(x, counts, w_gate, w_up, w_down)
-    sizes = balanced(x.shape[0], counts.numel()) if is_fake(counts) else counts.tolist()
-    outs = [F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)
-            for xe, wg, wu, wd in zip(x.split(sizes), w_gate, w_up, w_down)]
-    return torch.cat(outs)
+    if is_fake(counts):
+        _fake_host_read(counts)
+        sizes = balanced(x.shape[0], counts.numel())
+    else:
+        sizes = replayed_host_read() or record_host_read(counts.tolist())
+    dropped = x.shape[0] - sum(sizes)
+    outs = [F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)  # zip ends with the experts: not the dropped
+            for xe, wg, wu, wd in zip(x.split([*sizes, dropped]), w_gate, w_up, w_down)]
+    return torch.cat([*outs, x.new_zeros(dropped, w_down.shape[1])] if dropped else outs)
 
 
 def _experts_grouped(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -155,14 +196,18 @@ def _experts_grouped(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor
     a multiple of GROUP_ROWS, at least GROUP_ROWS (torchtitan does the same): CUTLASS's grouped GEMM hung in the
     backward on an empty group (pytorch issue 152668, the weight gradient's K = 0). The padded rows sit in a
     buffer of static size N + GROUP_ROWS * n_experts, the last expert's group running to its end, so that every
-    output row is written (_grouped_mm leaves rows past offs[-1] uninitialised)."""
+    output row is written (_grouped_mm leaves rows past offs[-1] uninitialised). The rows no expert has (past
+    sum(counts)) go to that tail, after the last expert's padding: it has room for them, as each expert pads by
+    at most GROUP_ROWS."""
     n, n_experts = x.shape[0], counts.numel()
     rows = n + GROUP_ROWS * n_experts
     padded = (counts.clamp(min=1) + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
     ends = padded.cumsum(0)
     offs = torch.cat((ends[:-1], ends.new_full((1,), rows))).to(torch.int32)
-    expert_of_row = torch.repeat_interleave(torch.arange(n_experts, device=x.device), counts, output_size=n)
-    shift = (ends - padded) - (counts.cumsum(0) - counts)  # padded start - packed start, per expert
+    counts = torch.cat((counts, (n - counts.sum()).view(1)))  # the rows of no expert, as one more segment
+    starts = torch.cat((ends - padded, ends[-1:]))  # each segment's padded start
+    expert_of_row = torch.repeat_interleave(torch.arange(n_experts + 1, device=x.device), counts, output_size=n)
+    shift = starts - (counts.cumsum(0) - counts)  # padded start - packed start, per segment
     dest = torch.arange(n, device=x.device) + shift[expert_of_row]
     xp = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
     hidden = (F.silu(torch._grouped_mm(xp, w_gate.transpose(-2, -1), offs=offs))
@@ -199,25 +244,30 @@ class GroupedExperts(nn.Module):
                   w_down: torch.Tensor) -> torch.Tensor:
         """Expert parallelism: this rank's rows, sorted by global expert (counts [n_experts]), go to the ranks
         holding their experts (rank r holds experts r * local .. (r + 1) * local - 1), run there, and come back
-        in the same order. Three all-to-alls (the counts, the rows, the results; backward two) and one host read
-        of the split sizes, which all_to_all_single needs as lists (torchtitan reads them too)."""
+        in the same order; the rows past sum(counts) (a capacity's drops) stay, their output zero. Three
+        all-to-alls (the counts, the rows, the results; backward two) and one host read of the split sizes, which
+        all_to_all_single needs as lists (torchtitan reads them too), replayed in a recomputation."""
         group = self.ep_group
         ep, local = dist.get_world_size(group), w_gate.shape[0]
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, my local expert]
         per_source = received_counts.view(ep, local)
+        sizes = torch.stack((counts.view(ep, local).sum(1), per_source.sum(1)))
         if is_fake(counts):  # no values: every rank sends each the same share, so receives what it sends
+            _fake_host_read(sizes)
             send = receive = balanced(rows.shape[0], ep)
         else:
-            send, receive = torch.stack((counts.view(ep, local).sum(1), per_source.sum(1))).tolist()
-        received = funcol.all_to_all_single_autograd(rows, receive, send, group)
+            send, receive = replayed_host_read() or record_host_read(sizes.tolist())
+        routed = sum(send)
+        received = funcol.all_to_all_single_autograd(rows[:routed], receive, send, group)
         # Rows arrive source by source, each source's sorted by expert: regroup them expert by expert.
         expert_of_row = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep),
                                                 per_source.flatten(), output_size=received.shape[0])
         order = torch.argsort(expert_of_row, stable=True)
         out = run_experts(received[order], per_source.sum(0), w_gate, w_up, w_down)
         back = torch.zeros_like(out).index_copy(0, order, out)  # the arrival order again
-        return funcol.all_to_all_single_autograd(back, send, receive, group)
+        returned = funcol.all_to_all_single_autograd(back, send, receive, group)
+        return F.pad(returned, (0, 0, 0, rows.shape[0] - routed)) if routed < rows.shape[0] else returned
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -275,10 +325,12 @@ class MoE(nn.Module):
         self.routing: torch.Tensor | None = None
 
     def router_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, d] -> [T, n_experts] in fp32 (input and weight cast; fp64 stays fp64): near-ties between experts
-        are decided in fp32 whatever the activations' dtype, and the logits are what the z-loss penalises."""
+        """h [T, d] -> [T, n_experts] in fp32 (input and weight cast; fp64 stays fp64), whatever the activations'
+        dtype, autocast and the global matmul precision (`full_fp32_matmul`): near-ties between experts are decided
+        in fp32, and the logits are what the z-loss penalises."""
         dtype = torch.promote_types(h.dtype, torch.float32)
-        return F.linear(h.to(dtype), self.router.weight.to(dtype))
+        with full_fp32_matmul(h.device.type):
+            return F.linear(h.to(dtype), self.router.weight.to(dtype))
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 logits [T, E] -> (combine weights [T, top_k] fp32, chosen experts [T, top_k] int64, the
@@ -348,14 +400,16 @@ class MoE(nn.Module):
             capacity = a.capacity(tokens)
             seg_start = counts.cumsum(0) - counts
             rank = torch.arange(order.numel(), device=h.device) - seg_start[flat[order]]
-            if is_fake(order):  # an even routing: each expert keeps its share, up to the capacity
-                order = order[:sum(min(n, capacity) for n in balanced(order.numel(), a.n_experts))]
-            else:
-                order = order[rank < capacity]
+            # Static shapes, so no host sync (a boolean mask's nonzero would be one): the dropped assignments
+            # sorted after the kept ones, outside every expert's count, weighted zero.
+            over, moved = (rank >= capacity).to(torch.uint8).sort(stable=True)
+            order = order[moved]
+            combine = weights.flatten()[order].masked_fill(over.bool(), 0.0)
             kept = counts.clamp(max=capacity)
             dropped = counts.sum() - kept.sum()
         else:
             order = torch.argsort(flat, stable=True)
+            combine = weights.flatten()[order]
             kept = counts
             dropped = torch.zeros((), dtype=torch.int64, device=h.device)
 
@@ -363,21 +417,25 @@ class MoE(nn.Module):
         y = self.experts(h[token], kept)
         # fp32 accumulation, in a tensor of x's shape: FSDP2 warns of a unit returning a view
         out = torch.zeros(x.shape, dtype=weights.dtype, device=h.device)
-        out.view(tokens, a.d_model).index_add_(0, token, y.to(weights.dtype) * weights.flatten()[order].unsqueeze(-1))
+        out.view(tokens, a.d_model).index_add_(0, token, y.to(weights.dtype) * combine.unsqueeze(-1))
         out = out.to(x.dtype)
         if self.shared is not None:
             out = out + self.shared(x)
         return out, MoEStats(counts, balance_loss, z_loss, dropped)
 
     @torch.no_grad()
-    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+    def update_bias(self, tokens_per_expert: torch.Tensor, skipped: torch.Tensor | None = None) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing, once per optimizer step: bias_e += rate * sign(mean load
         - load_e), so an overloaded expert is chosen less. Pass the step's counts summed over micro-batches and
-        all-reduced over data-parallel ranks, so that every rank applies the same update."""
+        all-reduced over data-parallel ranks, so that every rank applies the same update. `skipped` (a device
+        scalar, 1.0 for a step the optimizer skips) cancels the update without reading it on the host."""
         if self.expert_bias is None:
             raise RuntimeError("update_bias needs the sigmoid router (the softmax router has no bias)")
         load = tokens_per_expert.to(device=self.expert_bias.device, dtype=torch.float32)
-        self.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.args.bias_update_rate)
+        direction = torch.sign(load.mean() - load)
+        if skipped is not None:
+            direction = direction * (1 - skipped.to(direction))
+        self.expert_bias.add_(direction, alpha=self.args.bias_update_rate)
 
     @torch.no_grad()
     def init_weights(self, std: float, n_layers: int = 1, seed: int | None = None, prefix: str = "") -> None:

@@ -78,7 +78,9 @@ def squared_norm_share(params: Iterable[torch.Tensor], ranks_per_stage: int, dev
 def scale_grads_(params: Iterable[torch.Tensor], factor: float | torch.Tensor) -> None:
     """Multiply every gradient by `factor` in place: one foreach kernel per (device, dtype), not one per tensor.
     A 0-d tensor factor stays on the device (no host read); it is moved to each gradient's device (FSDP2's
-    offload keeps gradients on the host, where the optimizer steps anyway)."""
+    offload keeps gradients on the host, where the optimizer steps anyway). To the host only by a blocking copy:
+    a non_blocking one returns before the value lands, and the host's kernel would read what the buffer held
+    (the engine steps host optimizers by the values it read instead: no copy at all)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is not None:
@@ -86,7 +88,7 @@ def scale_grads_(params: Iterable[torch.Tensor], factor: float | torch.Tensor) -
             groups[(local.device, local.dtype)].append(local)
     with torch.no_grad():
         for (device, _), tensors in groups.items():
-            torch._foreach_mul_(tensors, factor.to(device, non_blocking=True)
+            torch._foreach_mul_(tensors, factor.to(device, non_blocking=device.type != "cpu")
                                 if isinstance(factor, torch.Tensor) else factor)
 
 

@@ -6,14 +6,13 @@ every attention the next busiest traffic; PP is outermost so only point-to-point
 links. CP ranks read the same samples (each a part of every sequence), so the data rank is the (dp_replicate,
 dp_shard) coordinate, while gradients are averaged, and FSDP shards parameters, over dp_shard x cp.
 
-Size-1 dims are kept: every slice below exists in every layout, which keeps the callers free of special cases,
-and a size-1 group costs nothing at run time. The exception is "cp", in the mesh only with context parallelism
-(cp > 1): each dim is one more world-wide communicator split at start-up on a device-bound world, and nothing
-reads a cp dim of one rank.
-
-With expert parallelism (ep > 1) dp_shard is built as ("dp_shard_mod_ep", "ep") and flattened back to "dp_shard"
-(torchtitan's layout): an EP group is ep consecutive DP ranks of one shard group (nearest each other after TP),
-and FSDP shards each expert's weights over the dp_shard_mod_ep ranks holding the same experts.
+Only the dims of size > 1 are in the mesh (torchtitan's `build_mesh` drops degree-1 dims too): in torch 2.13 every
+mesh dim makes a process group, on a device-bound NCCL world a communicator split every rank joins at start-up,
+size 1 or not. The exceptions are the dims FSDP2 shards over, kept at one rank (a one-rank shard group is FSDP2's
+mesh under HSDP, or over an expert's sole holder): "dp_shard", and with EP "dp_shard_mod_ep" and "ep". Dropping a
+size-1 dim keeps every rank's place, so the rank grid is the same; a dim that is not in the mesh has coordinate 0,
+and its mesh (`tp_mesh` at tp 1...) is an error that says so: callers read those only at > 1. Most layouts save two
+splits at start-up: dp_replicate, and the flattening of (dp_replicate, dp_shard) into "dp" without HSDP.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from hpctrain.config.layout import Layout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EP_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")  # no cp: cp > 1 with ep > 1 is refused
+SHARD_DIMS = ("dp_shard", "dp_shard_mod_ep", "ep")  # in the mesh at any size: FSDP2 shards over them
 
 
 class ParallelDimsError(ValueError):
@@ -74,21 +74,37 @@ class ParallelDims:
         return self.world_size > 1
 
     @cached_property
+    def dim_sizes(self) -> dict[str, int]:
+        """Every dim of the rank grid, outermost first (MESH_DIMS, or EP_MESH_DIMS with ep > 1), with its size."""
+        if self.ep == 1:
+            return dict(zip(MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)))
+        return dict(zip(EP_MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)))
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The mesh's dims: those of size > 1, and FSDP2's shard dims whatever their size (SHARD_DIMS)."""
+        return tuple(name for name, size in self.dim_sizes.items() if size > 1 or name in SHARD_DIMS)
+
+    @cached_property
     def mesh(self) -> DeviceMesh:
-        """The world mesh; built on first use (a collective: every rank must ask for it).
+        """The world mesh (`mesh_dims`); built on first use (a collective: every rank must ask for it).
 
         Its device type is the engine's device, never guessed from the backend's name (a default group
         created as "cpu:gloo,cuda:nccl" is not called "nccl")."""
         if not dist.is_initialized():
             raise RuntimeError("a device mesh needs torch.distributed to be initialised")
-        if self.ep == 1:
-            sizes = dict(pp=self.pp, dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp)
-            names = tuple(name for name in MESH_DIMS if name != "cp" or self.cp > 1)
-            return init_device_mesh(self.device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
-        mesh = init_device_mesh(self.device_type, (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep,
-                                                   self.tp), mesh_dim_names=EP_MESH_DIMS)
-        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        names = self.mesh_dims
+        mesh = init_device_mesh(self.device_type, tuple(self.dim_sizes[n] for n in names), mesh_dim_names=names)
+        if self.ep > 1:
+            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
         return mesh
+
+    def _dim(self, name: str) -> DeviceMesh:
+        """One dim's mesh; a dim of one rank is not in the mesh, and asking for it is a mistake of the caller's."""
+        if name not in self.mesh_dims:
+            raise ParallelDimsError(f"mesh dim {name!r} has one rank in this layout, so the mesh leaves it out "
+                                    "(hpctrain.parallel.dims): read it only where it is > 1")
+        return self.mesh[name]
 
     @cached_property
     def rank_grid(self) -> list:
@@ -98,6 +114,8 @@ class ParallelDims:
     @cached_property
     def dp_mesh(self) -> DeviceMesh:
         """All data-parallel ranks as one dim: the ranks that read different samples."""
+        if self.dp_replicate == 1:
+            return self.mesh["dp_shard"]
         return self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
     @cached_property
@@ -106,7 +124,8 @@ class ParallelDims:
         parallelism, their CP peers, which saw other parts of the same sequences."""
         if self.cp == 1:
             return self.dp_mesh
-        return self.mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        names = ("dp_replicate", "dp_shard", "cp") if self.dp_replicate > 1 else ("dp_shard", "cp")
+        return self.mesh[names]._flatten("dp_cp")
 
     @cached_property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -120,12 +139,12 @@ class ParallelDims:
     @property
     def cp_mesh(self) -> DeviceMesh:
         """The ranks one sequence is split over (context parallelism: cp > 1 only)."""
-        return self.mesh["cp"]
+        return self._dim("cp")
 
     @property
     def ep_mesh(self) -> DeviceMesh:
         """The ranks one MoE layer's experts are split over (ep > 1 only)."""
-        return self.mesh["ep"]
+        return self._dim("ep")
 
     @property
     def expert_fsdp_mesh(self) -> DeviceMesh:
@@ -134,15 +153,17 @@ class ParallelDims:
 
     @property
     def tp_mesh(self) -> DeviceMesh:
-        return self.mesh["tp"]
+        return self._dim("tp")
 
     @property
     def pp_mesh(self) -> DeviceMesh:
-        return self.mesh["pp"]
+        return self._dim("pp")
 
     def coordinate(self, dim: str) -> int:
-        """This rank's index along a mesh dim (0 when not distributed)."""
-        return self.mesh[dim].get_local_rank() if self.distributed else 0
+        """This rank's index along a mesh dim (0 when not distributed, and along a dim of one rank)."""
+        if not self.distributed or self.dim_sizes.get(dim, getattr(self.layout, dim, None)) == 1:
+            return 0
+        return self.mesh[dim].get_local_rank()
 
     @property
     def dp_rank(self) -> int:
@@ -160,4 +181,4 @@ class ParallelDims:
     @property
     def cp_rank(self) -> int:
         """Which chunks of every sequence this rank holds (hpctrain.parallel.context_parallel.chunk_ids)."""
-        return self.coordinate("cp") if self.cp > 1 else 0
+        return self.coordinate("cp")

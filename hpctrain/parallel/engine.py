@@ -187,6 +187,8 @@ class Engine:
             layer.take_routing()
         self.vocab_size = int(cfg.model.vocab_size)
         self.ranks_per_stage = dims.world_size // dims.pp
+        self.steps_on_host = self.device.type != "cpu" and any(
+            p.device.type == "cpu" for opt in self.optimizers for group in opt.param_groups for p in group["params"])
         self.steps_done = 0
         self.last_good_step = 0
         # What must finish before the optimizer changes the state: a checkpoint's copy of it, which runs while
@@ -276,17 +278,21 @@ class Engine:
         # Fused AdamW skips a non-finite step on the device (`found_inf`): the step is queued before the host
         # reads the reduced values, the step's one sync. Optimizers that cannot skip there (NVMe offload's,
         # foreach ones) are stepped after the read, and only when it says finite.
-        queued = all(skips_on_device(opt) for opt in self.optimizers)
+        # An optimizer stepping on the host while the step runs on a GPU (FSDP2's CPU offload, NVMe) is stepped
+        # after the read, by the values read: a device value copied to the host without a sync has not landed.
+        queued = not self.steps_on_host and all(skips_on_device(opt) for opt in self.optimizers)
         if queued:
             self._optimizer_step(params, values, found_inf=(~values[:2].isfinite().all()).float())
-        loss, grad_norm, agreed, routing = self._stats(values, len(control))
+        read = self._read(values)
+        loss, grad_norm, agreed, routing = self._stats(read, len(control))
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if not finite and not self.scaler.enabled:
             self._zero_grad()
             raise TrainingDiverged(self.steps_done, self.last_good_step, loss, grad_norm,
                                    likely_cause(self.cfg.optim, self.cfg.precision, lr, grad_norm))
         if finite and not queued:
-            self._optimizer_step(params, values, found_inf=None)
+            on_host = torch.tensor(read, dtype=torch.float64) if self.steps_on_host else values
+            self._optimizer_step(params, on_host, found_inf=None)
         self.scaler.update(overflow=not finite)
         self._zero_grad()
         if finite:
@@ -416,7 +422,6 @@ class Engine:
                             torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True),
                             self._routing()])
         self._sum_over_ranks(values)
-        self._update_router_bias(values[values.numel() - self.routing_width * self.cfg.model.n_layers:])
         return values
 
     def _routing(self) -> torch.Tensor:
@@ -430,13 +435,15 @@ class Engine:
                 out[i * width:(i + 1) * width] = record
         return out
 
-    def _update_router_bias(self, routing: torch.Tensor) -> None:
+    def _update_router_bias(self, values: torch.Tensor, found_inf: torch.Tensor | None) -> None:
         """DeepSeek-V3's auxiliary-loss-free balancing: each sigmoid router's bias moves by the step's token counts
-        over the global batch (the same on every rank), on the device."""
+        over the global batch (the tail of the reduced `values`, the same on every rank), on the device; not on
+        a skipped step (`found_inf` 1.0), which leaves the whole state as it was."""
         width = self.routing_width
+        routing = values[values.numel() - width * self.cfg.model.n_layers:]
         for i, layer in self.moe_layers.items():
             if layer.expert_bias is not None:
-                layer.update_bias(routing[i * width:(i + 1) * width - ROUTING_FIELDS])
+                layer.update_bias(routing[i * width:(i + 1) * width - ROUTING_FIELDS], skipped=found_inf)
 
     def _moe_stats(self, routing: list[float], microbatches: int) -> MoEStepStats | None:
         """The reduced routing records as the user sees them: TP peers routed the same tokens (counted once),
@@ -454,19 +461,22 @@ class Engine:
     def _optimizer_step(self, params: list[torch.Tensor], values: torch.Tensor,
                         found_inf: torch.Tensor | None) -> None:
         """Clip with the coefficient computed on the device from the reduced squared norm, then step every
-        optimizer; `found_inf` (1.0: the step is not finite) makes fused kernels leave everything untouched."""
+        optimizer and move the sigmoid routers' biases; `found_inf` (1.0: the step is not finite) makes fused
+        kernels, and the biases, leave everything untouched. All after `before_update`: the bias is state a
+        checkpoint's copy holds, as the weights are."""
         self.before_update()
         clip_grads_(params, self.cfg.optim.grad_clip, values[1])
         for opt in self.optimizers:
             skip_if_found_inf(opt, found_inf)
             opt.step()
             skip_if_found_inf(opt, None)
+        self._update_router_bias(values, found_inf)
 
-    def _stats(self, values: torch.Tensor, n_control: int) -> tuple[float, float, list[float], list[float]]:
-        """The reduced values on the host: loss (the mean over the global batch: the last-stage ranks' losses
+    def _stats(self, read: list[float], n_control: int) -> tuple[float, float, list[float], list[float]]:
+        """The reduced values read on the host: loss (the mean over the global batch: the last-stage ranks' losses
         averaged over DP x TP copies and CP parts, each CP rank's the mean over its seq/cp tokens of every
         sequence), the global gradient norm, the summed control values and routing records."""
-        total_loss, squared_norm, *rest = self._read(values)
+        total_loss, squared_norm, *rest = read
         return (total_loss / self.loss_copies, math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
                 rest[:n_control], rest[n_control:])
 

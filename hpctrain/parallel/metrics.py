@@ -36,3 +36,15 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """The step's memory figures: the peak allocated (`peak_mem_gb`) and, on a GPU, what the caching allocator
+    reserved at most (`peak_reserved_gb`: allocated plus its cache and fragmentation, what an out-of-memory
+    compares with the device) and how often it had to free its cache and retry an allocation (`alloc_retries`,
+    cumulative: a count that grows step after step is fragmentation close to an out-of-memory)."""
+    metrics = {"peak_mem_gb": peak_memory_gb(device)}
+    if device.type == "cuda":
+        metrics["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 2**30
+        metrics["alloc_retries"] = float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    return metrics

@@ -7,7 +7,8 @@
   selective recomputation to drop, so saving "every matmul and collective" kept more than no recomputation under
   TP + SP (the row-parallel partial sums, full size on every rank). The policy instead saves the outputs of
   what is costly to rerun or must not rerun, and recomputes the element-wise rest:
-    saved      the SDPA kernels' outputs (the attention is never recomputed), the matmuls (mm, addmm, bmm,
+    saved      the attention kernels' outputs (SDPA's and the fused ones context parallelism's mask calls
+               directly: the attention is never recomputed), the matmuls (mm, addmm, bmm,
                FP8's _scaled_mm and its amax reduction, MoE's _grouped_mm), and the TP collectives' outputs
                (all-gather, reduce-scatter, all-reduce, and their waits), so recomputation never communicates
                over TP;
@@ -20,9 +21,13 @@
   The rule reads the matmul's output (a Partial DTensor), not module names or widths: a column-parallel
   output can have the residual width (GPT's MLP at t = 4), so a shape rule would misjudge it. Under
   torch.compile the policy can run on the graph's plain local tensors (AOTAutograd takes DTensors apart), see no
-  placement, and save those partial sums too (more memory, same result). MoE's all-to-alls are not saved: the engine reruns the count exchange
-  and reads its sizes on the host in every forward anyway (hpctrain.models.moe), so a recomputed MoE layer
-  communicates over EP whatever the policy (hpctrain.plan.comm counts the two extra all-to-alls).
+  placement, and save those partial sums too (more memory, same result). MoE's all-to-alls are not saved: a
+  recomputed MoE layer reruns its count exchange and communicates over EP whatever the policy (hpctrain.plan.comm
+  counts the two extra all-to-alls).
+
+Both modes replay a block's host reads in its recomputation (hpctrain.models.host_reads): the sizes an MoE layer reads
+to the host (EP's all-to-all split sizes, the expert loop's segment sizes) come from the routing, which the
+recomputation repeats exactly, so the forward's values serve again instead of a second stop of a GPU's queue.
 
 The composable `checkpoint` keeps parameter names unchanged (no `_checkpoint_wrapped_module` prefix), so
 weight initialisation and checkpoints see the same names in every layout.
@@ -30,8 +35,9 @@ weight initialisation and checkpoints see the same names in every layout.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from functools import partial
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +49,8 @@ from torch.utils.checkpoint import (
     SelectiveCheckpointContext,
     create_selective_checkpoint_contexts,
 )
+
+from hpctrain.models.host_reads import host_read_contexts
 
 if TYPE_CHECKING:
     from hpctrain.models import Transformer
@@ -58,8 +66,14 @@ def _ops(namespace: Any, *names: str) -> set[Any]:
 
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten._scaled_mm.default}
 _MATMULS |= _ops(_aten, "_grouped_mm")
+# SDPA's kernels, and the fused kernels context parallelism's bottom-right causal mask calls directly
+# (`CausalBias._dispatch`: flash through `_scaled_dot_product_flash_attention`, but memory-efficient attention,
+# fp32's kernel, through `_efficient_attention_forward`; `_flash_attention_forward` for completeness), so the
+# attention is saved in every dtype and kernel CP takes (docs/context_parallel.md). SDPA's math fallback has no
+# op of its own: its two bmm are saved as matmuls.
 _ATTENTION = _ops(_aten, "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                  "_efficient_attention_forward", "_flash_attention_forward")
 _COLLECTIVES = _ops(_c10d, "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 _WAIT = _c10d.wait_tensor.default
 _AMAX = {_aten.max.default}  # FP8's tensorwise scale: a reduction over the whole tensor (torchtitan saves it)
@@ -98,6 +112,30 @@ def save_for_flash_attention(
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _Both:
+    """Two contexts as one, entered in order, re-enterable as torch enters a recomputation's context."""
+
+    def __init__(self, first: contextlib.AbstractContextManager, second: contextlib.AbstractContextManager) -> None:
+        self.contexts = (first, second)
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for context in self.contexts:
+                stack.enter_context(context)
+            self._stack = stack.pop_all()
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> bool:
+        return self._stack.__exit__(kind, err, tb)
+
+
+def _selective_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The selective policy's caching contexts, with the host reads' replay."""
+    forward, recompute = create_selective_checkpoint_contexts(save_for_flash_attention)
+    record, replay = host_read_contexts()
+    return _Both(forward, record), _Both(recompute, replay)
+
+
 def apply_recompute(model: Transformer, mode: str) -> None:
     """Checkpoint every block of `model` ("none" | "selective" | "full"), in place."""
     if mode == "none":
@@ -105,7 +143,4 @@ def apply_recompute(model: Transformer, mode: str) -> None:
     if mode not in ("selective", "full"):
         raise ValueError(f"parallel.recompute must be none, selective or full, got {mode!r}")
     for block in model.layers.values():
-        if mode == "full":
-            checkpoint(block)
-        else:
-            checkpoint(block, context_fn=partial(create_selective_checkpoint_contexts, save_for_flash_attention))
+        checkpoint(block, context_fn=host_read_contexts if mode == "full" else _selective_contexts)

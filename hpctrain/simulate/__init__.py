@@ -11,6 +11,15 @@ and workspaces (cuBLAS, attention), and which attention kernel a GPU picks (CPU 
 attention). Values never exist: the loss and gradient norm are not computed.
 """
 
-from hpctrain.simulate.rank import Simulation, simulate
+from typing import Any
 
 __all__ = ["Simulation", "simulate"]
+
+
+def __getattr__(name: str) -> Any:
+    """Lazily: hpctrain.simulate.fake_cuda must be importable before torch is (it loads a library first)."""
+    if name in __all__:
+        from hpctrain.simulate import rank
+
+        return getattr(rank, name)
+    raise AttributeError(name)

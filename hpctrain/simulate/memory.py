@@ -52,7 +52,9 @@ class _ColumnPeaks(MemTracker):
                 self._peak_mem_snap[dev] = dict(snapshot)
         peaks: dict[str, int] = self.__dict__.setdefault("column_peaks", {})
         by_category: dict[str, int] = self.__dict__.setdefault("category_peaks", {})
-        for snapshot in self._curr_mem_snap.values():
+        for dev, snapshot in self._curr_mem_snap.items():
+            if not on(dev, self.__dict__.get("device_type", "cpu")):
+                continue
             named = {str(getattr(name, "value", name)): b for name, b in snapshot.items()}
             named.pop("Total", None)
             for column, b in columns(named).items():
@@ -122,17 +124,28 @@ class _StepTracker(_ColumnPeaks):
         super()._pre_fw_hook(module, inputs)
 
 
-def step_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> MemTracker:
-    """The tracker for this rank's model parts: FSDP-aware when FSDP2 wraps them, torch's MemTracker otherwise."""
+def step_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], device_type: str = "cpu"
+                 ) -> MemTracker:
+    """The tracker for this rank's model parts: FSDP-aware when FSDP2 wraps them, torch's MemTracker otherwise.
+    Its columns count `device_type`'s memory: on fake CUDA the GPU's, not the host's (offloaded states, batches)."""
+    tracker: MemTracker
     if any(isinstance(m, FSDPModule) for part in parts for m in part.modules()):
-        return _FSDPStepTracker(parts, optimizers)
-    return _StepTracker(parts, optimizers)
+        tracker = _FSDPStepTracker(parts, optimizers)
+    else:
+        tracker = _StepTracker(parts, optimizers)
+    tracker.__dict__["device_type"] = device_type
+    return tracker
+
+
+def on(device: Any, device_type: str) -> bool:
+    return torch.device(device).type == device_type
 
 
 def peak_by_category(tracker: MemTracker) -> dict[str, int]:
-    """The peak snapshot's bytes by torch's category (one device: the simulation's CPU), zeros left out."""
+    """The peak snapshot's bytes by torch's category on the tracker's device, zeros left out."""
     snapshot = tracker.get_tracker_snapshot("peak")
-    (per_device,) = snapshot.values() if snapshot else ({},)
+    device_type = tracker.__dict__.get("device_type", "cpu")
+    per_device = next((v for dev, v in (snapshot or {}).items() if on(dev, device_type)), {})
     named = {str(getattr(name, "value", name)): int(b) for name, b in per_device.items()}
     return {name: b for name, b in named.items() if name != "Total" and b}
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import multiprocessing
+import pickle
+import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,9 +38,10 @@ from hpctrain.simulate.memory import category_peaks, column_peaks, columns, peak
 from hpctrain.simulate.peers import pipeline_peers
 from hpctrain.simulate.world import counting_group_calls, fake_world, groups_held
 
-CPU = torch.device("cpu")
 UNSEEN = ("kernel speed", "NCCL's own buffers", "the CUDA caching allocator's fragmentation and workspaces "
-          "(cuBLAS, attention)", "which attention kernel a GPU runs (CPU SDPA is not flash attention)")
+          "(cuBLAS, attention)")
+UNSEEN_ON_CPU = ("which attention kernel a GPU runs (CPU SDPA is not flash attention)",)
+FAKE_CUDA = "cuda (fake)"
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,10 @@ class Simulation:
     collectives: dict[str, int]  # "op over N ranks" -> count in the step
     world_collectives: int  # collectives over every rank in the step (the control plane)
     seconds: float
-    unseen: tuple[str, ...] = field(default=UNSEEN)
+    unseen: tuple[str, ...] = field(default=UNSEEN + UNSEEN_ON_CPU)
+    device: str = "cpu"  # "cuda (fake)": the step ran on fake CUDA with the GPU's attention kernels
+    why_cpu: str = ""  # why a simulation that could have run on fake CUDA ran on the CPU
+    attention: dict[str, int] = field(default_factory=dict)  # on fake CUDA: SDPA kernel -> calls in the step
 
     @property
     def columns(self) -> dict[str, int]:
@@ -73,6 +81,7 @@ class SimulatedEngine(Engine):
 
     @staticmethod
     def _read(values: torch.Tensor) -> list[float]:
+        values.to("cpu")  # the step's one host read as a GPU makes it (counted on fake CUDA), of no values
         return [0.0] * values.numel()
 
     def stage_zero_sends(self, mode: FakeTensorMode, tokens: torch.Tensor) -> tuple[Any, ...]:
@@ -91,17 +100,63 @@ class SimulatedEngine(Engine):
         return metas
 
 
-def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None) -> Simulation:
+def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None, device: str = "cpu"
+             ) -> Simulation:
     """Rank `rank` of `layout`'s job (cfg: the run's config), built and stepped once on fake tensors, in a process
     of its own: a fake world leaves state in torch that the caller must not inherit (DTensor's sharding cache keeps
     the fake world's meshes, whose groups are gone with it). The child rebuilds the config from a plain dict, as a
     task does (hpctrain.train.loop.load_config). `microbatches`: how many of the step's micro-batches run (default:
-    all under a pipeline, else at most 3, which peak as the whole step does)."""
+    all under a pipeline, else at most 3, which peak as the whole step does). `device`: "cuda" runs on fake CUDA
+    (hpctrain.simulate.fake_cuda: the GPU's attention kernels, so a GPU's activations), "cpu" on the CPU, "auto"
+    on fake CUDA where it can be built here (g++), else on the CPU, saying why."""
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} is not a rank of a {layout.world_size}-rank job")
     config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    why_cpu = ""
+    if device != "cpu":
+        from hpctrain.simulate import fake_cuda
+
+        why_cpu = not_on_fake_cuda(config, layout) or fake_cuda.unavailable_reason() or ""
+        if why_cpu and device == "cuda":
+            raise SimulationError(f"fake CUDA is not available: {why_cpu}")
+    if device != "cpu" and not why_cpu:
+        return _on_fake_cuda(config, layout, rank, microbatches)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_simulate_config, (config, layout, rank, microbatches))
+        sim = pool.apply(_simulate_config, (config, layout, rank, microbatches))
+    return replace(sim, why_cpu=why_cpu)
+
+
+def not_on_fake_cuda(config: dict[str, Any], layout: Layout) -> str | None:
+    """Why this job's step cannot run on fake CUDA (None: it can). torch's DDP Reducer reads tensors' bytes in C++
+    and times iterations with a CUDA timer of libtorch_cuda; Inductor generates Triton kernels for CUDA, which
+    need the device. Both run on gloo ranks in the tests and on a GPU in gpu_check (the checks refuse both for
+    dry_run=simulate)."""
+    from hpctrain.parallel.data_parallel import uses_fsdp
+
+    if layout.world_size > 1 and layout.dp * layout.cp > 1 and not uses_fsdp(layout.zero_stage, layout.tp, layout.pp,
+                                                                               layout.ep):
+        return ("torch's DDP (zero.stage=0 without TP or PP): its C++ Reducer reads tensors' bytes (the shape check "
+                "across ranks, the bucket rebuild), which fake tensors do not have")
+    if config.get("parallel", {}).get("compile"):
+        return "parallel.compile: Inductor's CUDA kernels are Triton code, which needs a GPU"
+    return None
+
+
+def _on_fake_cuda(config: dict[str, Any], layout: Layout, rank: int, microbatches: int | None) -> Simulation:
+    """`simulate` in a new process that loaded fake CUDA before torch (hpctrain.simulate.fake_cuda.child)."""
+    from hpctrain.simulate import fake_cuda
+
+    with tempfile.TemporaryDirectory(prefix="hpctrain-simulate-") as tmp:
+        request, answer = Path(tmp) / "request.pkl", Path(tmp) / "answer.pkl"
+        request.write_bytes(pickle.dumps((config, layout, rank, microbatches)))
+        done = fake_cuda.run_module("hpctrain.simulate.fake_cuda.child", ["simulate", str(request), str(answer)])
+        if done.returncode != 0 or not answer.is_file():
+            raise SimulationError(f"the simulation on fake CUDA failed (exit {done.returncode}):\n"
+                                  f"{done.stderr[-4000:]}")
+        outcome = pickle.loads(answer.read_bytes())
+    if isinstance(outcome, str):
+        raise SimulationError(outcome)
+    return outcome
 
 
 def _simulate_config(config: dict[str, Any], layout: Layout, rank: int, microbatches: int | None) -> Simulation:
@@ -118,34 +173,48 @@ class SimulationError(RuntimeError):
     """A simulation that failed in its process, with that process's traceback as text."""
 
 
-def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None) -> Simulation:
-    """`simulate` in this process (which must not have torch.distributed initialised; it is left polluted)."""
+def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None, device: str = "cpu",
+                  step_modes: Callable[[], Sequence[Any]] = tuple) -> Simulation:
+    """`simulate` in this process (which must not have torch.distributed initialised; it is left polluted).
+    `device` "cuda" needs fake CUDA loaded and installed (hpctrain.simulate.fake_cuda.child does both);
+    `step_modes()`: more dispatch modes for the step alone, entered inside the fake mode (fake_cuda.rules)."""
     started = time.perf_counter()
-    with fake_world(layout, rank) as dims, warnings.catch_warnings():
+    cuda = device == "cuda"
+    if cuda:
+        from hpctrain.simulate import fake_cuda
+
+        if not fake_cuda.loaded():
+            raise SimulationError("device='cuda' simulates on fake CUDA: run it through hpctrain.simulate.simulate")
+    on = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    with fake_world(layout, rank, on.type) as dims, warnings.catch_warnings():
         # Under fake tensors a functional collective's result is its wait's alias, a view; on a real group it is
         # a fresh tensor, so FSDP2's warning of a unit returning a view (EP's experts) would be the simulation's own
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with counting_group_calls() as calls:
-            engine = SimulatedEngine(cfg, layout, CPU, dims, tensors=mode)
+        with counting_group_calls() as calls, _sharding_under(mode if cuda else None):
+            engine = SimulatedEngine(cfg, layout, on, dims, tensors=mode)
         step_microbatches = layout.microbatches
         if microbatches is None:
             microbatches = step_microbatches if dims.pp > 1 else min(step_microbatches, 3)
         with mode:  # the whole step's batch, as the data reader hands it over, of which the slice runs
             step = torch.zeros(2, step_microbatches, layout.micro_batch, cfg.train.seq_len, dtype=torch.long)
             batches = step[:, :microbatches]
+        kernels = _gpu_attention() if cuda else None
         boundary = None
         if dims.pp > 1 and not engine.has_first:
-            boundary = engine.stage_zero_sends(mode, batches[0, 0])
+            with kernels or contextlib.nullcontext():
+                boundary = engine.stage_zero_sends(mode, batches[0, 0])
         with mode:
             _make_optimizer_state(engine)
-        tracker = step_tracker(engine.model_parts, engine.optimizers)
+        tracker = step_tracker(engine.model_parts, engine.optimizers, on.type)
         counter = CollectiveCounter()
         peers = pipeline_peers(boundary) if dims.pp > 1 else contextlib.nullcontext()
-        with mode, peers:
+        with mode, peers, kernels or contextlib.nullcontext():
             if engine.schedule is not None:
-                engine.start_pipeline(batches[0], batches[1])
-            with tracker, counter:
+                engine.start_pipeline(*engine._to_device(batches))  # on the device, as the step will
+            with tracker, counter, contextlib.ExitStack() as modes:
+                for extra in step_modes():
+                    modes.enter_context(extra)
                 engine.step(batches, float(cfg.optim.lr))
         categories = peak_by_category(tracker)
         return Simulation(
@@ -155,7 +224,41 @@ def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None 
             category_peaks=category_peaks(tracker), column_peaks=column_peaks(tracker),
             peak=sum(categories.values()), microbatches=microbatches, step_microbatches=step_microbatches,
             groups_held=groups_held(), group_calls=len(calls), collectives=counter.summary(),
-            world_collectives=counter.on_world(), seconds=time.perf_counter() - started)
+            world_collectives=counter.on_world(), seconds=time.perf_counter() - started,
+            unseen=UNSEEN if cuda else UNSEEN + UNSEEN_ON_CPU, device=FAKE_CUDA if cuda else "cpu",
+            attention=dict(kernels.kernels) if kernels else {})
+
+
+@contextlib.contextmanager
+def _sharding_under(mode: FakeTensorMode | None) -> Iterator[None]:
+    """FSDP2's fully_shard and replicate under the fake mode on fake CUDA: on a "cuda" mesh they make device
+    tensors at once, which only the mode can make on a CPU build (the engine applies its layout outside it)."""
+    if mode is None:
+        yield
+        return
+    from hpctrain.parallel import data_parallel
+
+    originals = {name: getattr(data_parallel, name) for name in ("fully_shard",)}
+
+    def under(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with mode:
+                return original(*args, **kwargs)
+        return call
+
+    for name, original in originals.items():
+        setattr(data_parallel, name, under(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(data_parallel, name, original)
+
+
+def _gpu_attention() -> Any:
+    from hpctrain.simulate.fake_cuda.attention import GpuAttention
+
+    return GpuAttention()
 
 
 def _make_optimizer_state(engine: Engine) -> None:

@@ -66,7 +66,7 @@ def simulation_lines(data: dict[str, Any]) -> list[str]:
     lines = [f"simulation: rank {data['rank']} of {data['world_size']} (pipeline rank {data['pp_rank']}, stage(s) "
              f"{stages}; DP {data['dp_rank']}, TP {data['tp_rank']}"
              + (f", CP {data['cp_rank']}" if data.get("cp_rank") is not None else "")
-             + "), one training step on fake tensors, "
+             + f"), one training step on fake tensors {_where(data)}, "
              f"{data['seconds']:.1f} s{sliced}",
              f"  {'':<18} {'planner':>10} {'torch':>10}  torch vs planner (a column: its most in the step; "
              "total: torch's peak, one moment)"]
@@ -89,6 +89,14 @@ def simulation_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _where(data: dict[str, Any]) -> str:
+    """On fake CUDA, with the attention kernels a GPU runs; or on the CPU, and why not on fake CUDA."""
+    if data.get("device") == "cuda (fake)":
+        kernels = ", ".join(f"{kernel} x{n}" for kernel, n in sorted(data.get("attention", {}).items()))
+        return f"on fake CUDA (the GPU's attention kernels: {kernels or 'none'})"
+    return f"on the CPU ({data['why_cpu']})" if data.get("why_cpu") else "on the CPU"
+
+
 def _relative(torch_bytes: float, planner_bytes: float) -> str:
     if not planner_bytes:
         return "" if not torch_bytes else "planner: none"
@@ -97,10 +105,12 @@ def _relative(torch_bytes: float, planner_bytes: float) -> str:
 
 def add_simulation(plan: dict[str, Any], cfg: Any, layout: Layout, est: Estimates) -> None:
     """Simulate the rank plan.simulate_rank names (default: the first rank of the planner's most loaded pipeline
-    stage) and add it to the plan: plan["simulation"] and a text section."""
+    stage) and add it to the plan: plan["simulation"] and a text section. On fake CUDA where it can run here (a
+    GPU's attention kernels, so a GPU's activations), else on the CPU, saying why."""
     rank = cfg.plan.simulate_rank
     if rank is None:
         rank = most_loaded_rank(layout, est.memory.stage)
-    data = simulation_json(simulate(cfg, layout, int(rank)), est)
+    device = getattr(cfg.plan.simulate_device, "value", cfg.plan.simulate_device)
+    data = simulation_json(simulate(cfg, layout, int(rank), device=device), est)
     plan["simulation"] = data
     plan.setdefault("sections", []).append({"title": "simulation", "lines": simulation_lines(data)})

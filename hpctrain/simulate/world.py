@@ -15,20 +15,24 @@ from hpctrain.parallel.dims import ParallelDims
 
 
 @contextlib.contextmanager
-def fake_world(layout: Layout, rank: int) -> Iterator[ParallelDims]:
-    """Rank `rank` of a fake world of layout.world_size ranks, and its mesh, built; torn down on exit."""
+def fake_world(layout: Layout, rank: int, device_type: str = "cpu") -> Iterator[ParallelDims]:
+    """Rank `rank` of a fake world of layout.world_size ranks, and its mesh on `device_type`, built; torn down on
+    exit."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a simulation needs a process of its own: torch.distributed is initialised already")
     if layout.world_size == 1:  # one process makes no group (hpctrain.distributed.environment): nor does this
-        yield ParallelDims(layout, 1, "cpu")
+        yield ParallelDims(layout, 1, device_type)
         return
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
-        dims = ParallelDims(layout, layout.world_size, "cpu")
-        for built in ("mesh", "rank_grid", "dp_mesh", "fsdp_mesh", "tp_mesh", "pp_mesh"):
+        dims = ParallelDims(layout, layout.world_size, device_type)
+        for built in ("mesh", "rank_grid", "dp_mesh", "fsdp_mesh"):
             getattr(dims, built)
+        for dim in ("tp", "pp"):  # the meshes the engine reads where the dim is > 1
+            if dims.dim_sizes[dim] > 1:
+                getattr(dims, f"{dim}_mesh")
         yield dims
     finally:
         dist.destroy_process_group()

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hpctrain.config.schema import Config, Executor
-from hpctrain.parallel.metrics import mfu, peak_memory_gb
+from hpctrain.parallel.metrics import memory_metrics, mfu
 from hpctrain.parallel.moe_stats import IdleExperts, MoEStepStats
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class StepReporter:
         metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
                    "tokens_per_s": tokens_per_s, "step_time_s": step_time, "consumed_samples": consumed,
                    "time": time.time(), "loss_scale": stats.loss_scale, "skipped": int(stats.skipped),
-                   "mfu": mfu(self.cfg, tokens_per_s, self.world_size), "peak_mem_gb": peak_memory_gb(self.device)}
+                   "mfu": mfu(self.cfg, tokens_per_s, self.world_size), **memory_metrics(self.device)}
         metrics.update(data or {})
         if stats.moe is not None:
             metrics.update(stats.moe.metrics())

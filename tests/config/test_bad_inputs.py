@@ -394,3 +394,16 @@ def test_a_nan_reports_once_per_key_and_with_the_rest(compose_cfg, capsys, tmp_p
     assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "3 config error(s)" in err and err.count("optim.lr: ") == 1
+
+
+def test_fp8_on_a_gpu_without_compile_warns_that_it_is_slower_than_bf16(compose_cfg) -> None:
+    """torchao's FP8 eager runs its casts and scales as kernels of their own: slower than bf16 (issue 45, S3)."""
+    from hpctrain.plan.checks import check_config
+
+    fp8 = ("+experiment=llama3_8b_4node", "data=synthetic", "precision.fp8=tensorwise")
+    eager = check_config(compose_cfg(*fp8, "parallel.compile=false"))
+    assert not eager.errors
+    slow = [w for w in eager.warnings if w.key == "parallel.compile"]
+    assert len(slow) == 1 and "slower" in slow[0].message and slow[0].fix.startswith("set parallel.compile=true")
+    compiled = check_config(compose_cfg(*fp8, "parallel.compile=true"))
+    assert not [w for w in compiled.warnings if w.key == "parallel.compile"]

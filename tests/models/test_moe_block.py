@@ -235,6 +235,14 @@ def test_update_bias_moves_toward_balance() -> None:
     m.update_bias(torch.tensor([10, 2, 4, 0]))
     assert m.expert_bias[0] == pytest.approx(-0.02)
     assert not m.expert_bias.requires_grad
+    before = m.expert_bias.clone()
+    m.update_bias(torch.tensor([10, 2, 4, 0]), skipped=torch.tensor(1.0))  # a step the optimizer skips
+    assert torch.equal(m.expert_bias, before)
+    m.update_bias(torch.tensor([10, 2, 4, 0]), skipped=torch.tensor(0.0))
+    unmasked = block(router="sigmoid", n_experts=4, bias_update_rate=0.01)
+    unmasked.expert_bias.copy_(before)
+    unmasked.update_bias(torch.tensor([10, 2, 4, 0]))
+    assert torch.equal(m.expert_bias, unmasked.expert_bias) and not torch.equal(m.expert_bias, before)
     with pytest.raises(RuntimeError):
         block().update_bias(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]))
 
@@ -393,11 +401,11 @@ def test_block_through_the_grouped_gemm(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_without_values_the_load_is_balanced_and_the_experts_run_grouped() -> None:
-    """hpctrain.simulate's MoE: on fake CPU tensors no routing has values; the rows split evenly over the experts
-    (a capacity keeps each expert's share up to it), the grouped GEMM runs as on an H100 (bf16), and nothing
-    reads the host (a read raises on fake tensors)."""
+    """hpctrain.simulate's MoE: on fake CPU tensors no routing has values; the rows split evenly over the experts,
+    the grouped GEMM runs as on an H100 (bf16), and nothing reads the host (a read raises on fake tensors). The
+    experts take every assignment's row, a capacity's drops included, as on a GPU (static shapes)."""
     assert balanced(10, 4) == [3, 3, 2, 2] and balanced(8, 4) == [2] * 4
-    for capacity_factor, kept in ((0.0, 64), (1.0, 64), (0.5, 32)):  # 32 tokens x top 2 over 8 experts
+    for capacity_factor, kept in ((0.0, 64), (1.0, 64), (0.5, 64)):  # 32 tokens x top 2 over 8 experts
         m = block(torch.bfloat16, capacity_factor=capacity_factor, balance_coef=0.01)
         rows: list[int] = []
         m.experts.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))

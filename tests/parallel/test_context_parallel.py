@@ -141,3 +141,61 @@ def test_recomputation_gathers_keys_and_values_again_only_when_full(mode: str, g
     reduce-scatters their gradients (2 per layer); full recomputation reruns each layer's 2 gathers."""
     counts = run_distributed(_gathers_in_backward, 2, mode, timeout=120)
     assert all(c == (gathers, 4) for c in counts), counts
+
+
+def _index_builds(rank: int, world: int, family: str) -> tuple[list[int], bool]:
+    """Calls of `gathered_to_global` and `chunk_order` in each of two forwards (then a backward) of a 3-layer CP
+    model, and whether its logits equal a model whose layers build every index again (no cache)."""
+    counts = {"gathered_to_global": 0, "chunk_order": 0}
+    originals = {name: getattr(cpmod, name) for name in counts}
+
+    def counted(name: str):  # noqa: ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    from hpctrain.models.gpt import GPT, GPTArgs
+    from hpctrain.models.llama import Llama, LlamaArgs
+
+    def model() -> torch.nn.Module:
+        m = (GPT(GPTArgs(n_layers=3, d_model=32, n_heads=4, vocab_size=50, seq_len=16, ffn_hidden=64))
+             if family == "gpt" else
+             Llama(LlamaArgs(n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=50, ffn_hidden=64)))
+        m.init_weights(seed=0)
+        cpmod.apply_context_parallel(m, dist.group.WORLD)
+        return m
+
+    tokens = cpmod.shard_sequence(torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1)), world,
+                                  rank)
+    cached, uncached = model(), model()
+    for name in counts:
+        setattr(cpmod, name, counted(name))
+    per_forward = []
+    for _ in range(2):
+        before = sum(counts.values()), counts["gathered_to_global"]
+        logits = cached(tokens)
+        per_forward += [counts["gathered_to_global"] - before[1], sum(counts.values()) - before[0]]
+    logits.float().mean().backward()
+    per_forward.append(sum(counts.values()))
+    for name, original in originals.items():
+        setattr(cpmod, name, original)
+    if not hasattr(cpmod, "build_indices"):  # the code before the cache: nothing to compare with
+        return per_forward, True
+    for layer_core in [m for m in uncached.modules() if isinstance(getattr(m, "attention", None),
+                                                                  cpmod.ContextParallelAttention)]:
+        layer_core.attention.indices = cpmod.build_indices  # type: ignore[assignment]  # build per call
+    return per_forward, torch.equal(logits, uncached(tokens))
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_cp_builds_its_index_tensors_once_not_per_layer(family: str) -> None:
+    """S5a: the gather order, the positions and the masks are built once per (sequence length, cp, rank, device)
+    and reused by every layer and every step: the first forward of a 3-layer model calls gathered_to_global
+    once (the old code: once per layer), the second forward and the backward build nothing."""
+    out = run_distributed(_index_builds, 2, family, timeout=120)
+    for per_forward, same in out:
+        gathers_first, builds_first, gathers_second, builds_second, total = per_forward
+        assert (gathers_first, gathers_second, builds_second) == (1, 0, 0), per_forward
+        assert total == builds_first, per_forward
+        assert same

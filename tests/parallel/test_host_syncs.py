@@ -80,10 +80,10 @@ def test_one_host_sync_per_step_after_the_optimizer_step(world: int, overrides: 
 def test_an_moe_layer_reads_its_routing_sizes_once_per_forward(overrides: dict[str, Any]) -> None:
     """Besides the step's control read, each MoE layer forward reads its split sizes once (expert parallelism's
     all-to-all takes host lists) and, off the grouped-GEMM path (CPU here; not H100/B200 in bf16), its per-expert
-    segment sizes once: 4 layers x 2 micro-batches x 2, and a recomputed forward reads them again."""
+    segment sizes once: 4 layers x 2 micro-batches x 2, and a recomputed forward replays the forward's reads."""
     from tests.parallel.test_moe_layouts import MOE
 
-    forwards = 4 * 2 * (2 if "parallel__recompute" in overrides else 1)
+    forwards = 4 * 2
     for rank, steps in enumerate(run_distributed(_events_per_step, 2, {**MOE, **PP, **overrides}, timeout=120)):
         for step, events in enumerate(steps):
             reads = [e for e in events if e.startswith("host read")]

@@ -15,7 +15,8 @@ import pytest
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "gpu_check.py"
 FIRST_BLOCK = ["cmd", "ctl", "llama", "hf", "fr"]  # what a user runs: first, and alone with --quick
-CHECKS = [*FIRST_BLOCK, "a", "b1", "b2", "c", "d", "e", "f8", "cp"]
+SINCE_MOE = ["moe", "cpb", "off", "fp8x", "sync", "rms", "gfree", "comp", "mem"]  # issue 45, item 5: right after it
+CHECKS = [*FIRST_BLOCK, *SINCE_MOE, "a", "b1", "b2", "c", "d", "e", "f8", "cp"]
 
 
 def _tool():
@@ -39,12 +40,12 @@ def _rows(stdout: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(560)
+@pytest.mark.timeout(640)
 def test_cpu_run_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     started = time.monotonic()
     proc = subprocess.run([sys.executable, str(TOOL), "--cpu", "--json", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=540,  # the --cpu budget (480 s) and start-up
+                          capture_output=True, text=True, timeout=620,  # the --cpu budget (540 s) and start-up
                           env={**os.environ, "WANDB_MODE": "disabled"})
     seconds = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -83,8 +84,47 @@ def test_cpu_run_passes_every_check(tmp_path: Path) -> None:
     assert len(d["losses"]) == 3 and "cpu" in d["grad_devices"] and max(d["clipped_norms"]) <= 1.001 * d["max_norm"]
     assert d["nvme_bitwise_equal"] is True
     assert checks["e"]["numbers"]["difference"] <= 1e-3
+    _assert_since_moe(checks)
     assert report["workdir"] is None  # all passed: the temporary directory is gone
     print(f"gpu_check --cpu: {seconds:.1f} s")
+
+
+def _assert_since_moe(checks: dict) -> None:
+    """The rows of what landed since MoE (issue 45, item 5), each PASS above: what each one measured on the CPU."""
+    moe = checks["moe"]["numbers"]
+    assert moe["grouped_mm_serves"] is False  # the CPU: the per-expert loop (the GPU run asserts _grouped_mm)
+    assert moe["bf16_fsdp"]["gap"] <= 0.02 and all(d > 0 for d in moe["capacity_dropped"])
+    assert moe["bias_max"] > 0 and moe["bias_error"] <= 1e-8  # the sigmoid router's bias moved, as the fp64 replay
+    assert moe["ep"]["logits_error"] == 0.0 and moe["ep"]["grad_error"] == 0.0  # EP over one gloo rank: exact
+    cpb = checks["cpb"]["numbers"]
+    assert set(cpb["errors"]) == {"full", "cp4", "cp_attention"} and max(cpb["errors"]["cp4"].values()) < 1e-5
+    off = checks["off"]["numbers"]
+    assert off["backend"] == "gloo" and min(off["reference_norms"]) > off["max_norm"]  # every step clipped
+    for name in ("optimizer", "params"):  # on the CPU the offloaded step is the unoffloaded one, bit for bit
+        assert off[name] == {"loss_gap": 0.0, "norm_gap": 0.0, "update_gap": 0.0}
+    fp8x = checks["fp8x"]["numbers"]
+    assert fp8x["compile_backend"] == "aot_eager" and "aot_eager" in checks["fp8x"]["summary"]
+    assert fp8x["tensorwise"]["float8_linears"] > 0 and fp8x["tensorwise"]["fp8_all_gather"] is True
+    assert fp8x["tensorwise compiled"]["compile_s"] > 0 and fp8x["compiled_vs_eager"] <= 1e-3
+    sync = checks["sync"]["numbers"]
+    assert sync["host_reads_per_step"] == [1] * sync["steps"] and sync["budget"] == 1
+    assert "Tensor.tolist at hpctrain.parallel.engine" in sync["host_reads"][0]
+    rms = checks["rms"]["numbers"]
+    assert rms["model"]["norms"] == 8 and rms["model"]["logits_error"] <= 1e-5  # 4 layers x (q, k)
+    gfree = checks["gfree"]["numbers"]
+    assert gfree["restarts"] == [0, 1] and gfree["steps"][-1] == 6 and gfree["compute_app_queries"] == []
+    comp = checks["comp"]["numbers"]
+    assert comp["compiled"]["compile_s"] > 0 and comp["loss_gap"] <= 1e-3
+    assert checks["mem"]["numbers"]["planned_gib"] > 0 and "no allocator on CPU" in checks["mem"]["summary"]
+
+
+def test_the_sync_budget_is_the_test_suites() -> None:
+    """Check sync fails above the host syncs per step that the test suite pins (tests/gpu_rules.py)."""
+    _tool()
+    from tests.gpu_rules import SYNCS_PER_STEP
+    from tools.gpu_checks.engine_checks import SYNCS_PER_STEP as tool_budget
+
+    assert tool_budget == SYNCS_PER_STEP
 
 
 def test_a_failing_dying_or_hanging_check_is_a_fail_row(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -160,6 +200,14 @@ def test_quick_runs_the_first_block_alone_under_its_budget(tmp_path: Path, monke
     assert int(rows["q1"].split("limit ")[1]) <= tool.QUICK_BUDGET_S["cpu"] < tool.DEFAULT_BUDGET_S["cpu"]
     with pytest.raises(SystemExit):
         tool.main(["--cpu", "--quick", "--only", "s", "--workdir", str(tmp_path)])
+    # --rest: the others, so that --quick and --rest are the whole run in two commands (GPU: each under 600 s)
+    assert tool.main(["--cpu", "--rest", "--workdir", str(tmp_path)]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert list(rows) == ["s"] and int(rows["s"].split("limit ")[1]) <= tool.REST_BUDGET_S["cpu"]
+    assert tool.QUICK_BUDGET_S["gpu"] + tool.REST_BUDGET_S["gpu"] <= tool.DEFAULT_BUDGET_S["gpu"] <= 660
+    assert tool.REST_BUDGET_S["gpu"] < 600 - 60  # the device tool's limit per command, start-up and imports left
+    with pytest.raises(SystemExit):
+        tool.main(["--cpu", "--quick", "--rest", "--workdir", str(tmp_path)])
 
 
 def test_the_command_check_names_the_workers_error_from_the_task_logs(tmp_path: Path, monkeypatch) -> None:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 from .common import (
-    CheckFailed,
     Ctx,
     Outcome,
     common_overrides,
@@ -23,13 +21,12 @@ from .common import (
     free_port,
     init_world,
     one_rank_backend,
-    read_json,
     read_metrics,
     run_train,
     small_overrides,
     write_json,
 )
-from .runner import describe_exit, fork_call, wait_all
+from .runner import run_ranks
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,16 +251,7 @@ def check_e(ctx: Ctx) -> Outcome:
     ports = {0: free_port(), 1: free_port()}
     while ports[1] == ports[0]:
         ports[1] = free_port()
-    deadline = time.monotonic() + ctx.timeout_s - 10
-    outs = [ctx.workdir / f"e_rank{r}.json" for r in range(2)]
-    pids = [fork_call(lambda r=r: _e_worker(ctx, r, configs, ports, outs[r]), ctx.workdir / f"e_rank{r}.log",
-                      new_group=False) for r in range(2)]
-    status = wait_all(pids, deadline, grace_s=10)
-    records = [read_json(p) for p in outs]
-    for r, (rec, st) in enumerate(zip(records, status)):
-        if rec is None or not rec.get("ok"):
-            detail = rec.get("error") if rec else describe_exit(st, ctx.workdir / f"e_rank{r}.log")
-            raise CheckFailed(f"rank {r}: {detail}")
+    records = run_ranks(ctx, "e", lambda r, out: _e_worker(ctx, r, configs, ports, out))
     losses = {int(k): v for k, v in records[0]["final_loss"].items()}
     expect(all(finite(v) for v in losses.values()), f"final losses {losses}")
     expect(records[1]["final_loss"] == records[0]["final_loss"],

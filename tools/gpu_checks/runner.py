@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .common import Ctx, Outcome, destroy_world, first_line, read_json, write_json
+from .common import CheckFailed, Ctx, Outcome, destroy_world, first_line, read_json, write_json
 
 EXIT_HANG = 3  # hpctrain.health.watchdog.EXIT_HANG: the watchdog saw no step completing
 
@@ -118,6 +118,21 @@ def describe_exit(status: int | None, log_path: Path) -> str:
     except OSError:
         lines = []
     return f"the check process {what}" + (f"; last log line: {lines[-1].strip()[:200]}" if lines else "")
+
+
+def run_ranks(ctx: Ctx, name: str, worker: Callable[[int, Path], None], ranks: int = 2) -> list[Any]:
+    """`worker(rank, out)` in a forked process per rank, each writing its JSON record to `out`; the records, once
+    every rank has reported (CheckFailed naming the first rank that did not, with its exit and last log line)."""
+    deadline = time.monotonic() + ctx.timeout_s - 10
+    outs = [ctx.workdir / f"{name}_rank{r}.json" for r in range(ranks)]
+    logs = [ctx.workdir / f"{name}_rank{r}.log" for r in range(ranks)]
+    pids = [fork_call(lambda r=r: worker(r, outs[r]), logs[r], new_group=False) for r in range(ranks)]
+    status = wait_all(pids, deadline, grace_s=10)
+    records = [read_json(p) for p in outs]
+    for r, (rec, st) in enumerate(zip(records, status)):
+        if rec is None or not rec.get("ok"):
+            raise CheckFailed(f"rank {r}: {rec.get('error') if rec else describe_exit(st, logs[r])}")
+    return records
 
 
 def resolve_gpu_type(ctx: Ctx) -> None:
