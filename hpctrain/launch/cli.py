@@ -66,9 +66,14 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
     _join_sweep(cfg)
     plan = build_plan(cfg, report, run_dir)
     if simulating(cfg) and not report.errors:  # one rank of the job, built and stepped on fake tensors
+        from hpctrain.simulate.rank import SimulationError
         from hpctrain.simulate.report import add_simulation
 
-        add_simulation(plan, cfg, report.layout, report.estimates)
+        try:
+            add_simulation(plan, cfg, report.layout, report.estimates)
+        except SimulationError as err:
+            print(f"hpctrain: dry_run=simulate: {err}", file=sys.stderr)
+            return Outcome(EXIT_CONFIG_ERROR, error=str(err))
     if cfg.plan.png:
         _chart(plan, Path(cfg.plan.png))
     if cfg.dry_run:

@@ -118,7 +118,8 @@ def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = Non
 
         why_cpu = not_on_fake_cuda(config, layout) or fake_cuda.unavailable_reason() or ""
         if why_cpu and device == "cuda":
-            raise SimulationError(f"fake CUDA is not available: {why_cpu}")
+            raise SimulationError(f"plan.simulate_device=cuda: fake CUDA cannot run this here: {why_cpu}\n"
+                                  "    fix: plan.simulate_device=auto (on the CPU where fake CUDA cannot run, saying why)")
     if device != "cpu" and not why_cpu:
         return _on_fake_cuda(config, layout, rank, microbatches)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -231,28 +232,24 @@ def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None 
 
 @contextlib.contextmanager
 def _sharding_under(mode: FakeTensorMode | None) -> Iterator[None]:
-    """FSDP2's fully_shard and replicate under the fake mode on fake CUDA: on a "cuda" mesh they make device
-    tensors at once, which only the mode can make on a CPU build (the engine applies its layout outside it)."""
+    """FSDP2's fully_shard under the fake mode on fake CUDA: on a "cuda" mesh it makes device tensors at once,
+    which only the mode can make on a CPU build (the engine applies its layout outside it)."""
     if mode is None:
         yield
         return
     from hpctrain.parallel import data_parallel
 
-    originals = {name: getattr(data_parallel, name) for name in ("fully_shard",)}
+    fully_shard = data_parallel.fully_shard
 
-    def under(original: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with mode:
-                return original(*args, **kwargs)
-        return call
+    def under_the_mode(*args: Any, **kwargs: Any) -> Any:
+        with mode:
+            return fully_shard(*args, **kwargs)
 
-    for name, original in originals.items():
-        setattr(data_parallel, name, under(original))
+    data_parallel.fully_shard = under_the_mode
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(data_parallel, name, original)
+        data_parallel.fully_shard = fully_shard
 
 
 def _gpu_attention() -> Any:

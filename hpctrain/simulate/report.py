@@ -110,7 +110,6 @@ def add_simulation(plan: dict[str, Any], cfg: Any, layout: Layout, est: Estimate
     rank = cfg.plan.simulate_rank
     if rank is None:
         rank = most_loaded_rank(layout, est.memory.stage)
-    device = getattr(cfg.plan.simulate_device, "value", cfg.plan.simulate_device)
-    data = simulation_json(simulate(cfg, layout, int(rank), device=device), est)
+    data = simulation_json(simulate(cfg, layout, int(rank), device=cfg.plan.simulate_device.value), est)
     plan["simulation"] = data
     plan.setdefault("sections", []).append({"title": "simulation", "lines": simulation_lines(data)})

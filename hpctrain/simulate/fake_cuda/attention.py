@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
+from hpctrain.parallel.context_parallel import SIXTEEN_BIT, gpu_chunk_kernel
+
 aten = torch.ops.aten
-SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 def gpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, enable_gqa: bool) -> str:
@@ -84,17 +85,15 @@ class GpuAttention:
     def _causal_bias(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: CausalBias,
                      dropout_p: float, scale: float | None, enable_gqa: bool) -> torch.Tensor:
         """What `CausalBias._dispatch` (torch/nn/attention/bias.py) runs on a GPU: a square or top-left mask is
-        SDPA's is_causal without a mask; a bottom-right one asks flash's rules WITHOUT a mask (grouped heads
-        accepted, the head padded to 8 by CausalBias) and calls the flash op with is_causal=True (bottom-right for
-        that kernel), else memory-efficient attention's own lower-right variant (equal head counts), else math
-        with the mask materialised."""
+        SDPA's is_causal without a mask; a bottom-right one the kernel context parallelism's own rule names
+        (`gpu_chunk_kernel`): flash with is_causal=True (bottom-right for that kernel), memory-efficient
+        attention's own lower-right variant, or math with the mask materialised."""
         if bias.seq_len_q == bias.seq_len_kv or bias.variant == CausalVariant.UPPER_LEFT:
             return self._sdpa(query, key, value, None, dropout_p, True, scale=scale, enable_gqa=enable_gqa)
-        d = query.shape[-1]
-        if query.dtype in SIXTEEN_BIT and key.shape[-1] == d == value.shape[-1] and d <= 256:  # padded to 8
+        kernel = gpu_chunk_kernel(query.dtype, query.shape[-3], key.shape[-3], query.shape[-1])
+        if kernel == "flash":
             self.kernels["flash"] += 1
             return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, True, scale=scale)[0]
-        kernel = gpu_kernel(query, key, value, None, enable_gqa)
         if kernel == "efficient":
             self.kernels["efficient"] += 1
             return aten._efficient_attention_forward(
