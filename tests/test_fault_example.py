@@ -57,3 +57,21 @@ def test_the_unquoted_form_is_what_hydra_refuses() -> None:
 
     with pytest.raises(OverrideParseException):
         OverridesParser.create().parse_overrides([f"+cluster.env.{VARIABLE}=raise:step=15:rank=1"])
+
+
+def test_a_stall_sleeps_its_seconds_and_goes_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`stall` (a straggler) returns after its seconds, at its step and rank only; without seconds it is refused."""
+    import time
+
+    monkeypatch.setenv(VARIABLE, "stall:step=3:rank=1:seconds=0.2")
+    fault = Fault.from_env()
+    assert fault is not None and (fault.kind, fault.step, fault.rank, fault.seconds) == ("stall", 3, 1, 0.2)
+    started = time.monotonic()
+    fault.maybe_fire(3, 0, tmp_path)
+    fault.maybe_fire(2, 1, tmp_path)
+    assert time.monotonic() - started < 0.1
+    fault.maybe_fire(3, 1, tmp_path)
+    assert time.monotonic() - started >= 0.2
+    monkeypatch.setenv(VARIABLE, "stall:step=3")
+    with pytest.raises(ValueError, match="stall needs seconds"):
+        Fault.from_env()

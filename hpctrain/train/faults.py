@@ -6,7 +6,8 @@ Set in the task environment, e.g.
 
 (the value holds `=`, which Hydra's override grammar refuses unquoted: quote the value for Hydra, and the
 whole argument for the shell). Kinds are `raise`, `exit` (os._exit(1), like a segfault), `kill` (SIGKILL, like
-the OOM killer) and `hang` (sleeps forever, for the watchdog). A trailing `:once`
+the OOM killer), `hang` (sleeps forever, for the watchdog) and `stall` (a straggler: sleeps `seconds=S`, then
+goes on; e.g. to hold an attempt mid-run while a newer one takes the lease). A trailing `:once`
 (`"+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=1:once'"`) fires only in the first attempt of the
 run (a marker in the run directory), so a resubmission succeeds. Unset, nothing happens.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from hpctrain.records.paths import RunPaths
 
 VARIABLE = "HPCTRAIN_INJECT_FAULT"
-KINDS = ("raise", "exit", "kill", "hang")
+KINDS = ("raise", "exit", "kill", "hang", "stall")
 
 
 class InjectedFault(RuntimeError):
@@ -35,6 +36,7 @@ class Fault:
     step: int
     rank: int
     once: bool = False
+    seconds: float = 0.0  # `stall` only
 
     @classmethod
     def from_env(cls) -> "Fault | None":
@@ -46,7 +48,9 @@ class Fault:
         values = dict(f.split("=", 1) for f in fields if f != "once")
         if kind not in KINDS:
             raise ValueError(f"{VARIABLE}={spec!r}: kind must be one of {', '.join(KINDS)}")
-        return cls(kind, int(values["step"]), int(values.get("rank", 0)), once)
+        if kind == "stall" and float(values.get("seconds", 0)) <= 0:
+            raise ValueError(f"{VARIABLE}={spec!r}: stall needs seconds=S, S > 0")
+        return cls(kind, int(values["step"]), int(values.get("rank", 0)), once, float(values.get("seconds", 0)))
 
     def maybe_fire(self, step: int, rank: int, run_dir: Path) -> None:
         if step != self.step or rank != self.rank:
@@ -63,5 +67,8 @@ class Fault:
             os._exit(1)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "stall":
+            time.sleep(self.seconds)
+            return
         while True:
             time.sleep(60)
