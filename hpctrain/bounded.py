@@ -26,15 +26,21 @@ def read_bytes(path: str | os.PathLike[str], limit: int = CONFIG_BYTES) -> bytes
     open descriptor and the read stops at limit + 1 bytes, so a file that grows meanwhile is refused too."""
     path = Path(path)
     try:
+        # What the path is, before it is opened: opening some devices does something (a tape rewinds, a watchdog
+        # device starts its timer). The open descriptor is checked again below (the path may change meanwhile).
+        _regular(path, os.stat(path).st_mode)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO opens without a writer, then is refused
     except FileNotFoundError:
         raise Unreadable(f"{path} does not exist") from None
     except OSError as exc:
         raise Unreadable(f"{path} cannot be opened: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        if isinstance(exc, Unreadable):
+            raise
+        raise Unreadable(f"{str(path)!r} is not a path (it holds a NUL byte)") from None  # no file has such a name
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise Unreadable(f"{path} is not a regular file (it is {_kind(info.st_mode)})")
+        _regular(path, info.st_mode)
         if info.st_size > limit:
             raise Unreadable(f"{path} is {_size(info.st_size)}, more than the {_size(limit)} such a file can be")
         with os.fdopen(fd, "rb", closefd=False) as f:
@@ -57,6 +63,11 @@ def read_text(path: str | os.PathLike[str], limit: int = CONFIG_BYTES) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise Unreadable(f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r})") from None
+
+
+def _regular(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise Unreadable(f"{path} is not a regular file (it is {_kind(mode)})")
 
 
 def _kind(mode: int) -> str:

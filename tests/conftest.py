@@ -59,14 +59,25 @@ def gpu_rules() -> Iterator[None]:
         yield
 
 
+TRACEBACK = "Traceback (most recent call last)"
+
+
 def run_hpctrain(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,
                  module: str = "hpctrain") -> subprocess.CompletedProcess:
     """Run the real command line (`python -m hpctrain`, or another of its modules), as a user would, in
     GPU-rules mode (tests/gpu_rules.py): the login process, the submitit tasks, the elastic agents and their
-    forked workers fail where a GPU run would."""
+    forked workers fail where a GPU run would.
+
+    Whatever the input, the console never shows a Python traceback (issue 46): a bad input gets a message with
+    the key and the fix, a failed job the failure record and its log's path. Every command the suite runs is held
+    to that here; a task's traceback belongs in its log file."""
     full_env = rules_environment({**os.environ, "WANDB_MODE": "offline", **(env or {})})
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+    if TRACEBACK in proc.stdout + proc.stderr:
+        pytest.fail(f"`python -m {module} {' '.join(args)}` printed a Python traceback on the console:\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
 
 
 @pytest.fixture

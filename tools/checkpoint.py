@@ -15,6 +15,11 @@ there is none to check.
 No command unpickles anything a checkpoint holds without a restriction (`hpctrain/checkpoint/integrity.py`): a
 crafted checkpoint is refused with the file and what its pickle asked for (exit status 2 for `export`).
 
+No command ends in a traceback: a path that is not a run directory, a config.yaml that cannot be read, no
+checkpoint (exit status 2); a checkpoint whose files are missing or cut short, whose `.metadata` is empty or not
+DCP's (exit status 1 for `export`: `verify` says more); an export that cannot be written (a full disk: the
+message says which file system; exit status 1), whose partial files are removed: an export is whole or absent.
+
 `export` consolidates the model of a checkpoint of any layout: `--format torch` (default) into one file (torch.save
 and .safetensors), `--format hf` into a Hugging Face model directory (config.json from the run's config.yaml,
 safetensors weights, sharded above --max-shard-mb) that transformers.AutoModelForCausalLM.from_pretrained loads
@@ -27,13 +32,24 @@ import argparse
 import datetime
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from hpctrain.checkpoint.hf import MAX_SHARD_BYTES, export_hf, run_model_config
-from hpctrain.checkpoint.inspect import describe, export_model, find, list_checkpoints, unusable
+from hpctrain.checkpoint.inspect import (
+    CheckpointError,
+    DamagedCheckpoint,
+    ExportFailed,
+    check_readable,
+    describe,
+    export_model,
+    find,
+    list_checkpoints,
+    unusable,
+)
 from hpctrain.checkpoint.integrity import UnsafeCheckpoint
-from hpctrain.models.hf import HFMismatch
 from hpctrain.entry import EntryParser
+from hpctrain.models.hf import HFMismatch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--tier")
         p.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    # DCP's note that it reads in one process: what this tool does on purpose.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     try:
         if args.command == "list":
             rows = [describe(c) for c in list_checkpoints(args.run_dir)]
@@ -71,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "verify":
             return verify(args)
         ckpt = find(args.run_dir, args.step, args.tier)
+        check_readable(ckpt)
         if args.format == "hf":
             written = export_hf(ckpt, run_model_config(args.run_dir), args.out, int(args.max_shard_mb * 1e6))
         else:
@@ -78,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         for path in written:
             print(f"wrote {path}")
         return 0
-    except (FileNotFoundError, FileExistsError, HFMismatch, UnsafeCheckpoint) as err:
+    except (DamagedCheckpoint, ExportFailed) as err:
+        print(f"checkpoint: {err}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, FileExistsError, HFMismatch, UnsafeCheckpoint, CheckpointError) as err:
         print(f"checkpoint: {err}", file=sys.stderr)
         return 2
 

@@ -17,9 +17,18 @@ from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from hpctrain.checkpoint.inspect import like_a_normal_file, model_tensors
-from hpctrain.checkpoint.storage import Committed
+from hpctrain.checkpoint.inspect import (
+    CheckpointError,
+    DamagedCheckpoint,
+    ExportFailed,
+    like_a_normal_file,
+    make_parents,
+    model_tensors,
+    out_of_room,
+    write_failure,
+)
 from hpctrain.checkpoint.reshard import legacy_source, load_state
+from hpctrain.checkpoint.storage import Committed
 from hpctrain.models.hf import (
     VOCAB_ROWS,
     HFMismatch,
@@ -47,9 +56,18 @@ def run_model_config(run_dir: Path) -> ModelConfig:
     """The typed model config of a run (its config.yaml)."""
     from omegaconf import OmegaConf
 
+    from hpctrain.bounded import Unreadable, read_text
     from hpctrain.config.schema import ModelConfig
 
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(RunPaths(run_dir).config).model)
+    path = RunPaths(run_dir).config
+    try:
+        return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(read_text(path)).model)
+    except Unreadable as err:
+        raise CheckpointError(f"the run's config cannot be read: {err}") from None
+    except Exception as exc:  # noqa: BLE001  (not YAML, no model section, a model this version does not know)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path} holds no model config this hpctrain reads ({type(exc).__name__}: "
+                              f"{first})") from None
 
 
 # ---------------------------------------------------------------- export
@@ -62,8 +80,13 @@ def export_hf(c: Committed, m: ModelConfig, out: Path, max_shard_bytes: int = MA
     tensors = _named_as_today(model_tensors(c), m)
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:  # inspect.consolidated_model, in today's names
+        from hpctrain.checkpoint.reader import CorruptCheckpoint
+
         state = {k: torch.empty(tensors[k].shape, dtype=tensors[k].dtype) for k in names}
-        load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)  # converts older weight names
+        try:
+            load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)  # converts older weight names
+        except CorruptCheckpoint as err:
+            raise DamagedCheckpoint(f"the checkpoint {c.path} is damaged: {err}") from None
         return state
 
     return _write(tensors, read, m, out, max_shard_bytes)
@@ -98,6 +121,8 @@ def _write(tensors: Mapping[str, torch.Tensor], read: Callable[[list[str]], Mapp
     first, renamed into place). `out` must not hold anything yet."""
     from safetensors.torch import save_file
 
+    if out.exists() and not out.is_dir():
+        raise ExportFailed(f"{out} is a file: an HF export is a directory (give a new directory's path)")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty: export into a new directory (or remove this one first)")
     table = recipes(m)
@@ -111,24 +136,39 @@ def _write(tensors: Mapping[str, torch.Tensor], read: Callable[[list[str]], Mapp
                                                 for i in range(len(groups))]
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    for file, group in zip(files, groups):
-        state = read(group)
-        hf = {k: v for name in group for k, v in zip(table[name].hf_names, table[name].split(state[name]))}
-        save_file(hf, str(partial / file), metadata={"format": "pt"})  # HF refuses files without "format"
-        weight_map.update(dict.fromkeys(hf, file))
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
-        (partial / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        files.append(INDEX)
-    (partial / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    for file in files:  # save_file writes 0600: the weights get config.json's mode (0644 under the usual umask)
-        like_a_normal_file(partial / file, partial / CONFIG)
-    if out.exists():
-        out.rmdir()  # empty (checked above): the rename replaces it
-    os.replace(partial, out)
+    made = make_parents(partial)
+    try:
+        partial.mkdir()
+        weight_map: dict[str, str] = {}
+        for file, group in zip(files, groups):
+            state = read(group)
+            hf = {k: v for name in group for k, v in zip(table[name].hf_names, table[name].split(state[name]))}
+            save_file(hf, str(partial / file), metadata={"format": "pt"})  # HF refuses files without "format"
+            weight_map.update(dict.fromkeys(hf, file))
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map}
+            (partial / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            files.append(INDEX)
+        (partial / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        for file in files:  # save_file writes 0600: the weights get config.json's mode (0644 under the usual umask)
+            like_a_normal_file(partial / file, partial / CONFIG)
+        if out.exists():
+            out.rmdir()  # empty (checked above): the rename replaces it
+        os.replace(partial, out)
+    except BaseException as exc:  # written whole or not at all: a failed write (a full disk) leaves nothing
+        code = out_of_room(exc, out)  # before the clean-up frees the space
+        shutil.rmtree(partial, ignore_errors=True)
+        for directory in made:
+            shutil.rmtree(directory, ignore_errors=True)
+        if isinstance(exc, OSError) or _a_write(exc) or code is not None:
+            raise write_failure(exc, out, code, sum(nbytes.values())) from None
+        raise
     return [out / CONFIG, *(out / name for name in files)]
+
+
+def _a_write(exc: BaseException) -> bool:
+    """safetensors' own error type for a write that failed (a RuntimeError-like without an errno)."""
+    return type(exc).__name__ == "SafetensorError"
 
 
 def _groups(nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -224,7 +264,11 @@ def load_hf(parts: Sequence[nn.Module], path: str | Path, m: ModelConfig) -> Non
     memory-mapped file, converted, padded to the part's vocabulary rows, cut locally to this rank's shard (no
     communication: every rank reads the same files) and copied in, one tensor at a time, so a rank never holds
     more than one full tensor beyond its model. Every tensor of the part is loaded (the names come from it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     weights, tied = open_hf(path, m)

@@ -25,6 +25,12 @@ compute CRC32C instead, per file and per record, as the bytes are written (`inte
 `.metadata` against the manifest and each record as it reads it (`reader.py`), skips a damaged checkpoint with
 the reason (log, `events.jsonl`), quarantines it (`step_<N>.corrupt`: no later attempt tries it again) and
 loads the next newest one, same tier first, then slower tiers.
+
+A run's checkpoints are its own (issue 46): each tier directory must resolve inside the run's (a relative tier in
+the run directory, an absolute one in `<path>/<run id>`), a `step_<N>` linked out of it is no checkpoint of the
+tier, and a checkpoint whose manifest names another run is refused (`CheckpointError`), never loaded, written
+into or deleted. A checkpoint whose tensors have other shapes than the model's is refused too, whatever
+checkpoint.force_resume says: a load never slices or pads a weight, except the vocabulary's padding rows.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from hpctrain.checkpoint.storage import (
     Committed,
     broken_in,
     committed_in,
+    linked_out,
     partial_dir,
     publish,
     quarantine,
@@ -57,16 +64,18 @@ from hpctrain.checkpoint.storage import (
     retain,
     step_dir,
     step_of,
-    tier_path,
     verify,
     write_manifest,
 )
 from hpctrain.checkpoint.integrity import METADATA
 from hpctrain.checkpoint.peers import Nodes
 from hpctrain.checkpoint.reader import CorruptCheckpoint
-from hpctrain.checkpoint.reshard import load_state
+from hpctrain.checkpoint.reshard import legacy_source, load_state
 from hpctrain.config.schema import CheckpointConfig
+from hpctrain.models import registry
+from hpctrain.models.family import Dims
 from hpctrain.records.fingerprint import upgrade_fingerprint
+from hpctrain.records.paths import escape, tier_directory
 from hpctrain.goodput.model import daly_interval, mtbf_s
 
 log = logging.getLogger(__name__)
@@ -82,6 +91,7 @@ class Tier:
     nodes: Nodes = Nodes(((0,),))  # ranks grouped by the directory they see: one group when shared
     auto: bool = False  # interval_minutes follows Daly's optimum for the measured cost
     last_save: float = field(default_factory=time.monotonic)
+    home: Path | None = None  # what `path` must resolve inside (`hpctrain.records.paths.tier_directory`)
 
     @property
     def shared(self) -> bool:
@@ -187,8 +197,9 @@ class CheckpointManager:
         self.run_id = run_id
         self.fingerprint = upgrade_fingerprint(fingerprint)
         self.distributed = dist.is_initialized()
-        self.tiers = [Tier(t.name, tier_path(t.path, run_dir, run_id), t.interval_steps, t.interval_minutes,
-                           t.keep_last, auto=t.auto) for t in config.tiers]
+        self.tiers = [Tier(t.name, directory, t.interval_steps, t.interval_minutes, t.keep_last, auto=t.auto,
+                           home=home) for t in config.tiers for directory, home in [tier_directory(t.path, run_dir,
+                                                                                                    run_id)]]
         self.mtbf_s = mtbf_s(failure_rate_per_gpu_day, world_size)
         # Own groups, created by every rank in the same order: agreement at step boundaries uses
         # `control_group` (gloo, so it works next to NCCL too); each tier's background writes use a group of
@@ -232,12 +243,83 @@ class CheckpointManager:
     def _probe_tiers(self) -> None:
         """Find which ranks see the same directory of each tier (its nodes); clean partial saves."""
         for tier in self.tiers:
+            self._guard(tier, "start")
             tier.path.mkdir(parents=True, exist_ok=True)
             tier.nodes = peers.find_nodes(tier.path, self.rank, self.world_size, self.control_group)
             if self._leader(tier):
                 for stale in remove_debris(tier.path):  # a save, or a deletion, killed half way
                     log.info("removed the debris of an interrupted save or deletion: %s", stale)
             self._barrier()
+
+    def _guard(self, tier: Tier, doing: str) -> None:
+        """Refuse a tier whose directory, or a checkpoint in it, leads out of this run's own through a link:
+        loading, saving or retaining there would reach another run's checkpoints (issue 46)."""
+        why = escape(tier.path, tier.home) if tier.home is not None else None
+        found = [why] if why else [w for _, w in linked_out(tier.path)]
+        if found:
+            raise CheckpointError(
+                f"checkpoint tier {tier.name}: {found[0]}{f' (and {len(found) - 1} more)' if len(found) > 1 else ''}"
+                f": run {self.run_id} loads, saves and deletes only checkpoints of its own, so it does not {doing} "
+                "there (nothing was loaded, saved or deleted). Remove the link and let the run make its own "
+                "directory, or start a new run; to start from another run's weights, export them "
+                "(tools/checkpoint.py export RUN --format hf OUT) and set model.init_from=OUT")
+
+    def _check_owner(self, ckpt: Committed) -> None:
+        """A checkpoint another run wrote (its manifest's run id) is not resumed: it came in through a link or a
+        copy. One written before manifests named their run is taken as this run's, with a warning."""
+        owner = ckpt.manifest.get("run_id")
+        if owner is None:
+            log.warning("checkpoint %s names no run (written before manifests did): taken as run %s's",
+                        ckpt.path, self.run_id)
+            return
+        if str(owner) != self.run_id:
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} belongs to run {owner} (its manifest), not to this run {self.run_id}: a run "
+                "resumes only its own checkpoints (is the tier directory, or this step, a link or a copy of another "
+                "run's?). Nothing was loaded. Remove it from this run's tier, or start a new run; to start from that "
+                "run's weights, export them (tools/checkpoint.py export RUN --format hf OUT) and set "
+                "model.init_from=OUT")
+
+    def _check_shapes(self, ckpt: Committed, state: dict[str, Any]) -> None:
+        """Every tensor of the checkpoint that the state loads has the state's global shape, and every model
+        weight of the checkpoint has a place in the state: a load never slices, pads or drops a weight
+        (model.moe.n_experts 8 -> 4 kept the first 4 experts before), with checkpoint.force_resume or without.
+        The one difference allowed is the vocabulary's padding rows of the embedding and the head (and their
+        optimizer states), which `reshard.load_state` copies over. A rank holds only its pipeline stage's layers:
+        a weight of the checkpoint is missed only in a layer (or top-level module) the rank holds."""
+        saved = integrity.read_metadata(ckpt.path / METADATA).state_dict_metadata
+        vocab = _vocab_weights(self.fingerprint.get("model"))
+        wrong: list[str] = []
+        targets: set[str] = set()
+        renamed: set[str] = set()
+        for fqn, container, key in _leaves(state):
+            targets.add(fqn)
+            value, meta = container[key], saved.get(fqn)
+            if meta is None:
+                source = legacy_source(key)
+                if source is not None:
+                    renamed.add(fqn[: len(fqn) - len(key)] + source[0])
+                continue
+            if not isinstance(value, torch.Tensor) or not hasattr(meta, "size"):
+                continue
+            have, want = tuple(meta.size), tuple(value.shape)
+            if have == want:
+                continue
+            rows_only = len(have) == len(want) >= 1 and have[1:] == want[1:]
+            if rows_only and any(f".{name}." in f".{fqn}." for name in vocab):
+                continue  # the vocabulary padded for another TP degree or pad multiple: `reshard` copies the rows
+            wrong.append(f"{_weight_name(fqn)} is {list(have)} there, {list(want)} here")
+        held = {_module_of(k) for k in targets if k.startswith("train.model.")}
+        extra = sorted(k for k, meta in saved.items() if k.startswith("train.model.") and hasattr(meta, "size")
+                       and k not in targets and k not in renamed and _module_of(k) in held)
+        wrong += [f"{_weight_name(k)} is in the checkpoint, not in this model" for k in extra]
+        if wrong:
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} does not fit this model: {'; '.join(wrong[:3])}"
+                f"{f' (and {len(wrong) - 3} more)' if len(wrong) > 3 else ''}. A checkpoint loads only into the "
+                "shapes it was saved with (checkpoint.force_resume does not change that): resume with the run's own "
+                "model settings (its config.yaml), or start a new run (convert the weights first: tools/checkpoint.py "
+                "export RUN --format hf OUT, then model.init_from=OUT)")
 
     # ---------------------------------------------------------------- resume
     def resume(self, engine: Any) -> dict[str, Any] | None:
@@ -264,6 +346,7 @@ class CheckpointManager:
                 self._skip(tier, step, self._all_gather(problems), damaged > 0)
                 continue
             assert ckpt is not None
+            self._check_owner(ckpt)
             self._check_fingerprint(ckpt)
             started = time.perf_counter()
             try:
@@ -366,6 +449,7 @@ class CheckpointManager:
     def _load(self, ckpt: Committed, engine: Any, tier: Tier) -> int:
         """Load a committed checkpoint into the engine (and this rank's RNG); the bytes fetched from peers."""
         state = {"train": engine.state_dict()}
+        self._check_shapes(ckpt, state)
         same_world = ckpt.manifest.get("world_size") == self.world_size
         if same_world:  # RNG streams are per rank: only meaningful with the same ranks (and devices saved)
             streams = _rng_state(self.device)
@@ -459,6 +543,11 @@ class CheckpointManager:
             self._commit(name)
         self._reap_retention(wait=True)
 
+    def _retain(self, tier: Tier) -> list[Path]:
+        """Retention of one tier, in the janitor's thread: never through a link out of the run's own directory."""
+        self._guard(tier, "delete")
+        return retain(tier.path, tier.keep_last)
+
     def _reap_retention(self, wait: bool) -> None:
         """Collect finished (or, with wait, all) background deletions; a failed one is logged, not fatal."""
         for future in self._retaining:
@@ -482,6 +571,7 @@ class CheckpointManager:
             self._commit(tier.name)
             self.events.append({"event": "save_waited", "tier": tier.name, "step": step,
                                 "waited_s": time.perf_counter() - waited})
+        self._guard(tier, "save")
         partial = partial_dir(tier.path, step)
         partial.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
@@ -534,7 +624,7 @@ class CheckpointManager:
         tier = next(t for t in self.tiers if t.name == name)
         if self._leader(tier):
             self._reap_retention(wait=False)
-            self._retaining.append(self._janitor.submit(retain, tier.path, tier.keep_last))
+            self._retaining.append(self._janitor.submit(self._retain, tier))
         blocked = job.blocked_s + time.perf_counter() - booked
         log.info("checkpoint step %d committed to tier %s (%.1f MB, blocked %.3f s, %.2f s in all)",
                  job.step, name, done["bytes"] / 1e6, blocked, done["total_s"])
@@ -549,6 +639,42 @@ class CheckpointManager:
         tier.interval_steps, tier.interval_minutes = 0, minutes
         self.events.append({"event": "interval_auto", "tier": tier.name, "minutes": minutes,
                             "blocked_s": blocked_s, "mtbf_s": self.mtbf_s})
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any], str]]:
+    """(DCP's flattened key, container, key) of every leaf of a nested state dict (as `reshard` walks it)."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", tree, key))
+    return out
+
+
+def _module_of(fqn: str) -> str:
+    """The layer (`layers.<i>`) or top-level module a model weight's flattened key is in: what a pipeline stage
+    holds whole or not at all."""
+    parts = fqn.removeprefix("train.model.").split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else parts[0]
+
+
+def _weight_name(fqn: str) -> str:
+    return fqn.removeprefix("train.model.").removeprefix("train.")
+
+
+def _vocab_weights(model: Any) -> list[str]:
+    """The family's weights whose rows are the (padded) vocabulary: the embedding and an untied head, asked of
+    its shapes with a row count no other dimension has. None when the fingerprint names no known family."""
+    try:
+        family = registry.get(str(model["arch"]))
+        dims = Dims(int(model["n_layers"]), int(model["d_model"]), int(model["n_heads"]),
+                    int(model.get("n_kv_heads") or model["n_heads"]), int(model.get("ffn_hidden") or 1),
+                    int(model["vocab_size"]), int(model["context"]), int(model.get("head_dim") or 0))
+        rows = 1 + max(dims.d_model, dims.vocab_size, dims.context, dims.ffn_hidden, dims.q_dim) * 7919
+        return [name for name, shape in family.top_shapes(dims, rows).items() if shape and shape[0] == rows]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):
+        return []
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -12,6 +12,11 @@ kills a save at each point).
 So `step_<N>/manifest.json` exists only for complete checkpoints; anything named `.partial` (a save killed half
 way) or `.deleting` (retention killed half way) is debris, removed at start-up; `.corrupt` is a checkpoint a
 resume found damaged, kept for inspection and never loaded again.
+
+Nothing here reads, writes or deletes through a symbolic link that leads out of a tier directory (issue 46): a
+`step_<N>` linked to another run's checkpoint is not a checkpoint of this tier, retention and the removal of
+debris pass it by, and a file of a checkpoint linked out of it makes the checkpoint unusable. The tier directory
+itself is held to its run by the manager (`hpctrain.records.paths.tier_directory`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 from hpctrain.checkpoint.integrity import METADATA, seal, seal_problem
 from hpctrain.durable import fsync_dir
+from hpctrain.records.paths import escape, escaping_entries, tier_directory, within
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -52,8 +58,18 @@ def partial_dir(tier_path: Path, step: int) -> Path:
 
 def tier_path(path: str, run_dir: Path, run_id: str) -> Path:
     """Relative tier paths live in the run directory; absolute ones (RAM, local SSD) get the run id appended."""
-    p = Path(path).expanduser()
-    return p / run_id if p.is_absolute() else run_dir / p
+    return tier_directory(path, run_dir, run_id)[0]
+
+
+def _inside(sub: Path) -> bool:
+    """Whether a tier directory's entry stays in it (a link to another run's checkpoint does not)."""
+    return not sub.is_symlink() or within(sub, Path(os.path.realpath(sub.parent)))
+
+
+def linked_out(directory: Path) -> list[tuple[Path, str]]:
+    """The `step_*` entries of a tier directory that are links leading out of it, with why: never loaded, never
+    written through, never deleted (a run's checkpoints are its own)."""
+    return escaping_entries(directory, PREFIX)
 
 
 def step_of(path: Path) -> int:
@@ -64,7 +80,7 @@ def step_of(path: Path) -> int:
 def _step_dirs(directory: Path) -> Iterator[Path]:
     if directory.is_dir():
         yield from (sub for sub in directory.iterdir() if sub.name.startswith(PREFIX)
-                    and sub.name[len(PREFIX):].isdigit() and (sub / MANIFEST).is_file())
+                    and sub.name[len(PREFIX):].isdigit() and _inside(sub) and (sub / MANIFEST).is_file())
 
 
 def read_manifest(sub: Path) -> tuple[dict[str, Any] | None, str]:
@@ -147,7 +163,9 @@ def verify(ckpt: Committed) -> list[str]:
     node_local = ckpt.manifest.get("shared") is False
     for name, size in ckpt.manifest.get("files", {}).items():
         path = ckpt.path / name
-        if not path.is_file():
+        if path.is_symlink() and (out := escape(path, Path(os.path.realpath(ckpt.path)))):
+            problems.append(f"{name} leads out of the checkpoint: {out}")
+        elif not path.is_file():
             if not node_local or name == METADATA:
                 problems.append(f"missing {name}")
         elif path.stat().st_size != size:
@@ -169,7 +187,7 @@ def quarantine(path: Path) -> Path:
 
 def remove_debris(directory: Path) -> list[Path]:
     """Saves and deletions that a crash cut short (nothing else writes to a tier while a run starts)."""
-    stale = [sub for suffix in DEBRIS for sub in directory.glob(f"{PREFIX}*{suffix}")]
+    stale = [sub for suffix in DEBRIS for sub in directory.glob(f"{PREFIX}*{suffix}") if _inside(sub)]
     for sub in stale:
         shutil.rmtree(sub, ignore_errors=True)
     return stale
@@ -178,13 +196,14 @@ def remove_debris(directory: Path) -> list[Path]:
 def retain(directory: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest keep_last committed checkpoints, and partial, half-deleted or quarantined ones
     of a step no newer than the newest. Each goes out of the committed set with one rename first: a deletion
-    killed half way must not leave a manifest beside missing files."""
+    killed half way must not leave a manifest beside missing files. An entry that is a link out of the
+    directory is never deleted (nor counted: `committed_in` does not list it)."""
     committed = committed_in(directory)
     removed = [c.path for c in committed[: max(0, len(committed) - keep_last)]]
     newest = committed[-1].step if committed else -1
     for suffix in (*DEBRIS, CORRUPT):
         for sub in directory.glob(f"{PREFIX}*{suffix}"):
-            if step_of(sub) <= newest:
+            if step_of(sub) <= newest and _inside(sub):
                 removed.append(sub)
     for path in removed:
         doomed = path if path.name.endswith((*DEBRIS, CORRUPT)) else path.with_name(path.name + DELETING)

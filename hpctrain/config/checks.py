@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ from omegaconf.errors import ConfigKeyError
 from hpctrain import schedules
 from hpctrain.config.layout import Layout, data_parallel_kind, model_fit_problems, sequence_problems
 from hpctrain.config.cluster_checks import cluster_checks
-from hpctrain.config.file_checks import walk_values
+from hpctrain.config.file_checks import format_bytes, walk_values
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
 from hpctrain.config.schema import (
     DRY_RUNS,
@@ -36,7 +37,7 @@ from hpctrain.config.schema import (
     simulating,
 )
 from hpctrain.hardware import KNOWN_HARDWARE
-from hpctrain.models.params import ffn_hidden_of, kv_heads_of
+from hpctrain.models.params import ffn_hidden_of, kv_heads_of, padded_vocab
 from hpctrain.models.family import Dims
 from hpctrain.models.registry import FAMILIES, family_of
 
@@ -74,22 +75,24 @@ def _suggest(key: str) -> str:
     return f"remove it; the keys of {parent or 'the config'} are: {', '.join(known)}"
 
 
+# What the layout search reads besides the model (parallel=auto): in their domains before it searches
+SEARCH_INPUTS = ("train.global_batch", "train.seq_len", "cluster.nodes", "cluster.gpus_per_node")
+
+
 def model_shape_checks(cfg: Config, r: CheckReport) -> None:
-    """The model's own rules, which need no layout (parallel=auto runs them before its search)."""
+    """The model's own rules, which need no layout, and the domains of the numbers the layout search reads
+    (parallel=auto runs them before its search: a global batch of 2**62 is not searched)."""
     m = cfg.model
-    for key, value in {"model.n_layers": m.n_layers, "model.d_model": m.d_model, "model.n_heads": m.n_heads,
-                       "model.vocab_size": m.vocab_size, "model.context": m.context}.items():
-        if value < 1:
-            r.error(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
+    domain_checks(cfg, r, ("model.", *SEARCH_INPUTS))  # in their domains (DOMAINS), before the rules that combine them
     if m.n_heads >= 1 and not m.head_dim and m.d_model % m.n_heads:
         r.error("model.d_model", f"d_model {m.d_model} is not divisible by n_heads {m.n_heads}",
                 f"use a d_model that is a multiple of {m.n_heads} (e.g. {m.n_heads * max(1, m.d_model // m.n_heads)})")
-    if not 0.0 <= m.dropout < 1.0:
-        r.error("model.dropout", f"must be in [0, 1), got {m.dropout}", "set model.dropout=0.0")
-    if m.init_std < 0:
-        r.error("model.init_std", f"must be >= 0 (a standard deviation), got {m.init_std}", "use model.init_std=0.02")
-    if m.norm_eps < 0:
-        r.error("model.norm_eps", f"must be >= 0, got {m.norm_eps}", "use model.norm_eps=1e-5")
+    rope = m.rope
+    if rope.scaling_factor > 0 and not rope.high_freq_factor > rope.low_freq_factor:
+        r.error("model.rope.high_freq_factor", f"{rope.high_freq_factor:g} must be > model.rope.low_freq_factor="
+                f"{rope.low_freq_factor:g} with Llama 3's frequency scaling (scaling_factor={rope.scaling_factor:g}): "
+                "the wavelengths between original_context / high and original_context / low are interpolated over "
+                "high - low", "use Llama 3's model.rope.low_freq_factor=1 model.rope.high_freq_factor=4")
     for key, what, fix in family_of(m).shape_problems(m):  # the family's own rules
         r.error(key, what, fix)
     if m.init_from and not os.path.exists(m.init_from):
@@ -190,8 +193,6 @@ def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
             r.error("zero.nvme_path", "zero.offload_optimizer_device=nvme keeps Adam's moments in files on a "
                     "node-local NVMe drive, but no directory is given", "set zero.nvme_path to a node-local NVMe "
                     "mount, e.g. zero.nvme_path=/raid/$USER/hpctrain (DGX: the RAID-0 of data drives at /raid)")
-        if z.nvme_chunk_mb < 1:
-            r.error("zero.nvme_chunk_mb", f"must be >= 1 MiB, got {z.nvme_chunk_mb}", "use zero.nvme_chunk_mb=64")
     if lay.dp_replicate > 1 and z.stage < 2:
         r.error("parallel.dp_replicate", "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
                 "set zero.stage=3, or parallel.dp_replicate=1")
@@ -221,13 +222,9 @@ def _precision(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if pr.dtype != DType.fp16 and pr.loss_scaling:
         r.warn("precision.loss_scaling", f"loss scaling does nothing useful with {pr.dtype.value}",
                "set precision.loss_scaling=false")
-    if pr.loss_scaling:
-        if pr.initial_scale < pr.min_scale or pr.min_scale <= 0:
-            r.error("precision.initial_scale", f"initial_scale={pr.initial_scale} must be >= min_scale="
-                    f"{pr.min_scale} > 0", "use e.g. precision.initial_scale=65536 precision.min_scale=1")
-        if pr.loss_scale_window < 1:
-            r.error("precision.loss_scale_window", f"must be >= 1, got {pr.loss_scale_window}",
-                    "use precision.loss_scale_window=1000")
+    if pr.loss_scaling and pr.initial_scale < pr.min_scale and pr.min_scale > 0:  # each > 0: DOMAINS
+        r.error("precision.initial_scale", f"initial_scale={pr.initial_scale} must be >= min_scale="
+                f"{pr.min_scale} > 0", "use e.g. precision.initial_scale=65536 precision.min_scale=1")
     if pr.reduce_dtype == DType.fp16:
         r.warn("precision.reduce_dtype", "fp16 gradient reductions over many ranks overflow or lose precision",
                "set precision.reduce_dtype=fp32")
@@ -291,28 +288,14 @@ def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
     o, t = cfg.optim, cfg.train
     if o.name != "adamw":
         r.error("optim.name", f"unknown optimizer {o.name!r}", "use optim.name=adamw")
-    if o.lr <= 0:
-        r.error("optim.lr", f"must be > 0, got {o.lr}", "use e.g. optim.lr=3e-4")
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        r.error("optim.min_lr_ratio", f"must be in [0, 1] (a fraction of optim.lr), got {o.min_lr_ratio}",
-                "use e.g. optim.min_lr_ratio=0.1")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         r.error("optim.betas", f"must be two numbers in [0, 1), got {list(o.betas)}", "use optim.betas=[0.9,0.95]")
-    if o.warmup_steps < 0:
-        r.error("optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}",
-                f"use e.g. optim.warmup_steps={max(0, t.max_steps // 10)}")
-    elif o.warmup_steps > t.max_steps:  # a short trial run of a long config: the lr is still ramping at the end
+    if o.warmup_steps > t.max_steps >= 1:  # a short trial run of a long config: the lr is still ramping at the end
         r.warn("optim.warmup_steps", f"warmup ({o.warmup_steps} steps) is longer than the run (train.max_steps="
                f"{t.max_steps}): the learning rate never reaches optim.lr={o.lr:g}",
                f"use e.g. optim.warmup_steps={max(0, t.max_steps // 10)} for a run this short")
     if o.decay not in ("cosine", "linear", "constant"):
         r.error("optim.decay", f"unknown decay {o.decay!r}", "use cosine, linear or constant")
-    if o.grad_clip < 0:
-        r.error("optim.grad_clip", f"must be >= 0 (0 disables clipping), got {o.grad_clip}", "use optim.grad_clip=1.0")
-    if o.weight_decay < 0:
-        r.error("optim.weight_decay", f"must be >= 0, got {o.weight_decay}", "use e.g. optim.weight_decay=0.1")
-    if o.eps < 0:
-        r.error("optim.eps", f"must be >= 0, got {o.eps}", "use optim.eps=1e-8")
 
 
 def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -330,8 +313,6 @@ def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if t.seq_len < 1 or t.seq_len > m.context:
         r.error("train.seq_len", f"sequence length {t.seq_len} must be in [1, model.context={m.context}]: "
                 "positions beyond the context have no embedding", f"set train.seq_len<={m.context}")
-    if t.log_every < 1:
-        r.error("train.log_every", f"must be >= 1, got {t.log_every}", "use train.log_every=10")
     if d.vocab_size > m.vocab_size:
         r.error("data.vocab_size", f"the data uses {d.vocab_size} token ids but model.vocab_size={m.vocab_size}",
                 f"set model.vocab_size>={d.vocab_size} or use data matching the model's tokenizer")
@@ -391,8 +372,9 @@ def _indexed_data(d: DataConfig, dry_run: bool, r: CheckReport) -> None:
                                                  "check the prefix (without .bin/.idx); it must be readable from "
                                                  "every node, or make it with python -m hpctrain.data.prepare")
     for source in prepare:
-        if source != "stdlib" and not os.path.exists(source):
-            r.error("data.prepare.inputs", f"{source} does not exist", "name text or jsonl files, directories, "
+        wrong = None if source == "stdlib" else _not_a_source(source)
+        if wrong:  # missing, or a FIFO or a device the preparation would block on or read without end
+            r.error("data.prepare.inputs", f"{source} {wrong}", "name text or jsonl files, directories, "
                     "a saved datasets directory, or stdlib")
     if prepare and d.prepare.tokenizer and not os.path.exists(d.prepare.tokenizer):
         r.error("data.prepare.tokenizer", f"{d.prepare.tokenizer} does not exist",
@@ -402,22 +384,30 @@ def _indexed_data(d: DataConfig, dry_run: bool, r: CheckReport) -> None:
                 "keep one: data.valid_fraction=0 to validate on data.valid_blend")
 
 
+def _not_a_source(path: str) -> str | None:
+    """What is wrong with a data.prepare input, as the end of a sentence about it; None for a file or directory."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except (OSError, ValueError) as exc:
+        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    what = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
+            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    return f"is {what}, not a file or directory: the login node would block on it or read it without end"
+
+
 def _validation(t: TrainConfig, d: DataConfig, r: CheckReport) -> None:
-    if not 0.0 <= d.valid_fraction < 1.0:
-        r.error("data.valid_fraction", f"must be in [0, 1), got {d.valid_fraction}", "use e.g. data.valid_fraction=0.01")
+    """Where validation data comes from (the ranges of data.valid_fraction, train.eval_every and eval_batches:
+    DOMAINS)."""
     if d.valid_blend and d.kind != DataKind.indexed:
         r.error("data.valid_blend", f"validation prefixes are for data=indexed, not {d.kind.value}",
                 "use data.valid_fraction to hold out part of this data")
-    if d.prefetch < 0:
-        r.error("data.prefetch", f"must be >= 0 steps, got {d.prefetch}", "use data.prefetch=1 (0: no read-ahead)")
-    if t.eval_every < 0:
-        r.error("train.eval_every", f"must be >= 0 (0: no validation), got {t.eval_every}", "use e.g. train.eval_every=100")
-    elif t.eval_every:
-        if t.eval_batches < 1:
-            r.error("train.eval_batches", f"must be >= 1, got {t.eval_batches}", "use e.g. train.eval_batches=4")
-        if not d.valid_fraction and not d.valid_blend:
-            r.error("train.eval_every", f"validation every {t.eval_every} steps, but no validation data is held out",
-                    "set data.valid_fraction=0.01 (the last 1% of the documents), or data.valid_blend (indexed)")
+    if t.eval_every > 0 and not d.valid_fraction and not d.valid_blend:
+        r.error("train.eval_every", f"validation every {t.eval_every} steps, but no validation data is held out",
+                "set data.valid_fraction=0.01 (the last 1% of the documents), or data.valid_blend (indexed)")
 
 
 def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -427,23 +417,13 @@ def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("checkpoint.tiers", f"tier names must be unique, got {names}", "give each tier its own name")
     for i, tier in enumerate(ck.tiers):
         key = f"checkpoint.tiers[{i}]"
-        if tier.keep_last < 1:
-            r.error(f"{key}.keep_last", f"must be >= 1, got {tier.keep_last}: the newest checkpoint would be "
-                    "deleted", f"set {key}.keep_last=1 or more")
         if not os.path.isabs(str(tier.path)) and _leaves(str(tier.path)):
             r.error(f"{key}.path", f"{tier.path!r} leads out of the run directory (a relative tier path is inside "
                     "it)", f"use a path inside the run directory (e.g. {key}.path=checkpoints), or an absolute one "
                     "(the run id is appended to it)")
-        if tier.interval_steps < 0 or tier.interval_minutes < 0:
-            r.error(key, "intervals must be >= 0", f"set {key}.interval_steps or interval_minutes to a positive value")
         if ck.enabled and tier.interval_steps == 0 and tier.interval_minutes == 0 and not ck.save_final:
             r.warn(key, f"tier {tier.name!r} has no interval and nothing is saved at the end",
                    f"set {key}.interval_steps")
-    if ck.write_threads < 1:
-        r.error("checkpoint.write_threads", f"must be >= 1, got {ck.write_threads}", "use checkpoint.write_threads=2")
-    if cfg.cluster.failure_rate_per_gpu_day < 0:
-        r.error("cluster.failure_rate_per_gpu_day", f"must be >= 0, got {cfg.cluster.failure_rate_per_gpu_day}",
-                "use the cluster's measured rate, e.g. 0.001 (0.1% of GPUs fail per day)")
     if ck.when_busy not in ("skip", "wait"):
         r.error("checkpoint.when_busy", f"must be skip or wait, got {ck.when_busy!r}", "use checkpoint.when_busy=skip")
     if ck.enabled and not ck.tiers:
@@ -472,9 +452,6 @@ def _run_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """The run directory is run.root/run.name/run.id, and must stay under run.root (run.resume may name any run
     directory by its path: it exists already)."""
     run = cfg.run
-    if not run.lease_check_s > 0:
-        r.error("run.lease_check_s", f"must be > 0 seconds, got {run.lease_check_s}: rank 0 re-reads the run's lease "
-                "this often to notice a newer attempt", "use run.lease_check_s=1")
     name = "" if run.name is None else str(run.name)
     parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
     if not parts or os.path.isabs(name) or ".." in parts:
@@ -539,7 +516,303 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 "add parallel.compile=false to the simulation (compilation changes kernels, not what is stored)")
 
 
+# ---------------------------------------------------------------- the domain of every number (issue 46)
+
+MAX_COUNT = 2**31 - 1  # int32: no tensor dimension, batch, layer, rank or count of anything a run has goes past it
+MAX_PER_NODE = 4096  # processes, threads, GPUs or CPUs of one node (the largest nodes have a few hundred cores)
+MAX_NODES = 2**20  # nodes of one job: no machine has a million
+MAX_SECONDS = 10 * 365 * 86400  # ten years: longer than any job, timeout or wait means
+MAX_MINUTES = MAX_SECONDS // 60
+MAX_BYTES = 2**40  # a buffer or a cap of one process: 1 TiB, more than any GPU or host holds per process
+MAX_MIB = 2**20  # the same in MiB
+FP32_MAX = 3.4028234663852886e38  # a loss scale is an fp32 number
+
+
+@dataclasses.dataclass(frozen=True)
+class Domain:
+    """The values a numeric key may take: [low, high] (a bound left out where there is none, `low_open` /
+    `high_open` to exclude it), or one of `also`, values outside the range with a meaning of their own
+    (parallel.dp=-1: inferred). `after` follows the bound in the message (a unit, what 0 means), `note` follows
+    the value (why the bound), `example` is a value inside it, for the fix. Every number is finite besides
+    (`_finite_numbers`)."""
+
+    low: float | None = None
+    high: float | None = None
+    example: Any = None
+    low_open: bool = False
+    high_open: bool = False
+    also: tuple[tuple[int, str], ...] = ()
+    after: str = ""
+    note: str = ""
+    interval: bool = False  # say "in [low, high)" rather than the one bound the value is past
+
+    def holds(self, value: float) -> bool:
+        if any(value == v for v, _ in self.also):
+            return True
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def problem(self, key: str, value: float, shown: str = "") -> tuple[str, str]:
+        """The message and the fix for `value`, which is not in the domain (`shown` in its place: a list)."""
+        if self.interval:
+            bound = (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                     f"{')' if self.high_open else ']'}")
+        elif self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            bound = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        else:
+            bound = f"{'<' if self.high_open else '<='} {_number(self.high)}"
+        also = "".join(f" or {v} ({meaning})" for v, meaning in self.also)
+        shown = shown or (f"{value:,}" if isinstance(value, int) and abs(value) >= 10**6 else f"{value}")
+        message = f"must be {bound}{self.after}{also}, got {shown}" + (f": {self.note}" if self.note else "")
+        return message, f"use e.g. {key}={self.example}"
+
+
+def _number(x: float | None) -> str:
+    if x is None:
+        return ""
+    if float(x).is_integer() and abs(x) < 2**63:
+        return f"{int(x):,}" if abs(x) >= 10**6 else str(int(x))
+    return f"{x:g}"
+
+
+def _count(low: int, example: int, after: str = "", note: str = "", high: int = MAX_COUNT, **kw: Any) -> Domain:
+    """An integer count from `low` (the note for a value past MAX_COUNT says why there is a top)."""
+    return Domain(low, high, example, after=after, note=note, **kw)
+
+
+_SECONDS = " seconds"
+_POSITIVE_FLOAT = {"low": 0, "low_open": True}
+# One row per numeric key of the schema (hpctrain/config/schema.py; tests/config/test_numeric_domains.py holds
+# this table to it, so a new number cannot come without its domain). "checkpoint.tiers[].x" applies to each
+# tier. Checked by `domain_checks`, after the checks that say more of a key (those that combine it with other
+# keys, a family's shape rules, cluster_checks' timeouts): a key they reported is not reported twice.
+DOMAINS: dict[str, Domain] = {
+    # the model
+    "model.n_layers": _count(1, 32),
+    "model.d_model": _count(1, 4096),
+    "model.n_heads": _count(1, 32),
+    "model.n_kv_heads": _count(0, 8, " (0: model.n_heads)"),
+    "model.head_dim": _count(0, 128, " (0: d_model / n_heads)"),
+    "model.vocab_size": _count(1, 50257),
+    # padded_vocab: any value <= 1 means no padding (the schema's own words), so only the top is a bound
+    "model.vocab_pad_multiple": Domain(-MAX_COUNT, MAX_COUNT, 64, after=" (<= 1: no padding)"),
+    "model.context": _count(1, 2048),
+    "model.ffn_mult": _count(1, 4, " (model.ffn_hidden = ffn_mult x d_model when ffn_hidden is 0)"),
+    "model.ffn_hidden": _count(0, 11008, " (0: ffn_mult x d_model)"),
+    "model.norm_eps": Domain(0, None, "1e-5"),
+    "model.rope.theta": Domain(**_POSITIVE_FLOAT, example=500000, note="the base of the rotary frequencies"),
+    "model.rope.scaling_factor": Domain(0, None, 8, after=" (0: no scaling)"),
+    "model.rope.low_freq_factor": Domain(**_POSITIVE_FLOAT, example=1, note="original_context is divided by it"),
+    "model.rope.high_freq_factor": Domain(**_POSITIVE_FLOAT, example=4, note="original_context is divided by it"),
+    "model.rope.original_context": _count(1, 8192),
+    "model.moe.n_experts": _count(0, 8, " (0: dense)"),
+    "model.moe.top_k": _count(1, 2),
+    "model.moe.expert_hidden": _count(0, 1536, " (0: model.ffn_hidden)"),
+    "model.moe.n_shared_experts": _count(0, 1),
+    "model.moe.n_groups": _count(1, 8),
+    "model.moe.topk_groups": _count(1, 4),
+    "model.moe.route_scale": Domain(**_POSITIVE_FLOAT, example=1.0, note="the combine weights are multiplied by it"),
+    "model.moe.capacity_factor": Domain(0, None, 1.25, after=" (0: dropless)"),
+    "model.moe.balance_coef": Domain(0, None, 0.001, note="a loss coefficient"),
+    "model.moe.z_loss_coef": Domain(0, None, 0.001, note="a loss coefficient"),
+    "model.moe.bias_update_rate": Domain(0, None, 0.001, after=" (0: the router's bias stays)",
+                                         note="the sigmoid router's bias moves this much per optimizer step, "
+                                         "towards the experts that get too few tokens; a negative rate moves it away"),
+    "model.dropout": Domain(0, 1, 0.0, high_open=True, interval=True),
+    "model.init_std": Domain(0, None, 0.02, after=" (a standard deviation)"),
+    # the layout (also hpctrain.config.layout, which says more of them)
+    "parallel.dp": _count(1, -1, also=((-1, "infer it from the world size"),)),
+    "parallel.dp_replicate": _count(1, 1),
+    "parallel.tp": _count(1, 8),
+    "parallel.pp": _count(1, 4),
+    "parallel.ep": _count(1, 8),
+    "parallel.cp": _count(1, 2),
+    "parallel.virtual_stages": _count(1, 2),
+    "parallel.first_stage_layers": _count(0, 0, " (0: as the other stages)"),
+    "parallel.last_stage_layers": _count(0, 0, " (0: as the other stages)"),
+    "parallel.microbatches": _count(0, 0, " (0: train.grad_accum)"),
+    "zero.stage": _count(0, 1, high=3),
+    "zero.nvme_chunk_mb": Domain(1, MAX_MIB, 64, after=" MiB",
+                                 note="three chunks of each moment are in host memory at a time"),
+    "zero.reduce_bucket_size": _count(1_000_000, 25_000_000, " bytes", high=MAX_BYTES),
+    "zero.allgather_bucket_size": _count(1_000_000, 25_000_000, " bytes", high=MAX_BYTES),
+    # the optimizer
+    "optim.lr": Domain(**_POSITIVE_FLOAT, example="3e-4"),
+    "optim.min_lr_ratio": Domain(0, 1, 0.1, after=" (a fraction of optim.lr)", interval=True),
+    "optim.betas": Domain(0, 1, "[0.9,0.95]", high_open=True, interval=True),  # each of the two
+    "optim.eps": Domain(0, None, "1e-8"),
+    "optim.weight_decay": Domain(0, None, 0.1),
+    "optim.warmup_steps": _count(0, 100, high=MAX_STEPS),
+    "optim.grad_clip": Domain(0, None, 1.0, after=" (0 disables clipping)"),
+    "precision.initial_scale": Domain(0, FP32_MAX, 65536, low_open=True, note="a loss scale is an fp32 number"),
+    "precision.loss_scale_window": _count(1, 1000, " steps"),
+    "precision.min_scale": Domain(0, FP32_MAX, 1, low_open=True, note="a loss scale is an fp32 number"),
+    # the data
+    "data.vocab_size": _count(1, 50257),
+    "data.max_bytes": _count(1, 16_000_000, " bytes", high=MAX_BYTES),
+    "data.valid_fraction": Domain(0, 1, 0.01, high_open=True, interval=True),
+    "data.prefetch": _count(0, 1, " steps (0: no read-ahead)", high=1024, note="each step read ahead is a global "
+                            "batch held in memory"),
+    # byte-level BPE: 256 byte tokens and the end-of-document token come first, whatever vocab_size says
+    "data.prepare.vocab_size": _count(257, 8192, " (256 byte tokens and <|endoftext|>, then the merges)"),
+    "data.prepare.workers": _count(1, 2, " processes", high=MAX_PER_NODE),
+    # checkpoints
+    "checkpoint.tiers[].interval_steps": _count(0, 200, " (0: no step interval)"),
+    "checkpoint.tiers[].interval_minutes": Domain(0, MAX_MINUTES, 30, after=" (0: no time interval)"),
+    "checkpoint.tiers[].keep_last": _count(1, 2, note="the newest checkpoint would be deleted"),
+    "checkpoint.write_threads": _count(1, 2, high=MAX_PER_NODE),
+    # the cluster (cluster_checks says more of most)
+    "cluster.nodes": _count(1, 1, high=MAX_NODES),
+    "cluster.spare_nodes": _count(0, 0, high=MAX_NODES),
+    "cluster.gpus_per_node": _count(1, 8, high=MAX_PER_NODE),
+    "cluster.cpus_per_task": _count(1, 1, high=MAX_PER_NODE),
+    "cluster.mem_gb": _count(0, 0, " (0: the partition's default memory)"),
+    "cluster.time_min": _count(1, 60, " minutes", high=MAX_MINUTES),
+    "cluster.signal_delay_s": _count(0, 120, _SECONDS, high=MAX_SECONDS),
+    "cluster.failure_rate_per_gpu_day": Domain(0, None, 0.001, note="the share of GPUs that fail per day"),
+    "cluster.max_num_timeout": _count(0, 20, " requeues"),
+    # NCCL_IB_GID_INDEX: an index into the port's GID table; -1 is NCCL's own choice (NCCL 2.21 and later)
+    "cluster.nccl.ib_gid_index": _count(0, 3, high=65535, also=((-1, "NCCL chooses"),)),
+    "launcher.max_restarts": _count(0, 3),
+    "launcher.rendezvous_timeout_s": _count(1, 600, _SECONDS, high=MAX_SECONDS),
+    "launcher.collective_timeout_s": _count(1, 1800, _SECONDS, high=MAX_SECONDS),
+    "elastic.min_nodes": _count(0, 0, " (0: never shrink)", high=MAX_NODES),
+    # health
+    "health.allreduce_mb": _count(1, 16, " MiB", high=MAX_MIB),
+    "health.outlier_threshold": Domain(**_POSITIVE_FLOAT, example=3.5, note="a robust z-score"),
+    "health.min_slowdown": Domain(0, None, 0.2, note="a relative slowdown"),
+    "health.hang_timeout_s": Domain(0, MAX_SECONDS, 600, after=" seconds (0 disables the watchdog)"),
+    "health.hang_factor": Domain(1, None, 20, note="a multiple of the median step time"),
+    "health.startup_timeout_s": Domain(0, MAX_SECONDS, 1200, low_open=True, after=_SECONDS),
+    "health.straggler_every": _count(0, 100, " steps (0 disables the probes)"),
+    "health.straggler_factor": Domain(1, None, 1.3, low_open=True, note="a multiple of the median rank's time"),
+    "health.straggler_patience": _count(1, 3, " probes"),
+    "health.memory_window": _count(0, 200, " steps (0 disables the leak check)"),
+    "health.leak_mb": Domain(0, None, 256, after=" MiB"),
+    # training
+    "train.max_steps": _count(1, 1000, high=MAX_STEPS),
+    "train.seed": _count(0, 1234, high=MAX_SEED - 1),
+    "train.global_batch": _count(1, 512, " sequences"),
+    "train.micro_batch": _count(1, 4, " sequences"),
+    "train.grad_accum": _count(1, -1, also=((-1, "infer it from the global batch"),)),
+    "train.seq_len": _count(1, 2048, " tokens"),
+    "train.log_every": _count(1, 10, " steps"),
+    "train.eval_every": _count(0, 100, " steps (0: no validation)"),
+    "train.eval_batches": _count(1, 4),
+    "train.threads_per_rank": _count(1, 1, high=MAX_PER_NODE),
+    "run.lease_check_s": Domain(0, MAX_SECONDS, 1, low_open=True, after=_SECONDS,
+                                note="rank 0 re-reads the run's lease this often to notice a newer attempt"),
+    "plan.search": _count(0, 5, " (0: no search)", high=1000, note="the plan ranks this many layouts"),
+    "plan.simulate_rank": _count(0, 0),
+}
+
+
+def _domain_values(cfg: Config, key: str) -> list[tuple[str, Any]]:
+    """(the key as reported, the value) for a DOMAINS row: one per tier for checkpoint.tiers[].x, one for a list
+    (optim.betas: each element is checked, the key reported)."""
+    if "[]." in key:
+        head, _, tail = key.partition("[].")
+        items = OmegaConf.select(cfg, head, default=None) or []
+        return [(f"{head}[{i}].{tail}", OmegaConf.select(item, tail, default=None)) for i, item in enumerate(items)]
+    return [(key, OmegaConf.select(cfg, key, default=None))]
+
+
+def domain_checks(cfg: Config, r: CheckReport, prefix: str | tuple[str, ...] = "") -> None:
+    """Every number of the config (the DOMAINS whose key starts with `prefix`, or one of them) in its domain,
+    unless a check before reported the key already (theirs says more) or it is not finite (`_finite_numbers`)."""
+    reported = {p.key for p in r.errors}
+    for name, domain in DOMAINS.items():
+        if not name.startswith(prefix):
+            continue
+        for key, value in _domain_values(cfg, name):
+            if key in reported:
+                continue
+            values = list(value) if OmegaConf.is_list(value) or isinstance(value, list) else [value]
+            bad = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and (isinstance(v, int) or math.isfinite(v)) and not domain.holds(v)]  # an int of 400 digits too
+            if bad:
+                many = isinstance(value, list) or OmegaConf.is_list(value)
+                message, fix = domain.problem(key, bad[0], str(list(values)) if many else "")
+                r.error(key, ("each " if many else "") + message, fix)  # a list: the range applies to each
+                reported.add(key)
+
+
+def _domains(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """domain_checks as one of CHECKS: last of the config's own, after the checks that say more of a key."""
+    domain_checks(cfg, r)
+
+
+# ---------------------------------------------------------------- one tensor that no device holds
+
+INT64_MAX = 2**63 - 1  # torch counts a tensor's elements in int64
+# The keys a tensor's size comes from: a problem with any of them is reported first, and the sizes are not derived
+_SIZE_KEYS = ("model.", "parallel.", "train.micro_batch", "train.seq_len", "cluster.gpu_type")
+
+
+def _tensor_sizes(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """The largest tensors of one rank, each of which must exist whole at some moment (a weight as TP and EP split
+    it, with fp32 master copies; one micro-batch's hidden states, MLP activations, routed tokens and fp32 logits):
+    one with more elements than int64 counts, or more bytes than the device's memory (the GPU's; with
+    gpu_type=cpu, the host memory of the largest node hpctrain knows), cannot be allocated at all, whatever the
+    layout's other memory. Reported as an error, with the key of its largest factor, even where the memory
+    estimate would only warn (gpu_type=cpu)."""
+    if any(p.key.startswith(_SIZE_KEYS) for p in r.errors) or cfg.cluster.gpu_type not in KNOWN_HARDWARE:
+        return
+    gpu = cfg.cluster.gpu_type
+    limit = (max(h.host_mem_bytes for h in KNOWN_HARDWARE.values()) if gpu == "cpu"
+             else KNOWN_HARDWARE[gpu].gpu_mem_bytes)
+    where = (f"the {format_bytes(limit)} of host memory of the largest node hpctrain knows (gpu_type=cpu)"
+             if gpu == "cpu" else f"the {format_bytes(limit)} of a {gpu} GPU")
+    for what, factors, item_bytes in _largest_tensors(cfg, lay):
+        elements = math.prod(v for _, _, v in factors)
+        size = elements * item_bytes
+        if elements <= INT64_MAX and size <= limit:
+            continue
+        key = max(factors, key=lambda f: f[2])[1]
+        shape = " x ".join(f"{v:,} ({label})" for label, _, v in factors)
+        beyond = (f"{elements:.3g} elements, more than int64 counts (torch's numel)" if elements > INT64_MAX
+                  else f"{format_bytes(size)}, more than {where}")
+        r.error(key, f"{what} is one tensor of {shape} = {beyond}: it cannot be allocated, whatever the rest of "
+                "the layout", f"lower {key} (or split the tensor: parallel.tp for weights and activations"
+                + (", parallel.ep for experts" if "experts" in what else "")
+                + (", parallel.cp for a sequence's activations" if "micro-batch" in what else "") + ")")
+        return  # one is enough: the others share its factors
+
+
+def _largest_tensors(cfg: Config, lay: Layout) -> list[tuple[str, list[tuple[str, str, int]], int]]:
+    """(what, [(label, the key it comes from, factor)], bytes per element) of the tensors `_tensor_sizes` bounds,
+    on one rank."""
+    m, t = cfg.model, cfg.train
+    d = Dims.of(m)
+    tp, ep, cp = max(1, lay.tp), max(1, lay.ep), max(1, lay.cp)
+    act = 4 if str(getattr(cfg.precision.dtype, "value", cfg.precision.dtype)) == "fp32" else 2
+    rows = padded_vocab(m.vocab_size, m.vocab_pad_multiple, tp)
+    ffn_key = "model.ffn_hidden" if m.ffn_hidden else "model.ffn_mult"
+    width = ("d_model", "model.d_model", d.d_model)
+    vocab = ("vocabulary rows / tp", "model.vocab_size", -(-rows // tp))
+    ffn = ("MLP width / tp", ffn_key, -(-d.ffn_hidden // tp))
+    tokens = [("micro_batch", "train.micro_batch", t.micro_batch),
+              ("seq_len / cp", "train.seq_len", -(-t.seq_len // cp))]
+    qkv = ("q, k and v width / tp", "model.head_dim" if m.head_dim else "model.d_model",
+           -(-(d.q_dim + 2 * d.kv_dim) // tp))
+    out = [
+        ("the embedding", [vocab, width], 4),
+        ("the attention's QKV weight", [qkv, width], 4),
+        ("the MLP weight", [ffn, width], 4),
+        ("one micro-batch's hidden states", [*tokens, width], act),
+        ("one micro-batch's MLP activations", [*tokens, ffn], act),
+        ("one micro-batch's logits (fp32)", [*tokens, vocab], 4),
+    ]
+    if family_of(m).moe and d.n_experts:
+        hidden = ("expert_hidden", "model.moe.expert_hidden" if m.moe.expert_hidden else ffn_key, d.expert_hidden)
+        out += [("a layer's stacked experts weight", [("experts / ep", "model.moe.n_experts", -(-d.n_experts // ep)),
+                                                       hidden, width], 4),
+                ("one micro-batch's routed tokens", [*tokens, ("top_k", "model.moe.top_k", d.top_k), width], act)]
+    return out
+
+
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
     _dry_run, _finite_numbers, _model_shape, _experts, _tensor_parallel, _context_parallel, _pipeline, _zero,
-    _precision, _fp8, _optim, _train_and_data, _run_paths, *cluster_checks, _checkpoint,
+    _precision, _fp8, _optim, _train_and_data, _run_paths, *cluster_checks, _checkpoint, _domains, _tensor_sizes,
 ]

@@ -10,8 +10,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hpctrain.config.container_checks import container_checks
-from hpctrain.config.layout import Layout, layout_on_nodes
+from hpctrain.config.container_checks import container_checks, run_dir_parts
+from hpctrain.config.layout import Layout, layouts_on_nodes
 from hpctrain.config.problems import CheckReport, ConfigError
 from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, Executor
 
@@ -152,11 +152,10 @@ def _elastic(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error("elastic.min_nodes", f"must be between 1 and cluster.nodes={nodes}, got {low}",
                 f"use elastic.min_nodes={max(1, nodes - 1)}, or 0 to never shrink")
         return
-    for n in range(low, nodes):
-        try:
-            layout_on_nodes(cfg, n)
-        except ConfigError as e:
-            r.error("elastic.min_nodes", f"on {n} of {nodes} nodes the run does not fit: {e.problems[0].message}",
+    for n, layout in layouts_on_nodes(cfg, range(low, nodes)):
+        if isinstance(layout, ConfigError):
+            r.error("elastic.min_nodes", f"on {n} of {nodes} nodes the run does not fit: "
+                    f"{layout.problems[0].message}",
                     f"use elastic.min_nodes={n + 1}, or a global batch that every DP size from {low} nodes divides")
             return
 
@@ -198,10 +197,29 @@ def _sbatch_values(cfg: Config, lay: Layout, r: CheckReport) -> None:
             shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
             r.error(key, f"{shown!r} renders as #SBATCH --{option}={shown}: a value must be a string or number, or "
                     "true for an option without one", f"set {key} to the option's value, or remove it")
+        elif str(option) == "export" and "ALL" not in str(value).split(","):
+            r.error(key, f"#SBATCH --export={value} starts the job without this machine's environment, and its srun "
+                    "step inherits the setting: SUBMITIT_EXECUTOR, which the batch script exports for submitit, and "
+                    "the credentials hpctrain passes through the environment (cluster.env) would not reach the tasks",
+                    "remove it, or keep the environment: +cluster.sbatch_extra.export=ALL,NAME=value")
     for name in dict(c.env):
         if not ENV_NAME.fullmatch(str(name)):
             r.error(f"cluster.env.{name}", f"{str(name)!r} is not an environment variable name (letters, digits, "
                     "_; not starting with a digit): the tasks could not set it", "rename the variable")
 
 
-cluster_checks = [_cluster, _timeouts, _elastic, _control_characters, _sbatch_values, container_checks]
+def _log_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """The batch script names the tasks' logs `<run dir>/submitit/%j_%t_log.out` (sbatch's --output, srun's): Slurm
+    reads '%' in them as a replacement symbol, and a backslash anywhere turns the symbols off, so every task would
+    write one file that submitit and the supervisor do not look for."""
+    if cfg.cluster.executor != Executor.slurm:
+        return
+    for key, text in run_dir_parts(cfg):
+        bad = next((ch for ch in "%\\" if ch in text), None)
+        if bad:
+            r.error(key, f"{text!r} holds {bad!r}: the run directory is part of the task logs' path, which Slurm reads "
+                    "as a filename pattern ('%' starts a replacement symbol, a backslash turns them off)",
+                    f"choose a {key} without '%' or '\\'")
+
+
+cluster_checks = [_cluster, _timeouts, _elastic, _control_characters, _sbatch_values, _log_paths, container_checks]

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpctrain.bounded import Unreadable, read_text
 from hpctrain.config.problems import ConfigError, Problem
 
 AUTO = "auto"
+MAX_BATCH = 2**31 - 1  # hpctrain.config.checks.MAX_COUNT: the batch keys' bound there too
+FP32_MAX_EXPONENT = 127  # a loss scale is an fp32 number: 2^127 is its largest power of two
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # What a DeepSpeed dtype name is in hpctrain (communication_data_type and friends).
 # "bfp16" is DeepSpeed's own spelling of bf16 for communication_data_type before 0.14.1 (its PR #5297).
@@ -55,18 +58,34 @@ class Translation:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """The file as a dict; a missing file or bad JSON is a config error naming it."""
+    """The file as a dict; a missing file, one that is not a regular file of at most `bounded.CONFIG_BYTES`
+    (`+deepspeed=/dev/zero` read 11.4 GB in 30 s before this limit, a FIFO blocked), or bad JSON is a config error
+    naming it."""
     p = Path(path).expanduser()
+    fix = "give the path of a DeepSpeed config JSON (a text file of a few kilobytes, e.g. ds_config.json)"
     try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError([Problem("deepspeed", f"{p} does not exist", "give the path of a DeepSpeed config JSON")])
+        text = read_text(p)
+    except Unreadable as exc:
+        raise ConfigError([Problem("deepspeed", str(exc), fix)]) from None
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        raise ConfigError([Problem("deepspeed", f"{p} is not JSON: {exc}", "fix the file (DeepSpeed reads it too)")])
+        raise ConfigError([Problem("deepspeed", f"{p} is not JSON: {exc}",
+                                   "fix the file (DeepSpeed reads it too)")]) from None
+    except (ValueError, RecursionError) as exc:  # NaN/Infinity, a number of thousands of digits, deep nesting
+        what = "is nested too deeply" if isinstance(exc, RecursionError) else f"holds {exc}"
+        raise ConfigError([Problem("deepspeed", f"{p} {what}: not a DeepSpeed config",
+                                   "fix the file: DeepSpeed's settings are finite numbers, strings and booleans in "
+                                   "a few levels of sections")]) from None
     if not isinstance(data, dict):
         raise ConfigError([Problem("deepspeed", f"{p} holds a {type(data).__name__}, not an object",
                                    "a DeepSpeed config is one JSON object")])
     return data
+
+
+def _no_constant(name: str) -> Any:
+    """json's NaN, Infinity and -Infinity (Python's json reads them; no DeepSpeed setting is one)."""
+    raise ValueError(f"{name}, which is not a number a setting can take")
 
 
 def translate(ds: dict[str, Any], cfg: Any) -> Translation:
@@ -76,7 +95,8 @@ def translate(ds: dict[str, Any], cfg: Any) -> Translation:
                           ("optimizer", t.optimizer), ("scheduler", t.scheduler), ("other keys", t.rest)):
         try:
             step()
-        except (ValueError, TypeError, AttributeError) as exc:  # a value of the wrong kind: said, not a traceback
+        # a value of the wrong kind, or a number beyond a float's range: said, not a traceback
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:
             raise ConfigError([Problem(f"deepspeed ({section})", f"a value this importer cannot read: {exc}",
                                        "fix the value in the file (a number where DeepSpeed takes a number, "
                                        "\"auto\" for hpctrain's own)")]) from exc
@@ -184,6 +204,10 @@ class _Import:
                 self.out.same[key] = f"auto: hpctrain's value, {mine}"
             elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError([Problem(f"deepspeed.{key}", f"is {value!r}", "a positive integer, or \"auto\"")])
+            elif value > MAX_BATCH:
+                raise ConfigError([Problem(f"deepspeed.{key}", f"is {value:,}, more than {MAX_BATCH:,} sequences: no "
+                                           "GPU holds such a batch (a sample index beyond 32-bit integers)",
+                                           "give the batch in sequences (e.g. 1 to 64 per GPU), or \"auto\"")])
             else:
                 given[key] = value
         tb, mb, gas = (given.get(k) for k in own)
@@ -262,7 +286,12 @@ class _Import:
             else:
                 self.same("fp16.loss_scale", "0: dynamic loss scaling, as hpctrain's")
             if "initial_scale_power" in fp16:
-                self.set("precision.initial_scale", float(2 ** int(fp16["initial_scale_power"])),
+                power = int(fp16["initial_scale_power"])
+                if abs(power) > FP32_MAX_EXPONENT:  # 2 ** 10**18 would take all memory before it failed
+                    raise ConfigError([Problem("deepspeed.fp16.initial_scale_power", f"is {power}: 2^{power} is beyond "
+                                               f"fp32's range (2^-{FP32_MAX_EXPONENT} to 2^{FP32_MAX_EXPONENT})",
+                                               "use DeepSpeed's default, 16 (a first scale of 65536)")])
+                self.set("precision.initial_scale", float(2 ** power),
                          "fp16.initial_scale_power", note=f"2^{int(fp16['initial_scale_power'])}")
             if "loss_scale_window" in fp16:
                 self.set("precision.loss_scale_window", int(fp16["loss_scale_window"]), "fp16.loss_scale_window")

@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 from omegaconf import OmegaConf
 
+from hpctrain.bounded import CONFIG_BYTES, Unreadable, read_text
 from hpctrain.config.layout import Layout
 from hpctrain.config.problems import CheckReport
 from hpctrain.config.schema import Config, DataConfig, DataKind, Executor, parse_blend
@@ -98,7 +100,7 @@ def open_index(prefix: str) -> IndexSummary:
         if not path.is_file():
             raise FileProblem(f"{path}: not a file" if path.exists() else f"{path}: no such file")
     try:
-        f = open(idx, "rb")
+        f = open(os.open(idx, os.O_RDONLY | os.O_NONBLOCK), "rb")  # a FIFO swapped in after is_file(): no block
     except OSError as exc:
         raise FileProblem(f"{idx}: cannot be read ({exc.strerror or exc})") from None
     try:
@@ -151,15 +153,23 @@ def min_documents(valid_fraction: float) -> int:
     return n
 
 
+# The largest files read whole (bytes), each a regular file (hpctrain.bounded): a tokenizer.json (Llama 3's is 9 MB,
+# Gemma 3's 33 MB), a safetensors index (one line per tensor: DeepSeek-V3's is 9 MB), a checkpoint's manifest (one
+# entry per file of every rank); a Hugging Face config.json (and a DeepSpeed config) at most bounded.CONFIG_BYTES.
+TOKENIZER_BYTES = 128 * 2**20
+INDEX_BYTES = 64 * 2**20
+MANIFEST_BYTES = 256 * 2**20
+
+
 def tokenizer_vocab_size(path: str | os.PathLike) -> int:
     """The number of token ids a `tokenizers` tokenizer.json can produce (its highest id + 1, added tokens
-    included: what `Tokenizer.get_vocab_size(with_added_tokens=True)` counts). FileProblem if unreadable."""
+    included: what `Tokenizer.get_vocab_size(with_added_tokens=True)` counts). FileProblem if unreadable: not a
+    regular file (a FIFO would block the login node), larger than TOKENIZER_BYTES, or not JSON."""
     try:
-        with open(path, "rb") as f:
-            spec = json.load(f)
-    except OSError as exc:
-        raise FileProblem(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+        spec = json.loads(read_text(path, TOKENIZER_BYTES))
+    except Unreadable as exc:
+        raise FileProblem(str(exc)) from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise FileProblem(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
         raise FileProblem(f"{path}: not a tokenizers tokenizer.json (no \"model\" object)")
@@ -201,10 +211,10 @@ def _indexed(cfg: Config, r: CheckReport) -> None:
             finally:
                 summary.close()
             _dataset_tokenizer(prefix, d, r)
-    if preparing and d.prepare.tokenizer and os.path.isfile(d.prepare.tokenizer):
+    if preparing and d.prepare.tokenizer and os.path.exists(d.prepare.tokenizer):  # missing: checks._indexed_data
         try:
             size = tokenizer_vocab_size(d.prepare.tokenizer)
-        except FileProblem as exc:
+        except FileProblem as exc:  # a directory or a FIFO too: data.prepare would block on it or fail
             r.error("data.prepare.tokenizer", str(exc), "give a tokenizers tokenizer.json (Tokenizer.save writes one)")
         else:
             if size > d.vocab_size:
@@ -305,8 +315,12 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
     header does not describe the file exactly as the safetensors library requires (a file cut short, one with
     bytes after its tensors, offsets that overlap or do not match a tensor's shape and type)."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        # O_NONBLOCK: a FIFO put there after the caller's is_file() opens without blocking, and is refused
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise FileProblem(f"{path}: not a regular file")
+            size = info.st_size
             head = f.read(8)
             if len(head) < 8:
                 raise FileProblem(f"{path}: {size} bytes, too short for a safetensors header")
@@ -361,18 +375,20 @@ def _init_from(cfg: Config, r: CheckReport) -> None:
                                       "save_pretrained or `tools/checkpoint.py export RUN --format hf OUT` writes it)")
     if not path.is_dir():
         example = f", e.g. model.init_from={path.parent}" if path.name in (HF_CONFIG, HF_WEIGHTS) else ""
-        r.error(key, f"{path} is a file, not a directory", fix_dir + example)
+        r.error(key, f"{path} is a file, not a directory" if path.is_file() else f"{path} is not a directory (nor "
+                "a regular file: a device, FIFO or socket)", fix_dir + example)
         return
     config_file = path / HF_CONFIG
-    if not config_file.is_file():
+    if not config_file.exists():
         r.error(key, f"{path}: no {HF_CONFIG} there", fix_dir)
         return
-    try:
-        hf = json.loads(config_file.read_text())
-    except OSError as exc:
-        r.error(key, f"{config_file}: cannot be read ({exc.strerror or exc})", "check the file's permissions")
+    try:  # a regular file of at most CONFIG_BYTES: a FIFO or /dev/zero under the name would hold the login node
+        hf = json.loads(read_text(config_file, CONFIG_BYTES))
+    except Unreadable as exc:
+        r.error(key, f"{exc}: not a model's {HF_CONFIG}", "restore the model's config.json (a JSON file of a few "
+                "kilobytes: re-download or re-export the directory)")
         return
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         r.error(key, f"{config_file} is not valid JSON ({exc})", "restore the model's config.json (re-download or "
                 "re-export the directory)")
         return
@@ -403,11 +419,11 @@ def _init_from(cfg: Config, r: CheckReport) -> None:
 def _hf_weights(path: Path, m: Any, tied: bool, r: CheckReport) -> None:
     key = "model.init_from"
     index = path / HF_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+    if index.exists():
+        try:  # bounded: a regular file of at most INDEX_BYTES (Unreadable is a ValueError, said as one below)
+            weight_map = json.loads(read_text(index, INDEX_BYTES))["weight_map"]
             files = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
             r.error(key, f"{index}: not a safetensors index ({type(exc).__name__}: {exc})",
                     "restore the file (re-download or re-export the directory)")
             return
@@ -536,9 +552,9 @@ def newest_checkpoint(cfg: Config, run_dir: Path) -> tuple[Path, dict[str, Any]]
             if sub.name.startswith(STEP_PREFIX) and tail.isdigit():
                 found.append((int(tail), -i, sub))
     for _, _, sub in sorted(found, reverse=True):
-        try:
-            manifest = json.loads((sub / MANIFEST).read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
+        try:  # bounded: a FIFO or a runaway file is not a committed checkpoint's manifest (Unreadable: a ValueError)
+            manifest = json.loads(read_text(sub / MANIFEST, MANIFEST_BYTES))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
             continue
         if isinstance(manifest, dict) and isinstance(manifest.get("step"), int) and \
                 isinstance(manifest.get("files"), dict) and _manifest_sealed(manifest):

@@ -6,6 +6,7 @@ accumulation, so the checks, the plan, the launcher and every task read the same
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -348,10 +349,24 @@ def resolve_layout(cfg: Config) -> Layout:
 def layout_on_nodes(cfg: Config, nodes: int) -> Layout:
     """The layout of the same run on `nodes` nodes: DP from the world size, gradient accumulation from the
     (unchanged) global batch. What an elastic job runs on after losing nodes (elastic.min_nodes)."""
+    layout = next(layouts_on_nodes(cfg, [nodes]))[1]
+    if isinstance(layout, ConfigError):
+        raise layout
+    return layout
+
+
+def layouts_on_nodes(cfg: Config, counts: Iterable[int]) -> Iterator[tuple[int, Layout | ConfigError]]:
+    """`layout_on_nodes` for each node count, lazily, the config copied once (a merge costs 25 resolves: the
+    check of every count a run may shrink to walks thousands on a large job)."""
     from omegaconf import OmegaConf
 
-    smaller = OmegaConf.merge(cfg, {"cluster": {"nodes": nodes}, "parallel": {"dp": -1}, "train": {"grad_accum": -1}})
-    return resolve_layout(smaller)
+    smaller = OmegaConf.merge(cfg, {"parallel": {"dp": -1}, "train": {"grad_accum": -1}})
+    for nodes in counts:
+        smaller.cluster.nodes = nodes
+        try:
+            yield nodes, resolve_layout(smaller)
+        except ConfigError as err:
+            yield nodes, err
 
 
 def _require_positive(cfg: Config) -> None:

@@ -9,6 +9,7 @@ same for one command. A name conf/ already has stays conf/'s: Hydra takes the fi
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -24,16 +25,79 @@ PROVIDER = "hpctrain-site"
 
 def site_dirs(value: str | None) -> list[Path]:
     """The directories of a colon-separated list, absolute (a relative one is read from this working directory),
-    in order; empty entries (`a::b`, a trailing colon) name none."""
-    return [Path(part).expanduser().resolve() for part in (value or "").split(os.pathsep) if part.strip()]
+    in order; empty entries (`a::b`, a trailing colon) name none. An entry that cannot be resolved (a loop of
+    symbolic links) stays as written, made absolute: `site_problems` names it."""
+    return [_absolute(part)[0] for part in _entries(value)]
+
+
+def _entries(value: str | None) -> list[str]:
+    return [part for part in (value or "").split(os.pathsep) if part.strip()]
+
+
+def _absolute(part: str) -> tuple[Path, str]:
+    """The entry resolved, and "" or why it cannot be (Python 3.11 raises RuntimeError on a loop, 3.13 OSError)."""
+    path = Path(part).expanduser()
+    try:
+        return path.resolve(), ""
+    except (OSError, RuntimeError) as err:
+        return Path(os.path.abspath(path)), str(getattr(err, "strerror", None) or err)
+
+
+FIX = (f"export {VARIABLE} with existing, readable directories, each holding group folders such as cluster/ "
+       "(e.g. /site/conf for /site/conf/cluster/mysite.yaml)")
 
 
 def site_problems(value: str | None) -> list[Problem]:
-    """Each listed directory that does not exist: Hydra would skip it silently, and `cluster=mysite` would then
-    fail with "Could not find 'cluster/mysite'" without saying where it was looked for."""
-    return [Problem(VARIABLE, f"{d} is not a directory", f"export {VARIABLE} with existing directories, each "
-                    "holding group folders such as cluster/ (e.g. /site/conf for /site/conf/cluster/mysite.yaml)")
-            for d in site_dirs(value) if not d.is_dir()]
+    """What is wrong with the listed directories, each named: one that does not exist (Hydra would skip it silently,
+    and `cluster=mysite` would then fail with "Could not find 'cluster/mysite'" without saying where it was looked
+    for), a loop of symbolic links, a directory that cannot be read, and a group folder inside one that cannot be
+    (a loop, no permission: Hydra would skip it as silently)."""
+    problems = []
+    for part in _entries(value):
+        directory, loop = _absolute(part)
+        if loop:
+            problems.append(Problem(VARIABLE, f"{directory} cannot be resolved: a loop of symbolic links ({loop})",
+                                    f"point the link at a real directory, or drop it from {VARIABLE}"))
+        elif not directory.is_dir():
+            problems.append(Problem(VARIABLE, f"{directory} is not a directory", FIX))
+        else:
+            problems += _unreadable(directory)
+    return problems
+
+
+def _unreadable(directory: Path) -> list[Problem]:
+    """The directory, or the group folders in it, that cannot be read (no permission, a loop of symbolic links):
+    why, for each. A dangling link is no group folder, and left alone."""
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError as err:
+        return [Problem(VARIABLE, f"{directory} cannot be read: {err.strerror or err}",
+                        f"make it readable (and searchable: r-x) by this user, or drop it from {VARIABLE}")]
+    found = []
+    for name in entries:
+        entry = directory / name
+        if entry.is_symlink():
+            try:
+                entry.resolve(strict=True)
+            except RuntimeError as err:  # Python 3.11's loop
+                found.append(_loop(entry, str(err)))
+                continue
+            except OSError as err:
+                if err.errno == errno.ELOOP:
+                    found.append(_loop(entry, str(err.strerror)))
+                continue
+        if entry.is_dir():
+            try:
+                os.listdir(entry)
+            except OSError as err:
+                found.append(Problem(VARIABLE, f"{entry} cannot be read: {err.strerror or err}",
+                                     "make it readable (and searchable: r-x) by this user, or remove it"))
+    return found
+
+
+def _loop(entry: Path, why: str) -> Problem:
+    return Problem(VARIABLE, f"{entry} cannot be resolved: a loop of symbolic links ({why})",
+                   "point the link at a real directory, or remove it")
 
 
 class SiteSearchPath(SearchPathPlugin):

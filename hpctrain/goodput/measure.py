@@ -7,8 +7,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from omegaconf import OmegaConf
 
@@ -43,12 +44,58 @@ class RowCache:
         return self.rows
 
 
+class Records(Protocol):
+    """Where a ledger's records come from: the task's own fresh ones (`RunFiles`), or what a user points
+    `python -m hpctrain.status` at, read tolerantly (hpctrain.status.records)."""
+
+    def jobs(self) -> list[dict[str, Any]]: ...
+    def events(self) -> list[dict[str, Any]]: ...
+    def rows(self) -> Iterable[Any]: ...
+    def completed(self) -> dict[str, Any] | None: ...
+    def attempts(self) -> list[dict[str, Any]]: ...
+    def failures(self, key: str) -> list[dict[str, Any]]: ...
+    def hosts(self, key: str) -> list[str]: ...
+
+
+@dataclass
+class RunFiles:
+    """A run directory's records as hpctrain.records reads them (strict: the task reads what it wrote)."""
+
+    run_dir: Path
+    cache: RowCache | None = None
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return read_jobs(self.run_dir)
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(self.run_dir)
+
+    def rows(self) -> Iterable[Any]:
+        return self.cache.read(self.run_dir) if self.cache is not None else iter_metrics(self.run_dir)
+
+    def completed(self) -> dict[str, Any] | None:
+        return read_completed(self.run_dir)
+
+    def attempts(self) -> list[dict[str, Any]]:
+        return read_attempts(self.run_dir)
+
+    def failures(self, key: str) -> list[dict[str, Any]]:
+        return read_failures(self.run_dir, key)
+
+    def hosts(self, key: str) -> list[str]:
+        return read_hosts(self.run_dir, key)
+
+
 def measure(run_dir: Path, now: float | None = None, accounting_timeout_s: float = 60,
-            cache: RowCache | None = None) -> Ledger:
-    """The run's ledger as of now (a task asks the accounting with a short timeout: a stop must not wait)."""
+            cache: RowCache | None = None, records: Records | None = None,
+            settings: dict[str, Any] | None = None) -> Ledger:
+    """The run's ledger as of now (a task asks the accounting with a short timeout: a stop must not wait).
+    `records`: where the records come from (default: the run's files, read strictly); `settings`: the run's
+    `run_settings`, when the caller read them already."""
     now = time.time() if now is None else now
-    settings = run_settings(run_dir)
-    jobs = read_jobs(run_dir)
+    records = RunFiles(run_dir, cache) if records is None else records
+    settings = run_settings(run_dir) if settings is None else settings
+    jobs = records.jobs()
     allocations = scheduler_for(settings["executor"]).accounting([str(j["job_id"]) for j in jobs],
                                                                     timeout_s=accounting_timeout_s)
     accounting = allocations is not None
@@ -58,11 +105,10 @@ def measure(run_dir: Path, now: float | None = None, accounting_timeout_s: float
         log.warning("no accounting for jobs %s: the ledger spans only what the run recorded",
                     ",".join(str(j["job_id"]) for j in jobs))
         allocations, accounting = local_allocations(jobs, lambda job: job == str(jobs[-1]["job_id"])), False
-    rows: Iterable[Any] = cache.read(run_dir) if cache is not None else iter_metrics(run_dir)
-    return build_ledger(events=read_events(run_dir), rows=rows, allocations=allocations,
+    return build_ledger(events=records.events(), rows=records.rows(), allocations=allocations,
                         accounting=accounting, now=now, max_steps=settings["max_steps"],
-                        completed=read_completed(run_dir), resubmissions=read_attempts(run_dir),
-                        failures=lambda key: read_failures(run_dir, key), hosts=lambda key: read_hosts(run_dir, key))
+                        completed=records.completed(), resubmissions=records.attempts(),
+                        failures=records.failures, hosts=records.hosts)
 
 
 def _local_job_alive(job_id: str) -> bool:

@@ -18,8 +18,8 @@ from hpctrain.config.problems import CheckReport, ConfigError, Problem
 from hpctrain.config.schema import simulating
 from hpctrain.launch.data import prepare_data
 from hpctrain.launch.plan_view import build_plan, render
-from hpctrain.launch.resume import resume_config
-from hpctrain.launch.rundir import RunDir, resolve_run_dir
+from hpctrain.launch.resume import finished, resume_config
+from hpctrain.launch.rundir import RunDir, owner_problems, resolve_run_dir, tier_problems
 from hpctrain.launch.secrets import redact
 
 EXIT_CONFIG_ERROR = 2
@@ -62,6 +62,13 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
         print(f"hpctrain: {err}", file=sys.stderr)
         return Outcome(EXIT_CONFIG_ERROR, error=str(err))
     cfg, report, run_dir = prepared.cfg, prepared.report, prepared.run_dir
+    done = finished(cfg, run_dir.path) if run_dir.resumed and not report.errors else None
+    if done and not cfg.dry_run:  # a finished run: a job would load its last step and train nothing
+        print(f"hpctrain: {done}", flush=True)
+        return Outcome(0, run_dir.run_id, str(run_dir.path))
+    if done:
+        print("note: " + done.replace("nothing was submitted", "without dry_run nothing would be submitted"),
+              file=sys.stderr)
     cfg.run.id = run_dir.run_id
     _join_sweep(cfg)
     plan = build_plan(cfg, report, run_dir)
@@ -88,12 +95,12 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
 
     try:
         prepare_data(cfg.data)
-        code, job_id = launch(cfg, report.layout, run_dir, plan, prepared.secrets)
+        code, job_id, failure = launch(cfg, report.layout, run_dir, plan, prepared.secrets)
     except ConfigError as err:  # bad input data, or the scheduler refused the job (its directory is gone then)
         print(f"hpctrain: {err}", file=sys.stderr)
         kept = str(run_dir.path) if run_dir.path.exists() else ""
         return Outcome(EXIT_CONFIG_ERROR, run_dir.run_id if kept else "", kept, error=str(err))
-    error = "" if code == 0 else f"the job failed (exit {code}); its logs are in {run_dir.submitit_folder}"
+    error = "" if code == 0 else failure or f"the job failed (exit {code}); its logs are in {run_dir.submitit_folder}"
     return Outcome(code, run_dir.run_id, str(run_dir.path), job_id, error=error)
 
 
@@ -113,6 +120,8 @@ def prepare(cfg: DictConfig, overrides: list[str] | None,
     if cfg.parallel.auto:
         apply_auto(cfg)
     refused = resume.problems(cfg) if resume else []
+    if run_dir is not None:  # a resume: its tiers and checkpoints must be its own (issue 46), said first
+        refused += tier_problems(cfg, run_dir) or owner_problems(cfg, run_dir)
     try:
         report = check_all(cfg, run_dir.path if run_dir else None)
     except ConfigError as err:
@@ -123,6 +132,11 @@ def prepare(cfg: DictConfig, overrides: list[str] | None,
         raise ConfigError(report.errors)
     if run_dir is None:
         run_dir = resolve_run_dir(cfg)
+        escaping = tier_problems(cfg, run_dir)  # a new run (or run.id of one): no tier may lead out of it either
+        if escaping:
+            report.errors[:0] = escaping
+            if not cfg.dry_run:
+                raise ConfigError(report.errors)
     secrets = redact(cfg, report)
     if resume is not None:
         run_dir = replace(run_dir, config_changed=resume.config_changed(cfg))

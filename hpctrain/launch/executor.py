@@ -42,5 +42,5 @@ def sbatch_preview(cfg: Any, layout: Layout, run_id: str, folder: Path) -> str:
     return SlurmScheduler().script(cfg.cluster, job_spec(cfg, run_id, layout, folder))
 
 
-def build_executor(cfg: Any, layout: Layout, run_id: str, folder: Path) -> "submitit.Executor":
+def build_executor(cfg: Any, layout: Layout, run_id: str, folder: Path) -> submitit.Executor:
     return scheduler_for(cfg.cluster.executor).executor(cfg.cluster, job_spec(cfg, run_id, layout, folder))

@@ -16,6 +16,7 @@ from hpctrain.distributed.task_env import task_environment
 from hpctrain.launch.executor import sbatch_preview
 from hpctrain.launch.plan_tables import memory_lines, search_lines, stage_lines, step_lines
 from hpctrain.launch.rundir import RunDir
+from hpctrain.launch.secrets import redacted_keys
 from hpctrain.plan.auto import search_summary
 from hpctrain.plan.estimate import Estimates, as_json
 from hpctrain.plan.report import active_params, model_params, model_summary, stage_counts, vocab_padding
@@ -40,6 +41,7 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
         "executor": cfg.cluster.executor.value,
         "recovery": recovery_summary(cfg),
         "environment": task_environment(cfg),
+        "redacted": redacted_keys(cfg),
         "warnings": [{"key": w.key, "message": w.message, "fix": w.fix} for w in report.warnings],
     }
     active = active_params(cfg.model)
@@ -64,6 +66,11 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
     if cfg.cluster.executor == Executor.slurm:
         plan["sbatch"] = sbatch_preview(cfg, lay, run.run_id, run.submitit_folder)
     return plan
+
+
+# What the plan says of each credential taken out of cluster.env (hpctrain.launch.secrets)
+REDACTION = "passed to the job through the environment of the submission, not written to the plan, config.yaml or " \
+    "plan.json"
 
 
 def recovery_summary(cfg: Any) -> str:
@@ -141,6 +148,7 @@ def render_text(plan: dict[str, Any]) -> str:
     for section in plan.get("sections", []):
         out += ["", *section["lines"]]
     out += ["", "task environment", *(f"  {k}={v}" for k, v in plan["environment"].items())]
+    out += [f"  {key}: redacted ({REDACTION})" for key in plan.get("redacted", [])]
     out += _problem_lines("warnings", plan["warnings"])
     if "sbatch" in plan:
         out += ["", "sbatch script (as submitit would write it)", plan["sbatch"].rstrip()]

@@ -7,22 +7,32 @@ run as it was, and `run.resume=ID train.max_steps=14` trains on with the run's o
 
 A key that changed and is not in `RESUMABLE` is refused on the login node, before anything is written, naming
 the key, the saved and new values and the fix. With `checkpoint.force_resume=true` (the escape hatch the job's
-checkpoint check already has) every key may change except the model's shape (`MODEL_SHAPE`: the checkpoint's
-weights would not load) and the run's name and id (its directory).
+checkpoint check already has) every key may change except the model's shape and the run's name and id (its
+directory). The model's shape is every key that changes a parameter's shape or count: `MODEL_SHAPE`, and any other
+`model.*` key whose new value gives the model's family other parameter shapes (`reshaping_keys`: the family's
+own shape formulas, the ones the planner counts with), so a key a family adds later is covered without a list.
+The job's checkpoint manager refuses such a checkpoint too (`CheckpointManager._check_shapes`).
+
+Resuming a run that is complete (its COMPLETED.json or its newest checkpoint at train.max_steps or past it) submits
+nothing: `finished` says so, and how to train on (raise train.max_steps). A saved config.yaml that cannot be read
+(empty, binary, not a mapping, a directory) is a config error of `run.resume`, never a traceback (`load_saved`).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from hpctrain.bounded import Unreadable, read_text
 from hpctrain.config.problems import ConfigError, Problem
 from hpctrain.config.schema import Config
-from hpctrain.launch.secrets import REDACTED, looks_secret
+from hpctrain.launch.secrets import REDACTED, is_secret
 
 # What a resume may change, and why it is safe (README "Resume"). A key matches an entry equal to it or below it.
 RESUMABLE: dict[str, str] = {
@@ -53,9 +63,12 @@ RESUMABLE: dict[str, str] = {
     "checkpoint.save_final": "whether the last step is saved",
     "checkpoint.force_resume": "the escape hatch itself",
 }
-# Never, even with checkpoint.force_resume=true: the weights' shape (hpctrain.records.fingerprint.ModelShape).
-MODEL_SHAPE = ("model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.vocab_size",
-               "model.context", "model.ffn_mult", "model.ffn_hidden", "model.arch")
+# Never, even with checkpoint.force_resume=true: the weights' shape (hpctrain.records.fingerprint.ModelShape, and
+# the Mixture-of-Experts' sizes, hpctrain.models.family.Dims). Any other model.* key whose change gives the family
+# other parameter shapes is refused as these are (`reshaping_keys`).
+MODEL_SHAPE = ("model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.head_dim",
+               "model.vocab_size", "model.context", "model.ffn_mult", "model.ffn_hidden", "model.arch",
+               "model.moe.n_experts", "model.moe.expert_hidden", "model.moe.n_shared_experts")
 RUN_DIRECTORY = ("run.name", "run.id")  # the run's directory is the one resumed
 # Keys whose change alone does not make a new config worth keeping (config.yaml stays as it is).
 BOOKKEEPING = ("run.resume", "dry_run", "plan")
@@ -109,7 +122,7 @@ def _container(cfg: Any) -> dict[str, Any]:
 def _shown(key: str, value: Any) -> str:
     if value is _ABSENT:
         return "(not set)"
-    if looks_secret(key.rsplit(".", 1)[-1]) and value != REDACTED:
+    if is_secret(key.rsplit(".", 1)[-1], value) and value != REDACTED:
         return REDACTED
     return repr(value)
 
@@ -137,17 +150,24 @@ class Resume:
     def problems(self, cfg: Any) -> list[Problem]:
         """The changed keys a resume may not change, one problem each."""
         force = bool(cfg.checkpoint.force_resume)
+        changes = self.changes(cfg)
+        reshaping = reshaping_keys(_container(self.saved.model), _container(cfg.model),
+                                   [k for k in changes if _under(k, ["model"]) and not _under(k, MODEL_SHAPE)])
         out = []
-        for key, (old, new) in self.changes(cfg).items():
-            if allowed(key, force, old):
+        for key, (old, new) in changes.items():
+            shape = _under(key, MODEL_SHAPE) or key in reshaping
+            if not shape and allowed(key, force, old):
                 continue
             where = f"the run {self.run_dir.name} has {_shown(key, old)} (its config.yaml), this command gives " \
                     f"{_shown(key, new)}"
-            if _under(key, MODEL_SHAPE):
+            if shape:
                 out.append(Problem(key, f"{where}: a resume continues the run's checkpoint, whose weights have the "
-                                   "saved shape, so the model's shape never changes on a resume",
-                                   f"drop {self.source(key)} to continue the run; for the new shape start "
-                                   "a new run (without run.resume), e.g. from an export of this one (model.init_from)"))
+                                   "saved shapes, and this changes a parameter's shape or count, so it is refused "
+                                   "even with checkpoint.force_resume=true (the weights would not load, or only cut "
+                                   "to the new shape)",
+                                   f"drop {self.source(key)} to continue the run; for the new shape start a new run "
+                                   "(without run.resume), converting this one's weights first: tools/checkpoint.py "
+                                   "export RUN --format hf OUT, then model.init_from=OUT"))
             elif _under(key, RUN_DIRECTORY):
                 out.append(Problem(key, f"{where}: a resume continues the run in its own directory",
                                    f"drop {self.source(key)} (run.resume alone names the run)"))
@@ -175,15 +195,120 @@ def _resumable() -> str:
 
 
 def load_saved(run_dir: Path) -> DictConfig:
-    """The run's config.yaml against today's schema; a key this version no longer knows is a config error."""
+    """The run's config.yaml against today's schema. A file that cannot be read (not a regular file, binary, too
+    large), is empty, is not YAML or not a mapping of config sections, lacks a required key, or holds a key this
+    version no longer knows is a config error of `run.resume` naming the file, never a traceback."""
     path = run_dir / "config.yaml"
+    older = sorted(run_dir.glob("config.*.yaml"))  # kept by a resume that changed the config
+    fix = (f"restore the run's config.yaml (from {older[-1]}, the copy a resume kept, if the run's config did not "
+           "change since) or start a new run (without run.resume)" if older else
+           "restore the run's config.yaml, or start a new run (without run.resume)")
+
+    def refused(what: str, how: str = fix) -> ConfigError:
+        return ConfigError([Problem("run.resume", f"the run's saved config {what}: the resume has nothing to "
+                                    "continue from", how)])
+
     try:
-        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))  # type: ignore[return-value]
-    except (OmegaConfBaseException, OSError, ValueError) as err:
-        raise ConfigError([Problem("run.resume", f"the saved config {path} does not fit this version's schema: "
-                                   f"{str(err).splitlines()[0]}",
-                                   "start a new run (without run.resume), or resume with the hpctrain version "
-                                   "that wrote it")]) from None
+        text = read_text(path)
+    except Unreadable as err:
+        raise refused(f"cannot be read: {err}") from None
+    if not text.strip():
+        raise refused(f"{path} is empty")
+    try:
+        data = yaml.safe_load(text)  # its shape only: OmegaConf reads the values (its floats: 1e-4 is a float)
+    except yaml.YAMLError as err:
+        raise refused(f"{path} is not YAML: {' '.join(str(err).split())[:300]}") from None
+    if not isinstance(data, dict):
+        raise refused(f"{path} holds {_kind_of(data)}, not a mapping of config sections (run:, model:, train:, ...)")
+    try:
+        saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
+    except (OmegaConfBaseException, ValueError, TypeError) as err:
+        raise refused(f"{path} does not fit this version's schema: {str(err).splitlines()[0]}",
+                      "start a new run (without run.resume), or resume with the hpctrain version that wrote it") \
+            from None
+    missing = sorted(OmegaConf.missing_keys(saved))
+    if missing:
+        raise refused(f"{path} lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    return saved  # type: ignore[return-value]
+
+
+def _kind_of(data: Any) -> str:
+    if isinstance(data, list):
+        return f"a YAML list of {len(data)} item(s)"
+    return f"a single {type(data).__name__} value"
+
+
+def _parameter_shapes(model: dict[str, Any]) -> Any:
+    """What decides every parameter's shape and count, by the model's family (None when the family or the sizes
+    are not ones it can describe: the model checks report those): the layers, and one block's and the top's
+    parameter shapes (the vocabulary unpadded: its padding rows load across paddings)."""
+    from hpctrain.config.schema import ModelConfig, MoEConfig, RopeConfig
+    from hpctrain.models import registry
+    from hpctrain.models.family import Dims
+
+    try:  # the dataclasses themselves, not OmegaConf's: a resume asks this once per changed key
+        typed = ModelConfig(**{**model, "moe": MoEConfig(**model.get("moe", {})),
+                               "rope": RopeConfig(**model.get("rope", {}))})
+        family = registry.family_of(typed)
+        dims = Dims.of(typed)
+        return (dims.n_layers, sorted(family.block_shapes(dims).items()),
+                sorted(family.top_shapes(dims, dims.vocab_size).items()))
+    except Exception:  # noqa: BLE001 -- any value a family's formulas cannot take: not a shape to compare
+        return None
+
+
+def reshaping_keys(saved: dict[str, Any], new: dict[str, Any], keys: list[str]) -> set[str]:
+    """Which of the changed `model.*` keys change a parameter's shape or count: each alone on the saved model
+    section, by its family's shape formulas; when the change as a whole does and no key alone does, all of
+    them."""
+    before = _parameter_shapes(saved)
+    if before is None or not keys:
+        return set()
+    out = set()
+    for key in keys:
+        one, value = copy.deepcopy(saved), new
+        path = key.split(".")[1:]
+        for part in path:
+            value = value.get(part, _ABSENT) if isinstance(value, dict) else _ABSENT
+        if value is _ABSENT:
+            _delete(one, path)
+        else:
+            _set(one, path, copy.deepcopy(value))
+        after = _parameter_shapes(one)
+        if after is not None and after != before:
+            out.add(key)
+    if not out:
+        whole = _parameter_shapes(new)
+        if whole is not None and whole != before:
+            out = set(keys)
+    return out
+
+
+def finished(cfg: Any, run_dir: Path) -> str | None:
+    """Why a resume of `run_dir` with `cfg` has nothing to train (None when it has): the run's last step, by its
+    COMPLETED.json and its newest checkpoint this machine sees, is train.max_steps or past it. Only with
+    checkpoints: without them a job starts again from step 0."""
+    if not cfg.checkpoint.enabled:
+        return None
+    from hpctrain.config.file_checks import newest_checkpoint
+    from hpctrain.records.jobs import read_completed
+
+    steps = []
+    completed = read_completed(run_dir)
+    if completed is not None and isinstance(completed.get("step"), int):
+        steps.append(completed["step"])
+    newest = newest_checkpoint(cfg, run_dir)
+    if newest is not None:
+        steps.append(int(newest[1]["step"]))
+    if not steps:
+        return None
+    step, max_steps = max(steps), int(cfg.train.max_steps)
+    if step < max_steps:
+        return None
+    where = f"complete at step {step} (train.max_steps={max_steps})" if step == max_steps else \
+        f"at step {step}, past train.max_steps={max_steps}"
+    return (f"run {run_dir.name} is {where}; nothing was submitted ({run_dir}). To train on, raise "
+            f"train.max_steps: python -m hpctrain run.resume={run_dir.name} train.max_steps=<more than {step}>")
 
 
 def named_keys(cfg: Any, overrides: list[str] | None,

@@ -15,7 +15,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hpctrain.config.problems import ConfigError, Problem
-from hpctrain.records.paths import CONFIG, RunPaths
+from hpctrain.records.paths import (
+    CONFIG,
+    RunPaths,
+    escape,
+    escaping_entries,
+    tier_directory,
+)
+
+STEP_PREFIX = "step_"  # a checkpoint directory in a tier (hpctrain.checkpoint.storage.PREFIX)
 
 
 @dataclass(frozen=True)
@@ -89,3 +97,55 @@ def create_run_dir(cfg: DictConfig, run: RunDir) -> Path:
         config_path.rename(run.files.archived_config(time.strftime("%Y%m%d-%H%M%S")))
     OmegaConf.save(cfg, config_path, resolve=True)
     return config_path
+
+
+def tier_problems(cfg: DictConfig, run: RunDir) -> list[Problem]:
+    """Each checkpoint tier's directory must resolve inside the run's own (a relative tier in the run directory, an
+    absolute one in `<path>/<run id>`), and no checkpoint in it may be a link out of it (issue 46): through a link
+    to another run's `checkpoints/` a resume loaded that run's checkpoint, saved into its directory and let
+    retention delete its steps. Refused here, naming the key, before anything is written or submitted; the job's
+    checkpoint manager refuses the same (hpctrain.checkpoint.manager). A relative path that leaves the run
+    directory by its own `..` is the config check's (hpctrain.config.checks)."""
+    if not cfg.checkpoint.enabled:
+        return []
+    problems = []
+    for i, tier in enumerate(cfg.checkpoint.tiers):
+        directory, home = tier_directory(str(tier.path), run.path, run.run_id)
+        why = escape(directory, home)
+        found = [why] if why else [w for _, w in escaping_entries(directory, STEP_PREFIX)]
+        found = [w for w in found if "symbolic link" in w]
+        if not found:
+            continue
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        where = f"{home}, this run's own directory of tier {tier.name}" \
+            if Path(str(tier.path)).expanduser().is_absolute() else f"the run directory {home}"
+        problems.append(Problem(
+            f"checkpoint.tiers[{i}].path",
+            f"{found[0]}{more}: a run loads, saves and deletes checkpoints only inside {where}; through this link "
+            "it would resume another run's checkpoint, save into that run's directory and let retention delete its "
+            "steps",
+            "remove the link (the run then makes its own directory) or put the run's own checkpoints back in its "
+            "place; a run never shares checkpoints with another: to start from another run's weights, export them "
+            "(tools/checkpoint.py export RUN --format hf OUT) and start a new run with model.init_from=OUT"))
+    return problems
+
+
+def owner_problems(cfg: DictConfig, run: RunDir) -> list[Problem]:
+    """The newest checkpoint a resume would load must be the run's own: its manifest's run id is the run's (a
+    manifest from before manifests named their run is taken as the run's). Another id means the checkpoint came
+    from another run (a copy), or the run directory was renamed; the job's checkpoint manager would refuse it,
+    so it is said here, before a job is submitted."""
+    from hpctrain.config.file_checks import newest_checkpoint
+
+    newest = newest_checkpoint(cfg, run.path)
+    owner = newest[1].get("run_id") if newest is not None else None
+    if newest is None or owner is None or str(owner) == run.run_id:
+        return []
+    path, manifest = newest
+    return [Problem(
+        "run.resume", f"the newest checkpoint of run {run.run_id} ({path}, step {manifest['step']}) belongs to run "
+        f"{owner} (its manifest): a run resumes only its own checkpoints, so the job would refuse it",
+        f"if this directory was run {owner}'s and was renamed, give it its name back ({run.path.parent / str(owner)}); "
+        f"if the checkpoint was copied in from run {owner}, remove it from this run (or resume run {owner} itself); "
+        "to start from its weights, export them (tools/checkpoint.py export RUN --format hf OUT) and start a new run "
+        "with model.init_from=OUT")]

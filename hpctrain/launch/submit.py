@@ -1,7 +1,9 @@
 """Submit a run through submitit and, for the local executor, follow it to the end.
 
 A Slurm submission returns at once (a login shell is never blocked) and says where to look; a local run
-streams rank 0's output as it trains, since the user is waiting for it.
+streams rank 0's output as it trains, since the user is waiting for it. A local job that fails ends with what
+failed (the rank, the step and the error, from the run's failure records), the failed task's log file (which
+holds the traceback) and the run directory; never with a traceback on the console.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import submitit
 from omegaconf import OmegaConf
 
+from hpctrain.bounded import Unreadable, read_text
 from hpctrain.config.layout import Layout
 from hpctrain.config.problems import ConfigError, Problem
 from hpctrain.config.schema import Executor
@@ -26,6 +30,7 @@ from hpctrain.launch.executor import build_executor
 from hpctrain.launch.rundir import RunDir, create_run_dir
 from hpctrain.launch.secrets import export, without_redacted
 from hpctrain.records.jobs import append_job
+from hpctrain.records.paths import RunPaths
 from hpctrain.train.task import TrainTask
 
 
@@ -166,23 +171,29 @@ def _value_of(cfg: Any, key: str) -> Any:
 
 
 def launch(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any],
-           secrets: dict[str, str] | None = None) -> tuple[int, str]:
-    """Submit; follow a local job. Returns the exit code and the job id."""
+           secrets: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """Submit; follow a local job. Returns the exit code, the job id and, for a failed local job, what failed
+    (as printed: a sweep's table shows it too)."""
     job = submit(cfg, layout, run, plan, secrets)
     if cfg.cluster.executor == Executor.local:
         print(f"local job {job.job_id}: {layout.world_size} ranks, logs in {run.submitit_folder}", flush=True)
-        code = follow(job)
-        print(f"run directory: {run.path}", flush=True)
-        return code, str(job.job_id)
+        ranks_per_task = layout.gpus_per_node if cfg.launcher.in_allocation else 1
+        code, failure = follow(job, explain=lambda exc: explain_failure(run.path, job, exc, ranks_per_task))
+        if code == 0:
+            print(f"run directory: {run.path}", flush=True)
+        return code, str(job.job_id), failure
     per_node = "1 agent starting" if cfg.launcher.in_allocation else "with"
     print(f"submitted job {job.job_id} ({layout.nodes} nodes, each {per_node} {layout.gpus_per_node} ranks)")
     print(f"follow it with: tail -F {job.paths.stdout}  (squeue -j {job.job_id})")
     print(f"run directory: {run.path}", flush=True)
-    return 0, str(job.job_id)
+    return 0, str(job.job_id), ""
 
 
-def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
-    """Echo rank 0's stdout while the job runs; on failure show each failed task's error."""
+def follow(job: submitit.Job, poll_s: float = 0.5,
+           explain: Callable[[BaseException | None], str] | None = None) -> tuple[int, str]:
+    """Echo rank 0's stdout while the job runs; on failure say what failed (`explain`: from the task's exception,
+    the lines to print), never with a traceback: that stays in the task's log file. Returns the exit code and
+    what was said of a failure."""
     stdout = Path(job.paths.stdout)
     offset = 0
 
@@ -203,18 +214,147 @@ def follow(job: submitit.Job, poll_s: float = 0.5) -> int:
             time.sleep(poll_s)
         pump()
         job.results()
-        return 0
+        return 0, ""
     except KeyboardInterrupt:
         job.cancel()
         print("interrupted: job cancelled", file=sys.stderr)
-        return 130
-    except submitit.core.utils.UncompletedJobError as exc:
-        print(f"job {job.job_id} failed:\n{_tail(str(exc))}", file=sys.stderr)
-        return 1
-    except Exception as exc:  # a task raised: submitit re-raises it with the task's traceback
-        print(f"job {job.job_id} failed: {_tail(str(exc))}", file=sys.stderr)
-        return 1
+        return 130, "interrupted: job cancelled"
+    except Exception as exc:  # noqa: BLE001  (a task raised, submitit re-raising it; or it never finished)
+        text = explain(exc) if explain is not None else f"{_last_error(str(exc))}\nlogs: {Path(job.paths.stderr)}"
+        print(f"hpctrain: job {job.job_id} failed: " + text.replace("\n", "\n  "), file=sys.stderr, flush=True)
+        return 1, text
 
 
-def _tail(text: str, lines: int = 40) -> str:
-    return "\n".join(text.splitlines()[-lines:])
+def explain_failure(run_dir: Path, job: submitit.Job, exc: BaseException | None, ranks_per_task: int = 1) -> str:
+    """Which rank failed at which step with what (the run's failure records of the job's last attempt; when no
+    rank left its own, the ranks that left none and what the task said), why the run stopped (FAILED.json, when
+    this job wrote it), the failed task's log file (its traceback is there), the run directory. Lines of text;
+    whatever is missing or damaged on disk is left out, never raised."""
+    job_id = str(job.job_id)
+    lines: list[str] = []
+    records, key, world = _failure_records(run_dir, job_id)
+    own = [r for r in records if not r.get("peer")]
+    task_said = _task_error(exc) if exc is not None else ""
+    root_rank: int | None = None
+    if own:
+        r = own[0]
+        root_rank = _int(r.get("rank"))
+        lines.append(f"rank {r.get('rank')} failed at step {r.get('step')}: {r.get('type')}: "
+                     f"{_first_lines(str(r.get('message', '')))}")
+        record = RunPaths(run_dir).failures(key) / f"rank{r.get('rank')}.json"
+        lines.append(f"failure record: {record}")
+    else:
+        died = _exited_rank(str(exc or ""))
+        silent = sorted(set(range(world)) - {_int(r.get("rank")) for r in records}) if world else []
+        if died is not None:
+            root_rank = died[0]
+            lines.append(f"rank {died[0]} " + (f"was killed by signal {-died[1]}" if died[1] < 0 else
+                                               f"exited with code {died[1]}") + " without a failure record")
+        elif records and silent:
+            root_rank = silent[0]
+            lines.append(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} ended without a "
+                         "failure record (killed, or the process exited)")
+        if records:
+            r = records[0]
+            lines.append(f"rank {r.get('rank')} lost its peers at step {r.get('step')}: {r.get('type')}: "
+                         f"{_first_lines(str(r.get('message', '')), 1)}")
+        if not lines:
+            lines.append(task_said or "the job ended without a result")
+    stopped = _stopped(run_dir, job_id)
+    if stopped:
+        lines.append(f"the run stopped: {stopped}")
+    lines.append(f"task log: {_task_log(job, exc, root_rank, ranks_per_task)}")
+    lines.append(f"run directory: {run_dir}")
+    return "\n".join(lines)
+
+
+def _failure_records(run_dir: Path, job_id: str) -> tuple[list[dict[str, Any]], str, int]:
+    """The records of the job's last attempt that left any (oldest first), its key, and its world size (from
+    its host map; 0 when unknown). Damaged records are skipped."""
+    from hpctrain.records.failures import last_attempt
+
+    try:
+        key = last_attempt(run_dir, job_id)
+    except Exception:  # noqa: BLE001  (a damaged record among the restarts: the first attempt's)
+        key = job_id
+    folder = RunPaths(run_dir).failures(key)
+    records = []
+    for path in sorted(folder.glob("rank*.json")) if folder.is_dir() else []:
+        try:
+            record = json.loads(read_text(path, RECORD_BYTES))
+        except (Unreadable, ValueError):
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    records.sort(key=lambda r: r.get("time") if isinstance(r.get("time"), (int, float)) else 0.0)
+    try:
+        hosts = json.loads(read_text(RunPaths(run_dir).hosts(key), RECORD_BYTES))
+    except (Unreadable, ValueError):
+        hosts = []
+    return records, key, len(hosts) if isinstance(hosts, list) else 0
+
+
+RECORD_BYTES = 2**20  # a failure record, a host map, FAILED.json: kilobytes
+
+
+def _stopped(run_dir: Path, job_id: str) -> str:
+    """Why the workers stopped the run (FAILED.json), when this job wrote it."""
+    try:
+        report = json.loads(read_text(RunPaths(run_dir).failed, RECORD_BYTES))
+    except (Unreadable, ValueError):
+        return ""
+    if not isinstance(report, dict) or str(report.get("job_id")) != job_id:
+        return ""
+    return str(report.get("why") or "")
+
+
+def _task_log(job: submitit.Job, exc: BaseException | None, rank: int | None, ranks_per_task: int) -> Path:
+    """The stderr log of the task that held the failed rank; else of the first task that failed."""
+    tasks = max(int(getattr(job, "num_tasks", 1) or 1), 1)
+    if rank is not None and 0 <= rank // max(ranks_per_task, 1) < tasks:
+        return Path(job.task(rank // max(ranks_per_task, 1)).paths.stderr) if tasks > 1 else Path(job.paths.stderr)
+    match = re.search(r"task[=:]\s*(\d+)", str(exc or ""))
+    if match and int(match.group(1)) < tasks and tasks > 1:
+        return Path(job.task(int(match.group(1))).paths.stderr)
+    return Path(job.paths.stderr)
+
+
+def _task_error(exc: BaseException) -> str:
+    """What a task's exception says, without its traceback or submitit's hint: the last exception line of the
+    trace submitit carries (the class without its module), or the first line of an uncompleted job's error."""
+    return _last_error(str(exc)) if isinstance(exc, submitit.core.utils.FailedJobError) else (
+        _first_lines(f"{type(exc).__name__}: {exc}", 1))
+
+
+def _last_error(text: str) -> str:
+    body = text.split("----------------------")
+    trace = body[1] if len(body) >= 3 else text
+    lines = trace.strip("\n").splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    rest = lines[frames[-1] + 1:] if frames else lines
+    rest = [line for line in rest if line.strip() and not line.startswith(" ")] or rest
+    if not rest:
+        return "the task failed"
+    first, more = rest[0], rest[1:]
+    name, sep, message = first.partition(": ")
+    if sep and re.fullmatch(r"[\w.]+", name):
+        first = f"{name.rsplit('.', 1)[-1]}: {message}"
+    return _first_lines("\n".join([first] + more), 12)
+
+
+def _exited_rank(text: str) -> tuple[int, int] | None:
+    """torchelastic's root cause (a worker that exited or was killed): its rank and exit code."""
+    match = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", text, re.DOTALL)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def _first_lines(text: str, n: int = 3) -> str:
+    lines = text.strip().splitlines()
+    return "\n".join(lines[:n]) + (" ..." if len(lines) > n else "")
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -24,17 +24,28 @@ recipe uses torchao's float8 TP styles, which cast activations to FP8 before TP'
 On a GPU the FP8 GEMMs run on the tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); on a
 CPU torchao emulates them (`emulate=True`: the same casts and scales, the products in high precision), which is
 what the tests check the numerics with.
+
+torchao is imported here only, through `_torchao()`: on a machine without CUDA it logs, at import, that its CUDA
+kernels' libraries (`_C_*.so`) do not load and that Triton is missing (per rank, six lines for two ranks), all
+expected there and none of them about the emulation; those are filtered out. Its other warnings, and all of
+them where CUDA is present, stay.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+)
 
 from hpctrain.config.schema import PrecisionConfig
 
@@ -44,6 +55,28 @@ if TYPE_CHECKING:
 RECIPES = ("tensorwise", "rowwise")  # torchao recipes (Float8LinearRecipeName values)
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.0)
 DIM_MULTIPLE = 16  # torch._scaled_mm: both dimensions of an FP8 GEMM operand are multiples of 16
+
+
+# torchao's import-time warnings that only say a CUDA machine's parts are absent (torchao/__init__.py,
+# torchao/kernel/intmm.py): expected without CUDA.
+_CPU_EXPECTED = re.compile(r"Failed to load .*_C[^/]*\.so\b|Detected no triton")
+_TORCHAO_LOGGERS = ("torchao", "torchao.kernel.intmm")
+
+
+class _ExpectedOnCPU(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _CPU_EXPECTED.search(record.getMessage())
+
+
+def _torchao() -> None:
+    """Before any torchao import: on a machine without CUDA, its import's warnings about the CUDA libraries and
+    Triton it cannot load are dropped (once per process; its other warnings stay)."""
+    if "torchao" in sys.modules or torch.cuda.is_available():
+        return
+    for name in _TORCHAO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ExpectedOnCPU) for f in logger.filters):
+            logger.addFilter(_ExpectedOnCPU())
 
 
 def fp8_recipe(precision: PrecisionConfig) -> str | None:
@@ -64,6 +97,7 @@ def fsdp_float8_all_gather(recipe: str | None, layout: Layout, fsdp: bool) -> bo
 
 def float8_config(recipe: str, emulate: bool, all_gather: bool) -> Any:
     """torchao's Float8LinearConfig for the recipe; `emulate` off a GPU, the FP8 all-gather where it applies."""
+    _torchao()
     from torchao.float8 import Float8LinearConfig
 
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
@@ -98,6 +132,7 @@ def apply_float8(model: nn.Module, precision: PrecisionConfig, layout: Layout, d
                 f"precision.fp8={recipe}: {torch.cuda.get_device_name(index)} has compute capability "
                 f"{capability[0]}.{capability[1]}; FP8 tensor cores need 8.9 or newer (Ada, Hopper, Blackwell). "
                 "Set precision.fp8=none or run on H100/H200-class GPUs")
+    _torchao()
     from torchao.float8 import convert_to_float8_training
 
     config = float8_config(recipe, emulate, fsdp_float8_all_gather(recipe, layout, fsdp))
@@ -118,6 +153,7 @@ def float8_linears(model: nn.Module) -> list[nn.Module]:
 def _tensorwise(module: nn.Module) -> bool:
     """A Float8Linear whose input, weight and gradient all take one dynamic scale per tensor: what torchao's
     float8 TP styles handle (they cast before TP's collectives, tensorwise)."""
+    _torchao()
     from torchao.float8 import ScalingGranularity, ScalingType
     from torchao.float8.float8_linear import Float8Linear
 
@@ -135,6 +171,7 @@ def float8_tp_plan(block: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     sequence-parallel all-gather). Layouts and local-output settings are kept; the rest is returned as is."""
     if not any(_tensorwise(m) for m in float8_linears(block)):
         return plan
+    _torchao()
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
         Float8RowwiseParallel,
@@ -173,6 +210,7 @@ def register_scale_precompute(optimizers: list[torch.optim.Optimizer], model_par
     for opt, part in zip(optimizers, model_parts):
         if not any(m.config.enable_fsdp_float8_all_gather for m in float8_linears(part)):
             continue
+        _torchao()
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any, part: nn.Module = part) -> None:

@@ -39,7 +39,14 @@ def run_checks(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckRe
     layout = resolve_layout(cfg)
     report = CheckReport(layout)
     for check in CHECKS:
-        check(cfg, layout, report)
+        try:
+            check(cfg, layout, report)
+        except (ArithmeticError, ValueError, TypeError):
+            # A check that cannot compute with a value an earlier check refused (an infinite timeout in
+            # math.ceil, a NaN in a comparison chain): that value's error is in the report, and is the one to
+            # fix. With no error reported yet it is a bug of the check, and raises.
+            if not report.errors:
+                raise
     if run_dir is None and not any(p.key in ("run.name", "run.id") for p in report.errors):
         run_dir = resumed_run_dir(cfg)
     if run_dir is not None:
@@ -82,8 +89,14 @@ def _microbatch_fix(est: Any, zero_stage: int) -> str:
             + "; plan.search=5 ranks faster layouts (e.g. interleaved schedules)")
 
 
+# gpu_type=cpu: an estimate this many times the cpu entry's (placeholder) memory is an error, not a warning: 7 TiB
+# per process, which no machine holds (a CPU run of a model a few times over the placeholder may still fit).
+CPU_BEYOND = 1000
+
+
 def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    """Estimate memory per GPU (planner) once the layout is valid; on GPUs a layout that cannot fit is an error."""
+    """Estimate memory per GPU (planner) once the layout is valid; on GPUs a layout that cannot fit is an error, on
+    gpu_type=cpu one past CPU_BEYOND times the placeholder memory (a warning below that)."""
     if cfg.cluster.gpu_type not in KNOWN_HARDWARE:
         r.error("cluster.gpu_type", f"unknown GPU type {cfg.cluster.gpu_type!r}",
                 f"use one of {', '.join(sorted(KNOWN_HARDWARE))}")
@@ -112,8 +125,12 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
                f"{mem.grads / GiB:.1f}, optimizer {mem.optimizer / GiB:.1f}, buffers {mem.buffers / GiB:.1f}, "
                f"activations {mem.activations / GiB:.1f}) "
                f"exceeds the {mem.usable / GiB:.1f} GiB usable on each {cfg.cluster.gpu_type} GPU")
-    if cfg.cluster.gpu_type == "cpu":
-        r.warn("parallel", message, "try: " + ", or ".join(fixes))
+    if cfg.cluster.gpu_type == "cpu" and mem.total <= CPU_BEYOND * mem.usable:
+        r.warn("parallel", message, "try: " + ", or ".join(fixes))  # the cpu entry's memory is a placeholder
+    elif cfg.cluster.gpu_type == "cpu":
+        r.error("parallel", f"{message}, {mem.total / mem.usable:,.0f} times over: no machine holds that per "
+                f"process (the cpu entry's {mem.usable / GiB:.1f} GiB is a placeholder, so up to {CPU_BEYOND:,} "
+                "times over is only a warning)", "try: " + ", or ".join(fixes))
     else:
         r.error("parallel", message, "try: " + ", or ".join(fixes))
 

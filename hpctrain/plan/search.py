@@ -37,6 +37,7 @@ Candidates are ranked by estimated tokens/s (step_time.py), ties by lower memory
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -68,7 +69,9 @@ class Candidate:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending; sqrt(n) trials (a global batch of 2**31 - 1 is searched in milliseconds)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def shape_problems(model: ModelShape, tp: int, pp: int, virtual_stages: int, gpus_per_node: int,

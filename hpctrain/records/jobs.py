@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpctrain.bounded import Unreadable, read_text
 from hpctrain.records.paths import RunPaths
 
 
@@ -49,8 +50,16 @@ def write_completed(run_dir: Path, job_id: str, step: int) -> None:
 
 
 def read_completed(run_dir: Path) -> dict[str, Any] | None:
+    """COMPLETED.json: None when there is none, or when it is no JSON object (a file a crash cut short, or
+    something else in its place: bounded, never a traceback)."""
     path = RunPaths(run_dir).completed
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(read_text(path, 2**20))
+    except (Unreadable, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def read_report(run_dir: Path) -> dict[str, Any] | None:

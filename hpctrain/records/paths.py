@@ -6,6 +6,7 @@ changes in one place. Tests keep their literal names on purpose: they pin the on
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,3 +69,56 @@ class RunPaths:
 
     def preflight(self, job_id: str) -> Path:
         return self.root / HEALTH / job_id / PREFLIGHT
+
+
+# ---------------------------------------------------------------- what a run's checkpoints may resolve to
+#
+# A run saves, loads and deletes checkpoints only in its own directories (issue 46): a relative tier in the run
+# directory, an absolute one (node-local RAM or SSD, a shared scratch) in `<path>/<run id>`. A symbolic link that
+# leads out of them (another run's `checkpoints/`) would make a resume load that run's checkpoint, save into its
+# directory and let retention delete its steps; the login node (hpctrain.launch.rundir) and the checkpoint manager
+# both refuse it. One rule, here, read by both (torch-free: the login node imports it).
+
+
+def tier_directory(path: str, run_dir: Path, run_id: str) -> tuple[Path, Path]:
+    """A tier's directory for this run, and the home it must resolve inside: the run directory for a relative
+    tier path; for an absolute one, the run's own subdirectory `<path>/<run id>`, `path` itself resolved (a
+    scratch mount may be a link; the run's subdirectory under it may not lead elsewhere)."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p / run_id, Path(os.path.realpath(p)) / run_id
+    return run_dir / p, Path(os.path.realpath(run_dir))
+
+
+def within(path: Path, home: Path) -> bool:
+    """Whether `path`, every link on the way resolved, is `home` or below it (`home` as it is given)."""
+    real, root = os.path.realpath(path), str(home)
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def escape(path: Path, home: Path) -> str | None:
+    """Why `path` leads out of `home` (None when it stays inside): the link that takes it out, and where to."""
+    if within(path, home):
+        return None
+    real = os.path.realpath(path)
+    link = next((q for q in (path, *path.parents) if q.is_symlink()), None)
+    if link is None:
+        return f"{path} resolves to {real}, outside {home}"
+    try:
+        target = os.readlink(link)
+    except OSError:
+        target = "?"
+    shown = target if os.path.join(link.parent, target) == real else f"{target} ({real})"
+    return f"{link} is a symbolic link to {shown}, outside {home}"
+
+
+def escaping_entries(directory: Path, prefix: str) -> list[tuple[Path, str]]:
+    """The entries of `directory` named `prefix*` that lead out of it through a link, with why (a checkpoint
+    directory `step_<N>` linked to another run's)."""
+    try:
+        entries = sorted(directory.iterdir()) if directory.is_dir() else []
+    except OSError:
+        return []
+    home = Path(os.path.realpath(directory))
+    return [(e, why) for e in entries if e.name.startswith(prefix) and e.is_symlink()
+            for why in [escape(e, home)] if why]

@@ -63,11 +63,11 @@ class Scheduler(ABC):
 
     # The login node.
     @abstractmethod
-    def executor(self, cluster: "ClusterConfig", job: JobSpec) -> "submitit.Executor":
+    def executor(self, cluster: ClusterConfig, job: JobSpec) -> submitit.Executor:
         """The submitit executor that submits the job."""
 
     @abstractmethod
-    def script(self, cluster: "ClusterConfig", job: JobSpec) -> str | None:
+    def script(self, cluster: ClusterConfig, job: JobSpec) -> str | None:
         """The batch script the executor would submit (for the dry-run plan); None without one."""
 
     # The supervisor, in the batch script after the tasks.

@@ -15,6 +15,7 @@ Pure functions of the config, so the dry run, the golden files and the submissio
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from hpctrain.config.schema import ContainerConfig
 
 PYXIS, APPTAINER = "pyxis", "apptainer"
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def runtime(container: "ContainerConfig") -> str:
+def runtime(container: ContainerConfig) -> str:
     """The runtime's name ("none", "pyxis", "apptainer"), from the config's enum or a plain string."""
     return str(getattr(container.runtime, "value", container.runtime))
 
@@ -58,7 +60,7 @@ def _shows(spec: str, path: Path) -> bool:
     return source == target and inside and "ro" not in flags.replace("+", ",").split(",")
 
 
-def mounts(container: "ContainerConfig", run_dir: Path) -> list[str]:
+def mounts(container: ContainerConfig, run_dir: Path) -> list[str]:
     """The configured mounts, then the run directory at its own path unless one of them shows it already."""
     listed = list(container.mounts)
     if any(_shows(spec, run_dir) for spec in listed):
@@ -66,7 +68,7 @@ def mounts(container: "ContainerConfig", run_dir: Path) -> list[str]:
     return [*listed, f"{run_dir}:{run_dir}"]
 
 
-def srun_args(container: "ContainerConfig", run_dir: Path) -> list[str]:
+def srun_args(container: ContainerConfig, run_dir: Path) -> list[str]:
     """pyxis' srun options (its --container-* flags, then `container.args`); [] for the other runtimes."""
     if runtime(container) != PYXIS:
         return []
@@ -78,12 +80,13 @@ def srun_args(container: "ContainerConfig", run_dir: Path) -> list[str]:
     return [*args, *container.args]
 
 
-def python_command(container: "ContainerConfig", run_dir: Path, gpus: bool) -> str | None:
-    """The interpreter srun starts (submitit's `python`, a shell word or words); None without a container: this
-    process' own interpreter, as without containers. Apptainer's `--nv` gives a GPU job the host's driver."""
+def python_command(container: ContainerConfig, run_dir: Path, gpus: bool) -> str | None:
+    """The interpreter srun starts (submitit's `python`, written into the batch script as shell: every value in it
+    is quoted, one word each); None without a container: this process' own interpreter, as without containers.
+    Apptainer's `--nv` gives a GPU job the host's driver."""
     name = runtime(container)
-    if name == PYXIS:
-        return container.python
+    if name == PYXIS:  # one word whatever it holds: the checks refuse what is not an interpreter's name or path
+        return shlex.quote(str(container.python))
     if name != APPTAINER:
         return None
     words = ["apptainer", "exec", *(["--nv"] if gpus else []), "--bind", ",".join(mounts(container, run_dir))]
@@ -93,10 +96,12 @@ def python_command(container: "ContainerConfig", run_dir: Path, gpus: bool) -> s
     return shlex.join(words)
 
 
-def setup_lines(container: "ContainerConfig") -> list[str]:
+def setup_lines(container: ContainerConfig) -> list[str]:
     """Batch script lines before srun. Apptainer passes the host's variables in, but the image's own values win:
     `APPTAINERENV_NAME` overrides them (and, unlike `--env NAME=VALUE`, takes a value with a comma). A variable
     unset on the host stays unset. pyxis takes the names on srun instead (`--container-env`)."""
     if runtime(container) != APPTAINER:
         return []
-    return [f'[ -z "${{{name}+set}}" ] || export APPTAINERENV_{name}="${name}"' for name in container.env]
+    # A name is written into the line as shell: one that is not a variable's name (the checks refuse it) is left out
+    return [f'[ -z "${{{name}+set}}" ] || export APPTAINERENV_{name}="${name}"' for name in map(str, container.env)
+            if ENV_NAME.fullmatch(name)]

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def local_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
+def local_parameters(cluster: ClusterConfig, job: JobSpec) -> dict[str, Any]:
     """submitit's local executor parameters. With `cluster.gpu_type` a GPU, the job gets its GPUs: submitit
     sets CUDA_VISIBLE_DEVICES to the GPUs requested, and to nothing when none are, so without `gpus_per_node`
     a GPU workstation would train on its CPUs (the checks warn when GPUs are visible and gpu_type=cpu)."""
@@ -36,14 +36,14 @@ def local_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
 class LocalScheduler(Scheduler):
     name = "local"
 
-    def executor(self, cluster: "ClusterConfig", job: JobSpec) -> "submitit.Executor":
+    def executor(self, cluster: ClusterConfig, job: JobSpec) -> submitit.Executor:
         import submitit
 
         executor = submitit.LocalExecutor(folder=job.folder)
         executor.update_parameters(**local_parameters(cluster, job))
         return executor
 
-    def script(self, cluster: "ClusterConfig", job: JobSpec) -> None:
+    def script(self, cluster: ClusterConfig, job: JobSpec) -> None:
         return None
 
     def partition_nodes(self, partition: str | None) -> list[str]:

@@ -34,7 +34,7 @@ SACCT_FIELDS = ("JobIDRaw", "State", "Submit", "Eligible", "Start", "End", "NNod
                 "Suspended")
 
 
-def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
+def slurm_parameters(cluster: ClusterConfig, job: JobSpec) -> dict[str, Any]:
     """submitit's Slurm parameters (sbatch option names) from conf/cluster; the container's srun options and
     setup lines come after the site's own (hpctrain/scheduler/container.py)."""
     c = cluster
@@ -75,7 +75,7 @@ def slurm_parameters(cluster: "ClusterConfig", job: JobSpec) -> dict[str, Any]:
     return params
 
 
-def python_command(cluster: "ClusterConfig", job: JobSpec) -> str:
+def python_command(cluster: ClusterConfig, job: JobSpec) -> str:
     """What srun starts the tasks' interpreter with: the container's, or this process' own (submitit's default)."""
     return (containers.python_command(cluster.container, job.run_dir, gpus=job.gpus_per_node > 0)
             or shlex.quote(sys.executable))
@@ -94,7 +94,7 @@ def _run(args: list[str], check: bool = False) -> subprocess.CompletedProcess:
 class SlurmScheduler(Scheduler):
     name = "slurm"
 
-    def executor(self, cluster: "ClusterConfig", job: JobSpec) -> "submitit.Executor":
+    def executor(self, cluster: ClusterConfig, job: JobSpec) -> submitit.Executor:
         import submitit
 
         executor = submitit.SlurmExecutor(folder=job.folder, max_num_timeout=cluster.max_num_timeout,
@@ -102,7 +102,7 @@ class SlurmScheduler(Scheduler):
         executor.update_parameters(**slurm_parameters(cluster, job))
         return executor
 
-    def script(self, cluster: "ClusterConfig", job: JobSpec) -> str:
+    def script(self, cluster: ClusterConfig, job: JobSpec) -> str:
         # Private, pinned by tests/launch/test_submitit_private.py: see the module docstring.
         from submitit.slurm.slurm import _make_sbatch_string
 
@@ -146,7 +146,7 @@ class SlurmScheduler(Scheduler):
             return False
         shown = _run(["scontrol", "show", "job", "-o", job_id]).stdout
         restarts = re.search(r"\bRestarts=(\d+)", shown)
-        return restarts is not None and int(restarts.group(1)) <= int(os.environ.get("SLURM_RESTART_COUNT", 0))
+        return restarts is not None and int(restarts.group(1)) <= int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
     def accounting(self, job_ids: list[str], timeout_s: float = TIMEOUT_S) -> list[Allocation] | None:
         """sacct's record of each run, with times as epoch seconds (SLURM_TIME_FORMAT=%s: no time zone to
@@ -155,7 +155,7 @@ class SlurmScheduler(Scheduler):
             return []
         command = ["sacct", "-X", "-D", "-P", "-n", "-o", ",".join(SACCT_FIELDS), "-j", ",".join(job_ids)]
         try:
-            out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+            out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False,
                                  env={**os.environ, "SLURM_TIME_FORMAT": "%s"})
         except (OSError, subprocess.SubprocessError) as exc:
             log.warning("sacct failed: %s", exc)

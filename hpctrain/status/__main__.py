@@ -4,6 +4,8 @@ its goodput ledger (where every node-hour of its allocations went, across requeu
 RUN is a run directory, or a run id under `--root` (the runs' root, `run.root`: `outputs` by default).
 The newest checkpoint of each tier is the newest committed one on disk (tiers this machine can read: the
 run directory's; a node's RAM only on that node), or the newest the run's metrics reported, if newer.
+Damaged records (junk bytes, a cut last line, a line that is not a record) are skipped, and the page says
+how many lines of which file it could not read; of a huge record file only the tail is read.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpctrain.goodput.ledger import Ledger
-from hpctrain.goodput.measure import measure, run_settings
-from hpctrain.launch.rundir import find_run
-from hpctrain.records.jobs import read_completed, read_report
-from hpctrain.status.view import render
+from hpctrain.bounded import Unreadable, read_text
 from hpctrain.entry import EntryParser
+from hpctrain.goodput.ledger import Ledger
+from hpctrain.launch.rundir import find_run
+from hpctrain.status.records import RunRecords
+from hpctrain.status.view import render
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,33 +37,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no run {args.run!r}: give a run directory, or an id under --root ({args.root}/*/{args.run})",
               file=sys.stderr)
         return 2
-    settings = run_settings(run_dir)
+    records = RunRecords(run_dir)
+    settings = records.settings()
     run = {"id": run_dir.name, "path": str(run_dir), "executor": settings["executor"]}
     try:
         while True:
-            ledger = measure(run_dir)
+            try:
+                ledger = records.measure(settings)
+            except Exception as exc:  # noqa: BLE001  (records each sound, still contradicting each other)
+                print(f"hpctrain.status: the records of {run_dir} do not make a ledger ({type(exc).__name__}: "
+                      f"{exc})" + "".join(f"\n  {line}" for line in records.notes.lines()), file=sys.stderr)
+                return 1
             ledger.checkpoints = newest_checkpoints(run_dir, ledger.checkpoints)
+            ended = _ended(records, ledger)
+            notes = records.notes.lines()
             if args.json:
-                print(json.dumps({"run": run, **ledger.to_dict()}, indent=1), flush=True)
+                print(json.dumps({"run": run, **ledger.to_dict(), "unread": notes}, indent=1), flush=True)
             else:
                 if args.watch:
                     print("\033[H\033[2J", end="")  # clear the terminal between pages
                 print(render(ledger, run), flush=True)
-                ended = _ended(run_dir, ledger)
+                if notes:
+                    print("\nrecords not read (the page is without them)\n" + "\n".join(f"  {n}" for n in notes))
                 if ended:
                     print(f"\n{ended}")
-            if not args.watch or _ended(run_dir, ledger):
+            if not args.watch or ended:
                 return 0
             time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
 
 
-def _ended(run_dir: Path, ledger: Ledger) -> str | None:
+def _ended(records: RunRecords, ledger: Ledger) -> str | None:
     """Why the run is over, or None while it may still train. COMPLETED.json names the job that wrote it last,
     which may be a later resume of the finished run (it loaded the last step and trained nothing): the job
     that trained the last step is the ledger's."""
-    completed = read_completed(run_dir)
+    completed = records.completed()
     if completed:
         step = int(completed["step"])
         trained = [j for j in ledger.jobs if j.steps and j.steps[1] >= step]
@@ -69,13 +80,14 @@ def _ended(run_dir: Path, ledger: Ledger) -> str | None:
         later = [j.job_id for j in ledger.jobs if not j.counted]
         return (f"the run is complete: job {job} trained it to step {step}"
                 + (f" ({', '.join(later)} resumed it after its end: nothing was left to train)" if later else ""))
-    report = read_report(run_dir)
+    report = records.report()
     return f"the run stopped: {report['why']}" if report else None
 
 
 # As hpctrain.checkpoint.storage writes them (not imported: it imports torch, seconds on a login node):
 # `<tier>/step_<N>/manifest.json` exists only for a committed checkpoint.
 PREFIX, MANIFEST = "step_", "manifest.json"
+MANIFEST_BYTES = 16 * 2**20
 
 
 def newest_checkpoints(run_dir: Path, reported: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -87,7 +99,7 @@ def newest_checkpoints(run_dir: Path, reported: dict[str, dict[str, float]]) -> 
 
     newest = dict(reported)
     try:
-        cfg = OmegaConf.load(run_dir / "config.yaml")
+        cfg = OmegaConf.create(read_text(run_dir / "config.yaml"))
         tiers = [(str(t.name), Path(str(t.path)).expanduser()) for t in cfg.checkpoint.tiers]
         run_id = str(cfg.run.id)
     except Exception:  # an old or hand-made run directory: what the metrics say
@@ -112,9 +124,9 @@ def _newest_in(directory: Path) -> dict[str, Any] | None:
             continue
         try:
             manifest = sub / MANIFEST
-            step = int(json.loads(manifest.read_text())["step"])
+            step = int(json.loads(read_text(manifest, MANIFEST_BYTES))["step"])
             committed = manifest.stat().st_mtime
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, Unreadable):
             continue  # not committed, or not readable: the resume's checks decide, not this page
         if step == int(digits):
             best = {"step": step, "time": committed}

@@ -329,3 +329,73 @@ def test_the_optimizer_step_waits_for_a_saves_copy_of_the_state(compose_cfg, tmp
     assert all(torch.equal(saved[k], at_step_1[k]) for k in at_step_1), "the checkpoint of step 1 holds other weights"
     committed = [e for e in manager.events if e["event"] == "save_committed"][-1]
     assert committed["step"] == 1 and committed["blocked_s"] >= 0.4
+
+
+def test_a_checkpoint_never_loads_into_other_shapes_even_when_forced(compose_cfg, tmp_path: Path) -> None:
+    """Issue 46: model.moe.n_experts 8 -> 4 with checkpoint.force_resume=true kept the first 4 experts (the load
+    took any first-dimension change for the vocabulary's padding and copied the leading rows). The manager now
+    compares every tensor's saved shape with the model's before reading a byte: another expert count is refused,
+    naming the weight and both shapes, and the model is left as it was; another vocabulary padding (the one
+    first-dimension change a load may make) still loads."""
+    from hpctrain.checkpoint.manager import CheckpointError, CheckpointManager
+    from hpctrain.config.layout import resolve_layout
+    from hpctrain.parallel.engine import build_engine
+    from hpctrain.records.fingerprint import fingerprint_of
+
+    moe = ["model.arch=qwen3_moe", "model.n_kv_heads=1", "model.head_dim=32", "model.ffn_hidden=64",
+           "model.moe.top_k=2"]
+
+    def start(tier: str, *overrides: str) -> tuple[Any, CheckpointManager]:
+        cfg = compose_cfg(*SMALL, "cluster.gpus_per_node=1", "train.global_batch=2", "run.id=shape",
+                          f"checkpoint.tiers=[{{name: disk, path: {tmp_path}/{tier}, interval_steps: 1}}]",
+                          *overrides)
+        return (build_engine(cfg, resolve_layout(cfg), torch.device("cpu")),
+                CheckpointManager(cfg.checkpoint, 0.0, tmp_path, "shape", 0, 1,
+                                  fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()))
+
+    def save(engine: Any, manager: CheckpointManager) -> None:
+        engine.step(torch.randint(0, 256, (2, 1, 2, 32), generator=torch.Generator().manual_seed(0)), 1e-3)
+        manager.after_step(1, engine, {"consumed_samples": 2}, manager.control_values(time.monotonic()))
+        manager.wait_all()
+
+    save(*start("moe", *moe, "model.moe.n_experts=4"))
+    engine, manager = start("moe", *moe, "model.moe.n_experts=2", "checkpoint.force_resume=true")
+    before = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(CheckpointError) as refused:
+        manager.resume(engine)
+    said = str(refused.value)
+    assert "does not fit this model" in said and "is [4, 64, 64] there, [2, 64, 64] here" in said, said
+    assert "checkpoint.force_resume does not change that" in said
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())  # nothing was loaded
+
+    save(*start("pad", "model.vocab_pad_multiple=96"))  # 288 embedding rows, then 256
+    padded, manager = start("pad")
+    assert manager.resume(padded)["step"] == 1
+
+
+def test_the_shape_check_lets_an_older_llama_checkpoint_through(old_llama_checkpoint) -> None:
+    """The weights a family renamed since a checkpoint was written (Llama's interleaved `mlp.fc.weight`, now
+    `mlp.gate` and `mlp.up`) are converted on load: the shape check counts the old tensor as theirs, neither
+    missing nor extra."""
+    from hpctrain.checkpoint.manager import CheckpointManager
+    from hpctrain.config.schema import CheckpointConfig
+    from hpctrain.records.fingerprint import fingerprint_of
+    from tests.checkpoint.test_llama_legacy import _engine as llama_engine
+
+    path, _, _ = old_llama_checkpoint
+    cfg, engine = llama_engine(1)
+    manager = CheckpointManager(CheckpointConfig(enabled=False), 0.0, path.parent, "old", 0, 1,
+                                fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict())
+    state = {"train": engine.state_dict()}
+    from hpctrain.checkpoint.integrity import read_metadata
+
+    saved = read_metadata(path / ".metadata").state_dict_metadata
+    assert "train.model.layers.0.mlp.fc.weight" in saved and "train.model.layers.0.mlp.gate.weight" not in saved
+    manager._check_shapes(Committed("old", 2, path, {}), state)  # no CheckpointError
+
+
+@pytest.fixture(scope="module")
+def old_llama_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from tests.checkpoint.test_llama_legacy import old_checkpoint
+
+    return old_checkpoint.__wrapped__(tmp_path_factory)

@@ -3,6 +3,24 @@
 In-process cases go through `hpctrain.launch.cli.run`, the function `python -m hpctrain` calls, with the run
 root in a temporary directory that must stay empty. Schema-level mistakes (typos, wrong types) fail during
 Hydra composition; those run through the real command line.
+
+Siblings, one class of hostile input each (issue 46), held to the same rule (the exit code, the key, the fix, what
+is left on disk), and every command any test runs to a fourth: no Python traceback on the console
+(`tests.conftest.run_hpctrain` fails the test that sees one):
+- Hydra's own errors (typo'd key, wrong type, unknown option, bad enum, bad site YAML, a link loop in
+  HPCTRAIN_CONFIG_PATH), all at once: tests/config/test_hydra_errors.py
+- values that reach a script (the generated batch script run under bash), container options parsed as the runtime
+  parses them: tests/config/test_script_injection.py
+- a run's checkpoints through a link into another run (the other run's hashes unchanged):
+  tests/checkpoint/test_run_isolation.py; a resume that would change the model's shape, an unreadable saved
+  config, a finished run: tests/launch/test_resume_refusals.py
+- files the login node reads (devices, FIFOs, huge or binary files): tests/config/test_file_reads.py
+- every numeric key's domain, sizes no GPU or host can allocate: tests/config/test_numeric_domains.py
+- sweeps that would share a run directory, a dry-run sweep that writes nothing: tests/launch/test_sweep_refusals.py
+- a failed job (the failure record and the log, no traceback): tests/launch/test_job_failure.py
+- damaged run directories under the status page and the checkpoint tool: tests/tools/test_status_cli.py,
+  tests/tools/test_checkpoint_tool_damage.py
+- credentials under any name or shape: tests/launch/test_secrets.py
 """
 
 from __future__ import annotations
@@ -269,24 +287,28 @@ def test_all_errors_are_reported_at_once(compose_cfg, capsys, tmp_path: Path) ->
     assert "2 config error(s)" in err and "optim.lr" in err and "precision.loss_scaling" in err
 
 
-# Schema-level mistakes through the real command line: (overrides, words in stderr)
+# Schema-level mistakes through the real command line, reported by hpctrain (hpctrain/config/compose_errors.py),
+# not by Hydra: (overrides, key named, words in stderr)
 SCHEMA = [
-    (["model.n_layer=3"], "n_layer"),  # a typo of model.n_layers
-    (["parallel.tp=two"], "parallel.tp"),  # not an int
-    (["model=gpt5"], "model/gpt5"),  # no such model
-    (["precision.dtype=fp8"], "precision.dtype"),  # not a precision
-    (["+model.n_layer=3"], "did you mean model.n_layers?"),  # added with +: caught by hpctrain's own check
-    (["train.max_steps=1e20"], "train.max_steps"),  # a float for an integer; 10**20 itself: max-steps-overflow
-    (["model.arch=lama"], "did you mean model.arch=llama?"),  # a family's name mistyped
+    (["model.n_layer=3"], "model.n_layer", "did you mean model.n_layers?"),  # a typo of model.n_layers
+    (["parallel.tp=two"], "parallel.tp", "takes an integer, got 'two'"),  # not an int
+    (["model=gpt5"], "model", "'gpt5' is not an option of model"),  # no such model: the options listed
+    (["precision.dtype=fp8"], "precision.dtype", "'fp8' is not one of fp32, bf16, fp16"),  # not a precision
+    (["plan.simulate_device=gpu"], "plan.simulate_device", "did you mean plan.simulate_device=cuda?"),
+    (["+model.n_layer=3"], "model.n_layer", "did you mean model.n_layers?"),  # added with +: hpctrain's own check
+    (["train.max_steps=1e20"], "train.max_steps", "takes an integer"),  # a float; 10**20 itself: max-steps-overflow
+    (["model.arch=lama"], "model.arch", "did you mean model.arch=llama?"),  # a family's name mistyped
 ]
 
 
-@pytest.mark.parametrize("overrides,words", SCHEMA, ids=[s[1] for s in SCHEMA])
-def test_schema_rejects_typos_and_types(tmp_path: Path, overrides: list[str], words: str) -> None:
+@pytest.mark.parametrize("overrides,key,words", SCHEMA, ids=[s[0][0] for s in SCHEMA])
+def test_schema_rejects_typos_and_types(tmp_path: Path, overrides: list[str], key: str, words: str) -> None:
     proc = run_hpctrain(*overrides, f"run.root={tmp_path}", cwd=tmp_path, timeout=60)
-    assert proc.returncode != 0
-    assert words in proc.stderr, proc.stderr
-    assert not any(tmp_path.iterdir())
+    assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-2000:]
+    assert "nothing was submitted" in proc.stderr and f"  - {key}: " in proc.stderr, proc.stderr
+    assert words in proc.stderr and "    fix: " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not any(tmp_path.iterdir()), "a refused command line leaves nothing behind"
 
 
 def test_config_error_exit_code_on_the_command_line(tmp_path: Path) -> None:

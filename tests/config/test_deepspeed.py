@@ -272,3 +272,29 @@ def test_the_tool_takes_auto_for_the_stage_and_refuses_a_bad_value_without_a_tra
     done = subprocess.run([*tool, str(bad)], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert str(bad) in done.stderr and "'ten'" in done.stderr and "fix:" in done.stderr
+
+
+@pytest.mark.parametrize("make", ["device", "directory", "fifo"])
+def test_a_path_that_is_not_a_json_file_is_a_config_error_not_a_read(make: str, tmp_path: Path) -> None:
+    """`+deepspeed=/dev/zero` read 11.4 GB in 30 s, a FIFO blocked for ever (issue 46): hpctrain.bounded refuses
+    them by what they are, at once (tests/config/test_file_reads.py runs them through the command line)."""
+    import os
+    import time
+
+    path = {"device": Path("/dev/zero"), "directory": tmp_path}.get(make, tmp_path / "pipe")
+    if make == "fifo":
+        os.mkfifo(path)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert time.monotonic() - started < 1.0
+    (problem,) = err.value.problems
+    assert problem.key == "deepspeed" and "is not a regular file" in problem.message and problem.fix
+
+
+def test_a_number_past_a_floats_range_is_a_config_error(compose_cfg: Callable[..., Any]) -> None:
+    """float(10**400) raises OverflowError, which the importer says as a value it cannot read, naming the section."""
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 10**400}}}
+    with pytest.raises(ConfigError) as err:
+        translate(ds, compose_cfg())
+    assert err.value.problems[0].key == "deepspeed (optimizer)" and "cannot read" in err.value.problems[0].message

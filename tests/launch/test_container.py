@@ -61,6 +61,21 @@ def test_apptainer_wraps_the_interpreter() -> None:
     assert container.srun_args(c, RUN) == []
 
 
+def test_the_interpreter_is_one_shell_word_whatever_it_holds() -> None:
+    """pyxis' interpreter went into the srun line as written: `python; touch X; true` ran `touch X` (issue 46). The
+    checks refuse it (tests/config/test_script_injection.py); the rendering quotes it anyway."""
+    hostile = "python; touch X; true"
+    for c in (_pyxis(python=hostile), _apptainer(python=hostile)):
+        assert shlex.split(container.python_command(c, RUN, gpus=True))[-1] == hostile
+    assert container.python_command(_pyxis(python="/opt/conda/bin/python"), RUN, gpus=True) == "/opt/conda/bin/python"
+
+
+def test_setup_lines_leave_out_what_is_not_a_variable_name() -> None:
+    """A name is written into the line as shell; one the checks refuse does not reach the script even unchecked."""
+    lines = container.setup_lines(_apptainer(env=["TOKEN", 'X}"; touch M; "${Y']))
+    assert lines == ['[ -z "${TOKEN+set}" ] || export APPTAINERENV_TOKEN="$TOKEN"']
+
+
 def test_apptainer_passes_only_the_variables_the_host_has() -> None:
     """The setup lines run in bash as the batch script would: a set variable (even to '' or a value with a comma,
     which `--env A=B` would split) reaches APPTAINERENV_*, an unset one stays unset."""
@@ -97,6 +112,17 @@ def test_a_data_path_no_mount_shows_at_its_own_path_is_a_warning(compose_cfg, mo
     assert [w.key for w in report.warnings if "no cluster.container.mounts entry" in w.message] == \
         (["data.path"] if warned else [])
     assert not report.errors
+
+
+@pytest.mark.parametrize("runtime,args", [("apptainer", "[-B,/shared:/shared]"), ("apptainer", "['-B/shared']"),
+                                          ("pyxis", "['--container-mounts=/shared:/shared:ro']")])
+def test_a_bind_in_args_shows_a_path_at_its_own_path(compose_cfg, runtime: str, args: str) -> None:
+    """`cluster.container.args` read as the runtime reads them: its binds count for the paths' warning too."""
+    image = "/i.sif" if runtime == "apptainer" else "/i.sqsh"
+    cfg = compose_cfg("+experiment=gpt3_1.3b_1node", f"cluster.container.runtime={runtime}",
+                      f"cluster.container.image={image}", f"cluster.container.args={args}", "dry_run=true")
+    report = check_config(cfg)
+    assert not [w for w in report.warnings if "no cluster.container.mounts entry" in w.message]
 
 
 @pytest.mark.parametrize("name", ["pyxis", "apptainer"])

@@ -119,3 +119,87 @@ def test_help_says_all_it_starts_to_say(tmp_path: Path) -> None:
     assert "ETA, and its goodput ledger (where every node-hour of its allocations went, across requeues and " \
            "resubmissions)." in text, shown.stdout
     assert "RUN is a run directory, or a run id under `--root`" in text
+
+
+# Issue 46: damaged records. Each case damages one file of a finished run; the page still comes, says how many
+# lines of which file it could not read, and no traceback reaches the console.
+GARBAGE = {
+    "binary junk": b"\x00\x01\xff\xfe" * 64 + b"\n" + bytes(range(256)) + b"\n",
+    "invalid UTF-8": b'{"event": "stop", "time": 1, "reason": "\xff\xfe"}\n',
+    "not an object": b"[1, 2, 3]\n42\n\"text\"\nnull\n",
+    "object of wrong types": b'{"event": "attempt", "time": "soon"}\n{"step": "x", "time": 1, "step_time_s": 1}\n',
+}
+
+
+@pytest.mark.parametrize("name", ["events.jsonl", "metrics.jsonl", "jobs.jsonl"])
+@pytest.mark.parametrize("kind", list(GARBAGE))
+def test_junk_lines_are_skipped_and_counted(tmp_path: Path, compose_cfg: Callable[..., Any], name: str,
+                                            kind: str) -> None:
+    run_dir = write_run(tmp_path / "outputs", compose_cfg)
+    good = (run_dir / name).read_bytes()
+    (run_dir / name).write_bytes(good + GARBAGE[kind])
+    page = run_hpctrain(str(run_dir), module="hpctrain.status", cwd=tmp_path, timeout=60)
+    assert page.returncode == 0 and "Traceback" not in page.stdout + page.stderr, page.stdout + page.stderr
+    assert "step 20/20 (100.0%)" in page.stdout and "records not read" in page.stdout, page.stdout
+    lines = [x for x in GARBAGE[kind].split(b"\n") if x.strip()]
+    counted = f"{name}: {len(lines)} unreadable line{'s' if len(lines) > 1 else ''} skipped"
+    assert counted in page.stdout, page.stdout
+
+
+def test_a_cut_last_line_and_an_interleaved_bad_line(tmp_path: Path, compose_cfg: Callable[..., Any]) -> None:
+    """A node that died mid-write: the events' last line is cut; a bad line between good ones costs only itself."""
+    run_dir = write_run(tmp_path / "outputs", compose_cfg)
+    lines = (run_dir / "events.jsonl").read_text().splitlines(keepends=True)
+    damaged = lines[:1] + ["{\"event\": \"resu\x00\n"] + lines[1:] + ['{"event": "stop", "time": 10']
+    (run_dir / "events.jsonl").write_text("".join(damaged))
+    (run_dir / "COMPLETED.json").write_bytes(b"\xff\xfe garbage")
+    page = run_hpctrain(str(run_dir), module="hpctrain.status", cwd=tmp_path, timeout=60)
+    assert page.returncode == 0 and "Traceback" not in page.stdout + page.stderr, page.stdout + page.stderr
+    assert "-> 999999.1 resumed at step 5 from the ram tier" in page.stdout  # every good event was read
+    assert "events.jsonl: 1 unreadable line skipped" in page.stdout
+    assert "its last line is incomplete" in page.stdout
+    assert "COMPLETED.json: not read (the file is not UTF-8 text" in page.stdout, page.stdout
+    ledger = json.loads(run_hpctrain(str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path,
+                                     timeout=60).stdout)
+    assert any(n.startswith("events.jsonl: 1 unreadable line") for n in ledger["unread"]), ledger["unread"]
+
+
+def test_a_huge_record_file_is_read_by_its_tail(tmp_path: Path, compose_cfg: Callable[..., Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process (the limits made small): a metrics file past its limit is read from its tail, a line longer
+    than any record is skipped without being held, and the page says so."""
+    from hpctrain.status import records
+    from hpctrain.status.__main__ import main
+
+    run_dir = write_run(tmp_path / "outputs", compose_cfg)
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    monkeypatch.setattr(records, "LINE_BYTES", 4096)
+    monkeypatch.setattr(records, "CHUNK", 1024)
+    monkeypatch.setattr(records, "TAIL_BYTES", {**records.TAIL_BYTES, "metrics.jsonl": len(metrics) + 50_000})
+    (run_dir / "metrics.jsonl").write_bytes(b"x" * 200_000 + b"\n" + b"7" * 30_000 + b"\n" + metrics)
+    page = _in_process(main, [str(run_dir)])
+    assert "step 20/20 (100.0%)" in page, page
+    size, read = records._size(len(metrics) + 230_002), records._size(len(metrics) + 50_000)
+    assert f"metrics.jsonl: {size}: only its last {read} read; 1 unreadable line skipped" in page, page
+
+
+def test_a_config_that_is_not_one(tmp_path: Path, compose_cfg: Callable[..., Any]) -> None:
+    run_dir = write_run(tmp_path / "outputs", compose_cfg)
+    (run_dir / "config.yaml").write_bytes(b"\x00\x00binary")
+    page = run_hpctrain(str(run_dir), module="hpctrain.status", cwd=tmp_path, timeout=60)
+    assert page.returncode == 0 and "Traceback" not in page.stdout + page.stderr, page.stdout + page.stderr
+    assert "config.yaml: not read (the file is not a text file" in page.stdout, page.stdout
+    (run_dir / "config.yaml").write_text("- a\n- list\n")
+    page = run_hpctrain(str(run_dir), module="hpctrain.status", cwd=tmp_path, timeout=60)
+    assert page.returncode == 0 and "Traceback" not in page.stdout + page.stderr, page.stdout + page.stderr
+    assert "config.yaml: not read (not a run config" in page.stdout, page.stdout
+
+
+def _in_process(main: Callable[[list[str]], int], argv: list[str]) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
