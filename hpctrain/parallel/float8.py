@@ -25,10 +25,10 @@ On a GPU the FP8 GEMMs run on the tensor cores (compute capability 8.9 or newer:
 CPU torchao emulates them (`emulate=True`: the same casts and scales, the products in high precision), which is
 what the tests check the numerics with.
 
-torchao is imported here only, through `_torchao()`: on a machine without CUDA it logs, at import, that its CUDA
+torchao is imported here only, through `_torchao()`: with a torch built without CUDA it logs, at import, that its CUDA
 kernels' libraries (`_C_*.so`) do not load and that Triton is missing (per rank, six lines for two ranks), all
 expected there and none of them about the emulation; those are filtered out. Its other warnings, and all of
-them where CUDA is present, stay.
+them with a CUDA build, stay.
 """
 
 from __future__ import annotations
@@ -69,9 +69,10 @@ class _ExpectedOnCPU(logging.Filter):
 
 
 def _torchao() -> None:
-    """Before any torchao import: on a machine without CUDA, its import's warnings about the CUDA libraries and
-    Triton it cannot load are dropped (once per process; its other warnings stay)."""
-    if "torchao" in sys.modules or torch.cuda.is_available():
+    """Before any torchao import: with a torch built without CUDA, its import's warnings about the CUDA libraries
+    and Triton it cannot load are dropped (once per process; its other warnings stay). Asked of the build, not the
+    device: `torch.cuda.is_available()` would count as CUDA's first touch in a process that may fork later."""
+    if "torchao" in sys.modules or torch.backends.cuda.is_built():
         return
     for name in _TORCHAO_LOGGERS:
         logger = logging.getLogger(name)
