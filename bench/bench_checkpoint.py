@@ -37,10 +37,11 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -50,13 +51,12 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpctrain.checkpoint.integrity import SummingWriter  # noqa: E402
-from hpctrain.checkpoint.storage import committed_in  # noqa: E402
 from hpctrain.checkpoint.manager import CheckpointManager  # noqa: E402
+from hpctrain.checkpoint.storage import committed_in  # noqa: E402
 from hpctrain.config.layout import resolve_layout  # noqa: E402
 from hpctrain.config.schema import Config  # noqa: E402
-from hpctrain.parallel.engine import build_engine  # noqa: E402
 from hpctrain.entry import EntryParser
-
+from hpctrain.parallel.engine import build_engine  # noqa: E402
 
 _TOKENS = torch.randint(0, 50257, (1, 64), generator=torch.Generator().manual_seed(0))
 BATCH = torch.stack([_TOKENS, _TOKENS])[:, None]  # one micro-batch of 64 tokens: inputs, targets
@@ -93,7 +93,7 @@ def raw_read(paths: list[Path], into: memoryview, block: int = 64 << 20) -> floa
     started = time.perf_counter()
     for path in paths:
         with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(into if reused else into[at:at + block]):
+            while n := f.readinto(into if reused else into[at : at + block]):
                 at += 0 if reused else n
     return time.perf_counter() - started
 
@@ -157,8 +157,9 @@ def main() -> None:
     engine.step(BATCH, 1e-4)  # optimizer states exist from here on
     params = sum(p.numel() for p in engine.model.parameters())
 
-    manager = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, args.dir, "bench", 0, 1,
-                                {"model": "bench"})
+    manager = CheckpointManager(
+        cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, args.dir, "bench", 0, 1, {"model": "bench"}
+    )
     engine.before_update = manager.wait_for_staging  # as the training loop wires them
     gc.freeze()  # as the training task does once its engine and manager are built (`train.loop._resume`)
     raw_file = args.dir / "raw.bin"
@@ -172,16 +173,27 @@ def main() -> None:
 
 def bench_config(args: argparse.Namespace) -> Any:
     """A GPT of --layers x --d-model on one CPU rank, one disk tier under --dir saving every step."""
-    return OmegaConf.merge(OmegaConf.structured(Config), {
-        "model": {"name": "bench", "n_layers": args.layers, "d_model": args.d_model, "n_heads": 8,
-                  "vocab_size": 50257, "context": 1024},
-        "cluster": {"name": "local", "nodes": 1, "gpus_per_node": 1},
-        "train": {"global_batch": 1, "micro_batch": 1, "seq_len": 64, "max_steps": 10},
-        "optim": {"warmup_steps": 1},
-        "run": {"id": "bench"},
-        "checkpoint": {"tiers": [{"name": "disk", "path": str(args.dir / "tier"), "interval_steps": 1,
-                                  "keep_last": 1}], "when_busy": "wait"},
-    })
+    return OmegaConf.merge(
+        OmegaConf.structured(Config),
+        {
+            "model": {
+                "name": "bench",
+                "n_layers": args.layers,
+                "d_model": args.d_model,
+                "n_heads": 8,
+                "vocab_size": 50257,
+                "context": 1024,
+            },
+            "cluster": {"name": "local", "nodes": 1, "gpus_per_node": 1},
+            "train": {"global_batch": 1, "micro_batch": 1, "seq_len": 64, "max_steps": 10},
+            "optim": {"warmup_steps": 1},
+            "run": {"id": "bench"},
+            "checkpoint": {
+                "tiers": [{"name": "disk", "path": str(args.dir / "tier"), "interval_steps": 1, "keep_last": 1}],
+                "when_busy": "wait",
+            },
+        },
+    )
 
 
 class _NoChecksumFileSystem(FileSystem):
@@ -214,12 +226,16 @@ def measure_saves(args: argparse.Namespace, engine: Any, manager: CheckpointMana
             writer.fs = _NoChecksumFileSystem()
             return writer
 
-        ways = [(saves.sync_blocked, default), (saves.sync_nocrc, unsummed),
-                (saves.sync_crc32c, lambda: SummingWriter(target, thread_count=1))]
-        for times, make in ways[step % 3:] + ways[: step % 3]:  # each way first in turn: no order bias
+        ways = [
+            (saves.sync_blocked, default),
+            (saves.sync_nocrc, unsummed),
+            (saves.sync_crc32c, lambda: SummingWriter(target, thread_count=1)),
+        ]
+        for times, make in ways[step % 3 :] + ways[: step % 3]:  # each way first in turn: no order bias
             writer = make()
-            times.append(synchronous(lambda: dcp.save(engine.state_dict(), storage_writer=writer, no_dist=True),
-                                     target))
+            times.append(
+                synchronous(lambda: dcp.save(engine.state_dict(), storage_writer=writer, no_dist=True), target)
+            )
             if make is default:
                 saves.sync_bytes = dir_bytes(target)
             shutil.rmtree(target)
@@ -227,8 +243,11 @@ def measure_saves(args: argparse.Namespace, engine: Any, manager: CheckpointMana
         manager._reap_retention(wait=True)  # the previous checkpoint's deletion: between saves, off the clock
         os.sync()
         plain = timed(lambda: engine.step(BATCH, 1e-4))  # a training step with no save running
-        boundary = timed(lambda: manager.after_step(step, engine, {"consumed_samples": step},
-                                                    manager.control_values(time.monotonic())))
+        boundary = timed(
+            lambda: manager.after_step(
+                step, engine, {"consumed_samples": step}, manager.control_values(time.monotonic())
+            )
+        )
         overlapped = timed(lambda: engine.step(BATCH, 1e-4))  # the copy runs meanwhile; the optimizer waits for it
         waited = manager.take_staging_wait()
         for running in manager.in_flight.values():  # the steps between two saves: the write finishes
@@ -287,7 +306,7 @@ def measure_loads(args: argparse.Namespace, engine: Any, manager: CheckpointMana
     raw_read(files, into["raw"])  # warm: the cache holds the files from here on
     ways = list(times)
     for repeat in range(args.repeats):  # what a restart does: find the newest checkpoint, check it, load it
-        for way in ways[repeat % 4:] + ways[: repeat % 4]:  # each way first in turn: no order bias
+        for way in ways[repeat % 4 :] + ways[: repeat % 4]:  # each way first in turn: no order bias
             if cold:
                 drop_page_cache()
             if way in into:
@@ -311,53 +330,79 @@ def verdict(name: str, values: list[float], goal: float, at_most: bool) -> bool:
     value = statistics.median(values)
     met = value <= goal if at_most else value >= goal
     spread = ", ".join(f"{v:.1%}" for v in values)
-    print(f"  {'PASS' if met else 'FAIL'}  {name}: {value:6.1%} (goal {'<=' if at_most else '>='} {goal:.0%}; "
-          f"repeats {spread})")
+    print(
+        f"  {'PASS' if met else 'FAIL'}  {name}: {value:6.1%} (goal {'<=' if at_most else '>='} {goal:.0%}; "
+        f"repeats {spread})"
+    )
     return met
 
 
-def print_results(disk: Path, params: int, saves: Saves, loads: dict[str, Loads],
-                  load_average: tuple[float, float]) -> None:
+def print_results(
+    disk: Path, params: int, saves: Saves, loads: dict[str, Loads], load_average: tuple[float, float]
+) -> None:
     med = statistics.median
     sb, sn, sc, ab = med(saves.sync_blocked), med(saves.sync_nocrc), med(saves.sync_crc32c), med(saves.async_blocked)
     raw_w, at = med(saves.raw_write), med(saves.async_total)
     sync_bytes, mb = saves.sync_bytes, saves.size / 1e6
-    print(f"model {params / 1e6:.1f}M params; checkpoint {mb:.0f} MB (model + AdamW states); disk {disk}; "
-          f"medians of {len(saves.async_blocked)} interleaved repeats; load average {load_average[0]:.1f} at the "
-          f"start, {load_average[1]:.1f} at the end")
-    print(f"(a) synchronous dcp.save, blocked:         {sb:8.3f} s  ({sync_bytes / 1e6 / sb:7.0f} MB/s)  "
-          f"torch.save's CRC32 on (default)")
+    print(
+        f"model {params / 1e6:.1f}M params; checkpoint {mb:.0f} MB (model + AdamW states); disk {disk}; "
+        f"medians of {len(saves.async_blocked)} interleaved repeats; load average {load_average[0]:.1f} at the "
+        f"start, {load_average[1]:.1f} at the end"
+    )
+    print(
+        f"(a) synchronous dcp.save, blocked:         {sb:8.3f} s  ({sync_bytes / 1e6 / sb:7.0f} MB/s)  "
+        f"torch.save's CRC32 on (default)"
+    )
     print(f"    the same without any checksum:         {sn:8.3f} s  ({sync_bytes / 1e6 / sn:7.0f} MB/s)")
-    print(f"    the same with hpctrain's CRC32C:       {sc:8.3f} s  ({sync_bytes / 1e6 / sc:7.0f} MB/s)  "
-          f"-> checksum cost {sc / sn - 1:+.1%}")
-    print(f"(b) hpctrain async save, training blocked: {ab:8.3f} s  = {ab / sb:6.1%} of (a), {ab / sn:6.1%} of (a) "
-          f"without checksums")
+    print(
+        f"    the same with hpctrain's CRC32C:       {sc:8.3f} s  ({sync_bytes / 1e6 / sc:7.0f} MB/s)  "
+        f"-> checksum cost {sc / sn - 1:+.1%}"
+    )
+    print(
+        f"(b) hpctrain async save, training blocked: {ab:8.3f} s  = {ab / sb:6.1%} of (a), {ab / sn:6.1%} of (a) "
+        f"without checksums"
+    )
     sd, bd, wt = med(saves.async_state_dict), med(saves.async_boundary), med(saves.async_wait)
     print(f"    at the step boundary (after_step):     {bd:8.3f} s, of which engine.state_dict() {sd:.3f} s")
     print(f"    the next step's wait for the copy:     {wt:8.3f} s")
     sp, so = med(saves.step_plain), med(saves.step_overlapped)
-    print(f"    not blocked: that step took {so:.3f} s against {sp:.3f} s without a save running "
-          f"({statistics.median(ratios(saves.step_overlapped, saves.step_plain)):.2f}x: the copy's and the write's "
-          f"threads on the same cores)")
+    print(
+        f"    not blocked: that step took {so:.3f} s against {sp:.3f} s without a save running "
+        f"({statistics.median(ratios(saves.step_overlapped, saves.step_plain)):.2f}x: the copy's and the write's "
+        f"threads on the same cores)"
+    )
     print(f"    hpctrain async save, start to durable commit: {at:8.3f} s  ({mb / at:7.0f} MB/s)")
     print(f"raw sequential write of {mb:.0f} MB + fsync:   {raw_w:8.3f} s  ({mb / raw_w:7.0f} MB/s)")
     for where, ld in loads.items():
         lv, lu, lr = med(ld.verified), med(ld.unverified), med(ld.raw)
         print(f"from the {where}:")
         print(f"  resume (find, check, load, set state):   {lv:8.3f} s  ({mb / lv:7.0f} MB/s)  records verified")
-        print(f"    the same without verification:         {lu:8.3f} s  ({mb / lu:7.0f} MB/s)  "
-              f"-> verification costs {lv / lu - 1:+.1%} of the load")
+        print(
+            f"    the same without verification:         {lu:8.3f} s  ({mb / lu:7.0f} MB/s)  "
+            f"-> verification costs {lv / lu - 1:+.1%} of the load"
+        )
         print(f"  raw sequential read into memory:         {lr:8.3f} s  ({mb / lr:7.0f} MB/s)  one thread")
         lb = med(ld.raw_block)
-        print(f"    the same into one 64 MiB block:        {lb:8.3f} s  ({mb / lb:7.0f} MB/s)  the same memory each "
-              f"time: not a load's work (resume at {statistics.median(ratios(ld.raw_block, ld.verified)):.1%} of it)")
+        print(
+            f"    the same into one 64 MiB block:        {lb:8.3f} s  ({mb / lb:7.0f} MB/s)  the same memory each "
+            f"time: not a load's work (resume at {statistics.median(ratios(ld.raw_block, ld.verified)):.1%} of it)"
+        )
     print("goals (median of the per-repeat ratios):")
-    met = [verdict("async save blocks training, share of a synchronous save",
-                   ratios(saves.async_blocked, saves.sync_blocked[1:]), 0.10, at_most=True),
-           verdict("save throughput, share of a raw write", ratios(saves.raw_write, saves.async_total), 0.80,
-                   at_most=False)]
-    met += [verdict(f"resume from the {where}, share of a raw read", ratios(ld.raw, ld.verified), 0.80,
-                    at_most=False) for where, ld in loads.items()]
+    met = [
+        verdict(
+            "async save blocks training, share of a synchronous save",
+            ratios(saves.async_blocked, saves.sync_blocked[1:]),
+            0.10,
+            at_most=True,
+        ),
+        verdict(
+            "save throughput, share of a raw write", ratios(saves.raw_write, saves.async_total), 0.80, at_most=False
+        ),
+    ]
+    met += [
+        verdict(f"resume from the {where}, share of a raw read", ratios(ld.raw, ld.verified), 0.80, at_most=False)
+        for where, ld in loads.items()
+    ]
     print(f"{sum(met)} of {len(met)} goals met")
 
 

@@ -45,8 +45,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,9 +56,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.ring_attention import allgather_flash_attention, ring_attention  # noqa: E402
+from hpctrain.entry import EntryParser
 from hpctrain.models.attention import CausalAttention  # noqa: E402
 from hpctrain.parallel.context_parallel import cp_attention  # noqa: E402
-from hpctrain.entry import EntryParser
 from tests.distributed_harness import run_distributed  # noqa: E402
 
 HEADS, HEAD_DIM, BATCH = 8, 64, 1
@@ -85,16 +86,22 @@ def _worker(rank: int, cp: int, shapes: list[tuple[int, int]], rounds: int, warm
         def rand(heads: int, length: int) -> torch.Tensor:
             return torch.randn(BATCH, heads, length, HEAD_DIM, generator=g).requires_grad_()
 
-        inputs = {"allgather": (rand(HEADS, local), rand(kv, local), rand(kv, local)),
-                  "ideal": (rand(HEADS, seq), rand(kv, seq), rand(kv, seq))}
+        inputs = {
+            "allgather": (rand(HEADS, local), rand(kv, local), rand(kv, local)),
+            "ideal": (rand(HEADS, seq), rand(kv, seq), rand(kv, seq)),
+        }
         inputs["ring"] = inputs["allgather_flash"] = inputs["allgather"]
-        douts = {"allgather": torch.randn(BATCH, HEADS, local, HEAD_DIM, generator=g),
-                 "ideal": torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=g)}
+        douts = {
+            "allgather": torch.randn(BATCH, HEADS, local, HEAD_DIM, generator=g),
+            "ideal": torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=g),
+        }
         douts["ring"] = douts["allgather_flash"] = douts["allgather"]
-        fns = {"allgather": lambda q, k, v: cp_attention(q, k, v, group),
-               "ring": lambda q, k, v: ring_attention(q, k, v, group),
-               "allgather_flash": lambda q, k, v: allgather_flash_attention(q, k, v, group),
-               "ideal": CausalAttention()}
+        fns = {
+            "allgather": lambda q, k, v: cp_attention(q, k, v, group),
+            "ring": lambda q, k, v: ring_attention(q, k, v, group),
+            "allgather_flash": lambda q, k, v: allgather_flash_attention(q, k, v, group),
+            "ideal": CausalAttention(),
+        }
 
         def run(variant: str, mode: str) -> None:
             if mode == "fwd":
@@ -118,13 +125,32 @@ def traffic(cp: int, seq: int, kv: int, elem: int = 4) -> dict[str, Any]:
     """Bytes each rank receives per layer and the launches, per design (analytic)."""
     local_kv = 2 * BATCH * kv * (seq // cp) * HEAD_DIM * elem
     moved = (cp - 1) * local_kv
-    return {"local_kv_bytes": local_kv, "full_kv_bytes": cp * local_kv, "kv_over_q": kv / HEADS,
-            "allgather": {"fwd_bytes": moved, "bwd_bytes": moved, "fwd_launches": 2, "bwd_launches": 2,
-                          "launch_kind": "all_gather_into_tensor (K, V) / reduce_scatter_tensor backward"},
-            "ring": {"fwd_bytes": moved, "bwd_bytes": cp * local_kv, "fwd_launches": cp - 1, "bwd_launches": cp,
-                     "launch_kind": "batch_isend_irecv (1 send + 1 recv, K/V stacked) per step"},
-            "allgather_flash": {"fwd_bytes": moved, "bwd_bytes": moved, "fwd_launches": 1, "bwd_launches": 1,
-                                "launch_kind": "all_gather_into_tensor (K/V stacked) / reduce_scatter_tensor"}}
+    return {
+        "local_kv_bytes": local_kv,
+        "full_kv_bytes": cp * local_kv,
+        "kv_over_q": kv / HEADS,
+        "allgather": {
+            "fwd_bytes": moved,
+            "bwd_bytes": moved,
+            "fwd_launches": 2,
+            "bwd_launches": 2,
+            "launch_kind": "all_gather_into_tensor (K, V) / reduce_scatter_tensor backward",
+        },
+        "ring": {
+            "fwd_bytes": moved,
+            "bwd_bytes": cp * local_kv,
+            "fwd_launches": cp - 1,
+            "bwd_launches": cp,
+            "launch_kind": "batch_isend_irecv (1 send + 1 recv, K/V stacked) per step",
+        },
+        "allgather_flash": {
+            "fwd_bytes": moved,
+            "bwd_bytes": moved,
+            "fwd_launches": 1,
+            "bwd_launches": 1,
+            "launch_kind": "all_gather_into_tensor (K/V stacked) / reduce_scatter_tensor",
+        },
+    }
 
 
 def main() -> None:
@@ -137,11 +163,15 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes]
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    print(f"batch {BATCH}, {HEADS} query heads of {HEAD_DIM}, fp32, gloo, 1 thread a rank on {os.cpu_count()} cores; "
-          f"{args.rounds} rounds after {args.warmup}, interleaved; ideal = full causal SDPA / cp")
-    print(f"{'cp':>2} {'seq':>5} {'kv':>2} {'mode':7} {'allg ms':>8} {'ring ms':>8} {'ideal ms':>8} "
-          f"{'flash ms':>8} {'a/c':>6} {'b/c':>6} {'d/c':>6} {'b/a':>6} {'b/d':>6} {'b/d min-max':>12} "
-          f"{'KV MiB in':>9}")
+    print(
+        f"batch {BATCH}, {HEADS} query heads of {HEAD_DIM}, fp32, gloo, 1 thread a rank on {os.cpu_count()} cores; "
+        f"{args.rounds} rounds after {args.warmup}, interleaved; ideal = full causal SDPA / cp"
+    )
+    print(
+        f"{'cp':>2} {'seq':>5} {'kv':>2} {'mode':7} {'allg ms':>8} {'ring ms':>8} {'ideal ms':>8} "
+        f"{'flash ms':>8} {'a/c':>6} {'b/c':>6} {'d/c':>6} {'b/a':>6} {'b/d':>6} {'b/d min-max':>12} "
+        f"{'KV MiB in':>9}"
+    )
     results: list[dict[str, Any]] = []
     for cp in args.cps:
         times = run_distributed(_worker, cp, shapes, args.rounds, args.warmup, timeout=900)[0]
@@ -151,29 +181,54 @@ def main() -> None:
                 t = times[f"{seq}:{kv}"][mode]
                 a, b, c, d = t["allgather"], t["ring"], t["ideal"], t["allgather_flash"]
                 ba, bd = [y / x for x, y in zip(a, b)], [y / x for x, y in zip(d, b)]
-                row[mode] = {**{f"{v}_ms": statistics.median(t[v]) * 1e3 for v in VARIANTS},
-                             **{f"{v}_ms_rounds": [x * 1e3 for x in t[v]] for v in VARIANTS},
-                             "allgather_over_ideal": statistics.median(x / z for x, z in zip(a, c)),
-                             "ring_over_ideal": statistics.median(y / z for y, z in zip(b, c)),
-                             "allgather_flash_over_ideal": statistics.median(x / z for x, z in zip(d, c)),
-                             "ring_over_allgather": statistics.median(ba), "ring_over_allgather_rounds": ba,
-                             "ring_over_allgather_flash": statistics.median(bd), "ring_over_allgather_flash_rounds": bd}
+                row[mode] = {
+                    **{f"{v}_ms": statistics.median(t[v]) * 1e3 for v in VARIANTS},
+                    **{f"{v}_ms_rounds": [x * 1e3 for x in t[v]] for v in VARIANTS},
+                    "allgather_over_ideal": statistics.median(x / z for x, z in zip(a, c)),
+                    "ring_over_ideal": statistics.median(y / z for y, z in zip(b, c)),
+                    "allgather_flash_over_ideal": statistics.median(x / z for x, z in zip(d, c)),
+                    "ring_over_allgather": statistics.median(ba),
+                    "ring_over_allgather_rounds": ba,
+                    "ring_over_allgather_flash": statistics.median(bd),
+                    "ring_over_allgather_flash_rounds": bd,
+                }
                 r = row[mode]
-                print(f"{cp:2} {seq:5} {kv:2} {mode:7} {r['allgather_ms']:8.1f} {r['ring_ms']:8.1f} "
-                      f"{r['ideal_ms']:8.1f} {r['allgather_flash_ms']:8.1f} {r['allgather_over_ideal']:6.2f} "
-                      f"{r['ring_over_ideal']:6.2f} {r['allgather_flash_over_ideal']:6.2f} "
-                      f"{r['ring_over_allgather']:6.2f} {r['ring_over_allgather_flash']:6.2f} "
-                      f"{min(bd):5.2f}-{max(bd):.2f} "
-                      f"{row['traffic']['allgather']['fwd_bytes'] / 2**20:9.2f}")
+                print(
+                    f"{cp:2} {seq:5} {kv:2} {mode:7} {r['allgather_ms']:8.1f} {r['ring_ms']:8.1f} "
+                    f"{r['ideal_ms']:8.1f} {r['allgather_flash_ms']:8.1f} {r['allgather_over_ideal']:6.2f} "
+                    f"{r['ring_over_ideal']:6.2f} {r['allgather_flash_over_ideal']:6.2f} "
+                    f"{r['ring_over_allgather']:6.2f} {r['ring_over_allgather_flash']:6.2f} "
+                    f"{min(bd):5.2f}-{max(bd):.2f} "
+                    f"{row['traffic']['allgather']['fwd_bytes'] / 2**20:9.2f}"
+                )
             results.append(row)
     took = time.perf_counter() - started
-    print(f"KV MiB in: K/V bytes each rank receives per layer forward, the same for both designs; "
-          f"the bench took {took:.0f} s, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
-    args.out.write_text(json.dumps({
-        "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "fp32", "threads_per_rank": 1,
-        "cores": os.cpu_count(), "backend": "gloo", "rounds": args.rounds, "warmup": args.warmup,
-        "load_average_before": load_before, "load_average_after": os.getloadavg()[0], "seconds": took,
-        "torch": torch.__version__, "rows": results}, indent=1) + "\n")
+    print(
+        f"KV MiB in: K/V bytes each rank receives per layer forward, the same for both designs; "
+        f"the bench took {took:.0f} s, load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
+    args.out.write_text(
+        json.dumps(
+            {
+                "batch": BATCH,
+                "heads": HEADS,
+                "head_dim": HEAD_DIM,
+                "dtype": "fp32",
+                "threads_per_rank": 1,
+                "cores": os.cpu_count(),
+                "backend": "gloo",
+                "rounds": args.rounds,
+                "warmup": args.warmup,
+                "load_average_before": load_before,
+                "load_average_after": os.getloadavg()[0],
+                "seconds": took,
+                "torch": torch.__version__,
+                "rows": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

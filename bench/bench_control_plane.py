@@ -41,8 +41,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.distributed_harness import run_distributed  # noqa: E402
 from hpctrain.entry import EntryParser
+from tests.distributed_harness import run_distributed  # noqa: E402
 
 STEP_VALUES = 2  # loss, squared gradient norm
 SIZES = (2, 7, 16, 64, 1024)
@@ -51,10 +51,12 @@ CONTROL_VALUES = 3 + 2  # SIGUSR2, SIGTERM, lease lost; one save in flight, one 
 
 def _variants(world: int) -> dict[str, list[int]]:
     """Per variant, the sizes of the all-reduces one step makes."""
-    return {"a_step_only": [STEP_VALUES],
-            "b_hpctrain": [STEP_VALUES + CONTROL_VALUES],
-            "c_probe_step": [STEP_VALUES + CONTROL_VALUES + 2 * world],
-            "d_separate": [STEP_VALUES, 2, 2, 1]}
+    return {
+        "a_step_only": [STEP_VALUES],
+        "b_hpctrain": [STEP_VALUES + CONTROL_VALUES],
+        "c_probe_step": [STEP_VALUES + CONTROL_VALUES + 2 * world],
+        "d_separate": [STEP_VALUES, 2, 2, 1],
+    }
 
 
 def _rank(rank: int, world: int, iters: int, warmup: int) -> dict[str, float] | None:
@@ -66,7 +68,7 @@ def _rank(rank: int, world: int, iters: int, warmup: int) -> dict[str, float] | 
     per_step: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for round_ in range(5):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             for i in range(warmup + iters):
                 if i == warmup:
                     dist.barrier()
@@ -100,21 +102,33 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "control_plane.json")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    print(f"{'world':>5} | {'(a) step ms':>11} | {'(b) hpctrain':>12} | {'(c) probe':>9} | {'(d) separate':>12} | "
-          f"{'b/a':>5} | {'c/a':>5} | {'d/a':>5}")
+    print(
+        f"{'world':>5} | {'(a) step ms':>11} | {'(b) hpctrain':>12} | {'(c) probe':>9} | {'(d) separate':>12} | "
+        f"{'b/a':>5} | {'c/a':>5} | {'d/a':>5}"
+    )
     for world in args.worlds:
         ms = run_distributed(_rank, world, args.iters, args.warmup, timeout=900)[0]
         a = ms["a_step_only"]
-        row = {"world": world, **{k: round(v, 4) for k, v in ms.items()},
-               "b_over_a": ms["b_hpctrain"] / a, "c_over_a": ms["c_probe_step"] / a, "d_over_a": ms["d_separate"] / a}
+        row = {
+            "world": world,
+            **{k: round(v, 4) for k, v in ms.items()},
+            "b_over_a": ms["b_hpctrain"] / a,
+            "c_over_a": ms["c_probe_step"] / a,
+            "d_over_a": ms["d_separate"] / a,
+        }
         rows.append(row)
-        print(f"{world:>5} | {a:>11.3f} | {ms['b_hpctrain']:>12.3f} | {ms['c_probe_step']:>9.3f} | "
-              f"{ms['d_separate']:>12.3f} | {row['b_over_a']:>5.2f} | {row['c_over_a']:>5.2f} | {row['d_over_a']:>5.2f}")
+        print(
+            f"{world:>5} | {a:>11.3f} | {ms['b_hpctrain']:>12.3f} | {ms['c_probe_step']:>9.3f} | "
+            f"{ms['d_separate']:>12.3f} | {row['b_over_a']:>5.2f} | {row['c_over_a']:>5.2f} | {row['d_over_a']:>5.2f}"
+        )
     sizes = {world: run_distributed(_sizes, world, args.iters, args.warmup, timeout=900)[0] for world in args.worlds}
-    print("one all-reduce of n values, ms: " + "; ".join(
-        f"world {w}: " + ", ".join(f"n={n} {ms:.2f}" for n, ms in by_n.items()) for w, by_n in sizes.items()))
-    args.out.write_text(json.dumps({"iters": args.iters, "rows": rows, "allreduce_ms_by_size": sizes}, indent=1)
-                        + "\n")
+    print(
+        "one all-reduce of n values, ms: "
+        + "; ".join(
+            f"world {w}: " + ", ".join(f"n={n} {ms:.2f}" for n, ms in by_n.items()) for w, by_n in sizes.items()
+        )
+    )
+    args.out.write_text(json.dumps({"iters": args.iters, "rows": rows, "allreduce_ms_by_size": sizes}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -31,8 +31,12 @@ CASES = {
 
 
 def run(overrides: list[str], root: Path, env: dict[str, str]) -> list[dict]:
-    proc = subprocess.run([sys.executable, "-m", "hpctrain", *overrides, f"run.root={root}"], capture_output=True,
-                          text=True, env={**os.environ, **env, "WANDB_MODE": "offline"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpctrain", *overrides, f"run.root={root}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env, "WANDB_MODE": "offline"},
+    )
     if proc.returncode:
         raise SystemExit(f"hpctrain failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     run_dir = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
@@ -63,12 +67,12 @@ def main() -> None:
             if "blend" in name:
                 overrides = [*overrides, blend]
             for prefetch in (1, 0):
-                metrics = run([*overrides, f"train.max_steps={args.steps}", f"data.prefetch={prefetch}"],
-                              Path(tmp) / "runs", env)
+                metrics = run(
+                    [*overrides, f"train.max_steps={args.steps}", f"data.prefetch={prefetch}"], Path(tmp) / "runs", env
+                )
                 wait, step, share = wait_share(metrics)
                 out[f"{name}, prefetch={prefetch}"] = {"wait_s": wait, "step_s": step, "share": share}
-                print(f"{name:34} {'on' if prefetch else 'off':>10} {wait * 1e3:9.3f} {step * 1e3:9.1f} "
-                      f"{share:10.2%}")
+                print(f"{name:34} {'on' if prefetch else 'off':>10} {wait * 1e3:9.3f} {step * 1e3:9.1f} {share:10.2%}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -71,11 +71,15 @@ def main() -> None:
     print(f"{args.repeats} runs each, medians; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     dry_wall, dry_cpu = report("python -m hpctrain +experiment=175b dry_run=true", runs["dry"])
     bare_wall, bare_cpu = report("python -c 'import hydra'", runs["bare"])
-    print(f"{'difference (hpctrain and Hydra composing)':<50} wall {dry_wall - bare_wall:6.3f} s, "
-          f"CPU {dry_cpu - bare_cpu:6.3f} s")
+    print(
+        f"{'difference (hpctrain and Hydra composing)':<50} wall {dry_wall - bare_wall:6.3f} s, "
+        f"CPU {dry_cpu - bare_cpu:6.3f} s"
+    )
     print(f"torch imported by the dry run: {', '.join(torch[:5]) + ' ...' if torch else 'no'}")
-    print(f"goal: dry run <= {GOAL_S} s: wall {'met' if dry_wall <= GOAL_S else 'NOT met'}, "
-          f"CPU {'met' if dry_cpu <= GOAL_S else 'NOT met'}")
+    print(
+        f"goal: dry run <= {GOAL_S} s: wall {'met' if dry_wall <= GOAL_S else 'NOT met'}, "
+        f"CPU {'met' if dry_cpu <= GOAL_S else 'NOT met'}"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,18 +41,31 @@ from hpctrain.config.schema import Config  # noqa: E402
 from hpctrain.entry import EntryParser
 
 VOCAB = 2000  # torchtitan's debug tokenizer; the embedding and head are padded to 2048 rows
-MODEL = {"name": "bench", "arch": "llama", "n_layers": 6, "d_model": 256, "n_heads": 16, "n_kv_heads": 16,
-         "ffn_hidden": 768, "vocab_size": VOCAB, "context": 2048, "rope": {"theta": 500000.0}}
+MODEL = {
+    "name": "bench",
+    "arch": "llama",
+    "n_layers": 6,
+    "d_model": 256,
+    "n_heads": 16,
+    "n_kv_heads": 16,
+    "ffn_hidden": 768,
+    "vocab_size": VOCAB,
+    "context": 2048,
+    "rope": {"theta": 500000.0},
+}
 
 
 def make_cfg(seq: int, batch: int, **parallel: Any) -> Any:
-    return OmegaConf.merge(OmegaConf.structured(Config), {
-        "model": MODEL,
-        "cluster": {"name": "bench", "nodes": 1, "gpus_per_node": 1},
-        "train": {"global_batch": batch, "micro_batch": batch, "seq_len": seq, "seed": 1},
-        "optim": {"lr": 1e-3, "warmup_steps": 0, "grad_clip": 1.0},
-        "parallel": parallel,
-    })
+    return OmegaConf.merge(
+        OmegaConf.structured(Config),
+        {
+            "model": MODEL,
+            "cluster": {"name": "bench", "nodes": 1, "gpus_per_node": 1},
+            "train": {"global_batch": batch, "micro_batch": batch, "seq_len": seq, "seed": 1},
+            "optim": {"lr": 1e-3, "warmup_steps": 0, "grad_clip": 1.0},
+            "parallel": parallel,
+        },
+    )
 
 
 def batch_of(step: int, seq: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +131,9 @@ class PlainBlock(nn.Module):
         q = self.wq(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.wk(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(self.rope(q, cos, sin), self.rope(k, cos, sin), v, is_causal=True,
-                                           enable_gqa=self.kv_heads != self.heads)
+        y = F.scaled_dot_product_attention(
+            self.rope(q, cos, sin), self.rope(k, cos, sin), v, is_causal=True, enable_gqa=self.kv_heads != self.heads
+        )
         x = x + self.wo(y.transpose(1, 2).reshape(b, t, d))
         h = F.rms_norm(x, (d,), self.ffn_norm, self.eps)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
@@ -131,8 +146,12 @@ class PlainBlock(nn.Module):
         self.wq.weight.copy_(qkv[:, :r].reshape(self.wq.weight.shape))
         self.wk.weight.copy_(qkv[:, r].reshape(self.wk.weight.shape))
         self.wv.weight.copy_(qkv[:, r + 1].reshape(self.wv.weight.shape))
-        for ours, theirs in ((self.wo, block.attn.proj), (self.gate, block.mlp.gate), (self.up, block.mlp.up),
-                             (self.down, block.mlp.proj)):
+        for ours, theirs in (
+            (self.wo, block.attn.proj),
+            (self.gate, block.mlp.gate),
+            (self.up, block.mlp.up),
+            (self.down, block.mlp.proj),
+        ):
             ours.weight.copy_(theirs.weight)
         self.attn_norm.copy_(block.norm1.weight)
         self.ffn_norm.copy_(block.norm2.weight)
@@ -178,8 +197,9 @@ def block_loops(cfg: Any) -> tuple[Callable[[int], None], Callable[[int], None],
 # ---------------------------------------------------------------- interleaved timing
 
 
-def interleaved(variants: dict[str, Callable[[int], Any]], rounds: int, steps: int, warmup: int
-                ) -> dict[str, dict[str, list[float]]]:
+def interleaved(
+    variants: dict[str, Callable[[int], Any]], rounds: int, steps: int, warmup: int
+) -> dict[str, dict[str, list[float]]]:
     """Per variant, the median seconds per step of each round, wall-clock ("wall") and this process's CPU time
     ("cpu": with one thread, the time the step computed, whatever else the machine ran meanwhile). The variants
     take turns step by step (A B A B ...), round after round."""
@@ -201,8 +221,9 @@ def interleaved(variants: dict[str, Callable[[int], Any]], rounds: int, steps: i
     return medians
 
 
-def compare(label: str, base: str, variant: str, medians: dict[str, dict[str, list[float]]], goal: float | None,
-            tokens: int) -> dict[str, Any]:
+def compare(
+    label: str, base: str, variant: str, medians: dict[str, dict[str, list[float]]], goal: float | None, tokens: int
+) -> dict[str, Any]:
     """The variant's throughput over the baseline's, from the medians and round by round (the noise), by the
     wall clock and by CPU time."""
     row: dict[str, Any] = {"part": label, "baseline": base, "variant": variant, "goal": goal}
@@ -210,10 +231,17 @@ def compare(label: str, base: str, variant: str, medians: dict[str, dict[str, li
         b, v = medians[base][clock], medians[variant][clock]
         per_round = [x / y for x, y in zip(b, v)]
         base_s, var_s = statistics.median(b), statistics.median(v)
-        row[clock] = {"baseline_ms": base_s * 1e3, "variant_ms": var_s * 1e3, "baseline_tok_s": tokens / base_s,
-                      "variant_tok_s": tokens / var_s, "ratio": base_s / var_s, "ratio_rounds": per_round,
-                      "ratio_min": min(per_round), "ratio_max": max(per_round),
-                      "step_spread_pct": 100 * (max(b + v) / min(b + v) - 1)}
+        row[clock] = {
+            "baseline_ms": base_s * 1e3,
+            "variant_ms": var_s * 1e3,
+            "baseline_tok_s": tokens / base_s,
+            "variant_tok_s": tokens / var_s,
+            "ratio": base_s / var_s,
+            "ratio_rounds": per_round,
+            "ratio_min": min(per_round),
+            "ratio_max": max(per_round),
+            "step_spread_pct": 100 * (max(b + v) / min(b + v) - 1),
+        }
     return row
 
 
@@ -232,39 +260,80 @@ def main() -> None:
     tokens = args.seq * args.batch
     cfg = make_cfg(args.seq, args.batch)
     timing = (args.rounds, args.steps, args.warmup)
-    rows = [compare("(a) engine", "plain loop", "hpctrain engine",
-                    interleaved({"plain loop": plain_loop(cfg), "hpctrain engine": engine_loop(cfg)}, *timing),
-                    0.97, tokens)]
+    rows = [
+        compare(
+            "(a) engine",
+            "plain loop",
+            "hpctrain engine",
+            interleaved({"plain loop": plain_loop(cfg), "hpctrain engine": engine_loop(cfg)}, *timing),
+            0.97,
+            tokens,
+        )
+    ]
     ours, plain, difference = block_loops(cfg)
-    rows.append(compare("(b) block", "plain block", "hpctrain block",
-                        interleaved({"plain block": plain, "hpctrain block": ours}, *timing), 0.97, tokens))
+    rows.append(
+        compare(
+            "(b) block",
+            "plain block",
+            "hpctrain block",
+            interleaved({"plain block": plain, "hpctrain block": ours}, *timing),
+            0.97,
+            tokens,
+        )
+    )
     rows[-1]["max_relative_difference"] = difference
     if not args.no_compile:
         started = time.perf_counter()
         compiled = engine_loop(make_cfg(args.seq, args.batch, compile=True))
         compiled(0)
         compile_s = time.perf_counter() - started
-        rows.append(compare("(c) compile", "compile off", "compile on",
-                            interleaved({"compile off": engine_loop(cfg), "compile on": compiled}, *timing), None,
-                            tokens))
+        rows.append(
+            compare(
+                "(c) compile",
+                "compile off",
+                "compile on",
+                interleaved({"compile off": engine_loop(cfg), "compile on": compiled}, *timing),
+                None,
+                tokens,
+            )
+        )
         rows[-1]["first_step_with_compile_s"] = compile_s
 
-    print(f"Llama: {MODEL['n_layers']} layers, d {MODEL['d_model']}, "
-          f"{MODEL['n_heads']} heads, SwiGLU {MODEL['ffn_hidden']}, fp32; {args.batch} x {args.seq} tokens a step, "
-          f"{args.threads} thread(s); {args.rounds} rounds x {args.steps} steps, interleaved")
-    print(f"{'part':12} {'baseline':>12} {'variant':>16} {'clock':>5} {'base ms':>9} {'var ms':>9} {'ratio':>7} "
-          f"{'rounds min-max':>15} {'goal':>6}")
+    print(
+        f"Llama: {MODEL['n_layers']} layers, d {MODEL['d_model']}, "
+        f"{MODEL['n_heads']} heads, SwiGLU {MODEL['ffn_hidden']}, fp32; {args.batch} x {args.seq} tokens a step, "
+        f"{args.threads} thread(s); {args.rounds} rounds x {args.steps} steps, interleaved"
+    )
+    print(
+        f"{'part':12} {'baseline':>12} {'variant':>16} {'clock':>5} {'base ms':>9} {'var ms':>9} {'ratio':>7} "
+        f"{'rounds min-max':>15} {'goal':>6}"
+    )
     for row in rows:
         goal = f"{row['goal']:.2f}" if row["goal"] else "-"
         for clock in ("wall", "cpu"):
             r = row[clock]
-            print(f"{row['part']:12} {row['baseline']:>12} {row['variant']:>16} {clock:>5} {r['baseline_ms']:9.1f} "
-                  f"{r['variant_ms']:9.1f} {r['ratio']:7.3f} {r['ratio_min']:7.3f}-{r['ratio_max']:.3f} {goal:>6}")
+            print(
+                f"{row['part']:12} {row['baseline']:>12} {row['variant']:>16} {clock:>5} {r['baseline_ms']:9.1f} "
+                f"{r['variant_ms']:9.1f} {r['ratio']:7.3f} {r['ratio_min']:7.3f}-{r['ratio_max']:.3f} {goal:>6}"
+            )
     print(f"(b) the two blocks' outputs differ by {difference:.1e} (relative)")
     if not args.no_compile:
         print(f"(c) first step with compile: {rows[-1]['first_step_with_compile_s']:.1f} s")
-    args.out.write_text(json.dumps({"model": MODEL, "seq": args.seq, "batch": args.batch, "threads": args.threads,
-                                    "rounds": args.rounds, "steps": args.steps, "rows": rows}, indent=1) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "model": MODEL,
+                "seq": args.seq,
+                "batch": args.batch,
+                "threads": args.threads,
+                "rounds": args.rounds,
+                "steps": args.steps,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from devcluster import metrics, state, submit_smoke  # noqa: E402
 
-from hpctrain.goodput.model import goodput_exact  # noqa: E402
 from hpctrain.entry import EntryParser
+from hpctrain.goodput.model import goodput_exact  # noqa: E402
 
 
 def job_processes(job: str) -> dict[int, dict[bytes, bytes]]:
@@ -56,7 +56,11 @@ def job_processes(job: str) -> dict[int, dict[bytes, bytes]]:
             env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
         except OSError:
             continue
-        if env.get(b"SLURM_JOB_ID") == job.encode() and env.get(b"SLURM_STEP_ID") == b"0" and b"SUBMITIT_EXECUTOR" in env:
+        if (
+            env.get(b"SLURM_JOB_ID") == job.encode()
+            and env.get(b"SLURM_STEP_ID") == b"0"
+            and b"SUBMITIT_EXECUTOR" in env
+        ):
             found[int(proc.name)] = env
     return found
 
@@ -122,37 +126,56 @@ class Measured:
 def main() -> None:
     parser = EntryParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--interval", type=int, default=12,
-                        help="RAM tier interval in steps; 12 (2 s) is about the model's optimum sqrt(2 C M) for the "
-                        "measured C (20 ms blocked per save) at an MTBF of 60 s")
+    parser.add_argument(
+        "--interval",
+        type=int,
+        default=12,
+        help="RAM tier interval in steps; 12 (2 s) is about the model's optimum sqrt(2 C M) for the "
+        "measured C (20 ms blocked per save) at an MTBF of 60 s",
+    )
     parser.add_argument("--mtbf", type=float, default=60.0)
     parser.add_argument("--failures", type=int, default=4)
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=["rank-crash"],
-                        help="the failures, taken in turn (see the module docstring); work since the last "
-                        "checkpoint is lost by crashes and node deaths, not by usr2 and preempt")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=["rank-crash"],
+        help="the failures, taken in turn (see the module docstring); work since the last "
+        "checkpoint is lost by crashes and node deaths, not by usr2 and preempt",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/goodput_costs.json"))
     parser.add_argument("--ledger-out", type=Path, help="also write the run's ledger (status --json) here")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hpctrain-bench-goodput-"))
-    _, run_dir = submit_smoke(root, "goodput", args.steps, args.interval, 500, "health.preflight=off",
-                              "launcher.max_restarts=100")
+    _, run_dir = submit_smoke(
+        root, "goodput", args.steps, args.interval, 500, "health.preflight=off", "launcher.max_restarts=100"
+    )
     failures = inject_failures(run_dir, args)
     rows = metrics(run_dir)
     (run_dir / "injected_failures.json").write_text(json.dumps(failures))
     m = measure(rows, failures)
     jobs = [json.loads(line)["job_id"] for line in (run_dir / "jobs.jsonl").read_text().splitlines()]
     held = allocated_node_s(jobs)
-    ledger = json.loads(subprocess.run([sys.executable, "-m", "hpctrain.status", str(run_dir), "--json"],
-                                       capture_output=True, text=True, check=True).stdout)
+    ledger = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "hpctrain.status", str(run_dir), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     if args.ledger_out:
         args.ledger_out.write_text(json.dumps(ledger, indent=1))
     if set(args.kinds) <= {"rank-crash", "crash", "preempt"} and len(set(args.kinds)) == 1:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(costs(m, args.kinds[0]), indent=1))
         print(f"measured costs written to {args.out}")
-    print(subprocess.run([sys.executable, "-m", "hpctrain.status", str(run_dir)], capture_output=True, text=True,
-                         check=True).stdout)
+    print(
+        subprocess.run(
+            [sys.executable, "-m", "hpctrain.status", str(run_dir)], capture_output=True, text=True, check=True
+        ).stdout
+    )
     print_results(args, jobs, failures, m)
     print_ledger_check(m, held, ledger)
 
@@ -212,8 +235,13 @@ def inject_failures(run_dir: Path, args: argparse.Namespace) -> list[float]:
 
 def allocated_node_s(jobs: list[str]) -> float:
     """Node-seconds the jobs held, every run of each (requeues), from Slurm's accounting directly."""
-    out = subprocess.run(["sacct", "-X", "-D", "-P", "-n", "-o", "Start,End,NNodes", "-j", ",".join(jobs)],
-                         capture_output=True, text=True, check=True, env={**os.environ, "SLURM_TIME_FORMAT": "%s"})
+    out = subprocess.run(
+        ["sacct", "-X", "-D", "-P", "-n", "-o", "Start,End,NNodes", "-j", ",".join(jobs)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "SLURM_TIME_FORMAT": "%s"},
+    )
     held = 0.0
     for line in out.stdout.splitlines():
         start, end, nodes = line.split("|")
@@ -236,18 +264,34 @@ def measure(rows: list[dict[str, Any]], failures: list[float]) -> Measured:
     restarts, lost = restart_costs(rows, failures)
     # Per-step work outside the timed step (logging, agreement all-reduces): part of each attempt's running
     # time that the model counts as training, so the prediction is scaled by the measured fraction.
-    gaps = [b["time"] - b["step_time_s"] - a["time"] for a, b in zip(rows, rows[1:])
-            if 0 <= b["time"] - b["step_time_s"] - a["time"] < 1.0]
+    gaps = [
+        b["time"] - b["step_time_s"] - a["time"]
+        for a, b in zip(rows, rows[1:])
+        if 0 <= b["time"] - b["step_time_s"] - a["time"] < 1.0
+    ]
     in_step = step_s / (step_s + statistics.mean(gaps)) if gaps else 1.0
     c = statistics.median(blocked)
     w = statistics.median(totals) if totals else 0.0
     restart_s = statistics.mean(restarts) if restarts else 0.0
     wall = end - start
     observed_mtbf = (wall - restart_s * len(failures)) / max(1, len(failures))  # running time between failures
-    return Measured(step_s=step_s, useful=useful, wall=wall, blocked=blocked, c=c, w=w,
-                    shared_blocked=statistics.median(shared_blocked), shared_write=statistics.median(shared_totals),
-                    node_bytes=node_bytes, restarts=restarts, r=restart_s, lost=lost, gaps=gaps, in_step=in_step,
-                    observed_mtbf=observed_mtbf)
+    return Measured(
+        step_s=step_s,
+        useful=useful,
+        wall=wall,
+        blocked=blocked,
+        c=c,
+        w=w,
+        shared_blocked=statistics.median(shared_blocked),
+        shared_write=statistics.median(shared_totals),
+        node_bytes=node_bytes,
+        restarts=restarts,
+        r=restart_s,
+        lost=lost,
+        gaps=gaps,
+        in_step=in_step,
+        observed_mtbf=observed_mtbf,
+    )
 
 
 def restart_costs(rows: list[dict[str, Any]], failures: list[float]) -> tuple[list[float], list[int]]:
@@ -256,8 +300,14 @@ def restart_costs(rows: list[dict[str, Any]], failures: list[float]) -> tuple[li
     for t in failures:
         before = [r for r in rows if r["time"] <= t]
         # The next attempt's first step starts after the failure (rows of the old attempt may still follow).
-        nxt = next((r for r in rows if r["time"] - r["step_time_s"] > t + 1.0 and before and
-                    (r["step"] <= before[-1]["step"] + 1)), None)
+        nxt = next(
+            (
+                r
+                for r in rows
+                if r["time"] - r["step_time_s"] > t + 1.0 and before and (r["step"] <= before[-1]["step"] + 1)
+            ),
+            None,
+        )
         if nxt is None or not before:
             continue
         restarts.append(nxt["time"] - nxt["step_time_s"] - t)
@@ -267,22 +317,32 @@ def restart_costs(rows: list[dict[str, Any]], failures: list[float]) -> tuple[li
 
 def costs(m: Measured, kind: str) -> dict[str, Any]:
     """The measured costs in the `hpctrain.goodput.costs/1` schema, for tools/goodput.py."""
-    return {"schema": "hpctrain.goodput.costs/1",
-            "state_bytes_per_node": m.node_bytes,
-            "tiers": {"ram": {"blocked_s": m.c, "write_s": m.w, "durable": False},
-                      "shared": {"blocked_s": m.shared_blocked, "write_s": m.shared_write, "durable": True}},
-            "restart_s": m.r,  # p_fast is not measured here: a node failure loses the RAM tier with the node
-            "source": f"bench/bench_goodput.py --kinds {kind} on the dev cluster, {time.strftime('%Y-%m-%d %H:%M')}"}
+    return {
+        "schema": "hpctrain.goodput.costs/1",
+        "state_bytes_per_node": m.node_bytes,
+        "tiers": {
+            "ram": {"blocked_s": m.c, "write_s": m.w, "durable": False},
+            "shared": {"blocked_s": m.shared_blocked, "write_s": m.shared_write, "durable": True},
+        },
+        "restart_s": m.r,  # p_fast is not measured here: a node failure loses the RAM tier with the node
+        "source": f"bench/bench_goodput.py --kinds {kind} on the dev cluster, {time.strftime('%Y-%m-%d %H:%M')}",
+    }
 
 
 def predict(kind: str, tau: float, m: Measured, mtbf: float) -> tuple[float, float, str]:
     """The model's goodput at --mtbf and at the observed failure rate, and which form it used."""
     if kind not in ("preempt", "usr2"):
-        return (goodput_exact(tau, m.c, mtbf, m.r, m.w), goodput_exact(tau, m.c, m.observed_mtbf, m.r, m.w),
-                "exact renewal form: lost work + restart + blocking")
+        return (
+            goodput_exact(tau, m.c, mtbf, m.r, m.w),
+            goodput_exact(tau, m.c, m.observed_mtbf, m.r, m.w),
+            "exact renewal form: lost work + restart + blocking",
+        )
     # a graceful stop saves at the signal: no work is lost, each failure costs the restart only
-    return (tau / (tau + m.c) * mtbf / (mtbf + m.r), tau / (tau + m.c) * m.observed_mtbf / (m.observed_mtbf + m.r),
-            "graceful stops: restart + blocking, no lost work")
+    return (
+        tau / (tau + m.c) * mtbf / (mtbf + m.r),
+        tau / (tau + m.c) * m.observed_mtbf / (m.observed_mtbf + m.r),
+        "graceful stops: restart + blocking, no lost work",
+    )
 
 
 def print_results(args: argparse.Namespace, jobs: list[str], failures: list[float], m: Measured) -> None:
@@ -290,20 +350,32 @@ def print_results(args: argparse.Namespace, jobs: list[str], failures: list[floa
     kind = args.kinds[0] if len(set(args.kinds)) == 1 else "mixed"
     predicted, plug_in, form = predict(kind, tau, m, args.mtbf)
     measured = m.useful / m.wall
-    print(f"jobs {', '.join(jobs)}: {args.steps} steps of {m.step_s:.3f} s, RAM tier every {args.interval} steps "
-          f"({tau:.1f} s), {len(failures)} injected failures ({', '.join(args.kinds)}; mean {args.mtbf:.0f} s apart)")
+    print(
+        f"jobs {', '.join(jobs)}: {args.steps} steps of {m.step_s:.3f} s, RAM tier every {args.interval} steps "
+        f"({tau:.1f} s), {len(failures)} injected failures ({', '.join(args.kinds)}; mean {args.mtbf:.0f} s apart)"
+    )
     print(f"checkpoint blocked per save C = {m.c * 1e3:.1f} ms (median of {len(m.blocked)}), commit after {m.w:.2f} s")
-    print(f"restart cost R = {m.r:.1f} s (failure -> first step of the next attempt: "
-          f"{', '.join(f'{x:.1f}' for x in m.restarts)})")
+    print(
+        f"restart cost R = {m.r:.1f} s (failure -> first step of the next attempt: "
+        f"{', '.join(f'{x:.1f}' for x in m.restarts)})"
+    )
     print(f"lost steps per failure: {m.lost} (expected about interval/2 = {args.interval / 2:.0f} for crashes)")
-    print(f"measured goodput in the training window: {m.useful:.1f} s of unique steps / {m.wall:.1f} s from the "
-          f"first step to the last = {measured:.1%}")
-    print(f"loop overhead outside the timed step: {statistics.mean(m.gaps) * 1e3:.1f} ms per step "
-          f"({1 - m.in_step:.1%} of running time)")
-    print(f"model ({form}): {predicted:.1%} at MTBF {args.mtbf:.0f} s; with the observed failure rate (one per "
-          f"{m.observed_mtbf:.0f} s of running): {plug_in:.1%}; measured - model = {(measured - plug_in) * 100:+.1f} pp")
-    print(f"model x time in steps ({m.in_step:.1%}): {plug_in * m.in_step:.1%}; measured - model = "
-          f"{(measured - plug_in * m.in_step) * 100:+.1f} pp")
+    print(
+        f"measured goodput in the training window: {m.useful:.1f} s of unique steps / {m.wall:.1f} s from the "
+        f"first step to the last = {measured:.1%}"
+    )
+    print(
+        f"loop overhead outside the timed step: {statistics.mean(m.gaps) * 1e3:.1f} ms per step "
+        f"({1 - m.in_step:.1%} of running time)"
+    )
+    print(
+        f"model ({form}): {predicted:.1%} at MTBF {args.mtbf:.0f} s; with the observed failure rate (one per "
+        f"{m.observed_mtbf:.0f} s of running): {plug_in:.1%}; measured - model = {(measured - plug_in) * 100:+.1f} pp"
+    )
+    print(
+        f"model x time in steps ({m.in_step:.1%}): {plug_in * m.in_step:.1%}; measured - model = "
+        f"{(measured - plug_in * m.in_step) * 100:+.1f} pp"
+    )
 
 
 def print_ledger_check(m: Measured, held: float, ledger: dict[str, Any]) -> None:
@@ -312,10 +384,14 @@ def print_ledger_check(m: Measured, held: float, ledger: dict[str, Any]) -> None
     nodes = 2
     measured = m.useful * nodes / held
     parts = sum(ledger["parts"].values())
-    print(f"allocated (sacct, every run of every job): {held:.0f} node-s; the ledger's parts sum to {parts:.1f} "
-          f"node-s ({(parts - held) / held:+.2%})")
-    print(f"goodput over the allocations: measured here {measured:.2%}, ledger {ledger['goodput']:.2%} "
-          f"(ledger - measured = {(ledger['goodput'] - measured) * 100:+.2f} pp)")
+    print(
+        f"allocated (sacct, every run of every job): {held:.0f} node-s; the ledger's parts sum to {parts:.1f} "
+        f"node-s ({(parts - held) / held:+.2%})"
+    )
+    print(
+        f"goodput over the allocations: measured here {measured:.2%}, ledger {ledger['goodput']:.2%} "
+        f"(ledger - measured = {(ledger['goodput'] - measured) * 100:+.2f} pp)"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,31 +70,49 @@ SEQ = 128
 MICRO_BATCH = 4  # sequences per rank and step
 LR = 1e-3
 EXPERT_HIDDEN, TOP_K = 256, 2
-MOE_MODEL = {"name": "bench_moe", "arch": "qwen3_moe", "n_layers": 4, "d_model": 256, "n_heads": 8, "n_kv_heads": 4,
-             "ffn_hidden": EXPERT_HIDDEN, "vocab_size": VOCAB, "context": 2048, "norm_eps": 1e-6,
-             "rope": {"theta": 1000000.0},
-             "moe": {"n_experts": 8, "top_k": TOP_K, "expert_hidden": EXPERT_HIDDEN, "router": "softmax"}}
-DENSE_MODEL = {**{k: v for k, v in MOE_MODEL.items() if k != "moe"}, "name": "bench_dense", "arch": "qwen3",
-               "ffn_hidden": TOP_K * EXPERT_HIDDEN}
+MOE_MODEL = {
+    "name": "bench_moe",
+    "arch": "qwen3_moe",
+    "n_layers": 4,
+    "d_model": 256,
+    "n_heads": 8,
+    "n_kv_heads": 4,
+    "ffn_hidden": EXPERT_HIDDEN,
+    "vocab_size": VOCAB,
+    "context": 2048,
+    "norm_eps": 1e-6,
+    "rope": {"theta": 1000000.0},
+    "moe": {"n_experts": 8, "top_k": TOP_K, "expert_hidden": EXPERT_HIDDEN, "router": "softmax"},
+}
+DENSE_MODEL = {
+    **{k: v for k, v in MOE_MODEL.items() if k != "moe"},
+    "name": "bench_dense",
+    "arch": "qwen3",
+    "ffn_hidden": TOP_K * EXPERT_HIDDEN,
+}
 VARIANTS = ("ep2", "ep1", "dense", "ep2_a2a")  # ep2_a2a: ep2's engine under timed_all_to_all
 
 
 def make_cfg(model: dict[str, Any], ep: int, zero: int) -> Any:
     """The config of one variant: dp RANKS, one micro-batch per rank and step."""
-    return OmegaConf.merge(OmegaConf.structured(Config), {
-        "model": model,
-        "cluster": {"name": "bench", "nodes": 1, "gpus_per_node": RANKS},
-        "train": {"global_batch": RANKS * MICRO_BATCH, "micro_batch": MICRO_BATCH, "seq_len": SEQ, "seed": 1},
-        "optim": {"lr": LR, "warmup_steps": 0, "grad_clip": 1.0},
-        "parallel": {"ep": ep},
-        "zero": {"stage": zero},
-    })
+    return OmegaConf.merge(
+        OmegaConf.structured(Config),
+        {
+            "model": model,
+            "cluster": {"name": "bench", "nodes": 1, "gpus_per_node": RANKS},
+            "train": {"global_batch": RANKS * MICRO_BATCH, "micro_batch": MICRO_BATCH, "seq_len": SEQ, "seed": 1},
+            "optim": {"lr": LR, "warmup_steps": 0, "grad_clip": 1.0},
+            "parallel": {"ep": ep},
+            "zero": {"stage": zero},
+        },
+    )
 
 
 def batch_of(step: int, dp_rank: int) -> torch.Tensor:
     """This rank's random batch of the step, as Engine.step takes it: [2 (inputs, targets), 1, MICRO_BATCH, SEQ]."""
-    data = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1),
-                         generator=torch.Generator().manual_seed(1000 * step + dp_rank))
+    data = torch.randint(
+        0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 * step + dp_rank)
+    )
     return torch.stack((data[:, :-1], data[:, 1:]))[:, None]
 
 
@@ -111,8 +130,9 @@ class A2AClock:
         self.calls += 1
 
 
-def _waited_all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                       group: dist.ProcessGroup, clock: A2AClock) -> torch.Tensor:
+def _waited_all_to_all(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup, clock: A2AClock
+) -> torch.Tensor:
     """The functional all-to-all (the op all_to_all_single_autograd runs), waited for at once, on the clock."""
     started = time.perf_counter()
     out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), output_splits, input_splits, group.group_name)
@@ -126,8 +146,14 @@ class _TimedAllToAll(torch.autograd.Function):
     (as torch's registered backward)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                group: dist.ProcessGroup, clock: A2AClock) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup,
+        clock: A2AClock,
+    ) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.clock = (output_splits, input_splits), group, clock
         return _waited_all_to_all(x, output_splits, input_splits, group, clock)
 
@@ -150,8 +176,9 @@ def timed_all_to_all() -> Iterator[A2AClock]:
         clock.add(started)
         return work
 
-    def timed_functional(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                         group: dist.ProcessGroup) -> torch.Tensor:
+    def timed_functional(
+        x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+    ) -> torch.Tensor:
         return _TimedAllToAll.apply(x, output_splits, input_splits, group, clock)
 
     dist.all_to_all_single, funcol.all_to_all_single_autograd = timed_sync, timed_functional
@@ -175,7 +202,7 @@ def ep_rank_load(tokens_per_expert: list[list[float]], ep: int) -> float:
     loads = []
     for tokens in tokens_per_expert:
         local = len(tokens) // ep
-        per_rank = [sum(tokens[r * local:(r + 1) * local]) for r in range(ep)]
+        per_rank = [sum(tokens[r * local : (r + 1) * local]) for r in range(ep)]
         loads.append(max(per_rank) * ep / sum(per_rank))
     return statistics.mean(loads)
 
@@ -185,8 +212,11 @@ def _rank(rank: int, world: int, rounds: int, steps: int, warmup: int, zero: int
     its all-to-all seconds and counts in the ep2_a2a steps, and what each variant holds."""
     from hpctrain.parallel.engine import build_engine
 
-    cfgs = {"ep2": make_cfg(MOE_MODEL, 2, zero), "ep1": make_cfg(MOE_MODEL, 1, zero),
-            "dense": make_cfg(DENSE_MODEL, 1, zero)}
+    cfgs = {
+        "ep2": make_cfg(MOE_MODEL, 2, zero),
+        "ep1": make_cfg(MOE_MODEL, 1, zero),
+        "dense": make_cfg(DENSE_MODEL, 1, zero),
+    }
     engines = {name: build_engine(cfg, resolve_layout(cfg), torch.device("cpu")) for name, cfg in cfgs.items()}
     wall: dict[str, list[list[float]]] = {name: [[] for _ in range(rounds)] for name in VARIANTS}
     a2a: list[list[float]] = [[] for _ in range(rounds)]
@@ -219,11 +249,21 @@ def _rank(rank: int, world: int, rounds: int, steps: int, warmup: int, zero: int
                     a2a[r].append(clock.seconds)
                     calls.add(clock.calls)
     wrapper = "FSDP2 replicate" if zero == 0 else f"FSDP2 ZeRO-{zero}"
-    layouts = {name: {"ep": e.dims.ep, "data_parallel": "DDP" if e.ddp else wrapper,
-                      "params_on_rank": sum(_local_numel(p) for part in e.model_parts for p in part.parameters())}
-               for name, e in engines.items()}
-    return {"wall": wall, "a2a": a2a, "a2a_calls": sorted(calls), "layouts": layouts,
-            "ep_rank_load": statistics.mean(load[warmup:])}
+    layouts = {
+        name: {
+            "ep": e.dims.ep,
+            "data_parallel": "DDP" if e.ddp else wrapper,
+            "params_on_rank": sum(_local_numel(p) for part in e.model_parts for p in part.parameters()),
+        }
+        for name, e in engines.items()
+    }
+    return {
+        "wall": wall,
+        "a2a": a2a,
+        "a2a_calls": sorted(calls),
+        "layouts": layouts,
+        "ep_rank_load": statistics.mean(load[warmup:]),
+    }
 
 
 # ---------------------------------------------------------------- the summary
@@ -232,15 +272,21 @@ def _rank(rank: int, world: int, rounds: int, steps: int, warmup: int, zero: int
 def step_rounds(results: list[dict[str, Any]], name: str) -> list[float]:
     """Per round, the median over its steps of the slower rank's step time."""
     per_rank = [res["wall"][name] for res in results]
-    return [statistics.median(max(times) for times in zip(*(ranks[r] for ranks in per_rank)))
-            for r in range(len(per_rank[0]))]
+    return [
+        statistics.median(max(times) for times in zip(*(ranks[r] for ranks in per_rank)))
+        for r in range(len(per_rank[0]))
+    ]
 
 
 def ratio(a: list[float], b: list[float]) -> dict[str, Any]:
     """a's median step time over b's, and round by round."""
     rounds = [x / y for x, y in zip(a, b)]
-    return {"ratio": statistics.median(a) / statistics.median(b), "ratio_rounds": rounds,
-            "ratio_min": min(rounds), "ratio_max": max(rounds)}
+    return {
+        "ratio": statistics.median(a) / statistics.median(b),
+        "ratio_rounds": rounds,
+        "ratio_min": min(rounds),
+        "ratio_max": max(rounds),
+    }
 
 
 def a2a_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -252,15 +298,20 @@ def a2a_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         per_step = list(zip(*(zip(res["a2a"][r], res["wall"]["ep2_a2a"][r]) for res in results)))
         ms.append(statistics.median(statistics.mean(a for a, _ in ranks) * 1e3 for ranks in per_step))
         share.append(statistics.median(statistics.mean(a / w for a, w in ranks) for ranks in per_step))
-        share_by_rank.append([statistics.median(ranks[i][0] / ranks[i][1] for ranks in per_step)
-                              for i in range(len(results))])
-    return {"method": "dist.all_to_all_single and funcol.all_to_all_single_autograd replaced during the ep2_a2a "
-                      "steps by synchronous versions (the same ops, waited at once, forward and backward) that "
-                      "add up the wall time from each call until its result is there (peer waits included); "
-                      "share = that sum over the rank's own step time, mean over ranks",
-            "calls_per_step": sorted({c for res in results for c in res["a2a_calls"]}),
-            "ms_per_step": statistics.median(ms), "share": statistics.median(share), "share_rounds": share,
-            "share_by_rank": [statistics.median(r[i] for r in share_by_rank) for i in range(len(results))]}
+        share_by_rank.append(
+            [statistics.median(ranks[i][0] / ranks[i][1] for ranks in per_step) for i in range(len(results))]
+        )
+    return {
+        "method": "dist.all_to_all_single and funcol.all_to_all_single_autograd replaced during the ep2_a2a "
+        "steps by synchronous versions (the same ops, waited at once, forward and backward) that "
+        "add up the wall time from each call until its result is there (peer waits included); "
+        "share = that sum over the rank's own step time, mean over ranks",
+        "calls_per_step": sorted({c for res in results for c in res["a2a_calls"]}),
+        "ms_per_step": statistics.median(ms),
+        "share": statistics.median(share),
+        "share_rounds": share,
+        "share_by_rank": [statistics.median(r[i] for r in share_by_rank) for i in range(len(results))],
+    }
 
 
 def main() -> None:
@@ -275,37 +326,69 @@ def main() -> None:
     results = run_distributed(_rank, RANKS, args.rounds, args.steps, args.warmup, args.zero, timeout=3600)
     tokens = RANKS * MICRO_BATCH * SEQ
     rounds = {name: step_rounds(results, name) for name in VARIANTS}
-    variants = {name: {**results[0]["layouts"][name.removesuffix("_a2a")],
-                       "step_ms": statistics.median(rounds[name]) * 1e3,
-                       "tok_s": tokens / statistics.median(rounds[name]),
-                       "step_ms_rounds": [t * 1e3 for t in rounds[name]]} for name in VARIANTS}
-    ratios = {"a/b ep2/ep1": ratio(rounds["ep2"], rounds["ep1"]),
-              "a/c ep2/dense": ratio(rounds["ep2"], rounds["dense"]),
-              "a'/a clock overhead": ratio(rounds["ep2_a2a"], rounds["ep2"])}
+    variants = {
+        name: {
+            **results[0]["layouts"][name.removesuffix("_a2a")],
+            "step_ms": statistics.median(rounds[name]) * 1e3,
+            "tok_s": tokens / statistics.median(rounds[name]),
+            "step_ms_rounds": [t * 1e3 for t in rounds[name]],
+        }
+        for name in VARIANTS
+    }
+    ratios = {
+        "a/b ep2/ep1": ratio(rounds["ep2"], rounds["ep1"]),
+        "a/c ep2/dense": ratio(rounds["ep2"], rounds["dense"]),
+        "a'/a clock overhead": ratio(rounds["ep2_a2a"], rounds["ep2"]),
+    }
     a2a = a2a_summary(results)
 
-    print(f"Qwen3-MoE: {MOE_MODEL['n_layers']} layers, d {MOE_MODEL['d_model']}, {MOE_MODEL['moe']['n_experts']} "
-          f"experts of {EXPERT_HIDDEN}, top {TOP_K}; dense: SwiGLU {DENSE_MODEL['ffn_hidden']}; fp32, {RANKS} gloo "
-          f"ranks x 1 thread, dp {RANKS}, {MICRO_BATCH} x {SEQ} tokens per rank and step, zero.stage {args.zero}; "
-          f"{args.rounds} rounds x {args.steps} steps, interleaved")
+    print(
+        f"Qwen3-MoE: {MOE_MODEL['n_layers']} layers, d {MOE_MODEL['d_model']}, {MOE_MODEL['moe']['n_experts']} "
+        f"experts of {EXPERT_HIDDEN}, top {TOP_K}; dense: SwiGLU {DENSE_MODEL['ffn_hidden']}; fp32, {RANKS} gloo "
+        f"ranks x 1 thread, dp {RANKS}, {MICRO_BATCH} x {SEQ} tokens per rank and step, zero.stage {args.zero}; "
+        f"{args.rounds} rounds x {args.steps} steps, interleaved"
+    )
     print(f"{'variant':8} {'ep':>3} {'data parallel':>16} {'params/rank':>12} {'step ms':>8} {'tok/s':>7}")
     for name, v in variants.items():
-        print(f"{name:8} {v['ep']:3d} {v['data_parallel']:>16} {v['params_on_rank']:12,d} {v['step_ms']:8.1f} "
-              f"{v['tok_s']:7.0f}")
+        print(
+            f"{name:8} {v['ep']:3d} {v['data_parallel']:>16} {v['params_on_rank']:12,d} {v['step_ms']:8.1f} "
+            f"{v['tok_s']:7.0f}"
+        )
     print(f"{'ratio (step time)':22} {'median':>7} {'rounds min-max':>15}")
     for label, r in ratios.items():
         print(f"{label:22} {r['ratio']:7.3f} {r['ratio_min']:7.3f}-{r['ratio_max']:.3f}")
-    print(f"all-to-all in the EP 2 step: {a2a['ms_per_step']:.1f} ms a step, {100 * a2a['share']:.1f}% of it "
-          f"(rounds {100 * min(a2a['share_rounds']):.1f}-{100 * max(a2a['share_rounds']):.1f}%; by rank "
-          + ", ".join(f"{100 * s:.1f}%" for s in a2a["share_by_rank"])
-          + f"), {'/'.join(map(str, a2a['calls_per_step']))} all-to-alls a step")
-    print(f"EP 2 rank load (busiest rank's tokens / mean, over layers and steps): {results[0]['ep_rank_load']:.3f}; "
-          f"the bench took {time.perf_counter() - started:.0f} s")
-    args.out.write_text(json.dumps({
-        "model": MOE_MODEL, "dense_model": DENSE_MODEL, "ranks": RANKS, "threads_per_rank": 1, "seq": SEQ,
-        "micro_batch": MICRO_BATCH, "zero_stage": args.zero, "rounds": args.rounds, "steps": args.steps,
-        "warmup": args.warmup, "variants": variants, "ratios": ratios, "all_to_all": a2a,
-        "ep_rank_load": results[0]["ep_rank_load"]}, indent=1) + "\n")
+    print(
+        f"all-to-all in the EP 2 step: {a2a['ms_per_step']:.1f} ms a step, {100 * a2a['share']:.1f}% of it "
+        f"(rounds {100 * min(a2a['share_rounds']):.1f}-{100 * max(a2a['share_rounds']):.1f}%; by rank "
+        + ", ".join(f"{100 * s:.1f}%" for s in a2a["share_by_rank"])
+        + f"), {'/'.join(map(str, a2a['calls_per_step']))} all-to-alls a step"
+    )
+    print(
+        f"EP 2 rank load (busiest rank's tokens / mean, over layers and steps): {results[0]['ep_rank_load']:.3f}; "
+        f"the bench took {time.perf_counter() - started:.0f} s"
+    )
+    args.out.write_text(
+        json.dumps(
+            {
+                "model": MOE_MODEL,
+                "dense_model": DENSE_MODEL,
+                "ranks": RANKS,
+                "threads_per_rank": 1,
+                "seq": SEQ,
+                "micro_batch": MICRO_BATCH,
+                "zero_stage": args.zero,
+                "rounds": args.rounds,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "variants": variants,
+                "ratios": ratios,
+                "all_to_all": a2a,
+                "ep_rank_load": results[0]["ep_rank_load"],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -25,15 +25,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hpctrain.parallel.nvme import MomentFile, NvmeAdamW, _aligned_buffer, chunk_elements  # noqa: E402
 from hpctrain.entry import EntryParser
+from hpctrain.parallel.nvme import MomentFile, NvmeAdamW, _aligned_buffer, chunk_elements  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
 
@@ -54,8 +54,10 @@ def resident_bytes() -> int:
 
 
 def groups(params: list[torch.Tensor]) -> list[dict]:
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def timed_step(opt: torch.optim.Optimizer) -> float:
@@ -75,8 +77,12 @@ def raw_throughput(directory: Path, nbytes: int, block: int, depth: int) -> tupl
         with ThreadPoolExecutor(depth) as pool:
             for op in (f.write, f.read):
                 start = time.perf_counter()
-                list(pool.map(lambda i: op(bufs[i % depth][:min(block, nbytes - offsets[i])], offsets[i]),
-                              range(len(offsets))))
+                list(
+                    pool.map(
+                        lambda i: op(bufs[i % depth][: min(block, nbytes - offsets[i])], offsets[i]),
+                        range(len(offsets)),
+                    )
+                )
                 rates.append(nbytes / (time.perf_counter() - start))
         return rates[0], rates[1], f.direct
     finally:
@@ -91,7 +97,7 @@ def raw_mixed(directory: Path, nbytes: int, block: int) -> float:
 
     def sweep(op: Callable[[torch.Tensor, int], None], buf: torch.Tensor, base: int) -> None:
         for offset in range(0, nbytes, block):
-            op(buf[:min(block, nbytes - offset)], base + offset)
+            op(buf[: min(block, nbytes - offset)], base + offset)
 
     try:
         sweep(f.write, bufs[0], 0)  # the half to be read, written first (a sparse file reads without the disk)
@@ -162,32 +168,56 @@ def main() -> None:
     w, r = max(med(v) for v in raw_w.values()), max(med(v) for v in raw_r.values())  # the disk at its best
     t_disk = min(file_bytes / r + file_bytes / w, 2 * file_bytes / med(mixed))  # serial, or both at once
     out = {
-        "params": n, "moments_bytes": file_bytes, "chunk_bytes": block, "o_direct": direct, "directory": str(directory),
-        "host_bytes_added_cpu_offload": cpu_host, "host_bytes_added_nvme_offload": nvme_host,
-        "cpu_offload_step_s": t_cpu, "nvme_offload_step_s": t_nvme, "slowdown": t_nvme / t_cpu,
-        "raw_write_gbps": w / 1e9, "raw_read_gbps": r / 1e9,
+        "params": n,
+        "moments_bytes": file_bytes,
+        "chunk_bytes": block,
+        "o_direct": direct,
+        "directory": str(directory),
+        "host_bytes_added_cpu_offload": cpu_host,
+        "host_bytes_added_nvme_offload": nvme_host,
+        "cpu_offload_step_s": t_cpu,
+        "nvme_offload_step_s": t_nvme,
+        "slowdown": t_nvme / t_cpu,
+        "raw_write_gbps": w / 1e9,
+        "raw_read_gbps": r / 1e9,
         "raw_by_depth_gbps": {d: {"write": med(raw_w[d]) / 1e9, "read": med(raw_r[d]) / 1e9} for d in raw_w},
         "raw_read_and_write_at_once_gbps": med(mixed) / 1e9,
-        "stream_read_busy_s": med(read_s), "stream_write_busy_s": med(write_s),
-        "stream_io_only_s": med(io_only), "disk_bound_s": t_disk, "planner_formula_s": max(t_cpu, t_disk), "share_of_raw": t_disk / t_nvme, "bitwise_equal": same,
+        "stream_read_busy_s": med(read_s),
+        "stream_write_busy_s": med(write_s),
+        "stream_io_only_s": med(io_only),
+        "disk_bound_s": t_disk,
+        "planner_formula_s": max(t_cpu, t_disk),
+        "share_of_raw": t_disk / t_nvme,
+        "bitwise_equal": same,
     }
-    print(f"{n / 1e6:.0f}M parameters, moments {file_bytes / 2**30:.2f} GiB in {directory} "
-          f"({'O_DIRECT' if direct else 'buffered'}), chunks of {block / 2**20:.0f} MiB, {args.repeats} repeats")
-    print(f"  host memory the optimizer adds: CPU offload {cpu_host / 2**30:.2f} GiB, NVMe offload "
-          f"{nvme_host / 2**30:.2f} GiB (its three chunk buffers)")
+    print(
+        f"{n / 1e6:.0f}M parameters, moments {file_bytes / 2**30:.2f} GiB in {directory} "
+        f"({'O_DIRECT' if direct else 'buffered'}), chunks of {block / 2**20:.0f} MiB, {args.repeats} repeats"
+    )
+    print(
+        f"  host memory the optimizer adds: CPU offload {cpu_host / 2**30:.2f} GiB, NVMe offload "
+        f"{nvme_host / 2**30:.2f} GiB (its three chunk buffers)"
+    )
     print(f"  optimizer step, CPU offload (AdamW, moments in memory): {t_cpu:7.3f} s")
     print(f"  optimizer step, NVMe offload (moments streamed):        {t_nvme:7.3f} s  ({t_nvme / t_cpu:.2f}x)")
     for d in raw_w:
-        print(f"  raw disk, {d} transfer(s) in flight: write {med(raw_w[d]) / 1e9:.2f} GB/s, "
-              f"read {med(raw_r[d]) / 1e9:.2f} GB/s")
+        print(
+            f"  raw disk, {d} transfer(s) in flight: write {med(raw_w[d]) / 1e9:.2f} GB/s, "
+            f"read {med(raw_r[d]) / 1e9:.2f} GB/s"
+        )
     print(f"  raw disk, a read and a write at once: {med(mixed) / 1e9:.2f} GB/s together")
     print(f"  the moments read and written back at the disk's best: {t_disk:.3f} s")
-    print(f"  the streaming's own reads and writes, without the update: {med(io_only):.3f} s "
-          f"(the update adds {t_nvme - med(io_only):+.3f} s)")
-    print(f"  the planner's formula (hpctrain/plan/offload.py) on these rates: max(CPU Adam, disk) = "
-          f"{max(t_cpu, t_disk):.3f} s, measured {t_nvme:.3f} s ({t_nvme / max(t_cpu, t_disk) - 1:+.0%})")
-    print(f"  streaming reaches {t_disk / t_nvme:.0%} of the raw throughput (goal >= 70%); "
-          f"weights bitwise equal: {same}")
+    print(
+        f"  the streaming's own reads and writes, without the update: {med(io_only):.3f} s "
+        f"(the update adds {t_nvme - med(io_only):+.3f} s)"
+    )
+    print(
+        f"  the planner's formula (hpctrain/plan/offload.py) on these rates: max(CPU Adam, disk) = "
+        f"{max(t_cpu, t_disk):.3f} s, measured {t_nvme:.3f} s ({t_nvme / max(t_cpu, t_disk) - 1:+.0%})"
+    )
+    print(
+        f"  streaming reaches {t_disk / t_nvme:.0%} of the raw throughput (goal >= 70%); weights bitwise equal: {same}"
+    )
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -47,8 +47,13 @@ def raw_rate(tokenizer: Path, corpus_file: Path, threads: int) -> tuple[float, i
     """(seconds, tokens) of one encode_batch over the corpus in a fresh process (rayon reads its thread count
     once, at its first use) with `threads` threads."""
     env = {**os.environ, "RAYON_NUM_THREADS": str(threads)}
-    out = subprocess.run([sys.executable, __file__, "--raw", str(tokenizer), "--corpus", str(corpus_file)],
-                         env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--raw", str(tokenizer), "--corpus", str(corpus_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     result = json.loads(out)
     return result["seconds"], result["tokens"]
 
@@ -99,36 +104,65 @@ def main() -> None:
             if kind == "raw":
                 s, tokens[kind, n] = raw_rate(tokenizer, corpus_file, n)
             else:
-                summary = prepare([corpus_file], args.dir / f"ds{n}", tokenizer=tokenizer, workers=n, progress=False,
-                                  overwrite=True)
+                summary = prepare(
+                    [corpus_file], args.dir / f"ds{n}", tokenizer=tokenizer, workers=n, progress=False, overwrite=True
+                )
                 s, tokens[kind, n] = summary.seconds, summary.tokens
             seconds[kind, n].append(s)
     shutil.rmtree(args.dir, ignore_errors=True)
 
     rate = {way: tokens[way] / statistics.median(seconds[way]) for way in ways}
     base = rate["raw", 1]
-    rows = [{"way": kind, "threads_or_workers": n, "seconds": statistics.median(seconds[kind, n]),
-             "tokens": tokens[kind, n], "tokens_per_s": rate[kind, n], "per_core_vs_raw_1_thread": rate[kind, n] / n
-             / base} for kind, n in ways]
+    rows = [
+        {
+            "way": kind,
+            "threads_or_workers": n,
+            "seconds": statistics.median(seconds[kind, n]),
+            "tokens": tokens[kind, n],
+            "tokens_per_s": rate[kind, n],
+            "per_core_vs_raw_1_thread": rate[kind, n] / n / base,
+        }
+        for kind, n in ways
+    ]
     megabytes = sum(len(t.encode()) for t in texts) / 1e6
     if args.json:
-        print(json.dumps({"documents": len(texts), "megabytes": megabytes, "vocab_size": args.vocab_size,
-                          "train_s": trained_s, "cores": len(os.sched_getaffinity(0)), "rows": rows}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "documents": len(texts),
+                    "megabytes": megabytes,
+                    "vocab_size": args.vocab_size,
+                    "train_s": trained_s,
+                    "cores": len(os.sched_getaffinity(0)),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
         return
-    print(f"corpus: stdlib, {len(texts)} documents, {megabytes:.1f} MB; byte-level BPE of {args.vocab_size} trained "
-          f"on it in {trained_s:.1f} s; {len(os.sched_getaffinity(0))} cores; median of {args.repeats}")
+    print(
+        f"corpus: stdlib, {len(texts)} documents, {megabytes:.1f} MB; byte-level BPE of {args.vocab_size} trained "
+        f"on it in {trained_s:.1f} s; {len(os.sched_getaffinity(0))} cores; median of {args.repeats}"
+    )
     print(f"{'':40s} {'seconds':>8s} {'tokens':>10s} {'tokens/s':>10s}  per core vs raw 1 thread")
     for row in rows:
         n = row["threads_or_workers"]
-        name = (f"tokenizers encode_batch, {n} thread{'s' * (n > 1)}" if row["way"] == "raw"
-                else f"prepare, {n} worker{'s' * (n > 1)} (end to end)")
+        name = (
+            f"tokenizers encode_batch, {n} thread{'s' * (n > 1)}"
+            if row["way"] == "raw"
+            else f"prepare, {n} worker{'s' * (n > 1)} (end to end)"
+        )
         note = "  [target >= 0.80x]" if row["way"] == "prepare" else ""
-        print(f"{name:40s} {row['seconds']:8.2f} {row['tokens']:10,d} {row['tokens_per_s']:10,.0f}  "
-              f"{row['per_core_vs_raw_1_thread']:.2f}x{note}")
+        print(
+            f"{name:40s} {row['seconds']:8.2f} {row['tokens']:10,d} {row['tokens_per_s']:10,.0f}  "
+            f"{row['per_core_vs_raw_1_thread']:.2f}x{note}"
+        )
     for n in args.workers:
         if n > 1 and 1 in args.workers:
-            print(f"prepare scaling, {n} workers vs 1: {rate['prepare', n] / rate['prepare', 1]:.2f}x;  tokenizers' "
-                  f"own {n} threads vs 1: {rate['raw', n] / base:.2f}x")
+            print(
+                f"prepare scaling, {n} workers vs 1: {rate['prepare', n] / rate['prepare', 1]:.2f}x;  tokenizers' "
+                f"own {n} threads vs 1: {rate['raw', n] / base:.2f}x"
+            )
 
 
 if __name__ == "__main__":

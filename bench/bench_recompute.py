@@ -32,24 +32,29 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hpctrain.entry import EntryParser
 from hpctrain.models import create_model  # noqa: E402
 from hpctrain.parallel.recompute import apply_recompute  # noqa: E402
 from hpctrain.plan.activations import activation_bytes_per_layer  # noqa: E402
-from hpctrain.entry import EntryParser
 from tests.conftest import _compose  # noqa: E402
 from tests.plan.saved import saved_bytes  # noqa: E402
 
 MODES = ("none", "selective", "full")
 D, HEADS, KV_HEADS, LLAMA_FFN, MICRO_BATCH = 256, 8, 2, 704, 2
-BLOCKS = {"gpt": (["model=tiny"], {}),
-          "llama": (["model=llama_tiny", f"model.n_kv_heads={KV_HEADS}", f"model.ffn_hidden={LLAMA_FFN}"],
-                    {"ffn_hidden": LLAMA_FFN, "arch": "llama", "n_kv_heads": KV_HEADS})}
+BLOCKS = {
+    "gpt": (["model=tiny"], {}),
+    "llama": (
+        ["model=llama_tiny", f"model.n_kv_heads={KV_HEADS}", f"model.ffn_hidden={LLAMA_FFN}"],
+        {"ffn_hidden": LLAMA_FFN, "arch": "llama", "n_kv_heads": KV_HEADS},
+    ),
+}
 
 
 def model_cfg(family: str, layers: int) -> Any:
     overrides, _ = BLOCKS[family]
-    return _compose(*overrides, f"model.d_model={D}", f"model.n_heads={HEADS}", f"model.n_layers={layers}",
-                    "model.dropout=0.0").model
+    return _compose(
+        *overrides, f"model.d_model={D}", f"model.n_heads={HEADS}", f"model.n_layers={layers}", "model.dropout=0.0"
+    ).model
 
 
 def build(cfg: Any, mode: str) -> torch.nn.Module:
@@ -67,9 +72,11 @@ def layer_bytes(cfg: Any, seq: int) -> dict[str, dict[str, float]]:
         block = create_model(cfg).to(torch.bfloat16).layers["0"]
         measured = saved_bytes(block, x, mode)
         family = BLOCKS["llama" if cfg.arch == "llama" else "gpt"][1]
-        out[mode] = {"bytes": measured, "sbh": measured / (seq * MICRO_BATCH * D),
-                     "formula_bytes": activation_bytes_per_layer(seq, MICRO_BATCH, D, HEADS, recompute=mode,
-                                                                 **family)}
+        out[mode] = {
+            "bytes": measured,
+            "sbh": measured / (seq * MICRO_BATCH * D),
+            "formula_bytes": activation_bytes_per_layer(seq, MICRO_BATCH, D, HEADS, recompute=mode, **family),
+        }
     return out
 
 
@@ -110,10 +117,14 @@ def main() -> None:
     rounds = 3 if args.quick else args.rounds
     started = time.perf_counter()
     results: dict[str, Any] = {}
-    print(f"{layers} layers, d {D}, {HEADS} heads, bf16, {MICRO_BATCH} x {seq} tokens, 1 thread; "
-          f"{rounds} rounds x {args.steps} steps, interleaved")
-    print(f"{'block':6} {'mode':10} {'sbh/layer':>9} {'formula':>8} {'vs none':>8} {'step ms':>8} {'vs none':>8} "
-          f"{'rounds min-max':>14}")
+    print(
+        f"{layers} layers, d {D}, {HEADS} heads, bf16, {MICRO_BATCH} x {seq} tokens, 1 thread; "
+        f"{rounds} rounds x {args.steps} steps, interleaved"
+    )
+    print(
+        f"{'block':6} {'mode':10} {'sbh/layer':>9} {'formula':>8} {'vs none':>8} {'step ms':>8} {'vs none':>8} "
+        f"{'rounds min-max':>14}"
+    )
     for family in BLOCKS:
         cfg = model_cfg(family, layers)
         kept = layer_bytes(cfg, seq)
@@ -121,24 +132,49 @@ def main() -> None:
         family_result = {}
         for mode in MODES:
             ratios = [t / n for t, n in zip(times[mode], times["none"])]
-            family_result[mode] = {**kept[mode], "bytes_vs_none": kept[mode]["bytes"] / kept["none"]["bytes"],
-                                   "step_ms": statistics.median(times[mode]) * 1e3,
-                                   "step_ms_rounds": [t * 1e3 for t in times[mode]],
-                                   "time_vs_none": statistics.median(ratios), "time_vs_none_rounds": ratios}
+            family_result[mode] = {
+                **kept[mode],
+                "bytes_vs_none": kept[mode]["bytes"] / kept["none"]["bytes"],
+                "step_ms": statistics.median(times[mode]) * 1e3,
+                "step_ms_rounds": [t * 1e3 for t in times[mode]],
+                "time_vs_none": statistics.median(ratios),
+                "time_vs_none_rounds": ratios,
+            }
             r = family_result[mode]
-            print(f"{family:6} {mode:10} {r['sbh']:9.3f} {r['formula_bytes'] / kept[mode]['bytes']:8.3f} "
-                  f"{r['bytes_vs_none']:8.3f} {r['step_ms']:8.1f} {r['time_vs_none']:8.3f} "
-                  f"{min(ratios):6.3f}-{max(ratios):.3f}")
+            print(
+                f"{family:6} {mode:10} {r['sbh']:9.3f} {r['formula_bytes'] / kept[mode]['bytes']:8.3f} "
+                f"{r['bytes_vs_none']:8.3f} {r['step_ms']:8.1f} {r['time_vs_none']:8.3f} "
+                f"{min(ratios):6.3f}-{max(ratios):.3f}"
+            )
         sel, full = family_result["selective"], family_result["full"]
         family_result["accepted"] = sel["bytes_vs_none"] < 1 and sel["time_vs_none"] < full["time_vs_none"]
         results[family] = family_result
-    print("formula: the planner's bytes over the measured; accepted (selective keeps less than none, is faster "
-          "than full): " + ", ".join(f"{f} {r['accepted']}" for f, r in results.items())
-          + f"; the bench took {time.perf_counter() - started:.0f} s")
-    args.out.write_text(json.dumps({
-        "layers": layers, "d_model": D, "heads": HEADS, "kv_heads_llama": KV_HEADS, "seq": seq,
-        "micro_batch": MICRO_BATCH, "dtype": "bf16", "threads": 1, "rounds": rounds, "steps": args.steps,
-        "warmup": args.warmup, "blocks": results}, indent=1) + "\n")
+    print(
+        "formula: the planner's bytes over the measured; accepted (selective keeps less than none, is faster "
+        "than full): "
+        + ", ".join(f"{f} {r['accepted']}" for f, r in results.items())
+        + f"; the bench took {time.perf_counter() - started:.0f} s"
+    )
+    args.out.write_text(
+        json.dumps(
+            {
+                "layers": layers,
+                "d_model": D,
+                "heads": HEADS,
+                "kv_heads_llama": KV_HEADS,
+                "seq": seq,
+                "micro_batch": MICRO_BATCH,
+                "dtype": "bf16",
+                "threads": 1,
+                "rounds": rounds,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "blocks": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

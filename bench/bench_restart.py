@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_goodput import job_workers  # noqa: E402
 from devcluster import metrics, state, submit_smoke  # noqa: E402
 
-from hpctrain.records.paths import RunPaths  # noqa: E402
-from hpctrain.records.history import ATTEMPT_MARKS, ATTEMPT_PARTS  # noqa: E402
 from hpctrain.entry import EntryParser
+from hpctrain.records.history import ATTEMPT_MARKS, ATTEMPT_PARTS  # noqa: E402
+from hpctrain.records.paths import RunPaths  # noqa: E402
 
 STEP = 35  # the failing step; the RAM tier's last save before it is step 30
 STEPS = 80
@@ -58,17 +58,23 @@ DEV_CLUSTER = Path(__file__).resolve().parents[1] / "slurm" / "dev-cluster.sh"
 # A whole node dies (slurmd and every process in its namespace): a hot spare takes its place, or the job
 # shrinks to the node left, or (neither) Slurm requeues the job for NODE_FAIL onto other nodes.
 # kind -> (the victim: its node index in the job, the run's overrides)
-NODE_DEATHS = {"node-spare": (1, ["cluster.spare_nodes=1"]), "node0-spare": (0, ["cluster.spare_nodes=1"]),
-               "node-shrink": (1, ["elastic.min_nodes=1"]), "node-requeue": (1, []),
-               "node-spare-silent": (1, ["cluster.spare_nodes=1"]), "node-shrink-silent": (1, ["elastic.min_nodes=1"]),
-               "node0-spare-silent": (0, ["cluster.spare_nodes=1"])}
+NODE_DEATHS = {
+    "node-spare": (1, ["cluster.spare_nodes=1"]),
+    "node0-spare": (0, ["cluster.spare_nodes=1"]),
+    "node-shrink": (1, ["elastic.min_nodes=1"]),
+    "node-requeue": (1, []),
+    "node-spare-silent": (1, ["cluster.spare_nodes=1"]),
+    "node-shrink-silent": (1, ["elastic.min_nodes=1"]),
+    "node0-spare-silent": (0, ["cluster.spare_nodes=1"]),
+}
 # These die as a node losing power does: its link goes down first, so its peers see silence, not closed
 # connections (`kill-node --silent`).
 SILENT = {"node-spare-silent", "node-shrink-silent", "node0-spare-silent"}
 
 
-def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: int = 0,
-                 blocker_s: int = 60) -> dict[str, Any]:
+def run_incident(
+    root: Path, kind: str, in_allocation: bool = True, blockers: int = 0, blocker_s: int = 60
+) -> dict[str, Any]:
     """One run with one incident; `blockers` jobs of the whole cluster are queued behind it (a busy cluster)."""
     overrides = ["health.preflight=off", "train.log_every=1000", f"launcher.in_allocation={in_allocation}"]
     if kind in ("raise", "hang"):
@@ -79,8 +85,19 @@ def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: in
     name = f"{kind}-{'agents' if in_allocation else 'resubmit'}" + (f"-busy{blockers}" if blockers else "")
     job, run_dir = submit_smoke(root, name, STEPS, 10, 1000, *overrides)
     for i in range(blockers):  # behind the run in the queue: they get its nodes whenever it leaves them
-        subprocess.run(["sbatch", "--parsable", f"--nodes={len(nodes())}", "--exclusive", f"--output={root}/blocker{i}.out",
-                        "--wrap", f"sleep {blocker_s}"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                f"--nodes={len(nodes())}",
+                "--exclusive",
+                f"--output={root}/blocker{i}.out",
+                "--wrap",
+                f"sleep {blocker_s}",
+            ],
+            check=True,
+            capture_output=True,
+        )
     killed_at = None
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -90,13 +107,19 @@ def run_incident(root: Path, kind: str, in_allocation: bool = True, blockers: in
             killed_at = time.time()
         if kind in NODE_DEATHS and killed_at is None and rows and rows[-1]["step"] >= STEP:
             victim = job_nodes(job)[NODE_DEATHS[kind][0]]
-            subprocess.run(["bash", str(DEV_CLUSTER), "kill-node", victim, *(["--silent"] if kind in SILENT else [])],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["bash", str(DEV_CLUSTER), "kill-node", victim, *(["--silent"] if kind in SILENT else [])],
+                check=True,
+                capture_output=True,
+            )
             killed_at = time.time()
         rows = metrics(run_dir)
         # (a job whose batch host died is ended by hpctrain once the run is over: CANCELLED)
-        if rows and rows[-1]["step"] == STEPS and state(latest_job(run_dir)).split()[0] in ("COMPLETED", "FAILED",
-                                                                                            "CANCELLED"):
+        if (
+            rows
+            and rows[-1]["step"] == STEPS
+            and state(latest_job(run_dir)).split()[0] in ("COMPLETED", "FAILED", "CANCELLED")
+        ):
             break
         time.sleep(0.1)
     if kind in NODE_DEATHS:
@@ -136,22 +159,37 @@ def breakdown(run_dir: Path, job: str, kind: str, killed_at: float | None) -> di
     attempt = next(e for e in events if e["event"] == "attempt" and e["process_started"] > failed)
     resume = [e for e in events if e["event"] == "resume"]
     steps = [m["step"] for m in metrics(run_dir)]
-    parts = {"detection": noticed - failed,
-             "teardown to spawn (rendezvous or queue)": attempt["process_started"] - noticed}
+    parts = {
+        "detection": noticed - failed,
+        "teardown to spawn (rendezvous or queue)": attempt["process_started"] - noticed,
+    }
     for label, (start, end) in zip(ATTEMPT_PARTS, itertools.pairwise(ATTEMPT_MARKS)):
         parts[label] = attempt[end] - attempt[start]
-    return {"kind": kind, "job": job, "state": state(latest_job(run_dir)), "parts": parts, "total": attempt["first_step"] - failed,
-            "tier": resume[-1]["tier"] if resume else None, "from_step": attempt["from_step"],
-            "fetched_bytes": resume[-1].get("fetched_bytes", 0) if resume else 0,
-            "redone": len(steps) - len(set(steps)), "jobs": len(paths.jobs.read_text().splitlines())}
+    return {
+        "kind": kind,
+        "job": job,
+        "state": state(latest_job(run_dir)),
+        "parts": parts,
+        "total": attempt["first_step"] - failed,
+        "tier": resume[-1]["tier"] if resume else None,
+        "from_step": attempt["from_step"],
+        "fetched_bytes": resume[-1].get("fetched_bytes", 0) if resume else 0,
+        "redone": len(steps) - len(set(steps)),
+        "jobs": len(paths.jobs.read_text().splitlines()),
+    }
 
 
 def main() -> None:
     parser = EntryParser(description=__doc__)
     parser.add_argument("--kinds", nargs="+", default=["raise", "kill", "hang", *NODE_DEATHS])
-    parser.add_argument("--busy", type=int, default=0, metavar="N",
-                        help="also: a raise on a busy cluster (N jobs of every node queued behind the run), with "
-                        "agents and with resubmission (launcher.in_allocation=false), side by side")
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also: a raise on a busy cluster (N jobs of every node queued behind the run), with "
+        "agents and with resubmission (launcher.in_allocation=false), side by side",
+    )
     parser.add_argument("--blocker-s", type=int, default=60, help="how long each queued job runs")
     parser.add_argument("--out", type=Path, default=Path("bench/restart_breakdown.json"))
     args = parser.parse_args()
@@ -163,8 +201,10 @@ def main() -> None:
     names = list(results[0]["parts"])
     print(f"{'incident':<22}" + "".join(f" {n:>{len(n) + 1}}" for n in names) + f"{'total':>9}  tier, resumed at, job")
     for r in results:
-        print(f"{r['name']:<22}" + "".join(f" {r['parts'][n]:>{len(n)}.2f}s" for n in names) + f"{r['total']:>8.2f}s  "
-              f"{r['tier']}, step {r['from_step']}, {r['jobs']} job(s) ({r['state']})")
+        print(
+            f"{r['name']:<22}" + "".join(f" {r['parts'][n]:>{len(n)}.2f}s" for n in names) + f"{r['total']:>8.2f}s  "
+            f"{r['tier']}, step {r['from_step']}, {r['jobs']} job(s) ({r['state']})"
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # runs from a checkout without an install too
 
 from devcluster import metrics, state, submit_smoke  # noqa: E402
+
 from hpctrain.entry import EntryParser  # noqa: E402
 
 

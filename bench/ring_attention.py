@@ -78,8 +78,9 @@ def _backward_block(grads, qs, outs, lses, dqs, kv, owner, rank, cp, c) -> torch
     dkv = torch.zeros_like(kv, dtype=torch.float32)
     for a, q_chunk in enumerate(chunk_ids(cp, rank)):
         for start, end, causal in _pieces(q_chunk, owner, cp, c):
-            dq, dk, dv = _flash_bwd(grads[a], qs[a], kv[0, :, :, start:end], kv[1, :, :, start:end],
-                                    outs[a], lses[a], 0.0, causal)
+            dq, dk, dv = _flash_bwd(
+                grads[a], qs[a], kv[0, :, :, start:end], kv[1, :, :, start:end], outs[a], lses[a], 0.0, causal
+            )
             dqs[a] += dq
             dkv[0, :, :, start:end] += dk
             dkv[1, :, :, start:end] += dv
@@ -87,7 +88,7 @@ def _backward_block(grads, qs, outs, lses, dqs, kv, owner, rank, cp, c) -> torch
 
 
 def _split(q: torch.Tensor, c: int) -> list[torch.Tensor]:
-    return [q[:, :, a * c:(a + 1) * c].contiguous() for a in range(2)]
+    return [q[:, :, a * c : (a + 1) * c].contiguous() for a in range(2)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -141,7 +142,7 @@ class _GatheredBlocks(torch.autograd.Function):
         qs, outs, lses = _split(q, c), [None, None], [None, None]
         length = 2 * c
         for owner in range(cp):
-            _forward_block(qs, outs, lses, kv_all[:, :, :, owner * length:(owner + 1) * length], owner, rank, cp, c)
+            _forward_block(qs, outs, lses, kv_all[:, :, :, owner * length : (owner + 1) * length], owner, rank, cp, c)
         outs = [o.to(q.dtype) for o in outs]
         ctx.cp, ctx.rank, ctx.c = cp, rank, c
         ctx.save_for_backward(*qs, *outs, *lses, kv_all)
@@ -154,8 +155,15 @@ class _GatheredBlocks(torch.autograd.Function):
         qs, outs, lses, grads = (q0, q1), (o0, o1), (l0, l1), _split(grad, c)
         dqs = [torch.zeros_like(t, dtype=torch.float32) for t in qs]
         length = 2 * c
-        dkv = torch.cat([_backward_block(grads, qs, outs, lses, dqs, kv_all[:, :, :, j * length:(j + 1) * length],
-                                         j, rank, cp, c) for j in range(cp)], dim=3)
+        dkv = torch.cat(
+            [
+                _backward_block(
+                    grads, qs, outs, lses, dqs, kv_all[:, :, :, j * length : (j + 1) * length], j, rank, cp, c
+                )
+                for j in range(cp)
+            ],
+            dim=3,
+        )
         return torch.cat(dqs, dim=2).to(grad.dtype), dkv.to(grad.dtype), None, None
 
 
@@ -164,8 +172,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     return _RingAttention.apply(q, k, v, group)
 
 
-def allgather_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              group: dist.ProcessGroup) -> torch.Tensor:
+def allgather_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup
+) -> torch.Tensor:
     """The all-gather design with the ring's kernels: one functional all-gather of stacked K/V (autograd: a
     reduce-scatter backward), then the same unmasked / causal flash pieces merged by log-sum-exp. Isolates the
     communication pattern from cp_attention's masked SDPA."""

@@ -62,7 +62,7 @@ def read_text(path: str | os.PathLike[str], limit: int = CONFIG_BYTES) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise Unreadable(f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r})") from None
+        raise Unreadable(f"{path} is not UTF-8 text (byte {exc.start}: {data[exc.start : exc.start + 1]!r})") from None
 
 
 def _regular(path: Path, mode: int) -> None:
@@ -71,8 +71,13 @@ def _regular(path: Path, mode: int) -> None:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"

@@ -64,8 +64,17 @@ class Hardware:
             raise ValueError("gpus_per_node, gpu_mem_bytes and peak_flops must be positive")
         if self.intra_node_bw <= 0 or self.inter_node_bw <= 0:
             raise ValueError("bandwidths must be positive")
-        for name in ("host_mem_bytes", "pcie_bw", "nvme_bytes", "nvme_read_bw", "nvme_write_bw", "cpu_cores",
-                     "cpu_adam_rate", "cpu_adam_core_rate", "hbm_bw"):
+        for name in (
+            "host_mem_bytes",
+            "pcie_bw",
+            "nvme_bytes",
+            "nvme_read_bw",
+            "nvme_write_bw",
+            "cpu_cores",
+            "cpu_adam_rate",
+            "cpu_adam_core_rate",
+            "hbm_bw",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.fp8_flops < 0:
@@ -127,20 +136,51 @@ class Hardware:
 #        share only with enough threads (train.threads_per_rank; Hardware.adam_rate_per_gpu).
 #  cpu:  placeholders: 16 GiB host memory, 2 cores at the measured per-thread rate, a 100 GB disk.
 _DGX_A100_HOST = dict(pcie_bw=25 * GB, cpu_cores=128, cpu_adam_rate=2.3e9, cpu_adam_core_rate=0.12e9)
-_DGX_H100_HOST = dict(host_mem_bytes=2 * 2**40, pcie_bw=50 * GB, nvme_bytes=8 * 3.84e12, nvme_read_bw=8 * 3.5 * GB,
-                      nvme_write_bw=8 * 2 * GB, cpu_cores=112, cpu_adam_rate=3.4e9, cpu_adam_core_rate=0.12e9)
+_DGX_H100_HOST = dict(
+    host_mem_bytes=2 * 2**40,
+    pcie_bw=50 * GB,
+    nvme_bytes=8 * 3.84e12,
+    nvme_read_bw=8 * 3.5 * GB,
+    nvme_write_bw=8 * 2 * GB,
+    cpu_cores=112,
+    cpu_adam_rate=3.4e9,
+    cpu_adam_core_rate=0.12e9,
+)
 KNOWN_HARDWARE: dict[str, Hardware] = {
-    "a100_40gb": Hardware("a100_40gb", 8, 40 * GiB, 312e12, 300 * GB, 25 * GB, host_mem_bytes=2**40, hbm_bw=1555 * GB,
-                          nvme_bytes=4 * 3.84e12, nvme_read_bw=4 * 3.5 * GB, nvme_write_bw=4 * 2 * GB,
-                          **_DGX_A100_HOST),
-    "a100_80gb": Hardware("a100_80gb", 8, 80 * GiB, 312e12, 300 * GB, 25 * GB, host_mem_bytes=2 * 2**40,
-                          hbm_bw=2039 * GB,
-                          nvme_bytes=8 * 3.84e12, nvme_read_bw=8 * 3.5 * GB, nvme_write_bw=8 * 2 * GB,
-                          **_DGX_A100_HOST),
-    "h100_80gb": Hardware("h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, hbm_bw=3350 * GB,
-                          **_DGX_H100_HOST),
-    "h200": Hardware("h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, hbm_bw=4800 * GB,
-                     **_DGX_H100_HOST),
+    "a100_40gb": Hardware(
+        "a100_40gb",
+        8,
+        40 * GiB,
+        312e12,
+        300 * GB,
+        25 * GB,
+        host_mem_bytes=2**40,
+        hbm_bw=1555 * GB,
+        nvme_bytes=4 * 3.84e12,
+        nvme_read_bw=4 * 3.5 * GB,
+        nvme_write_bw=4 * 2 * GB,
+        **_DGX_A100_HOST,
+    ),
+    "a100_80gb": Hardware(
+        "a100_80gb",
+        8,
+        80 * GiB,
+        312e12,
+        300 * GB,
+        25 * GB,
+        host_mem_bytes=2 * 2**40,
+        hbm_bw=2039 * GB,
+        nvme_bytes=8 * 3.84e12,
+        nvme_read_bw=8 * 3.5 * GB,
+        nvme_write_bw=8 * 2 * GB,
+        **_DGX_A100_HOST,
+    ),
+    "h100_80gb": Hardware(
+        "h100_80gb", 8, 80 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, hbm_bw=3350 * GB, **_DGX_H100_HOST
+    ),
+    "h200": Hardware(
+        "h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, hbm_bw=4800 * GB, **_DGX_H100_HOST
+    ),
     "cpu": Hardware("cpu", 2, 8 * GiB, 150e9, 5 * GB, 1.25 * GB, efficiency=0.5),
 }
 

@@ -22,8 +22,8 @@ Per entry, with p pipeline ranks, m microbatches per step, v model chunks (virtu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 def _one_f_one_b(p: int, m: int, v: int, stage: int) -> float:
@@ -61,19 +61,31 @@ class Schedule:
         The key is the parallel.* setting to change: "virtual_stages" or "schedule"."""
         v = virtual_stages
         if v > 1 and pp == 1:
-            return ("virtual_stages", f"virtual_stages={v} without pipeline parallelism (pp=1)",
-                    "set parallel.pp>1 or parallel.virtual_stages=1")
+            return (
+                "virtual_stages",
+                f"virtual_stages={v} without pipeline parallelism (pp=1)",
+                "set parallel.pp>1 or parallel.virtual_stages=1",
+            )
         if pp == 1:
             return None
         if self.chunks == "one" and v != 1:
-            return ("virtual_stages", f"virtual_stages={v} needs a multi-chunk schedule, but {self.name} runs one "
-                    "model chunk per rank", "set parallel.schedule=interleaved_1f1b")
+            return (
+                "virtual_stages",
+                f"virtual_stages={v} needs a multi-chunk schedule, but {self.name} runs one model chunk per rank",
+                "set parallel.schedule=interleaved_1f1b",
+            )
         if self.chunks == "many" and v < 2:
-            return ("schedule", f"{self.name} needs parallel.virtual_stages >= 2",
-                    "set parallel.virtual_stages=2 (or more), or parallel.schedule=1f1b")
+            return (
+                "schedule",
+                f"{self.name} needs parallel.virtual_stages >= 2",
+                "set parallel.virtual_stages=2 (or more), or parallel.schedule=1f1b",
+            )
         if self.chunks == "two" and v != 2:
-            return ("virtual_stages", f"the {self.name} schedule runs exactly 2 chunks per rank (a V), got {v}",
-                    "set parallel.virtual_stages=2")
+            return (
+                "virtual_stages",
+                f"the {self.name} schedule runs exactly 2 chunks per rank (a V), got {v}",
+                "set parallel.virtual_stages=2",
+            )
         return None
 
     def stage_ids(self, pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -83,29 +95,104 @@ class Schedule:
         return [pp_rank + c * pp for c in range(virtual_stages)]
 
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
-    Schedule("gpipe", "ScheduleGPipe", "one", "loop", lambda p, v: p - 1.0, _all, all_forwards_first=True,
-             source="Huang et al. 2019"),
-    Schedule("1f1b", "Schedule1F1B", "one", "loop", lambda p, v: p - 1.0, _one_f_one_b,
-             source="Narayanan et al. 2021 (PipeDream-Flush)"),
-    Schedule("interleaved_1f1b", "ScheduleInterleaved1F1B", "many", "loop", lambda p, v: (p - 1) / v, _interleaved,
-             microbatches_multiple_of_pp=True, source="Narayanan et al. 2021, sec. 2.2"),
-    Schedule("looped_bfs", "ScheduleLoopedBFS", "many", "loop", lambda p, v: (p - 1) / v, _all,
-             all_forwards_first=True, microbatches_multiple_of_pp=True, source="Lamy-Poirier 2023"),
-    Schedule("interleaved_zero_bubble", "ScheduleInterleavedZeroBubble", "many", "loop",
-             lambda p, v: (p - 1) / (3.0 * v), _interleaved, split_backward=True, microbatches_multiple_of_pp=True,
-             source="Qi et al. 2023 (ZB-H1's third of the interleaved bubble, assumed)"),
-    Schedule("zbv", "ScheduleZBVZeroBubble", "two", "v", lambda p, v: 0.0, lambda p, m, v, i: float(min(p, m)),
-             split_backward=True, source="Qi et al. 2024, Pipeline Parallelism with Controllable Memory"),
-    Schedule("dualpipev", "ScheduleDualPipeV", "two", "v", lambda p, v: (p - 1) / 6.0,
-             lambda p, m, v, i: min(p + 0.5, float(m)), split_backward=True, min_microbatches=lambda p, v: 2 * p,
-             source="DeepSeek-AI 2024, DualPipe (V: 2p chunks on p ranks): bubble (p - 1)(F&B + B - 3W) chunk-times, "
-                    "= (p - 1)/6 stage-times with F = B = W and no overlap gain; 2p + 1 chunk activations"),
-    Schedule("zb_h1", None, "one", "loop", lambda p, v: (p - 1) / 3.0, _one_f_one_b, split_backward=True,
-             source="Qi et al. 2023, ZB-H1"),
-    Schedule("zb_h2", None, "one", "loop", lambda p, v: 0.0,
-             lambda p, m, v, i: float(min(2 * (p - i) - 1, m)), split_backward=True, source="Qi et al. 2023, ZB-H2"),
-)}
+SCHEDULES: dict[str, Schedule] = {
+    s.name: s
+    for s in (
+        Schedule(
+            "gpipe",
+            "ScheduleGPipe",
+            "one",
+            "loop",
+            lambda p, v: p - 1.0,
+            _all,
+            all_forwards_first=True,
+            source="Huang et al. 2019",
+        ),
+        Schedule(
+            "1f1b",
+            "Schedule1F1B",
+            "one",
+            "loop",
+            lambda p, v: p - 1.0,
+            _one_f_one_b,
+            source="Narayanan et al. 2021 (PipeDream-Flush)",
+        ),
+        Schedule(
+            "interleaved_1f1b",
+            "ScheduleInterleaved1F1B",
+            "many",
+            "loop",
+            lambda p, v: (p - 1) / v,
+            _interleaved,
+            microbatches_multiple_of_pp=True,
+            source="Narayanan et al. 2021, sec. 2.2",
+        ),
+        Schedule(
+            "looped_bfs",
+            "ScheduleLoopedBFS",
+            "many",
+            "loop",
+            lambda p, v: (p - 1) / v,
+            _all,
+            all_forwards_first=True,
+            microbatches_multiple_of_pp=True,
+            source="Lamy-Poirier 2023",
+        ),
+        Schedule(
+            "interleaved_zero_bubble",
+            "ScheduleInterleavedZeroBubble",
+            "many",
+            "loop",
+            lambda p, v: (p - 1) / (3.0 * v),
+            _interleaved,
+            split_backward=True,
+            microbatches_multiple_of_pp=True,
+            source="Qi et al. 2023 (ZB-H1's third of the interleaved bubble, assumed)",
+        ),
+        Schedule(
+            "zbv",
+            "ScheduleZBVZeroBubble",
+            "two",
+            "v",
+            lambda p, v: 0.0,
+            lambda p, m, v, i: float(min(p, m)),
+            split_backward=True,
+            source="Qi et al. 2024, Pipeline Parallelism with Controllable Memory",
+        ),
+        Schedule(
+            "dualpipev",
+            "ScheduleDualPipeV",
+            "two",
+            "v",
+            lambda p, v: (p - 1) / 6.0,
+            lambda p, m, v, i: min(p + 0.5, float(m)),
+            split_backward=True,
+            min_microbatches=lambda p, v: 2 * p,
+            source="DeepSeek-AI 2024, DualPipe (V: 2p chunks on p ranks): bubble (p - 1)(F&B + B - 3W) chunk-times, "
+            "= (p - 1)/6 stage-times with F = B = W and no overlap gain; 2p + 1 chunk activations",
+        ),
+        Schedule(
+            "zb_h1",
+            None,
+            "one",
+            "loop",
+            lambda p, v: (p - 1) / 3.0,
+            _one_f_one_b,
+            split_backward=True,
+            source="Qi et al. 2023, ZB-H1",
+        ),
+        Schedule(
+            "zb_h2",
+            None,
+            "one",
+            "loop",
+            lambda p, v: 0.0,
+            lambda p, m, v, i: float(min(2 * (p - i) - 1, m)),
+            split_backward=True,
+            source="Qi et al. 2023, ZB-H2",
+        ),
+    )
+}
 RUNNABLE: tuple[str, ...] = tuple(name for name, s in SCHEDULES.items() if s.runnable)
 ALIASES = {"interleaved": "interleaved_1f1b"}
 

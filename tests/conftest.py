@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -22,8 +22,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 register()
 
 # Tests a measured run found slow (tools/quick_tier.py): the quick tier, -m "not slow and not slurm", leaves them out.
-SLOW = {line.strip() for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
-        if line.strip() and not line.startswith("#")}
+SLOW = {
+    line.strip()
+    for line in (Path(__file__).parent / "slow_tests.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -62,8 +65,9 @@ def gpu_rules() -> Iterator[None]:
 TRACEBACK = "Traceback (most recent call last)"
 
 
-def run_hpctrain(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,
-                 module: str = "hpctrain") -> subprocess.CompletedProcess:
+def run_hpctrain(
+    *args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None, module: str = "hpctrain"
+) -> subprocess.CompletedProcess:
     """Run the real command line (`python -m hpctrain`, or another of its modules), as a user would, in
     GPU-rules mode (tests/gpu_rules.py): the login process, the submitit tasks, the elastic agents and their
     forked workers fail where a GPU run would.
@@ -72,11 +76,14 @@ def run_hpctrain(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str
     the key and the fix, a failed job the failure record and its log's path. Every command the suite runs is held
     to that here; a task's traceback belongs in its log file."""
     full_env = rules_environment({**os.environ, "WANDB_MODE": "offline", **(env or {})})
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=full_env)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env
+    )
     if TRACEBACK in proc.stdout + proc.stderr:
-        pytest.fail(f"`python -m {module} {' '.join(args)}` printed a Python traceback on the console:\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        pytest.fail(
+            f"`python -m {module} {' '.join(args)}` printed a Python traceback on the console:\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 

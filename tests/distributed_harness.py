@@ -32,7 +32,8 @@ import tempfile
 import time
 import traceback
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,12 +61,20 @@ CRASHES = {-signal.SIGABRT, -signal.SIGSEGV, -signal.SIGBUS}
 def _init_process_group(store_path: str, rank: int, world_size: int, attempt: int, backend: str) -> None:
     store = dist.FileStore(store_path, world_size)
     prefixed = dist.PrefixStore(f"attempt_{attempt}/", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        backend, store=prefixed, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
 
 
-def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, results: Any,
-           args: tuple[Any, ...], backend: str) -> None:
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_dir: str,
+    results: Any,
+    args: tuple[Any, ...],
+    backend: str,
+) -> None:
     # The rank's stderr goes to a file the parent reads back: a rank killed by a signal (a C++ abort in gloo)
     # leaves its last words there and, through faulthandler, every thread's Python stack.
     log = open(_log_path(store_dir, rank), "w")
@@ -76,8 +85,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, r
     if os.environ.get(gpu_rules.ENV) == "1":
         gpu_rules.install()
         gpu_rules.launched_by_test()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+    )
     code = 0
     try:
         for attempt in range(2):  # a rare connectFullMesh failure on a busy machine: retry once
@@ -106,8 +116,9 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, store_dir: str, r
         os._exit(code)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-                    backend: str = "gloo") -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
+) -> list[Any]:
     """Run fn(rank, world_size, *args) on world_size forked gloo ranks; return the results by rank.
 
     `backend` is the default group's backend string: "cuda:gloo" makes a group that, like NCCL's, has no
@@ -128,14 +139,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return _run_once(fn, world_size, args, timeout, backend)
 
 
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float,
-              backend: str) -> list[Any]:
+def _run_once(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout: float, backend: str
+) -> list[Any]:
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hpctrain-dist-") as store_dir:
-        procs = [ctx.Process(target=_child, args=(fn, r, world_size, store_dir, results, args, backend),
-                             daemon=False)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, store_dir, results, args, backend), daemon=False)
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         collected: dict[int, tuple[bool, Any]] = {}
@@ -155,15 +168,23 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], ti
             results.close()
 
 
-def _collect(procs: list[Any], results: Any, collected: dict[int, tuple[bool, Any]], deadline: float,
-             timeout: float, store_dir: str) -> None:
+def _collect(
+    procs: list[Any],
+    results: Any,
+    collected: dict[int, tuple[bool, Any]],
+    deadline: float,
+    timeout: float,
+    store_dir: str,
+) -> None:
     """Wait for every rank's result; raise on a failure, a death or the deadline, with the ranks' logs."""
     world_size = len(procs)
     while len(collected) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise DistributedTestError(f"timed out after {timeout:.0f} s; ranks that reported: "
-                                       f"{sorted(collected)}" + _failures(collected) + _logs(store_dir, world_size))
+            raise DistributedTestError(
+                f"timed out after {timeout:.0f} s; ranks that reported: "
+                f"{sorted(collected)}" + _failures(collected) + _logs(store_dir, world_size)
+            )
         try:
             rank, ok, value = results.get(timeout=min(remaining, 1.0))
             collected[rank] = (ok, pickle.loads(value))
@@ -174,8 +195,12 @@ def _collect(procs: list[Any], results: Any, collected: dict[int, tuple[bool, An
             if dead:
                 time.sleep(0.5)  # the survivors' errors, if any, are on their way
                 codes = [procs[i].exitcode for i in dead]
-                raise DistributedTestError(f"rank(s) {dead} died with exit codes {codes}" + _failures(collected)
-                                           + _logs(store_dir, world_size), crashed=any(c in CRASHES for c in codes))
+                raise DistributedTestError(
+                    f"rank(s) {dead} died with exit codes {codes}"
+                    + _failures(collected)
+                    + _logs(store_dir, world_size),
+                    crashed=any(c in CRASHES for c in codes),
+                )
     failed = _failures(collected)
     if failed:
         raise DistributedTestError(failed + _logs(store_dir, world_size))

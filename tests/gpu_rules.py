@@ -41,24 +41,70 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 ENV = "HPCTRAIN_GPU_RULES"
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 # torch.cuda functions that initialise CUDA (or need it initialised); the first two only without NVML_CHECK.
 QUERIES = ("is_available", "device_count")
-INITIALISING = ("_lazy_init", "init", "set_device", "current_device", "synchronize", "get_device_properties",
-                "get_device_name", "get_device_capability", "mem_get_info", "get_rng_state", "set_rng_state",
-                "manual_seed", "empty_cache", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats",
-                "current_stream", "Stream", "Event")
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-               "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
-               "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
-               "recv", "isend", "irecv", "batch_isend_irecv", "monitored_barrier")
-FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce_coalesced",
-              "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced", "broadcast")
+INITIALISING = (
+    "_lazy_init",
+    "init",
+    "set_device",
+    "current_device",
+    "synchronize",
+    "get_device_properties",
+    "get_device_name",
+    "get_device_capability",
+    "mem_get_info",
+    "get_rng_state",
+    "set_rng_state",
+    "manual_seed",
+    "empty_cache",
+    "memory_allocated",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "current_stream",
+    "Stream",
+    "Event",
+)
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "monitored_barrier",
+)
+FUNCTIONAL = (
+    "all_reduce",
+    "all_gather_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "all_reduce_coalesced",
+    "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced",
+    "broadcast",
+)
 HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 SYNCS_PER_STEP = 1
 
@@ -97,10 +143,12 @@ def _spy(name: str, original: Callable[..., Any], query: bool) -> Callable[..., 
                 f"GPU rule (fork after CUDA): torch.cuda.{name} in process {os.getpid()}, forked after its parent "
                 f"initialised CUDA ({STATE.poisoned_by}). On a GPU this process's first CUDA call raises "
                 "'Cannot re-initialize CUDA in forked subprocess'. Fix: no CUDA call in a process before it forks "
-                f"(set {NVML_CHECK}=1 before torch.cuda.is_available/device_count, or ask after the fork)")
+                f"(set {NVML_CHECK}=1 before torch.cuda.is_available/device_count, or ask after the fork)"
+            )
         if STATE.cuda_initialised_at is None and not (query and os.environ.get(NVML_CHECK) == "1"):
             STATE.cuda_initialised_at = f"pid {os.getpid()}: torch.cuda.{name} at {_where()}"
         return original(*args, **kwargs)
+
     spied.__gpu_rules__ = True  # type: ignore[attr-defined]
     return spied
 
@@ -141,7 +189,8 @@ def _check_thread(api: str, group: Any) -> None:
         f"GPU rule (one thread per device group): {api} on {'the default group' if name is None else 'group ' + name} "
         f"from thread {threading.current_thread().name!r}, not the thread that owns it. On GPUs that group is "
         "NCCL, and collectives issued from two threads on one communicator interleave differently per rank and "
-        f"deadlock. Fix: give the background work a group of its own, dist.new_group(backend='gloo') (at {_where()})")
+        f"deadlock. Fix: give the background work a group of its own, dist.new_group(backend='gloo') (at {_where()})"
+    )
 
 
 def _watch_collective(module: Any, name: str, functional: bool, aliases: tuple[Any, ...] = ()) -> None:
@@ -152,7 +201,13 @@ def _watch_collective(module: Any, name: str, functional: bool, aliases: tuple[A
         signature = inspect.signature(original)
     except (TypeError, ValueError):
         return
-    key = "group" if "group" in signature.parameters else "process_group" if "process_group" in signature.parameters else None
+    key = (
+        "group"
+        if "group" in signature.parameters
+        else "process_group"
+        if "process_group" in signature.parameters
+        else None
+    )
     api = f"{'funcol.' if functional else 'dist.'}{name}"
 
     @functools.wraps(original)
@@ -168,6 +223,7 @@ def _watch_collective(module: Any, name: str, functional: bool, aliases: tuple[A
                 group = kwargs.get(key)
         _check_thread(api, group)
         return original(*args, **kwargs)
+
     watched.__gpu_rules__ = True  # type: ignore[attr-defined]
     for owner in (module, *aliases):  # one object everywhere: torch compares ops by identity (P2POp's isend)
         if getattr(owner, name, None) is original:
@@ -211,8 +267,11 @@ def _engine_step_frame(frame: Any) -> Any:
 # An MoE layer's reads of its routing's sizes, one per layer forward where it needs them: expert parallelism's
 # all-to-all split sizes (host lists), and the per-expert loop where no grouped GEMM serves (CPU; not on H100/B200
 # in bf16). A GPU run pays them as torchtitan's does; tests/parallel/test_host_syncs.py pins their number.
-ROUTING_SYNCS = {("hpctrain.models.moe", "_dispatch"), ("hpctrain.models.moe", "run_experts"),
-                 ("hpctrain.models.moe", "_fake_host_read")}  # the same reads, made on fake tensors (simulate)
+ROUTING_SYNCS = {
+    ("hpctrain.models.moe", "_dispatch"),
+    ("hpctrain.models.moe", "run_experts"),
+    ("hpctrain.models.moe", "_fake_host_read"),
+}  # the same reads, made on fake tensors (simulate)
 
 
 def _count_syncs(torch: Any) -> None:
@@ -236,8 +295,10 @@ def _count_syncs(torch: Any) -> None:
                             f"GPU rule (host syncs per step): {len(STATE.step_syncs)} copies of device values to "
                             f"the host in one Engine.step ({'; '.join(STATE.step_syncs)}); the step's budget is "
                             f"{SYNCS_PER_STEP} (the control plane's one .tolist()). Each stops the GPU's queue: "
-                            "fold the value into the step's reduction (hpctrain/train/control.py)")
+                            "fold the value into the step's reduction (hpctrain/train/control.py)"
+                        )
             return __original(self, *args, **kwargs)
+
         counted.__gpu_rules__ = True  # type: ignore[attr-defined]
         setattr(torch.Tensor, name, counted)
 
@@ -254,12 +315,18 @@ def recording_host_reads(events: list[str]) -> Iterator[None]:
 
     def where() -> str:  # the code that read, past this recorder's frames and torch's decorators
         frame = sys._getframe(2)
-        while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_globals.get(
-                "__name__", "").startswith(("torch.utils._python_dispatch", "torch._dynamo", "torch._compile",
-                                             "torch.distributed.c10d_logger"))):
+        while frame is not None and (
+            frame.f_code.co_filename == __file__
+            or frame.f_globals.get("__name__", "").startswith(
+                ("torch.utils._python_dispatch", "torch._dynamo", "torch._compile", "torch.distributed.c10d_logger")
+            )
+        ):
             frame = frame.f_back
-        return f"{frame.f_globals.get('__name__', '?')}:{frame.f_lineno} in {frame.f_code.co_name}" \
-            if frame is not None else "?"
+        return (
+            f"{frame.f_globals.get('__name__', '?')}:{frame.f_lineno} in {frame.f_code.co_name}"
+            if frame is not None
+            else "?"
+        )
 
     class Reads(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -274,6 +341,7 @@ def recording_host_reads(events: list[str]) -> Iterator[None]:
         def read(self: Any, *args: Any, **kwargs: Any) -> Any:
             events.append(f"host read: Tensor.{name} at {where()}")
             return original(self, *args, **kwargs)
+
         return read
 
     for name, original in originals.items():
@@ -335,6 +403,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         def exec_module(module: Any) -> None:
             execute(module)
             then(module)
+
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 

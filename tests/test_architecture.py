@@ -18,8 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(root)}
     command = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
-    return subprocess.run([sys.executable, "-c", command, "--no-cache"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", command, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_layer_rules_hold() -> None:
@@ -28,13 +29,16 @@ def test_the_layer_rules_hold() -> None:
     assert "5 kept, 0 broken" in proc.stdout
 
 
-@pytest.mark.parametrize("module,planted,contract", [
-    ("models/params.py", "from hpctrain.parallel import engine", "models know nothing of parallelism"),
-    ("plan/bubble.py", "import torch", "plan is pure math"),
-    ("health/monitor.py", "from hpctrain.launch import submit", "the task side never imports the launch side"),
-    ("config/problems.py", "from hpctrain.train import loop", "config imports no runtime"),
-    ("config/checks.py", "from hpctrain.plan.estimate import estimate", "not the planner"),
-])
+@pytest.mark.parametrize(
+    "module,planted,contract",
+    [
+        ("models/params.py", "from hpctrain.parallel import engine", "models know nothing of parallelism"),
+        ("plan/bubble.py", "import torch", "plan is pure math"),
+        ("health/monitor.py", "from hpctrain.launch import submit", "the task side never imports the launch side"),
+        ("config/problems.py", "from hpctrain.train import loop", "config imports no runtime"),
+        ("config/checks.py", "from hpctrain.plan.estimate import estimate", "not the planner"),
+    ],
+)
 def test_a_planted_violation_fails(tmp_path: Path, module: str, planted: str, contract: str) -> None:
     shutil.copytree(REPO / "hpctrain", tmp_path / "hpctrain", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")

@@ -32,14 +32,28 @@ def test_the_agents_avoid_the_documented_traps() -> None:
 
 def test_a_worker_reads_its_place_and_its_restart_from_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # the agent's own variables are inherited: ignored
-    for key, value in {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2",
-                       "MASTER_ADDR": "10.0.0.3", "MASTER_PORT": "4242", "TORCHELASTIC_RESTART_COUNT": "2",
-                       "TORCHELASTIC_RUN_ID": "77", "HPCTRAIN_JOB_ID": "77"}.items():
+    for key, value in {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "2",
+        "MASTER_ADDR": "10.0.0.3",
+        "MASTER_PORT": "4242",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_RUN_ID": "77",
+        "HPCTRAIN_JOB_ID": "77",
+    }.items():
         monkeypatch.setenv(key, value)
     env = discover()
     assert (env.rank, env.local_rank, env.world_size, env.node_rank, env.num_nodes) == (5, 1, 8, 2, 4)
     assert (env.master_addr, env.master_port, env.job_id, env.restart, env.attempt) == (
-        "10.0.0.3", 4242, "77", 2, "77.2")
+        "10.0.0.3",
+        4242,
+        "77",
+        2,
+        "77.2",
+    )
 
 
 def test_the_same_failure_in_two_restarts_in_a_row_stops_the_next(tmp_path: Path) -> None:
@@ -60,8 +74,9 @@ def test_the_same_failure_in_two_restarts_in_a_row_stops_the_next(tmp_path: Path
 
 
 def test_a_job_that_may_shrink_lets_the_rendezvous_close_with_fewer_nodes(compose_cfg) -> None:
-    agent = NodeAgent(job_id="42", node=1, nodes=4, workers=2, hosts=("h",) * 4, max_restarts=3, join_timeout_s=600,
-                      min_nodes=2)
+    agent = NodeAgent(
+        job_id="42", node=1, nodes=4, workers=2, hosts=("h",) * 4, max_restarts=3, join_timeout_s=600, min_nodes=2
+    )
     config = agent.launch_config(3)
     assert (config.min_nodes, config.max_nodes) == (2, 4) and config.rdzv_configs["last_call_timeout"] == 3
 
@@ -114,13 +129,13 @@ def test_the_store_moves_to_the_next_node_that_answers(tmp_path: Path) -> None:
     hosts = ("127.0.0.1",) * 4
     agent = NodeAgent(job_id="9", node=3, nodes=4, workers=1, hosts=hosts, max_restarts=3, join_timeout_s=60)
     moved = replace(agent, store_node=1, generation=1)
-    server = TCPStore("127.0.0.1", moved.port, is_master=True, wait_for_workers=False,
-                      timeout=datetime.timedelta(seconds=5))  # node 1 noticed first and opened the new store
+    server = TCPStore(
+        "127.0.0.1", moved.port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+    )  # node 1 noticed first and opened the new store
     assert next_store(agent, wait_s=2) == moved and moved.port != agent.port
     del server
     skipped = next_store(agent, wait_s=0.5)  # node 1 does not answer now: node 2 neither, node 3 is this one
     assert (skipped.store_node, skipped.generation) == (3, 3)
-
 
 
 def test_a_store_that_failed_a_call_is_given_up_on_at_once_when_nothing_answers() -> None:
@@ -135,8 +150,9 @@ def test_a_store_that_failed_a_call_is_given_up_on_at_once_when_nothing_answers(
 
     from hpctrain.distributed.elastic import _still_answers
 
-    agent = NodeAgent(job_id="11", node=1, nodes=2, workers=1, hosts=("127.0.0.1",) * 2, max_restarts=3,
-                      join_timeout_s=60)
+    agent = NodeAgent(
+        job_id="11", node=1, nodes=2, workers=1, hosts=("127.0.0.1",) * 2, max_restarts=3, join_timeout_s=60
+    )
     start = time.monotonic()
     assert not _still_answers(agent)
     assert time.monotonic() - start < 0.5
@@ -145,10 +161,12 @@ def test_a_store_that_failed_a_call_is_given_up_on_at_once_when_nothing_answers(
     assert not _still_answers(agent, wait_s=1.0)
     assert time.monotonic() - start < 5
     mute.close()
-    server = TCPStore("127.0.0.1", agent.port, is_master=True, wait_for_workers=False,
-                      timeout=datetime.timedelta(seconds=5))
+    server = TCPStore(
+        "127.0.0.1", agent.port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5)
+    )
     assert _still_answers(agent)
     del server
+
 
 def test_a_spare_takes_the_slot_nobody_took_in_a_moved_store() -> None:
     """In the store a dead host's successor opened, the slots start empty: the live agents take theirs at once
@@ -167,7 +185,6 @@ def test_a_spare_takes_the_slot_nobody_took_in_a_moved_store() -> None:
     finally:
         beat.stop()
     assert not spares.hold(store, "5", 0, node=0)  # the dead node, back late, finds its slot taken: a spare
-
 
 
 def test_a_store_whose_host_goes_silent_fails_its_clients_in_seconds_not_never(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,16 +208,25 @@ def test_a_store_whose_host_goes_silent_fails_its_clients_in_seconds_not_never(m
     monkeypatch.setattr(spares, "READ_TIMEOUT_S", 1.0)
     monkeypatch.setattr(C10dRendezvousBackend, "_call_store", C10dRendezvousBackend._call_store)  # undone after
     elastic._bound_rendezvous_store_calls(2.0)
-    host = subprocess.Popen([sys.executable, "-c", "import time\n"
-                             "from torch.distributed import TCPStore\n"
-                             "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
-                             "print(s.port, flush=True)\ntime.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    host = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\n"
+            "from torch.distributed import TCPStore\n"
+            "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False)\n"
+            "print(s.port, flush=True)\ntime.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(host.stdout.readline())
         spare = spares.connect("127.0.0.1", port, 600)  # 600 s to connect (the join timeout), 1 + 2 s a call
         spare.set("hpctrain/1/alive/0", "0:1")
-        agent = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=1))
+        agent = TCPStore(
+            "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=1)
+        )
         backend = C10dRendezvousBackend(agent, "1")
         assert backend.get_state() is None  # a live store: the calls go through
         host.send_signal(signal.SIGSTOP)
@@ -221,7 +247,9 @@ def test_a_store_whose_host_goes_silent_fails_its_clients_in_seconds_not_never(m
         host.kill()
         host.wait()
 
+
 # ---- what a restart waits for (bench/bench_restart.py measures it; these check the decisions) ----------------
+
 
 def test_the_rendezvous_reads_its_state_at_the_agents_pace_not_every_second(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's c10d rendezvous waits 1 s between state reads and serves a 1 s old cached state: the agents'
@@ -237,7 +265,11 @@ def test_the_rendezvous_reads_its_state_at_the_agents_pace_not_every_second(monk
     from hpctrain.distributed.elastic import _poll_rendezvous_every, rendezvous_poll_s
 
     assert (rendezvous_poll_s(2), rendezvous_poll_s(100), rendezvous_poll_s(500), rendezvous_poll_s(4000)) == (
-        0.05, 0.2, 1.0, 1.0)
+        0.05,
+        0.2,
+        1.0,
+        1.0,
+    )
     waits: list = []
     monkeypatch.setattr(rdzv, "_delay", lambda seconds: waits.append(seconds))  # torch's, recording
     monkeypatch.setattr(rdzv, "_BackendRendezvousStateHolder", rdzv._BackendRendezvousStateHolder)  # restored after
@@ -248,9 +280,17 @@ def test_the_rendezvous_reads_its_state_at_the_agents_pace_not_every_second(monk
     assert waits == [0.05, (0, 0.3)]
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
-    handler = get_rendezvous_handler(RendezvousParameters(
-        backend="c10d", endpoint=f"127.0.0.1:{server.port}", run_id="poll", min_nodes=1, max_nodes=1,
-        is_host=False, last_call_timeout=1))
+    handler = get_rendezvous_handler(
+        RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{server.port}",
+            run_id="poll",
+            min_nodes=1,
+            max_nodes=1,
+            is_host=False,
+            last_call_timeout=1,
+        )
+    )
     assert handler._state_holder._cache_duration == 0.05
     info = handler.next_rendezvous()  # torch's own join, on the hooked state holder
     assert (info.rank, info.world_size) == (0, 1)
@@ -273,8 +313,9 @@ def test_a_rank_waits_for_rank_0s_store_to_listen_instead_of_backing_off(tmp_pat
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     started: list = []
-    opener = threading.Timer(0.3, lambda: started.append(TCPStore("127.0.0.1", port, is_master=True,
-                                                                   wait_for_workers=False)))
+    opener = threading.Timer(
+        0.3, lambda: started.append(TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
+    )
     opener.start()
     wait_for_listener("127.0.0.1", port, timeout_s=30)
     opener.join()
@@ -353,7 +394,8 @@ def test_an_agent_restarts_its_workers_when_a_peer_node_goes_silent_and_only_the
 
 
 def test_an_agent_stopped_with_its_job_judges_no_heartbeat_until_the_others_could_beat(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """`scontrol suspend` stops every agent; after `scontrol resume` the first to sync saw every beat 30 s old and
     dropped every node from torch's rendezvous, itself included, and the job lost its workers (a CI run). The
     hooked state holder notices its own syncs 30 s apart and judges no heartbeat for one window (3 s): the
@@ -376,7 +418,7 @@ def test_an_agent_stopped_with_its_job_judges_no_heartbeat_until_the_others_coul
 
     def holder_with_beats(age_s: float) -> Any:
         holder = rdzv._BackendRendezvousStateHolder(C10dRendezvousBackend(server, f"run{age_s}"), settings, 0)
-        beat = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=age_s)
+        beat = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=age_s)
         nodes = [rdzv._NodeDesc(f"n{i}", 100 + i, 0) for i in range(2)]
         holder.state.participants.update({node: i for i, node in enumerate(nodes)})
         holder.state.last_heartbeats.update({node: beat for node in nodes})
@@ -393,8 +435,9 @@ def test_an_agent_stopped_with_its_job_judges_no_heartbeat_until_the_others_coul
     assert sync_at(awake, 1000.0) == 0  # syncing all along: 30 s old beats are dead nodes, dropped at once
     stopped = holder_with_beats(0)
     assert sync_at(stopped, 1000.0) == 2
-    stopped.state.last_heartbeats.update({n: v - datetime.timedelta(seconds=30)
-                                          for n, v in stopped.state.last_heartbeats.items()})
+    stopped.state.last_heartbeats.update(
+        {n: v - datetime.timedelta(seconds=30) for n, v in stopped.state.last_heartbeats.items()}
+    )
     assert sync_at(stopped, 1030.5) == 2  # its own syncs 30.5 s apart: it was stopped too, it judges no one
     assert sync_at(stopped, 1032.0) == 2  # still within the window the others have to beat again
     assert sync_at(stopped, 1033.6) == 0  # no beat in that window either: dead, dropped

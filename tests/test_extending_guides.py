@@ -37,7 +37,7 @@ def test_quoted_blocks_are_in_their_source(guide: str) -> None:
 @pytest.mark.parametrize("guide", sorted(REAL_DIFFS))
 def test_real_diffs_are_in_the_tree(guide: str) -> None:
     diffs = _blocks((GUIDES / guide).read_text(), "diff")
-    for diff in diffs[:REAL_DIFFS[guide]]:
+    for diff in diffs[: REAL_DIFFS[guide]]:
         target = None
         for line in diff.splitlines():
             if line.startswith("+++ b/"):

@@ -24,8 +24,12 @@ def _family_files() -> set[Path]:
     spec, its torch module, its Hugging Face mapping and weight tables."""
     own = {"models/registry.py", "models/family.py", "models/hf_recipes.py"}
     for family in registry.FAMILIES.values():
-        for module in (family.block_shapes.__module__, family.builder.split(":")[0], family.hf.fields.__module__,
-                       family.hf.recipes.split(":")[0]):
+        for module in (
+            family.block_shapes.__module__,
+            family.builder.split(":")[0],
+            family.hf.fields.__module__,
+            family.hf.recipes.split(":")[0],
+        ):
             own.add(module.removeprefix("hpctrain.").replace(".", "/") + ".py")
     return {PACKAGE / name for name in own}
 
@@ -51,16 +55,23 @@ def architecture_branches(source: str, names: set[str]) -> list[str]:
             consts = [k for k in node.keys if k is not None]
         elif isinstance(node, ast.MatchValue):
             consts = [node.value]
-        found += [f"line {c.lineno}: {c.value!r}" for c in consts
-                  if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in names]
+        found += [
+            f"line {c.lineno}: {c.value!r}"
+            for c in consts
+            if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in names
+        ]
     return found
 
 
 def test_no_module_outside_the_families_branches_on_an_architecture_name() -> None:
     own, names = _family_files(), _names()
     assert all(path.is_file() for path in own), sorted(str(p) for p in own if not p.is_file())
-    offenders = {str(path.relative_to(PACKAGE)): hits for path in sorted(PACKAGE.rglob("*.py")) if path not in own
-                 if (hits := architecture_branches(path.read_text(), names))}
+    offenders = {
+        str(path.relative_to(PACKAGE)): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in own
+        if (hits := architecture_branches(path.read_text(), names))
+    }
     assert not offenders, f"branch on an architecture name outside its family's entry: {offenders}"
 
 
@@ -81,8 +92,11 @@ match kind:
 
 
 def _tiny(family: str, **over: object) -> ModelConfig:
-    m = OmegaConf.structured(ModelConfig(name="tiny", arch=family, n_layers=2, d_model=64, n_heads=4, vocab_size=100,
-                                         context=32, ffn_hidden=96))
+    m = OmegaConf.structured(
+        ModelConfig(
+            name="tiny", arch=family, n_layers=2, d_model=64, n_heads=4, vocab_size=100, context=32, ffn_hidden=96
+        )
+    )
     if registry.get(family).moe:
         m.moe.merge_with({"n_experts": 4, "top_k": 2, "expert_hidden": 32})
     for key, value in over.items():

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -27,21 +28,25 @@ def documented() -> list[str]:
         if f"+cluster.env.{VARIABLE}=" not in line:
             continue
         if "python -m hpctrain" in line:
-            words = shlex.split(line[line.index("python -m hpctrain"):], comments=True)
+            words = shlex.split(line[line.index("python -m hpctrain") :], comments=True)
         else:
-            words = [w for span in re.findall(r"`([^`]+)`", line)
-                     for w in (shlex.split(span) if span.startswith(("'", '"')) else [span])]
+            words = [
+                w
+                for span in re.findall(r"`([^`]+)`", line)
+                for w in (shlex.split(span) if span.startswith(("'", '"')) else [span])
+            ]
         found += [w for w in words if w.startswith(f"+cluster.env.{VARIABLE}=")]
     return found
 
 
-def test_the_documented_fault_examples_parse_with_hydra(compose_cfg: Callable[..., Any],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_documented_fault_examples_parse_with_hydra(
+    compose_cfg: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     examples = documented()
     assert examples, "faults.py documents an example"
     parser = OverridesParser.create()
     for example in examples:
-        override, = parser.parse_overrides([example])  # raises OverrideParseException when not valid Hydra
+        (override,) = parser.parse_overrides([example])  # raises OverrideParseException when not valid Hydra
         value = override.value()
         assert override.key_or_group == f"cluster.env.{VARIABLE}" and isinstance(value, str), example
         monkeypatch.setenv(VARIABLE, value)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from hpctrain.config.cluster_checks import _local_gpus, visible_gpus
-from hpctrain.config.problems import CheckReport
 from hpctrain.config.layout import resolve_layout
+from hpctrain.config.problems import CheckReport
 from hpctrain.distributed.environment import task_device
 from hpctrain.launch.executor import build_executor
 from hpctrain.parallel.engine import build_engine
@@ -85,6 +85,7 @@ def _host_syncs(rank: int, world: int, overrides: dict[str, Any]) -> list[int]:
             if sys._getframe(1).f_globals.get("__name__", "").startswith("hpctrain."):
                 counts[0] += 1
             return __original(self, *args, **kwargs)
+
         setattr(torch.Tensor, name, counted)
     per_step = []
     for step in range(3):
@@ -94,8 +95,11 @@ def _host_syncs(rank: int, world: int, overrides: dict[str, Any]) -> list[int]:
     return per_step
 
 
-@pytest.mark.parametrize("world,overrides", [(1, {}), (2, {"parallel__tp": 2, "precision__loss_scaling": True})],
-                         ids=["single", "tp2_loss_scaling"])
+@pytest.mark.parametrize(
+    "world,overrides",
+    [(1, {}), (2, {"parallel__tp": 2, "precision__loss_scaling": True})],
+    ids=["single", "tp2_loss_scaling"],
+)
 def test_one_host_sync_per_step(world: int, overrides: dict[str, Any]) -> None:
     """The loss, the gradient norm and the control values reach the host together, once a step."""
     for per_step in run_distributed(_host_syncs, world, overrides, timeout=120):
@@ -154,9 +158,12 @@ def test_a_gpu_run_that_finds_no_gpu_stops_instead_of_training_on_the_cpu(monkey
     from hpctrain.train.loop import _expect_a_gpu
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with pytest.raises(RuntimeError, match=r"cluster.gpu_type=h100_80gb but this task sees no GPU "
-                                           r"\(CUDA_VISIBLE_DEVICES='', torch .* built without CUDA\).*"
-                                           r"cluster.gpu_type=cpu"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cluster.gpu_type=h100_80gb but this task sees no GPU "
+        r"\(CUDA_VISIBLE_DEVICES='', torch .* built without CUDA\).*"
+        r"cluster.gpu_type=cpu",
+    ):
         _expect_a_gpu("h100_80gb", torch.device("cpu"))
     _expect_a_gpu("cpu", torch.device("cpu"))
     _expect_a_gpu("h100_80gb", torch.device("cuda", 0))
@@ -174,5 +181,8 @@ def test_a_gpu_step_reports_reserved_memory_and_allocator_retries(monkeypatch: p
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 60 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 72 * 2**30)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 3})
-    assert memory_metrics(torch.device("cuda", 0)) == {"peak_mem_gb": 60.0, "peak_reserved_gb": 72.0,
-                                                       "alloc_retries": 3.0}
+    assert memory_metrics(torch.device("cuda", 0)) == {
+        "peak_mem_gb": 60.0,
+        "peak_reserved_gb": 72.0,
+        "alloc_retries": 3.0,
+    }

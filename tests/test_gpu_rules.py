@@ -35,8 +35,9 @@ def cuda_spy(monkeypatch: pytest.MonkeyPatch) -> Any:
     return gpu_rules.STATE
 
 
-def test_the_agent_forks_its_workers_without_initialising_cuda(cuda_spy: Any, monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path) -> None:
+def test_the_agent_forks_its_workers_without_initialising_cuda(
+    cuda_spy: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """A one-node agent runs for real up to the moment torch's agent would fork the workers (its launch), which
     this test takes over: by then nothing may have initialised CUDA in the agent's process. torch's LaunchConfig
     asked torch.cuda.is_available(), which initialises CUDA through cudaGetDeviceCount."""
@@ -55,13 +56,18 @@ def test_the_agent_forks_its_workers_without_initialising_cuda(cuda_spy: Any, mo
 
     monkeypatch.setattr(launcher, "launch_agent", launch_agent)
     monkeypatch.setattr(gc, "freeze", lambda: None)  # the agent's, not pytest's
-    for key in (elastic.NVML_CUDA_CHECK, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "HPCTRAIN_JOB_ID",
-                "HPCTRAIN_RESTART_BASE"):
+    for key in (
+        elastic.NVML_CUDA_CHECK,
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "HPCTRAIN_JOB_ID",
+        "HPCTRAIN_RESTART_BASE",
+    ):
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
     usr2 = signal.getsignal(signal.SIGUSR2)
-    agent = elastic.NodeAgent(job_id="cuda-spy", node=0, nodes=1, workers=2, hosts=("127.0.0.1",), max_restarts=0,
-                              join_timeout_s=30)
+    agent = elastic.NodeAgent(
+        job_id="cuda-spy", node=0, nodes=1, workers=2, hosts=("127.0.0.1",), max_restarts=0, join_timeout_s=30
+    )
     try:
         assert elastic.run_agent(agent, types.SimpleNamespace(run_dir=str(tmp_path))) == {0: "trained"}
     finally:
@@ -70,8 +76,9 @@ def test_the_agent_forks_its_workers_without_initialising_cuda(cuda_spy: Any, mo
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+    )
 
 
 @pytest.mark.parametrize("nvml", [False, True], ids=["cuda_initialised", "nvml_check"])
@@ -81,7 +88,8 @@ def test_a_child_forked_after_cuda_was_initialised_fails_at_its_first_cuda_call(
     env = gpu_rules.environment({**os.environ, **({gpu_rules.NVML_CHECK: "1"} if nvml else {})})
     if not nvml:
         env.pop(gpu_rules.NVML_CHECK, None)
-    proc = _python("""
+    proc = _python(
+        """
         import os, sys, torch
         torch.cuda.is_available()
         pid = os.fork()
@@ -94,7 +102,9 @@ def test_a_child_forked_after_cuda_was_initialised_fails_at_its_first_cuda_call(
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         sys.exit(os.waitstatus_to_exitcode(status))
-        """, env)
+        """,
+        env,
+    )
     if nvml:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     else:
@@ -104,10 +114,13 @@ def test_a_child_forked_after_cuda_was_initialised_fails_at_its_first_cuda_call(
 
 def test_the_rules_are_off_without_the_switch() -> None:
     env = {k: v for k, v in os.environ.items() if k != gpu_rules.ENV}
-    proc = _python("""
+    proc = _python(
+        """
         import torch
         print(getattr(torch.cuda.is_available, "__gpu_rules__", False))
-        """, {**env, "PYTHONPATH": f"{gpu_rules.site_dir()}{os.pathsep}{REPO}"})
+        """,
+        {**env, "PYTHONPATH": f"{gpu_rules.site_dir()}{os.pathsep}{REPO}"},
+    )
     assert proc.stdout.strip() == "False", proc.stderr
 
 
@@ -120,6 +133,7 @@ def _collective_from_a_thread(rank: int, world: int, gloo: bool) -> str:
             dist.all_reduce(torch.ones(1), group=group)
         except Exception as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
+
     thread = threading.Thread(target=background, name="save")
     thread.start()
     thread.join()
@@ -131,8 +145,11 @@ def _collective_from_a_thread(rank: int, world: int, gloo: bool) -> str:
 
 def test_a_collective_on_a_device_group_from_another_thread_fails(gpu_rules: None) -> None:
     assert run_distributed(_collective_from_a_thread, 2, True, timeout=60) == ["ok", "ok"]  # a gloo group: fine
-    with pytest.raises(DistributedTestError, match=r"GPU rule \(one thread per device group\): dist.all_reduce "
-                                                   r"on the default group from thread 'save'"):
+    with pytest.raises(
+        DistributedTestError,
+        match=r"GPU rule \(one thread per device group\): dist.all_reduce "
+        r"on the default group from thread 'save'",
+    ):
         run_distributed(_collective_from_a_thread, 2, False, timeout=60)
 
 
@@ -145,16 +162,23 @@ def _step_with_extra_syncs(rank: int, world: int, extra: int) -> list[float]:
     engine = engine_module.build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))
     share = engine_module.squared_norm_share
     namespace = {"__name__": "hpctrain.parallel.clipping", "share": share, "extra": extra}
-    exec("def syncing(*args):\n    value = share(*args)\n    for _ in range(extra):\n        value.item()\n"
-         "    return value", namespace)  # a host sync from hpctrain's own code inside the step
+    exec(
+        "def syncing(*args):\n    value = share(*args)\n    for _ in range(extra):\n        value.item()\n"
+        "    return value",
+        namespace,
+    )  # a host sync from hpctrain's own code inside the step
     engine_module.squared_norm_share = namespace["syncing"]
-    return [engine.step(rank_batches(step, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr).loss
-            for step in range(2)]
+    return [
+        engine.step(rank_batches(step, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr).loss for step in range(2)
+    ]
 
 
 def test_a_second_host_sync_in_one_step_fails(gpu_rules: None) -> None:
     assert len(run_distributed(_step_with_extra_syncs, 2, 0, timeout=120)[0]) == 2  # the control plane's one
-    with pytest.raises(DistributedTestError, match=r"GPU rule \(host syncs per step\): 2 copies .*"
-                                                   r"Tensor.item at hpctrain.parallel.clipping:4; "
-                                                   r"Tensor.tolist at hpctrain.parallel.engine"):
+    with pytest.raises(
+        DistributedTestError,
+        match=r"GPU rule \(host syncs per step\): 2 copies .*"
+        r"Tensor.item at hpctrain.parallel.clipping:4; "
+        r"Tensor.tolist at hpctrain.parallel.engine",
+    ):
         run_distributed(_step_with_extra_syncs, 2, 1, timeout=120)

@@ -17,8 +17,16 @@ from hpctrain.models import attention, llama
 from hpctrain.models.attention import sdpa_expands_kv
 from hpctrain.models.llama import Llama, LlamaArgs, RMSNorm
 
-ARGS = LlamaArgs(n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=100, ffn_hidden=96, padded_vocab=128,
-                 rope_theta=500000.0)
+ARGS = LlamaArgs(
+    n_layers=4,
+    d_model=64,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=100,
+    ffn_hidden=96,
+    padded_vocab=128,
+    rope_theta=500000.0,
+)
 
 
 def _model(args: LlamaArgs = ARGS) -> Llama:
@@ -47,6 +55,7 @@ def frequency_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 # ---------------------------------------------------------------- RoPE tables: once per (length, device, dtype)
+
 
 def test_rope_tables_are_built_once_not_per_layer_or_micro_batch(frequency_calls: list[int]) -> None:
     """Four layers, forward and backward, then another micro-batch: one table; a new length: one more."""
@@ -132,6 +141,7 @@ def test_meta_fake_and_inference_forwards_leave_no_table_behind(frequency_calls:
 
 # ---------------------------------------------------------------- RMSNorm: F.rms_norm, Hugging Face's numerics
 
+
 def _hf_norm(norm: RMSNorm) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(norm.weight.shape[0], eps=norm.eps)
@@ -140,13 +150,18 @@ def _hf_norm(norm: RMSNorm) -> torch.nn.Module:
     return hf.to(norm.weight.dtype)
 
 
-@pytest.mark.parametrize(("x_dtype", "w_dtype"), [
-    (torch.float32, torch.float32),  # precision=fp32
-    (torch.bfloat16, torch.bfloat16),  # FSDP2's bf16 parameters and activations
-    (torch.bfloat16, torch.float32),  # a bf16 input and fp32 weight: fp32 out, as Hugging Face's
-], ids=["fp32", "bf16", "bf16_in_fp32_weight"])
-def test_rmsnorm_is_hugging_faces_bit_for_bit(x_dtype: torch.dtype, w_dtype: torch.dtype,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("x_dtype", "w_dtype"),
+    [
+        (torch.float32, torch.float32),  # precision=fp32
+        (torch.bfloat16, torch.bfloat16),  # FSDP2's bf16 parameters and activations
+        (torch.bfloat16, torch.float32),  # a bf16 input and fp32 weight: fp32 out, as Hugging Face's
+    ],
+    ids=["fp32", "bf16", "bf16_in_fp32_weight"],
+)
+def test_rmsnorm_is_hugging_faces_bit_for_bit(
+    x_dtype: torch.dtype, w_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls: list[int] = []
     real = F.rms_norm
     monkeypatch.setattr(F, "rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -168,19 +183,24 @@ def test_rmsnorm_is_hugging_faces_bit_for_bit(x_dtype: torch.dtype, w_dtype: tor
 
 # ---------------------------------------------------------------- SDPA: which kernel takes grouped-query attention
 
-@pytest.mark.parametrize(("dtype", "device", "heads", "head_dim", "expands"), [
-    (torch.float32, "cuda", (32, 8), 128, True),  # only math takes fp32 GQA: repeat so efficient attention runs
-    (torch.bfloat16, "cuda", (32, 8), 128, False),  # flash (and cuDNN) take GQA in bf16
-    (torch.float16, "cuda", (32, 8), 128, False),
-    (torch.bfloat16, "cuda", (8, 2), 320, True),  # past flash's 256 and cuDNN's limit: efficient, repeated
-    (torch.float32, "cuda", (32, 32), 128, False),  # no grouping: nothing to repeat
-    (torch.float64, "cuda", (32, 8), 128, False),  # no fused CUDA kernel for fp64 either way
-    (torch.float32, "cpu", (32, 8), 128, False),  # CPU flash takes GQA in every dtype
-    (torch.bfloat16, "cpu", (32, 8), 128, False),
-    (torch.float32, "meta", (32, 8), 128, False),
-])
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "heads", "head_dim", "expands"),
+    [
+        (torch.float32, "cuda", (32, 8), 128, True),  # only math takes fp32 GQA: repeat so efficient attention runs
+        (torch.bfloat16, "cuda", (32, 8), 128, False),  # flash (and cuDNN) take GQA in bf16
+        (torch.float16, "cuda", (32, 8), 128, False),
+        (torch.bfloat16, "cuda", (8, 2), 320, True),  # past flash's 256 and cuDNN's limit: efficient, repeated
+        (torch.float32, "cuda", (32, 32), 128, False),  # no grouping: nothing to repeat
+        (torch.float64, "cuda", (32, 8), 128, False),  # no fused CUDA kernel for fp64 either way
+        (torch.float32, "cpu", (32, 8), 128, False),  # CPU flash takes GQA in every dtype
+        (torch.bfloat16, "cpu", (32, 8), 128, False),
+        (torch.float32, "meta", (32, 8), 128, False),
+    ],
+)
 def test_sdpa_expands_kv_where_no_fused_kernel_takes_grouped_query_attention(
-        dtype: torch.dtype, device: str, heads: tuple[int, int], head_dim: int, expands: bool) -> None:
+    dtype: torch.dtype, device: str, heads: tuple[int, int], head_dim: int, expands: bool
+) -> None:
     assert sdpa_expands_kv(dtype, device, *heads, head_dim) is expands
 
 
@@ -195,8 +215,9 @@ def test_the_torch_rules_the_decision_rests_on() -> None:
         q, k, v = (torch.randn(2, h, 16, 8, generator=gen).to(dtype) for h in (4, 2, 2))
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                  is_causal=True)
+        expected = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
+        )
         torch.testing.assert_close(y, expected)
 
     meta = torch.device("meta")
@@ -204,10 +225,11 @@ def test_the_torch_rules_the_decision_rests_on() -> None:
     k, v = torch.empty(1, 2, 16, 8, device=meta), torch.empty(1, 2, 16, 8, device=meta)
     seed = torch.empty((), dtype=torch.long, device=meta)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        out, q, k, v, out, torch.empty(1, 4, 16, device=meta), None, None, 16, 16, 0.0, True, seed, seed)
+        out, q, k, v, out, torch.empty(1, 4, 16, device=meta), None, None, 16, 16, 0.0, True, seed, seed
+    )
     efficient = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        out, q, k, v, None, out, torch.empty(1, 4, 32, device=meta), seed, seed, 0.0, [True, True, True, False],
-        True)
+        out, q, k, v, None, out, torch.empty(1, 4, 32, device=meta), seed, seed, 0.0, [True, True, True, False], True
+    )
     assert flash[1].shape[1] == 2
     assert efficient[1].shape[1] == 4, "memory-efficient SDPA may take GQA now: revisit attention.sdpa_expands_kv"
 

@@ -33,10 +33,16 @@ def login(*args: str, path: str | None = None) -> tuple[int, list[str], str, str
     env = {**os.environ, "WANDB_MODE": "offline"}
     if path:
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(args))], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(list(args))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     line = next(x for x in reversed(proc.stderr.splitlines()) if x.startswith("PROBE "))
-    probe = json.loads(line[len("PROBE "):])
+    probe = json.loads(line[len("PROBE ") :])
     return probe["code"], probe["torch"], proc.stdout, proc.stderr
 
 
@@ -54,8 +60,9 @@ def test_checks_of_a_bad_config_import_no_torch(tmp_path: Path) -> None:
 
 
 def test_a_dry_run_that_does_not_fit_imports_no_torch_and_exits_2(tmp_path: Path) -> None:
-    code, torch, out, err = login("+experiment=175b", "parallel.recompute=none", "zero=stage0", "dry_run=true",
-                                  f"run.root={tmp_path}")
+    code, torch, out, err = login(
+        "+experiment=175b", "parallel.recompute=none", "zero=stage0", "dry_run=true", f"run.root={tmp_path}"
+    )
     assert code == 2 and "DOES NOT FIT" in out and "exceeds" in err
     assert torch == []
 
@@ -67,8 +74,9 @@ def test_slurm_submission_imports_no_torch(tmp_path: Path) -> None:
     sbatch = bin_dir / "sbatch"
     sbatch.write_text("#!/bin/sh\necho 'Submitted batch job 4242'\n")
     sbatch.chmod(0o755)
-    code, torch, out, err = login("+experiment=175b", "data=synthetic", "tracking=disabled",
-                                  f"run.root={tmp_path / 'runs'}", path=str(bin_dir))
+    code, torch, out, err = login(
+        "+experiment=175b", "data=synthetic", "tracking=disabled", f"run.root={tmp_path / 'runs'}", path=str(bin_dir)
+    )
     assert code == 0, err
     assert "submitted job 4242" in out
     assert torch == []

@@ -15,8 +15,9 @@ from hpctrain.models.llama import Llama, LlamaArgs, apply_rope, rope_cos_sin, ro
 from hpctrain.models.params import param_count
 
 
-@pytest.mark.parametrize("layers,d,heads,vocab,ctx", [(4, 128, 4, 256, 256), (12, 768, 12, 50257, 2048),
-                                                      (96, 12288, 96, 50257, 2048)])
+@pytest.mark.parametrize(
+    "layers,d,heads,vocab,ctx", [(4, 128, 4, 256, 256), (12, 768, 12, 50257, 2048), (96, 12288, 96, 50257, 2048)]
+)
 def test_module_parameter_count_matches_formula(layers: int, d: int, heads: int, vocab: int, ctx: int) -> None:
     with torch.device("meta"):
         model = GPT(GPTArgs(layers, d, heads, vocab, ctx, 4 * d))
@@ -48,6 +49,7 @@ def test_forward_shapes_and_tied_head() -> None:
 
 # ---------------------------------------------------------------- Llama
 
+
 def _llama_cfg(**overrides: object) -> object:
     from omegaconf import OmegaConf
 
@@ -75,10 +77,17 @@ def test_llama_parameter_names_and_shapes(vocab: int, tp: int, rows: int) -> Non
     d, qkv, ffn = 128, (4 + 2 * 2) * 32, 352
     expected = {"tok_emb.weight": (rows, d), "norm_f.weight": (d,), "output.weight": (rows, d)}
     for i in range(4):
-        expected.update({f"layers.{i}.norm1.weight": (d,), f"layers.{i}.attn.qkv.weight": (qkv, d),
-                         f"layers.{i}.attn.proj.weight": (d, d), f"layers.{i}.norm2.weight": (d,),
-                         f"layers.{i}.mlp.gate.weight": (ffn, d), f"layers.{i}.mlp.up.weight": (ffn, d),
-                         f"layers.{i}.mlp.proj.weight": (d, ffn)})
+        expected.update(
+            {
+                f"layers.{i}.norm1.weight": (d,),
+                f"layers.{i}.attn.qkv.weight": (qkv, d),
+                f"layers.{i}.attn.proj.weight": (d, d),
+                f"layers.{i}.norm2.weight": (d,),
+                f"layers.{i}.mlp.gate.weight": (ffn, d),
+                f"layers.{i}.mlp.up.weight": (ffn, d),
+                f"layers.{i}.mlp.proj.weight": (d, ffn),
+            }
+        )
     assert {name: tuple(p.shape) for name, p in model.named_parameters()} == expected
 
 
@@ -172,8 +181,10 @@ def test_rope_rotates_pairs_of_halves_by_relative_position(scaling: float) -> No
     hd, t = args.head_dim, 40
     cos, sin = rope_cos_sin(args, t, torch.device("cpu"))
     gen = torch.Generator().manual_seed(4)
-    q, k = apply_rope(torch.randn(hd, generator=gen).expand(t, hd), cos, sin), \
-        apply_rope(torch.randn(hd, generator=gen).expand(t, hd), cos, sin)
+    q, k = (
+        apply_rope(torch.randn(hd, generator=gen).expand(t, hd), cos, sin),
+        apply_rope(torch.randn(hd, generator=gen).expand(t, hd), cos, sin),
+    )
     scores = q @ k.T  # scores[m, n] = <rotated q at m, rotated k at n>: a function of m - n only
     for shift in (1, 9):
         torch.testing.assert_close(scores[shift:, shift:], scores[:-shift, :-shift], rtol=1e-4, atol=1e-4)
@@ -206,21 +217,28 @@ def _from_hugging_face(state: dict[str, torch.Tensor], args: LlamaArgs) -> dict[
     hf = dict(state)
     d, kv = args.d_model, args.n_kv_heads
     pad = torch.zeros(args.embedding_rows - args.vocab_size, d)
-    out = {"tok_emb.weight": torch.cat([hf.pop("model.embed_tokens.weight"), pad]),
-           "output.weight": torch.cat([hf.pop("lm_head.weight"), pad]),
-           "norm_f.weight": hf.pop("model.norm.weight")}
+    out = {
+        "tok_emb.weight": torch.cat([hf.pop("model.embed_tokens.weight"), pad]),
+        "output.weight": torch.cat([hf.pop("lm_head.weight"), pad]),
+        "norm_f.weight": hf.pop("model.norm.weight"),
+    }
     for i in range(args.n_layers):
+
         def take(name: str, i: int = i) -> torch.Tensor:
             return hf.pop(f"model.layers.{i}.{name}.weight")
 
         q, k, v = (take(f"self_attn.{n}_proj").view(kv, -1, d) for n in "qkv")
-        out.update({f"layers.{i}.norm1.weight": take("input_layernorm"),
-                    f"layers.{i}.attn.qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, d),
-                    f"layers.{i}.attn.proj.weight": take("self_attn.o_proj"),
-                    f"layers.{i}.norm2.weight": take("post_attention_layernorm"),
-                    f"layers.{i}.mlp.gate.weight": take("mlp.gate_proj"),
-                    f"layers.{i}.mlp.up.weight": take("mlp.up_proj"),
-                    f"layers.{i}.mlp.proj.weight": take("mlp.down_proj")})
+        out.update(
+            {
+                f"layers.{i}.norm1.weight": take("input_layernorm"),
+                f"layers.{i}.attn.qkv.weight": torch.cat([q, k, v], dim=1).reshape(-1, d),
+                f"layers.{i}.attn.proj.weight": take("self_attn.o_proj"),
+                f"layers.{i}.norm2.weight": take("post_attention_layernorm"),
+                f"layers.{i}.mlp.gate.weight": take("mlp.gate_proj"),
+                f"layers.{i}.mlp.up.weight": take("mlp.up_proj"),
+                f"layers.{i}.mlp.proj.weight": take("mlp.down_proj"),
+            }
+        )
     assert not hf, f"weights left unconverted: {list(hf)}"
     return out
 
@@ -230,17 +248,34 @@ def test_llama_matches_hugging_face(scaling: float) -> None:
     """Logits of Hugging Face's LlamaForCausalLM (eager attention) with its weights converted, in fp32."""
     transformers = pytest.importorskip("transformers")
     args = replace(SMALL, rope_theta=500000.0, rope_scaling=scaling, rope_original_context=64)
-    rope = {"rope_type": "llama3", "factor": scaling, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64} if scaling else {"rope_type": "default"}
+    rope = (
+        {
+            "rope_type": "llama3",
+            "factor": scaling,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        if scaling
+        else {"rope_type": "default"}
+    )
     if int(transformers.__version__.split(".")[0]) >= 5:
         rope_keys: dict[str, object] = {"rope_parameters": {**rope, "rope_theta": args.rope_theta}}
     else:  # transformers 4: theta and scaling are separate keys
         rope_keys = {"rope_theta": args.rope_theta, "rope_scaling": rope}
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab_size, hidden_size=args.d_model, intermediate_size=args.ffn_hidden,
-        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
-        rms_norm_eps=args.norm_eps, max_position_embeddings=256, tie_word_embeddings=False,
-        attn_implementation="eager", **rope_keys)
+        vocab_size=args.vocab_size,
+        hidden_size=args.d_model,
+        intermediate_size=args.ffn_hidden,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        rms_norm_eps=args.norm_eps,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        **rope_keys,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():

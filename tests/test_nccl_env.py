@@ -67,7 +67,8 @@ def test_without_a_topology_storage_hcas_come_from_the_config() -> None:
 def test_a_topology_that_names_nics_differently_is_not_used_to_exclude() -> None:
     t = topo("topo_m_dgx_a100_nccl1505.txt")  # NIC0..NIC11 without a legend: names unknown
     assert nccl_environment(nccl(), 0, t, ib_report(FIXTURES / "sysfs_ib_healthy"))["NCCL_IB_HCA"] == (
-        "=mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1")
+        "=mlx5_0:1,mlx5_1:1,mlx5_2:1,mlx5_3:1"
+    )
 
 
 def test_a_port_that_is_down_is_left_out() -> None:
@@ -91,9 +92,19 @@ def test_nccl_chooses_the_socket_interface_unless_configured() -> None:
 
 
 def test_the_config_wins_and_nothing_set_by_the_user_is_overridden() -> None:
-    env = nccl_environment(nccl(ib_hca="=mlx5_4", ib_gid_index=1, socket_ifname="ib0", topo_file="/etc/topo.xml",
-                                debug="INFO", debug_subsys="INIT,NET"), 0, topo("topo_m_dgx_a100_ucx.txt"),
-                           ib_report(FIXTURES / "sysfs_ib_healthy"))
+    env = nccl_environment(
+        nccl(
+            ib_hca="=mlx5_4",
+            ib_gid_index=1,
+            socket_ifname="ib0",
+            topo_file="/etc/topo.xml",
+            debug="INFO",
+            debug_subsys="INIT,NET",
+        ),
+        0,
+        topo("topo_m_dgx_a100_ucx.txt"),
+        ib_report(FIXTURES / "sysfs_ib_healthy"),
+    )
     assert env["NCCL_IB_HCA"] == "=mlx5_4" and env["NCCL_IB_GID_INDEX"] == "1" and env["NCCL_SOCKET_IFNAME"] == "ib0"
     assert env["NCCL_TOPO_FILE"] == "/etc/topo.xml" and env["NCCL_DEBUG"] == "INFO"
     assert apply(env, {"NCCL_DEBUG": "WARN"}).get("NCCL_DEBUG") is None

@@ -56,19 +56,32 @@ NAMED: dict[str, list[tuple[str, str]]] = {
     "pip install torch==2.13.0 -e .": [(CI, "pip install")],
     "pip install torch==2.13.0 -e .[test]": [(CI, "pip install")],
     "WANDB_MODE=offline python -m pytest": [(CI, "WANDB_MODE=offline")],
-    "python -m hpctrain": [("tests/e2e/test_local_run.py::test_default_command_trains_the_tiny_gpt",
-                            'run_hpctrain(f"run.root={tmp_path}"')],
+    "python -m hpctrain": [
+        ("tests/e2e/test_local_run.py::test_default_command_trains_the_tiny_gpt", 'run_hpctrain(f"run.root={tmp_path}"')
+    ],
     "python -m hpctrain parallel.dp=3": [
-        ("tests/launch/test_login_errors.py::"
-         "test_the_readme_example_error_is_what_the_command_prints_and_its_fix_is_valid", '"parallel.dp=3"')],
+        (
+            "tests/launch/test_login_errors.py::"
+            "test_the_readme_example_error_is_what_the_command_prints_and_its_fix_is_valid",
+            '"parallel.dp=3"',
+        )
+    ],
     # Run here too; and by the tests that run them on the real (dev) Slurm cluster or to the end
     SUBMIT_175B: [("tests/test_login_node.py::test_slurm_submission_imports_no_torch", '"+experiment=175b"')],
     RESUME: [("tests/e2e/test_local_run.py::test_resume_continues_in_the_same_directory", '"run.resume=')],
-    SWEEP: [("tests/slurm/test_hpctrain_on_slurm.py::test_a_sweep_submits_one_job_per_point_and_returns",
-             '"optim.lr=1e-3,2e-3,3e-3"'),
-            ("tests/launch/test_sweep_checks.py::test_one_bad_point_stops_the_sweep_before_any_point_runs", '"-m"')],
-    STATUS: [("tests/tools/test_status_cli.py::test_the_page_the_json_and_watch_on_a_finished_run",
-              'module="hpctrain.status"')],
+    SWEEP: [
+        (
+            "tests/slurm/test_hpctrain_on_slurm.py::test_a_sweep_submits_one_job_per_point_and_returns",
+            '"optim.lr=1e-3,2e-3,3e-3"',
+        ),
+        ("tests/launch/test_sweep_checks.py::test_one_bad_point_stops_the_sweep_before_any_point_runs", '"-m"'),
+    ],
+    STATUS: [
+        (
+            "tests/tools/test_status_cli.py::test_the_page_the_json_and_watch_on_a_finished_run",
+            'module="hpctrain.status"',
+        )
+    ],
 }
 
 
@@ -110,8 +123,10 @@ def test_every_readme_command_is_run_or_named_by_a_test() -> None:
     readme = README.read_text()
     found = commands(readme)
     assert len(found) >= len(RUN_HERE), found  # the extraction found the README's blocks
-    assert uncovered(readme) == [], ("README commands that no test runs: add a test to RUN_HERE or NAMED in "
-                                     f"tests/test_readme.py: {uncovered(readme)}")
+    assert uncovered(readme) == [], (
+        "README commands that no test runs: add a test to RUN_HERE or NAMED in "
+        f"tests/test_readme.py: {uncovered(readme)}"
+    )
     stale = sorted((set(RUN_HERE) | set(NAMED)) - set(found))
     assert stale == [], f"in tests/test_readme.py but no longer in the README: {stale}"
 
@@ -121,7 +136,8 @@ def test_a_new_command_without_a_test_is_caught() -> None:
     added = readme + "\n```bash\npython -m hpctrain +experiment=llama3_8b_4node  # new\nls && hpctrain-foo\n```\n"
     assert uncovered(added) == ["python -m hpctrain +experiment=llama3_8b_4node", "ls", "hpctrain-foo"]
     assert uncovered(readme + "\n```\n$ python tools/goodput.py --png g.png\nsome output\n```\n") == [
-        "python tools/goodput.py --png g.png"]
+        "python tools/goodput.py --png g.png"
+    ]
 
 
 def _function(path: Path, name: str) -> ast.AST | None:
@@ -162,8 +178,9 @@ def test_readme_is_short_and_its_docs_links_exist() -> None:
     readme = README.read_text()
     assert len(readme.splitlines()) < MAX_LINES
     mentioned = set(re.findall(r"\bdocs/[\w./-]+\.md\b", readme))
-    assert mentioned and all((REPO / m).is_file() for m in mentioned), [m for m in mentioned
-                                                                        if not (REPO / m).is_file()]
+    assert mentioned and all((REPO / m).is_file() for m in mentioned), [
+        m for m in mentioned if not (REPO / m).is_file()
+    ]
     table = set(re.findall(r"^\| \[[\w.]+\]\((docs/[\w.]+\.md)\) \|", readme, re.M))
     pages = {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")}
     assert pages <= table, f"docs pages missing from the README's table: {sorted(pages - table)}"
@@ -229,8 +246,9 @@ def test_submit(submitted: Path, slurm_login: tuple[Path, dict[str, str]]) -> No
 def test_submit_175b(tmp_path: Path, slurm_login: tuple[Path, dict[str, str]]) -> None:
     _, env = slurm_login
     module, args = _args(SUBMIT_175B)
-    proc = run_hpctrain(*args, "data=synthetic", f"run.root={tmp_path}", module=module, cwd=tmp_path, env=env,
-                        timeout=120)
+    proc = run_hpctrain(
+        *args, "data=synthetic", f"run.root={tmp_path}", module=module, cwd=tmp_path, env=env, timeout=120
+    )
     assert proc.returncode == 0 and "submitted job 4242" in proc.stdout, proc.stderr[-3000:]
     assert _submitted_run_dir(proc.stdout).parent.parent == tmp_path
 

@@ -45,7 +45,13 @@ def test_dualpipev_costs() -> None:
 def test_dualpipev_needs_two_microbatches_per_rank(compose_cfg) -> None:
     from hpctrain.plan.checks import run_checks
 
-    cfg = compose_cfg("cluster.gpus_per_node=2", "parallel.pp=2", "parallel.schedule=dualpipev",
-                      "parallel.virtual_stages=2", "train.micro_batch=8", "model=tiny")
+    cfg = compose_cfg(
+        "cluster.gpus_per_node=2",
+        "parallel.pp=2",
+        "parallel.schedule=dualpipev",
+        "parallel.virtual_stages=2",
+        "train.micro_batch=8",
+        "model=tiny",
+    )
     errors = run_checks(cfg).errors
     assert [(e.key, "at least 4 microbatches" in e.message) for e in errors] == [("train.grad_accum", True)]

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -81,8 +81,14 @@ class Child:
 
     def __init__(self, role: str, port: int, *args: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, role, str(port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, role, str(port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.err: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -164,8 +170,7 @@ def test_a_spare_that_continues_first_after_a_suspension_takes_no_slot(store, ch
 
 
 @pytest.mark.timeout(120)
-def test_a_holder_that_died_while_the_spare_was_stopped_is_replaced_once_its_silence_is_seen(store, children
-                                                                                            ) -> None:
+def test_a_holder_that_died_while_the_spare_was_stopped_is_replaced_once_its_silence_is_seen(store, children) -> None:
     """A stopped spare still replaces a node that died meanwhile: VACANT_S after it continued, not at once
     (what it saw before its stop counts for nothing)."""
     for slot in (0, 1):

@@ -61,8 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == "export":
             p.add_argument("out", type=Path)
             p.add_argument("--format", choices=("torch", "hf"), default="torch")
-            p.add_argument("--max-shard-mb", type=float, default=MAX_SHARD_BYTES / 1e6,
-                           help="hf: largest safetensors file before the weights are split (as save_pretrained)")
+            p.add_argument(
+                "--max-shard-mb",
+                type=float,
+                default=MAX_SHARD_BYTES / 1e6,
+                help="hf: largest safetensors file before the weights are split (as save_pretrained)",
+            )
         if name != "list":
             p.add_argument("--step", type=int)
             p.add_argument("--tier")
@@ -80,11 +84,14 @@ def main(argv: list[str] | None = None) -> int:
                 for r in rows:
                     when = datetime.datetime.fromtimestamp(r["time"]).strftime("%Y-%m-%d %H:%M:%S")
                     status = "ok" if not r["problems"] else "BROKEN: " + "; ".join(r["problems"][:2])
-                    print(f"{r['tier']:<10} {r['step']:>8} {when:<19} {r['bytes'] / 1e6:>9.1f} {r['world_size']:>5} "
-                          f"{r['consumed_samples']:>9}  {status}")
+                    print(
+                        f"{r['tier']:<10} {r['step']:>8} {when:<19} {r['bytes'] / 1e6:>9.1f} {r['world_size']:>5} "
+                        f"{r['consumed_samples']:>9}  {status}"
+                    )
                 for r in unusable(args.run_dir):
-                    print(f"{r['tier']:<10} {r['step']:>8} {'':<19} {'':>9} {'':>5} {'':>9}  "
-                          f"BROKEN: {r['problems'][0]}")
+                    print(
+                        f"{r['tier']:<10} {r['step']:>8} {'':<19} {'':>9} {'':>5} {'':>9}  BROKEN: {r['problems'][0]}"
+                    )
             return 0
         if args.command == "verify":
             return verify(args)
@@ -107,21 +114,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def verify(args: argparse.Namespace) -> int:
     """Every matching checkpoint's content, newest first; 1 if any is damaged."""
+
     def wanted(row: dict) -> bool:
         return (args.step is None or row["step"] == args.step) and (args.tier is None or row["tier"] == args.tier)
 
-    rows = [describe(c, content=True) for c in list_checkpoints(args.run_dir)
-            if wanted({"step": c.step, "tier": c.tier})]
+    rows = [
+        describe(c, content=True) for c in list_checkpoints(args.run_dir) if wanted({"step": c.step, "tier": c.tier})
+    ]
     rows += [r for r in unusable(args.run_dir) if wanted(r)]
     if not rows:
-        raise FileNotFoundError(f"no checkpoint in {args.run_dir}" + (f" at step {args.step}" if args.step else "")
-                                + (f" in tier {args.tier}" if args.tier else ""))
+        raise FileNotFoundError(
+            f"no checkpoint in {args.run_dir}"
+            + (f" at step {args.step}" if args.step else "")
+            + (f" in tier {args.tier}" if args.tier else "")
+        )
     rows.sort(key=lambda r: (-r["step"], r["tier"]))
     if args.json:
         print(json.dumps(rows, indent=1))
     for r in rows if not args.json else []:
-        print(f"{r['tier']} step {r['step']} ({r['path']}): "
-              + ("ok" if not r["problems"] else "BROKEN\n  " + "\n  ".join(r["problems"])))
+        print(
+            f"{r['tier']} step {r['step']} ({r['path']}): "
+            + ("ok" if not r["problems"] else "BROKEN\n  " + "\n  ".join(r["problems"]))
+        )
     return 1 if any(r["problems"] for r in rows) else 0
 
 

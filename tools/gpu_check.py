@@ -80,6 +80,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python tools/gpu_check.py` from any cwd, in a checkout without `pip install -e .`:
     sys.path.insert(0, str(REPO))  # hpctrain, and this tool's checks (tools/gpu_checks/) as tools.gpu_checks
 
+from hpctrain.entry import EntryParser
 from tools.gpu_checks.bitwise_resume import check_c  # noqa: E402
 from tools.gpu_checks.checks import check_a, check_b, check_d, check_e  # noqa: E402
 from tools.gpu_checks.command import check_cmd  # noqa: E402
@@ -107,7 +108,6 @@ from tools.gpu_checks.offload import check_off  # noqa: E402
 from tools.gpu_checks.restart import check_gfree  # noqa: E402
 from tools.gpu_checks.runner import Check, run_check  # noqa: E402
 from tools.gpu_checks.tp_norm import check_rms  # noqa: E402
-from hpctrain.entry import EntryParser
 
 # The tool's interface for checks written against it (tests/tools): a Check runs fn(Ctx) -> Outcome.
 __all__ = ["CHECKS", "Check", "Ctx", "Outcome", "main"]
@@ -133,10 +133,22 @@ def fp8_overrides(ctx: Ctx, recipe: str) -> list[str]:
     if ctx.cpu:
         base = small_overrides(ctx, name, 1, 4, model="llama_tiny", precision_name="bf16")
         return [*base, "train.seq_len=64", f"precision.fp8={recipe}", "checkpoint=none", "health.preflight=off"]
-    return [*common_overrides(ctx, name, 1), "model=llama3_8b", "model.n_layers=4", "model.vocab_size=32000",
-            "data=synthetic", "data.vocab_size=32000", "precision=bf16", f"precision.fp8={recipe}",
-            "train.seq_len=2048", "train.micro_batch=2", "train.global_batch=2", "parallel.compile=true",
-            "checkpoint=none", "health.preflight=off"]
+    return [
+        *common_overrides(ctx, name, 1),
+        "model=llama3_8b",
+        "model.n_layers=4",
+        "model.vocab_size=32000",
+        "data=synthetic",
+        "data.vocab_size=32000",
+        "precision=bf16",
+        f"precision.fp8={recipe}",
+        "train.seq_len=2048",
+        "train.micro_batch=2",
+        "train.global_batch=2",
+        "parallel.compile=true",
+        "checkpoint=none",
+        "health.preflight=off",
+    ]
 
 
 def fp8_table(runs: dict[str, dict[str, Any]]) -> str:
@@ -146,8 +158,10 @@ def fp8_table(runs: dict[str, dict[str, Any]]) -> str:
     for recipe, r in runs.items():
         text = f"{'bf16' if recipe == 'none' else recipe} {r['tokens_per_s']:,.0f} tok/s MFU {r['mfu']:.1%}"
         if recipe != "none":
-            text += (f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x, planned "
-                     f"{base['planned_step_s'] / r['planned_step_s']:.2f}x)")
+            text += (
+                f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x, planned "
+                f"{base['planned_step_s'] / r['planned_step_s']:.2f}x)"
+            )
         parts.append(text)
     return "; ".join(parts)
 
@@ -184,8 +198,14 @@ def _fp8_run(ctx: Ctx, recipe: str, steps: int) -> dict[str, Any]:
     del engine
     if not ctx.cpu:
         torch.cuda.empty_cache()
-    return {"losses": losses, "step_s": step_s, "tokens_per_s": tokens_per_s, "mfu": mfu(cfg, tokens_per_s, 1),
-            "planned_step_s": estimate(cfg, layout).step.step_time_s, "float8_linears": converted}
+    return {
+        "losses": losses,
+        "step_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu(cfg, tokens_per_s, 1),
+        "planned_step_s": estimate(cfg, layout).step.step_time_s,
+        "float8_linears": converted,
+    }
 
 
 def check_f8(ctx: Ctx) -> Outcome:
@@ -201,13 +221,26 @@ def check_f8(ctx: Ctx) -> Outcome:
         r = runs[recipe]
         expect(r["float8_linears"] > 0, f"precision.fp8={recipe}: no Linear was converted to Float8Linear")
         gap = abs(sum(r["losses"]) / steps - mean) / mean
-        expect(gap <= FP8_LOSS_GAP, f"precision.fp8={recipe}: mean loss {sum(r['losses']) / steps:.4f} vs bf16 "
-               f"{mean:.4f} (relative {gap:.3f} > {FP8_LOSS_GAP})")
+        expect(
+            gap <= FP8_LOSS_GAP,
+            f"precision.fp8={recipe}: mean loss {sum(r['losses']) / steps:.4f} vs bf16 "
+            f"{mean:.4f} (relative {gap:.3f} > {FP8_LOSS_GAP})",
+        )
         r["loss_gap"] = gap
-    numbers: dict[str, Any] = {"device": ctx.device_name, "gpu_type": ctx.gpu_type, "steps": steps,
-                               **{f"{'bf16' if k == 'none' else k}": v for k, v in runs.items()}}
-    summary = fp8_table(runs) if not ctx.cpu else "; ".join(
-        f"{'bf16' if k == 'none' else k} losses {' '.join(f'{x:.3f}' for x in v['losses'])}" for k, v in runs.items())
+    numbers: dict[str, Any] = {
+        "device": ctx.device_name,
+        "gpu_type": ctx.gpu_type,
+        "steps": steps,
+        **{f"{'bf16' if k == 'none' else k}": v for k, v in runs.items()},
+    }
+    summary = (
+        fp8_table(runs)
+        if not ctx.cpu
+        else "; ".join(
+            f"{'bf16' if k == 'none' else k} losses {' '.join(f'{x:.3f}' for x in v['losses'])}"
+            for k, v in runs.items()
+        )
+    )
     if ctx.cpu:
         return Outcome(True, summary + " (CPU: emulated FP8, no speed measured)", numbers)
     slower = [k for k in FP8_RUNS[1:] if runs[k]["tokens_per_s"] < base["tokens_per_s"]]
@@ -219,39 +252,101 @@ def check_f8(ctx: Ctx) -> Outcome:
 CHECKS = [
     # First: what a user runs.
     Check("cmd", "python -m hpctrain: agent, forked worker, resume", check_cmd, 150, 300, quick=True),
-    Check("ctl", "control all-reduce on a 1-rank NCCL group", check_ctl, 60, 120, quick=True,
-          cpu_title="control all-reduce on a 1-rank gloo group"),
+    Check(
+        "ctl",
+        "control all-reduce on a 1-rank NCCL group",
+        check_ctl,
+        60,
+        120,
+        quick=True,
+        cpu_title="control all-reduce on a 1-rank gloo group",
+    ),
     Check("llama", "Llama bf16/fp32, fused SDPA only, evaluate", check_llama, 90, 180, quick=True),
     Check("hf", "HF export, model.init_from run", check_hf, 120, 240, quick=True),
     Check("fr", "hang watchdog: flight-recorder dumps", check_fr, 60, 120, uses_cuda=False, quick=True),
     # Then the rest: first what landed since MoE (each under 40 s on one H100), then the older checks.
-    Check("moe", "Qwen3-MoE: grouped GEMM, capacity, bias, 1-rank EP", check_moe, 90, 240,
-          cpu_title="Qwen3-MoE: bf16/autocast, capacity, bias, 1-rank EP"),
-    Check("cpb", "CP backward; cp_attention on a 1-rank NCCL group", check_cp_backward, 60, 120,
-          cpu_title="CP backward; cp_attention on a 1-rank gloo group"),
+    Check(
+        "moe",
+        "Qwen3-MoE: grouped GEMM, capacity, bias, 1-rank EP",
+        check_moe,
+        90,
+        240,
+        cpu_title="Qwen3-MoE: bf16/autocast, capacity, bias, 1-rank EP",
+    ),
+    Check(
+        "cpb",
+        "CP backward; cp_attention on a 1-rank NCCL group",
+        check_cp_backward,
+        60,
+        120,
+        cpu_title="CP backward; cp_attention on a 1-rank gloo group",
+    ),
     Check("off", "engine step with CPU offload vs without (2 ranks)", check_off, 120, 300, uses_cuda=False),
-    Check("fp8x", "FP8 + TP + FSDP2 (1-rank mesh), eager and compiled", check_fp8x, 150, 300,
-          cpu_title="FP8 emulated + TP + FSDP2 (1-rank mesh), eager, aot_eager"),
-    Check("sync", "host syncs per engine step (sync debug mode)", check_sync, 60, 120,
-          cpu_title="host syncs per engine step (dispatch mode)"),
+    Check(
+        "fp8x",
+        "FP8 + TP + FSDP2 (1-rank mesh), eager and compiled",
+        check_fp8x,
+        150,
+        300,
+        cpu_title="FP8 emulated + TP + FSDP2 (1-rank mesh), eager, aot_eager",
+    ),
+    Check(
+        "sync",
+        "host syncs per engine step (sync debug mode)",
+        check_sync,
+        60,
+        120,
+        cpu_title="host syncs per engine step (dispatch mode)",
+    ),
     Check("rms", "F.rms_norm on TP DTensors (Qwen3 q/k norms)", check_rms, 60, 120),
     Check("gfree", "in-allocation restart: gpu_free on the new worker", check_gfree, 150, 300),
     Check("comp", "parallel.compile=true vs eager, dense model", check_comp, 120, 300),
-    Check("mem", "reserved memory, allocator retries vs the plan", check_mem, 90, 120,
-          cpu_title="the plan's memory (no allocator on CPU)"),
-    Check("a", "one-rank NCCL world through train()", check_a, 150, 180,
-          cpu_title="one-rank gloo world through train()"),
-    Check("b1", "1.3B bf16, recompute=none: MFU, memory", lambda ctx: check_b(ctx, "none"), 200, 180,
-          cpu_title="tiny, recompute=none: MFU, memory"),
-    Check("b2", "1.3B bf16, recompute=selective", lambda ctx: check_b(ctx, "selective"), 200, 180,
-          cpu_title="tiny, recompute=selective"),
+    Check(
+        "mem",
+        "reserved memory, allocator retries vs the plan",
+        check_mem,
+        90,
+        120,
+        cpu_title="the plan's memory (no allocator on CPU)",
+    ),
+    Check(
+        "a", "one-rank NCCL world through train()", check_a, 150, 180, cpu_title="one-rank gloo world through train()"
+    ),
+    Check(
+        "b1",
+        "1.3B bf16, recompute=none: MFU, memory",
+        lambda ctx: check_b(ctx, "none"),
+        200,
+        180,
+        cpu_title="tiny, recompute=none: MFU, memory",
+    ),
+    Check(
+        "b2",
+        "1.3B bf16, recompute=selective",
+        lambda ctx: check_b(ctx, "selective"),
+        200,
+        180,
+        cpu_title="tiny, recompute=selective",
+    ),
     Check("c", "checkpoint save/resume bitwise", check_c, 150, 180),
     Check("d", "TP+SP + FSDP2 CPU/NVMe offload, clipping", check_d, 150, 240),
     Check("e", "2 ranks on 1 device: DDP vs ZeRO-1", check_e, 240, 300, uses_cuda=False),
-    Check("f8", "bf16 vs FP8 (torchao): tokens/s, MFU", check_f8, 180, 240,
-          cpu_title="bf16 vs FP8 emulated (torchao): losses"),
-    Check("cp", "context-parallel chunks on flash attention", check_cp, 60, 120,
-          cpu_title="context-parallel chunks against full causal attention"),
+    Check(
+        "f8",
+        "bf16 vs FP8 (torchao): tokens/s, MFU",
+        check_f8,
+        180,
+        240,
+        cpu_title="bf16 vs FP8 emulated (torchao): losses",
+    ),
+    Check(
+        "cp",
+        "context-parallel chunks on flash attention",
+        check_cp,
+        60,
+        120,
+        cpu_title="context-parallel chunks against full causal attention",
+    ),
 ]
 
 # ---------------------------------------------------------------------------------------------------------
@@ -285,8 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget if args.budget is not None else budgets[mode]
     temporary = args.workdir is None
     workdir = _new_workdir(args.workdir)
-    ctx = Ctx(cpu=args.cpu, workdir=workdir, gpu_type=args.gpu_type, micro_batch=args.micro_batch,
-              steps=args.steps, mfu_goal=args.mfu_goal)
+    ctx = Ctx(
+        cpu=args.cpu,
+        workdir=workdir,
+        gpu_type=args.gpu_type,
+        micro_batch=args.micro_batch,
+        steps=args.steps,
+        mfu_goal=args.mfu_goal,
+    )
     torch_version = _import_once()
 
     rows = []
@@ -295,8 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         # The row as it ends, so that a run killed from outside (a device tool's limit per command) still shows it
         detail = "; ".join(t for t in (row["summary"], row["error"]) if t)
-        print(f"[{row['check']}] {row['result']} in {row['seconds']:.1f} s" + (f": {detail}" if detail else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"[{row['check']}] {row['result']} in {row['seconds']:.1f} s" + (f": {detail}" if detail else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     total = time.monotonic() - started
     passed = all(r["result"] == "PASS" for r in rows)
     device = next((r["device"] for r in rows if r.get("device")), "cpu" if args.cpu else "?")
@@ -306,9 +410,16 @@ def main(argv: list[str] | None = None) -> int:
     if keep:
         print(f"logs and run directories: {workdir}")
     if args.json:
-        summary = {"tool": "hpctrain tools/gpu_check.py", "mode": mode, "device": device, "torch": torch_version,
-                   "passed": passed, "seconds": total, "workdir": str(workdir) if keep else None,
-                   "checks": [{k: v for k, v in r.items() if k != "log" or keep} for r in rows]}
+        summary = {
+            "tool": "hpctrain tools/gpu_check.py",
+            "mode": mode,
+            "device": device,
+            "torch": torch_version,
+            "passed": passed,
+            "seconds": total,
+            "workdir": str(workdir) if keep else None,
+            "checks": [{k: v for k, v in r.items() if k != "log" or keep} for r in rows],
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         write_json(args.json, summary)
     if not keep:
@@ -322,23 +433,50 @@ def _parser() -> argparse.ArgumentParser:
     parser = EntryParser(description=__doc__)
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (gloo, the tiny model): the test suite")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
-    parser.add_argument("--only", help="comma-separated checks to run (cmd,ctl,llama,hf,fr,moe,cpb,off,fp8x,sync,"
-                        "rms,gfree,comp,mem,a,b1,b2,c,d,e,f8,cp; b = b1,b2)")
-    parser.add_argument("--quick", action="store_true", help="the first block alone (cmd,ctl,llama,hf,fr: what a "
-                        "user runs), under 3 minutes on one H100 (budget 170 s)")
-    parser.add_argument("--rest", action="store_true", help="every check but the first block (budget 470 s): after "
-                        "--quick, the whole run in two commands of under 10 minutes each")
-    parser.add_argument("--workdir", type=Path, help="keep run directories and logs in a new directory inside "
-                        "this one (default: a temporary directory, removed when every check passed unless --keep)")
+    parser.add_argument(
+        "--only",
+        help="comma-separated checks to run (cmd,ctl,llama,hf,fr,moe,cpb,off,fp8x,sync,"
+        "rms,gfree,comp,mem,a,b1,b2,c,d,e,f8,cp; b = b1,b2)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the first block alone (cmd,ctl,llama,hf,fr: what a "
+        "user runs), under 3 minutes on one H100 (budget 170 s)",
+    )
+    parser.add_argument(
+        "--rest",
+        action="store_true",
+        help="every check but the first block (budget 470 s): after "
+        "--quick, the whole run in two commands of under 10 minutes each",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        help="keep run directories and logs in a new directory inside "
+        "this one (default: a temporary directory, removed when every check passed unless --keep)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    parser.add_argument("--gpu-type", default="auto", help="conf/cluster gpu_type for the MFU peak "
-                        "(default: from the device name; h200, h100_80gb, a100_80gb, a100_40gb)")
-    parser.add_argument("--micro-batch", type=int, default=8, help="check b: sequences of 2048 tokens per "
-                        "micro-batch (default 8; the global batch is twice that)")
+    parser.add_argument(
+        "--gpu-type",
+        default="auto",
+        help="conf/cluster gpu_type for the MFU peak "
+        "(default: from the device name; h200, h100_80gb, a100_80gb, a100_40gb)",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=8,
+        help="check b: sequences of 2048 tokens per micro-batch (default 8; the global batch is twice that)",
+    )
     parser.add_argument("--steps", type=int, default=25, help="check b: steps per run (MFU: median after step 5)")
     parser.add_argument("--mfu-goal", type=float, default=MFU_GOAL, help="check b fails below this MFU (GPU)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 640 on GPU, 540 on CPU; "
-                        "--quick: 170, 300; --rest: 470, 400); checks that would start after it are reported as FAIL")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for the whole run (default 640 on GPU, 540 on CPU; "
+        "--quick: 170, 300; --rest: 470, 400); checks that would start after it are reported as FAIL",
+    )
     return parser
 
 
@@ -354,8 +492,9 @@ def _set_environment(cpu: bool) -> None:
     os.environ.setdefault("WANDB_MODE", "disabled")
 
 
-def _selected(parser: argparse.ArgumentParser, only: str | None, quick: bool = False,
-              rest: bool = False) -> list[Check]:
+def _selected(
+    parser: argparse.ArgumentParser, only: str | None, quick: bool = False, rest: bool = False
+) -> list[Check]:
     """The checks --only names ("b" is b1 and b2), in the table's order; the first block with --quick, the others
     with --rest; all of them without any."""
     if sum(map(bool, (quick, rest, only))) > 1:
@@ -391,6 +530,7 @@ def _import_once() -> str:
 
         import hpctrain.parallel.engine
         import hpctrain.train.loop  # noqa: F401
+
         return torch.__version__
     except Exception as exc:  # noqa: BLE001
         print(f"import failed: {first_line(exc)}", file=sys.stderr)

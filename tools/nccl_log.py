@@ -20,17 +20,20 @@ from __future__ import annotations
 import json
 import sys
 
+from hpctrain.entry import EntryParser
 from hpctrain.health.nccl_log import analyze
 from hpctrain.health.nccl_report import format_text
-from hpctrain.entry import EntryParser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = EntryParser(description=__doc__)
     parser.add_argument("logs", nargs="+", help="log files or directories of per-rank logs")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--allow-socket", action="store_true",
-                        help="the socket transport on a multi-node job is a warning, not an error")
+    parser.add_argument(
+        "--allow-socket",
+        action="store_true",
+        help="the socket transport on a multi-node job is a warning, not an error",
+    )
     args = parser.parse_args(argv)
     try:
         report = analyze(args.logs, allow_socket=args.allow_socket)
@@ -40,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     if not report.stats["nccl_lines"] and not report.versions:
         print(f"nccl_log: no NCCL output in {', '.join(args.logs)} (was NCCL_DEBUG=INFO set?)", file=sys.stderr)
         return 2
-    print(json.dumps({**report.to_dict(), "exit_code": report.exit_code}, indent=1) if args.json
-          else format_text(report))
+    print(
+        json.dumps({**report.to_dict(), "exit_code": report.exit_code}, indent=1) if args.json else format_text(report)
+    )
     return report.exit_code
 
 

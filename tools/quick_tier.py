@@ -54,8 +54,10 @@ def main() -> None:
     if not measured:
         parser.error(f"{args.log} has no --durations report")
     slow = sorted(node for node, seconds in measured.items() if seconds >= args.over and node not in REPRESENTATIVES)
-    args.out.write_text(f"# tests that took >= {args.over} s in a measured run (tools/quick_tier.py): marked slow by "
-                    "tests/conftest.py\n" + "".join(f"{node}\n" for node in slow))
+    args.out.write_text(
+        f"# tests that took >= {args.over} s in a measured run (tools/quick_tier.py): marked slow by "
+        "tests/conftest.py\n" + "".join(f"{node}\n" for node in slow)
+    )
     listed = set(slow)
     quick = sum(s for node, s in measured.items() if node not in listed)
     print(f"{len(slow)} slow tests listed in {args.out}; the rest took {quick:.0f} s in that run")

@@ -11,8 +11,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -66,8 +67,9 @@ def run_model_config(run_dir: Path) -> ModelConfig:
         raise CheckpointError(f"the run's config cannot be read: {err}") from None
     except Exception as exc:  # noqa: BLE001  (not YAML, no model section, a model this version does not know)
         first = (str(exc).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{path} holds no model config this hpctrain reads ({type(exc).__name__}: "
-                              f"{first})") from None
+        raise CheckpointError(
+            f"{path} holds no model config this hpctrain reads ({type(exc).__name__}: {first})"
+        ) from None
 
 
 # ---------------------------------------------------------------- export
@@ -108,14 +110,20 @@ def _named_as_today(saved: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[s
     return {**out, **{k: v for k, v in saved.items() if k not in out and k not in used}}
 
 
-def save_hf(state: Mapping[str, torch.Tensor], m: ModelConfig, out: Path, max_shard_bytes: int = MAX_SHARD_BYTES
-            ) -> list[Path]:
+def save_hf(
+    state: Mapping[str, torch.Tensor], m: ModelConfig, out: Path, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[Path]:
     """A full hpctrain model state in memory -> the HF model directory `out`, the same files export_hf writes."""
     return _write(state, lambda names: {k: state[k] for k in names}, m, out, max_shard_bytes)
 
 
-def _write(tensors: Mapping[str, torch.Tensor], read: Callable[[list[str]], Mapping[str, torch.Tensor]],
-           m: ModelConfig, out: Path, max_shard_bytes: int) -> list[Path]:
+def _write(
+    tensors: Mapping[str, torch.Tensor],
+    read: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    m: ModelConfig,
+    out: Path,
+    max_shard_bytes: int,
+) -> list[Path]:
     """config.json and the safetensors file(s) of the model whose weights `tensors` names and shapes (meta
     tensors will do) and `read` gives, group by group; written whole or not at all (into a sibling directory
     first, renamed into place). `out` must not hold anything yet."""
@@ -129,11 +137,13 @@ def _write(tensors: Mapping[str, torch.Tensor], read: Callable[[list[str]], Mapp
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in tensors.items()}
     hf_meta = to_hf(meta, m)  # names and shapes checked against the config before anything is read
     config = hf_config(m, next(iter(hf_meta.values())).dtype)  # and what HF cannot represent, refused before too
-    nbytes = {name: sum(hf_meta[k].numel() * hf_meta[k].element_size() for k in table[name].hf_names)
-              for name in table}
+    nbytes = {name: sum(hf_meta[k].numel() * hf_meta[k].element_size() for k in table[name].hf_names) for name in table}
     groups = _groups(nbytes, max_shard_bytes)
-    files = [WEIGHTS] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-                                                for i in range(len(groups))]
+    files = (
+        [WEIGHTS]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     made = make_parents(partial)
@@ -203,10 +213,15 @@ class HFWeights(Mapping[str, torch.Tensor]):
         else:
             pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
             raise FileNotFoundError(
-                f"no {WEIGHTS} or {INDEX} in {path}" + (f" (found {', '.join(pickles)}: pickles are never read, "
-                "they can run code; convert them once, where you trust them, with transformers: "
-                "AutoModelForCausalLM.from_pretrained(...).save_pretrained(OUT, safe_serialization=True))"
-                                                        if pickles else ""))
+                f"no {WEIGHTS} or {INDEX} in {path}"
+                + (
+                    f" (found {', '.join(pickles)}: pickles are never read, "
+                    "they can run code; convert them once, where you trust them, with transformers: "
+                    "AutoModelForCausalLM.from_pretrained(...).save_pretrained(OUT, safe_serialization=True))"
+                    if pickles
+                    else ""
+                )
+            )
         self._files = {f: safe_open(str(path / f), framework="pt", device="cpu") for f in files}
         self._where = {canonical_name(k, m): (f, k) for f, handle in self._files.items() for k in handle.keys()}
 
@@ -230,29 +245,37 @@ def open_hf(path: str | Path, m: ModelConfig) -> tuple[HFWeights, bool]:
     path = Path(path).expanduser()
     config_file = path / CONFIG
     if not config_file.exists():
-        raise FileNotFoundError(f"model.init_from={path}: no {CONFIG} there (a Hugging Face model directory, as "
-                                "save_pretrained or `tools/checkpoint.py export RUN --format hf OUT` writes it, "
-                                "holds one)")
+        raise FileNotFoundError(
+            f"model.init_from={path}: no {CONFIG} there (a Hugging Face model directory, as "
+            "save_pretrained or `tools/checkpoint.py export RUN --format hf OUT` writes it, "
+            "holds one)"
+        )
     hf = json.loads(config_file.read_text())
     try:
         differ = mismatches(m, hf)
     except HFMismatch as err:  # a model hpctrain has no architecture for
         raise HFMismatch(f"model.init_from={path}: {err}") from None
     if differ:
-        rows = "\n".join(f"  {key}: the run's config has {ours!r}, {config_file} has {theirs!r}"
-                         for key, ours, theirs in differ)
+        rows = "\n".join(
+            f"  {key}: the run's config has {ours!r}, {config_file} has {theirs!r}" for key, ours, theirs in differ
+        )
         sets = " ".join(f"{key}={theirs}" for key, _, theirs in differ if theirs is not None)
-        raise HFMismatch(f"model.init_from={path} does not match the run's model config (model={m.name}):\n{rows}\n"
-                         f"Fix: set {sets} (or pick the model config of this checkpoint), or point "
-                         "model.init_from at a model of this config's shape")
+        raise HFMismatch(
+            f"model.init_from={path} does not match the run's model config (model={m.name}):\n{rows}\n"
+            f"Fix: set {sets} (or pick the model config of this checkpoint), or point "
+            "model.init_from at a model of this config's shape"
+        )
     tied = bool(hf.get("tie_word_embeddings", family_of(m).hf.tied_default))
     weights = HFWeights(path, m)
     problems = check_hf_shapes(weights.shapes(), m, str(path), tied)
     if problems:
-        raise HFMismatch(f"model.init_from={path}: its weights do not match the run's model config (model={m.name})"
-                         f" although config.json does:\n  " + "\n  ".join(problems[:20])
-                         + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else "")
-                         + "\nFix: re-export or re-download the directory; its config.json and weights disagree")
+        raise HFMismatch(
+            f"model.init_from={path}: its weights do not match the run's model config (model={m.name})"
+            f" although config.json does:\n  "
+            + "\n  ".join(problems[:20])
+            + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else "")
+            + "\nFix: re-export or re-download the directory; its config.json and weights disagree"
+        )
     return weights, tied
 
 
@@ -277,13 +300,18 @@ def load_hf(parts: Sequence[nn.Module], path: str | Path, m: ModelConfig) -> Non
         own = get_model_state_dict(part)  # this rank's shards, by the model's own names (wrappers left out)
         unknown = [k for k in own if k not in known]
         if unknown:
-            raise HFMismatch(f"the model holds {unknown[:5]}, which no Hugging Face {family_of(m).name} weight converts to")
+            raise HFMismatch(
+                f"the model holds {unknown[:5]}, which no Hugging Face {family_of(m).name} weight converts to"
+            )
         rows = next((own[k].shape[0] for k in VOCAB_ROWS if k in own), None)  # this layout's padded vocabulary
         for name, full in iter_from_hf(weights, m, rows, list(own), tied):
             target = own[name]
             full = full.to(device=target.device, dtype=target.dtype)
-            value = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None) \
-                if isinstance(target, DTensor) else full
+            value = (
+                distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+                if isinstance(target, DTensor)
+                else full
+            )
             # One tensor per call: a DTensor's shard may be a view of the full tensor, freed only after the copy.
             set_model_state_dict(part, {name: value}, options=StateDictOptions(strict=False))
     log.info("loaded the Hugging Face model in %s", path)

@@ -58,8 +58,9 @@ def run_tiers(run_dir: Path) -> list[tuple[str, Path]]:
 
     config = RunPaths(run_dir).config
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir} " + ("is not a directory: give a run directory" if run_dir.exists()
-                                                 else "does not exist"))
+        raise FileNotFoundError(
+            f"{run_dir} " + ("is not a directory: give a run directory" if run_dir.exists() else "does not exist")
+        )
     if not config.exists():
         raise FileNotFoundError(f"{run_dir} is not an hpctrain run directory: it has no {config.name}")
     try:
@@ -78,11 +79,15 @@ def list_checkpoints(run_dir: Path) -> list[Committed]:
 
 def find(run_dir: Path, step: int | None = None, tier: str | None = None) -> Committed:
     """A committed checkpoint of a run: the newest, or the one at `step` (in `tier` if given)."""
-    found = [c for c in list_checkpoints(run_dir) if (tier is None or c.tier == tier)
-             and (step is None or c.step == step)]
+    found = [
+        c for c in list_checkpoints(run_dir) if (tier is None or c.tier == tier) and (step is None or c.step == step)
+    ]
     if not found:
-        raise FileNotFoundError(f"no committed checkpoint in {run_dir}" + (f" at step {step}" if step else "")
-                                + (f" in tier {tier}" if tier else ""))
+        raise FileNotFoundError(
+            f"no committed checkpoint in {run_dir}"
+            + (f" at step {step}" if step else "")
+            + (f" in tier {tier}" if tier else "")
+        )
     return max(found, key=lambda c: c.step)
 
 
@@ -94,10 +99,18 @@ def describe(c: Committed, content: bool = False) -> dict[str, Any]:
     if content:
         damage = check_files(c.path, m)
         problems += [str(d) for d in damage] + (
-            _metadata_problems(c.path) if not any(d.file == METADATA for d in damage) else [])
-    return {"tier": c.tier, "step": c.step, "time": m.get("time"), "bytes": sum(m.get("files", {}).values()),
-            "world_size": m.get("world_size"), "consumed_samples": m.get("consumed_samples"),
-            "path": str(c.path), "problems": list(dict.fromkeys(problems))}
+            _metadata_problems(c.path) if not any(d.file == METADATA for d in damage) else []
+        )
+    return {
+        "tier": c.tier,
+        "step": c.step,
+        "time": m.get("time"),
+        "bytes": sum(m.get("files", {}).values()),
+        "world_size": m.get("world_size"),
+        "consumed_samples": m.get("consumed_samples"),
+        "path": str(c.path),
+        "problems": list(dict.fromkeys(problems)),
+    }
 
 
 def _metadata_problems(path: Path) -> list[str]:
@@ -118,10 +131,18 @@ def unusable(run_dir: Path) -> list[dict[str, Any]]:
     """Checkpoints no resume will load: a manifest that cannot be trusted, or quarantined by a resume."""
     rows = []
     for name, path in run_tiers(run_dir):
-        rows += [{"tier": name, "step": step_of(sub), "path": str(sub), "problems": [why]}
-                 for sub, why in broken_in(path)]
-        rows += [{"tier": name, "step": step_of(sub), "path": str(sub),
-                  "problems": ["quarantined: a resume found it damaged"]} for sub in sorted(path.glob(f"*{CORRUPT}"))]
+        rows += [
+            {"tier": name, "step": step_of(sub), "path": str(sub), "problems": [why]} for sub, why in broken_in(path)
+        ]
+        rows += [
+            {
+                "tier": name,
+                "step": step_of(sub),
+                "path": str(sub),
+                "problems": ["quarantined: a resume found it damaged"],
+            }
+            for sub in sorted(path.glob(f"*{CORRUPT}"))
+        ]
     return rows
 
 
@@ -140,12 +161,13 @@ def model_tensors(c: Committed) -> dict[str, Any]:
     try:
         vocab = ModelShape.from_value(c.manifest["fingerprint"]["model"]).vocab_size
     except (KeyError, TypeError, ValueError) as exc:
-        raise DamagedCheckpoint(f"{c.path / 'manifest.json'} has no usable model fingerprint ({type(exc).__name__}: "
-                                f"{exc})") from None
+        raise DamagedCheckpoint(
+            f"{c.path / 'manifest.json'} has no usable model fingerprint ({type(exc).__name__}: {exc})"
+        ) from None
     out = {}
     for key, item in _metadata(c).state_dict_metadata.items():
         if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata):
-            name, size = key[len(MODEL_PREFIX):], list(item.size)
+            name, size = key[len(MODEL_PREFIX) :], list(item.size)
             if name in VOCAB_ROWS:
                 size[0] = vocab
             out[name] = torch.empty(size, dtype=item.properties.dtype, device="meta")
@@ -167,8 +189,9 @@ def _metadata(c: Committed) -> Any:
     except Exception as exc:  # noqa: BLE001  (a pickle that is not one fails in many ways)
         size = path.stat().st_size if path.is_file() else 0
         what = "is empty (0 bytes)" if size == 0 else f"({size} bytes) is not DCP metadata"
-        raise DamagedCheckpoint(f"{path} {what}: the checkpoint cannot be read ({type(exc).__name__}: "
-                                f"{str(exc)[:200]})") from None
+        raise DamagedCheckpoint(
+            f"{path} {what}: the checkpoint cannot be read ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
 
 
 def check_readable(c: Committed) -> None:
@@ -176,9 +199,12 @@ def check_readable(c: Committed) -> None:
     `.metadata` that loads; DamagedCheckpoint naming what is not. (`verify` checks every byte.)"""
     problems = verify(c)
     if problems:
-        raise DamagedCheckpoint(f"the checkpoint {c.path} (tier {c.tier}, step {c.step}) is damaged: "
-                                + "; ".join(problems) + " (tools/checkpoint.py verify says more; --step exports "
-                                "another)")
+        raise DamagedCheckpoint(
+            f"the checkpoint {c.path} (tier {c.tier}, step {c.step}) is damaged: "
+            + "; ".join(problems)
+            + " (tools/checkpoint.py verify says more; --step exports "
+            "another)"
+        )
     _metadata(c)
 
 
@@ -190,8 +216,7 @@ def consolidated_model(c: Committed, names: list[str] | None = None) -> dict[str
     from hpctrain.checkpoint.reader import CorruptCheckpoint
     from hpctrain.checkpoint.reshard import load_state
 
-    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model_tensors(c).items()
-             if names is None or k in names}
+    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model_tensors(c).items() if names is None or k in names}
     try:
         load_state({"train": {"model": state}}, str(c.path), None, no_dist=True)
     except CorruptCheckpoint as err:
@@ -208,8 +233,10 @@ def export_model(c: Committed, out: Path) -> list[Path]:
 
     safe = out.with_suffix(".safetensors")
     if out.is_dir() or safe.is_dir():
-        raise ExportFailed(f"{out if out.is_dir() else safe} is a directory: give the export a file name "
-                           f"({out / 'model.pt'}), or use --format hf for a model directory")
+        raise ExportFailed(
+            f"{out if out.is_dir() else safe} is a directory: give the export a file name "
+            f"({out / 'model.pt'}), or use --format hf for a model directory"
+        )
     state = consolidated_model(c)
     made = make_parents(out)
     temps = [out.with_name(f".{out.name}.partial"), safe.with_name(f".{safe.name}.partial")]
@@ -227,8 +254,7 @@ def export_model(c: Committed, out: Path) -> list[Path]:
         for directory in made:
             shutil.rmtree(directory, ignore_errors=True)
         if isinstance(exc, Exception):
-            raise write_failure(exc, out, code, 2 * sum(v.numel() * v.element_size() for v in state.values())) \
-                from None
+            raise write_failure(exc, out, code, 2 * sum(v.numel() * v.element_size() for v in state.values())) from None
         raise
     return [out, safe]
 
@@ -250,10 +276,16 @@ def make_parents(out: Path) -> list[Path]:
 
 
 # A write that failed for want of room: the errno in the exception or its chain, else these words of it.
-_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
-         errno.EFBIG: "a file is larger than this process may write"}
-_FULL_WORDS = ((r"No space left on device|os error 28", errno.ENOSPC),
-               (r"Disk quota exceeded|os error 122", errno.EDQUOT), (r"File too large|os error 27", errno.EFBIG))
+_FULL = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exhausted",
+    errno.EFBIG: "a file is larger than this process may write",
+}
+_FULL_WORDS = (
+    (r"No space left on device|os error 28", errno.ENOSPC),
+    (r"Disk quota exceeded|os error 122", errno.EDQUOT),
+    (r"File too large|os error 27", errno.EFBIG),
+)
 
 
 def out_of_room(exc: BaseException, out: Path) -> int | None:
@@ -283,8 +315,11 @@ def write_failure(exc: BaseException, out: Path, code: int | None, needed: int |
 
         soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         limit = f"ulimit -f allows {_size(soft)}" if soft != resource.RLIM_INFINITY else "the file system's limit"
-        return ExportFailed(f"writing {out} failed: {_FULL[code]}: {limit}; the partial export was removed. Raise "
-                            "the limit (ulimit -f unlimited), or export to another file system", full=True)
+        return ExportFailed(
+            f"writing {out} failed: {_FULL[code]}: {limit}; the partial export was removed. Raise "
+            "the limit (ulimit -f unlimited), or export to another file system",
+            full=True,
+        )
     if code is not None:
         where = _existing(out).resolve()
         room = ""
@@ -294,8 +329,11 @@ def write_failure(exc: BaseException, out: Path, code: int | None, needed: int |
         except OSError:
             pass
         need = f", the export needs about {_size(needed)}" if needed else ""
-        return ExportFailed(f"writing {out} failed: {_FULL[code]} on the file system of {where}{room}{need}; the "
-                            "partial export was removed. Free space there, or export to another disk", full=True)
+        return ExportFailed(
+            f"writing {out} failed: {_FULL[code]} on the file system of {where}{room}{need}; the "
+            "partial export was removed. Free space there, or export to another disk",
+            full=True,
+        )
     chain = [exc, exc.__cause__ or exc.__context__]
     oserror = next((x for x in chain if isinstance(x, OSError)), None)
     reason = (oserror.strerror or str(oserror)) if oserror is not None else f"{type(exc).__name__}: {exc}"

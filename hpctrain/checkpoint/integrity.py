@@ -35,10 +35,11 @@ import json
 import os
 import pickle
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -127,7 +128,7 @@ class SummingStream(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         for at in range(0, len(view), self.PIECE):
-            piece = view[at: at + self.PIECE]
+            piece = view[at : at + self.PIECE]
             written = self._raw.write(piece)  # a blocking buffered file: all of it, or an error
             self._part = update(piece[:written], self._part)
             self.size += written
@@ -241,8 +242,12 @@ class Damage:
     records: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        hit = f"; records hit: {', '.join(self.records[:8])}" + (
-            f" and {len(self.records) - 8} more" if len(self.records) > 8 else "") if self.records else ""
+        hit = (
+            f"; records hit: {', '.join(self.records[:8])}"
+            + (f" and {len(self.records) - 8} more" if len(self.records) > 8 else "")
+            if self.records
+            else ""
+        )
         return f"{self.file}: {self.reason}{hit}"
 
 
@@ -251,8 +256,7 @@ def record_sums(metadata: Any) -> dict[str, list[tuple[int, int, str | None, str
     out: dict[str, list[tuple[int, int, str | None, str]]] = {}
     for index, info in metadata.storage_data.items():
         name = index.fqn if not index.offset or not any(index.offset) else f"{index.fqn}@{list(index.offset)}"
-        out.setdefault(info.relative_path, []).append(
-            (info.offset, info.length, getattr(info, "checksum", None), name))
+        out.setdefault(info.relative_path, []).append((info.offset, info.length, getattr(info, "checksum", None), name))
     for records in out.values():
         records.sort()
     return out
@@ -263,11 +267,14 @@ class UnsafeCheckpoint(RuntimeError):
     class): unpickling it could run code, so it is refused before anything in it runs."""
 
     def __init__(self, file: str, forbidden: str, detail: str = "") -> None:
-        reason = detail or (f"its pickle asks for {forbidden}, which DCP's checkpoint files never hold; "
-                            "unpickling it could run code")
-        self.reason = (f"refused to load: {reason}. This checkpoint is not as a DCP save wrote it (crafted, or "
-                       "altered after the save with its checksums and manifest updated to match): resume or export "
-                       "only checkpoints your own runs wrote, and remove this one")
+        reason = detail or (
+            f"its pickle asks for {forbidden}, which DCP's checkpoint files never hold; unpickling it could run code"
+        )
+        self.reason = (
+            f"refused to load: {reason}. This checkpoint is not as a DCP save wrote it (crafted, or "
+            "altered after the save with its checksums and manifest updated to match): resume or export "
+            "only checkpoints your own runs wrote, and remove this one"
+        )
         super().__init__(f"{file}: {self.reason}")
         self.file = file
         self.forbidden = forbidden
@@ -282,20 +289,22 @@ _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 # saves of every layout hpctrain writes (DDP, ZeRO-1, FSDP2 and TP DTensor shards, pipeline stages, CPU and NVMe
 # offload, fp16 with its loss scaler: `test_pickle_safety.py`), and nothing else. Builtin containers (dict,
 # list, tuple, str, int, float, bool, None) are pickle opcodes, not classes: they need no entry.
-METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset({
-    (_METADATA_MODULE, "Metadata"),
-    (_METADATA_MODULE, "TensorStorageMetadata"),
-    (_METADATA_MODULE, "BytesStorageMetadata"),  # a non-tensor value (the fp16 loss scaler's scale and counter)
-    (_METADATA_MODULE, "ChunkStorageMetadata"),
-    (_METADATA_MODULE, "TensorProperties"),
-    (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"),  # TensorProperties pickles its memory format as this enum
-    (_METADATA_MODULE, "MetadataIndex"),
-    (_METADATA_MODULE, "StorageMeta"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # how torch.layout pickles: a lookup by name (torch.strided)
-    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the directory the save wrote
-})
+METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_METADATA_MODULE, "Metadata"),
+        (_METADATA_MODULE, "TensorStorageMetadata"),
+        (_METADATA_MODULE, "BytesStorageMetadata"),  # a non-tensor value (the fp16 loss scaler's scale and counter)
+        (_METADATA_MODULE, "ChunkStorageMetadata"),
+        (_METADATA_MODULE, "TensorProperties"),
+        (_METADATA_MODULE, "_MEM_FORMAT_ENCODING"),  # TensorProperties pickles its memory format as this enum
+        (_METADATA_MODULE, "MetadataIndex"),
+        (_METADATA_MODULE, "StorageMeta"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # how torch.layout pickles: a lookup by name (torch.strided)
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id: the directory the save wrote
+    }
+)
 # A dtype pickles as the `torch` attribute of its name (torch.float32): every dtype torch has, looked up in the
 # module's own dict (a getattr could import a lazy submodule).
 TORCH_DTYPES: frozenset[str] = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
@@ -329,10 +338,18 @@ def read_metadata(path: Path | str) -> Metadata:
     records = metadata.storage_data if metadata.storage_data is not None else {}
     for info in records.values() if isinstance(records, dict) else [records]:
         name = getattr(info, "relative_path", None)
-        if (not isinstance(info, _StorageInfo) or not isinstance(name, str) or name in ("", ".", "..")
-                or "/" in name or os.sep in name):
-            raise UnsafeCheckpoint(str(path), repr(name), f"it places a record in {name!r}, which is not a file "
-                                                          "of the checkpoint's own directory")
+        if (
+            not isinstance(info, _StorageInfo)
+            or not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or os.sep in name
+        ):
+            raise UnsafeCheckpoint(
+                str(path),
+                repr(name),
+                f"it places a record in {name!r}, which is not a file of the checkpoint's own directory",
+            )
     return metadata
 
 
@@ -369,9 +386,9 @@ def check_files(directory: Path, manifest: dict[str, Any], names: list[str] | No
         per_file = record_sums(read_metadata(directory / METADATA))
     except UnsafeCheckpoint as err:  # the records cannot be named: say why, beside the damage found
         return [*damage, Damage(METADATA, err.reason)]
-    return [Damage(d.file, d.reason, tuple(damaged_records(directory / d.file, per_file.get(d.file, []))))
-            for d in damage]
-
+    return [
+        Damage(d.file, d.reason, tuple(damaged_records(directory / d.file, per_file.get(d.file, [])))) for d in damage
+    ]
 
 
 # ---------------------------------------------------------------- the manifest's own sum

@@ -51,6 +51,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.utils import CheckpointException
 
 from hpctrain.checkpoint import integrity, peers
+from hpctrain.checkpoint.integrity import METADATA
+from hpctrain.checkpoint.peers import Nodes
+from hpctrain.checkpoint.reader import CorruptCheckpoint
+from hpctrain.checkpoint.reshard import legacy_source, load_state
 from hpctrain.checkpoint.storage import (
     MANIFEST,
     Committed,
@@ -67,16 +71,12 @@ from hpctrain.checkpoint.storage import (
     verify,
     write_manifest,
 )
-from hpctrain.checkpoint.integrity import METADATA
-from hpctrain.checkpoint.peers import Nodes
-from hpctrain.checkpoint.reader import CorruptCheckpoint
-from hpctrain.checkpoint.reshard import legacy_source, load_state
 from hpctrain.config.schema import CheckpointConfig
+from hpctrain.goodput.model import daly_interval, mtbf_s
 from hpctrain.models import registry
 from hpctrain.models.family import Dims
 from hpctrain.records.fingerprint import upgrade_fingerprint
 from hpctrain.records.paths import escape, tier_directory
-from hpctrain.goodput.model import daly_interval, mtbf_s
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +183,17 @@ def _load_failure(err: BaseException) -> str | None:
 class CheckpointManager:
     """Saves, commits, retains and finds checkpoints of an engine (state_dict() / load_state_dict())."""
 
-    def __init__(self, config: CheckpointConfig, failure_rate_per_gpu_day: float, run_dir: Path, run_id: str,
-                 rank: int, world_size: int, fingerprint: dict[str, Any],
-                 device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        failure_rate_per_gpu_day: float,
+        run_dir: Path,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        fingerprint: dict[str, Any],
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         self.enabled = bool(config.enabled)
         self.save_final = bool(config.save_final)
         self.force_resume = bool(config.force_resume)
@@ -197,9 +205,11 @@ class CheckpointManager:
         self.run_id = run_id
         self.fingerprint = upgrade_fingerprint(fingerprint)
         self.distributed = dist.is_initialized()
-        self.tiers = [Tier(t.name, directory, t.interval_steps, t.interval_minutes, t.keep_last, auto=t.auto,
-                           home=home) for t in config.tiers for directory, home in [tier_directory(t.path, run_dir,
-                                                                                                    run_id)]]
+        self.tiers = [
+            Tier(t.name, directory, t.interval_steps, t.interval_minutes, t.keep_last, auto=t.auto, home=home)
+            for t in config.tiers
+            for directory, home in [tier_directory(t.path, run_dir, run_id)]
+        ]
         self.mtbf_s = mtbf_s(failure_rate_per_gpu_day, world_size)
         # Own groups, created by every rank in the same order: agreement at step boundaries uses
         # `control_group` (gloo, so it works next to NCCL too); each tier's background writes use a group of
@@ -262,15 +272,17 @@ class CheckpointManager:
                 f": run {self.run_id} loads, saves and deletes only checkpoints of its own, so it does not {doing} "
                 "there (nothing was loaded, saved or deleted). Remove the link and let the run make its own "
                 "directory, or start a new run; to start from another run's weights, export them "
-                "(tools/checkpoint.py export RUN --format hf OUT) and set model.init_from=OUT")
+                "(tools/checkpoint.py export RUN --format hf OUT) and set model.init_from=OUT"
+            )
 
     def _check_owner(self, ckpt: Committed) -> None:
         """A checkpoint another run wrote (its manifest's run id) is not resumed: it came in through a link or a
         copy. One written before manifests named their run is taken as this run's, with a warning."""
         owner = ckpt.manifest.get("run_id")
         if owner is None:
-            log.warning("checkpoint %s names no run (written before manifests did): taken as run %s's",
-                        ckpt.path, self.run_id)
+            log.warning(
+                "checkpoint %s names no run (written before manifests did): taken as run %s's", ckpt.path, self.run_id
+            )
             return
         if str(owner) != self.run_id:
             raise CheckpointError(
@@ -278,7 +290,8 @@ class CheckpointManager:
                 "resumes only its own checkpoints (is the tier directory, or this step, a link or a copy of another "
                 "run's?). Nothing was loaded. Remove it from this run's tier, or start a new run; to start from that "
                 "run's weights, export them (tools/checkpoint.py export RUN --format hf OUT) and set "
-                "model.init_from=OUT")
+                "model.init_from=OUT"
+            )
 
     def _check_shapes(self, ckpt: Committed, state: dict[str, Any]) -> None:
         """Every tensor of the checkpoint that the state loads has the state's global shape, and every model
@@ -310,8 +323,15 @@ class CheckpointManager:
                 continue  # the vocabulary padded for another TP degree or pad multiple: `reshard` copies the rows
             wrong.append(f"{_weight_name(fqn)} is {list(have)} there, {list(want)} here")
         held = {_module_of(k) for k in targets if k.startswith("train.model.")}
-        extra = sorted(k for k, meta in saved.items() if k.startswith("train.model.") and hasattr(meta, "size")
-                       and k not in targets and k not in renamed and _module_of(k) in held)
+        extra = sorted(
+            k
+            for k, meta in saved.items()
+            if k.startswith("train.model.")
+            and hasattr(meta, "size")
+            and k not in targets
+            and k not in renamed
+            and _module_of(k) in held
+        )
         wrong += [f"{_weight_name(k)} is in the checkpoint, not in this model" for k in extra]
         if wrong:
             raise CheckpointError(
@@ -319,7 +339,8 @@ class CheckpointManager:
                 f"{f' (and {len(wrong) - 3} more)' if len(wrong) > 3 else ''}. A checkpoint loads only into the "
                 "shapes it was saved with (checkpoint.force_resume does not change that): resume with the run's own "
                 "model settings (its config.yaml), or start a new run (convert the weights first: tools/checkpoint.py "
-                "export RUN --format hf OUT, then model.init_from=OUT)")
+                "export RUN --format hf OUT, then model.init_from=OUT)"
+            )
 
     # ---------------------------------------------------------------- resume
     def resume(self, engine: Any) -> dict[str, Any] | None:
@@ -340,8 +361,9 @@ class CheckpointManager:
             else:
                 ckpt, problems = self._from_nodes(tier, step)
             # damage: what a checkpoint that is there holds is not what was written (vs. not there, not whole)
-            unusable, damaged = self._all_reduce_max([float(bool(problems)),
-                                                      float(ckpt is not None and bool(problems))])
+            unusable, damaged = self._all_reduce_max(
+                [float(bool(problems)), float(ckpt is not None and bool(problems))]
+            )
             if unusable:
                 self._skip(tier, step, self._all_gather(problems), damaged > 0)
                 continue
@@ -359,14 +381,30 @@ class CheckpointManager:
                 self._skip(tier, step, [[reason]], damaged=True)
                 continue
             seconds = time.perf_counter() - started
-            log.info("resumed from tier %s step %d (%s) in %.2f s%s", tier.name, step, ckpt.path, seconds,
-                     f"; the nodes fetched {fetched / 1e6:.1f} MB of it from their peers" if fetched else "")
-            self.events.append({"event": "resume", "tier": tier.name, "step": step, "load_s": seconds,
-                                "fetched_bytes": fetched, "verified": self.verify_on_load})
+            log.info(
+                "resumed from tier %s step %d (%s) in %.2f s%s",
+                tier.name,
+                step,
+                ckpt.path,
+                seconds,
+                f"; the nodes fetched {fetched / 1e6:.1f} MB of it from their peers" if fetched else "",
+            )
+            self.events.append(
+                {
+                    "event": "resume",
+                    "tier": tier.name,
+                    "step": step,
+                    "load_s": seconds,
+                    "fetched_bytes": fetched,
+                    "verified": self.verify_on_load,
+                }
+            )
             return ckpt.manifest
         if overwritten:  # part of the state came from a damaged checkpoint: never train on from it
-            raise CheckpointError(f"no sound checkpoint is left after a damaged one was partly loaded ({overwritten});"
-                                  " it is quarantined, so the next attempt starts afresh")
+            raise CheckpointError(
+                f"no sound checkpoint is left after a damaged one was partly loaded ({overwritten});"
+                " it is quarantined, so the next attempt starts afresh"
+            )
         return None
 
     def _problems(self, ckpt: Committed) -> list[str]:
@@ -377,10 +415,22 @@ class CheckpointManager:
     def _skip(self, tier: Tier, step: int, reasons_by_rank: list[list[str]], damaged: bool) -> None:
         """A candidate every rank gives up on: say why (log, events), and quarantine it when it is damaged."""
         reasons = list(dict.fromkeys(r for part in reasons_by_rank for r in part))
-        log.warning("skipping tier %s step %d%s: %s", tier.name, step,
-                    " (damaged: quarantined)" if damaged else "", "; ".join(reasons[:3]))
-        self.events.append({"event": "resume_skip", "tier": tier.name, "step": step, "damaged": damaged,
-                            "reason": "; ".join(reasons[:3])})
+        log.warning(
+            "skipping tier %s step %d%s: %s",
+            tier.name,
+            step,
+            " (damaged: quarantined)" if damaged else "",
+            "; ".join(reasons[:3]),
+        )
+        self.events.append(
+            {
+                "event": "resume_skip",
+                "tier": tier.name,
+                "step": step,
+                "damaged": damaged,
+                "reason": "; ".join(reasons[:3]),
+            }
+        )
         path = step_dir(tier.path, step)
         if damaged and self._leader(tier) and path.exists():
             quarantine(path)
@@ -393,22 +443,26 @@ class CheckpointManager:
             broken = broken_in(tier.path) if self._leader(tier) else []
             for path, why in broken:
                 log.warning("checkpoint %s of tier %s is damaged (quarantined): %s", path, tier.name, why)
-                self.events.append({"event": "resume_skip", "tier": tier.name, "step": step_of(path),
-                                    "damaged": True, "reason": why})
+                self.events.append(
+                    {"event": "resume_skip", "tier": tier.name, "step": step_of(path), "damaged": True, "reason": why}
+                )
                 quarantine(path)
         self._barrier()
 
     def _check_fingerprint(self, ckpt: Committed) -> None:
         saved = upgrade_fingerprint(ckpt.manifest.get("fingerprint", {}))
         if saved.get("model") != self.fingerprint["model"]:
-            raise CheckpointError(f"checkpoint {ckpt.path} holds model {saved.get('model')}, this run builds "
-                                  f"{self.fingerprint['model']}: it cannot be loaded")
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} holds model {saved.get('model')}, this run builds "
+                f"{self.fingerprint['model']}: it cannot be loaded"
+            )
         changed = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if k != "model" and saved.get(k) != v}
         if changed and not self.force_resume:
             detail = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items())
             raise CheckpointError(
                 f"resuming {ckpt.path} would not continue the same training exactly ({detail}): the data "
-                "order or position would differ. Restore those settings, or set checkpoint.force_resume=true")
+                "order or position would differ. Restore those settings, or set checkpoint.force_resume=true"
+            )
         if changed:
             log.warning("forced resume despite changes: %s", changed)
 
@@ -428,8 +482,9 @@ class CheckpointManager:
         transfers = peers.fetch_transfers(required, held, [{METADATA}] * len(held), tier.nodes)
         peers.run_transfers(transfers, self.rank, path, path, self.control_group)
         self._barrier()
-        return Committed(tier.name, step, path, manifest), [str(d) for d in integrity.check_files(path, manifest,
-                                                                                                 [METADATA])]
+        return Committed(tier.name, step, path, manifest), [
+            str(d) for d in integrity.check_files(path, manifest, [METADATA])
+        ]
 
     def _fetch_missing(self, tier: Tier, ckpt: Committed, files: set[str]) -> int:
         """Bring the files each node's ranks will read from the nodes that hold them; each node then holds a
@@ -453,15 +508,22 @@ class CheckpointManager:
         same_world = ckpt.manifest.get("world_size") == self.world_size
         if same_world:  # RNG streams are per rank: only meaningful with the same ranks (and devices saved)
             streams = _rng_state(self.device)
-            state["rng"] = {f"rank{self.rank}": {k: v for k, v in streams.items()
-                                                 if k in ckpt.manifest.get("rng_streams", ["cpu"])}}
+            state["rng"] = {
+                f"rank{self.rank}": {k: v for k, v in streams.items() if k in ckpt.manifest.get("rng_streams", ["cpu"])}
+            }
         fetched = [0]
 
         def fetch(files: set[str]) -> None:
             fetched[0] = self._fetch_missing(tier, ckpt, files)
 
-        load_state(state, str(ckpt.path), self.control_group, no_dist=not self.distributed,
-                   before_read=None if tier.shared else fetch, verify=self.verify_on_load)
+        load_state(
+            state,
+            str(ckpt.path),
+            self.control_group,
+            no_dist=not self.distributed,
+            before_read=None if tier.shared else fetch,
+            verify=self.verify_on_load,
+        )
         engine.load_state_dict(state["train"])
         if same_world:
             _set_rng_state(state["rng"][f"rank{self.rank}"], self.device)
@@ -475,8 +537,9 @@ class CheckpointManager:
         if not self.enabled:
             return []
         local = [0.0 if self.in_flight[n].future.done() else 1.0 for n in self.in_flight]
-        return local + [1.0 if self.rank == 0 and t.due_by_time(now) else 0.0
-                        for t in self.tiers if t.interval_minutes > 0]
+        return local + [
+            1.0 if self.rank == 0 and t.due_by_time(now) else 0.0 for t in self.tiers if t.interval_minutes > 0
+        ]
 
     def after_step(self, step: int, engine: Any, progress: dict[str, Any], agreed: list[float]) -> None:
         """Called by every rank at every step boundary with `control_values` summed over all ranks (taken
@@ -491,7 +554,7 @@ class CheckpointManager:
             if not running:
                 self._commit(name)
         due = {t.name for t in self.tiers if t.due_by_steps(step)}
-        due |= {t.name for t, flag in zip(timed, agreed[len(pending):]) if flag}
+        due |= {t.name for t, flag in zip(timed, agreed[len(pending) :]) if flag}
         for tier in self.tiers:
             if tier.name in due:
                 self._start(tier, step, engine, progress, now)
@@ -559,45 +622,84 @@ class CheckpointManager:
         if tier.name in self.in_flight:
             running = self.in_flight[tier.name]
             if not self.wait_when_busy:
-                log.warning("tier %s: the save of step %d is still running at step %d; skipping this interval",
-                            tier.name, running.step, step)
-                self.events.append({"event": "save_skipped", "tier": tier.name, "step": step,
-                                    "running_step": running.step})
+                log.warning(
+                    "tier %s: the save of step %d is still running at step %d; skipping this interval",
+                    tier.name,
+                    running.step,
+                    step,
+                )
+                self.events.append(
+                    {"event": "save_skipped", "tier": tier.name, "step": step, "running_step": running.step}
+                )
                 return
-            log.warning("tier %s: the save of step %d is still running at step %d; waiting for it",
-                        tier.name, running.step, step)
+            log.warning(
+                "tier %s: the save of step %d is still running at step %d; waiting for it",
+                tier.name,
+                running.step,
+                step,
+            )
             waited = time.perf_counter()
             running.future.result()
             self._commit(tier.name)
-            self.events.append({"event": "save_waited", "tier": tier.name, "step": step,
-                                "waited_s": time.perf_counter() - waited})
+            self.events.append(
+                {"event": "save_waited", "tier": tier.name, "step": step, "waited_s": time.perf_counter() - waited}
+            )
         self._guard(tier, "save")
         partial = partial_dir(tier.path, step)
         partial.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         state = {"train": engine.state_dict(), "rng": {f"rank{self.rank}": _rng_state(self.device)}}
         collected = time.perf_counter()
-        meta = {"step": step, "run_id": self.run_id, "world_size": self.world_size, "time": time.time(),
-                "fingerprint": self.fingerprint, "rng_streams": sorted(state["rng"][f"rank{self.rank}"]),
-                **progress, "tier": tier.name, "shared": tier.shared}
+        meta = {
+            "step": step,
+            "run_id": self.run_id,
+            "world_size": self.world_size,
+            "time": time.time(),
+            "fingerprint": self.fingerprint,
+            "rng_streams": sorted(state["rng"][f"rank{self.rank}"]),
+            **progress,
+            "tier": tier.name,
+            "shared": tier.shared,
+        }
         writer = integrity.SummingWriter(partial, thread_count=self.write_threads)
-        saving = dcp.async_save(state, storage_writer=writer, process_group=self.save_groups[tier.name],
-                                async_stager=self.stagers[tier.name], no_dist=not self.distributed)
+        saving = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=self.save_groups[tier.name],
+            async_stager=self.stagers[tier.name],
+            no_dist=not self.distributed,
+        )
         assert isinstance(saving, AsyncSaveResponse)  # ReusingStager.stage returns the copy's future
         dispatched = time.perf_counter()
-        future = self._writers.submit(self._write_and_commit, saving.upload_completion, writer, tier, step, meta,
-                                      started)
+        future = self._writers.submit(
+            self._write_and_commit, saving.upload_completion, writer, tier, step, meta, started
+        )
         blocked = time.perf_counter() - started
         tier.last_save = now
         self.in_flight[tier.name] = InFlight(step, future, saving.staging_completion, blocked)
         # Where the blocked time went: collecting the state dict, starting the copy (the buffers' allocation
         # at a tier's first save; DCP's planning runs in its thread). The wait for the copy comes at the
         # optimizer step (`wait_for_staging`) and is in the committed save's blocked_s.
-        self.events.append({"event": "save_started", "tier": tier.name, "step": step, "blocked_s": blocked,
-                            "state_dict_s": collected - started, "dispatch_s": dispatched - collected})
+        self.events.append(
+            {
+                "event": "save_started",
+                "tier": tier.name,
+                "step": step,
+                "blocked_s": blocked,
+                "state_dict_s": collected - started,
+                "dispatch_s": dispatched - collected,
+            }
+        )
 
-    def _write_and_commit(self, written: Future, writer: integrity.SummingWriter, tier: Tier, step: int,
-                          meta: dict[str, Any], started: float) -> dict[str, float]:
+    def _write_and_commit(
+        self,
+        written: Future,
+        writer: integrity.SummingWriter,
+        tier: Tier,
+        step: int,
+        meta: dict[str, Any],
+        started: float,
+    ) -> dict[str, float]:
         """A save after staging, in its background thread: DCP's write, a node-local tier's copy to the next
         node, every rank's file sums to the leaders, their durable commit; back once every rank is past it."""
         written.result()
@@ -609,12 +711,22 @@ class CheckpointManager:
         by_rank = peers.all_gather(writer.written(), self.world_size, group) if self.distributed else [writer.written()]
         sums = {name: sized for part in by_rank for name, sized in part.items()}
         if self._leader(tier):
-            publish(partial, step_dir(tier.path, step), {**meta, "files": {n: s for n, (s, _) in sums.items()},
-                                                          integrity.ALGORITHM: {n: c for n, (_, c) in sums.items()}})
+            publish(
+                partial,
+                step_dir(tier.path, step),
+                {
+                    **meta,
+                    "files": {n: s for n, (s, _) in sums.items()},
+                    integrity.ALGORITHM: {n: c for n, (_, c) in sums.items()},
+                },
+            )
         if self.distributed:
             dist.barrier(group=group)
-        return {"bytes": sum(size for size, _ in sums.values()), "replica_bytes": replica,
-                "total_s": time.perf_counter() - started}
+        return {
+            "bytes": sum(size for size, _ in sums.values()),
+            "replica_bytes": replica,
+            "total_s": time.perf_counter() - started,
+        }
 
     def _commit(self, name: str) -> None:
         """Book a save every rank has committed (in its background thread): retention, the event."""
@@ -626,8 +738,14 @@ class CheckpointManager:
             self._reap_retention(wait=False)
             self._retaining.append(self._janitor.submit(self._retain, tier))
         blocked = job.blocked_s + time.perf_counter() - booked
-        log.info("checkpoint step %d committed to tier %s (%.1f MB, blocked %.3f s, %.2f s in all)",
-                 job.step, name, done["bytes"] / 1e6, blocked, done["total_s"])
+        log.info(
+            "checkpoint step %d committed to tier %s (%.1f MB, blocked %.3f s, %.2f s in all)",
+            job.step,
+            name,
+            done["bytes"] / 1e6,
+            blocked,
+            done["total_s"],
+        )
         self.events.append({"event": "save_committed", "tier": name, "step": job.step, **done, "blocked_s": blocked})
         if tier.auto:
             self._retune(tier, blocked, done["total_s"])
@@ -637,8 +755,15 @@ class CheckpointManager:
         than the background write, which would only make saves skip."""
         minutes = max(daly_interval(max(blocked_s, 1e-3), self.mtbf_s), write_s) / 60
         tier.interval_steps, tier.interval_minutes = 0, minutes
-        self.events.append({"event": "interval_auto", "tier": tier.name, "minutes": minutes,
-                            "blocked_s": blocked_s, "mtbf_s": self.mtbf_s})
+        self.events.append(
+            {
+                "event": "interval_auto",
+                "tier": tier.name,
+                "minutes": minutes,
+                "blocked_s": blocked_s,
+                "mtbf_s": self.mtbf_s,
+            }
+        )
 
 
 def _leaves(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, dict[str, Any], str]]:
@@ -668,9 +793,16 @@ def _vocab_weights(model: Any) -> list[str]:
     its shapes with a row count no other dimension has. None when the fingerprint names no known family."""
     try:
         family = registry.get(str(model["arch"]))
-        dims = Dims(int(model["n_layers"]), int(model["d_model"]), int(model["n_heads"]),
-                    int(model.get("n_kv_heads") or model["n_heads"]), int(model.get("ffn_hidden") or 1),
-                    int(model["vocab_size"]), int(model["context"]), int(model.get("head_dim") or 0))
+        dims = Dims(
+            int(model["n_layers"]),
+            int(model["d_model"]),
+            int(model["n_heads"]),
+            int(model.get("n_kv_heads") or model["n_heads"]),
+            int(model.get("ffn_hidden") or 1),
+            int(model["vocab_size"]),
+            int(model["context"]),
+            int(model.get("head_dim") or 0),
+        )
         rows = 1 + max(dims.d_model, dims.vocab_size, dims.context, dims.ffn_hidden, dims.q_dim) * 7919
         return [name for name, shape in family.top_shapes(dims, rows).items() if shape and shape[0] == rows]
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):

@@ -99,8 +99,11 @@ def replica_transfers(files_by_rank: list[dict[str, int]], nodes: Nodes) -> list
 
 def own_files(directory: Path, rank: int) -> dict[str, int]:
     """The files this rank wrote into a DCP directory: DCP names them `__<rank>_<i>.distcp`."""
-    return {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()
-            and (p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == METADATA))}
+    return {
+        p.name: p.stat().st_size
+        for p in directory.iterdir()
+        if p.is_file() and (p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == METADATA))
+    }
 
 
 def replicate(directory: Path, nodes: Nodes, rank: int, world_size: int, group: dist.ProcessGroup) -> int:
@@ -115,8 +118,9 @@ def missing_from(required: dict[str, int], held: list[dict[str, int]]) -> list[s
     return sorted(n for n, size in required.items() if not any(h.get(n) == size for h in held))
 
 
-def fetch_transfers(required: dict[str, int], held: list[dict[str, int]], needed: list[set[str]],
-               nodes: Nodes) -> list[Transfer]:
+def fetch_transfers(
+    required: dict[str, int], held: list[dict[str, int]], needed: list[set[str]], nodes: Nodes
+) -> list[Transfer]:
     """For each node, the files its ranks will read and it does not hold, each from the nearest node after it
     (around the ring) that holds it whole. `held` and `needed` are per node, in the order of `nodes.groups`."""
     transfers = []
@@ -141,8 +145,14 @@ def holdings(directory: Path, required: dict[str, int]) -> dict[str, int]:
     return found
 
 
-def run_transfers(transfers: list[Transfer], rank: int, src_dir: Path, dst_dir: Path,
-                  group: dist.ProcessGroup | None, piece_bytes: int = PIECE_BYTES) -> int:
+def run_transfers(
+    transfers: list[Transfer],
+    rank: int,
+    src_dir: Path,
+    dst_dir: Path,
+    group: dist.ProcessGroup | None,
+    piece_bytes: int = PIECE_BYTES,
+) -> int:
     """This rank's side of a transfer list, piece by piece: each round posts the next piece (at most
     `piece_bytes`) of every transfer at once, sends and receives, then writes what came in. A rank holds one
     piece per file it moves, never a whole shard (GBs on a real run). Returns the bytes this rank received."""
@@ -150,8 +160,9 @@ def run_transfers(transfers: list[Transfer], rank: int, src_dir: Path, dst_dir: 
     dst_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as files:
         sources = {tag: files.enter_context(open(src_dir / t.name, "rb")) for tag, t in mine if t.src == rank}
-        sinks = {tag: files.enter_context(open(dst_dir / f".{t.name}.incoming", "wb"))
-                 for tag, t in mine if t.dst == rank}
+        sinks = {
+            tag: files.enter_context(open(dst_dir / f".{t.name}.incoming", "wb")) for tag, t in mine if t.dst == rank
+        }
         for start in range(0, max((t.size for _, t in mine), default=0), piece_bytes):
             works, landed = [], []
             for tag, t in mine:

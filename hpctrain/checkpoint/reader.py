@@ -67,9 +67,16 @@ _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # local file header
 _FULL = 0xFFFFFFFF  # a 32-bit zip field whose value is in the zip64 extra field
 
 _STORAGE_DTYPES = {  # torch.save's pickled storage classes (their `.dtype` warns that TypedStorage is deprecated)
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "FloatStorage": torch.float32,
+    "DoubleStorage": torch.float64,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
 }
 
 
@@ -106,8 +113,11 @@ class Stored:
         for n, step in zip(reversed(self.size), reversed(self.stride)):
             row_major = row_major and (n == 1 or step == expected)
             expected *= n
-        return ((row_major or expected == 0) and self.storage_offset == 0
-                and expected * self.dtype.itemsize == self.end - self.start)
+        return (
+            (row_major or expected == 0)
+            and self.storage_offset == 0
+            and expected * self.dtype.itemsize == self.end - self.start
+        )
 
     def fits(self) -> bool:
         """The tensor lies within its storage."""
@@ -139,15 +149,15 @@ def directory(tail: bytes | memoryview, tail_start: int) -> Directory | None:
     if sig != b"PK\x05\x06" or comment:
         return None
     at = len(tail) - _EOCD.size - _ZIP64_LOCATOR.size
-    if at >= 0 and tail[at:at + 4] == b"PK\x06\x07":  # torch.save always writes the zip64 end records
+    if at >= 0 and tail[at : at + 4] == b"PK\x06\x07":  # torch.save always writes the zip64 end records
         z64 = _ZIP64_LOCATOR.unpack_from(tail, at)[2] - tail_start
-        if not 0 <= z64 <= len(tail) - _ZIP64_EOCD.size or tail[z64:z64 + 4] != b"PK\x06\x06":
+        if not 0 <= z64 <= len(tail) - _ZIP64_EOCD.size or tail[z64 : z64 + 4] != b"PK\x06\x06":
             return None
         count, cd_size, cd_offset = _ZIP64_EOCD.unpack_from(tail, z64)[7:10]
     at = cd_offset - tail_start
     if at < 0 or at + cd_size > len(tail):
         return None
-    return _entries(bytes(tail[at:at + cd_size]), count)
+    return _entries(bytes(tail[at : at + cd_size]), count)
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,13 +168,14 @@ def _entries(central: bytes, count: int) -> Directory | None:
     for _ in range(count):
         if at + _CENTRAL.size > len(central):
             return None
-        (sig, _, _, flags, method, _, _, _, packed, size, name_len, extra_len, comment_len, _, _, _,
-         local) = _CENTRAL.unpack_from(central, at)
+        (sig, _, _, flags, method, _, _, _, packed, size, name_len, extra_len, comment_len, _, _, _, local) = (
+            _CENTRAL.unpack_from(central, at)
+        )
         if sig != b"PK\x01\x02" or method != 0 or flags & 1:  # stored, not encrypted
             return None
-        name = central[at + _CENTRAL.size:at + _CENTRAL.size + name_len].decode(errors="replace").partition("/")[2]
+        name = central[at + _CENTRAL.size : at + _CENTRAL.size + name_len].decode(errors="replace").partition("/")[2]
         if _FULL in (packed, size, local):
-            extra = central[at + _CENTRAL.size + name_len:at + _CENTRAL.size + name_len + extra_len]
+            extra = central[at + _CENTRAL.size + name_len : at + _CENTRAL.size + name_len + extra_len]
             if (wide := _zip64_fields(extra, packed, size, local)) is None:
                 return None
             size, local = wide
@@ -173,7 +184,7 @@ def _entries(central: bytes, count: int) -> Directory | None:
     storages = [name for name in found if name.startswith("data/")]
     if len(storages) != 1 or "data.pkl" not in found or "byteorder" not in found:
         return None
-    return Directory(found["data.pkl"], found["byteorder"], found[storages[0]], storages[0][len("data/"):])
+    return Directory(found["data.pkl"], found["byteorder"], found[storages[0]], storages[0][len("data/") :])
 
 
 def _zip64_fields(extra: bytes, packed: int, size: int, local: int) -> tuple[int, int] | None:
@@ -208,7 +219,7 @@ def locate(head: bytes | memoryview, found: Directory, length: int) -> Stored | 
 
 
 def _data_start(head: bytes | memoryview, local: int) -> int | None:
-    if local + _LOCAL.size > len(head) or head[local:local + 4] != b"PK\x03\x04":
+    if local + _LOCAL.size > len(head) or head[local : local + 4] != b"PK\x03\x04":
         return None
     name_len, extra_len = _LOCAL.unpack_from(head, local)[9:11]
     start = local + _LOCAL.size + name_len + extra_len
@@ -217,7 +228,7 @@ def _data_start(head: bytes | memoryview, local: int) -> int | None:
 
 def _entry(head: bytes | memoryview, local: int, size: int) -> bytes | None:
     start = _data_start(head, local)
-    return None if start is None or start + size > len(head) else bytes(head[start:start + size])
+    return None if start is None or start + size > len(head) else bytes(head[start : start + size])
 
 
 @functools.lru_cache(maxsize=256)
@@ -233,11 +244,22 @@ def _spec(pickled: bytes) -> tuple[Any, ...] | None:
     return spec if isinstance(spec, tuple) and len(spec) == 6 else None
 
 
-def _rebuild(storage: tuple[torch.dtype, str, int], storage_offset: int, size: tuple[int, ...],
-             stride: tuple[int, ...], requires_grad: bool, hooks: dict[Any, Any], *metadata: Any) -> tuple[Any, ...]:
+def _rebuild(
+    storage: tuple[torch.dtype, str, int],
+    storage_offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    hooks: dict[Any, Any],
+    *metadata: Any,
+) -> tuple[Any, ...]:
     """`torch._utils._rebuild_tensor_v2` as data: a tensor with Python state (metadata) is not understood."""
-    if (hooks or any(metadata) or len(size) != len(stride)
-            or not all(isinstance(n, int) for n in (storage_offset, *size, *stride))):
+    if (
+        hooks
+        or any(metadata)
+        or len(size) != len(stride)
+        or not all(isinstance(n, int) for n in (storage_offset, *size, *stride))
+    ):
         raise pickle.UnpicklingError("not a plain tensor")
     return (*storage, storage_offset, tuple(size), tuple(stride))
 
@@ -356,8 +378,12 @@ class FastReader(dcp.FileSystemReader):
         # offset order, and the threads (each taking the next part when done) all have work until the end.
         share = max(SMALL, sum(r.info.length for rs in per_file.values() for r in rs) // (SHARES * self.threads))
         parts = {name: _parts(records, share) for name, records in per_file.items()}
-        jobs = [(name, part[i]) for i in range(max(map(len, parts.values()), default=0))
-                for name, part in parts.items() if i < len(part)]
+        jobs = [
+            (name, part[i])
+            for i in range(max(map(len, parts.values()), default=0))
+            for name, part in parts.items()
+            if i < len(part)
+        ]
         with ThreadPoolExecutor(max(1, min(self.threads, len(jobs))), thread_name_prefix="fast-reader") as pool:
             done = [pool.submit(self._read_part, name, records, planner) for name, records in jobs]
         errors = [e for e in (f.exception() for f in done) if e is not None]
@@ -378,12 +404,12 @@ class FastReader(dcp.FileSystemReader):
         fd = os.open(os.fspath(self.fs.concat_path(self.path, name)), os.O_RDONLY)
         try:
             for start, end, run in _runs(records):
-                batch = buffer[:end - start] if end - start <= SMALL else None
+                batch = buffer[: end - start] if end - start <= SMALL else None
                 for record in run:
                     try:
                         if batch is not None and record is run[0]:
                             _fill(fd, [batch], start)
-                        read = batch[record.info.offset - start:][:record.info.length] if batch is not None else None
+                        read = batch[record.info.offset - start :][: record.info.length] if batch is not None else None
                         count[self._read_record(fd, record, planner, read)] += len(record.reqs)
                     except _Damaged as e:
                         fqn, info = record.reqs[0].storage_index.fqn, record.info
@@ -408,7 +434,7 @@ class FastReader(dcp.FileSystemReader):
             if stored is None:
                 return self._through_torch(bytes(read), record, planner, checked=checksum is not None)
             memory, staging = _target(stored, record)
-            memory[:] = read[stored.start:stored.end]
+            memory[:] = read[stored.start : stored.end]
             return self._commit(stored, record, staging, planner)
         # A large one: the central directory (at its end), its head up to the storage, the storage into its
         # destination, each byte read once, the CRC32C chained over the parts in file order.
@@ -426,7 +452,7 @@ class FastReader(dcp.FileSystemReader):
             return self._through_torch(_whole(fd, info, checksum), record, planner, checked=checksum is not None)
         memory, staging = _target(stored, record)
         in_head = min(head_end, stored.end) - stored.start
-        memory[:in_head] = head[stored.start:stored.start + in_head]
+        memory[:in_head] = head[stored.start : stored.start + in_head]
         rest = memory[in_head:]
         if checksum is None:
             _fill(fd, [rest], info.offset + head_end)
@@ -435,11 +461,11 @@ class FastReader(dcp.FileSystemReader):
         gap = memoryview(bytearray(max(0, tail_start - after)))
         value, at = update(head), info.offset + head_end
         for start in range(0, len(rest), PIECE):  # each piece summed right after it is read: still in the cache
-            piece = rest[start:start + PIECE]
+            piece = rest[start : start + PIECE]
             _fill(fd, [piece], at)
             value, at = update(piece, value), at + len(piece)
         _fill(fd, [gap], at)
-        _check(update(tail[max(0, after - tail_start):], update(gap, value)), checksum)
+        _check(update(tail[max(0, after - tail_start) :], update(gap, value)), checksum)
         return self._commit(stored, record, staging, planner)
 
     def _commit(self, stored: Stored, record: _Record, staging: torch.Tensor | None, planner: LoadPlanner) -> str:
@@ -472,8 +498,9 @@ class FastReader(dcp.FileSystemReader):
         for the byte records that DCP's planner would load without it). `checked`: the bytes matched their
         CRC32C."""
         reqs = record.reqs
-        raw = self.transforms.transform_load_stream(reqs[0], record.info.transform_descriptors or (),
-                                                    io.BytesIO(read)).read(-1)
+        raw = self.transforms.transform_load_stream(
+            reqs[0], record.info.transform_descriptors or (), io.BytesIO(read)
+        ).read(-1)
         if reqs[0].type == LoadItemType.BYTE_IO:
             # DCP's planner would torch.load these bytes with weights_only=False (any pickle runs): they are
             # loaded here with weights_only=True, and the planner is given that value saved anew.
@@ -500,13 +527,21 @@ class FastReader(dcp.FileSystemReader):
             if asked and checked:
                 info = record.info
                 raise UnsafeCheckpoint(
-                    os.fspath(self.fs.concat_path(self.path, info.relative_path)), asked.group(1),
+                    os.fspath(self.fs.concat_path(self.path, info.relative_path)),
+                    asked.group(1),
                     f"its record {record.reqs[0].storage_index.fqn} (bytes {info.offset}..{info.offset + info.length})"
                     f" asks for {asked.group(1)}, which DCP's checkpoint files never hold; unpickling it could run "
-                    "code") from None
+                    "code",
+                ) from None
             if isinstance(e, pickle.UnpicklingError):  # torch's text advises weights_only=False: its reason only
-                text = next((line for line in reversed(text.splitlines())
-                             if line.strip() and not line.startswith("Check the documentation")), text)
+                text = next(
+                    (
+                        line
+                        for line in reversed(text.splitlines())
+                        if line.strip() and not line.startswith("Check the documentation")
+                    ),
+                    text,
+                )
             raise _Damaged(f"{{record}} cannot be read ({type(e).__name__}: {text})") from e
 
 
@@ -520,8 +555,13 @@ def _target(stored: Stored, record: _Record) -> tuple[memoryview, torch.Tensor |
     """Where to read the storage: the destination's memory when it is the whole stored tensor, else a buffer
     (returned too)."""
     dest = record.dest
-    if (dest is not None and dest.memory is not None and dest.dtype == stored.dtype
-            and dest.shape == stored.size == tuple(record.reqs[0].lengths) and stored.whole()):
+    if (
+        dest is not None
+        and dest.memory is not None
+        and dest.dtype == stored.dtype
+        and dest.shape == stored.size == tuple(record.reqs[0].lengths)
+        and stored.whole()
+    ):
         return dest.memory, None
     staging = torch.empty(stored.end - stored.start, dtype=torch.uint8)
     return _bytes_of(staging), staging

@@ -23,8 +23,9 @@ what it asked for, on every rank alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,8 @@ from hpctrain.models import llama
 
 # Per model family: a state-dict key -> (the key an older checkpoint holds it under, how to take it from that).
 LEGACY_SOURCES: tuple[Callable[[str], tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None], ...] = (
-    llama.legacy_source,)
+    llama.legacy_source,
+)
 
 
 def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, dict[str, Any], str]]:
@@ -69,8 +71,9 @@ def _copy_rows(target: torch.Tensor, saved: torch.Tensor) -> None:
     full[:rows] = saved[:rows]
     with torch.no_grad():
         if isinstance(target, DTensor):  # every rank holds the full value: take the own shard, no communication
-            target.copy_(distribute_tensor(full.to(target.device), target.device_mesh, target.placements,
-                                           src_data_rank=None))
+            target.copy_(
+                distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+            )
         else:
             target.copy_(full.to(target.device))
 
@@ -137,8 +140,11 @@ class SameChunkPlanner(DefaultLoadPlanner):
         items: list[ReadItem] = []
         for fqn, obj in self.state_dict.items():
             item = _whole_chunk_read(fqn, saved.get(fqn), obj)
-            items += [item] if item is not None else create_default_local_load_plan(
-                {fqn: obj}, self.metadata, not self.allow_partial_load).items
+            items += (
+                [item]
+                if item is not None
+                else create_default_local_load_plan({fqn: obj}, self.metadata, not self.allow_partial_load).items
+            )
         return LoadPlan(items)
 
 
@@ -150,8 +156,14 @@ def _whole_chunk_read(fqn: str, saved: Any, obj: Any) -> ReadItem | None:
     if saved.size != obj.size() or chunk.sizes != obj.size() or any(chunk.offsets):
         return None
     zeros = torch.Size([0] * obj.dim())
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, zeros, 0), dest_offsets=zeros,
-                    storage_index=MetadataIndex(fqn, chunk.offsets, 0), storage_offsets=zeros, lengths=obj.size())
+    return ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex(fqn, zeros, 0),
+        dest_offsets=zeros,
+        storage_index=MetadataIndex(fqn, chunk.offsets, 0),
+        storage_offsets=zeros,
+        lengths=obj.size(),
+    )
 
 
 def files_read(state: dict[str, Any], metadata: Metadata) -> set[str]:
@@ -161,9 +173,14 @@ def files_read(state: dict[str, Any], metadata: Metadata) -> set[str]:
     return {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
 
 
-def load_state(state: dict[str, Any], checkpoint_id: str, process_group: dist.ProcessGroup | None,
-               no_dist: bool = False, before_read: Callable[[set[str]], None] | None = None,
-               verify: bool = True) -> None:
+def load_state(
+    state: dict[str, Any],
+    checkpoint_id: str,
+    process_group: dist.ProcessGroup | None,
+    no_dist: bool = False,
+    before_read: Callable[[set[str]], None] | None = None,
+    verify: bool = True,
+) -> None:
     """`dcp.load` into `state` in place, tolerating a different number of (padding) rows per tensor.
     `before_read` is given the files this rank will read, first (a node-local tier fetches the missing ones).
     `verify` checks each record's CRC32C as it is read (`reader.py`): a damaged record fails the load with a
@@ -189,8 +206,7 @@ def load_state(state: dict[str, Any], checkpoint_id: str, process_group: dist.Pr
     if before_read is not None:
         before_read(files_read(state, metadata))
     try:
-        dcp.load(state, storage_reader=reader, planner=SameChunkPlanner(), process_group=process_group,
-                 no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=SameChunkPlanner(), process_group=process_group, no_dist=no_dist)
     except CheckpointException as err:  # every rank's errors, gathered: a crafted record is said as itself
         unsafe = [exc for exc, _ in err.failures.values() if isinstance(exc, UnsafeCheckpoint)]
         if unsafe:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from hpctrain.checkpoint.integrity import METADATA, seal, seal_problem
 from hpctrain.durable import fsync_dir
@@ -74,13 +75,19 @@ def linked_out(directory: Path) -> list[tuple[Path, str]]:
 
 def step_of(path: Path) -> int:
     """The step a checkpoint directory holds, whatever its state (committed, partial, deleting, corrupt)."""
-    return int(path.name[len(PREFIX):].split(".")[0])
+    return int(path.name[len(PREFIX) :].split(".")[0])
 
 
 def _step_dirs(directory: Path) -> Iterator[Path]:
     if directory.is_dir():
-        yield from (sub for sub in directory.iterdir() if sub.name.startswith(PREFIX)
-                    and sub.name[len(PREFIX):].isdigit() and _inside(sub) and (sub / MANIFEST).is_file())
+        yield from (
+            sub
+            for sub in directory.iterdir()
+            if sub.name.startswith(PREFIX)
+            and sub.name[len(PREFIX) :].isdigit()
+            and _inside(sub)
+            and (sub / MANIFEST).is_file()
+        )
 
 
 def read_manifest(sub: Path) -> tuple[dict[str, Any] | None, str]:

@@ -13,16 +13,17 @@ import difflib
 import math
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from hpctrain import schedules
-from hpctrain.config.layout import Layout, data_parallel_kind, model_fit_problems, sequence_problems
 from hpctrain.config.cluster_checks import cluster_checks
 from hpctrain.config.file_checks import format_bytes, walk_values
+from hpctrain.config.layout import Layout, data_parallel_kind, model_fit_problems, sequence_problems
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
 from hpctrain.config.schema import (
     DRY_RUNS,
@@ -37,10 +38,9 @@ from hpctrain.config.schema import (
     simulating,
 )
 from hpctrain.hardware import KNOWN_HARDWARE
-from hpctrain.models.params import ffn_hidden_of, kv_heads_of, padded_vocab
 from hpctrain.models.family import Dims
+from hpctrain.models.params import ffn_hidden_of, kv_heads_of, padded_vocab
 from hpctrain.models.registry import FAMILIES, family_of
-
 
 
 def check_schema(cfg: Any) -> None:
@@ -55,9 +55,16 @@ def check_schema(cfg: Any) -> None:
     arch = merged.model.arch
     if arch not in FAMILIES:
         close = difflib.get_close_matches(arch, list(FAMILIES), n=1)
-        raise ConfigError([Problem("model.arch", f"{arch!r} is not a model family",
-                                   (f"did you mean model.arch={close[0]}? " if close else "")
-                                   + f"The families: {', '.join(FAMILIES)} (hpctrain.models.registry)")])
+        raise ConfigError(
+            [
+                Problem(
+                    "model.arch",
+                    f"{arch!r} is not a model family",
+                    (f"did you mean model.arch={close[0]}? " if close else "")
+                    + f"The families: {', '.join(FAMILIES)} (hpctrain.models.registry)",
+                )
+            ]
+        )
 
 
 def _suggest(key: str) -> str:
@@ -85,19 +92,29 @@ def model_shape_checks(cfg: Config, r: CheckReport) -> None:
     m = cfg.model
     domain_checks(cfg, r, ("model.", *SEARCH_INPUTS))  # in their domains (DOMAINS), before the rules that combine them
     if m.n_heads >= 1 and not m.head_dim and m.d_model % m.n_heads:
-        r.error("model.d_model", f"d_model {m.d_model} is not divisible by n_heads {m.n_heads}",
-                f"use a d_model that is a multiple of {m.n_heads} (e.g. {m.n_heads * max(1, m.d_model // m.n_heads)})")
+        r.error(
+            "model.d_model",
+            f"d_model {m.d_model} is not divisible by n_heads {m.n_heads}",
+            f"use a d_model that is a multiple of {m.n_heads} (e.g. {m.n_heads * max(1, m.d_model // m.n_heads)})",
+        )
     rope = m.rope
     if rope.scaling_factor > 0 and not rope.high_freq_factor > rope.low_freq_factor:
-        r.error("model.rope.high_freq_factor", f"{rope.high_freq_factor:g} must be > model.rope.low_freq_factor="
-                f"{rope.low_freq_factor:g} with Llama 3's frequency scaling (scaling_factor={rope.scaling_factor:g}): "
-                "the wavelengths between original_context / high and original_context / low are interpolated over "
-                "high - low", "use Llama 3's model.rope.low_freq_factor=1 model.rope.high_freq_factor=4")
+        r.error(
+            "model.rope.high_freq_factor",
+            f"{rope.high_freq_factor:g} must be > model.rope.low_freq_factor="
+            f"{rope.low_freq_factor:g} with Llama 3's frequency scaling (scaling_factor={rope.scaling_factor:g}): "
+            "the wavelengths between original_context / high and original_context / low are interpolated over "
+            "high - low",
+            "use Llama 3's model.rope.low_freq_factor=1 model.rope.high_freq_factor=4",
+        )
     for key, what, fix in family_of(m).shape_problems(m):  # the family's own rules
         r.error(key, what, fix)
     if m.init_from and not os.path.exists(m.init_from):
-        (r.warn if cfg.dry_run else r.error)("model.init_from", f"{m.init_from} does not exist on this machine",
-                                             "give a Hugging Face model directory readable from every node")
+        (r.warn if cfg.dry_run else r.error)(
+            "model.init_from",
+            f"{m.init_from} does not exist on this machine",
+            "give a Hugging Face model directory readable from every node",
+        )
 
 
 def _experts(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -111,21 +128,30 @@ def _experts(cfg: Config, lay: Layout, r: CheckReport) -> None:
         for f in dataclasses.fields(MoEConfig):
             value = getattr(m.moe, f.name)
             if value != f.default:
-                r.error(f"model.moe.{f.name}", f"set to {value!r}, but model.arch={family.name} is a dense model: "
-                        "model.moe configures a Mixture-of-Experts feed-forward, which its blocks do not have",
-                        f"remove model.moe.{f.name}, or use an MoE family (model.arch={moe_families}; e.g. "
-                        "model=mixtral_8x7b, model=qwen3_30b_a3b)")
+                r.error(
+                    f"model.moe.{f.name}",
+                    f"set to {value!r}, but model.arch={family.name} is a dense model: "
+                    "model.moe configures a Mixture-of-Experts feed-forward, which its blocks do not have",
+                    f"remove model.moe.{f.name}, or use an MoE family (model.arch={moe_families}; e.g. "
+                    "model=mixtral_8x7b, model=qwen3_30b_a3b)",
+                )
         return
     if lay.cp > 1:
-        r.error("parallel.cp", f"model.arch={family.name} is a Mixture-of-Experts model: its load-balancing losses "
-                "are computed over the tokens a rank routes, and context parallelism would cut them to parts of "
-                "sequences (hpctrain's CP is tested equal to one process for the dense families only)",
-                "set parallel.cp=1 for MoE models, or use a dense family (model.arch=gpt or llama)")
+        r.error(
+            "parallel.cp",
+            f"model.arch={family.name} is a Mixture-of-Experts model: its load-balancing losses "
+            "are computed over the tokens a rank routes, and context parallelism would cut them to parts of "
+            "sequences (hpctrain's CP is tested equal to one process for the dense families only)",
+            "set parallel.cp=1 for MoE models, or use a dense family (model.arch=gpt or llama)",
+        )
     if cfg.parallel.compile:
-        r.error("parallel.compile", f"model.arch={family.name} routes tokens to experts: the rows each expert "
-                "gets (and, with expert parallelism, the all-to-all's split sizes) change every step, "
-                "data-dependent shapes that hpctrain's torch.compile setup does not support yet",
-                "set parallel.compile=false")
+        r.error(
+            "parallel.compile",
+            f"model.arch={family.name} routes tokens to experts: the rows each expert "
+            "gets (and, with expert parallelism, the all-to-all's split sizes) change every step, "
+            "data-dependent shapes that hpctrain's torch.compile setup does not support yet",
+            "set parallel.compile=false",
+        )
 
 
 def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -137,10 +163,14 @@ def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """The layout against the model's shape (config.layout.model_fit_problems: the search obeys the same)."""
     m = cfg.model
     if cfg.parallel.sequence_parallel and lay.tp == 1:
-        r.warn("parallel.sequence_parallel", "ignored with tp=1: sequence parallelism shards along the TP group",
-               "set parallel.sequence_parallel=false, or parallel.tp>1 to use it")
-    for key, message, fix in model_fit_problems(lay, m.n_layers, m.n_heads, kv_heads_of(m), ffn_hidden_of(m),
-                                                m.moe.n_experts):
+        r.warn(
+            "parallel.sequence_parallel",
+            "ignored with tp=1: sequence parallelism shards along the TP group",
+            "set parallel.sequence_parallel=false, or parallel.tp>1 to use it",
+        )
+    for key, message, fix in model_fit_problems(
+        lay, m.n_layers, m.n_heads, kv_heads_of(m), ffn_hidden_of(m), m.moe.n_experts
+    ):
         r.error(key, message, fix)
 
 
@@ -149,10 +179,14 @@ def _context_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
     for key, message, fix in sequence_problems(lay, cfg.train.seq_len, cfg.model.dropout):
         r.error(key, message, fix)
     if lay.cp > 1 and cfg.parallel.compile:
-        r.error("parallel.compile", f"with cp={lay.cp}: the CP attention's bottom-right causal mask (torch's "
-                "CausalBias, which lets flash attention take a chunk against a longer key prefix) is a tensor "
-                "subclass whose constructor torch 2.13's dynamo cannot trace, and blocks compile as one graph "
-                "(fullgraph)", "set parallel.compile=false with context parallelism")
+        r.error(
+            "parallel.compile",
+            f"with cp={lay.cp}: the CP attention's bottom-right causal mask (torch's "
+            "CausalBias, which lets flash attention take a chunk against a longer key prefix) is a tensor "
+            "subclass whose constructor torch 2.13's dynamo cannot trace, and blocks compile as one graph "
+            "(fullgraph)",
+            "set parallel.compile=false with context parallelism",
+        )
 
 
 def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -162,72 +196,121 @@ def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
         return
     entry = schedules.get(p.schedule)
     if entry.split_backward and lay.pp > 1 and lay.dp > 1 and lay.zero_stage >= 1:
-        r.error("parallel.schedule", f"{p.schedule} computes weight gradients in a separate pass, which loses "
-                f"gradients of ZeRO-sharded parameters (zero.stage={lay.zero_stage}) in torch 2.13",
-                "use zero.stage=0 with this schedule, or parallel.schedule=interleaved_1f1b")
+        r.error(
+            "parallel.schedule",
+            f"{p.schedule} computes weight gradients in a separate pass, which loses "
+            f"gradients of ZeRO-sharded parameters (zero.stage={lay.zero_stage}) in torch 2.13",
+            "use zero.stage=0 with this schedule, or parallel.schedule=interleaved_1f1b",
+        )
     if lay.pp == 1 or r.errors:
         return
     mb = lay.microbatches
     need = entry.min_microbatches(lay.pp, lay.virtual_stages)
     if mb < need:
-        r.error("train.grad_accum", f"{mb} microbatches for {lay.pp} pipeline stages: {p.schedule} needs at least "
-                f"{'one microbatch per stage' if need == lay.pp else f'{need} microbatches'}, or stages sit idle",
-                f"use train.grad_accum >= {need} (best >= {4 * lay.pp}), e.g. by lowering train.micro_batch")
+        r.error(
+            "train.grad_accum",
+            f"{mb} microbatches for {lay.pp} pipeline stages: {p.schedule} needs at least "
+            f"{'one microbatch per stage' if need == lay.pp else f'{need} microbatches'}, or stages sit idle",
+            f"use train.grad_accum >= {need} (best >= {4 * lay.pp}), e.g. by lowering train.micro_batch",
+        )
         return
     if entry.microbatches_multiple_of_pp and mb % lay.pp:
-        r.error("train.grad_accum", f"interleaved schedules need microbatches ({mb}) to be a multiple of pp "
-                f"({lay.pp})", f"use train.grad_accum={(mb // lay.pp + 1) * lay.pp}")
+        r.error(
+            "train.grad_accum",
+            f"interleaved schedules need microbatches ({mb}) to be a multiple of pp ({lay.pp})",
+            f"use train.grad_accum={(mb // lay.pp + 1) * lay.pp}",
+        )
 
 
 def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
     z = cfg.zero
     if z.offload_params and not z.offload_optimizer:
-        r.error("zero.offload_optimizer", "parameters on the CPU means the optimizer step runs there too",
-                "set zero.offload_optimizer=true")
+        r.error(
+            "zero.offload_optimizer",
+            "parameters on the CPU means the optimizer step runs there too",
+            "set zero.offload_optimizer=true",
+        )
     if z.offload_optimizer and z.stage < 2:
-        r.error("zero.offload_optimizer", f"optimizer offload is done with FSDP2's CPU offload, which needs "
-                f"stage 2 or 3, got stage {z.stage}", "set zero.stage=2 (or zero=stage2_offload)")
+        r.error(
+            "zero.offload_optimizer",
+            f"optimizer offload is done with FSDP2's CPU offload, which needs stage 2 or 3, got stage {z.stage}",
+            "set zero.stage=2 (or zero=stage2_offload)",
+        )
     if lay.offload_device == "nvme":  # an unknown device never gets here: resolve_layout reported it, once
         path = None if OmegaConf.is_missing(z, "nvme_path") else z.nvme_path
         if not path:
-            r.error("zero.nvme_path", "zero.offload_optimizer_device=nvme keeps Adam's moments in files on a "
-                    "node-local NVMe drive, but no directory is given", "set zero.nvme_path to a node-local NVMe "
-                    "mount, e.g. zero.nvme_path=/raid/$USER/hpctrain (DGX: the RAID-0 of data drives at /raid)")
+            r.error(
+                "zero.nvme_path",
+                "zero.offload_optimizer_device=nvme keeps Adam's moments in files on a "
+                "node-local NVMe drive, but no directory is given",
+                "set zero.nvme_path to a node-local NVMe "
+                "mount, e.g. zero.nvme_path=/raid/$USER/hpctrain (DGX: the RAID-0 of data drives at /raid)",
+            )
     if lay.dp_replicate > 1 and z.stage < 2:
-        r.error("parallel.dp_replicate", "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
-                "set zero.stage=3, or parallel.dp_replicate=1")
+        r.error(
+            "parallel.dp_replicate",
+            "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
+            "set zero.stage=3, or parallel.dp_replicate=1",
+        )
     if z.stage > 0 and lay.zero_shard == 1:
-        r.warn("zero.stage", f"ZeRO stage {z.stage} with dp=1" + (" and cp=1" if lay.cp == 1 else "")
-               + " shards nothing", "use zero=stage0")
-    for key, value in {"zero.reduce_bucket_size": z.reduce_bucket_size,
-                       "zero.allgather_bucket_size": z.allgather_bucket_size}.items():
+        r.warn(
+            "zero.stage",
+            f"ZeRO stage {z.stage} with dp=1" + (" and cp=1" if lay.cp == 1 else "") + " shards nothing",
+            "use zero=stage0",
+        )
+    for key, value in {
+        "zero.reduce_bucket_size": z.reduce_bucket_size,
+        "zero.allgather_bucket_size": z.allgather_bucket_size,
+    }.items():
         if value < 1_000_000:
-            r.error(key, f"{value} bytes is too small: thousands of tiny collectives per step",
-                    f"use at least 1e6 bytes (typical: 2.5e7 to 5e8); {key}=25000000")
+            r.error(
+                key,
+                f"{value} bytes is too small: thousands of tiny collectives per step",
+                f"use at least 1e6 bytes (typical: 2.5e7 to 5e8); {key}=25000000",
+            )
     if lay.accumulate_unsharded and (lay.zero_stage < 2 or lay.pp > 1 or lay.grad_accum == 1):
-        r.warn("zero.accumulate_unsharded", "changes nothing here: it makes ZeRO-2/3 accumulate gradients unsharded "
-               "over micro-batches, which ZeRO-1 and every stage under PP (torch's schedules) do anyway, and one "
-               "micro-batch has nothing to accumulate", "leave zero.accumulate_unsharded=false")
+        r.warn(
+            "zero.accumulate_unsharded",
+            "changes nothing here: it makes ZeRO-2/3 accumulate gradients unsharded "
+            "over micro-batches, which ZeRO-1 and every stage under PP (torch's schedules) do anyway, and one "
+            "micro-batch has nothing to accumulate",
+            "leave zero.accumulate_unsharded=false",
+        )
     if z.stage == 3 and lay.pp > 1:
-        r.warn("zero.stage", "ZeRO-3 with pipeline parallelism re-gathers each stage's parameters for every "
-               "microbatch (DeepSpeed does not allow it; Megatron uses ZeRO-1 with PP)",
-               "consider zero=stage1 with pp>1, unless memory needs stage 3")
+        r.warn(
+            "zero.stage",
+            "ZeRO-3 with pipeline parallelism re-gathers each stage's parameters for every "
+            "microbatch (DeepSpeed does not allow it; Megatron uses ZeRO-1 with PP)",
+            "consider zero=stage1 with pp>1, unless memory needs stage 3",
+        )
 
 
 def _precision(cfg: Config, lay: Layout, r: CheckReport) -> None:
     pr = cfg.precision
     if pr.dtype == DType.fp16 and not pr.loss_scaling:
-        r.error("precision.loss_scaling", "fp16 without loss scaling: small gradients underflow to zero and "
-                "training silently stalls", "set precision.loss_scaling=true (or precision=fp16), or use precision=bf16")
+        r.error(
+            "precision.loss_scaling",
+            "fp16 without loss scaling: small gradients underflow to zero and training silently stalls",
+            "set precision.loss_scaling=true (or precision=fp16), or use precision=bf16",
+        )
     if pr.dtype != DType.fp16 and pr.loss_scaling:
-        r.warn("precision.loss_scaling", f"loss scaling does nothing useful with {pr.dtype.value}",
-               "set precision.loss_scaling=false")
+        r.warn(
+            "precision.loss_scaling",
+            f"loss scaling does nothing useful with {pr.dtype.value}",
+            "set precision.loss_scaling=false",
+        )
     if pr.loss_scaling and pr.initial_scale < pr.min_scale and pr.min_scale > 0:  # each > 0: DOMAINS
-        r.error("precision.initial_scale", f"initial_scale={pr.initial_scale} must be >= min_scale="
-                f"{pr.min_scale} > 0", "use e.g. precision.initial_scale=65536 precision.min_scale=1")
+        r.error(
+            "precision.initial_scale",
+            f"initial_scale={pr.initial_scale} must be >= min_scale={pr.min_scale} > 0",
+            "use e.g. precision.initial_scale=65536 precision.min_scale=1",
+        )
     if pr.reduce_dtype == DType.fp16:
-        r.warn("precision.reduce_dtype", "fp16 gradient reductions over many ranks overflow or lose precision",
-               "set precision.reduce_dtype=fp32")
+        r.warn(
+            "precision.reduce_dtype",
+            "fp16 gradient reductions over many ranks overflow or lose precision",
+            "set precision.reduce_dtype=fp32",
+        )
 
 
 FP8_RECIPES = ("tensorwise", "rowwise")  # hpctrain.parallel.float8.RECIPES (config imports no torch)
@@ -241,47 +324,76 @@ def _fp8(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if recipe == "none":
         return
     if recipe not in FP8_RECIPES:
-        r.error("precision.fp8", f"unknown FP8 recipe {recipe!r}", f"use precision.fp8=none, or one of "
-                f"{', '.join(FP8_RECIPES)} (tensorwise: fastest; rowwise: more accurate)")
+        r.error(
+            "precision.fp8",
+            f"unknown FP8 recipe {recipe!r}",
+            f"use precision.fp8=none, or one of {', '.join(FP8_RECIPES)} (tensorwise: fastest; rowwise: more accurate)",
+        )
         return
     gpu, hw = cfg.cluster.gpu_type, KNOWN_HARDWARE.get(cfg.cluster.gpu_type)
     if gpu == "cpu":
-        r.warn("precision.fp8", "gpu_type=cpu: torchao emulates FP8 (the same casts and scales, products in high "
-               "precision): numerics only, slower than bf16", "use precision.fp8=none for speed on CPU")
+        r.warn(
+            "precision.fp8",
+            "gpu_type=cpu: torchao emulates FP8 (the same casts and scales, products in high "
+            "precision): numerics only, slower than bf16",
+            "use precision.fp8=none for speed on CPU",
+        )
         if cfg.parallel.compile:
-            r.error("parallel.compile", "torchao's FP8 emulation (gpu_type=cpu) does not support torch.compile",
-                    "set parallel.compile=false, or precision.fp8=none")
+            r.error(
+                "parallel.compile",
+                "torchao's FP8 emulation (gpu_type=cpu) does not support torch.compile",
+                "set parallel.compile=false, or precision.fp8=none",
+            )
     elif hw is not None and not hw.has_fp8:
         fp8_gpus = ", ".join(sorted(name for name, h in KNOWN_HARDWARE.items() if h.has_fp8))
-        r.error("precision.fp8", f"cluster.gpu_type={gpu} has no FP8 tensor cores (FP8 GEMMs need compute "
-                "capability 8.9 or newer: Ada, Hopper, Blackwell)",
-                f"set precision.fp8=none (bf16 is this GPU's fastest), or run on {fp8_gpus}")
+        r.error(
+            "precision.fp8",
+            f"cluster.gpu_type={gpu} has no FP8 tensor cores (FP8 GEMMs need compute "
+            "capability 8.9 or newer: Ada, Hopper, Blackwell)",
+            f"set precision.fp8=none (bf16 is this GPU's fastest), or run on {fp8_gpus}",
+        )
     elif not cfg.parallel.compile:
-        r.warn("parallel.compile", f"precision.fp8={recipe} eager: each Float8Linear casts, takes the amax and "
-               "scales in kernels of their own, around every GEMM; torchao's own figures show FP8 faster than bf16 "
-               "only compiled (fused), and eager it is slower. The plan's step time assumes the compiled speed-up",
-               "set parallel.compile=true (tools/gpu_check.py's f8 and fp8x rows measure both on your GPU)")
+        r.warn(
+            "parallel.compile",
+            f"precision.fp8={recipe} eager: each Float8Linear casts, takes the amax and "
+            "scales in kernels of their own, around every GEMM; torchao's own figures show FP8 faster than bf16 "
+            "only compiled (fused), and eager it is slower. The plan's step time assumes the compiled speed-up",
+            "set parallel.compile=true (tools/gpu_check.py's f8 and fp8x rows measure both on your GPU)",
+        )
     dtype = cfg.precision.dtype
     if dtype == DType.fp16:
-        r.error("precision.dtype", "FP8 with fp16: fp16's loss scaling and FP8's own per-tensor scaling would both "
-                "rescale the gradients; torchao's recipes (and torchtitan's) train FP8 around bf16",
-                "set precision=bf16 (no loss scaling needed)")
+        r.error(
+            "precision.dtype",
+            "FP8 with fp16: fp16's loss scaling and FP8's own per-tensor scaling would both "
+            "rescale the gradients; torchao's recipes (and torchtitan's) train FP8 around bf16",
+            "set precision=bf16 (no loss scaling needed)",
+        )
     elif dtype == DType.fp32:
-        r.warn("precision.dtype", "FP8 with fp32: the Linears run in FP8, everything else (attention, norms, "
-               "the head) in fp32, far slower than bf16", "set precision=bf16")
+        r.warn(
+            "precision.dtype",
+            "FP8 with fp32: the Linears run in FP8, everything else (attention, norms, "
+            "the head) in fp32, far slower than bf16",
+            "set precision=bf16",
+        )
     widths = {"model.d_model": m.d_model, "model.ffn_hidden": ffn_hidden_of(m)}
     if family_of(m).grouped_query and m.n_heads >= 1 and (m.head_dim or m.d_model % m.n_heads == 0):
         widths["model.n_kv_heads"] = Dims.of(m).kv_dim  # K and V width (GQA)
     for key, width in widths.items():
         if width % tp == 0 and (width // tp) % FP8_DIM_MULTIPLE == 0:
             continue
-        what = {"model.d_model": "d_model", "model.ffn_hidden": "the MLP hidden size",
-                "model.n_kv_heads": "the key/value width (n_kv_heads x head_dim)"}[key]
+        what = {
+            "model.d_model": "d_model",
+            "model.ffn_hidden": "the MLP hidden size",
+            "model.n_kv_heads": "the key/value width (n_kv_heads x head_dim)",
+        }[key]
         shard = f" / tp {tp} = {width / tp:g}" if tp > 1 else ""
-        r.error(key, f"{what} {width}{shard} is not a multiple of {FP8_DIM_MULTIPLE}: FP8 GEMMs "
-                f"(torch._scaled_mm) need both dimensions of every block Linear's {'TP shard' if tp > 1 else 'weight'} "
-                f"to be multiples of {FP8_DIM_MULTIPLE}",
-                f"choose {key} so that it is a multiple of {FP8_DIM_MULTIPLE * tp}, or set precision.fp8=none")
+        r.error(
+            key,
+            f"{what} {width}{shard} is not a multiple of {FP8_DIM_MULTIPLE}: FP8 GEMMs "
+            f"(torch._scaled_mm) need both dimensions of every block Linear's {'TP shard' if tp > 1 else 'weight'} "
+            f"to be multiples of {FP8_DIM_MULTIPLE}",
+            f"choose {key} so that it is a multiple of {FP8_DIM_MULTIPLE * tp}, or set precision.fp8=none",
+        )
 
 
 def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -291,9 +403,12 @@ def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         r.error("optim.betas", f"must be two numbers in [0, 1), got {list(o.betas)}", "use optim.betas=[0.9,0.95]")
     if o.warmup_steps > t.max_steps >= 1:  # a short trial run of a long config: the lr is still ramping at the end
-        r.warn("optim.warmup_steps", f"warmup ({o.warmup_steps} steps) is longer than the run (train.max_steps="
-               f"{t.max_steps}): the learning rate never reaches optim.lr={o.lr:g}",
-               f"use e.g. optim.warmup_steps={max(0, t.max_steps // 10)} for a run this short")
+        r.warn(
+            "optim.warmup_steps",
+            f"warmup ({o.warmup_steps} steps) is longer than the run (train.max_steps="
+            f"{t.max_steps}): the learning rate never reaches optim.lr={o.lr:g}",
+            f"use e.g. optim.warmup_steps={max(0, t.max_steps // 10)} for a run this short",
+        )
     if o.decay not in ("cosine", "linear", "constant"):
         r.error("optim.decay", f"unknown decay {o.decay!r}", "use cosine, linear or constant")
 
@@ -303,30 +418,50 @@ def _train_and_data(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if t.max_steps < 1:
         r.error("train.max_steps", f"must be >= 1, got {t.max_steps}", "set train.max_steps to the number of steps")
     elif t.max_steps > MAX_STEPS:
-        r.error("train.max_steps", f"{t.max_steps} is more than {MAX_STEPS:,} steps: the progress line's time to go "
-                "(a datetime.timedelta, at most 999,999,999 days) overflows at the first steps, and no run takes "
-                "that many (Llama 3 405B: about 1.2 million)", f"set train.max_steps<={MAX_STEPS}, the steps this "
-                "run is to take")
+        r.error(
+            "train.max_steps",
+            f"{t.max_steps} is more than {MAX_STEPS:,} steps: the progress line's time to go "
+            "(a datetime.timedelta, at most 999,999,999 days) overflows at the first steps, and no run takes "
+            "that many (Llama 3 405B: about 1.2 million)",
+            f"set train.max_steps<={MAX_STEPS}, the steps this run is to take",
+        )
     if not 0 <= t.seed < MAX_SEED:
-        r.error("train.seed", f"must be in [0, 2**32), got {t.seed}: the data order's seeds are derived from it "
-                "(seed x 1,000,003 + sample) and must stay within 64 bits", "use e.g. train.seed=1234")
+        r.error(
+            "train.seed",
+            f"must be in [0, 2**32), got {t.seed}: the data order's seeds are derived from it "
+            "(seed x 1,000,003 + sample) and must stay within 64 bits",
+            "use e.g. train.seed=1234",
+        )
     if t.seq_len < 1 or t.seq_len > m.context:
-        r.error("train.seq_len", f"sequence length {t.seq_len} must be in [1, model.context={m.context}]: "
-                "positions beyond the context have no embedding", f"set train.seq_len<={m.context}")
+        r.error(
+            "train.seq_len",
+            f"sequence length {t.seq_len} must be in [1, model.context={m.context}]: "
+            "positions beyond the context have no embedding",
+            f"set train.seq_len<={m.context}",
+        )
     if d.vocab_size > m.vocab_size:
-        r.error("data.vocab_size", f"the data uses {d.vocab_size} token ids but model.vocab_size={m.vocab_size}",
-                f"set model.vocab_size>={d.vocab_size} or use data matching the model's tokenizer")
+        r.error(
+            "data.vocab_size",
+            f"the data uses {d.vocab_size} token ids but model.vocab_size={m.vocab_size}",
+            f"set model.vocab_size>={d.vocab_size} or use data matching the model's tokenizer",
+        )
     if d.kind == DataKind.text_bytes and d.vocab_size != 256:
-        r.error("data.vocab_size", f"text_bytes data is byte-level (256 ids), got {d.vocab_size}",
-                "set data.vocab_size=256")
+        r.error(
+            "data.vocab_size", f"text_bytes data is byte-level (256 ids), got {d.vocab_size}", "set data.vocab_size=256"
+        )
     if d.kind == DataKind.tokens:
         if d.token_dtype not in ("uint16", "uint32"):
-            r.error("data.token_dtype", f"must be uint16 or uint32, got {d.token_dtype!r}", "set data.token_dtype=uint16")
+            r.error(
+                "data.token_dtype", f"must be uint16 or uint32, got {d.token_dtype!r}", "set data.token_dtype=uint16"
+            )
         elif d.token_dtype == "uint16" and d.vocab_size > 65536:
             r.error("data.token_dtype", f"uint16 cannot hold {d.vocab_size} token ids", "set data.token_dtype=uint32")
         if OmegaConf.is_missing(d, "path") or not d.path:
-            r.error("data.path", "data=tokens needs the path of a pre-tokenised .bin file",
-                    "set data.path=/path/to/train.bin")
+            r.error(
+                "data.path",
+                "data=tokens needs the path of a pre-tokenised .bin file",
+                "set data.path=/path/to/train.bin",
+            )
         elif not os.path.exists(d.path):
             message = f"{d.path} does not exist on this machine"
             fix = "check the path; it must be readable from every node"
@@ -343,9 +478,13 @@ def _indexed_data(d: DataConfig, dry_run: bool, r: CheckReport) -> None:
         text = getattr(d, key)
         if not text:
             if key == "blend":
-                r.error("data.blend", "data=indexed needs the prefix of a Megatron-format dataset (PREFIX.bin + "
-                        "PREFIX.idx), or several with weights", "set data.blend=/data/pile_text_document or "
-                        "data.blend='0.3 /data/a 0.7 /data/b' (make one with python -m hpctrain.data.prepare)")
+                r.error(
+                    "data.blend",
+                    "data=indexed needs the prefix of a Megatron-format dataset (PREFIX.bin + "
+                    "PREFIX.idx), or several with weights",
+                    "set data.blend=/data/pile_text_document or "
+                    "data.blend='0.3 /data/a 0.7 /data/b' (make one with python -m hpctrain.data.prepare)",
+                )
             continue
         try:
             pairs = parse_blend(text)
@@ -354,34 +493,54 @@ def _indexed_data(d: DataConfig, dry_run: bool, r: CheckReport) -> None:
             continue
         weights = [w for w, _ in pairs]
         if not all(math.isfinite(w) for w in weights) or not math.isfinite(sum(weights)):
-            bad = next((f"the weight of {p} is {w:g}" for w, p in pairs if not math.isfinite(w)),
-                       f"the weights add up to {sum(weights):g}")
-            r.error(f"data.{key}", f"{bad}: weights must be finite positive numbers (each dataset's share is its "
-                    "weight over their sum)", f"set data.{key}='0.3 /data/a_text_document 0.7 /data/b_text_document'")
+            bad = next(
+                (f"the weight of {p} is {w:g}" for w, p in pairs if not math.isfinite(w)),
+                f"the weights add up to {sum(weights):g}",
+            )
+            r.error(
+                f"data.{key}",
+                f"{bad}: weights must be finite positive numbers (each dataset's share is its weight over their sum)",
+                f"set data.{key}='0.3 /data/a_text_document 0.7 /data/b_text_document'",
+            )
             continue
         if prepare and key == "blend":
             if len(pairs) != 1:
-                r.error("data.prepare.inputs", f"data.prepare makes one dataset, but data.blend names {len(pairs)}",
-                        "set data.blend to the one prefix data.prepare writes, or prepare each with "
-                        "python -m hpctrain.data.prepare")
+                r.error(
+                    "data.prepare.inputs",
+                    f"data.prepare makes one dataset, but data.blend names {len(pairs)}",
+                    "set data.blend to the one prefix data.prepare writes, or prepare each with "
+                    "python -m hpctrain.data.prepare",
+                )
             continue  # made on the login node before the job starts
         for _, prefix in pairs:
             missing = [f"{prefix}{ext}" for ext in (".bin", ".idx") if not os.path.exists(f"{prefix}{ext}")]
             if missing:
-                (r.warn if dry_run else r.error)(f"data.{key}", f"{' and '.join(missing)} not found on this machine",
-                                                 "check the prefix (without .bin/.idx); it must be readable from "
-                                                 "every node, or make it with python -m hpctrain.data.prepare")
+                (r.warn if dry_run else r.error)(
+                    f"data.{key}",
+                    f"{' and '.join(missing)} not found on this machine",
+                    "check the prefix (without .bin/.idx); it must be readable from "
+                    "every node, or make it with python -m hpctrain.data.prepare",
+                )
     for source in prepare:
         wrong = None if source == "stdlib" else _not_a_source(source)
         if wrong:  # missing, or a FIFO or a device the preparation would block on or read without end
-            r.error("data.prepare.inputs", f"{source} {wrong}", "name text or jsonl files, directories, "
-                    "a saved datasets directory, or stdlib")
+            r.error(
+                "data.prepare.inputs",
+                f"{source} {wrong}",
+                "name text or jsonl files, directories, a saved datasets directory, or stdlib",
+            )
     if prepare and d.prepare.tokenizer and not os.path.exists(d.prepare.tokenizer):
-        r.error("data.prepare.tokenizer", f"{d.prepare.tokenizer} does not exist",
-                "give a tokenizers tokenizer.json, or leave it unset to train a byte-level BPE on the inputs")
+        r.error(
+            "data.prepare.tokenizer",
+            f"{d.prepare.tokenizer} does not exist",
+            "give a tokenizers tokenizer.json, or leave it unset to train a byte-level BPE on the inputs",
+        )
     if d.valid_blend and d.valid_fraction:
-        r.error("data.valid_fraction", "both data.valid_blend and data.valid_fraction hold out validation data",
-                "keep one: data.valid_fraction=0 to validate on data.valid_blend")
+        r.error(
+            "data.valid_fraction",
+            "both data.valid_blend and data.valid_fraction hold out validation data",
+            "keep one: data.valid_fraction=0 to validate on data.valid_blend",
+        )
 
 
 def _not_a_source(path: str) -> str | None:
@@ -394,8 +553,17 @@ def _not_a_source(path: str) -> str | None:
         return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
     if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
         return None
-    what = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode) else
-            "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    what = (
+        "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "not a file"
+    )
     return f"is {what}, not a file or directory: the login node would block on it or read it without end"
 
 
@@ -403,11 +571,17 @@ def _validation(t: TrainConfig, d: DataConfig, r: CheckReport) -> None:
     """Where validation data comes from (the ranges of data.valid_fraction, train.eval_every and eval_batches:
     DOMAINS)."""
     if d.valid_blend and d.kind != DataKind.indexed:
-        r.error("data.valid_blend", f"validation prefixes are for data=indexed, not {d.kind.value}",
-                "use data.valid_fraction to hold out part of this data")
+        r.error(
+            "data.valid_blend",
+            f"validation prefixes are for data=indexed, not {d.kind.value}",
+            "use data.valid_fraction to hold out part of this data",
+        )
     if t.eval_every > 0 and not d.valid_fraction and not d.valid_blend:
-        r.error("train.eval_every", f"validation every {t.eval_every} steps, but no validation data is held out",
-                "set data.valid_fraction=0.01 (the last 1% of the documents), or data.valid_blend (indexed)")
+        r.error(
+            "train.eval_every",
+            f"validation every {t.eval_every} steps, but no validation data is held out",
+            "set data.valid_fraction=0.01 (the last 1% of the documents), or data.valid_blend (indexed)",
+        )
 
 
 def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -418,17 +592,24 @@ def _checkpoint(cfg: Config, lay: Layout, r: CheckReport) -> None:
     for i, tier in enumerate(ck.tiers):
         key = f"checkpoint.tiers[{i}]"
         if not os.path.isabs(str(tier.path)) and _leaves(str(tier.path)):
-            r.error(f"{key}.path", f"{tier.path!r} leads out of the run directory (a relative tier path is inside "
-                    "it)", f"use a path inside the run directory (e.g. {key}.path=checkpoints), or an absolute one "
-                    "(the run id is appended to it)")
+            r.error(
+                f"{key}.path",
+                f"{tier.path!r} leads out of the run directory (a relative tier path is inside it)",
+                f"use a path inside the run directory (e.g. {key}.path=checkpoints), or an absolute one "
+                "(the run id is appended to it)",
+            )
         if ck.enabled and tier.interval_steps == 0 and tier.interval_minutes == 0 and not ck.save_final:
-            r.warn(key, f"tier {tier.name!r} has no interval and nothing is saved at the end",
-                   f"set {key}.interval_steps")
+            r.warn(
+                key, f"tier {tier.name!r} has no interval and nothing is saved at the end", f"set {key}.interval_steps"
+            )
     if ck.when_busy not in ("skip", "wait"):
         r.error("checkpoint.when_busy", f"must be skip or wait, got {ck.when_busy!r}", "use checkpoint.when_busy=skip")
     if ck.enabled and not ck.tiers:
-        r.error("checkpoint.tiers", "checkpointing is enabled but no tier is listed",
-                "use checkpoint=default, or checkpoint=none")
+        r.error(
+            "checkpoint.tiers",
+            "checkpointing is enabled but no tier is listed",
+            "use checkpoint=default, or checkpoint=none",
+        )
 
 
 MAX_STEPS = 10**9  # see _train_and_data
@@ -455,23 +636,37 @@ def _run_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
     name = "" if run.name is None else str(run.name)
     parts = [p for p in name.replace("\\", "/").split("/") if p not in ("", ".")]
     if not parts or os.path.isabs(name) or ".." in parts:
-        r.error("run.name", f"{name!r} would put the run directory outside run.root={run.root} (run directories are "
-                "run.root/run.name/run.id)" if parts else f"{name!r} names no directory under run.root",
-                "use a plain name, e.g. run.name=gpt3_1.3b (a/b makes a subdirectory); change run.root to write "
-                "elsewhere")
+        r.error(
+            "run.name",
+            f"{name!r} would put the run directory outside run.root={run.root} (run directories are "
+            "run.root/run.name/run.id)"
+            if parts
+            else f"{name!r} names no directory under run.root",
+            "use a plain name, e.g. run.name=gpt3_1.3b (a/b makes a subdirectory); change run.root to write elsewhere",
+        )
     elif not _inside(run.root, name):
-        r.error("run.name", f"run.root/{name} resolves outside run.root={run.root} (a symbolic link)",
-                "use a run.name whose directory is inside run.root, or change run.root")
+        r.error(
+            "run.name",
+            f"run.root/{name} resolves outside run.root={run.root} (a symbolic link)",
+            "use a run.name whose directory is inside run.root, or change run.root",
+        )
     if run.id is None:
         return
     rid = str(run.id)
     if not rid or rid in (".", "..") or "/" in rid or "\\" in rid or os.sep in rid:
-        r.error("run.id", f"{rid!r} is not a directory name: the run directory is run.root/run.name/run.id, and "
-                "an id must be one directory inside it", "use a plain id such as run.id=baseline-1 (or leave "
-                "it unset for a fresh one; run.resume=PATH continues a run by its path)")
+        r.error(
+            "run.id",
+            f"{rid!r} is not a directory name: the run directory is run.root/run.name/run.id, and "
+            "an id must be one directory inside it",
+            "use a plain id such as run.id=baseline-1 (or leave "
+            "it unset for a fresh one; run.resume=PATH continues a run by its path)",
+        )
     elif parts and ".." not in parts and not os.path.isabs(name) and not _inside(run.root, name, rid):
-        r.error("run.id", f"run.root/{name}/{rid} resolves outside run.root={run.root} (a symbolic link)",
-                "use another run.id, or change run.root")
+        r.error(
+            "run.id",
+            f"run.root/{name}/{rid} resolves outside run.root={run.root} (a symbolic link)",
+            "use another run.id, or change run.root",
+        )
 
 
 def _inside(root: str, *parts: str) -> bool:
@@ -495,25 +690,40 @@ def _finite_numbers(cfg: Config, lay: Layout, r: CheckReport) -> None:
 def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """dry_run is true, false or simulate; a simulated rank must exist and run what the simulation can build."""
     if cfg.dry_run not in DRY_RUNS:
-        r.error("dry_run", f"must be true, false or simulate, got {cfg.dry_run!r}",
-                "dry_run=true prints the plan; dry_run=simulate also builds one rank of the job on fake tensors")
+        r.error(
+            "dry_run",
+            f"must be true, false or simulate, got {cfg.dry_run!r}",
+            "dry_run=true prints the plan; dry_run=simulate also builds one rank of the job on fake tensors",
+        )
         return
     rank = cfg.plan.simulate_rank
     if rank is not None and not 0 <= rank < lay.world_size:
-        r.error("plan.simulate_rank", f"{rank} is not a rank of this {lay.world_size}-rank job",
-                f"set plan.simulate_rank to 0..{lay.world_size - 1}, or leave it out for the planner's most loaded rank")
+        r.error(
+            "plan.simulate_rank",
+            f"{rank} is not a rank of this {lay.world_size}-rank job",
+            f"set plan.simulate_rank to 0..{lay.world_size - 1}, or leave it out for the planner's most loaded rank",
+        )
     if not simulating(cfg):
         return
     if data_parallel_kind(lay) == "ddp":
-        r.error("dry_run", "simulate builds FSDP2 layouts; zero.stage=0 with DP alone runs DDP, whose C++ reducer "
-                "needs real memory for its buckets, which fake tensors do not have",
-                "dry_run=true gives DDP's memory (the planner's closed form); or simulate zero.stage=1 (FSDP2)")
+        r.error(
+            "dry_run",
+            "simulate builds FSDP2 layouts; zero.stage=0 with DP alone runs DDP, whose C++ reducer "
+            "needs real memory for its buckets, which fake tensors do not have",
+            "dry_run=true gives DDP's memory (the planner's closed form); or simulate zero.stage=1 (FSDP2)",
+        )
     if lay.offload_device == "nvme" and (lay.offload_optimizer or lay.offload_params):
-        r.error("dry_run", "simulate cannot run Adam's moments on NVMe: fake tensors have no bytes to write",
-                "simulate with zero.offload_optimizer_device=cpu (the GPU side is the same), or use dry_run=true")
+        r.error(
+            "dry_run",
+            "simulate cannot run Adam's moments on NVMe: fake tensors have no bytes to write",
+            "simulate with zero.offload_optimizer_device=cpu (the GPU side is the same), or use dry_run=true",
+        )
     if cfg.parallel.compile:
-        r.error("dry_run", "simulate runs the model eagerly: torch.compile on fake tensors is not simulated",
-                "add parallel.compile=false to the simulation (compilation changes kernels, not what is stored)")
+        r.error(
+            "dry_run",
+            "simulate runs the model eagerly: torch.compile on fake tensors is not simulated",
+            "add parallel.compile=false to the simulation (compilation changes kernels, not what is stored)",
+        )
 
 
 # ---------------------------------------------------------------- the domain of every number (issue 46)
@@ -556,8 +766,10 @@ class Domain:
     def problem(self, key: str, value: float, shown: str = "") -> tuple[str, str]:
         """The message and the fix for `value`, which is not in the domain (`shown` in its place: a list)."""
         if self.interval:
-            bound = (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
-                     f"{')' if self.high_open else ']'}")
+            bound = (
+                f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.high_open else ']'}"
+            )
         elif self.low is not None and (value <= self.low if self.low_open else value < self.low):
             bound = f"{'>' if self.low_open else '>='} {_number(self.low)}"
         else:
@@ -616,9 +828,14 @@ DOMAINS: dict[str, Domain] = {
     "model.moe.capacity_factor": Domain(0, None, 1.25, after=" (0: dropless)"),
     "model.moe.balance_coef": Domain(0, None, 0.001, note="a loss coefficient"),
     "model.moe.z_loss_coef": Domain(0, None, 0.001, note="a loss coefficient"),
-    "model.moe.bias_update_rate": Domain(0, None, 0.001, after=" (0: the router's bias stays)",
-                                         note="the sigmoid router's bias moves this much per optimizer step, "
-                                         "towards the experts that get too few tokens; a negative rate moves it away"),
+    "model.moe.bias_update_rate": Domain(
+        0,
+        None,
+        0.001,
+        after=" (0: the router's bias stays)",
+        note="the sigmoid router's bias moves this much per optimizer step, "
+        "towards the experts that get too few tokens; a negative rate moves it away",
+    ),
     "model.dropout": Domain(0, 1, 0.0, high_open=True, interval=True),
     "model.init_std": Domain(0, None, 0.02, after=" (a standard deviation)"),
     # the layout (also hpctrain.config.layout, which says more of them)
@@ -633,8 +850,9 @@ DOMAINS: dict[str, Domain] = {
     "parallel.last_stage_layers": _count(0, 0, " (0: as the other stages)"),
     "parallel.microbatches": _count(0, 0, " (0: train.grad_accum)"),
     "zero.stage": _count(0, 1, high=3),
-    "zero.nvme_chunk_mb": Domain(1, MAX_MIB, 64, after=" MiB",
-                                 note="three chunks of each moment are in host memory at a time"),
+    "zero.nvme_chunk_mb": Domain(
+        1, MAX_MIB, 64, after=" MiB", note="three chunks of each moment are in host memory at a time"
+    ),
     "zero.reduce_bucket_size": _count(1_000_000, 25_000_000, " bytes", high=MAX_BYTES),
     "zero.allgather_bucket_size": _count(1_000_000, 25_000_000, " bytes", high=MAX_BYTES),
     # the optimizer
@@ -652,8 +870,9 @@ DOMAINS: dict[str, Domain] = {
     "data.vocab_size": _count(1, 50257),
     "data.max_bytes": _count(1, 16_000_000, " bytes", high=MAX_BYTES),
     "data.valid_fraction": Domain(0, 1, 0.01, high_open=True, interval=True),
-    "data.prefetch": _count(0, 1, " steps (0: no read-ahead)", high=1024, note="each step read ahead is a global "
-                            "batch held in memory"),
+    "data.prefetch": _count(
+        0, 1, " steps (0: no read-ahead)", high=1024, note="each step read ahead is a global batch held in memory"
+    ),
     # byte-level BPE: 256 byte tokens and the end-of-document token come first, whatever vocab_size says
     "data.prepare.vocab_size": _count(257, 8192, " (256 byte tokens and <|endoftext|>, then the merges)"),
     "data.prepare.workers": _count(1, 2, " processes", high=MAX_PER_NODE),
@@ -701,8 +920,14 @@ DOMAINS: dict[str, Domain] = {
     "train.eval_every": _count(0, 100, " steps (0: no validation)"),
     "train.eval_batches": _count(1, 4),
     "train.threads_per_rank": _count(1, 1, high=MAX_PER_NODE),
-    "run.lease_check_s": Domain(0, MAX_SECONDS, 1, low_open=True, after=_SECONDS,
-                                note="rank 0 re-reads the run's lease this often to notice a newer attempt"),
+    "run.lease_check_s": Domain(
+        0,
+        MAX_SECONDS,
+        1,
+        low_open=True,
+        after=_SECONDS,
+        note="rank 0 re-reads the run's lease this often to notice a newer attempt",
+    ),
     "plan.search": _count(0, 5, " (0: no search)", high=1000, note="the plan ranks this many layouts"),
     "plan.simulate_rank": _count(0, 0),
 }
@@ -729,8 +954,14 @@ def domain_checks(cfg: Config, r: CheckReport, prefix: str | tuple[str, ...] = "
             if key in reported:
                 continue
             values = list(value) if OmegaConf.is_list(value) or isinstance(value, list) else [value]
-            bad = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   and (isinstance(v, int) or math.isfinite(v)) and not domain.holds(v)]  # an int of 400 digits too
+            bad = [
+                v
+                for v in values
+                if isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and (isinstance(v, int) or math.isfinite(v))
+                and not domain.holds(v)
+            ]  # an int of 400 digits too
             if bad:
                 many = isinstance(value, list) or OmegaConf.is_list(value)
                 message, fix = domain.problem(key, bad[0], str(list(values)) if many else "")
@@ -760,10 +991,14 @@ def _tensor_sizes(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if any(p.key.startswith(_SIZE_KEYS) for p in r.errors) or cfg.cluster.gpu_type not in KNOWN_HARDWARE:
         return
     gpu = cfg.cluster.gpu_type
-    limit = (max(h.host_mem_bytes for h in KNOWN_HARDWARE.values()) if gpu == "cpu"
-             else KNOWN_HARDWARE[gpu].gpu_mem_bytes)
-    where = (f"the {format_bytes(limit)} of host memory of the largest node hpctrain knows (gpu_type=cpu)"
-             if gpu == "cpu" else f"the {format_bytes(limit)} of a {gpu} GPU")
+    limit = (
+        max(h.host_mem_bytes for h in KNOWN_HARDWARE.values()) if gpu == "cpu" else KNOWN_HARDWARE[gpu].gpu_mem_bytes
+    )
+    where = (
+        f"the {format_bytes(limit)} of host memory of the largest node hpctrain knows (gpu_type=cpu)"
+        if gpu == "cpu"
+        else f"the {format_bytes(limit)} of a {gpu} GPU"
+    )
     for what, factors, item_bytes in _largest_tensors(cfg, lay):
         elements = math.prod(v for _, _, v in factors)
         size = elements * item_bytes
@@ -771,12 +1006,19 @@ def _tensor_sizes(cfg: Config, lay: Layout, r: CheckReport) -> None:
             continue
         key = max(factors, key=lambda f: f[2])[1]
         shape = " x ".join(f"{v:,} ({label})" for label, _, v in factors)
-        beyond = (f"{elements:.3g} elements, more than int64 counts (torch's numel)" if elements > INT64_MAX
-                  else f"{format_bytes(size)}, more than {where}")
-        r.error(key, f"{what} is one tensor of {shape} = {beyond}: it cannot be allocated, whatever the rest of "
-                "the layout", f"lower {key} (or split the tensor: parallel.tp for weights and activations"
-                + (", parallel.ep for experts" if "experts" in what else "")
-                + (", parallel.cp for a sequence's activations" if "micro-batch" in what else "") + ")")
+        beyond = (
+            f"{elements:.3g} elements, more than int64 counts (torch's numel)"
+            if elements > INT64_MAX
+            else f"{format_bytes(size)}, more than {where}"
+        )
+        r.error(
+            key,
+            f"{what} is one tensor of {shape} = {beyond}: it cannot be allocated, whatever the rest of the layout",
+            f"lower {key} (or split the tensor: parallel.tp for weights and activations"
+            + (", parallel.ep for experts" if "experts" in what else "")
+            + (", parallel.cp for a sequence's activations" if "micro-batch" in what else "")
+            + ")",
+        )
         return  # one is enough: the others share its factors
 
 
@@ -792,10 +1034,15 @@ def _largest_tensors(cfg: Config, lay: Layout) -> list[tuple[str, list[tuple[str
     width = ("d_model", "model.d_model", d.d_model)
     vocab = ("vocabulary rows / tp", "model.vocab_size", -(-rows // tp))
     ffn = ("MLP width / tp", ffn_key, -(-d.ffn_hidden // tp))
-    tokens = [("micro_batch", "train.micro_batch", t.micro_batch),
-              ("seq_len / cp", "train.seq_len", -(-t.seq_len // cp))]
-    qkv = ("q, k and v width / tp", "model.head_dim" if m.head_dim else "model.d_model",
-           -(-(d.q_dim + 2 * d.kv_dim) // tp))
+    tokens = [
+        ("micro_batch", "train.micro_batch", t.micro_batch),
+        ("seq_len / cp", "train.seq_len", -(-t.seq_len // cp)),
+    ]
+    qkv = (
+        "q, k and v width / tp",
+        "model.head_dim" if m.head_dim else "model.d_model",
+        -(-(d.q_dim + 2 * d.kv_dim) // tp),
+    )
     out = [
         ("the embedding", [vocab, width], 4),
         ("the attention's QKV weight", [qkv, width], 4),
@@ -806,13 +1053,33 @@ def _largest_tensors(cfg: Config, lay: Layout) -> list[tuple[str, list[tuple[str
     ]
     if family_of(m).moe and d.n_experts:
         hidden = ("expert_hidden", "model.moe.expert_hidden" if m.moe.expert_hidden else ffn_key, d.expert_hidden)
-        out += [("a layer's stacked experts weight", [("experts / ep", "model.moe.n_experts", -(-d.n_experts // ep)),
-                                                       hidden, width], 4),
-                ("one micro-batch's routed tokens", [*tokens, ("top_k", "model.moe.top_k", d.top_k), width], act)]
+        out += [
+            (
+                "a layer's stacked experts weight",
+                [("experts / ep", "model.moe.n_experts", -(-d.n_experts // ep)), hidden, width],
+                4,
+            ),
+            ("one micro-batch's routed tokens", [*tokens, ("top_k", "model.moe.top_k", d.top_k), width], act),
+        ]
     return out
 
 
 CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    _dry_run, _finite_numbers, _model_shape, _experts, _tensor_parallel, _context_parallel, _pipeline, _zero,
-    _precision, _fp8, _optim, _train_and_data, _run_paths, *cluster_checks, _checkpoint, _domains, _tensor_sizes,
+    _dry_run,
+    _finite_numbers,
+    _model_shape,
+    _experts,
+    _tensor_parallel,
+    _context_parallel,
+    _pipeline,
+    _zero,
+    _precision,
+    _fp8,
+    _optim,
+    _train_and_data,
+    _run_paths,
+    *cluster_checks,
+    _checkpoint,
+    _domains,
+    _tensor_sizes,
 ]

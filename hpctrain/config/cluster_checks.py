@@ -22,8 +22,9 @@ def visible_gpus(environ: dict[str, str], driver: str = "/proc/driver/nvidia/gpu
     if os.path.isdir(driver):
         present = len(os.listdir(driver))
     else:
-        present = sum(1 for n in (os.listdir(dev) if os.path.isdir(dev) else []) if n[6:].isdigit()
-                      and n.startswith("nvidia"))
+        present = sum(
+            1 for n in (os.listdir(dev) if os.path.isdir(dev) else []) if n[6:].isdigit() and n.startswith("nvidia")
+        )
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
         return present
@@ -33,18 +34,24 @@ def visible_gpus(environ: dict[str, str], driver: str = "/proc/driver/nvidia/gpu
 def _local_gpus(gpu_type: str, per_node: int, visible: int, r: CheckReport) -> None:
     """The local executor gives each task a GPU only when gpu_type names one; say so when GPUs sit idle."""
     if gpu_type != "cpu" and visible < per_node:
-        r.error("cluster.gpus_per_node", f"cluster.gpu_type={gpu_type} runs one task per GPU, {per_node} tasks, "
-                f"but this machine shows {visible} GPU(s)", f"set cluster.gpus_per_node={max(visible, 1)}"
-                + ("" if visible else " and cluster.gpu_type=cpu"))
+        r.error(
+            "cluster.gpus_per_node",
+            f"cluster.gpu_type={gpu_type} runs one task per GPU, {per_node} tasks, "
+            f"but this machine shows {visible} GPU(s)",
+            f"set cluster.gpus_per_node={max(visible, 1)}" + ("" if visible else " and cluster.gpu_type=cpu"),
+        )
     elif gpu_type == "cpu" and visible:
-        r.warn("cluster.gpu_type", f"this machine has {visible} GPU(s) but cluster.gpu_type=cpu: the tasks "
-               "train on the CPU", f"set cluster.gpu_type to the GPU's type (e.g. h100) and "
-               f"cluster.gpus_per_node={visible}")
+        r.warn(
+            "cluster.gpu_type",
+            f"this machine has {visible} GPU(s) but cluster.gpu_type=cpu: the tasks train on the CPU",
+            f"set cluster.gpu_type to the GPU's type (e.g. h100) and cluster.gpus_per_node={visible}",
+        )
 
 
 def _control_characters(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """String values end up in the sbatch script (one #SBATCH line each) and in paths: a newline in
     cluster.partition would start a line of its own. cluster.setup lines are shell lines by design."""
+
     def walk(node: Any, key: str) -> None:
         if key == "cluster.setup":
             return
@@ -56,8 +63,11 @@ def _control_characters(cfg: Config, lay: Layout, r: CheckReport) -> None:
             for i, v in enumerate(node):
                 walk(v, f"{key}[{i}]")
         elif isinstance(node, str) and any(ord(ch) < 32 or ord(ch) == 127 for ch in node):
-            r.error(key, f"{node!r} holds a control character (a newline or tab would end up in the sbatch script "
-                    "or a path)", f"remove it from {key}")
+            r.error(
+                key,
+                f"{node!r} holds a control character (a newline or tab would end up in the sbatch script or a path)",
+                f"remove it from {key}",
+            )
 
     walk(OmegaConf.to_container(cfg, resolve=False), "")
 
@@ -65,39 +75,67 @@ def _control_characters(cfg: Config, lay: Layout, r: CheckReport) -> None:
 def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
     c = cfg.cluster
     if c.executor == Executor.local and c.nodes != 1:
-        r.error("cluster.nodes", f"the local executor runs on this one machine, got nodes={c.nodes}",
-                "set cluster.nodes=1, or submit to Slurm with cluster=slurm (or cluster=dev)")
+        r.error(
+            "cluster.nodes",
+            f"the local executor runs on this one machine, got nodes={c.nodes}",
+            "set cluster.nodes=1, or submit to Slurm with cluster=slurm (or cluster=dev)",
+        )
     if c.executor == Executor.local:
         _local_gpus(c.gpu_type, c.gpus_per_node, visible_gpus(dict(os.environ)), r)
     if c.cpus_per_task < 1:
         r.error("cluster.cpus_per_task", f"must be >= 1, got {c.cpus_per_task}", "set cluster.cpus_per_task=1")
     if c.signal_delay_s < 0:
-        r.error("cluster.signal_delay_s", f"must be >= 0 seconds, got {c.signal_delay_s}: Slurm's warning signal "
-                "(--signal=USR2@N) comes N seconds before the time limit", "use cluster.signal_delay_s=120")
+        r.error(
+            "cluster.signal_delay_s",
+            f"must be >= 0 seconds, got {c.signal_delay_s}: Slurm's warning signal "
+            "(--signal=USR2@N) comes N seconds before the time limit",
+            "use cluster.signal_delay_s=120",
+        )
     if c.time_min < 1:
         r.error("cluster.time_min", f"must be >= 1 minute, got {c.time_min}", "set cluster.time_min=60")
     elif c.signal_delay_s >= c.time_min * 60:
-        r.error("cluster.signal_delay_s", f"the warning signal {c.signal_delay_s} s before the end would come before "
-                f"the job starts (time limit {c.time_min} min)", f"use cluster.signal_delay_s<={c.time_min * 60 // 4}")
+        r.error(
+            "cluster.signal_delay_s",
+            f"the warning signal {c.signal_delay_s} s before the end would come before "
+            f"the job starts (time limit {c.time_min} min)",
+            f"use cluster.signal_delay_s<={c.time_min * 60 // 4}",
+        )
     elif c.executor == Executor.slurm and 0 <= c.signal_delay_s < 30:
-        r.warn("cluster.signal_delay_s", f"{c.signal_delay_s} s may be too short to finish a step and save",
-               "allow a step plus a fast-tier save, e.g. cluster.signal_delay_s=120")
+        r.warn(
+            "cluster.signal_delay_s",
+            f"{c.signal_delay_s} s may be too short to finish a step and save",
+            "allow a step plus a fast-tier save, e.g. cluster.signal_delay_s=120",
+        )
     if c.executor == Executor.slurm and c.requeue and c.time_min <= 10:
-        r.warn("cluster.time_min", "submitit counts every signal to a job of <= 10 minutes as a timeout, using up "
-               "cluster.max_num_timeout on preemptions", "use cluster.time_min>10")
+        r.warn(
+            "cluster.time_min",
+            "submitit counts every signal to a job of <= 10 minutes as a timeout, using up "
+            "cluster.max_num_timeout on preemptions",
+            "use cluster.time_min>10",
+        )
     h = cfg.health
     if h.preflight not in ("off", "warn", "exclude", "drain"):
-        r.error("health.preflight", f"must be off, warn, exclude or drain, got {h.preflight!r}",
-                "use health.preflight=warn")
+        r.error(
+            "health.preflight", f"must be off, warn, exclude or drain, got {h.preflight!r}", "use health.preflight=warn"
+        )
     if h.hang_timeout_s and h.hang_timeout_s < 10:
-        r.error("health.hang_timeout_s", f"{h.hang_timeout_s} s would fire on a slow step", "use at least 60 s, or 0 to disable")
+        r.error(
+            "health.hang_timeout_s",
+            f"{h.hang_timeout_s} s would fire on a slow step",
+            "use at least 60 s, or 0 to disable",
+        )
     if h.straggler_factor <= 1.0:
         r.error("health.straggler_factor", f"must be > 1, got {h.straggler_factor}", "use health.straggler_factor=1.3")
     if cfg.launcher.max_restarts < 0:
-        r.error("launcher.max_restarts", f"must be >= 0, got {cfg.launcher.max_restarts}", "use launcher.max_restarts=3")
+        r.error(
+            "launcher.max_restarts", f"must be >= 0, got {cfg.launcher.max_restarts}", "use launcher.max_restarts=3"
+        )
     if cfg.train.threads_per_rank > c.cpus_per_task and c.executor == Executor.slurm:
-        r.warn("train.threads_per_rank", f"{cfg.train.threads_per_rank} threads on {c.cpus_per_task} CPUs per task",
-               "set train.threads_per_rank<=cluster.cpus_per_task")
+        r.warn(
+            "train.threads_per_rank",
+            f"{cfg.train.threads_per_rank} threads on {c.cpus_per_task} CPUs per task",
+            "set train.threads_per_rank<=cluster.cpus_per_task",
+        )
 
 
 AGENT_SHUTDOWN_S = 30  # torch.distributed.elastic's LocalElasticAgent: SIGTERM, then SIGKILL after this
@@ -111,23 +149,34 @@ def _timeouts(cfg: Config, lay: Layout, r: CheckReport) -> None:
     h, timeout = cfg.health, cfg.launcher.collective_timeout_s
     rendezvous = cfg.launcher.rendezvous_timeout_s
     if cfg.launcher.in_allocation and rendezvous < MIN_RENDEZVOUS_S:
-        r.error("launcher.rendezvous_timeout_s", f"{rendezvous} s: a restart inside the allocation stops every "
-                f"worker (torch's agent waits up to {AGENT_SHUTDOWN_S} s before SIGKILL) and starts new ones; "
-                "agents that wait less give up on a node that is only slow to restart",
-                f"use launcher.rendezvous_timeout_s>={MIN_RENDEZVOUS_S} (default 600)")
+        r.error(
+            "launcher.rendezvous_timeout_s",
+            f"{rendezvous} s: a restart inside the allocation stops every "
+            f"worker (torch's agent waits up to {AGENT_SHUTDOWN_S} s before SIGKILL) and starts new ones; "
+            "agents that wait less give up on a node that is only slow to restart",
+            f"use launcher.rendezvous_timeout_s>={MIN_RENDEZVOUS_S} (default 600)",
+        )
     if timeout < 30:
-        r.error("launcher.collective_timeout_s", f"{timeout} s is shorter than a checkpoint load or a slow "
-                "first step", "use launcher.collective_timeout_s=1800")
+        r.error(
+            "launcher.collective_timeout_s",
+            f"{timeout} s is shorter than a checkpoint load or a slow first step",
+            "use launcher.collective_timeout_s=1800",
+        )
         return
     if not h.hang_timeout_s:  # the watchdog is off: NCCL's timeout is the only one
         return
-    key, longest = max((("health.hang_timeout_s", h.hang_timeout_s),
-                        ("health.startup_timeout_s", h.startup_timeout_s)), key=lambda kv: kv[1])
+    key, longest = max(
+        (("health.hang_timeout_s", h.hang_timeout_s), ("health.startup_timeout_s", h.startup_timeout_s)),
+        key=lambda kv: kv[1],
+    )
     if timeout < longest + TIMEOUT_MARGIN_S:
-        r.error("launcher.collective_timeout_s", f"{timeout} s does not outlast {key}={longest:g} s by "
-                f"{TIMEOUT_MARGIN_S:g} s: NCCL's own watchdog would end the ranks of a hang first, leaving no "
-                "stacks, flight recorder or failure record", f"set launcher.collective_timeout_s>="
-                f"{math.ceil(longest + TIMEOUT_MARGIN_S)}, or lower {key}")
+        r.error(
+            "launcher.collective_timeout_s",
+            f"{timeout} s does not outlast {key}={longest:g} s by "
+            f"{TIMEOUT_MARGIN_S:g} s: NCCL's own watchdog would end the ranks of a hang first, leaving no "
+            "stacks, flight recorder or failure record",
+            f"set launcher.collective_timeout_s>={math.ceil(longest + TIMEOUT_MARGIN_S)}, or lower {key}",
+        )
 
 
 def _elastic(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -137,26 +186,40 @@ def _elastic(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if spare < 0:
         r.error("cluster.spare_nodes", f"must be >= 0, got {spare}", "use cluster.spare_nodes=0")
     elif spare and not cfg.launcher.in_allocation:
-        r.error("cluster.spare_nodes", "a spare replaces a node inside the allocation, but launcher.in_allocation="
-                "false", "set launcher.in_allocation=true, or cluster.spare_nodes=0")
+        r.error(
+            "cluster.spare_nodes",
+            "a spare replaces a node inside the allocation, but launcher.in_allocation=false",
+            "set launcher.in_allocation=true, or cluster.spare_nodes=0",
+        )
     elif spare and cfg.cluster.executor == Executor.local:
-        r.error("cluster.spare_nodes", "the local executor runs one node: there is no node to spare",
-                "use cluster.spare_nodes=0, or cluster=slurm")
+        r.error(
+            "cluster.spare_nodes",
+            "the local executor runs one node: there is no node to spare",
+            "use cluster.spare_nodes=0, or cluster=slurm",
+        )
     if not low:
         return
     if not cfg.launcher.in_allocation:
-        r.error("elastic.min_nodes", "shrinking happens inside the allocation, but launcher.in_allocation=false",
-                "set launcher.in_allocation=true, or elastic.min_nodes=0")
+        r.error(
+            "elastic.min_nodes",
+            "shrinking happens inside the allocation, but launcher.in_allocation=false",
+            "set launcher.in_allocation=true, or elastic.min_nodes=0",
+        )
         return
     if not 1 <= low <= nodes:
-        r.error("elastic.min_nodes", f"must be between 1 and cluster.nodes={nodes}, got {low}",
-                f"use elastic.min_nodes={max(1, nodes - 1)}, or 0 to never shrink")
+        r.error(
+            "elastic.min_nodes",
+            f"must be between 1 and cluster.nodes={nodes}, got {low}",
+            f"use elastic.min_nodes={max(1, nodes - 1)}, or 0 to never shrink",
+        )
         return
     for n, layout in layouts_on_nodes(cfg, range(low, nodes)):
         if isinstance(layout, ConfigError):
-            r.error("elastic.min_nodes", f"on {n} of {nodes} nodes the run does not fit: "
-                    f"{layout.problems[0].message}",
-                    f"use elastic.min_nodes={n + 1}, or a global batch that every DP size from {low} nodes divides")
+            r.error(
+                "elastic.min_nodes",
+                f"on {n} of {nodes} nodes the run does not fit: {layout.problems[0].message}",
+                f"use elastic.min_nodes={n + 1}, or a global batch that every DP size from {low} nodes divides",
+            )
             return
 
 
@@ -178,34 +241,58 @@ def _sbatch_values(cfg: Config, lay: Layout, r: CheckReport) -> None:
     for name in SBATCH_STRINGS:
         value = getattr(c, name)
         if value is not None and _blank(str(value)):
-            r.error(f"cluster.{name}", f"{str(value)!r} holds a blank: Slurm {name} names and lists have none "
-                    f"(sbatch --{name}={value!s} is refused or means something else)",
-                    f"remove the blank; several {name} values are separated by commas"
-                    if name != "constraint" else "combine features with & and | (e.g. 'a100&ib'), no blanks")
+            r.error(
+                f"cluster.{name}",
+                f"{str(value)!r} holds a blank: Slurm {name} names and lists have none "
+                f"(sbatch --{name}={value!s} is refused or means something else)",
+                f"remove the blank; several {name} values are separated by commas"
+                if name != "constraint"
+                else "combine features with & and | (e.g. 'a100&ib'), no blanks",
+            )
     if c.mem_gb < 0:
-        r.error("cluster.mem_gb", f"must be >= 0 (0: the partition's default memory), got {c.mem_gb}",
-                "set cluster.mem_gb=0, or the memory per node in GB")
+        r.error(
+            "cluster.mem_gb",
+            f"must be >= 0 (0: the partition's default memory), got {c.mem_gb}",
+            "set cluster.mem_gb=0, or the memory per node in GB",
+        )
     if c.max_num_timeout < 0:
-        r.error("cluster.max_num_timeout", f"must be >= 0 requeues, got {c.max_num_timeout}",
-                "use cluster.max_num_timeout=20")
+        r.error(
+            "cluster.max_num_timeout",
+            f"must be >= 0 requeues, got {c.max_num_timeout}",
+            "use cluster.max_num_timeout=20",
+        )
     for option, value in dict(c.sbatch_extra).items():
         key = f"cluster.sbatch_extra.{option}"
         if not SBATCH_OPTION.fullmatch(str(option)):
-            r.error(key, f"{str(option)!r} is not an sbatch option name (it becomes #SBATCH --{option}=...)",
-                    "use the long option's name without dashes, e.g. +cluster.sbatch_extra.gres=gpu:8")
+            r.error(
+                key,
+                f"{str(option)!r} is not an sbatch option name (it becomes #SBATCH --{option}=...)",
+                "use the long option's name without dashes, e.g. +cluster.sbatch_extra.gres=gpu:8",
+            )
         elif value is None or value is False or isinstance(value, (dict, list)) or OmegaConf.is_config(value):
             shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-            r.error(key, f"{shown!r} renders as #SBATCH --{option}={shown}: a value must be a string or number, or "
-                    "true for an option without one", f"set {key} to the option's value, or remove it")
+            r.error(
+                key,
+                f"{shown!r} renders as #SBATCH --{option}={shown}: a value must be a string or number, or "
+                "true for an option without one",
+                f"set {key} to the option's value, or remove it",
+            )
         elif str(option) == "export" and "ALL" not in str(value).split(","):
-            r.error(key, f"#SBATCH --export={value} starts the job without this machine's environment, and its srun "
-                    "step inherits the setting: SUBMITIT_EXECUTOR, which the batch script exports for submitit, and "
-                    "the credentials hpctrain passes through the environment (cluster.env) would not reach the tasks",
-                    "remove it, or keep the environment: +cluster.sbatch_extra.export=ALL,NAME=value")
+            r.error(
+                key,
+                f"#SBATCH --export={value} starts the job without this machine's environment, and its srun "
+                "step inherits the setting: SUBMITIT_EXECUTOR, which the batch script exports for submitit, and "
+                "the credentials hpctrain passes through the environment (cluster.env) would not reach the tasks",
+                "remove it, or keep the environment: +cluster.sbatch_extra.export=ALL,NAME=value",
+            )
     for name in dict(c.env):
         if not ENV_NAME.fullmatch(str(name)):
-            r.error(f"cluster.env.{name}", f"{str(name)!r} is not an environment variable name (letters, digits, "
-                    "_; not starting with a digit): the tasks could not set it", "rename the variable")
+            r.error(
+                f"cluster.env.{name}",
+                f"{str(name)!r} is not an environment variable name (letters, digits, "
+                "_; not starting with a digit): the tasks could not set it",
+                "rename the variable",
+            )
 
 
 def _log_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -217,9 +304,12 @@ def _log_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
     for key, text in run_dir_parts(cfg):
         bad = next((ch for ch in "%\\" if ch in text), None)
         if bad:
-            r.error(key, f"{text!r} holds {bad!r}: the run directory is part of the task logs' path, which Slurm reads "
-                    "as a filename pattern ('%' starts a replacement symbol, a backslash turns them off)",
-                    f"choose a {key} without '%' or '\\'")
+            r.error(
+                key,
+                f"{text!r} holds {bad!r}: the run directory is part of the task logs' path, which Slurm reads "
+                "as a filename pattern ('%' starts a replacement symbol, a backslash turns them off)",
+                f"choose a {key} without '%' or '\\'",
+            )
 
 
 cluster_checks = [_cluster, _timeouts, _elastic, _control_characters, _sbatch_values, _log_paths, container_checks]

@@ -37,10 +37,10 @@ GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
 # Values that mean something else than what they say: (key, value) -> the fix.
 HINTS = {
     ("precision.dtype", "fp8"): "FP8 is not a dtype of its own: precision=bf16 precision.fp8=tensorwise (or rowwise, "
-                                "rowwise_with_gw_hp) runs the blocks' GEMMs in FP8 (docs/fp8.md)",
+    "rowwise_with_gw_hp) runs the blocks' GEMMs in FP8 (docs/fp8.md)",
     ("plan.simulate_device", "gpu"): "did you mean plan.simulate_device=cuda?",
     ("cluster.container.runtime", "docker"): "Slurm runs containers through pyxis (enroot, which imports docker "
-                                             "images) or apptainer: cluster.container.runtime=pyxis",
+    "images) or apptainer: cluster.container.runtime=pyxis",
     ("cluster.container.runtime", "enroot"): "did you mean cluster.container.runtime=pyxis?",
     ("cluster.container.runtime", "singularity"): "did you mean cluster.container.runtime=apptainer?",
 }
@@ -58,8 +58,9 @@ class _Item:
     values: tuple[str, ...]
 
 
-def compose_problems(overrides: Sequence[str], config_dir: Path, config_name: str = "config",
-                     multirun: bool = False) -> list[Problem]:
+def compose_problems(
+    overrides: Sequence[str], config_dir: Path, config_name: str = "config", multirun: bool = False
+) -> list[Problem]:
     """Everything Hydra would refuse in `python -m hpctrain [-m] OVERRIDES`, composed as `hydra.main` does (the
     primary config in `config_dir`, the site directories of HPCTRAIN_CONFIG_PATH through hpctrain.config.site's
     plugin, `hydra.searchpath`); [] when it composes. Writes nothing."""
@@ -68,9 +69,13 @@ def compose_problems(overrides: Sequence[str], config_dir: Path, config_name: st
 
     with initialize_config_dir(version_base=None, config_dir=str(config_dir)):
         loader = GlobalHydra.instance().config_loader()
-        return find_problems(list(overrides),
-                             lambda ovs: compose(config_name=config_name, overrides=ovs, return_hydra_config=True),
-                             search_dirs(overrides, config_dir), multirun, loader)
+        return find_problems(
+            list(overrides),
+            lambda ovs: compose(config_name=config_name, overrides=ovs, return_hydra_config=True),
+            search_dirs(overrides, config_dir),
+            multirun,
+            loader,
+        )
 
 
 def search_dirs(overrides: Sequence[str], config_dir: Path) -> list[Path]:
@@ -82,8 +87,9 @@ def search_dirs(overrides: Sequence[str], config_dir: Path) -> list[Path]:
     return dirs
 
 
-def find_problems(overrides: list[str], compose: Compose, dirs: Sequence[Path], multirun: bool = False,
-                  config_loader: Any = None) -> list[Problem]:
+def find_problems(
+    overrides: list[str], compose: Compose, dirs: Sequence[Path], multirun: bool = False, config_loader: Any = None
+) -> list[Problem]:
     """The problems of a command line, given how it composes (`compose` raises Hydra's exception)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -110,8 +116,11 @@ def find_problems(overrides: list[str], compose: Compose, dirs: Sequence[Path], 
                 places.append(place)
                 continue
             except Exception as exc:  # noqa: BLE001  (a glob that matches nothing, a range Hydra cannot expand)
-                problem = Problem(key, f"the sweep {text!r} cannot be expanded: {_first_line(exc)}",
-                                  f"list the values: {key}=a,b,c ({GRAMMAR})")
+                problem = Problem(
+                    key,
+                    f"the sweep {text!r} cannot be expanded: {_first_line(exc)}",
+                    f"list the values: {key}=a,b,c ({GRAMMAR})",
+                )
         problems[place] = problem
     bad: dict[int, Problem] = {}
     composed: DictConfig | None = None
@@ -156,8 +165,9 @@ def _first_failing(compose: Compose, items: list[_Item], active: list[int]) -> t
     return None, exc or RuntimeError("the command line composes one override at a time, not all at once")
 
 
-def _check_value(compose: Compose, scratch: DictConfig, items: list[_Item], bad: dict[int, Problem], i: int,
-                 value: str) -> BaseException | None:
+def _check_value(
+    compose: Compose, scratch: DictConfig, items: list[_Item], bad: dict[int, Problem], i: int, value: str
+) -> BaseException | None:
     """A sweep's other value: a key's set on `scratch`, a copy of the composed config, as Hydra applies an override
     (only that key changes, so the values may follow each other); a group's (or an added key's) composed with the
     rest of the command line."""
@@ -224,12 +234,16 @@ def _problem(exc: BaseException, key: str | None, text: str, dirs: Sequence[Path
     name = key or "hydra"
     m = re.match(r"Could not override '([^']+)'\. No match in the defaults list", message)
     if m:
-        return Problem(m.group(1), f"is a config group the defaults list does not hold, so {text!r} has nothing to "
-                       "replace", f"add it with a +: +{text}")
+        return Problem(
+            m.group(1),
+            f"is a config group the defaults list does not hold, so {text!r} has nothing to replace",
+            f"add it with a +: +{text}",
+        )
     m = re.match(r"Could not append to config\. An item is already at '([^']+)'", message)
     if m:
-        return Problem(m.group(1), "already has a value: + adds a key that is not there yet",
-                       f"drop the +: {text.lstrip('+')}")
+        return Problem(
+            m.group(1), "already has a value: + adds a key that is not there yet", f"drop the +: {text.lstrip('+')}"
+        )
     m = re.match(r"Could not delete from config\. '([^']+)' does not exist", message)
     if m:
         return Problem(m.group(1), "is not in the config, so ~ has nothing to delete", suggest_key(m.group(1)))
@@ -237,9 +251,11 @@ def _problem(exc: BaseException, key: str | None, text: str, dirs: Sequence[Path
         return _os_problem(exc, name, dirs)
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     first = re.sub(r"^In '[^']+': ", "", lines[0]) if lines else type(exc).__name__
-    return Problem(name, f"{first}{where}" + (f" ({text})" if text and text not in first else ""),
-                   " ".join(lines[1:]) or f"check it against Hydra's override grammar ({GRAMMAR}) and "
-                   "python -m hpctrain --help")
+    return Problem(
+        name,
+        f"{first}{where}" + (f" ({text})" if text and text not in first else ""),
+        " ".join(lines[1:]) or f"check it against Hydra's override grammar ({GRAMMAR}) and python -m hpctrain --help",
+    )
 
 
 def _unknown_key(key: str, text: str, where: str) -> Problem:
@@ -247,14 +263,21 @@ def _unknown_key(key: str, text: str, where: str) -> Problem:
     if typed.startswith(key + "."):  # `paralel.tp=2`: Hydra names `paralel`; the command line said more
         key = typed
     if key == "hydra" or key.startswith("hydra."):
-        return Problem(key, f"is not a key of Hydra's config{where}",
-                       "python -m hpctrain --hydra-help lists Hydra's own; hpctrain's: python -m hpctrain --cfg job")
+        return Problem(
+            key,
+            f"is not a key of Hydra's config{where}",
+            "python -m hpctrain --hydra-help lists Hydra's own; hpctrain's: python -m hpctrain --cfg job",
+        )
     parent = key.rpartition(".")[0]
     node = _schema_node(parent) if parent else None
     if OmegaConf.is_dict(node) and OmegaConf.get_type(node) is dict:  # a map of names (cluster.env, sbatch_extra)
-        return Problem(key, f"is a new entry of {parent}, a map of names to values{where}",
-                       f"add it with a +: +{text}" if text and not where else
-                       f"write it under {parent}: in the file, or +{key}=VALUE on the command line")
+        return Problem(
+            key,
+            f"is a new entry of {parent}, a map of names to values{where}",
+            f"add it with a +: +{text}"
+            if text and not where
+            else f"write it under {parent}: in the file, or +{key}=VALUE on the command line",
+        )
     return Problem(key, f"is not a key of hpctrain's config schema{where}", suggest_key(key))
 
 
@@ -303,24 +326,32 @@ def _wrong_value(key: str, cause: OmegaConfBaseException, where: str) -> Problem
     if isinstance(kind, type) and issubclass(kind, Enum):
         allowed = [m.name for m in kind]
         close = difflib.get_close_matches(str(value), allowed, n=1)
-        return Problem(key, f"{value!r} is not one of {', '.join(allowed)}{where}",
-                       hint or (f"did you mean {key}={close[0]}?" if close else f"set {key} to one of them"))
+        return Problem(
+            key,
+            f"{value!r} is not one of {', '.join(allowed)}{where}",
+            hint or (f"did you mean {key}={close[0]}?" if close else f"set {key} to one of them"),
+        )
     what = _describe(kind)
     if "is not Optional" in str(cause.msg):
         return Problem(key, f"cannot be null: it takes {what}{where}", f"give {what}" + _example(key, default))
     if kind is list:
-        return Problem(key, f"takes a list, {given}{where}",
-                       f"write a list: {key}=[a,b] (quoted for the shell: '{key}=[a, b]')")
+        return Problem(
+            key, f"takes a list, {given}{where}", f"write a list: {key}=[a,b] (quoted for the shell: '{key}=[a, b]')"
+        )
     if kind is dict or (isinstance(kind, type) and kind.__module__ == Config.__module__):
         children = [f"{key}.{k}" for k in (_schema_node(key) or {})][:6]
-        return Problem(key, f"is a section of the config, not one value: {given}{where}",
-                       f"set its keys, one by one: {', '.join(children)}" if children else f"{key}.NAME=value")
+        return Problem(
+            key,
+            f"is a section of the config, not one value: {given}{where}",
+            f"set its keys, one by one: {', '.join(children)}" if children else f"{key}.NAME=value",
+        )
     return Problem(key, f"takes {what}, {given}{where}", hint or f"give {what}" + _example(key, default))
 
 
 def _describe(kind: Any) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(kind, "a value of "
-                                                                                                  "its type")
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        kind, "a value of its type"
+    )
 
 
 def _example(key: str, default: Any) -> str:
@@ -382,11 +413,16 @@ def _missing_problem(exc: Any, key: str | None, text: str, dirs: Sequence[Path])
     close = difflib.get_close_matches(option, options, n=1)
     left = text.partition("=")[0] if text and not source else group
     add = f"add {group}/{option}.yaml to a site directory ({VARIABLE}, docs/site_profiles.md)"
-    return Problem(name, f"{option!r} is not an option of {group}{origin}: there is no {group}/{option}.yaml in "
-                   f"{looked}; the options: {', '.join(options) or 'none'}",
-                   (f"correct that defaults list ({close[0]}?), or {add}" if close else f"correct that defaults list, or {add}")
-                   if source else f"did you mean {left}={close[0]}? Or {add}" if close else
-                   f"pick one of the options, or {add}")
+    return Problem(
+        name,
+        f"{option!r} is not an option of {group}{origin}: there is no {group}/{option}.yaml in "
+        f"{looked}; the options: {', '.join(options) or 'none'}",
+        (f"correct that defaults list ({close[0]}?), or {add}" if close else f"correct that defaults list, or {add}")
+        if source
+        else f"did you mean {left}={close[0]}? Or {add}"
+        if close
+        else f"pick one of the options, or {add}",
+    )
 
 
 def _yaml_error(exc: BaseException) -> Any:
@@ -409,9 +445,12 @@ def _yaml_problem(error: Any, key: str | None) -> Problem:
     context = getattr(error, "context", None)
     context_mark = getattr(error, "context_mark", None)
     opened = f" ({context} at line {context_mark.line + 1})" if context and context_mark is not None else ""
-    return Problem(key or Path(path).parent.name, f"{path}{line}: not valid YAML: {problem}{opened}",
-                   f"correct {path} at line {mark.line + 1 if mark is not None else '?'} (key: value, one per "
-                   "line; a list [a, b]; quote a value holding ': ' or ' #')")
+    return Problem(
+        key or Path(path).parent.name,
+        f"{path}{line}: not valid YAML: {problem}{opened}",
+        f"correct {path} at line {mark.line + 1 if mark is not None else '?'} (key: value, one per "
+        "line; a list [a, b]; quote a value holding ': ' or ' #')",
+    )
 
 
 def _os_problem(exc: OSError, key: str, dirs: Sequence[Path]) -> Problem:
@@ -419,8 +458,11 @@ def _os_problem(exc: OSError, key: str, dirs: Sequence[Path]) -> Problem:
     site = site_dirs(os.environ.get(VARIABLE))
     if any(path == d or d in path.parents for d in site):
         key = VARIABLE
-    return Problem(key, f"{path} cannot be read: {exc.strerror or exc}",
-                   f"make it readable by this user, or drop it from {VARIABLE}")
+    return Problem(
+        key,
+        f"{path} cannot be read: {exc.strerror or exc}",
+        f"make it readable by this user, or drop it from {VARIABLE}",
+    )
 
 
 def _omegaconf_cause(exc: BaseException) -> Any:
@@ -448,7 +490,7 @@ def _where(config_path: str, cause: Any, dirs: Sequence[Path]) -> str:
     line = None
     full_key = str(getattr(cause, "full_key", "") or "")
     group = config_path.rpartition("/")[0].replace("/", ".")
-    for candidate in ([full_key[len(group) + 1:]] if group and full_key.startswith(group + ".") else []) + [full_key]:
+    for candidate in ([full_key[len(group) + 1 :]] if group and full_key.startswith(group + ".") else []) + [full_key]:
         line = _line_of(Path(path), candidate.split(".")) if candidate else None
         if line:
             break
@@ -478,21 +520,30 @@ def _line_of(path: Path, keys: list[str]) -> int | None:
 
 def _parse_problem(text: str, exc: BaseException) -> Problem:
     key = text.split("=", 1)[0].lstrip("+~") if "=" in text else text
-    return Problem(key or text, f"{text!r} is not an override Hydra can read: {_first_line(exc)}",
-                   "key=value; quote a value holding spaces, commas, brackets or '$': "
-                   f"\"key='a value'\"; a list is key=[a,b] ({GRAMMAR})")
+    return Problem(
+        key or text,
+        f"{text!r} is not an override Hydra can read: {_first_line(exc)}",
+        "key=value; quote a value holding spaces, commas, brackets or '$': "
+        f"\"key='a value'\"; a list is key=[a,b] ({GRAMMAR})",
+    )
 
 
 def _sweep_problem(text: str, key: str, override: Any, multirun: bool) -> Problem | None:
     if not multirun:
-        return Problem(key, f"{text!r} is several values: a sweep, which needs -m",
-                       f"add -m for one run per value (python -m hpctrain -m {text}); for a list value write "
-                       f"{key}=[a,b], for a string with a comma quote it: {key}='a,b'")
+        return Problem(
+            key,
+            f"{text!r} is several values: a sweep, which needs -m",
+            f"add -m for one run per value (python -m hpctrain -m {text}); for a list value write "
+            f"{key}=[a,b], for a string with a comma quote it: {key}='a,b'",
+        )
     if override.is_hydra_override():
         return Problem(key, f"{text!r} sweeps a key of Hydra's own", "sweep hpctrain's keys only")
     if not override.is_discrete_sweep():
-        return Problem(key, f"{text!r} is an interval: Hydra's basic sweeper cannot enumerate it",
-                       f"list the values, {key}=a,b,c, or use range(start,stop,step)")
+        return Problem(
+            key,
+            f"{text!r} is an interval: Hydra's basic sweeper cannot enumerate it",
+            f"list the values, {key}=a,b,c, or use range(start,stop,step)",
+        )
     return None
 
 

@@ -33,8 +33,16 @@ FP32_MAX_EXPONENT = 127  # a loss scale is an fp32 number: 2^127 is its largest 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # What a DeepSpeed dtype name is in hpctrain (communication_data_type and friends).
 # "bfp16" is DeepSpeed's own spelling of bf16 for communication_data_type before 0.14.1 (its PR #5297).
-DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16", "bf16": "bf16",
-          "bfloat16": "bf16", "bfp16": "bf16"}
+DTYPES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "bfp16": "bf16",
+}
 
 
 @dataclass
@@ -50,8 +58,11 @@ class Translation:
         return [f"{key}={_hydra_value(value)}" for key, value in self.overrides.items()]
 
     def report(self) -> str:
-        lines = [f"{key}={_hydra_value(value)}  <- {', '.join(self.sources[key]) or 'DeepSpeed batch arithmetic'}"
-                 + (f" ({self.notes[key]})" if key in self.notes else "") for key, value in self.overrides.items()]
+        lines = [
+            f"{key}={_hydra_value(value)}  <- {', '.join(self.sources[key]) or 'DeepSpeed batch arithmetic'}"
+            + (f" ({self.notes[key]})" if key in self.notes else "")
+            for key, value in self.overrides.items()
+        ]
         lines += [f"(same as hpctrain) {key}: {why}" for key, why in self.same.items()]
         lines += [f"(no equivalent) {key}: {why}" for key, why in self.unmapped.items()]
         return "\n".join(lines)
@@ -70,16 +81,31 @@ def load(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        raise ConfigError([Problem("deepspeed", f"{p} is not JSON: {exc}",
-                                   "fix the file (DeepSpeed reads it too)")]) from None
+        raise ConfigError(
+            [Problem("deepspeed", f"{p} is not JSON: {exc}", "fix the file (DeepSpeed reads it too)")]
+        ) from None
     except (ValueError, RecursionError) as exc:  # NaN/Infinity, a number of thousands of digits, deep nesting
         what = "is nested too deeply" if isinstance(exc, RecursionError) else f"holds {exc}"
-        raise ConfigError([Problem("deepspeed", f"{p} {what}: not a DeepSpeed config",
-                                   "fix the file: DeepSpeed's settings are finite numbers, strings and booleans in "
-                                   "a few levels of sections")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    "deepspeed",
+                    f"{p} {what}: not a DeepSpeed config",
+                    "fix the file: DeepSpeed's settings are finite numbers, strings and booleans in "
+                    "a few levels of sections",
+                )
+            ]
+        ) from None
     if not isinstance(data, dict):
-        raise ConfigError([Problem("deepspeed", f"{p} holds a {type(data).__name__}, not an object",
-                                   "a DeepSpeed config is one JSON object")])
+        raise ConfigError(
+            [
+                Problem(
+                    "deepspeed",
+                    f"{p} holds a {type(data).__name__}, not an object",
+                    "a DeepSpeed config is one JSON object",
+                )
+            ]
+        )
     return data
 
 
@@ -91,15 +117,28 @@ def _no_constant(name: str) -> Any:
 def translate(ds: dict[str, Any], cfg: Any) -> Translation:
     """The hpctrain settings of a DeepSpeed config, given the composed hpctrain config (`cfg`)."""
     t = _Import(ds, cfg)
-    for section, step in (("batch keys", t.batch), ("fp16/bf16", t.precision), ("zero_optimization", t.zero),
-                          ("optimizer", t.optimizer), ("scheduler", t.scheduler), ("other keys", t.rest)):
+    for section, step in (
+        ("batch keys", t.batch),
+        ("fp16/bf16", t.precision),
+        ("zero_optimization", t.zero),
+        ("optimizer", t.optimizer),
+        ("scheduler", t.scheduler),
+        ("other keys", t.rest),
+    ):
         try:
             step()
         # a value of the wrong kind, or a number beyond a float's range: said, not a traceback
         except (ValueError, TypeError, AttributeError, OverflowError) as exc:
-            raise ConfigError([Problem(f"deepspeed ({section})", f"a value this importer cannot read: {exc}",
-                                       "fix the value in the file (a number where DeepSpeed takes a number, "
-                                       "\"auto\" for hpctrain's own)")]) from exc
+            raise ConfigError(
+                [
+                    Problem(
+                        f"deepspeed ({section})",
+                        f"a value this importer cannot read: {exc}",
+                        "fix the value in the file (a number where DeepSpeed takes a number, "
+                        '"auto" for hpctrain\'s own)',
+                    )
+                ]
+            ) from exc
     leftover = sorted(set(leaves(ds)) - t.seen)
     for key in leftover:  # a key this importer does not know: said so, never dropped
         t.out.unmapped[key] = "no equivalent in hpctrain (an option this importer does not map)"
@@ -162,15 +201,21 @@ class _Import:
                 self.set("zero.nvme_path", str(self.get(f"{section}.nvme_path")), f"{section}.nvme_path")
         self.same(f"{section}.pipeline_read", "hpctrain always reads the next chunk while it updates this one")
         self.same(f"{section}.pipeline_write", "hpctrain always writes a chunk back while it updates the next")
-        self.skip(f"{section}.buffer_count", "hpctrain streams through three buffers (read, update, write), each "
-                  "holding both of Adam's moments for zero.nvme_chunk_mb MiB of each")
-        self.skip(f"{section}.fast_init", "the moments' file starts sparse (zeros, as AdamW's state does): nothing "
-                  "to initialise")
+        self.skip(
+            f"{section}.buffer_count",
+            "hpctrain streams through three buffers (read, update, write), each "
+            "holding both of Adam's moments for zero.nvme_chunk_mb MiB of each",
+        )
+        self.skip(
+            f"{section}.fast_init",
+            "the moments' file starts sparse (zeros, as AdamW's state does): nothing to initialise",
+        )
 
     def _seen_under(self, path: str) -> None:
         value = self.get(path)
-        self.seen.update([path] if not isinstance(value, dict) or not value else
-                         [f"{path}.{leaf}" for leaf in leaves(value)])
+        self.seen.update(
+            [path] if not isinstance(value, dict) or not value else [f"{path}.{leaf}" for leaf in leaves(value)]
+        )
 
     def by_value(self, path: str, same_if: Any, same_why: str, other_why: str) -> None:
         """`path` is what hpctrain does when it equals `same_if`; otherwise it has no equivalent."""
@@ -191,8 +236,11 @@ class _Import:
         dp = int(c.parallel.dp) if int(c.parallel.dp) > 0 else max(1, world // model_parallel)
         global_batch, micro = int(c.train.global_batch), int(c.train.micro_batch)
         accum = int(c.train.grad_accum) if int(c.train.grad_accum) > 0 else max(1, global_batch // max(1, micro * dp))
-        own = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": micro,
-               "gradient_accumulation_steps": accum}
+        own = {
+            "train_batch_size": global_batch,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accum,
+        }
         given = {}
         for key, mine in own.items():
             value = self.get(key)
@@ -203,21 +251,33 @@ class _Import:
                 given[key] = mine
                 self.out.same[key] = f"auto: hpctrain's value, {mine}"
             elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError([Problem(f"deepspeed.{key}", f"is {value!r}", "a positive integer, or \"auto\"")])
+                raise ConfigError([Problem(f"deepspeed.{key}", f"is {value!r}", 'a positive integer, or "auto"')])
             elif value > MAX_BATCH:
-                raise ConfigError([Problem(f"deepspeed.{key}", f"is {value:,}, more than {MAX_BATCH:,} sequences: no "
-                                           "GPU holds such a batch (a sample index beyond 32-bit integers)",
-                                           "give the batch in sequences (e.g. 1 to 64 per GPU), or \"auto\"")])
+                raise ConfigError(
+                    [
+                        Problem(
+                            f"deepspeed.{key}",
+                            f"is {value:,}, more than {MAX_BATCH:,} sequences: no "
+                            "GPU holds such a batch (a sample index beyond 32-bit integers)",
+                            'give the batch in sequences (e.g. 1 to 64 per GPU), or "auto"',
+                        )
+                    ]
+                )
             else:
                 given[key] = value
         tb, mb, gas = (given.get(k) for k in own)
         where = f"data-parallel size {dp} (cluster.nodes x cluster.gpus_per_node / (parallel.tp x parallel.pp))"
         if tb is not None and mb is not None and gas is not None:
             if tb != mb * gas * dp:
-                raise ConfigError([Problem(
-                    "deepspeed.train_batch_size",
-                    f"{tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {gas} x {where}",
-                    "make the three agree (DeepSpeed refuses this file too), or give two of them")])
+                raise ConfigError(
+                    [
+                        Problem(
+                            "deepspeed.train_batch_size",
+                            f"{tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {gas} x {where}",
+                            "make the three agree (DeepSpeed refuses this file too), or give two of them",
+                        )
+                    ]
+                )
         elif tb is not None and mb is not None:
             gas = self._divide(tb, mb * dp, "train_batch_size", f"train_micro_batch_size_per_gpu {mb} x {where}")
         elif tb is not None and gas is not None:
@@ -238,8 +298,15 @@ class _Import:
     @staticmethod
     def _divide(total: int, by: int, key: str, what: str) -> int:
         if total % by:
-            raise ConfigError([Problem(f"deepspeed.{key}", f"{total} is not a multiple of {what} = {by}",
-                                       "DeepSpeed refuses this file too: change the batch or the layout")])
+            raise ConfigError(
+                [
+                    Problem(
+                        f"deepspeed.{key}",
+                        f"{total} is not a multiple of {what} = {by}",
+                        "DeepSpeed refuses this file too: change the batch or the layout",
+                    )
+                ]
+            )
         return total // by
 
     def _enabled(self, section: str, other_explicit: bool, dtype: str) -> bool:
@@ -256,17 +323,22 @@ class _Import:
     def _auto_off(self, dtype: str, other_on: bool) -> str:
         if other_on:
             return f"auto: off, the file enables {'bf16' if dtype == 'fp16' else 'fp16'}"
-        return (f"auto: hpctrain's precision.dtype, {_value(self.cfg.precision.dtype)}, not {dtype} "
-                f"(precision.dtype={dtype} trains in {dtype}, as Hugging Face's --{dtype} fills this in)")
+        return (
+            f"auto: hpctrain's precision.dtype, {_value(self.cfg.precision.dtype)}, not {dtype} "
+            f"(precision.dtype={dtype} trains in {dtype}, as Hugging Face's --{dtype} fills this in)"
+        )
 
     def precision(self) -> None:
         # DeepSpeed reads the legacy "bfloat16" section when there is no "bf16" (precision_config.get_bfloat16_config)
         bf = "bfloat16" if self.get("bf16") is None and self.get("bfloat16") is not None else "bf16"
-        legacy = "the legacy \"bfloat16\" section, which DeepSpeed reads when there is no \"bf16\"" \
-            if bf == "bfloat16" else ""
+        legacy = (
+            'the legacy "bfloat16" section, which DeepSpeed reads when there is no "bf16"' if bf == "bfloat16" else ""
+        )
         if bf == "bf16":
-            self.skip("bfloat16", "DeepSpeed reads the \"bf16\" section when both are there: this legacy one is "
-                      "ignored (by DeepSpeed too)")
+            self.skip(
+                "bfloat16",
+                'DeepSpeed reads the "bf16" section when both are there: this legacy one is ignored (by DeepSpeed too)',
+            )
         fp16, bf16 = (self.get(k) if isinstance(self.get(k), dict) else {} for k in ("fp16", bf))
         fp16_on = self._enabled("fp16", bf16.get("enabled") is True, "fp16")
         bf16_on = self._enabled(bf, fp16.get("enabled") is True, "bf16")
@@ -280,28 +352,49 @@ class _Import:
                 self.set("precision.loss_scaling", True, "fp16.enabled")
             scale = fp16.get("loss_scale", 0)
             if scale:
-                self.set("precision.initial_scale", float(scale), "fp16.loss_scale",
-                         note=f"a static scale in DeepSpeed; hpctrain's is dynamic: it starts at {scale} and halves "
-                         "on an overflow")
+                self.set(
+                    "precision.initial_scale",
+                    float(scale),
+                    "fp16.loss_scale",
+                    note=f"a static scale in DeepSpeed; hpctrain's is dynamic: it starts at {scale} and halves "
+                    "on an overflow",
+                )
             else:
                 self.same("fp16.loss_scale", "0: dynamic loss scaling, as hpctrain's")
             if "initial_scale_power" in fp16:
                 power = int(fp16["initial_scale_power"])
                 if abs(power) > FP32_MAX_EXPONENT:  # 2 ** 10**18 would take all memory before it failed
-                    raise ConfigError([Problem("deepspeed.fp16.initial_scale_power", f"is {power}: 2^{power} is beyond "
-                                               f"fp32's range (2^-{FP32_MAX_EXPONENT} to 2^{FP32_MAX_EXPONENT})",
-                                               "use DeepSpeed's default, 16 (a first scale of 65536)")])
-                self.set("precision.initial_scale", float(2 ** power),
-                         "fp16.initial_scale_power", note=f"2^{int(fp16['initial_scale_power'])}")
+                    raise ConfigError(
+                        [
+                            Problem(
+                                "deepspeed.fp16.initial_scale_power",
+                                f"is {power}: 2^{power} is beyond "
+                                f"fp32's range (2^-{FP32_MAX_EXPONENT} to 2^{FP32_MAX_EXPONENT})",
+                                "use DeepSpeed's default, 16 (a first scale of 65536)",
+                            )
+                        ]
+                    )
+                self.set(
+                    "precision.initial_scale",
+                    float(2**power),
+                    "fp16.initial_scale_power",
+                    note=f"2^{int(fp16['initial_scale_power'])}",
+                )
             if "loss_scale_window" in fp16:
                 self.set("precision.loss_scale_window", int(fp16["loss_scale_window"]), "fp16.loss_scale_window")
             if "min_loss_scale" in fp16:
                 self.set("precision.min_scale", float(fp16["min_loss_scale"]), "fp16.min_loss_scale")
-            self.by_value("fp16.hysteresis", 1, "hpctrain halves the scale at the first overflow",
-                          "hpctrain halves the scale at the first overflow (hysteresis 1)")
+            self.by_value(
+                "fp16.hysteresis",
+                1,
+                "hpctrain halves the scale at the first overflow",
+                "hpctrain halves the scale at the first overflow (hysteresis 1)",
+            )
             self.skip("fp16.consecutive_hysteresis", "hpctrain has no hysteresis: the first overflow halves the scale")
-            self.skip("fp16.fp16_master_weights_and_grads", "hpctrain keeps fp32 master weights and gradients "
-                      "(Adam: 16 bytes per parameter with its moments)")
+            self.skip(
+                "fp16.fp16_master_weights_and_grads",
+                "hpctrain keeps fp32 master weights and gradients (Adam: 16 bytes per parameter with its moments)",
+            )
             self.skip("fp16.auto_cast", "hpctrain casts the model itself (FSDP2 mixed precision or autocast)")
         elif fp16:
             self.same("fp16.enabled", "disabled" if fp16.get("enabled") != AUTO else self._auto_off("fp16", bf16_on))
@@ -324,18 +417,32 @@ class _Import:
             elif "scale" in key or "overflow" in key:
                 self.skip(f"{bf}.{key}", "bf16 needs no loss scaling: ignored (as DeepSpeed ignores it)")
             else:
-                self.skip(f"{bf}.{key}", "hpctrain keeps fp32 master weights, gradients and optimizer state, and "
-                          "applies each step's update at once")
+                self.skip(
+                    f"{bf}.{key}",
+                    "hpctrain keeps fp32 master weights, gradients and optimizer state, and "
+                    "applies each step's update at once",
+                )
         self.skip("amp", "NVIDIA Apex AMP: hpctrain's mixed precision is fp16 or bf16 (precision.dtype)")
         comm = self.get("communication_data_type")
         if comm is not None:
             name = str(comm).lower()
             if name in DTYPES:
-                self.set("precision.reduce_dtype", DTYPES[name], "communication_data_type",
-                         note=f"{comm!r}: older DeepSpeed's spelling of bf16" if name == "bfp16" else "")
+                self.set(
+                    "precision.reduce_dtype",
+                    DTYPES[name],
+                    "communication_data_type",
+                    note=f"{comm!r}: older DeepSpeed's spelling of bf16" if name == "bfp16" else "",
+                )
             else:
-                raise ConfigError([Problem("deepspeed.communication_data_type", f"is {comm!r}",
-                                           "fp32, fp16 or bf16 (DeepSpeed refuses this value too)")])
+                raise ConfigError(
+                    [
+                        Problem(
+                            "deepspeed.communication_data_type",
+                            f"is {comm!r}",
+                            "fp32, fp16 or bf16 (DeepSpeed refuses this value too)",
+                        )
+                    ]
+                )
         self.skip("data_types", "gradients accumulate in the master weights' dtype (fp32)")
 
     def zero(self) -> None:
@@ -350,8 +457,15 @@ class _Import:
             self.same(f"{z}.stage", f"auto: hpctrain's zero.stage, {int(self.cfg.zero.stage)}")
         elif isinstance(stage, bool) or not isinstance(stage, (int, float)) or stage not in (0, 1, 2, 3):
             if stage is not None:
-                raise ConfigError([Problem(f"deepspeed.{z}.stage", f"is {stage!r}",
-                                           'a ZeRO stage 0, 1, 2 or 3, or "auto" (hpctrain\'s zero.stage)')])
+                raise ConfigError(
+                    [
+                        Problem(
+                            f"deepspeed.{z}.stage",
+                            f"is {stage!r}",
+                            'a ZeRO stage 0, 1, 2 or 3, or "auto" (hpctrain\'s zero.stage)',
+                        )
+                    ]
+                )
         else:
             self.set("zero.stage", int(stage), f"{z}.stage")
         for section, key in (("offload_optimizer", "zero.offload_optimizer"), ("offload_param", "zero.offload_params")):
@@ -361,51 +475,91 @@ class _Import:
             if section == "offload_optimizer":
                 self._offload_optimizer(f"{z}.{section}", device)
             else:
-                self.set(key, device in ("cpu", "nvme"), f"{z}.{section}.device",
-                         note="nvme: parameters offloaded to CPU memory instead (hpctrain puts only the optimizer's "
-                              "state on NVMe: FSDP2 all-gathers from the host copy)" if device == "nvme" else "")
+                self.set(
+                    key,
+                    device in ("cpu", "nvme"),
+                    f"{z}.{section}.device",
+                    note="nvme: parameters offloaded to CPU memory instead (hpctrain puts only the optimizer's "
+                    "state on NVMe: FSDP2 all-gathers from the host copy)"
+                    if device == "nvme"
+                    else "",
+                )
                 for sub in ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu"):
-                    self.skip(f"{z}.{section}.{sub}", "a parameter-offload-to-NVMe setting: hpctrain offloads "
-                              "parameters to CPU memory")
+                    self.skip(
+                        f"{z}.{section}.{sub}",
+                        "a parameter-offload-to-NVMe setting: hpctrain offloads parameters to CPU memory",
+                    )
             self.skip(f"{z}.{section}.ratio", "partial offload: hpctrain offloads all of it")
             self.same(f"{z}.{section}.pin_memory", "hpctrain pins offloaded state whenever a GPU is there")
         for legacy, key in (("cpu_offload", "zero.offload_optimizer"), ("cpu_offload_params", "zero.offload_params")):
             if self.get(f"{z}.{legacy}") is not None:
                 self.set(key, bool(self.get(f"{z}.{legacy}")), f"{z}.{legacy}")
-        reduce_bytes = DTYPE_BYTES[str(self.out.overrides.get("precision.reduce_dtype",
-                                                              _value(self.cfg.precision.reduce_dtype)))]
+        reduce_bytes = DTYPE_BYTES[
+            str(self.out.overrides.get("precision.reduce_dtype", _value(self.cfg.precision.reduce_dtype)))
+        ]
         param_bytes = DTYPE_BYTES[str(self.out.overrides.get("precision.dtype", _value(self.cfg.precision.dtype)))]
         for name, width in (("reduce_bucket_size", reduce_bytes), ("allgather_bucket_size", param_bytes)):
             value = self.get(f"{z}.{name}")
             if value == AUTO:
                 self.same(f"{z}.{name}", f"auto: hpctrain's zero.{name}")
             elif value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise ConfigError([Problem(f"deepspeed.{z}.{name}", f"is {value!r}",
-                                           'a number of elements (5e8), or "auto" (hpctrain\'s own)')])
+                raise ConfigError(
+                    [
+                        Problem(
+                            f"deepspeed.{z}.{name}",
+                            f"is {value!r}",
+                            'a number of elements (5e8), or "auto" (hpctrain\'s own)',
+                        )
+                    ]
+                )
             elif value is not None and int(value) > 0:
-                self.set(f"zero.{name}", int(value) * width, f"{z}.{name}",
-                         note=f"{int(value):,} elements x {width} bytes")
+                self.set(
+                    f"zero.{name}", int(value) * width, f"{z}.{name}", note=f"{int(value):,} elements x {width} bytes"
+                )
             elif value is not None:
                 self.skip(f"{z}.{name}", "0: no bucket size; hpctrain keeps its own")
-        self.by_value(f"{z}.overlap_comm", True, "hpctrain always overlaps (DDP buckets, FSDP2 prefetch)",
-                      "hpctrain always overlaps communication with compute")
-        self.by_value(f"{z}.contiguous_gradients", True, "FSDP2 keeps each rank's gradient shard in one flat buffer",
-                      "FSDP2's gradient shards are contiguous whatever this says")
-        self.by_value(f"{z}.reduce_scatter", True, "ZeRO-2/3 reduce-scatter gradients in hpctrain",
-                      "hpctrain always reduce-scatters sharded gradients")
-        self.by_value(f"{z}.allgather_partitions", True, "hpctrain all-gathers each shard in one collective",
-                      "hpctrain always all-gathers whole partitions")
-        self.skip(f"{z}.stage3_prefetch_bucket_size", "FSDP2 prefetches the next module's parameters: its unit is "
-                  "a module, not a byte count")
+        self.by_value(
+            f"{z}.overlap_comm",
+            True,
+            "hpctrain always overlaps (DDP buckets, FSDP2 prefetch)",
+            "hpctrain always overlaps communication with compute",
+        )
+        self.by_value(
+            f"{z}.contiguous_gradients",
+            True,
+            "FSDP2 keeps each rank's gradient shard in one flat buffer",
+            "FSDP2's gradient shards are contiguous whatever this says",
+        )
+        self.by_value(
+            f"{z}.reduce_scatter",
+            True,
+            "ZeRO-2/3 reduce-scatter gradients in hpctrain",
+            "hpctrain always reduce-scatters sharded gradients",
+        )
+        self.by_value(
+            f"{z}.allgather_partitions",
+            True,
+            "hpctrain all-gathers each shard in one collective",
+            "hpctrain always all-gathers whole partitions",
+        )
+        self.skip(
+            f"{z}.stage3_prefetch_bucket_size",
+            "FSDP2 prefetches the next module's parameters: its unit is a module, not a byte count",
+        )
         for key in ("stage3_param_persistence_threshold", "stage3_param_persitance_threshold"):
             self.skip(f"{z}.{key}", "FSDP2 shards every wrapped module's parameters; small ones are not kept whole")
         for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
             self.skip(f"{z}.{key}", "FSDP2 frees each module's gathered parameters after use (reshard_after_forward)")
         for key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
-            self.skip(f"{z}.{key}", "hpctrain saves sharded DCP checkpoints; `tools/checkpoint.py export` "
-                      "consolidates the weights (or --format hf)")
-        self.skip(f"{z}.sub_group_size", "the optimizer steps each rank's shard at once (a CPU-offload memory knob "
-                  "in DeepSpeed)")
+            self.skip(
+                f"{z}.{key}",
+                "hpctrain saves sharded DCP checkpoints; `tools/checkpoint.py export` "
+                "consolidates the weights (or --format hf)",
+            )
+        self.skip(
+            f"{z}.sub_group_size",
+            "the optimizer steps each rank's shard at once (a CPU-offload memory knob in DeepSpeed)",
+        )
         self.skip(f"{z}.round_robin_gradients", "a DeepSpeed CPU-offload copy order; FSDP2 has no such setting")
         self.skip(f"{z}.elastic_checkpoint", "DCP checkpoints reshard to any layout on load")
         self.skip(f"{z}.load_from_fp32_weights", "hpctrain always resumes from the fp32 master weights")
@@ -413,10 +567,15 @@ class _Import:
         self.skip(f"{z}.legacy_stage1", "an old DeepSpeed implementation of stage 1")
         mics = self.get(f"{z}.mics_shard_size")
         if isinstance(mics, int) and mics > 0:
-            self.skip(f"{z}.mics_shard_size", f"MiCS: shard within groups of {mics} ranks; the nearest is HSDP, "
-                      "parallel.dp_replicate = data-parallel size / that")
-        self.skip(f"{z}.zero_hpz_partition_size", "ZeRO++ secondary weight partitions: the nearest is HSDP "
-                  "(parallel.dp_replicate)")
+            self.skip(
+                f"{z}.mics_shard_size",
+                f"MiCS: shard within groups of {mics} ranks; the nearest is HSDP, "
+                "parallel.dp_replicate = data-parallel size / that",
+            )
+        self.skip(
+            f"{z}.zero_hpz_partition_size",
+            "ZeRO++ secondary weight partitions: the nearest is HSDP (parallel.dp_replicate)",
+        )
         for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
             self.skip(f"{z}.{key}", "ZeRO++ quantized communication: hpctrain reduces in precision.reduce_dtype")
         self.skip(f"{z}.memory_efficient_linear", "a DeepSpeed ZeRO-3 linear layer; hpctrain's models use nn.Linear")
@@ -427,15 +586,19 @@ class _Import:
         if kind is None:
             return
         if str(kind).lower() not in ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam"):
-            self.skip("optimizer", f"{kind}: hpctrain trains with AdamW (optim.*); the run keeps hpctrain's "
-                      "optimizer settings")
+            self.skip(
+                "optimizer",
+                f"{kind}: hpctrain trains with AdamW (optim.*); the run keeps hpctrain's optimizer settings",
+            )
             return
         self.set("optim.name", "adamw", "optimizer.type")
         p = "optimizer.params"
         if self.get(f"{p}.adam_w_mode") is False or (str(kind).lower() == "adam" and self.get(f"{p}.torch_adam")):
-            self.skip(f"{p}.adam_w_mode" if self.get(f"{p}.adam_w_mode") is False else f"{p}.torch_adam",
-                      "L2-regularised Adam (weight decay in the gradient): hpctrain's AdamW decays the weights "
-                      "directly (decoupled), the default of DeepSpeed's Adam too")
+            self.skip(
+                f"{p}.adam_w_mode" if self.get(f"{p}.adam_w_mode") is False else f"{p}.torch_adam",
+                "L2-regularised Adam (weight decay in the gradient): hpctrain's AdamW decays the weights "
+                "directly (decoupled), the default of DeepSpeed's Adam too",
+            )
         self.same(f"{p}.adam_w_mode", "true: decoupled weight decay, as hpctrain's AdamW")
         for key, target in (("lr", "optim.lr"), ("eps", "optim.eps"), ("weight_decay", "optim.weight_decay")):
             value = self.get(f"{p}.{key}")
@@ -448,8 +611,12 @@ class _Import:
             self.same(f"{p}.betas", "auto: hpctrain's optim.betas")
         elif betas is not None:
             self.set("optim.betas", [float(b) for b in betas], f"{p}.betas")
-        self.by_value(f"{p}.bias_correction", True, "AdamW corrects its moments' bias",
-                      "hpctrain's AdamW always corrects the moments' bias")
+        self.by_value(
+            f"{p}.bias_correction",
+            True,
+            "AdamW corrects its moments' bias",
+            "hpctrain's AdamW always corrects the moments' bias",
+        )
         self.by_value(f"{p}.amsgrad", False, "hpctrain's AdamW is not AMSGrad", "hpctrain's AdamW has no AMSGrad")
         self.skip(f"{p}.torch_adam", "hpctrain uses torch's AdamW (fused on GPUs) already")
 
@@ -459,8 +626,11 @@ class _Import:
             return
         p = "scheduler.params"
         if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-            self.skip("scheduler", f"{kind}: hpctrain's schedule is a linear warmup, then constant, linear or cosine "
-                      "decay (optim.warmup_steps, optim.decay, optim.min_lr_ratio)")
+            self.skip(
+                "scheduler",
+                f"{kind}: hpctrain's schedule is a linear warmup, then constant, linear or cosine "
+                "decay (optim.warmup_steps, optim.decay, optim.min_lr_ratio)",
+            )
             return
         self.seen.add("scheduler.type")
         steps = self.get(f"{p}.warmup_num_steps")
@@ -476,21 +646,34 @@ class _Import:
         low = self.get(f"{p}.warmup_min_lr")
         if kind == "WarmupDecayLR" and low not in (None, AUTO):  # also where the decay ends
             lr = self.out.overrides.get("optim.lr", float(self.cfg.optim.lr))
-            self.set("optim.min_lr_ratio", float(low) / lr if lr else 0.0, f"{p}.warmup_min_lr",
-                     note="the decay's end, as a share of the peak" + ("" if not low else
-                                                                     "; hpctrain's warmup still starts from 0"))
+            self.set(
+                "optim.min_lr_ratio",
+                float(low) / lr if lr else 0.0,
+                f"{p}.warmup_min_lr",
+                note="the decay's end, as a share of the peak"
+                + ("" if not low else "; hpctrain's warmup still starts from 0"),
+            )
         elif low == AUTO:
             self.same(f"{p}.warmup_min_lr", "auto: hpctrain warms up from 0")
         else:
-            self.by_value(f"{p}.warmup_min_lr", 0, "hpctrain warms up from 0",
-                          "hpctrain's warmup starts from 0 (lr x 1/warmup_steps at the first step)")
-        self.by_value(f"{p}.warmup_type", "linear", "hpctrain warms up linearly",
-                      "hpctrain warms up linearly (DeepSpeed's default is log)")
+            self.by_value(
+                f"{p}.warmup_min_lr",
+                0,
+                "hpctrain warms up from 0",
+                "hpctrain's warmup starts from 0 (lr x 1/warmup_steps at the first step)",
+            )
+        self.by_value(
+            f"{p}.warmup_type",
+            "linear",
+            "hpctrain warms up linearly",
+            "hpctrain warms up linearly (DeepSpeed's default is log)",
+        )
         if kind == "WarmupLR":
             self.set("optim.decay", "constant", "scheduler.type")
             if self.get(f"{p}.warmup_type") is None:
                 self.out.unmapped["scheduler.params.warmup_type (default)"] = (
-                    "DeepSpeed's WarmupLR warms up logarithmically by default; hpctrain linearly")
+                    "DeepSpeed's WarmupLR warms up logarithmically by default; hpctrain linearly"
+                )
             return
         total = self.get(f"{p}.total_num_steps")
         if total not in (None, AUTO):
@@ -522,33 +705,65 @@ class _Import:
             self.same(ac, "empty: DeepSpeed's defaults, which recompute nothing by themselves")
             return
         number = section.get("number_checkpoints")
-        implies = [f"{ac}.{key}" for key in ("partition_activations", "cpu_checkpointing",
-                                               "contiguous_memory_optimization") if section.get(key) is True]
-        implies += [f"{ac}.number_checkpoints"] if isinstance(number, int) and not isinstance(number, bool) \
-            and number > 0 else []
+        implies = [
+            f"{ac}.{key}"
+            for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization")
+            if section.get(key) is True
+        ]
+        implies += (
+            [f"{ac}.number_checkpoints"]
+            if isinstance(number, int) and not isinstance(number, bool) and number > 0
+            else []
+        )
         if implies:
-            self.set("parallel.recompute", "full", ac,
-                     note=f"{' and '.join(k.split('.')[-1] for k in implies)}: "
-                     f"{'acts' if len(implies) == 1 else 'act'} only on recomputed layers; the section alone "
-                     "recomputes nothing; parallel.recompute=selective recomputes element-wise ops only")
-        self.by_value(f"{ac}.partition_activations", False, "false: not partitioned, as hpctrain",
-                      "the nearest is parallel.sequence_parallel (activations split over the TP ranks)")
-        self.by_value(f"{ac}.cpu_checkpointing", False, "false: kept on the GPU, as hpctrain",
-                      "hpctrain keeps recomputation checkpoints on the GPU (no activation offload)")
-        self.by_value(f"{ac}.contiguous_memory_optimization", False, "false: no preallocated buffer, as hpctrain",
-                      "a DeepSpeed buffer for partitioned checkpoints; hpctrain's recomputation keeps each layer's "
-                      "input in PyTorch's caching allocator")
+            self.set(
+                "parallel.recompute",
+                "full",
+                ac,
+                note=f"{' and '.join(k.split('.')[-1] for k in implies)}: "
+                f"{'acts' if len(implies) == 1 else 'act'} only on recomputed layers; the section alone "
+                "recomputes nothing; parallel.recompute=selective recomputes element-wise ops only",
+            )
+        self.by_value(
+            f"{ac}.partition_activations",
+            False,
+            "false: not partitioned, as hpctrain",
+            "the nearest is parallel.sequence_parallel (activations split over the TP ranks)",
+        )
+        self.by_value(
+            f"{ac}.cpu_checkpointing",
+            False,
+            "false: kept on the GPU, as hpctrain",
+            "hpctrain keeps recomputation checkpoints on the GPU (no activation offload)",
+        )
+        self.by_value(
+            f"{ac}.contiguous_memory_optimization",
+            False,
+            "false: no preallocated buffer, as hpctrain",
+            "a DeepSpeed buffer for partitioned checkpoints; hpctrain's recomputation keeps each layer's "
+            "input in PyTorch's caching allocator",
+        )
         if number is None and "number_checkpoints" in section:
             self.out.same[f"{ac}.number_checkpoints"] = "null: DeepSpeed's default (a buffer sized on first use)"
             self.seen.add(f"{ac}.number_checkpoints")
         else:
-            self.skip(f"{ac}.number_checkpoints", "sizes DeepSpeed's contiguous buffer; hpctrain checkpoints every "
-                      "layer (parallel.recompute=full) or element-wise ops only (selective)")
-        self.by_value(f"{ac}.synchronize_checkpoint_boundary", False, "false: no device synchronisation, as hpctrain",
-                      "a device synchronisation at each checkpoint (a debugging aid): hpctrain has none")
-        self.by_value(f"{ac}.profile", False, "false: no profiling",
-                      "DeepSpeed's timing of checkpointed forwards: hpctrain records each step's time in "
-                      "metrics.jsonl")
+            self.skip(
+                f"{ac}.number_checkpoints",
+                "sizes DeepSpeed's contiguous buffer; hpctrain checkpoints every "
+                "layer (parallel.recompute=full) or element-wise ops only (selective)",
+            )
+        self.by_value(
+            f"{ac}.synchronize_checkpoint_boundary",
+            False,
+            "false: no device synchronisation, as hpctrain",
+            "a device synchronisation at each checkpoint (a debugging aid): hpctrain has none",
+        )
+        self.by_value(
+            f"{ac}.profile",
+            False,
+            "false: no profiling",
+            "DeepSpeed's timing of checkpointed forwards: hpctrain records each step's time in metrics.jsonl",
+        )
         for key in section:  # a key DeepSpeed does not have (a typo?): its own line too
             if f"{ac}.{key}" not in self.seen:
                 self.skip(f"{ac}.{key}", "not a DeepSpeed activation_checkpointing key (it ignores it too)")
@@ -562,12 +777,23 @@ class _Import:
                 self.set("optim.grad_clip", float(clip), "gradient_clipping")
         if isinstance(self.get("steps_per_print"), int):
             self.set("train.log_every", int(self.get("steps_per_print")), "steps_per_print")
-        self.by_value("prescale_gradients", False, "hpctrain averages gradients in the reduction",
-                      "hpctrain averages in the reduction (FSDP2/DDP), it does not prescale")
-        self.by_value("gradient_predivide_factor", 1.0, "no predivision, as hpctrain",
-                      "hpctrain averages in the reduction; no predivide factor")
-        self.same("wall_clock_breakdown", "hpctrain always records step time, data wait, checkpoint blocking "
-                  "(metrics.jsonl) and the goodput ledger (python -m hpctrain.status)")
+        self.by_value(
+            "prescale_gradients",
+            False,
+            "hpctrain averages gradients in the reduction",
+            "hpctrain averages in the reduction (FSDP2/DDP), it does not prescale",
+        )
+        self.by_value(
+            "gradient_predivide_factor",
+            1.0,
+            "no predivision, as hpctrain",
+            "hpctrain averages in the reduction; no predivide factor",
+        )
+        self.same(
+            "wall_clock_breakdown",
+            "hpctrain always records step time, data wait, checkpoint blocking "
+            "(metrics.jsonl) and the goodput ledger (python -m hpctrain.status)",
+        )
         self.same("memory_breakdown", "metrics.jsonl has peak memory every step; health.* watches for leaks")
         self.same("zero_allow_untested_optimizer", "hpctrain's AdamW is the one it tests")
         self.same("zero_force_ds_cpu_optimizer", "hpctrain steps offloaded shards with torch's AdamW on the CPU")
@@ -575,8 +801,11 @@ class _Import:
         wandb = self.get("wandb")
         if isinstance(wandb, dict) and wandb.get("enabled"):
             self.set("tracking.mode", "online", "wandb.enabled")
-            for key, target in (("project", "tracking.project"), ("group", "tracking.group"),
-                                ("team", "tracking.entity")):
+            for key, target in (
+                ("project", "tracking.project"),
+                ("group", "tracking.group"),
+                ("team", "tracking.entity"),
+            ):
                 if wandb.get(key):
                     self.set(target, wandb[key], f"wandb.{key}")
         elif isinstance(wandb, dict):
@@ -587,12 +816,20 @@ class _Import:
             ("csv_monitor", "metrics.jsonl always (one JSON object per step)"),
             ("comms_logger", "NCCL's own log: cluster.nccl.debug=INFO, read by tools/nccl_log.py"),
             ("flops_profiler", "metrics.jsonl has MFU every step; the plan (dry_run=true) has FLOPs and memory"),
-            ("checkpoint", ("DCP checkpoints in tiers (checkpoint.tiers: node-local RAM/SSD, shared), resharded "
-                            "to any layout on load")),
+            (
+                "checkpoint",
+                (
+                    "DCP checkpoints in tiers (checkpoint.tiers: node-local RAM/SSD, shared), resharded "
+                    "to any layout on load"
+                ),
+            ),
             ("elasticity", "elastic.min_nodes (a job that shrinks) and cluster.spare_nodes (hot spares)"),
             ("autotuning", "parallel=auto: the planner's search over layouts"),
-            ("aio", "libaio's settings: hpctrain streams the optimizer's state with positioned O_DIRECT reads and "
-                    "writes of whole chunks (zero.nvme_chunk_mb), one reader and one writer thread per rank"),
+            (
+                "aio",
+                "libaio's settings: hpctrain streams the optimizer's state with positioned O_DIRECT reads and "
+                "writes of whole chunks (zero.nvme_chunk_mb), one reader and one writer thread per rank",
+            ),
             ("pipeline", "parallel.pp and parallel.schedule"),
             ("sparse_attention", "hpctrain's attention is dense (scaled_dot_product_attention)"),
             ("compression_training", "no compression or quantized training in hpctrain"),
@@ -602,8 +839,10 @@ class _Import:
             ("eigenvalue", "no eigenvalue-based quantization in hpctrain"),
             ("progressive_layer_drop", "no layer drop in hpctrain"),
             ("dump_state", "the resolved config is in the run directory (config.yaml)"),
-            ("sequence_parallel_size", ("Ulysses sequence parallelism: the nearest is "
-                                        "parallel.sequence_parallel with tensor parallelism")),
+            (
+                "sequence_parallel_size",
+                ("Ulysses sequence parallelism: the nearest is parallel.sequence_parallel with tensor parallelism"),
+            ),
             ("hybrid_engine", "DeepSpeed-Chat's inference engine"),
             ("tensor_parallel", "parallel.tp (DTensor tensor parallelism)"),
         ):

@@ -25,8 +25,9 @@ import math
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 from omegaconf import OmegaConf
 
@@ -34,9 +35,8 @@ from hpctrain.bounded import CONFIG_BYTES, Unreadable, read_text
 from hpctrain.config.layout import Layout
 from hpctrain.config.problems import CheckReport
 from hpctrain.config.schema import Config, DataConfig, DataKind, Executor, parse_blend
-from hpctrain.models.hf_fields import HFMismatch
+from hpctrain.models.hf_fields import HFMismatch, hf_weight_shapes
 from hpctrain.models.hf_fields import config_mismatches as hf_mismatches
-from hpctrain.models.hf_fields import hf_weight_shapes
 from hpctrain.models.registry import FAMILIES, family_of, for_hf
 
 # ---------------------------------------------------------------- sizes for people
@@ -59,8 +59,16 @@ class FileProblem(Exception):
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 INDEX_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document indices: 34 bytes
-INDEX_DTYPES = {1: ("uint8", 1), 2: ("int8", 1), 3: ("int16", 2), 4: ("int32", 4), 5: ("int64", 8),
-                6: ("float64", 8), 7: ("float32", 4), 8: ("uint16", 2)}  # code -> (name, bytes per token)
+INDEX_DTYPES = {
+    1: ("uint8", 1),
+    2: ("int8", 1),
+    3: ("int16", 2),
+    4: ("int32", 4),
+    5: ("int64", 8),
+    6: ("float64", 8),
+    7: ("float32", 4),
+    8: ("uint16", 2),
+}  # code -> (name, bytes per token)
 _LENGTH, _POINTER = struct.Struct("<i"), struct.Struct("<q")
 
 
@@ -68,8 +76,16 @@ class IndexSummary:
     """What a few reads of an indexed dataset's `.idx` tell (header, and entries read on demand): the same facts
     hpctrain.data.indexed.IndexedDataset validates in full when the job opens the dataset."""
 
-    def __init__(self, prefix: str, handle: BinaryIO, dtype: str, itemsize: int, sequences: int,
-                 document_indices: int, tokens: int) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        handle: BinaryIO,
+        dtype: str,
+        itemsize: int,
+        sequences: int,
+        document_indices: int,
+        tokens: int,
+    ) -> None:
         self.prefix, self._f, self.dtype, self.itemsize = prefix, handle, dtype, itemsize
         self.sequences, self.documents, self.tokens = sequences, document_indices - 1, tokens
 
@@ -119,8 +135,10 @@ def open_index(prefix: str) -> IndexSummary:
         if size == expected + n_seq and n_seq:
             raise FileProblem(f"{idx}: a multimodal dataset (it has sequence modes), not supported")
         if size != expected:
-            raise FileProblem(f"{idx}: {size} bytes, but its header ({n_seq} sequences, {n_docs} document "
-                              f"indices) makes it {expected}")
+            raise FileProblem(
+                f"{idx}: {size} bytes, but its header ({n_seq} sequences, {n_docs} document "
+                f"indices) makes it {expected}"
+            )
         summary = IndexSummary(prefix, f, dtype, itemsize, n_seq, n_docs, 0)
         end = 0
         if n_seq:
@@ -131,13 +149,17 @@ def open_index(prefix: str) -> IndexSummary:
         first_doc = summary.document_start(0) if n_docs else -1
         last_doc = summary.document_start(n_docs - 1) if n_docs else -1
         if first_doc != 0 or last_doc != n_seq:
-            raise FileProblem(f"{idx}: document indices must rise from 0 to the {n_seq} sequences (they run "
-                              f"from {first_doc} to {last_doc})")
+            raise FileProblem(
+                f"{idx}: document indices must rise from 0 to the {n_seq} sequences (they run "
+                f"from {first_doc} to {last_doc})"
+            )
         bin_size = bin_.stat().st_size
         if bin_size != end:
-            raise FileProblem(f"{bin_}: {bin_size:,} bytes, but {idx} ends its last sequence at byte {end:,} "
-                              f"({n_seq:,} sequences of {dtype}): the two files are not one dataset (an .idx of "
-                              "another dataset, or a copy cut short)")
+            raise FileProblem(
+                f"{bin_}: {bin_size:,} bytes, but {idx} ends its last sequence at byte {end:,} "
+                f"({n_seq:,} sequences of {dtype}): the two files are not one dataset (an .idx of "
+                "another dataset, or a copy cut short)"
+            )
         return summary
     except BaseException:
         f.close()
@@ -172,7 +194,7 @@ def tokenizer_vocab_size(path: str | os.PathLike) -> int:
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise FileProblem(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
-        raise FileProblem(f"{path}: not a tokenizers tokenizer.json (no \"model\" object)")
+        raise FileProblem(f'{path}: not a tokenizers tokenizer.json (no "model" object)')
     vocab = spec["model"].get("vocab")
     if isinstance(vocab, dict):
         ids = [v for v in vocab.values() if isinstance(v, int)]
@@ -198,8 +220,12 @@ def _indexed(cfg: Config, r: CheckReport) -> None:
             try:
                 summary = open_index(prefix)
             except FileProblem as exc:
-                r.error(f"data.{key}", str(exc), "give the prefix of a complete dataset (PREFIX.bin and its own "
-                        "PREFIX.idx), or make it again with python -m hpctrain.data.prepare")
+                r.error(
+                    f"data.{key}",
+                    str(exc),
+                    "give the prefix of a complete dataset (PREFIX.bin and its own "
+                    "PREFIX.idx), or make it again with python -m hpctrain.data.prepare",
+                )
                 continue
             try:
                 if key == "blend" and 0.0 <= d.valid_fraction < 1.0:  # else reported by checks._validation
@@ -218,13 +244,19 @@ def _indexed(cfg: Config, r: CheckReport) -> None:
             r.error("data.prepare.tokenizer", str(exc), "give a tokenizers tokenizer.json (Tokenizer.save writes one)")
         else:
             if size > d.vocab_size:
-                r.error("data.vocab_size", f"the tokenizer {d.prepare.tokenizer} (data.prepare.tokenizer) has {size} "
-                        f"tokens, more than data.vocab_size={d.vocab_size}",
-                        f"set data.vocab_size={size} and model.vocab_size>={size}")
+                r.error(
+                    "data.vocab_size",
+                    f"the tokenizer {d.prepare.tokenizer} (data.prepare.tokenizer) has {size} "
+                    f"tokens, more than data.vocab_size={d.vocab_size}",
+                    f"set data.vocab_size={size} and model.vocab_size>={size}",
+                )
     elif preparing and not d.prepare.tokenizer and d.prepare.vocab_size > d.vocab_size:
-        r.warn("data.prepare.vocab_size", f"data.prepare trains a tokenizer of up to {d.prepare.vocab_size} tokens, "
-               f"more than data.vocab_size={d.vocab_size}: the preparation fails if it gets that many",
-               f"set data.vocab_size={d.prepare.vocab_size} and model.vocab_size>={d.prepare.vocab_size}")
+        r.warn(
+            "data.prepare.vocab_size",
+            f"data.prepare trains a tokenizer of up to {d.prepare.vocab_size} tokens, "
+            f"more than data.vocab_size={d.vocab_size}: the preparation fails if it gets that many",
+            f"set data.vocab_size={d.prepare.vocab_size} and model.vocab_size>={d.prepare.vocab_size}",
+        )
 
 
 def _split(s: IndexSummary, valid_fraction: float, seq_len: int, r: CheckReport) -> None:
@@ -234,11 +266,14 @@ def _split(s: IndexSummary, valid_fraction: float, seq_len: int, r: CheckReport)
     held_out = int(round(documents * valid_fraction))
     if valid_fraction > 0 and (held_out < 1 or held_out >= documents):
         need = min_documents(valid_fraction)
-        r.error("data.valid_fraction", f"{s.prefix}.idx holds {documents} document(s): data.valid_fraction="
-                f"{valid_fraction:g} holds out round({documents} x {valid_fraction:g}) = {held_out} of them, but "
-                "there must be documents on both sides (training and validation)",
-                "set data.valid_fraction=0 (and train.eval_every=0) to train on all of it, or give validation "
-                f"data of its own with data.valid_blend, or use a dataset of at least {need} documents")
+        r.error(
+            "data.valid_fraction",
+            f"{s.prefix}.idx holds {documents} document(s): data.valid_fraction="
+            f"{valid_fraction:g} holds out round({documents} x {valid_fraction:g}) = {held_out} of them, but "
+            "there must be documents on both sides (training and validation)",
+            "set data.valid_fraction=0 (and train.eval_every=0) to train on all of it, or give validation "
+            f"data of its own with data.valid_blend, or use a dataset of at least {need} documents",
+        )
         return
     cut = s.document_start(documents - held_out) if held_out else s.sequences
     train = s.tokens_before(cut)
@@ -250,10 +285,14 @@ def _split(s: IndexSummary, valid_fraction: float, seq_len: int, r: CheckReport)
 def _enough(source: str, part: str, tokens: int, seq_len: int, key: str, r: CheckReport) -> None:
     """One sample of seq_len + 1 tokens at least (the samplers' condition)."""
     if (tokens - 1) // max(seq_len, 1) < 1:
-        r.error(key, f"the {part} data of {source} holds {tokens:,} token(s), fewer than one sample of "
-                f"train.seq_len={seq_len} + 1", "use more data" + (f", or train.seq_len<={tokens - 1}" if tokens > 1
-                                                                   else "")
-                + (", or a larger data.valid_fraction" if key == "data.valid_fraction" else ""))
+        r.error(
+            key,
+            f"the {part} data of {source} holds {tokens:,} token(s), fewer than one sample of "
+            f"train.seq_len={seq_len} + 1",
+            "use more data"
+            + (f", or train.seq_len<={tokens - 1}" if tokens > 1 else "")
+            + (", or a larger data.valid_fraction" if key == "data.valid_fraction" else ""),
+        )
 
 
 def _dataset_tokenizer(prefix: str, d: DataConfig, r: CheckReport) -> None:
@@ -265,13 +304,19 @@ def _dataset_tokenizer(prefix: str, d: DataConfig, r: CheckReport) -> None:
     try:
         size = tokenizer_vocab_size(path)
     except FileProblem as exc:  # the job never reads it: the data may still be right
-        r.warn("data.vocab_size", f"{exc}: the dataset's vocabulary cannot be checked against data.vocab_size",
-               "check data.vocab_size against the tokenizer the data was made with")
+        r.warn(
+            "data.vocab_size",
+            f"{exc}: the dataset's vocabulary cannot be checked against data.vocab_size",
+            "check data.vocab_size against the tokenizer the data was made with",
+        )
         return
     if size > d.vocab_size:
-        r.error("data.vocab_size", f"{path} has {size} tokens, more than data.vocab_size={d.vocab_size}: the job "
-                f"would stop at the first sample that holds an id >= {d.vocab_size}",
-                f"set data.vocab_size={size} and model.vocab_size>={size}")
+        r.error(
+            "data.vocab_size",
+            f"{path} has {size} tokens, more than data.vocab_size={d.vocab_size}: the job "
+            f"would stop at the first sample that holds an id >= {d.vocab_size}",
+            f"set data.vocab_size={size} and model.vocab_size>={size}",
+        )
 
 
 # ---------------------------------------------------------------- flat token files (data=tokens)
@@ -282,19 +327,24 @@ _TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 def _tokens(cfg: Config, r: CheckReport) -> None:
     d, seq_len = cfg.data, cfg.train.seq_len
     path = None if OmegaConf.is_missing(d, "path") else d.path
-    if not path or not os.path.exists(path) or d.token_dtype not in _TOKEN_BYTES \
-            or not 0.0 <= d.valid_fraction < 1.0:
+    if not path or not os.path.exists(path) or d.token_dtype not in _TOKEN_BYTES or not 0.0 <= d.valid_fraction < 1.0:
         return  # missing, of an unknown dtype, or a fraction out of range: reported by checks._train_and_data
     if not os.path.isfile(path):
-        r.error("data.path", f"{path} is not a file (data=tokens reads one flat file of token ids)",
-                "set data.path to the .bin file itself")
+        r.error(
+            "data.path",
+            f"{path} is not a file (data=tokens reads one flat file of token ids)",
+            "set data.path to the .bin file itself",
+        )
         return
     size, itemsize = os.path.getsize(path), _TOKEN_BYTES[d.token_dtype]
     if size % itemsize:
-        r.error("data.path", f"{path}: {size:,} bytes is not a whole number of {d.token_dtype} token ids "
-                f"({itemsize} bytes each): the file is cut short, or its ids are not {d.token_dtype}",
-                "check data.token_dtype (the dtype the file was written with: uint16 up to 65,536 ids, else "
-                "uint32), or make the file again")
+        r.error(
+            "data.path",
+            f"{path}: {size:,} bytes is not a whole number of {d.token_dtype} token ids "
+            f"({itemsize} bytes each): the file is cut short, or its ids are not {d.token_dtype}",
+            "check data.token_dtype (the dtype the file was written with: uint16 up to 65,536 ids, else "
+            "uint32), or make the file again",
+        )
         return
     n = size // itemsize
     held_out = int(n * d.valid_fraction)
@@ -307,9 +357,27 @@ def _tokens(cfg: Config, r: CheckReport) -> None:
 
 HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 # safetensors' element types and their bytes (sub-byte types are not checked)
-SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                     "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+SAFETENSORS_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
 def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
     """The tensors of a safetensors file by name with their shapes, from its header alone; FileProblem when the
     header does not describe the file exactly as the safetensors library requires (a file cut short, one with
@@ -326,8 +394,10 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
                 raise FileProblem(f"{path}: {size} bytes, too short for a safetensors header")
             n = struct.unpack("<Q", head)[0]
             if n > min(MAX_SAFETENSORS_HEADER, size - 8):
-                raise FileProblem(f"{path}: its header claims {n:,} bytes, but the file has {size:,}: not a "
-                                  "safetensors file, or one cut short")
+                raise FileProblem(
+                    f"{path}: its header claims {n:,} bytes, but the file has {size:,}: not a "
+                    "safetensors file, or one cut short"
+                )
             raw = f.read(n)
     except OSError as exc:
         raise FileProblem(f"{path}: cannot be read ({exc.strerror or exc})") from None
@@ -347,19 +417,25 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
             raise FileProblem(f"{path}: tensor {name} has no dtype, shape and data_offsets in the header") from None
         nbytes = math.prod(shape) * SAFETENSORS_BYTES[dtype] if dtype in SAFETENSORS_BYTES else None
         if not 0 <= start <= end or (nbytes is not None and end - start != nbytes):
-            raise FileProblem(f"{path}: tensor {name} ({dtype} {list(shape)}) at bytes {start}..{end} of the data: "
-                              "its offsets do not match its shape and type")
+            raise FileProblem(
+                f"{path}: tensor {name} ({dtype} {list(shape)}) at bytes {start}..{end} of the data: "
+                "its offsets do not match its shape and type"
+            )
         shapes[name] = shape
         spans.append((start, end))
     data = size - 8 - n
     covered = max((end for _, end in spans), default=0)
     if covered > data:
-        raise FileProblem(f"{path}: its header puts tensors up to byte {covered:,} of the data, but the file holds "
-                          f"{data:,} bytes of data ({size:,} in all): the file is cut short (a copy or download that "
-                          "did not finish)")
+        raise FileProblem(
+            f"{path}: its header puts tensors up to byte {covered:,} of the data, but the file holds "
+            f"{data:,} bytes of data ({size:,} in all): the file is cut short (a copy or download that "
+            "did not finish)"
+        )
     if covered < data:
-        raise FileProblem(f"{path}: {data - covered:,} bytes after the last tensor its header describes: not a "
-                          "file safetensors reads (it must be covered exactly)")
+        raise FileProblem(
+            f"{path}: {data - covered:,} bytes after the last tensor its header describes: not a "
+            "file safetensors reads (it must be covered exactly)"
+        )
     spans.sort()
     if any(b[0] != a[1] for a, b in zip(spans, spans[1:])) or (spans and spans[0][0] != 0):
         raise FileProblem(f"{path}: the tensors' data offsets overlap or leave gaps")
@@ -371,12 +447,22 @@ def _init_from(cfg: Config, r: CheckReport) -> None:
     if not m.init_from or not os.path.exists(m.init_from):
         return  # not set, or missing: checks._model_shape
     path = Path(m.init_from)
-    key, fix_dir = "model.init_from", ("give a Hugging Face model directory (config.json and model.safetensors, as "
-                                      "save_pretrained or `tools/checkpoint.py export RUN --format hf OUT` writes it)")
+    key, fix_dir = (
+        "model.init_from",
+        (
+            "give a Hugging Face model directory (config.json and model.safetensors, as "
+            "save_pretrained or `tools/checkpoint.py export RUN --format hf OUT` writes it)"
+        ),
+    )
     if not path.is_dir():
         example = f", e.g. model.init_from={path.parent}" if path.name in (HF_CONFIG, HF_WEIGHTS) else ""
-        r.error(key, f"{path} is a file, not a directory" if path.is_file() else f"{path} is not a directory (nor "
-                "a regular file: a device, FIFO or socket)", fix_dir + example)
+        r.error(
+            key,
+            f"{path} is a file, not a directory"
+            if path.is_file()
+            else f"{path} is not a directory (nor a regular file: a device, FIFO or socket)",
+            fix_dir + example,
+        )
         return
     config_file = path / HF_CONFIG
     if not config_file.exists():
@@ -385,12 +471,18 @@ def _init_from(cfg: Config, r: CheckReport) -> None:
     try:  # a regular file of at most CONFIG_BYTES: a FIFO or /dev/zero under the name would hold the login node
         hf = json.loads(read_text(config_file, CONFIG_BYTES))
     except Unreadable as exc:
-        r.error(key, f"{exc}: not a model's {HF_CONFIG}", "restore the model's config.json (a JSON file of a few "
-                "kilobytes: re-download or re-export the directory)")
+        r.error(
+            key,
+            f"{exc}: not a model's {HF_CONFIG}",
+            "restore the model's config.json (a JSON file of a few kilobytes: re-download or re-export the directory)",
+        )
         return
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        r.error(key, f"{config_file} is not valid JSON ({exc})", "restore the model's config.json (re-download or "
-                "re-export the directory)")
+        r.error(
+            key,
+            f"{config_file} is not valid JSON ({exc})",
+            "restore the model's config.json (re-download or re-export the directory)",
+        )
         return
     if not isinstance(hf, dict):
         r.error(key, f"{config_file} is not a JSON object", "restore the model's config.json")
@@ -402,15 +494,21 @@ def _init_from(cfg: Config, r: CheckReport) -> None:
         r.error(key, f"{config_file}: {exc}", f"start from a model directory hpctrain represents ({known})")
         return
     except (KeyError, TypeError, ValueError) as exc:
-        r.error(key, f"{config_file} lacks or mistypes a field of its model type ({type(exc).__name__}: {exc})",
-                "restore the model's config.json (re-download or re-export the directory)")
+        r.error(
+            key,
+            f"{config_file} lacks or mistypes a field of its model type ({type(exc).__name__}: {exc})",
+            "restore the model's config.json (re-download or re-export the directory)",
+        )
         return
     if differ:
         rows = "; ".join(f"{k}: {ours!r} here, {theirs!r} in {HF_CONFIG}" for k, ours, theirs in differ)
         sets = " ".join(f"{k}={theirs}" for k, _, theirs in differ if theirs is not None)
-        r.error(key, f"{config_file} does not match the run's model config (model={m.name}): {rows}",
-                f"set {sets} (or the model config of this checkpoint), or point model.init_from at a model of "
-                "this config's shape")
+        r.error(
+            key,
+            f"{config_file} does not match the run's model config (model={m.name}): {rows}",
+            f"set {sets} (or the model config of this checkpoint), or point model.init_from at a model of "
+            "this config's shape",
+        )
         return
     tied = bool(hf.get("tie_word_embeddings", for_hf(hf.get("model_type")).hf.tied_default))
     _hf_weights(path, m, tied, r)
@@ -424,18 +522,25 @@ def _hf_weights(path: Path, m: Any, tied: bool, r: CheckReport) -> None:
             weight_map = json.loads(read_text(index, INDEX_BYTES))["weight_map"]
             files = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
-            r.error(key, f"{index}: not a safetensors index ({type(exc).__name__}: {exc})",
-                    "restore the file (re-download or re-export the directory)")
+            r.error(
+                key,
+                f"{index}: not a safetensors index ({type(exc).__name__}: {exc})",
+                "restore the file (re-download or re-export the directory)",
+            )
             return
     elif (path / HF_WEIGHTS).is_file():
         files = [HF_WEIGHTS]
     else:
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
-        r.error(key, f"{path}: no {HF_WEIGHTS} or {HF_INDEX}" + (f" (found {', '.join(pickles)}: pickles are "
-                "never read, they can run code)" if pickles else ""),
-                "convert the weights to safetensors once, where you trust them: AutoModelForCausalLM."
-                "from_pretrained(...).save_pretrained(OUT, safe_serialization=True)" if pickles
-                else "give a directory with the model's safetensors weights")
+        r.error(
+            key,
+            f"{path}: no {HF_WEIGHTS} or {HF_INDEX}"
+            + (f" (found {', '.join(pickles)}: pickles are never read, they can run code)" if pickles else ""),
+            "convert the weights to safetensors once, where you trust them: AutoModelForCausalLM."
+            "from_pretrained(...).save_pretrained(OUT, safe_serialization=True)"
+            if pickles
+            else "give a directory with the model's safetensors weights",
+        )
         return
     found: dict[str, tuple[int, ...]] = {}
     family = family_of(m)
@@ -443,8 +548,11 @@ def _hf_weights(path: Path, m: Any, tied: bool, r: CheckReport) -> None:
     for name in files:
         file = path / name
         if not file.is_file():
-            r.error(key, f"{index} names {name}, which is not in {path}", "copy the missing file, or re-download "
-                    "the directory")
+            r.error(
+                key,
+                f"{index} names {name}, which is not in {path}",
+                "copy the missing file, or re-download the directory",
+            )
             continue
         try:
             tensors = safetensors_header(file)
@@ -457,17 +565,27 @@ def _hf_weights(path: Path, m: Any, tied: bool, r: CheckReport) -> None:
     want = hf_weight_shapes(m)
     if tied:
         want.pop("lm_head.weight", None)
-    have = {k: v for k, v in found.items() if not (k.endswith(family.hf.not_weights) or (k == "lm_head.weight"
-                                                                                and k not in want))}
+    have = {
+        k: v
+        for k, v in found.items()
+        if not (k.endswith(family.hf.not_weights) or (k == "lm_head.weight" and k not in want))
+    }
     problems = [f"{k}: missing" for k in want if k not in have]
-    problems += [f"{k}: shape {list(have[k])}, the config wants {list(s)}" for k, s in want.items()
-                 if k in have and tuple(have[k]) != s]
+    problems += [
+        f"{k}: shape {list(have[k])}, the config wants {list(s)}"
+        for k, s in want.items()
+        if k in have and tuple(have[k]) != s
+    ]
     problems += [f"{k}: not in the config's {family.name} model" for k in have if k not in want]
     if problems:
-        r.error(key, f"the weights in {path} do not match the run's model config (model={m.name}) although "
-                f"{HF_CONFIG} does: " + "; ".join(problems[:5]) + (f"; ... {len(problems) - 5} more"
-                                                                   if len(problems) > 5 else ""),
-                "re-export or re-download the directory: its config.json and weights disagree")
+        r.error(
+            key,
+            f"the weights in {path} do not match the run's model config (model={m.name}) although "
+            f"{HF_CONFIG} does: "
+            + "; ".join(problems[:5])
+            + (f"; ... {len(problems) - 5} more" if len(problems) > 5 else ""),
+            "re-export or re-download the directory: its config.json and weights disagree",
+        )
 
 
 # ---------------------------------------------------------------- zero.nvme_path
@@ -488,18 +606,27 @@ def _nvme(cfg: Config, lay: Layout, r: CheckReport) -> None:
             return  # node-local: the job makes it on each node
         target = _existing_ancestor(target)
         if not target.is_dir():
-            r.error("zero.nvme_path", f"{path} cannot be made: {target} is not a directory",
-                    "set zero.nvme_path to a directory on a node-local NVMe drive")
+            r.error(
+                "zero.nvme_path",
+                f"{path} cannot be made: {target} is not a directory",
+                "set zero.nvme_path to a directory on a node-local NVMe drive",
+            )
             return
     elif not target.is_dir():
-        r.error("zero.nvme_path", f"{path} is not a directory{where}",
-                "set zero.nvme_path to a directory on a node-local NVMe drive")
+        r.error(
+            "zero.nvme_path",
+            f"{path} is not a directory{where}",
+            "set zero.nvme_path to a directory on a node-local NVMe drive",
+        )
         return
     if not os.access(target, os.W_OK | os.X_OK):
         ro = _read_only(target)
-        r.error("zero.nvme_path", f"{target} is {'on a read-only file system' if ro else 'not writable'}{where}: "
-                "the ranks cannot create their moments files there",
-                "set zero.nvme_path to a writable node-local directory, e.g. /raid/$USER/hpctrain")
+        r.error(
+            "zero.nvme_path",
+            f"{target} is {'on a read-only file system' if ro else 'not writable'}{where}: "
+            "the ranks cannot create their moments files there",
+            "set zero.nvme_path to a writable node-local directory, e.g. /raid/$USER/hpctrain",
+        )
         return
     est = r.estimates
     offload = getattr(getattr(est, "step", None), "offload", None)
@@ -509,9 +636,12 @@ def _nvme(cfg: Config, lay: Layout, r: CheckReport) -> None:
     st = os.statvfs(target)
     free = st.f_bavail * st.f_frsize
     if need > free:
-        r.error("zero.nvme_path", f"Adam's moments need {format_bytes(need)} per node ({offload.gpus_per_node} "
-                f"ranks, 8 bytes per parameter of each rank's shard), {format_bytes(free)} free in {target}{where}",
-                "free space there, use a larger drive, or shard over more ranks (more nodes or a larger DP)")
+        r.error(
+            "zero.nvme_path",
+            f"Adam's moments need {format_bytes(need)} per node ({offload.gpus_per_node} "
+            f"ranks, 8 bytes per parameter of each rank's shard), {format_bytes(free)} free in {target}{where}",
+            "free space there, use a larger drive, or shard over more ranks (more nodes or a larger DP)",
+        )
 
 
 def _read_only(path: Path) -> bool:
@@ -548,7 +678,7 @@ def newest_checkpoint(cfg: Config, run_dir: Path) -> tuple[Path, dict[str, Any]]
         if not directory.is_dir():
             continue
         for sub in directory.iterdir():
-            tail = sub.name[len(STEP_PREFIX):]
+            tail = sub.name[len(STEP_PREFIX) :]
             if sub.name.startswith(STEP_PREFIX) and tail.isdigit():
                 found.append((int(tail), -i, sub))
     for _, _, sub in sorted(found, reverse=True):
@@ -556,8 +686,12 @@ def newest_checkpoint(cfg: Config, run_dir: Path) -> tuple[Path, dict[str, Any]]
             manifest = json.loads(read_text(sub / MANIFEST, MANIFEST_BYTES))
         except (OSError, ValueError, UnicodeDecodeError, RecursionError):
             continue
-        if isinstance(manifest, dict) and isinstance(manifest.get("step"), int) and \
-                isinstance(manifest.get("files"), dict) and _manifest_sealed(manifest):
+        if (
+            isinstance(manifest, dict)
+            and isinstance(manifest.get("step"), int)
+            and isinstance(manifest.get("files"), dict)
+            and _manifest_sealed(manifest)
+        ):
             return sub, manifest
     return None
 
@@ -581,21 +715,34 @@ def check_resume(cfg: Config, run_dir: str | os.PathLike, r: CheckReport) -> Non
     theirs_model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
     for field, value in ours["model"].items():
         if theirs_model.get(field) != value:
-            r.error(f"model.{field}", f"{value!r} here, but {where} holds a model with {theirs_model.get(field)!r}: "
-                    "its weights cannot be loaded", f"set model.{field}={theirs_model.get(field)} (a resume keeps the "
-                    "model's shape), or start a new run instead of resuming")
+            r.error(
+                f"model.{field}",
+                f"{value!r} here, but {where} holds a model with {theirs_model.get(field)!r}: "
+                "its weights cannot be loaded",
+                f"set model.{field}={theirs_model.get(field)} (a resume keeps the "
+                "model's shape), or start a new run instead of resuming",
+            )
     report = r.warn if cfg.checkpoint.force_resume else r.error
-    tail = (": checkpoint.force_resume=true resumes anyway, not exactly" if cfg.checkpoint.force_resume else
-            ": the data order or position would differ")
+    tail = (
+        ": checkpoint.force_resume=true resumes anyway, not exactly"
+        if cfg.checkpoint.force_resume
+        else ": the data order or position would differ"
+    )
     for field, key in _FINGERPRINT_KEYS.items():
         if saved.get(field) != ours[field]:
-            report(key, f"{ours[field]!r} here, {saved.get(field)!r} in {where}{tail}",
-                   f"set {key}={saved.get(field)} to continue the same training, or checkpoint.force_resume=true")
+            report(
+                key,
+                f"{ours[field]!r} here, {saved.get(field)!r} in {where}{tail}",
+                f"set {key}={saved.get(field)} to continue the same training, or checkpoint.force_resume=true",
+            )
     if saved.get("data") != ours["data"]:
         theirs = saved.get("data") or {}
         key = _data_key(theirs, ours["data"])
-        report(key, f"the data is {ours['data']} here, {theirs} in {where}{tail}",
-               f"restore {key} to the checkpoint's, or checkpoint.force_resume=true")
+        report(
+            key,
+            f"the data is {ours['data']} here, {theirs} in {where}{tail}",
+            f"restore {key} to the checkpoint's, or checkpoint.force_resume=true",
+        )
 
 
 def _data_key(saved: dict[str, Any], ours: dict[str, Any]) -> str:
@@ -641,27 +788,42 @@ def _outputs(cfg: Config, r: CheckReport) -> None:
     root = Path(str(cfg.run.root)).expanduser()
     base = _existing_ancestor(root)
     if not base.is_dir():
-        r.error("run.root", f"{base} is not a directory: run directories cannot be made under {root}",
-                "set run.root to a directory on shared storage")
+        r.error(
+            "run.root",
+            f"{base} is not a directory: run directories cannot be made under {root}",
+            "set run.root to a directory on shared storage",
+        )
     elif not os.access(base, os.W_OK | os.X_OK):
-        r.error("run.root", f"{root} cannot be written: {base} is "
-                f"{'on a read-only file system' if _read_only(base) else 'not writable'}",
-                "set run.root to a writable directory on shared storage (run directories go to "
-                "run.root/run.name/run.id)")
+        r.error(
+            "run.root",
+            f"{root} cannot be written: {base} is "
+            f"{'on a read-only file system' if _read_only(base) else 'not writable'}",
+            "set run.root to a writable directory on shared storage (run directories go to run.root/run.name/run.id)",
+        )
     if cfg.plan.png:  # its directory is made if need be (hpctrain.launch.plan_chart)
         png = Path(str(cfg.plan.png)).expanduser()
         base = _existing_ancestor(png.absolute().parent)
         if png.is_dir() or not base.is_dir():
-            r.error("plan.png", f"{png if png.is_dir() else base} is {'a directory' if png.is_dir() else 'a file'}: "
-                    f"the chart cannot be written to {png}", "give the path of a .png file, e.g. plan.png=plan.png")
+            r.error(
+                "plan.png",
+                f"{png if png.is_dir() else base} is {'a directory' if png.is_dir() else 'a file'}: "
+                f"the chart cannot be written to {png}",
+                "give the path of a .png file, e.g. plan.png=plan.png",
+            )
         elif not os.access(base, os.W_OK | os.X_OK):
-            r.error("plan.png", f"{base} is not writable: the chart cannot be written to {png}",
-                    "give a path in a writable directory, e.g. plan.png=plan.png")
+            r.error(
+                "plan.png",
+                f"{base} is not writable: the chart cannot be written to {png}",
+                "give a path in a writable directory, e.g. plan.png=plan.png",
+            )
     topo = cfg.cluster.nccl.topo_file
     if topo and not os.path.isfile(str(topo)):
-        r.warn("cluster.nccl.topo_file", f"{topo} is not a file on this machine: NCCL ignores a topology file it "
-               "cannot read (with a warning in its log) and detects the topology itself",
-               "give a file every node can read, or leave cluster.nccl.topo_file unset")
+        r.warn(
+            "cluster.nccl.topo_file",
+            f"{topo} is not a file on this machine: NCCL ignores a topology file it "
+            "cannot read (with a warning in its log) and detects the topology itself",
+            "give a file every node can read, or leave cluster.nccl.topo_file unset",
+        )
 
 
 # ---------------------------------------------------------------- the pass
@@ -689,4 +851,3 @@ def walk_values(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
             yield from walk_values(v, f"{key}[{i}]")
     else:
         yield key, node
-

@@ -82,8 +82,10 @@ class Layout:
         """Layers of each stage, first to last (model_fit_problems holds that the split exists)."""
         split = layer_split(n_layers, self.n_stages, self.first_stage_layers, self.last_stage_layers)
         if split is None:
-            raise ValueError(f"{n_layers} layers cannot be split into {self.n_stages} stages with first_stage_layers="
-                             f"{self.first_stage_layers}, last_stage_layers={self.last_stage_layers}")
+            raise ValueError(
+                f"{n_layers} layers cannot be split into {self.n_stages} stages with first_stage_layers="
+                f"{self.first_stage_layers}, last_stage_layers={self.last_stage_layers}"
+            )
         return split
 
     def stages_of(self, pp_rank: int) -> tuple[int, ...]:
@@ -96,7 +98,6 @@ class Layout:
         """Layers pipeline rank `pp_rank` holds, over its stages."""
         split = self.layer_split(n_layers)
         return sum(split[s] for s in self.stages_of(pp_rank))
-
 
     n_gpus = world_size
 
@@ -139,8 +140,13 @@ class Layout:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(world_size=self.world_size, nodes=self.nodes, dp_shard=self.dp_shard,
-                 microbatches=self.microbatches, global_batch=self.global_batch)
+        d.update(
+            world_size=self.world_size,
+            nodes=self.nodes,
+            dp_shard=self.dp_shard,
+            microbatches=self.microbatches,
+            global_batch=self.global_batch,
+        )
         return d
 
 
@@ -185,27 +191,51 @@ def fills_buffer(layout: Layout) -> bool:
     (hpctrain/parallel/grad_buffer.py; the planner counts it, hpctrain.plan.states): where FSDP2 accumulates
     unsharded (ZeRO-1, or zero.accumulate_unsharded) over several micro-batches, in a wider dtype than it
     computes in, without PP (whose schedules drive FSDP2's accumulation themselves)."""
-    return (data_parallel_kind(layout) == "fsdp" and layout.pp == 1 and layout.microbatches > 1
-            and (layout.zero_stage == 1 or layout.accumulate_unsharded)
-            and layout.reduce_bytes > layout.compute_bytes)
+    return (
+        data_parallel_kind(layout) == "fsdp"
+        and layout.pp == 1
+        and layout.microbatches > 1
+        and (layout.zero_stage == 1 or layout.accumulate_unsharded)
+        and layout.reduce_bytes > layout.compute_bytes
+    )
 
 
 def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     """(parallel.* key, what is wrong, the fix) for every rule a layout breaks, checked in this one place."""
     out: list[tuple[str, str, str]] = []
-    for name in ("dp", "tp", "pp", "virtual_stages", "micro_batch", "grad_accum", "dp_replicate", "gpus_per_node",
-                 "ep", "cp"):
+    for name in (
+        "dp",
+        "tp",
+        "pp",
+        "virtual_stages",
+        "micro_batch",
+        "grad_accum",
+        "dp_replicate",
+        "gpus_per_node",
+        "ep",
+        "cp",
+    ):
         if getattr(lay, name, 1) < 1:
             out.append((name, f"must be >= 1, got {getattr(lay, name)}", "set it to a positive integer"))
     for name in ("first_stage_layers", "last_stage_layers"):
         if getattr(lay, name, 0) < 0:
-            out.append((name, f"must be >= 0 (0: as the other stages), got {getattr(lay, name)}",
-                        "set it to the stage's number of layers, or 0"))
+            out.append(
+                (
+                    name,
+                    f"must be >= 0 (0: as the other stages), got {getattr(lay, name)}",
+                    "set it to the stage's number of layers, or 0",
+                )
+            )
     if out:
         return out
     if lay.zero_stage not in (0, 1, 2, 3):
-        out.append(("zero_stage", f"must be 0, 1, 2 or 3, got {lay.zero_stage}",
-                    "pick zero=stage0|stage1|stage2|stage3 (or their _offload variants)"))
+        out.append(
+            (
+                "zero_stage",
+                f"must be 0, 1, 2 or 3, got {lay.zero_stage}",
+                "pick zero=stage0|stage1|stage2|stage3 (or their _offload variants)",
+            )
+        )
     if lay.recompute not in RECOMPUTE:
         out.append(("recompute", f"must be one of {RECOMPUTE}, got {lay.recompute!r}", "set parallel.recompute=none"))
     for name in ("dtype", "reduce_dtype"):
@@ -219,86 +249,174 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
         if chunk:
             out.append(chunk)
     if lay.dp % lay.dp_replicate:
-        out.append(("dp_replicate", f"dp={lay.dp} is not divisible by dp_replicate={lay.dp_replicate}",
-                    f"use a dp_replicate that divides {lay.dp}"))
+        out.append(
+            (
+                "dp_replicate",
+                f"dp={lay.dp} is not divisible by dp_replicate={lay.dp_replicate}",
+                f"use a dp_replicate that divides {lay.dp}",
+            )
+        )
     elif (lay.dp // lay.dp_replicate) % lay.ep:
         shard = lay.dp // lay.dp_replicate
-        out.append(("ep", f"ep={lay.ep} does not divide the {shard} data-parallel ranks a ZeRO/FSDP shard group has "
-                    f"(dp / dp_replicate = {lay.dp} / {lay.dp_replicate}): an EP group is made of DP ranks that "
-                    "exchange tokens", f"use an ep that divides {shard}" + (
-                        ", or a smaller parallel.dp_replicate" if lay.dp_replicate > 1 else "")))
+        out.append(
+            (
+                "ep",
+                f"ep={lay.ep} does not divide the {shard} data-parallel ranks a ZeRO/FSDP shard group has "
+                f"(dp / dp_replicate = {lay.dp} / {lay.dp_replicate}): an EP group is made of DP ranks that "
+                "exchange tokens",
+                f"use an ep that divides {shard}"
+                + (", or a smaller parallel.dp_replicate" if lay.dp_replicate > 1 else ""),
+            )
+        )
     if lay.offload_params and lay.zero_stage != 3:
-        out.append(("offload_params", f"parameter offload needs ZeRO stage 3 (parameters sharded), got stage "
-                    f"{lay.zero_stage}", "set zero.stage=3, or zero=stage3_offload"))
+        out.append(
+            (
+                "offload_params",
+                f"parameter offload needs ZeRO stage 3 (parameters sharded), got stage {lay.zero_stage}",
+                "set zero.stage=3, or zero=stage3_offload",
+            )
+        )
     if lay.offload_device not in OFFLOAD_DEVICES:
-        out.append(("offload_device", f"must be one of {OFFLOAD_DEVICES}, got {lay.offload_device!r}",
-                    "set zero.offload_optimizer_device=cpu (host memory) or nvme (with zero.nvme_path)"))
+        out.append(
+            (
+                "offload_device",
+                f"must be one of {OFFLOAD_DEVICES}, got {lay.offload_device!r}",
+                "set zero.offload_optimizer_device=cpu (host memory) or nvme (with zero.nvme_path)",
+            )
+        )
     elif lay.offload_device == "nvme" and not lay.offload_optimizer:
-        out.append(("offload_device", "NVMe holds offloaded optimizer state, but zero.offload_optimizer=false",
-                    "set zero.offload_optimizer=true (or zero=stage3_nvme)"))
+        out.append(
+            (
+                "offload_device",
+                "NVMe holds offloaded optimizer state, but zero.offload_optimizer=false",
+                "set zero.offload_optimizer=true (or zero=stage3_nvme)",
+            )
+        )
     if getattr(lay, "cp", 1) > 1 and lay.ep > 1:
-        out.append(("cp", f"context parallelism (cp={lay.cp}) with expert parallelism (ep={lay.ep}) is not supported "
-                    "yet: an EP group is made of DP ranks, and CP ranks would route the same sequences' tokens",
-                    "set parallel.cp=1 for an MoE model with parallel.ep>1, or parallel.ep=1"))
+        out.append(
+            (
+                "cp",
+                f"context parallelism (cp={lay.cp}) with expert parallelism (ep={lay.ep}) is not supported "
+                "yet: an EP group is made of DP ranks, and CP ranks would route the same sequences' tokens",
+                "set parallel.cp=1 for an MoE model with parallel.ep>1, or parallel.ep=1",
+            )
+        )
     if lay.sequence_parallel and lay.tp == 1:
-        out.append(("sequence_parallel", "sequence parallelism shards along the TP group, but tp=1",
-                    "set parallel.tp>1 or parallel.sequence_parallel=false"))
+        out.append(
+            (
+                "sequence_parallel",
+                "sequence parallelism shards along the TP group, but tp=1",
+                "set parallel.tp>1 or parallel.sequence_parallel=false",
+            )
+        )
     return out
 
 
-def model_fit_problems(lay: Any, n_layers: int, n_heads: int, kv_heads: int, ffn_hidden: int, n_experts: int = 0
-                       ) -> list[tuple[str, str, str]]:
+def model_fit_problems(
+    lay: Any, n_layers: int, n_heads: int, kv_heads: int, ffn_hidden: int, n_experts: int = 0
+) -> list[tuple[str, str, str]]:
     """(config key, what is wrong, the fix) for every rule a layout (its tp, pp, virtual_stages, ep,
     gpus_per_node) breaks against a model's shape: the one owner of these rules, which the checks report and
     the layout search (so `parallel=auto`) obeys, so auto can never pick what the checks refuse."""
     out: list[tuple[str, str, str]] = []
     ep = getattr(lay, "ep", 1)
     if ep > 1 and not n_experts:
-        out.append(("parallel.ep", f"ep={ep} splits a Mixture-of-Experts layer's experts, but this model is dense "
-                    "(model.moe.n_experts=0)", "set parallel.ep=1, or pick an MoE model (model=mixtral_8x7b, ...)"))
+        out.append(
+            (
+                "parallel.ep",
+                f"ep={ep} splits a Mixture-of-Experts layer's experts, but this model is dense (model.moe.n_experts=0)",
+                "set parallel.ep=1, or pick an MoE model (model=mixtral_8x7b, ...)",
+            )
+        )
     elif n_experts % ep:
-        out.append(("parallel.ep", f"model.moe.n_experts={n_experts} is not divisible by ep={ep}: each EP rank "
-                    "must hold the same number of whole experts", f"use an ep that divides {n_experts}"))
+        out.append(
+            (
+                "parallel.ep",
+                f"model.moe.n_experts={n_experts} is not divisible by ep={ep}: each EP rank "
+                "must hold the same number of whole experts",
+                f"use an ep that divides {n_experts}",
+            )
+        )
     tp = lay.tp
     if n_heads % tp:
-        out.append(("parallel.tp", f"model.n_heads={n_heads} is not divisible by tp={tp}: each TP rank must own "
-                    "whole attention heads", f"use a tp that divides {n_heads}"))
+        out.append(
+            (
+                "parallel.tp",
+                f"model.n_heads={n_heads} is not divisible by tp={tp}: each TP rank must own whole attention heads",
+                f"use a tp that divides {n_heads}",
+            )
+        )
     if kv_heads != n_heads and kv_heads % tp:
-        out.append(("parallel.tp", f"model.n_kv_heads={kv_heads} is not divisible by tp={tp}: each TP rank must "
-                    "own whole key/value heads (grouped-query attention)",
-                    f"use a tp that divides {kv_heads}, or more key/value heads (model.n_kv_heads)"))
+        out.append(
+            (
+                "parallel.tp",
+                f"model.n_kv_heads={kv_heads} is not divisible by tp={tp}: each TP rank must "
+                "own whole key/value heads (grouped-query attention)",
+                f"use a tp that divides {kv_heads}, or more key/value heads (model.n_kv_heads)",
+            )
+        )
     if ffn_hidden % tp:
-        out.append(("parallel.tp", f"the MLP hidden size {ffn_hidden} is not divisible by tp={tp}",
-                    "use a tp that divides the MLP hidden size (model.ffn_hidden)"))
+        out.append(
+            (
+                "parallel.tp",
+                f"the MLP hidden size {ffn_hidden} is not divisible by tp={tp}",
+                "use a tp that divides the MLP hidden size (model.ffn_hidden)",
+            )
+        )
     if tp > lay.gpus_per_node:
-        out.append(("parallel.tp", f"tp={tp} is larger than cluster.gpus_per_node={lay.gpus_per_node}: TP's "
-                    "per-layer all-reduces would cross the network instead of NVLink",
-                    f"use tp <= {lay.gpus_per_node} and add pipeline stages (parallel.pp) to split the model further"))
+        out.append(
+            (
+                "parallel.tp",
+                f"tp={tp} is larger than cluster.gpus_per_node={lay.gpus_per_node}: TP's "
+                "per-layer all-reduces would cross the network instead of NVLink",
+                f"use tp <= {lay.gpus_per_node} and add pipeline stages (parallel.pp) to split the model further",
+            )
+        )
     elif lay.gpus_per_node % tp:
-        out.append(("parallel.tp", f"tp={tp} does not divide cluster.gpus_per_node={lay.gpus_per_node}: some TP "
-                    "groups would straddle two nodes", f"use a tp that divides {lay.gpus_per_node}"))
+        out.append(
+            (
+                "parallel.tp",
+                f"tp={tp} does not divide cluster.gpus_per_node={lay.gpus_per_node}: some TP "
+                "groups would straddle two nodes",
+                f"use a tp that divides {lay.gpus_per_node}",
+            )
+        )
     chunks = lay.pp * lay.virtual_stages
     first, last = getattr(lay, "first_stage_layers", 0), getattr(lay, "last_stage_layers", 0)
     if (first or last) and chunks == 1:
-        out.append(("parallel.first_stage_layers" if first else "parallel.last_stage_layers",
-                    "sets the layers of a pipeline stage, but there is one stage (pp x virtual_stages = 1)",
-                    "leave first_stage_layers and last_stage_layers at 0, or add pipeline stages (parallel.pp)"))
+        out.append(
+            (
+                "parallel.first_stage_layers" if first else "parallel.last_stage_layers",
+                "sets the layers of a pipeline stage, but there is one stage (pp x virtual_stages = 1)",
+                "leave first_stage_layers and last_stage_layers at 0, or add pipeline stages (parallel.pp)",
+            )
+        )
     elif first or last:
         if layer_split(n_layers, chunks, first, last) is None:
             free = chunks - bool(first) - bool(last)
             rest = n_layers - first - last
-            out.append(("parallel.first_stage_layers" if first else "parallel.last_stage_layers",
-                        f"first_stage_layers={first} and last_stage_layers={last} leave {rest} of model.n_layers="
-                        f"{n_layers} layers for the other {free} of the {chunks} stages, which cannot take them in "
-                        "equal whole parts of at least one layer",
-                        f"choose them so that n_layers - first - last is a positive multiple of {free}"
-                        if free else "make first_stage_layers + last_stage_layers equal model.n_layers"))
+            out.append(
+                (
+                    "parallel.first_stage_layers" if first else "parallel.last_stage_layers",
+                    f"first_stage_layers={first} and last_stage_layers={last} leave {rest} of model.n_layers="
+                    f"{n_layers} layers for the other {free} of the {chunks} stages, which cannot take them in "
+                    "equal whole parts of at least one layer",
+                    f"choose them so that n_layers - first - last is a positive multiple of {free}"
+                    if free
+                    else "make first_stage_layers + last_stage_layers equal model.n_layers",
+                )
+            )
     elif n_layers % chunks:
-        out.append(("parallel.pp", f"model.n_layers={n_layers} is not divisible by pp x virtual_stages = "
-                    f"{lay.pp} x {lay.virtual_stages} = {chunks}: stages would be unbalanced",
-                    "choose pp and virtual_stages whose product divides the number of layers, or set "
-                    "parallel.first_stage_layers / last_stage_layers (the stages holding the embedding and the "
-                    "head may take fewer)"))
+        out.append(
+            (
+                "parallel.pp",
+                f"model.n_layers={n_layers} is not divisible by pp x virtual_stages = "
+                f"{lay.pp} x {lay.virtual_stages} = {chunks}: stages would be unbalanced",
+                "choose pp and virtual_stages whose product divides the number of layers, or set "
+                "parallel.first_stage_layers / last_stage_layers (the stages holding the embedding and the "
+                "head may take fewer)",
+            )
+        )
     return out
 
 
@@ -310,14 +428,25 @@ def sequence_problems(lay: Any, seq_len: int, dropout: float) -> list[tuple[str,
         return []
     out: list[tuple[str, str, str]] = []
     if seq_len % (2 * cp):
-        out.append(("train.seq_len", f"{seq_len} tokens cannot be cut into 2 x cp = {2 * cp} equal chunks: context "
-                    "parallelism gives each CP rank two chunks (one from each end, so the causal mask leaves no rank "
-                    "idle)", f"use a train.seq_len that is a multiple of {2 * cp}, or a parallel.cp that divides "
-                    f"{seq_len // 2 if seq_len % 2 == 0 else seq_len}"))
+        out.append(
+            (
+                "train.seq_len",
+                f"{seq_len} tokens cannot be cut into 2 x cp = {2 * cp} equal chunks: context "
+                "parallelism gives each CP rank two chunks (one from each end, so the causal mask leaves no rank "
+                "idle)",
+                f"use a train.seq_len that is a multiple of {2 * cp}, or a parallel.cp that divides "
+                f"{seq_len // 2 if seq_len % 2 == 0 else seq_len}",
+            )
+        )
     if dropout > 0:
-        out.append(("model.dropout", f"{dropout} with cp={cp}: the CP attention computes each rank's chunks against "
-                    "keys gathered from the whole sequence and draws no attention-dropout masks",
-                    "set model.dropout=0 (long-context pre-training uses none), or parallel.cp=1"))
+        out.append(
+            (
+                "model.dropout",
+                f"{dropout} with cp={cp}: the CP attention computes each rank's chunks against "
+                "keys gathered from the whole sequence and draws no attention-dropout masks",
+                "set model.dropout=0 (long-context pre-training uses none), or parallel.cp=1",
+            )
+        )
     return out
 
 
@@ -328,21 +457,36 @@ def resolve_layout(cfg: Config) -> Layout:
     dp = _infer_dp(c.nodes, c.gpus_per_node, p.dp, p.tp, p.pp, p.cp, lambda dp: _job_size_for(cfg, dp))
     grad_accum = _infer_grad_accum(cfg, dp)
     values = dict(
-        dp=dp, tp=p.tp, pp=p.pp, virtual_stages=p.virtual_stages, zero_stage=cfg.zero.stage,
-        micro_batch=t.micro_batch, grad_accum=grad_accum,
+        dp=dp,
+        tp=p.tp,
+        pp=p.pp,
+        virtual_stages=p.virtual_stages,
+        zero_stage=cfg.zero.stage,
+        micro_batch=t.micro_batch,
+        grad_accum=grad_accum,
         # Megatron's rule: with tp=1 there is no TP group to shard along, so SP is off (the checks say so)
         sequence_parallel=bool(p.sequence_parallel) and p.tp > 1,
-        recompute=_value(p.recompute), offload_optimizer=bool(cfg.zero.offload_optimizer),
-        offload_params=bool(cfg.zero.offload_params), offload_device=str(cfg.zero.offload_optimizer_device),
+        recompute=_value(p.recompute),
+        offload_optimizer=bool(cfg.zero.offload_optimizer),
+        offload_params=bool(cfg.zero.offload_params),
+        offload_device=str(cfg.zero.offload_optimizer_device),
         accumulate_unsharded=bool(cfg.zero.accumulate_unsharded),
-        schedule=p.schedule, dtype=_value(cfg.precision.dtype),
-        dp_replicate=p.dp_replicate, reduce_dtype=_value(cfg.precision.reduce_dtype), gpus_per_node=c.gpus_per_node,
-        fp8=str(cfg.precision.fp8), ep=p.ep, first_stage_layers=p.first_stage_layers,
-        last_stage_layers=p.last_stage_layers, cp=p.cp)
+        schedule=p.schedule,
+        dtype=_value(cfg.precision.dtype),
+        dp_replicate=p.dp_replicate,
+        reduce_dtype=_value(cfg.precision.reduce_dtype),
+        gpus_per_node=c.gpus_per_node,
+        fp8=str(cfg.precision.fp8),
+        ep=p.ep,
+        first_stage_layers=p.first_stage_layers,
+        last_stage_layers=p.last_stage_layers,
+        cp=p.cp,
+    )
     broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
     if broken:
-        raise ConfigError([Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix)
-                           for key, message, fix in broken])
+        raise ConfigError(
+            [Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix) for key, message, fix in broken]
+        )
     return Layout(**values)
 
 
@@ -383,8 +527,11 @@ def _require_positive(cfg: Config) -> None:
         "train.micro_batch": t.micro_batch,
         "train.global_batch": t.global_batch,
     }
-    problems = [Problem(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
-                for key, value in positive.items() if value < 1]
+    problems = [
+        Problem(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
+        for key, value in positive.items()
+        if value < 1
+    ]
     if problems:
         raise ConfigError(problems)
 
@@ -399,8 +546,11 @@ def _job_size_for(cfg: Config, dp: int) -> str:
     elif _value(c.executor) == "local":
         size = f"cluster.gpus_per_node={need}"
     else:
-        per_node = max(g for g in range(1, min(need, c.gpus_per_node) + 1) if need % g == 0 and g % p.tp == 0) \
-            if need % p.tp == 0 else p.tp
+        per_node = (
+            max(g for g in range(1, min(need, c.gpus_per_node) + 1) if need % g == 0 and g % p.tp == 0)
+            if need % p.tp == 0
+            else p.tp
+        )
         size = f"cluster.nodes={-(-need // per_node)} cluster.gpus_per_node={per_node}"
     per_step = t.micro_batch * dp
     if t.grad_accum == -1 and p.microbatches <= 0 and per_step > 0 and t.global_batch % per_step:
@@ -408,33 +558,47 @@ def _job_size_for(cfg: Config, dp: int) -> str:
     return size
 
 
-def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int, cp: int = 1, job_size: Any = None
-               ) -> int:
+def _infer_dp(nodes: int, gpus_per_node: int, dp: int, tp: int, pp: int, cp: int = 1, job_size: Any = None) -> int:
     """parallel.dp, or (-1) the world size over tp x pp x cp. `job_size(dp)`: the cluster overrides that fit a dp."""
     world, model_parallel = nodes * gpus_per_node, tp * pp * cp
     names, degrees = ("tp x pp x cp", f"{tp} x {pp} x {cp}") if cp > 1 else ("tp x pp", f"{tp} x {pp}")
     if dp == -1:
         if world % model_parallel:
-            raise ConfigError([Problem(
-                "parallel.dp",
-                f"world size {world} (cluster.nodes={nodes} x cluster.gpus_per_node={gpus_per_node}) "
-                f"is not divisible by {names} = {degrees} = {model_parallel}, so dp cannot be inferred",
-                f"choose {'tp, pp and cp' if cp > 1 else 'tp and pp'} whose product divides {world}, or change "
-                "cluster.nodes",
-            )])
+            raise ConfigError(
+                [
+                    Problem(
+                        "parallel.dp",
+                        f"world size {world} (cluster.nodes={nodes} x cluster.gpus_per_node={gpus_per_node}) "
+                        f"is not divisible by {names} = {degrees} = {model_parallel}, so dp cannot be inferred",
+                        f"choose {'tp, pp and cp' if cp > 1 else 'tp and pp'} whose product divides {world}, or change "
+                        "cluster.nodes",
+                    )
+                ]
+            )
         return world // model_parallel
     if dp < 1:
-        raise ConfigError([Problem("parallel.dp", f"must be >= 1 or -1 (infer), got {dp}",
-                                   "set parallel.dp=-1 to infer it from the world size")])
+        raise ConfigError(
+            [
+                Problem(
+                    "parallel.dp",
+                    f"must be >= 1 or -1 (infer), got {dp}",
+                    "set parallel.dp=-1 to infer it from the world size",
+                )
+            ]
+        )
     if dp * model_parallel != world:
-        raise ConfigError([Problem(
-            "parallel.dp",
-            f"dp x {names} = {dp} x {degrees} = {dp * model_parallel} GPUs, but the job has "
-            f"cluster.nodes x cluster.gpus_per_node = {nodes} x {gpus_per_node} = {world}",
-            f"set parallel.dp={world // model_parallel if world % model_parallel == 0 else -1} "
-            f"(or -1 to infer it), or " + (job_size(dp) if job_size else
-                                           f"cluster.nodes x cluster.gpus_per_node = {dp * model_parallel}"),
-        )])
+        raise ConfigError(
+            [
+                Problem(
+                    "parallel.dp",
+                    f"dp x {names} = {dp} x {degrees} = {dp * model_parallel} GPUs, but the job has "
+                    f"cluster.nodes x cluster.gpus_per_node = {nodes} x {gpus_per_node} = {world}",
+                    f"set parallel.dp={world // model_parallel if world % model_parallel == 0 else -1} "
+                    f"(or -1 to infer it), or "
+                    + (job_size(dp) if job_size else f"cluster.nodes x cluster.gpus_per_node = {dp * model_parallel}"),
+                )
+            ]
+        )
     return dp
 
 
@@ -447,39 +611,65 @@ def _infer_grad_accum(cfg: Config, dp: int) -> int:
         grad_accum = p.microbatches
     if grad_accum == -1:
         if t.global_batch % per_step:
-            raise ConfigError([Problem(
-                "train.global_batch",
-                f"{t.global_batch} is not divisible by train.micro_batch x dp = {t.micro_batch} x {dp} = {per_step}, "
-                "so gradient accumulation cannot be inferred",
-                f"use a multiple of {per_step} (e.g. {max(1, round(t.global_batch / per_step)) * per_step}) "
-                "or change train.micro_batch",
-            )])
+            raise ConfigError(
+                [
+                    Problem(
+                        "train.global_batch",
+                        f"{t.global_batch} is not divisible by train.micro_batch x dp = {t.micro_batch} x {dp} = {per_step}, "
+                        "so gradient accumulation cannot be inferred",
+                        f"use a multiple of {per_step} (e.g. {max(1, round(t.global_batch / per_step)) * per_step}) "
+                        "or change train.micro_batch",
+                    )
+                ]
+            )
         grad_accum = t.global_batch // per_step
     elif grad_accum < 1:
-        raise ConfigError([Problem("train.grad_accum", f"must be >= 1 or -1 (infer), got {grad_accum}",
-                                   "set train.grad_accum=-1 to infer it from the global batch")])
+        raise ConfigError(
+            [
+                Problem(
+                    "train.grad_accum",
+                    f"must be >= 1 or -1 (infer), got {grad_accum}",
+                    "set train.grad_accum=-1 to infer it from the global batch",
+                )
+            ]
+        )
     elif per_step * grad_accum != t.global_batch:
-        raise ConfigError([Problem(
-            "train.global_batch",
-            f"global batch {t.global_batch} != micro_batch x grad_accum x dp = "
-            f"{t.micro_batch} x {grad_accum} x {dp} = {per_step * grad_accum}",
-            f"set train.global_batch={per_step * grad_accum}, or train.grad_accum=-1 to infer it",
-        )])
+        raise ConfigError(
+            [
+                Problem(
+                    "train.global_batch",
+                    f"global batch {t.global_batch} != micro_batch x grad_accum x dp = "
+                    f"{t.micro_batch} x {grad_accum} x {dp} = {per_step * grad_accum}",
+                    f"set train.global_batch={per_step * grad_accum}, or train.grad_accum=-1 to infer it",
+                )
+            ]
+        )
     if p.microbatches > 0 and p.microbatches != grad_accum:
-        raise ConfigError([Problem(
-            "parallel.microbatches",
-            f"{p.microbatches} pipeline microbatches but train.grad_accum={grad_accum}: every accumulation "
-            "microbatch goes through the pipeline, so the two are the same number",
-            "set only one of them (parallel.microbatches=0 follows train.grad_accum)",
-        )])
+        raise ConfigError(
+            [
+                Problem(
+                    "parallel.microbatches",
+                    f"{p.microbatches} pipeline microbatches but train.grad_accum={grad_accum}: every accumulation "
+                    "microbatch goes through the pipeline, so the two are the same number",
+                    "set only one of them (parallel.microbatches=0 follows train.grad_accum)",
+                )
+            ]
+        )
     return grad_accum
 
 
 # Layout field -> the config key that sets it, for error messages (the rest are parallel.<field>).
-CONFIG_KEYS = {"zero_stage": "zero.stage", "micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum",
-               "gpus_per_node": "cluster.gpus_per_node", "dtype": "precision.dtype",
-               "reduce_dtype": "precision.reduce_dtype", "offload_params": "zero.offload_params",
-               "offload_device": "zero.offload_optimizer_device", "accumulate_unsharded": "zero.accumulate_unsharded"}
+CONFIG_KEYS = {
+    "zero_stage": "zero.stage",
+    "micro_batch": "train.micro_batch",
+    "grad_accum": "train.grad_accum",
+    "gpus_per_node": "cluster.gpus_per_node",
+    "dtype": "precision.dtype",
+    "reduce_dtype": "precision.reduce_dtype",
+    "offload_params": "zero.offload_params",
+    "offload_device": "zero.offload_optimizer_device",
+    "accumulate_unsharded": "zero.accumulate_unsharded",
+}
 
 
 def _value(v: Any) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -113,7 +113,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)  # Mixture-of-Experts families
     dropout: float = 0.0
     init_std: float = 0.02
-    init_from: Optional[str] = None  # a Hugging Face model directory to start from (continued pretraining)
+    init_from: str | None = None  # a Hugging Face model directory to start from (continued pretraining)
 
 
 @dataclass
@@ -190,7 +190,7 @@ class PrepareConfig:
     """indexed: make the dataset on the login node before the job starts, if it is not there yet."""
 
     inputs: list[str] = field(default_factory=list)  # text/jsonl files, dirs, a datasets dir, or "stdlib"
-    tokenizer: Optional[str] = None  # a tokenizers tokenizer.json; None: a byte-level BPE trained on the inputs
+    tokenizer: str | None = None  # a tokenizers tokenizer.json; None: a byte-level BPE trained on the inputs
     vocab_size: int = 8192  # of the trained BPE
     workers: int = 2
     text_key: str = "text"  # the field of a JSON line that holds the text
@@ -199,14 +199,14 @@ class PrepareConfig:
 @dataclass
 class DataConfig:
     kind: DataKind = DataKind.text_bytes
-    path: Optional[str] = None  # tokens: a .bin file; text_bytes: where the token file is cached
+    path: str | None = None  # tokens: a .bin file; text_bytes: where the token file is cached
     token_dtype: str = "uint16"  # tokens: uint16 | uint32
     vocab_size: int = 256  # vocabulary the data is encoded in
     max_bytes: int = 16_000_000  # text_bytes: cap on corpus size
     # indexed: Megatron-LM datasets (PREFIX.bin + PREFIX.idx), blended Megatron's way: "0.3 /d/a 0.7 /d/b", or
     # one prefix alone
-    blend: Optional[str] = None
-    valid_blend: Optional[str] = None  # indexed: validation prefixes of their own (else valid_fraction)
+    blend: str | None = None
+    valid_blend: str | None = None  # indexed: validation prefixes of their own (else valid_fraction)
     # Held out for validation: the last fraction of each prefix's documents (indexed) or of the tokens (flat)
     valid_fraction: float = 0.0
     prefetch: int = 1  # steps of batches read ahead in a background thread (0: read on the training thread)
@@ -226,8 +226,9 @@ def parse_blend(text: str) -> list[tuple[float, str]]:
         try:
             w = float(weight)
         except ValueError:
-            raise ValueError(f"{weight!r} is not a weight (pairs of a weight and a prefix: 0.3 /data/a 0.7 /data/b)") \
-                from None
+            raise ValueError(
+                f"{weight!r} is not a weight (pairs of a weight and a prefix: 0.3 /data/a 0.7 /data/b)"
+            ) from None
         if not w > 0:
             raise ValueError(f"the weight of {prefix} must be > 0, got {weight}")
         pairs.append((w, prefix))
@@ -265,13 +266,13 @@ class CheckpointConfig:
 class NcclConfig:
     """NCCL settings; unset ones are derived on each node (active HCAs, nearest HCA first, RoCE GID)."""
 
-    socket_ifname: Optional[str] = None  # NCCL_SOCKET_IFNAME; default: NCCL's own choice (skips lo, docker*)
-    ib_hca: Optional[str] = None  # NCCL_IB_HCA verbatim; default: the node's compute HCAs, exact names
-    exclude_hca: Optional[str] = None  # HCAs never given to NCCL, e.g. storage NICs: "mlx5_4,mlx5_5"
-    ib_gid_index: Optional[int] = None  # default: 3 (RoCEv2) when every selected HCA is RoCE, else unset
-    topo_file: Optional[str] = None  # NCCL_TOPO_FILE (an environment variable: torch has no argument)
-    debug: Optional[str] = None  # NCCL_DEBUG, e.g. INFO for tools/nccl_log.py
-    debug_subsys: Optional[str] = None  # NCCL_DEBUG_SUBSYS, e.g. INIT,NET
+    socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME; default: NCCL's own choice (skips lo, docker*)
+    ib_hca: str | None = None  # NCCL_IB_HCA verbatim; default: the node's compute HCAs, exact names
+    exclude_hca: str | None = None  # HCAs never given to NCCL, e.g. storage NICs: "mlx5_4,mlx5_5"
+    ib_gid_index: int | None = None  # default: 3 (RoCEv2) when every selected HCA is RoCE, else unset
+    topo_file: str | None = None  # NCCL_TOPO_FILE (an environment variable: torch has no argument)
+    debug: str | None = None  # NCCL_DEBUG, e.g. INFO for tools/nccl_log.py
+    debug_subsys: str | None = None  # NCCL_DEBUG_SUBSYS, e.g. INIT,NET
 
 
 class ContainerRuntime(str, Enum):
@@ -288,10 +289,10 @@ class ContainerConfig:
     runtime: ContainerRuntime = ContainerRuntime.none
     # pyxis: an enroot image reference (nvcr.io#nvidia/pytorch:24.05-py3) or an absolute .sqsh path;
     # apptainer: an absolute .sif path (or a docker://, oras://, library:// URI)
-    image: Optional[str] = None
+    image: str | None = None
     # host:container[:flags] bind mounts; the run directory is mounted at its own path without being listed
     mounts: list[str] = field(default_factory=list)
-    workdir: Optional[str] = None  # working directory inside the container (default: the runtime's)
+    workdir: str | None = None  # working directory inside the container (default: the runtime's)
     # Names of host variables whose values override the image's (pyxis --container-env, APPTAINERENV_NAME)
     env: list[str] = field(default_factory=list)
     python: str = "python"  # the interpreter inside the image, with hpctrain and submitit importable
@@ -309,12 +310,12 @@ class ClusterConfig:
     cpus_per_task: int = 1
     mem_gb: int = 0  # 0: scheduler default
     time_min: int = 60
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
     exclusive: bool = False
-    exclude: Optional[str] = None
+    exclude: str | None = None
     signal_delay_s: int = 120  # USR2 this long before the time limit
     failure_rate_per_gpu_day: float = 0.001  # for automatic checkpoint intervals (0.1%-1% at scale)
     requeue: bool = True
@@ -375,8 +376,8 @@ class HealthConfig:
 class TrackingConfig:
     mode: TrackingMode = TrackingMode.disabled
     project: str = "hpctrain"
-    entity: Optional[str] = None
-    group: Optional[str] = None
+    entity: str | None = None
+    group: str | None = None
     tags: list[str] = field(default_factory=list)
 
 
@@ -398,8 +399,8 @@ class TrainConfig:
 class RunConfig:
     name: str = "default"  # run directories go to <root>/<name>/<id>
     root: str = "outputs"
-    id: Optional[str] = None  # set by the launcher; a fixed id makes a rerun land in the same directory
-    resume: Optional[str] = None  # a run id or a run directory to continue
+    id: str | None = None  # set by the launcher; a fixed id makes a rerun land in the same directory
+    resume: str | None = None  # a run id or a run directory to continue
     lease_check_s: float = 1.0  # rank 0 re-reads the run's lease this often, off the step's path (docs/recovery.md)
 
 
@@ -407,8 +408,8 @@ class RunConfig:
 class PlanConfig:
     format: PlanFormat = PlanFormat.text
     search: int = 0  # >0: the dry-run plan ranks the top N layouts and explains where the configured one stands
-    png: Optional[str] = None  # also write the memory / step-time chart here (needs matplotlib)
-    simulate_rank: Optional[int] = None  # dry_run=simulate builds this rank (default: the planner's most loaded)
+    png: str | None = None  # also write the memory / step-time chart here (needs matplotlib)
+    simulate_rank: int | None = None  # dry_run=simulate builds this rank (default: the planner's most loaded)
     simulate_device: SimulateDevice = SimulateDevice.auto  # fake CUDA where g++ can build it (auto), or cpu
 
 

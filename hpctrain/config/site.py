@@ -43,8 +43,10 @@ def _absolute(part: str) -> tuple[Path, str]:
         return Path(os.path.abspath(path)), str(getattr(err, "strerror", None) or err)
 
 
-FIX = (f"export {VARIABLE} with existing, readable directories, each holding group folders such as cluster/ "
-       "(e.g. /site/conf for /site/conf/cluster/mysite.yaml)")
+FIX = (
+    f"export {VARIABLE} with existing, readable directories, each holding group folders such as cluster/ "
+    "(e.g. /site/conf for /site/conf/cluster/mysite.yaml)"
+)
 
 
 def site_problems(value: str | None) -> list[Problem]:
@@ -56,8 +58,13 @@ def site_problems(value: str | None) -> list[Problem]:
     for part in _entries(value):
         directory, loop = _absolute(part)
         if loop:
-            problems.append(Problem(VARIABLE, f"{directory} cannot be resolved: a loop of symbolic links ({loop})",
-                                    f"point the link at a real directory, or drop it from {VARIABLE}"))
+            problems.append(
+                Problem(
+                    VARIABLE,
+                    f"{directory} cannot be resolved: a loop of symbolic links ({loop})",
+                    f"point the link at a real directory, or drop it from {VARIABLE}",
+                )
+            )
         elif not directory.is_dir():
             problems.append(Problem(VARIABLE, f"{directory} is not a directory", FIX))
         else:
@@ -71,8 +78,13 @@ def _unreadable(directory: Path) -> list[Problem]:
     try:
         entries = sorted(os.listdir(directory))
     except OSError as err:
-        return [Problem(VARIABLE, f"{directory} cannot be read: {err.strerror or err}",
-                        f"make it readable (and searchable: r-x) by this user, or drop it from {VARIABLE}")]
+        return [
+            Problem(
+                VARIABLE,
+                f"{directory} cannot be read: {err.strerror or err}",
+                f"make it readable (and searchable: r-x) by this user, or drop it from {VARIABLE}",
+            )
+        ]
     found = []
     for name in entries:
         entry = directory / name
@@ -90,14 +102,22 @@ def _unreadable(directory: Path) -> list[Problem]:
             try:
                 os.listdir(entry)
             except OSError as err:
-                found.append(Problem(VARIABLE, f"{entry} cannot be read: {err.strerror or err}",
-                                     "make it readable (and searchable: r-x) by this user, or remove it"))
+                found.append(
+                    Problem(
+                        VARIABLE,
+                        f"{entry} cannot be read: {err.strerror or err}",
+                        "make it readable (and searchable: r-x) by this user, or remove it",
+                    )
+                )
     return found
 
 
 def _loop(entry: Path, why: str) -> Problem:
-    return Problem(VARIABLE, f"{entry} cannot be resolved: a loop of symbolic links ({why})",
-                   "point the link at a real directory, or remove it")
+    return Problem(
+        VARIABLE,
+        f"{entry} cannot be resolved: a loop of symbolic links ({why})",
+        "point the link at a real directory, or remove it",
+    )
 
 
 class SiteSearchPath(SearchPathPlugin):

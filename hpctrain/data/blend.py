@@ -36,17 +36,20 @@ class PackedSamples:
     `stream` makes the shuffles of each split and each dataset of a blend their own (train and validation
     samples of one prefix are drawn independently)."""
 
-    def __init__(self, dataset: IndexedDataset, sequences: range, seq_len: int, seed: int,
-                 stream: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, dataset: IndexedDataset, sequences: range, seq_len: int, seed: int, stream: tuple[int, ...] = ()
+    ) -> None:
         self.dataset, self.sequences, self.seq_len = dataset, sequences, seq_len
         self._seed = [seed, *stream]
-        self._lengths = dataset.sequence_lengths[sequences.start:sequences.stop].astype(np.int64)
-        self._starts = dataset.sequence_pointers[sequences.start:sequences.stop] // dataset.dtype.itemsize
+        self._lengths = dataset.sequence_lengths[sequences.start : sequences.stop].astype(np.int64)
+        self._starts = dataset.sequence_pointers[sequences.start : sequences.stop] // dataset.dtype.itemsize
         self.tokens_per_epoch = int(self._lengths.sum())
         self.windows = (self.tokens_per_epoch - 1) // seq_len
         if self.windows < 1:
-            raise ValueError(f"{dataset.prefix}: sequences {sequences.start}..{sequences.stop} hold "
-                             f"{self.tokens_per_epoch} tokens, fewer than one sample of seq_len {seq_len} + 1")
+            raise ValueError(
+                f"{dataset.prefix}: sequences {sequences.start}..{sequences.stop} hold "
+                f"{self.tokens_per_epoch} tokens, fewer than one sample of seq_len {seq_len} + 1"
+            )
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._perms: dict[int, AffinePermutation] = {}
 
@@ -60,8 +63,9 @@ class PackedSamples:
             order = np.random.default_rng([*self._seed, epoch]).permutation(len(self._lengths))
             ends = np.cumsum(self._lengths[order])
             self._epochs[epoch] = (order, np.concatenate([[0], ends]))
-            self._perms[epoch] = AffinePermutation.seeded(self.windows, int(
-                np.random.default_rng([*self._seed, epoch, 1]).integers(1 << 62)))
+            self._perms[epoch] = AffinePermutation.seeded(
+                self.windows, int(np.random.default_rng([*self._seed, epoch, 1]).integers(1 << 62))
+            )
             while len(self._epochs) > EPOCHS_KEPT:
                 old, _ = self._epochs.popitem(last=False)
                 del self._perms[old]
@@ -79,13 +83,15 @@ class PackedSamples:
             doc = order[p]
             take = min(int(self._lengths[doc]) - within, len(out) - filled)
             first = int(self._starts[doc]) + within
-            out[filled:filled + take] = self.dataset.tokens[first:first + take]
+            out[filled : filled + take] = self.dataset.tokens[first : first + take]
             filled, within, p = filled + take, 0, p + 1
         return out
 
     def describe(self) -> str:
-        return (f"{self.dataset.prefix} sequences {self.sequences.start}..{self.sequences.stop}: "
-                f"{self.tokens_per_epoch:,} tokens, {self.windows:,} samples per epoch")
+        return (
+            f"{self.dataset.prefix} sequences {self.sequences.start}..{self.sequences.stop}: "
+            f"{self.tokens_per_epoch:,} tokens, {self.windows:,} samples per epoch"
+        )
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,8 @@ class _Node:
 
     weight: int
     part: int = -1
-    left: "_Node | None" = None
-    right: "_Node | None" = None
+    left: _Node | None = None
+    right: _Node | None = None
 
 
 def integer_weights(weights: list[float]) -> list[int]:
@@ -145,5 +151,4 @@ class BlendedSamples:
 
     def describe(self) -> str:
         total = sum(self.weights)
-        return "; ".join(f"{w / total:.3f} x {p.describe()}"
-                         for p, w in zip(self.parts, self.weights))
+        return "; ".join(f"{w / total:.3f} x {p.describe()}" for p, w in zip(self.parts, self.weights))

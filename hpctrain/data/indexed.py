@@ -32,9 +32,9 @@ import array
 import os
 import secrets
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Sequence
 
 import numpy as np
 
@@ -43,8 +43,19 @@ from hpctrain.durable import fsync_dir
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
-DTYPES: dict[int, np.dtype] = {code: np.dtype(name).newbyteorder("<") for code, name in {
-    1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float64", 7: "float32", 8: "uint16"}.items()}
+DTYPES: dict[int, np.dtype] = {
+    code: np.dtype(name).newbyteorder("<")
+    for code, name in {
+        1: "uint8",
+        2: "int8",
+        3: "int16",
+        4: "int32",
+        5: "int64",
+        6: "float64",
+        7: "float32",
+        8: "uint16",
+    }.items()
+}
 CODES: dict[np.dtype, int] = {dtype: code for code, dtype in DTYPES.items()}
 LENGTH = np.dtype("<i4")
 POINTER = np.dtype("<i8")
@@ -106,18 +117,23 @@ class IndexedDataset:
         if index.size == expected + n_seq and n_seq:
             raise IndexedDatasetError(f"{idx}: a multimodal dataset (it has sequence modes), not supported")
         if index.size != expected:
-            raise IndexedDatasetError(f"{idx}: {index.size} bytes, but its header ({n_seq} sequences, {n_docs} "
-                                      f"document indices) makes it {expected}")
+            raise IndexedDatasetError(
+                f"{idx}: {index.size} bytes, but its header ({n_seq} sequences, {n_docs} "
+                f"document indices) makes it {expected}"
+            )
         buffer = index.data
         self.sequence_lengths = np.frombuffer(buffer, LENGTH, n_seq, HEADER.size)
         self.sequence_pointers = np.frombuffer(buffer, POINTER, n_seq, HEADER.size + self.sequence_lengths.nbytes)
-        self.document_indices = np.frombuffer(buffer, POINTER, n_docs, HEADER.size + self.sequence_lengths.nbytes
-                                              + self.sequence_pointers.nbytes)
+        self.document_indices = np.frombuffer(
+            buffer, POINTER, n_docs, HEADER.size + self.sequence_lengths.nbytes + self.sequence_pointers.nbytes
+        )
         n_tokens = self._check_index(idx)
         size = bin_.stat().st_size
         if size != n_tokens * self.dtype.itemsize:
-            raise IndexedDatasetError(f"{bin_}: {size} bytes, but {idx} describes {n_tokens} tokens of "
-                                      f"{self.dtype.name} = {n_tokens * self.dtype.itemsize} bytes")
+            raise IndexedDatasetError(
+                f"{bin_}: {size} bytes, but {idx} describes {n_tokens} tokens of "
+                f"{self.dtype.name} = {n_tokens * self.dtype.itemsize} bytes"
+            )
         self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r") if size else np.zeros(0, self.dtype)
 
     def _check_index(self, idx: Path) -> int:
@@ -127,18 +143,21 @@ class IndexedDataset:
         lengths, pointers, docs = self.sequence_lengths, self.sequence_pointers, self.document_indices
         offset = 0  # bytes before the block
         for first in range(0, lengths.size, CHECK_BLOCK):
-            block = lengths[first: first + CHECK_BLOCK].astype(np.int64)
+            block = lengths[first : first + CHECK_BLOCK].astype(np.int64)
             if block.min() < 0:
                 raise IndexedDatasetError(f"{idx}: negative length of sequence {first + int(np.argmin(block))}")
             expected = offset + (np.cumsum(block) - block) * self.dtype.itemsize
-            wrong = np.flatnonzero(expected != pointers[first: first + CHECK_BLOCK])
+            wrong = np.flatnonzero(expected != pointers[first : first + CHECK_BLOCK])
             if wrong.size:
                 at = first + int(wrong[0])
-                raise IndexedDatasetError(f"{idx}: sequence {at} starts at byte {int(pointers[at])}, but the "
-                                          f"lengths before it put it at byte {int(expected[wrong[0]])}")
+                raise IndexedDatasetError(
+                    f"{idx}: sequence {at} starts at byte {int(pointers[at])}, but the "
+                    f"lengths before it put it at byte {int(expected[wrong[0]])}"
+                )
             offset += int(block.sum()) * self.dtype.itemsize
-        falls = any((np.diff(docs[first: first + CHECK_BLOCK + 1]) < 0).any()
-                    for first in range(0, docs.size, CHECK_BLOCK))
+        falls = any(
+            (np.diff(docs[first : first + CHECK_BLOCK + 1]) < 0).any() for first in range(0, docs.size, CHECK_BLOCK)
+        )
         if docs.size == 0 or docs[0] != 0 or docs[-1] != lengths.size or falls:
             raise IndexedDatasetError(f"{idx}: document indices must rise from 0 to the {lengths.size} sequences")
         return offset // self.dtype.itemsize
@@ -159,10 +178,9 @@ class IndexedDataset:
         size = int(self.sequence_lengths[index])
         length = size - offset if length is None else length
         if offset < 0 or length < 0 or offset + length > size:
-            raise IndexError(f"{self.prefix}: tokens {offset}:{offset + length} of sequence {index}, "
-                             f"which has {size}")
+            raise IndexError(f"{self.prefix}: tokens {offset}:{offset + length} of sequence {index}, which has {size}")
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
-        return self.tokens[start: start + length]
+        return self.tokens[start : start + length]
 
 
 class IndexedDatasetWriter:
@@ -176,14 +194,17 @@ class IndexedDatasetWriter:
         self.prefix = os.fspath(prefix)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         if self.dtype not in CODES or self.dtype.kind not in "iu":
-            raise IndexedDatasetError(f"{bin_path(prefix)}: cannot hold token ids as {np.dtype(dtype).name} "
-                                      "(integer dtypes: uint8, int8, int16, int32, int64, uint16)")
+            raise IndexedDatasetError(
+                f"{bin_path(prefix)}: cannot hold token ids as {np.dtype(dtype).name} "
+                "(integer dtypes: uint8, int8, int16, int32, int64, uint16)"
+            )
         self._max = int(np.iinfo(self.dtype).max)
         try:
             fd, self._bin_tmp = _temporary(bin_path(prefix))
         except FileNotFoundError:
-            raise IndexedDatasetError(f"{bin_path(prefix)}: directory {bin_path(prefix).parent} does not exist"
-                                      ) from None
+            raise IndexedDatasetError(
+                f"{bin_path(prefix)}: directory {bin_path(prefix).parent} does not exist"
+            ) from None
         self._idx_tmp: Path | None = None
         self._bin = open(fd, "wb", buffering=1 << 20)
         self._lengths = array.array("i")  # compact, whatever the number of documents
@@ -198,13 +219,17 @@ class IndexedDatasetWriter:
         if ids.size == 0:
             return np.zeros(0, self.dtype)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise IndexedDatasetError(f"{bin_path(self.prefix)}: token ids must be a 1-d array of integers, "
-                                      f"got {ids.dtype.name} of shape {ids.shape}")
+            raise IndexedDatasetError(
+                f"{bin_path(self.prefix)}: token ids must be a 1-d array of integers, "
+                f"got {ids.dtype.name} of shape {ids.shape}"
+            )
         low = int(ids.min()) if ids.dtype.kind == "i" else 0  # only what the input's dtype can get wrong
         high = int(ids.max()) if np.iinfo(ids.dtype).max > self._max else 0
         if low < 0 or high > self._max:
-            raise IndexedDatasetError(f"{bin_path(self.prefix)}: token id {low if low < 0 else high} does not fit "
-                                      f"{self.dtype.name} (0..{self._max})")
+            raise IndexedDatasetError(
+                f"{bin_path(self.prefix)}: token id {low if low < 0 else high} does not fit "
+                f"{self.dtype.name} (0..{self._max})"
+            )
         return ids.astype(self.dtype, copy=False)
 
     def add_document(self, tokens: np.ndarray | Sequence[int]) -> None:
@@ -215,13 +240,18 @@ class IndexedDatasetWriter:
         """Many documents, their tokens concatenated: one write and one check for a whole chunk."""
         ids = self._checked(tokens)
         lengths = np.asarray(lengths)
-        if lengths.ndim != 1 or (lengths.size and (lengths.dtype.kind not in "iu" or lengths.min() < 0
-                                                   or lengths.max() > np.iinfo(LENGTH).max)):
-            raise IndexedDatasetError(f"{bin_path(self.prefix)}: document lengths must be integers in "
-                                      f"0..{np.iinfo(LENGTH).max}")
+        if lengths.ndim != 1 or (
+            lengths.size
+            and (lengths.dtype.kind not in "iu" or lengths.min() < 0 or lengths.max() > np.iinfo(LENGTH).max)
+        ):
+            raise IndexedDatasetError(
+                f"{bin_path(self.prefix)}: document lengths must be integers in 0..{np.iinfo(LENGTH).max}"
+            )
         if int(lengths.sum(dtype=np.int64)) != ids.size:
-            raise IndexedDatasetError(f"{bin_path(self.prefix)}: document lengths add up to "
-                                      f"{int(lengths.sum(dtype=np.int64))}, but {ids.size} tokens were given")
+            raise IndexedDatasetError(
+                f"{bin_path(self.prefix)}: document lengths add up to "
+                f"{int(lengths.sum(dtype=np.int64))}, but {ids.size} tokens were given"
+            )
         self._bin.write(np.ascontiguousarray(ids).data)
         self._lengths.frombytes(lengths.astype(np.intc).tobytes())
 
@@ -272,8 +302,9 @@ class IndexedDatasetWriter:
     def __enter__(self) -> IndexedDatasetWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         """A clean exit finalizes; an exception aborts."""
         if exc_type is None:
             self.finalize()

@@ -40,8 +40,8 @@ def open_datasets(data: DataConfig, seq_len: int, seed: int) -> Datasets:
         valid = SampleIndex(None, seq_len, seed + 1, data.vocab_size) if data.valid_fraction > 0 else None
         return Datasets(SampleIndex(None, seq_len, seed, data.vocab_size), valid)
     held_out = int(len(tokens) * data.valid_fraction)
-    train = SampleIndex(tokens[:len(tokens) - held_out], seq_len, seed, data.vocab_size)
-    valid = SampleIndex(tokens[len(tokens) - held_out:], seq_len, seed, data.vocab_size) if held_out else None
+    train = SampleIndex(tokens[: len(tokens) - held_out], seq_len, seed, data.vocab_size)
+    valid = SampleIndex(tokens[len(tokens) - held_out :], seq_len, seed, data.vocab_size) if held_out else None
     return Datasets(train, valid)
 
 
@@ -70,8 +70,10 @@ def _train_sequences(ds: IndexedDataset, valid_fraction: float) -> int:
     documents = len(ds.document_indices) - 1
     held_out = int(round(documents * valid_fraction))
     if valid_fraction > 0 and (held_out < 1 or held_out >= documents):
-        raise ValueError(f"{ds.prefix}: data.valid_fraction={valid_fraction} of {documents} documents holds out "
-                         f"{held_out}: there must be documents on both sides")
+        raise ValueError(
+            f"{ds.prefix}: data.valid_fraction={valid_fraction} of {documents} documents holds out "
+            f"{held_out}: there must be documents on both sides"
+        )
     return int(ds.document_indices[documents - held_out])
 
 
@@ -87,8 +89,17 @@ class BatchReader:
     the others are being filled; by the time a buffer comes round again its step has ended (its loss was
     reduced to the host, so a device copy out of it has finished)."""
 
-    def __init__(self, dataset: Samples, global_batch: int, micro_batch: int, dp: int, dp_rank: int,
-                 pin: bool = False, ahead: int = 1, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Samples,
+        global_batch: int,
+        micro_batch: int,
+        dp: int,
+        dp_rank: int,
+        pin: bool = False,
+        ahead: int = 1,
+        vocab_size: int | None = None,
+    ) -> None:
         self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
         self.vocab_size = vocab_size
         self.dp, self.dp_rank, self.ahead = dp, dp_rank, ahead
@@ -114,8 +125,7 @@ class BatchReader:
 
     def _fill(self, consumed: int) -> torch.Tensor:
         out = self._buffers[(consumed // self.global_batch) % len(self._buffers)]
-        fill_batch(self.dataset, step_samples(consumed, self.global_batch, self.dp, self.dp_rank), out,
-                   self.vocab_size)
+        fill_batch(self.dataset, step_samples(consumed, self.global_batch, self.dp, self.dp_rank), out, self.vocab_size)
         return out
 
     def close(self) -> None:
@@ -132,9 +142,11 @@ def fill_batch(dataset: Samples, samples: range, out: torch.Tensor, vocab_size: 
     block = torch.from_numpy(rows(dataset, samples))
     if vocab_size is not None and int(block.max()) >= vocab_size:
         row = int((block >= vocab_size).any(dim=1).nonzero()[0])
-        raise ValueError(f"sample {samples[row]} holds token id {int(block[row].max())}, but data.vocab_size="
-                         f"{vocab_size}: the data was tokenised with a larger vocabulary than the config says; "
-                         "set data.vocab_size (and model.vocab_size) to the tokenizer's")
+        raise ValueError(
+            f"sample {samples[row]} holds token id {int(block[row].max())}, but data.vocab_size="
+            f"{vocab_size}: the data was tokenised with a larger vocabulary than the config says; "
+            "set data.vocab_size (and model.vocab_size) to the tokenizer's"
+        )
     out[0].view(-1, seq).copy_(block[:, :-1])
     out[1].view(-1, seq).copy_(block[:, 1:])
     return out
@@ -147,10 +159,18 @@ def batch_of(dataset: Samples, samples: range, micro_batch: int, vocab_size: int
     return fill_batch(dataset, samples, out, vocab_size)
 
 
-def validation_batches(dataset: Samples, eval_batches: int, global_batch: int, micro_batch: int, dp: int,
-                       dp_rank: int, vocab_size: int | None = None) -> list[torch.Tensor]:
+def validation_batches(
+    dataset: Samples,
+    eval_batches: int,
+    global_batch: int,
+    micro_batch: int,
+    dp: int,
+    dp_rank: int,
+    vocab_size: int | None = None,
+) -> list[torch.Tensor]:
     """The validation samples of this DP rank: global batches 0..eval_batches-1 of the validation split,
     the same every time (curves compare across resumes and layouts)."""
-    return [batch_of(dataset, step_samples(b * global_batch, global_batch, dp, dp_rank), micro_batch, vocab_size)
-            for b in range(eval_batches)]
-
+    return [
+        batch_of(dataset, step_samples(b * global_batch, global_batch, dp, dp_rank), micro_batch, vocab_size)
+        for b in range(eval_batches)
+    ]

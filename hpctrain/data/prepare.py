@@ -58,11 +58,12 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.pool import AsyncResult, Pool
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator, Sequence
+from typing import IO
 
 import numpy as np
 import tqdm
@@ -112,11 +113,18 @@ class Summary:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     def __str__(self) -> str:
-        return (f"{self.prefix}: {self.documents:,} documents, {self.tokens:,} tokens, vocabulary "
-                f"{self.vocab_size:,} ({self.dtype}), {self.seconds:.1f} s, {self.tokens_per_second:,.0f} tokens/s; "
-                f"tokenizer {self.tokenizer}"
-                + (f"; {len(self.skipped):,} skipped as not text ({self.skipped[0]}"
-                   + (", ..." if len(self.skipped) > 1 else "") + ")" if self.skipped else ""))
+        return (
+            f"{self.prefix}: {self.documents:,} documents, {self.tokens:,} tokens, vocabulary "
+            f"{self.vocab_size:,} ({self.dtype}), {self.seconds:.1f} s, {self.tokens_per_second:,.0f} tokens/s; "
+            f"tokenizer {self.tokenizer}"
+            + (
+                f"; {len(self.skipped):,} skipped as not text ({self.skipped[0]}"
+                + (", ..." if len(self.skipped) > 1 else "")
+                + ")"
+                if self.skipped
+                else ""
+            )
+        )
 
 
 def stdlib_documents() -> Iterator[str]:
@@ -162,16 +170,19 @@ def _json_lines(path: Path, text_key: str) -> Iterator[Document]:
                     raise PrepareError(f"{path}:{number}: invalid JSON: {err.msg}: column {err.colno}") from None
                 if not isinstance(record, dict) or text_key not in record:
                     fields = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
-                    raise PrepareError(f"{path}:{number}: no field {text_key!r} (it has: {fields}); choose the "
-                                       "field with --text-key")
+                    raise PrepareError(
+                        f"{path}:{number}: no field {text_key!r} (it has: {fields}); choose the field with --text-key"
+                    )
                 text = record[text_key]
                 if not isinstance(text, str):
                     raise PrepareError(f"{path}:{number}: field {text_key!r} is {type(text).__name__}, not text")
                 try:
                     text.encode()
                 except UnicodeEncodeError as err:  # a lone surrogate escape (\ud800): the tokenizer would fail on it
-                    raise PrepareError(f"{path}:{number}: field {text_key!r} is not valid Unicode: "
-                                       f"{err.object[err.start]!r} at character {err.start}") from None
+                    raise PrepareError(
+                        f"{path}:{number}: field {text_key!r} is not valid Unicode: "
+                        f"{err.object[err.start]!r} at character {err.start}"
+                    ) from None
                 yield text, f"{path}:{number}"
             offset += len(raw)
 
@@ -181,19 +192,25 @@ def _hf_dataset(path: Path, text_key: str) -> Source:
     try:
         import datasets
     except ImportError:
-        raise PrepareError(f"{path} is a Hugging Face datasets directory; reading it needs the datasets package: "
-                           "pip install hpctrain[data]") from None
+        raise PrepareError(
+            f"{path} is a Hugging Face datasets directory; reading it needs the datasets package: "
+            "pip install hpctrain[data]"
+        ) from None
 
     def read() -> Iterator[Document]:
         data = datasets.load_from_disk(str(path))
         if isinstance(data, datasets.DatasetDict):
             if "train" not in data:
-                raise PrepareError(f"{path}: splits {', '.join(data)} and no 'train'; give the directory of the "
-                                   f"split to read as the input, e.g. {path / next(iter(data))}")
+                raise PrepareError(
+                    f"{path}: splits {', '.join(data)} and no 'train'; give the directory of the "
+                    f"split to read as the input, e.g. {path / next(iter(data))}"
+                )
             data = data["train"]
         if text_key not in data.column_names:
-            raise PrepareError(f"{path}: no column {text_key!r} (it has: {', '.join(data.column_names)}); choose "
-                               "the column with --text-key")
+            raise PrepareError(
+                f"{path}: no column {text_key!r} (it has: {', '.join(data.column_names)}); choose "
+                "the column with --text-key"
+            )
         row = 0
         for batch in data.select_columns([text_key]).iter(batch_size=1024):
             for text in batch[text_key]:
@@ -201,6 +218,7 @@ def _hf_dataset(path: Path, text_key: str) -> Source:
                     raise PrepareError(f"{path}: row {row}: column {text_key!r} is {type(text).__name__}, not text")
                 yield text, f"{path}: row {row}"
                 row += 1
+
     return read
 
 
@@ -220,8 +238,11 @@ def _sources(inputs: Sequence[str | Path], text_key: str) -> list[Source]:
         elif path.is_dir() and any((path / marker).is_file() for marker in HF_MARKERS):
             sources.append(_hf_dataset(path, text_key))
         elif path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file()
-                           and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            files = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
             sources.extend(_file(p, text_key) for p in files)
         elif path.is_file():
             sources.append(_file(path, text_key))
@@ -277,10 +298,17 @@ class _Progress:
     def line(self, what: str = "") -> None:
         if not self.lines:
             return
-        done = (f"{self.documents:,} documents, {self.tokens:,} tokens" if self.phase == "tokenising" else
-                f"{self.documents:,} documents read ({self.chars / 1e6:,.1f} MB of text)")
-        print(f"{self.label}: {self.phase}: {done}, input {self.inputs_done}/{self.inputs}, "
-              f"{time.monotonic() - self.started:,.0f} s{'; ' + what if what else ''}", file=sys.stderr, flush=True)
+        done = (
+            f"{self.documents:,} documents, {self.tokens:,} tokens"
+            if self.phase == "tokenising"
+            else f"{self.documents:,} documents read ({self.chars / 1e6:,.1f} MB of text)"
+        )
+        print(
+            f"{self.label}: {self.phase}: {done}, input {self.inputs_done}/{self.inputs}, "
+            f"{time.monotonic() - self.started:,.0f} s{'; ' + what if what else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.last = time.monotonic()
 
     def _tick(self) -> None:
@@ -315,8 +343,10 @@ class _Reader:
                     if share > BINARY_SHARE:
                         if first:
                             self.skipped.append(where)
-                            _warn(f"{where}: skipped, not text: {share:.0%} of its {len(text):,} characters are "
-                                  "NUL or other control characters (binary data, or UTF-16: convert text to UTF-8)")
+                            _warn(
+                                f"{where}: skipped, not text: {share:.0%} of its {len(text):,} characters are "
+                                "NUL or other control characters (binary data, or UTF-16: convert text to UTF-8)"
+                            )
                         continue
                     self.progress.read(len(text))
                     yield text, where
@@ -326,9 +356,15 @@ class _Reader:
 
     def nothing(self, inputs: Sequence[str | Path], what: str = "") -> PrepareError:
         """The error for inputs with no text, saying which documents were skipped as not text."""
-        skipped = "" if not self.skipped else (
-            f"; {len(self.skipped):,} document(s) skipped as not text (NUL or control characters): "
-            + ", ".join(self.skipped[:3]) + (", ..." if len(self.skipped) > 3 else ""))
+        skipped = (
+            ""
+            if not self.skipped
+            else (
+                f"; {len(self.skipped):,} document(s) skipped as not text (NUL or control characters): "
+                + ", ".join(self.skipped[:3])
+                + (", ..." if len(self.skipped) > 3 else "")
+            )
+        )
         return PrepareError(f"no text in the input ({', '.join(map(str, inputs))}){what}{skipped}")
 
 
@@ -368,9 +404,10 @@ def _training_texts(documents: Iterable[Document]) -> Iterator[str]:
             position = 0
             for run in long_run.finditer(piece):
                 if run.start() > position:
-                    yield piece[position:run.start()]
-                yield from (piece[i:min(i + WORD_CHARS, run.end())] for i in range(run.start(), run.end(),
-                                                                                   WORD_CHARS))
+                    yield piece[position : run.start()]
+                yield from (
+                    piece[i : min(i + WORD_CHARS, run.end())] for i in range(run.start(), run.end(), WORD_CHARS)
+                )
                 position = run.end()
             if position < len(piece):
                 yield piece[position:]
@@ -381,8 +418,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, progress: bool = Fals
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKENS[0]], show_progress=progress,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOD_TOKENS[0]],
+        show_progress=progress,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
@@ -400,8 +441,10 @@ def _eod_id(tokenizer: Tokenizer, eod_token: str | None, path: Path) -> int:
             return tokenizer.token_to_id(token)
     if eod_token:
         raise PrepareError(f"tokenizer {path}: no token {eod_token!r}")
-    raise PrepareError(f"tokenizer {path}: no usual end-of-document token ({', '.join(EOD_TOKENS)}); name one "
-                       "with --eod-token, or pass --no-eod")
+    raise PrepareError(
+        f"tokenizer {path}: no usual end-of-document token ({', '.join(EOD_TOKENS)}); name one "
+        "with --eod-token, or pass --no-eod"
+    )
 
 
 def _token_dtype(tokenizer: Tokenizer, dtype: str | None, path: Path) -> np.dtype:
@@ -412,8 +455,10 @@ def _token_dtype(tokenizer: Tokenizer, dtype: str | None, path: Path) -> np.dtyp
     if dtype not in TOKEN_DTYPES:
         raise PrepareError(f"dtype {dtype}: not a token dtype ({', '.join(TOKEN_DTYPES)})")
     if largest > np.iinfo(dtype).max:
-        raise PrepareError(f"tokenizer {path}: ids up to {largest} do not fit --dtype {dtype} (at most "
-                           f"{np.iinfo(dtype).max}); leave --dtype out to get one that fits")
+        raise PrepareError(
+            f"tokenizer {path}: ids up to {largest} do not fit --dtype {dtype} (at most "
+            f"{np.iinfo(dtype).max}); leave --dtype out to get one that fits"
+        )
     return np.dtype(dtype)
 
 
@@ -433,8 +478,10 @@ def _check_writable(prefix: Path) -> None:
     """Before any work (training a tokenizer can take minutes): the output's directory can be made and written
     in (a probe file, removed), else a PrepareError naming it and the fix. Leaves nothing: the directories it
     made go again (the dataset's are made when it is written)."""
-    fix = ("give --output a prefix in a directory you can write (your home, the cluster's shared scratch), or make "
-           "that directory writable")
+    fix = (
+        "give --output a prefix in a directory you can write (your home, the cluster's shared scratch), or make "
+        "that directory writable"
+    )
     parent, made = prefix.parent, []
     try:
         missing = []
@@ -448,8 +495,9 @@ def _check_writable(prefix: Path) -> None:
             try:
                 directory.mkdir()
             except OSError as err:
-                raise PrepareError(f"output {prefix}: cannot create the directory {directory} ({err.strerror}); "
-                                   f"{fix}") from None
+                raise PrepareError(
+                    f"output {prefix}: cannot create the directory {directory} ({err.strerror}); {fix}"
+                ) from None
             made.append(directory)
         try:
             fd, probe = tempfile.mkstemp(prefix=f".{prefix.name}.", suffix=".probe", dir=parent)
@@ -543,8 +591,10 @@ def _chunks(documents: Iterable[Document], mode: str = "space") -> Iterator[Work
                 yield "documents", chunk, True
                 chunk, size = [], 0
             if mode == "inexact":
-                _warn(f"{where}: {len(text):,} characters, tokenised in pieces of about {PIECE_CHARS:,}: with this "
-                      "tokenizer a token may differ from a whole-document encoding at each of the cuts")
+                _warn(
+                    f"{where}: {len(text):,} characters, tokenised in pieces of about {PIECE_CHARS:,}: with this "
+                    "tokenizer a token may differ from a whole-document encoding at each of the cuts"
+                )
             pieces = _pieces(text, PIECE_CHARS, drop=mode == "drop")
             piece = next(pieces)
             for following in pieces:
@@ -561,8 +611,14 @@ def _chunks(documents: Iterable[Document], mode: str = "space") -> Iterator[Work
         yield "documents", chunk, True
 
 
-def _tokenize(work: Iterable[Work], writer: IndexedDatasetWriter, tokenizer: Tokenizer, eod: int | None,
-              workers: int, progress: _Progress) -> tuple[int, int]:
+def _tokenize(
+    work: Iterable[Work],
+    writer: IndexedDatasetWriter,
+    tokenizer: Tokenizer,
+    eod: int | None,
+    workers: int,
+    progress: _Progress,
+) -> tuple[int, int]:
     """(documents, tokens) written. Not Pool.imap: it reads its whole input ahead, the corpus into memory. The
     pieces of a long document come back in order: their tokens are held (as the dataset's dtype) until the last."""
     documents = tokens = 0
@@ -576,8 +632,11 @@ def _tokenize(work: Iterable[Work], writer: IndexedDatasetWriter, tokenizer: Tok
             held.append(result.get())
             if not last:
                 return
-            ids = np.concatenate(held + [np.array([] if eod is None else [eod], writer.dtype)]) \
-                if sum(part.size for part in held) else np.zeros(0, writer.dtype)
+            ids = (
+                np.concatenate(held + [np.array([] if eod is None else [eod], writer.dtype)])
+                if sum(part.size for part in held)
+                else np.zeros(0, writer.dtype)
+            )
             held.clear()
             lengths = np.array([ids.size] if ids.size else [], np.int64)
         writer.add_documents(lengths, ids)
@@ -588,8 +647,9 @@ def _tokenize(work: Iterable[Work], writer: IndexedDatasetWriter, tokenizer: Tok
     with _finished(context.Pool(workers, _start_worker, (tokenizer.to_str(), eod, writer.dtype.name))) as pool:
         pending: deque[tuple[str, AsyncResult, bool]] = deque()
         for kind, payload, last in work:
-            pending.append((kind, pool.apply_async(_encode if kind == "documents" else _encode_piece, (payload,)),
-                            last))
+            pending.append(
+                (kind, pool.apply_async(_encode if kind == "documents" else _encode_piece, (payload,)), last)
+            )
             if len(pending) >= 2 * workers:
                 write(*pending.popleft())
         while pending:
@@ -616,11 +676,22 @@ def _finished(pool: Pool) -> Iterator[Pool]:
     pool.join()
 
 
-def prepare(inputs: Sequence[str | Path], output: str | Path, tokenizer: str | Path | None = None,
-            vocab_size: int = 8192, workers: int = 1, text_key: str = "text", eod: bool = True,
-            progress: bool = True, *, eod_token: str | None = None, dtype: str | None = None,
-            overwrite: bool = False, max_documents: int | None = None,
-            progress_every: float | None = None) -> Summary:
+def prepare(
+    inputs: Sequence[str | Path],
+    output: str | Path,
+    tokenizer: str | Path | None = None,
+    vocab_size: int = 8192,
+    workers: int = 1,
+    text_key: str = "text",
+    eod: bool = True,
+    progress: bool = True,
+    *,
+    eod_token: str | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    max_documents: int | None = None,
+    progress_every: float | None = None,
+) -> Summary:
     """Tokenise `inputs` into the dataset `output` (a prefix); train a tokenizer when none is given. Raises
     PrepareError, leaving no dataset behind, when the corpus, the tokenizer or the output is unusable. The
     workers are spawned processes: a script that calls this needs the `if __name__ == "__main__":` guard.
@@ -639,8 +710,11 @@ def prepare(inputs: Sequence[str | Path], output: str | Path, tokenizer: str | P
         first = next((text for text in texts if text), None)
         if first is None:
             raise reader.nothing(inputs)
-        tok = train_tokenizer(_then(itertools.chain([first], texts),
-                                    lambda: shown.line("all read; computing the merges")), vocab_size, shown.tty)
+        tok = train_tokenizer(
+            _then(itertools.chain([first], texts), lambda: shown.line("all read; computing the merges")),
+            vocab_size,
+            shown.tty,
+        )
         shown.line(f"done, vocabulary {tok.get_vocab_size(with_added_tokens=True):,}")
     else:
         tokenizer_path = Path(tokenizer)
@@ -664,14 +738,23 @@ def prepare(inputs: Sequence[str | Path], output: str | Path, tokenizer: str | P
                     tokenizer_path.unlink(missing_ok=True)
                 raise
     except OSError as err:  # the disk filled, the directory went read-only: no traceback, nothing left
-        raise PrepareError(f"output {prefix}: cannot write {err.filename or prefix.parent} ({err.strerror}); free "
-                           "space there or give --output a prefix in a directory you can write") from None
+        raise PrepareError(
+            f"output {prefix}: cannot write {err.filename or prefix.parent} ({err.strerror}); free "
+            "space there or give --output a prefix in a directory you can write"
+        ) from None
     finally:
         shown.close()
     shown.line("done")
-    return Summary(documents=documents, tokens=tokens, vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                   dtype=token_dtype.name, seconds=time.perf_counter() - started, tokenizer=str(tokenizer_path),
-                   prefix=str(prefix), skipped=reader.skipped)
+    return Summary(
+        documents=documents,
+        tokens=tokens,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        dtype=token_dtype.name,
+        seconds=time.perf_counter() - started,
+        tokenizer=str(tokenizer_path),
+        prefix=str(prefix),
+        skipped=reader.skipped,
+    )
 
 
 def _then(items: Iterable[str], after: Callable[[], None]) -> Iterator[str]:
@@ -687,8 +770,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--tokenizer", type=Path, help="a tokenizers tokenizer.json (default: train a BPE)")
     which.add_argument("--vocab-size", type=int, default=8192, help="of the BPE trained when no tokenizer is given")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
-                        help="tokenizing processes (default: the cores this process may use)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="tokenizing processes (default: the cores this process may use)",
+    )
     parser.add_argument("--text-key", default="text", help="the JSON field / datasets column holding the text")
     parser.add_argument("--no-eod", action="store_true", help="no end-of-document token after each document")
     parser.add_argument("--eod-token", help="the end-of-document token, when the tokenizer has no usual one")
@@ -698,9 +785,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        summary = prepare(args.input, args.output, args.tokenizer, args.vocab_size, args.workers, args.text_key,
-                          not args.no_eod, not args.quiet, eod_token=args.eod_token, dtype=args.dtype,
-                          overwrite=args.overwrite, max_documents=args.max_documents)
+        summary = prepare(
+            args.input,
+            args.output,
+            args.tokenizer,
+            args.vocab_size,
+            args.workers,
+            args.text_key,
+            not args.no_eod,
+            not args.quiet,
+            eod_token=args.eod_token,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            max_documents=args.max_documents,
+        )
     except PrepareError as err:
         print(f"prepare_data: {err}", file=sys.stderr)
         return 2

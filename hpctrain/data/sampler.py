@@ -39,7 +39,7 @@ class AffinePermutation:
     b: int
 
     @classmethod
-    def seeded(cls, n: int, seed: int) -> "AffinePermutation":
+    def seeded(cls, n: int, seed: int) -> AffinePermutation:
         rng = np.random.default_rng(seed)
         a = int(rng.integers(1, max(2, n)))
         while math.gcd(a, n) != 1:
@@ -61,8 +61,10 @@ class SampleIndex:
         self.vocab_size = vocab_size
         self.windows = (len(tokens) - 1) // seq_len if tokens is not None else 1 << 40
         if self.windows < 1:
-            raise ValueError(f"the data holds {0 if tokens is None else len(tokens)} tokens, fewer than one "
-                             f"sample of seq_len {seq_len} + 1")
+            raise ValueError(
+                f"the data holds {0 if tokens is None else len(tokens)} tokens, fewer than one "
+                f"sample of seq_len {seq_len} + 1"
+            )
         self._perms: dict[int, AffinePermutation] = {}
 
     def window_of(self, sample: int) -> int:
@@ -90,7 +92,7 @@ class SampleIndex:
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
 
-def rows(dataset: "Samples", samples: range) -> np.ndarray:
+def rows(dataset: Samples, samples: range) -> np.ndarray:
     """[len(samples), seq_len + 1] token ids: each row an input and, shifted by one, its targets."""
     return np.stack([dataset.sample(s) for s in samples])
 

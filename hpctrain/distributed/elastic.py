@@ -56,7 +56,9 @@ from hpctrain.scheduler import scheduler_for
 
 log = logging.getLogger(__name__)
 
-MONITOR_INTERVAL_S = 0.1  # how often the agent polls its workers (and the rendezvous, cached): part of detecting a crash
+MONITOR_INTERVAL_S = (
+    0.1  # how often the agent polls its workers (and the rendezvous, cached): part of detecting a crash
+)
 LAST_CALL_S = 1  # a fixed node count never needs the rendezvous' last call
 # A job that may shrink closes a round once min_nodes are in and no one came for this long: long enough for
 # every agent's start-up skew (one who misses the first round is admitted by one more restart), short
@@ -113,14 +115,26 @@ class NodeAgent:
 
         low = self.min_nodes or self.nodes
         config = LaunchConfig(
-            min_nodes=low, max_nodes=self.nodes, nproc_per_node=self.workers, run_id=self.job_id,
-            role="hpctrain", rdzv_backend="c10d", rdzv_endpoint=self.endpoint,
-            rdzv_configs={"is_host": self.node == self.store_node, "join_timeout": self.join_timeout_s,
-                          "last_call_timeout": LAST_CALL_S if low == self.nodes else SHRINK_LAST_CALL_S,
-                          "keep_alive_interval": KEEP_ALIVE_S,
-                          "keep_alive_max_attempt": KEEP_ALIVE_MISSES, "read_timeout": int(spares.READ_TIMEOUT_S)},
-            max_restarts=max_restarts, monitor_interval=MONITOR_INTERVAL_S, start_method="fork",
-            numa_options=NO_NUMA_QUERY)  # type: ignore[arg-type]
+            min_nodes=low,
+            max_nodes=self.nodes,
+            nproc_per_node=self.workers,
+            run_id=self.job_id,
+            role="hpctrain",
+            rdzv_backend="c10d",
+            rdzv_endpoint=self.endpoint,
+            rdzv_configs={
+                "is_host": self.node == self.store_node,
+                "join_timeout": self.join_timeout_s,
+                "last_call_timeout": LAST_CALL_S if low == self.nodes else SHRINK_LAST_CALL_S,
+                "keep_alive_interval": KEEP_ALIVE_S,
+                "keep_alive_max_attempt": KEEP_ALIVE_MISSES,
+                "read_timeout": int(spares.READ_TIMEOUT_S),
+            },
+            max_restarts=max_restarts,
+            monitor_interval=MONITOR_INTERVAL_S,
+            start_method="fork",
+            numa_options=NO_NUMA_QUERY,
+        )  # type: ignore[arg-type]
         # Given no NUMA options, torch would ask torch.cuda.is_available() here (to pick default options, which
         # are None outside Meta anyway): CUDA initialised in the agent, every forked worker poisoned. NVML's
         # count (the agent's PYTORCH_NVML_BASED_CUDA_CHECK) falls back to cudaGetDeviceCount where NVML fails
@@ -129,15 +143,24 @@ class NodeAgent:
         return config
 
 
-def agent_from_submitit(nodes: int, workers: int, max_restarts: int, join_timeout_s: int, min_nodes: int = 0
-                        ) -> NodeAgent:
+def agent_from_submitit(
+    nodes: int, workers: int, max_restarts: int, join_timeout_s: int, min_nodes: int = 0
+) -> NodeAgent:
     """This node's agent, from submitit's view of the job (one task per node; `nodes` of them train)."""
     import submitit
 
     je = submitit.JobEnvironment()
-    return NodeAgent(job_id=str(je.job_id), node=je.node, nodes=nodes, workers=workers, hosts=node_addresses(je),
-                     max_restarts=max_restarts, join_timeout_s=join_timeout_s, min_nodes=min_nodes,
-                     spares=je.num_nodes - nodes)
+    return NodeAgent(
+        job_id=str(je.job_id),
+        node=je.node,
+        nodes=nodes,
+        workers=workers,
+        hosts=node_addresses(je),
+        max_restarts=max_restarts,
+        join_timeout_s=join_timeout_s,
+        min_nodes=min_nodes,
+        spares=je.num_nodes - nodes,
+    )
 
 
 def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
@@ -176,11 +199,16 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
                 return {}
             if server is not None or _still_answers(agent):
                 raise
-            log.warning("node %d: the rendezvous store on node %d stopped answering (%s): moving it",
-                        agent.node, agent.store_node, type(error).__name__)
+            log.warning(
+                "node %d: the rendezvous store on node %d stopped answering (%s): moving it",
+                agent.node,
+                agent.store_node,
+                type(error).__name__,
+            )
             agent = next_store(agent)
-            log.warning("node %d: the rendezvous store is now on node %d (%s)", agent.node, agent.store_node,
-                        agent.endpoint)
+            log.warning(
+                "node %d: the rendezvous store is now on node %d (%s)", agent.node, agent.store_node, agent.endpoint
+            )
             continue
         if agent.generation and server is not None:  # node 0, the batch host, is gone: no one else ends the job
             _end_job_after_run()
@@ -204,8 +232,13 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
         raise RuntimeError(f"node {agent.node}: the restarts of launcher.max_restarts={agent.max_restarts} are spent")
     may_shrink = 0 < agent.min_nodes < agent.nodes
     if not agent.spares and not may_shrink:
-        log.info("node %d: agent for %d worker(s), rendezvous %s, up to %d restarts in the allocation",
-                 agent.node, agent.workers, agent.endpoint, max_restarts)
+        log.info(
+            "node %d: agent for %d worker(s), rendezvous %s, up to %d restarts in the allocation",
+            agent.node,
+            agent.workers,
+            agent.endpoint,
+            max_restarts,
+        )
         return elastic_launch(agent.launch_config(max_restarts), run_worker)(task), slot
     store = spares.connect(agent.store_host, agent.port, agent.join_timeout_s)
     if slot is not None and not spares.hold(store, agent.job_id, slot, agent.node):
@@ -216,16 +249,31 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
         slot = spares.wait_for_vacancy(store, agent.job_id, agent.nodes, agent.node, moved=agent.generation > 0)
         if slot is None:
             return {}, None
-    log.info("node %d (slot %d of %d): agent for %d worker(s), rendezvous %s, up to %d restarts in the allocation",
-             agent.node, slot, agent.nodes, agent.workers, agent.endpoint, max_restarts)
+    log.info(
+        "node %d (slot %d of %d): agent for %d worker(s), rendezvous %s, up to %d restarts in the allocation",
+        agent.node,
+        slot,
+        agent.nodes,
+        agent.workers,
+        agent.endpoint,
+        max_restarts,
+    )
     beat = spares.Heartbeat(agent.store_host, agent.port, agent.job_id, slot, agent.node, agent.join_timeout_s)
     beat.start()
     # No spare to notice a node that went silent (power lost: its peers block, nothing fails): the agents
     # watch each other's beats and restart the group without it.
     watch = None
     if may_shrink and not agent.spares:
-        watch = spares.PeerWatch(agent.store_host, agent.port, agent.job_id, agent.nodes, slot,
-                                 agent.join_timeout_s, own_workers, lambda _: _stop(own_workers())).start()
+        watch = spares.PeerWatch(
+            agent.store_host,
+            agent.port,
+            agent.job_id,
+            agent.nodes,
+            slot,
+            agent.join_timeout_s,
+            own_workers,
+            lambda _: _stop(own_workers()),
+        ).start()
     try:
         results = elastic_launch(agent.launch_config(max_restarts), run_worker)(task)
         _announce_end(agent)  # before the beat stops: a watching peer must not take the end for a silence
@@ -314,8 +362,7 @@ def _poll_rendezvous_every(poll_s: float) -> None:
 
         def __init__(self, backend: Any, settings: Any, cache_duration: float = 1) -> None:
             super().__init__(backend, settings, cache_duration=min(cache_duration, poll_s))
-            self._judge = HeartbeatJudge(settings.keep_alive_interval.total_seconds()
-                                         * settings.keep_alive_max_attempt)
+            self._judge = HeartbeatJudge(settings.keep_alive_interval.total_seconds() * settings.keep_alive_max_attempt)
 
         def _sanitize(self) -> None:
             if self._judge.may_judge(time.monotonic()):
@@ -343,8 +390,12 @@ class HeartbeatJudge:
 
     def may_judge(self, now: float) -> bool:
         if self._last is not None and now - self._last > self.window_s:
-            log.warning("agent: its own rendezvous syncs were %.1f s apart (the job suspended?): no node is "
-                        "judged dead for its heartbeat for %.0f s", now - self._last, self.window_s)
+            log.warning(
+                "agent: its own rendezvous syncs were %.1f s apart (the job suspended?): no node is "
+                "judged dead for its heartbeat for %.0f s",
+                now - self._last,
+                self.window_s,
+            )
             self._quiet_until = now + self.window_s
         self._last = now
         return now >= self._quiet_until
@@ -385,8 +436,14 @@ def _host_store(agent: NodeAgent) -> Any:
 
     from torch.distributed import TCPStore
 
-    return TCPStore("0.0.0.0", agent.port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=spares.READ_TIMEOUT_S))
+    return TCPStore(
+        "0.0.0.0",
+        agent.port,
+        is_master=True,
+        multi_tenant=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=spares.READ_TIMEOUT_S),
+    )
 
 
 def _still_answers(agent: NodeAgent, wait_s: float = 1.0) -> bool:
@@ -440,10 +497,14 @@ def _plain_torch_log_format() -> None:
     spent in the agent at the first failed worker, every agent alike, before any restart. The agent's torch
     lines get the standard formatter instead (what TORCH_LOGS_FORMAT would choose, had it been set before
     torch was imported)."""
-    plain = logging.Formatter("%(levelname).1s%(asctime)s.%(msecs)03d %(process)d %(name)s:%(lineno)d] %(message)s",
-                              "%m%d %H:%M:%S")
-    torch_loggers = [logger for name, logger in logging.Logger.manager.loggerDict.items()
-                     if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger)]
+    plain = logging.Formatter(
+        "%(levelname).1s%(asctime)s.%(msecs)03d %(process)d %(name)s:%(lineno)d] %(message)s", "%m%d %H:%M:%S"
+    )
+    torch_loggers = [
+        logger
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger)
+    ]
     for handler in (h for logger in torch_loggers for h in logger.handlers):
         formatter = handler.formatter
         if type(formatter).__name__ == "TorchLogsFormatter" and not getattr(formatter, "_is_trace", False):

@@ -107,13 +107,13 @@ def _discover() -> DistEnv:
     return DistEnv(0, 0, 1, 1, 0, 1, "127.0.0.1", port_for_job(str(os.getpid())), hostname, str(os.getpid()))
 
 
-def first_node_address(je: "submitit.JobEnvironment") -> str:
+def first_node_address(je: submitit.JobEnvironment) -> str:
     """The job's first node as every node reaches it: its routable address, loopback for the local executor
     (the process group's rendezvous without agents)."""
     return node_addresses(je)[0]
 
 
-def node_addresses(je: "submitit.JobEnvironment") -> tuple[str, ...]:
+def node_addresses(je: submitit.JobEnvironment) -> tuple[str, ...]:
     """Every node of the job as the others reach it, by node index (the agents' rendezvous store starts on
     the first and moves along them when its host dies)."""
     if os.environ.get("SUBMITIT_EXECUTOR") == "local":

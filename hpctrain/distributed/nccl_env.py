@@ -63,8 +63,9 @@ def _near_some_gpu(topology: dict[str, Any]) -> set[str]:
     return {nic for gpu in topology.get("gpus", {}).values() for nic in gpu.get("nearest_nics", [])}
 
 
-def compute_ports(ib: dict[str, Any], topology: dict[str, Any], exclude: str | None = None
-                  ) -> tuple[list[Port], dict[str, str]]:
+def compute_ports(
+    ib: dict[str, Any], topology: dict[str, Any], exclude: str | None = None
+) -> tuple[list[Port], dict[str, str]]:
     """The ports NCCL should use, and each left-out HCA with the reason (rules in the module docstring)."""
     ports, dropped = active_ports(ib), {}
     excluded = {n.strip().lstrip("=") for n in (exclude or "").split(",") if n.strip()}
@@ -104,8 +105,9 @@ def selects(spec: str, port: Port) -> bool:
     return hit != exclude
 
 
-def nccl_environment(nccl_cfg: Any, local_rank: int, topology: dict[str, Any] | None,
-                     ib: dict[str, Any] | None) -> dict[str, str]:
+def nccl_environment(
+    nccl_cfg: Any, local_rank: int, topology: dict[str, Any] | None, ib: dict[str, Any] | None
+) -> dict[str, str]:
     """The NCCL variables for this task (only those it has reason to set)."""
     env: dict[str, str] = {}
     if nccl_cfg.debug:

@@ -55,8 +55,15 @@ def connect(host: str, port: int, timeout_s: float) -> BoundedStore:
     from torch.distributed import TCPStore
 
     # its handshake, too, can wait for ever on a port that takes connections and never answers
-    store = within(timeout_s + CALL_MARGIN_S, TCPStore, host, port, is_master=False,
-                   timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    store = within(
+        timeout_s + CALL_MARGIN_S,
+        TCPStore,
+        host,
+        port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     store.set_timeout(datetime.timedelta(seconds=min(timeout_s, READ_TIMEOUT_S)))
     return BoundedStore(store, min(timeout_s, READ_TIMEOUT_S) + CALL_MARGIN_S)
 
@@ -78,8 +85,10 @@ def within(seconds: float, call: Callable[..., Any], *args: Any, **kwargs: Any) 
     the store's host, stopped too, answers once both continue (seen in CI: an agent gave its workers up so)."""
     outcome, stopped = _call_running(seconds, call, *args, **kwargs)
     if "error" in outcome and stopped:
-        log.warning("a rendezvous store call failed across a stop of this process (the job suspended?): %s; "
-                    "once more", outcome["error"])
+        log.warning(
+            "a rendezvous store call failed across a stop of this process (the job suspended?): %s; once more",
+            outcome["error"],
+        )
         outcome, _ = _call_running(seconds, call, *args, **kwargs)
     if "error" in outcome:
         raise outcome["error"]
@@ -158,7 +167,7 @@ class _StoreThread(abc.ABC):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
 
-    def start(self) -> "_StoreThread":
+    def start(self) -> _StoreThread:
         self._thread.start()
         return self
 
@@ -226,8 +235,12 @@ class Silences:
         now = time.monotonic()
         late = 0.0 if self.last is None else now - self.last - self.poll_s
         if late > STOPPED_S:
-            log.warning("%s: its own poll came %.1f s late: this process was stopped (the job suspended?), "
-                        "not the slots' holders; their beats are read afresh before any is judged", self.who, late)
+            log.warning(
+                "%s: its own poll came %.1f s late: this process was stopped (the job suspended?), "
+                "not the slots' holders; their beats are read afresh before any is judged",
+                self.who,
+                late,
+            )
             self.seen.clear()
         self.last = now
         return now
@@ -260,8 +273,13 @@ def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool
                 continue  # its holder has not started yet
             silent = silences.silent_for(slot, value, now)
             if silent > VACANT_S and _claim(store, job_id, slot, value, node):
-                log.warning("spare node %d takes slot %d (%s %.1f s)", node, slot,
-                            "its holder stopped beating" if value else "nobody took it in the moved store", silent)
+                log.warning(
+                    "spare node %d takes slot %d (%s %.1f s)",
+                    node,
+                    slot,
+                    "its holder stopped beating" if value else "nobody took it in the moved store",
+                    silent,
+                )
                 return slot
         time.sleep(POLL_S)
 
@@ -277,8 +295,17 @@ class PeerWatch(_StoreThread):
 
     name = "hpctrain-peer-watch"
 
-    def __init__(self, host: str, port: int, job_id: str, slots: int, own: int, timeout_s: float,
-                 workers: Callable[[], set[int]], on_silent: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        job_id: str,
+        slots: int,
+        own: int,
+        timeout_s: float,
+        workers: Callable[[], set[int]],
+        on_silent: Callable[[int], None],
+    ) -> None:
         super().__init__(host, port, timeout_s)
         self.job_id, self.slots, self.own = job_id, slots, own
         self.workers, self.on_silent = workers, on_silent
@@ -300,8 +327,12 @@ class PeerWatch(_StoreThread):
                     told.add(slot)
                     if workers != silences.extra(slot):
                         continue  # new workers since its last beat: the group restarted without it
-                    log.warning("slot %d (node %s) has been silent for %.1f s: stopping this node's workers",
-                                slot, value.split(":")[0], silent)
+                    log.warning(
+                        "slot %d (node %s) has been silent for %.1f s: stopping this node's workers",
+                        slot,
+                        value.split(":")[0],
+                        silent,
+                    )
                     self.on_silent(slot)
 
 

@@ -67,28 +67,37 @@ def parse_costs(data: dict[str, Any]) -> MeasuredCosts:
             raise ValueError(f"costs: tiers.{name} has a negative time")
         tiers[name] = MeasuredTier(cost, bool(t.get("durable", name == "shared")))
     if not any(t.durable for t in tiers.values()):
-        raise ValueError("costs: no durable tier (set \"durable\": true on the shared-storage tier)")
+        raise ValueError('costs: no durable tier (set "durable": true on the shared-storage tier)')
     p_fast = data.get("p_fast")
     if p_fast is not None and not 0.0 <= float(p_fast) <= 1.0:
         raise ValueError("costs: p_fast must lie in [0, 1]")
     state = data.get("state_bytes_per_node")
-    return MeasuredCosts(tiers, float(data.get("restart_s", 0.0)), None if p_fast is None else float(p_fast),
-                         None if state is None else float(state))
+    return MeasuredCosts(
+        tiers,
+        float(data.get("restart_s", 0.0)),
+        None if p_fast is None else float(p_fast),
+        None if state is None else float(state),
+    )
 
 
 def load_costs(path: str | Path) -> MeasuredCosts:
     return parse_costs(json.loads(Path(path).read_text()))
 
 
-def costs_from_bandwidths(stage_gbps: float, ram_gbps: float, shared_node_gbps: float, restart_s: float,
-                          p_fast: float | None = None) -> MeasuredCosts:
+def costs_from_bandwidths(
+    stage_gbps: float, ram_gbps: float, shared_node_gbps: float, restart_s: float, p_fast: float | None = None
+) -> MeasuredCosts:
     """Costs of 1 GB per node from per-node bandwidths (GB/s): both tiers stage into host memory (blocking),
     then write to /dev/shm or to the shared file system in the background."""
     return MeasuredCosts(
-        {"ram": MeasuredTier(TierCost(1.0 / stage_gbps, 1.0 / ram_gbps, 1.0 / ram_gbps), False),
-         "shared": MeasuredTier(TierCost(1.0 / stage_gbps, 1.0 / shared_node_gbps, 1.0 / shared_node_gbps),
-                                True)},
-        restart_s, p_fast, 1e9)
+        {
+            "ram": MeasuredTier(TierCost(1.0 / stage_gbps, 1.0 / ram_gbps, 1.0 / ram_gbps), False),
+            "shared": MeasuredTier(TierCost(1.0 / stage_gbps, 1.0 / shared_node_gbps, 1.0 / shared_node_gbps), True),
+        },
+        restart_s,
+        p_fast,
+        1e9,
+    )
 
 
 def node_state_bytes(params: float, bytes_per_param: float, n_gpus: int, gpus_per_node: int) -> float:
@@ -96,8 +105,13 @@ def node_state_bytes(params: float, bytes_per_param: float, n_gpus: int, gpus_pe
     return params * bytes_per_param / max(1.0, n_gpus / gpus_per_node)
 
 
-def scale_tier(tier: MeasuredTier, measured_bytes: float | None, node_bytes: float, total_bytes: float,
-               aggregate_gbps: float | None) -> TierCost:
+def scale_tier(
+    tier: MeasuredTier,
+    measured_bytes: float | None,
+    node_bytes: float,
+    total_bytes: float,
+    aggregate_gbps: float | None,
+) -> TierCost:
     """A tier's costs at node_bytes per node: linear in the bytes per node, and for a durable tier no faster
     than the file system's aggregate bandwidth allows for the whole state."""
     c = tier.cost
@@ -115,10 +129,10 @@ def scale_tier(tier: MeasuredTier, measured_bytes: float | None, node_bytes: flo
 
 def pick_tiers(costs: MeasuredCosts, fast: str | None, slow: str | None) -> tuple[str | None, str]:
     """The two tiers the model uses: named ones, else the cheapest node-local and the cheapest durable tier."""
+
     def cheapest(durable: bool) -> str | None:
         names = [n for n, t in costs.tiers.items() if t.durable == durable]
-        return min(names, key=lambda n: costs.tiers[n].cost.blocked_s + costs.tiers[n].cost.write_s,
-                   default=None)
+        return min(names, key=lambda n: costs.tiers[n].cost.blocked_s + costs.tiers[n].cost.write_s, default=None)
 
     slow = slow or cheapest(True)
     fast = fast or cheapest(False)

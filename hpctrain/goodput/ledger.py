@@ -55,8 +55,21 @@ from hpctrain.scheduler.base import Allocation
 
 LOAD_PARTS = ATTEMPT_PARTS[:-1]  # an attempt's start-up up to its first step
 
-PARTS = ("productive", "data_wait", "compile", "checkpoint", "evaluation", "step_overhead", "lost", "startup",
-         "recovery", "shutdown", "pending", "spare", "suspended")
+PARTS = (
+    "productive",
+    "data_wait",
+    "compile",
+    "checkpoint",
+    "evaluation",
+    "step_overhead",
+    "lost",
+    "startup",
+    "recovery",
+    "shutdown",
+    "pending",
+    "spare",
+    "suspended",
+)
 # Parts a suspension found in no row is taken from (it fell outside the steps), in proportion to their size.
 OUTSIDE_STEPS = ("startup", "recovery", "pending", "shutdown")
 LONGEST_ROWS = 16  # per attempt: the rows a suspension is looked for in
@@ -87,10 +100,17 @@ class Row:
                     commits = {**(commits or {}), key.split("/")[1]: int(value)}
                 elif key.endswith(("/blocked_s", "/waited_s")):
                     blocked += value
-        return cls(step=m["step"], time=m["time"], step_s=m["step_time_s"], data_wait_s=m.get("data_wait_s", 0.0),
-                   compile_s=m.get("compile_s", 0.0),
-                   # rows written before the loop measured its saves: the saves' own figures
-                   ckpt_s=m.get("ckpt_s", blocked), eval_s=m.get("eval_s", 0.0), commits=commits)
+        return cls(
+            step=m["step"],
+            time=m["time"],
+            step_s=m["step_time_s"],
+            data_wait_s=m.get("data_wait_s", 0.0),
+            compile_s=m.get("compile_s", 0.0),
+            # rows written before the loop measured its saves: the saves' own figures
+            ckpt_s=m.get("ckpt_s", blocked),
+            eval_s=m.get("eval_s", 0.0),
+            commits=commits,
+        )
 
 
 @dataclass
@@ -214,19 +234,28 @@ class Ledger:
         """The ledger in one log line."""
         if not self.allocated_node_s:
             return "goodput ledger: nothing allocated yet"
-        shares = ", ".join(f"{name.replace('_', ' ')} {value / self.allocated_node_s:.1%}"
-                           for name, value in self.parts.items() if value > 0 and name != "productive")
+        shares = ", ".join(
+            f"{name.replace('_', ' ')} {value / self.allocated_node_s:.1%}"
+            for name, value in self.parts.items()
+            if value > 0 and name != "productive"
+        )
         queue = "no accounting: queue unknown" if self.queue_s is None else f"queue wait {_hms(self.queue_s)}"
         jobs = sum(j.counted for j in self.jobs)
-        return (f"goodput {self.goodput:.1%} of {self.allocated_node_s / 3600:.3g} node-h allocated over "
-                f"{jobs} job run(s), {len(self.incidents)} interruption(s); {shares}; {queue}; "
-                f"step {self.steps_done}/{self.max_steps}, {self.steps_redone} redone")
+        return (
+            f"goodput {self.goodput:.1%} of {self.allocated_node_s / 3600:.3g} node-h allocated over "
+            f"{jobs} job run(s), {len(self.incidents)} interruption(s); {shares}; {queue}; "
+            f"step {self.steps_done}/{self.max_steps}, {self.steps_redone} redone"
+        )
 
     def summary(self) -> dict[str, float]:
         """The figures a tracker keeps beside the loss (W&B summary, the "ledger" event)."""
-        out = {"goodput": self.goodput, "allocated_node_h": self.allocated_node_s / 3600,
-               "jobs": sum(j.counted for j in self.jobs),
-               "incidents": len(self.incidents), "steps_redone": self.steps_redone}
+        out = {
+            "goodput": self.goodput,
+            "allocated_node_h": self.allocated_node_s / 3600,
+            "jobs": sum(j.counted for j in self.jobs),
+            "incidents": len(self.incidents),
+            "steps_redone": self.steps_redone,
+        }
         if self.jobs and self.jobs[-1].goodput is not None:
             out["job_goodput"] = self.jobs[-1].goodput
         if self.queue_s is not None:
@@ -237,12 +266,19 @@ class Ledger:
         return {k: v for k, v in out.items() if v is not None}
 
 
-def build_ledger(*, events: list[dict[str, Any]], rows: Iterable[dict[str, Any] | Row],
-                 allocations: list[Allocation], accounting: bool, now: float, max_steps: int,
-                 completed: dict[str, Any] | None = None,
-                 resubmissions: list[dict[str, Any]] | None = None,
-                 failures: Callable[[str], list[dict[str, Any]]] = lambda key: [],
-                 hosts: Callable[[str], list[str]] = lambda key: []) -> Ledger:
+def build_ledger(
+    *,
+    events: list[dict[str, Any]],
+    rows: Iterable[dict[str, Any] | Row],
+    allocations: list[Allocation],
+    accounting: bool,
+    now: float,
+    max_steps: int,
+    completed: dict[str, Any] | None = None,
+    resubmissions: list[dict[str, Any]] | None = None,
+    failures: Callable[[str], list[dict[str, Any]]] = lambda key: [],
+    hosts: Callable[[str], list[str]] = lambda key: [],
+) -> Ledger:
     """The ledger of a run as of `now`.
 
     `events`: events.jsonl; `rows`: metrics.jsonl rows (or `Row`s), streamed once; `allocations`: the batch
@@ -276,8 +312,11 @@ def build_ledger(*, events: list[dict[str, Any]], rows: Iterable[dict[str, Any] 
     run_of: dict[int, JobRun] = {}  # by id(attempt): a requeued job's runs restart their count at 0
     for run, after in itertools.zip_longest(runs, runs[1:]):
         inside = [a for a in by_ready if _in_run(a, run, now)]
-        seen = [float(e["time"]) for e in events if run.start - SLACK_S <= float(e.get("time", 0.0))
-                and (after is None or float(e["time"]) < after.start)]
+        seen = [
+            float(e["time"])
+            for e in events
+            if run.start - SLACK_S <= float(e.get("time", 0.0)) and (after is None or float(e["time"]) < after.start)
+        ]
         _fill_run(run, inside, completed, now, lambda a: len(set(hosts(a.key))), max(seen, default=run.start))
         run_of.update((id(a), run) for a in inside)
     _set_aside_after_end(runs, by_ready, max_steps)
@@ -298,15 +337,27 @@ def build_ledger(*, events: list[dict[str, Any]], rows: Iterable[dict[str, Any] 
     eta = left / rate if rate else None
     span = sum(r.wall_s for r in counted) + (queue or 0.0)
     pace = left * span / steps_done if steps_done else None
-    return Ledger(now=now, max_steps=max_steps, steps_done=steps_done,
-                  steps_redone=sum(a.lost_steps for a in attempts), allocated_node_s=allocated,
-                  wall_s=sum(r.wall_s for r in counted), parts=parts, queue_s=queue,
-                  first_queue_s=runs[0].queue_s if runs and accounting else None,
-                  goodput=productive / allocated if allocated else None,
-                  goodput_with_queue=productive / (allocated + waited) if accounting and allocated else None,
-                  jobs=runs, incidents=incidents,
-                  checkpoints=checkpoints, rate_steps_per_s=rate, eta_s=eta, eta_at_pace_s=pace,
-                  accounting=accounting, after_end_node_s=sum(r.node_s for r in runs if not r.counted))
+    return Ledger(
+        now=now,
+        max_steps=max_steps,
+        steps_done=steps_done,
+        steps_redone=sum(a.lost_steps for a in attempts),
+        allocated_node_s=allocated,
+        wall_s=sum(r.wall_s for r in counted),
+        parts=parts,
+        queue_s=queue,
+        first_queue_s=runs[0].queue_s if runs and accounting else None,
+        goodput=productive / allocated if allocated else None,
+        goodput_with_queue=productive / (allocated + waited) if accounting and allocated else None,
+        jobs=runs,
+        incidents=incidents,
+        checkpoints=checkpoints,
+        rate_steps_per_s=rate,
+        eta_s=eta,
+        eta_at_pace_s=pace,
+        accounting=accounting,
+        after_end_node_s=sum(r.node_s for r in runs if not r.counted),
+    )
 
 
 def _attempts(events: list[dict[str, Any]]) -> list[Attempt]:
@@ -321,9 +372,16 @@ def _attempts(events: list[dict[str, Any]]) -> list[Attempt]:
         if e["event"] == "resume":
             resumed = e
         elif e["event"] == "attempt" and all(m in e for m in MARKS):
-            found.append(Attempt(job_id=str(e["job_id"]), restart=int(e["restart"]), from_step=int(e["from_step"]),
-                                 requeue=int(e.get("requeue", 0)), marks={m: float(e[m]) for m in MARKS},
-                                 tier=resumed["tier"] if resumed and resumed["step"] == e["from_step"] else None))
+            found.append(
+                Attempt(
+                    job_id=str(e["job_id"]),
+                    restart=int(e["restart"]),
+                    from_step=int(e["from_step"]),
+                    requeue=int(e.get("requeue", 0)),
+                    marks={m: float(e[m]) for m in MARKS},
+                    tier=resumed["tier"] if resumed and resumed["step"] == e["from_step"] else None,
+                )
+            )
             resumed = None
         elif e["event"] in ("stop", "attempt_end") and (resumed is not None or not found):
             continue  # an attempt that trained nothing (its job's end is found from its events' times)
@@ -340,8 +398,9 @@ def _detach_later_ends(attempts: list[Attempt], runs: list[JobRun]) -> None:
     for a in attempts:
         for name in ("stop", "end"):
             e = getattr(a, name)
-            if e is not None and any(r.job_id != a.job_id and a.marks["process_started"] < r.start <= float(e["time"])
-                                     for r in runs):
+            if e is not None and any(
+                r.job_id != a.job_id and a.marks["process_started"] < r.start <= float(e["time"]) for r in runs
+            ):
                 setattr(a, name, None)
 
 
@@ -364,9 +423,13 @@ def _count_row(attempt: Attempt, row: Row, start: float, lost: bool) -> None:
         attempt.lost_steps += 1
         attempt.lost_s += span
     else:
-        inside = {"productive": max(0.0, row.step_s - row.data_wait_s - row.compile_s),
-                  "data_wait": row.data_wait_s, "compile": row.compile_s, "checkpoint": row.ckpt_s,
-                  "evaluation": row.eval_s}
+        inside = {
+            "productive": max(0.0, row.step_s - row.data_wait_s - row.compile_s),
+            "data_wait": row.data_wait_s,
+            "compile": row.compile_s,
+            "checkpoint": row.ckpt_s,
+            "evaluation": row.eval_s,
+        }
         known = sum(inside.values())
         if known > span > 0:  # a clock step, or a row written before its marks: keep the shares, fit the span
             inside = {k: v * span / known for k, v in inside.items()}
@@ -403,9 +466,21 @@ def _job_runs(allocations: list[Allocation]) -> list[JobRun]:
             before.state, before.end = a.state, a.end
             before.suspended_node_s += suspended
             continue
-        runs.append(JobRun(job_id=a.job_id, run=count.get(a.job_id, 0), state=a.state, nodes=max(1, a.nodes),
-                           node_list=a.node_list, submit=a.submit, eligible=a.eligible, start=a.start,
-                           end=a.end, pieces=[(a.start, a.end, max(1, a.nodes))], suspended_node_s=suspended))
+        runs.append(
+            JobRun(
+                job_id=a.job_id,
+                run=count.get(a.job_id, 0),
+                state=a.state,
+                nodes=max(1, a.nodes),
+                node_list=a.node_list,
+                submit=a.submit,
+                eligible=a.eligible,
+                start=a.start,
+                end=a.end,
+                pieces=[(a.start, a.end, max(1, a.nodes))],
+                suspended_node_s=suspended,
+            )
+        )
         count[a.job_id] = count.get(a.job_id, 0) + 1
     for before, run in zip([None, *runs], runs):
         since = before.end if before is not None and before.end is not None else run.submit
@@ -416,9 +491,18 @@ def _job_runs(allocations: list[Allocation]) -> list[JobRun]:
 def local_allocations(jobs: list[dict[str, Any]], alive: Callable[[str], bool], nodes: int = 1) -> list[Allocation]:
     """A local run's jobs as allocations: each starts when submitted (no queue) and is open while its process
     lives; the end of one that is gone is the last thing it recorded (`build_ledger` finds it: state ENDED)."""
-    return [Allocation(job_id=str(j["job_id"]), state="RUNNING" if alive(str(j["job_id"])) else "ENDED",
-                       submit=j["submitted"], eligible=j["submitted"], start=j["submitted"], end=None, nodes=nodes)
-            for j in jobs]
+    return [
+        Allocation(
+            job_id=str(j["job_id"]),
+            state="RUNNING" if alive(str(j["job_id"])) else "ENDED",
+            submit=j["submitted"],
+            eligible=j["submitted"],
+            start=j["submitted"],
+            end=None,
+            nodes=nodes,
+        )
+        for j in jobs
+    ]
 
 
 def _in_run(attempt: Attempt, run: JobRun, now: float) -> bool:
@@ -426,8 +510,14 @@ def _in_run(attempt: Attempt, run: JobRun, now: float) -> bool:
     return attempt.job_id == run.job_id and run.start - SLACK_S <= attempt.marks["process_started"] <= end + SLACK_S
 
 
-def _fill_run(run: JobRun, attempts: list[Attempt], completed: dict[str, Any] | None, now: float,
-              nodes_of: Callable[[Attempt], int] = lambda a: 0, seen: float | None = None) -> None:
+def _fill_run(
+    run: JobRun,
+    attempts: list[Attempt],
+    completed: dict[str, Any] | None,
+    now: float,
+    nodes_of: Callable[[Attempt], int] = lambda a: 0,
+    seen: float | None = None,
+) -> None:
     """The run's parts: its start-up, its attempts' rows, the gaps between them, and its end. `nodes_of(a)`:
     the nodes attempt `a` trained on (0: unknown, all of the allocation's); `seen`: the newest record of the
     run (an event of an attempt that never trained, too)."""
@@ -492,8 +582,13 @@ def _fill_run(run: JobRun, attempts: list[Attempt], completed: dict[str, Any] | 
     run.ended = _how_ended(run, live, finished)
 
 
-def _take_suspension(node_s: float, attempts: list[Attempt], widths: dict[int, tuple[float, float]],
-                     parts: dict[str, float], allocated: float) -> None:
+def _take_suspension(
+    node_s: float,
+    attempts: list[Attempt],
+    widths: dict[int, tuple[float, float]],
+    parts: dict[str, float],
+    allocated: float,
+) -> None:
     """Move `node_s` suspended node-seconds from where they were counted into "suspended": first from the rows
     that ran longest past their attempt's typical row (each row's largest part first: a step's own time for a
     suspension inside a step; the hot spares' time over the same seconds), then, for what no row holds, from
@@ -535,8 +630,14 @@ def _take_suspension(node_s: float, attempts: list[Attempt], widths: dict[int, t
 def _set_aside_after_end(runs: list[JobRun], attempts: list[Attempt], max_steps: int) -> None:
     """Job runs that started after an attempt had completed the run, and trained nothing themselves (a resume
     of a finished run, which loads the last step and ends): no part of the run's training."""
-    done_at = min((_last_seen(a) for a in attempts if (a.end or {}).get("how") == "completed"
-                   or (a.last_row is not None and a.last_row.step >= max_steps)), default=None)
+    done_at = min(
+        (
+            _last_seen(a)
+            for a in attempts
+            if (a.end or {}).get("how") == "completed" or (a.last_row is not None and a.last_row.step >= max_steps)
+        ),
+        default=None,
+    )
     for run in runs:
         if done_at is not None and not run.attempts and run.start >= done_at and run.end is not None:
             run.counted = False
@@ -544,8 +645,13 @@ def _set_aside_after_end(runs: list[JobRun], attempts: list[Attempt], max_steps:
 
 
 def _last_seen(a: Attempt) -> float:
-    return max([a.marks["first_step"], *(float(e["time"]) for e in (a.stop, a.end) if e),
-                *([a.last_row.time] if a.last_row else [])])
+    return max(
+        [
+            a.marks["first_step"],
+            *(float(e["time"]) for e in (a.stop, a.end) if e),
+            *([a.last_row.time] if a.last_row else []),
+        ]
+    )
 
 
 def _finished(a: Attempt, run: JobRun, completed: dict[str, Any] | None) -> bool:
@@ -553,13 +659,27 @@ def _finished(a: Attempt, run: JobRun, completed: dict[str, Any] | None) -> bool
     requeued job has several runs under the one id)."""
     if (a.end or {}).get("how") == "completed":
         return True
-    return (completed is not None and completed.get("job_id") == run.job_id and a.last_row is not None
-            and a.last_row.step >= int(completed["step"]))
+    return (
+        completed is not None
+        and completed.get("job_id") == run.job_id
+        and a.last_row is not None
+        and a.last_row.step >= int(completed["step"])
+    )
 
 
-_WORDS = {"COMPLETED": "completed", "REQUEUED": "requeued", "PREEMPTED": "preempted", "TIMEOUT": "time limit",
-          "NODE_FAIL": "node failure", "FAILED": "failed", "CANCELLED": "cancelled", "ENDED": "ended",
-          "OUT_OF_MEMORY": "out of memory", "BOOT_FAIL": "boot failure", "DEADLINE": "deadline"}
+_WORDS = {
+    "COMPLETED": "completed",
+    "REQUEUED": "requeued",
+    "PREEMPTED": "preempted",
+    "TIMEOUT": "time limit",
+    "NODE_FAIL": "node failure",
+    "FAILED": "failed",
+    "CANCELLED": "cancelled",
+    "ENDED": "ended",
+    "OUT_OF_MEMORY": "out of memory",
+    "BOOT_FAIL": "boot failure",
+    "DEADLINE": "deadline",
+}
 
 
 def _how_ended(run: JobRun, live: bool, finished: bool) -> str:
@@ -571,9 +691,14 @@ def _how_ended(run: JobRun, live: bool, finished: bool) -> str:
     return _WORDS.get(run.state, run.state.lower() or "ended")
 
 
-def _incidents(attempts: list[Attempt], run_of: dict[int, JobRun], resubmissions: list[dict[str, Any]],
-               failures: Callable[[str], list[dict[str, Any]]], hosts: Callable[[str], list[str]],
-               max_steps: int) -> list[Incident]:
+def _incidents(
+    attempts: list[Attempt],
+    run_of: dict[int, JobRun],
+    resubmissions: list[dict[str, Any]],
+    failures: Callable[[str], list[dict[str, Any]]],
+    hosts: Callable[[str], list[str]],
+    max_steps: int,
+) -> list[Incident]:
     """Every attempt that ended before the run's end, and the way back to the next one's first step."""
     out = []
     trained = [a for a in attempts if a.last_row is not None]
@@ -587,8 +712,14 @@ def _incidents(attempts: list[Attempt], run_of: dict[int, JobRun], resubmissions
     return out
 
 
-def _incident(a: Attempt, nxt: Attempt | None, run_of: dict[int, JobRun], resubmissions: list[dict[str, Any]],
-              failures: Callable[[str], list[dict[str, Any]]], hosts: Callable[[str], list[str]]) -> Incident:
+def _incident(
+    a: Attempt,
+    nxt: Attempt | None,
+    run_of: dict[int, JobRun],
+    resubmissions: list[dict[str, Any]],
+    failures: Callable[[str], list[dict[str, Any]]],
+    hosts: Callable[[str], list[str]],
+) -> Incident:
     run, next_run = run_of.get(id(a)), run_of.get(id(nxt)) if nxt else None
     last = a.last_row
     until = nxt.marks["process_started"] if nxt is not None else float("inf")  # a requeued job reuses its keys
@@ -626,17 +757,35 @@ def _incident(a: Attempt, nxt: Attempt | None, run_of: dict[int, JobRun], resubm
         parts["load"] = nxt.marks["ready"] - nxt.marks["process_started"]
         parts["first step"] = nxt.marks["first_step"] - nxt.marks["ready"]
     lost = [s for s in range(nxt.from_step + 1, last.step + 1)] if nxt else []
-    return Incident(attempt=a.key, job_id=a.job_id, restart=a.restart, kind=kind, cause=cause, last_step=last.step,
-                    last_progress=last.time, next_job=nxt.key if nxt else None,
-                    resumed_from=nxt.from_step if nxt else None, tier=nxt.tier if nxt else None,
-                    lost_steps=len(lost),
-                    lost_s=a.lost_s if nxt else 0.0, parts=parts, load=load,
-                    total_s=nxt.marks["first_step"] - last.time if nxt else None)
+    return Incident(
+        attempt=a.key,
+        job_id=a.job_id,
+        restart=a.restart,
+        kind=kind,
+        cause=cause,
+        last_step=last.step,
+        last_progress=last.time,
+        next_job=nxt.key if nxt else None,
+        resumed_from=nxt.from_step if nxt else None,
+        tier=nxt.tier if nxt else None,
+        lost_steps=len(lost),
+        lost_s=a.lost_s if nxt else 0.0,
+        parts=parts,
+        load=load,
+        total_s=nxt.marks["first_step"] - last.time if nxt else None,
+    )
 
 
-def _cause(a: Attempt, run: JobRun | None, records: list[dict[str, Any]], resubmissions: list[dict[str, Any]],
-           hosts: Callable[[str], list[str]], nxt: Attempt | None, leaves: bool,
-           silent: list[tuple[int, str]] = ()) -> str:
+def _cause(
+    a: Attempt,
+    run: JobRun | None,
+    records: list[dict[str, Any]],
+    resubmissions: list[dict[str, Any]],
+    hosts: Callable[[str], list[str]],
+    nxt: Attempt | None,
+    leaves: bool,
+    silent: list[tuple[int, str]] = (),
+) -> str:
     """In words: the signal, the root error, or what the batch system saw; and the nodes left out after it.
     `silent`: (rank, host) of the ranks that left no record when every record is a peer's (they died, the
     others only saw them go)."""
@@ -648,8 +797,10 @@ def _cause(a: Attempt, run: JobRun | None, records: list[dict[str, Any]], resubm
         if silent:
             where = sorted({host for _, host in silent})
             ranks = ",".join(str(rank) for rank, _ in silent)
-            why = (f"{','.join(where)} (rank {ranks}) stopped without a failure record (killed, or its node died); "
-                   f"the other ranks saw peer errors, first {why}")
+            why = (
+                f"{','.join(where)} (rank {ranks}) stopped without a failure record (killed, or its node died); "
+                f"the other ranks saw peer errors, first {why}"
+            )
     elif run is not None and run.state not in ("RUNNING", "COMPLETED", ""):
         why = f"{run.state} (no failure record: a node or the whole job was killed)"
     else:
@@ -657,8 +808,13 @@ def _cause(a: Attempt, run: JobRun | None, records: list[dict[str, Any]], resubm
     other_job = nxt is None or nxt.job_id != a.job_id
     decision = next((d for d in resubmissions if d.get("job_id") == a.job_id), None) if other_job else None
     gone = sorted(set(hosts(a.key)) - set(hosts(nxt.key))) if nxt is not None and not leaves else []
-    if leaves and not a.stop and records and run is not None and run.state not in ("RUNNING", "COMPLETED",
-                                                                                  "PENDING", "ENDED", ""):
+    if (
+        leaves
+        and not a.stop
+        and records
+        and run is not None
+        and run.state not in ("RUNNING", "COMPLETED", "PENDING", "ENDED", "")
+    ):
         why = f"{run.state}: {why}"  # what the batch system saw, then the root error the ranks recorded
     if decision and decision.get("excluded"):
         why += f"; resubmitted as {decision.get('resubmitted_as')} excluding {','.join(decision['excluded'])}"

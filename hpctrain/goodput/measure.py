@@ -86,9 +86,14 @@ class RunFiles:
         return read_hosts(self.run_dir, key)
 
 
-def measure(run_dir: Path, now: float | None = None, accounting_timeout_s: float = 60,
-            cache: RowCache | None = None, records: Records | None = None,
-            settings: dict[str, Any] | None = None) -> Ledger:
+def measure(
+    run_dir: Path,
+    now: float | None = None,
+    accounting_timeout_s: float = 60,
+    cache: RowCache | None = None,
+    records: Records | None = None,
+    settings: dict[str, Any] | None = None,
+) -> Ledger:
     """The run's ledger as of now (a task asks the accounting with a short timeout: a stop must not wait).
     `records`: where the records come from (default: the run's files, read strictly); `settings`: the run's
     `run_settings`, when the caller read them already."""
@@ -96,19 +101,30 @@ def measure(run_dir: Path, now: float | None = None, accounting_timeout_s: float
     records = RunFiles(run_dir, cache) if records is None else records
     settings = run_settings(run_dir) if settings is None else settings
     jobs = records.jobs()
-    allocations = scheduler_for(settings["executor"]).accounting([str(j["job_id"]) for j in jobs],
-                                                                    timeout_s=accounting_timeout_s)
+    allocations = scheduler_for(settings["executor"]).accounting(
+        [str(j["job_id"]) for j in jobs], timeout_s=accounting_timeout_s
+    )
     accounting = allocations is not None
     if allocations is None:
         allocations = local_allocations(jobs, _local_job_alive)
     elif jobs and not allocations:
-        log.warning("no accounting for jobs %s: the ledger spans only what the run recorded",
-                    ",".join(str(j["job_id"]) for j in jobs))
+        log.warning(
+            "no accounting for jobs %s: the ledger spans only what the run recorded",
+            ",".join(str(j["job_id"]) for j in jobs),
+        )
         allocations, accounting = local_allocations(jobs, lambda job: job == str(jobs[-1]["job_id"])), False
-    return build_ledger(events=records.events(), rows=records.rows(), allocations=allocations,
-                        accounting=accounting, now=now, max_steps=settings["max_steps"],
-                        completed=records.completed(), resubmissions=records.attempts(),
-                        failures=records.failures, hosts=records.hosts)
+    return build_ledger(
+        events=records.events(),
+        rows=records.rows(),
+        allocations=allocations,
+        accounting=accounting,
+        now=now,
+        max_steps=settings["max_steps"],
+        completed=records.completed(),
+        resubmissions=records.attempts(),
+        failures=records.failures,
+        hosts=records.hosts,
+    )
 
 
 def _local_job_alive(job_id: str) -> bool:

@@ -39,7 +39,7 @@ class Failures:
     """The failure environment of a job: mean time between failures, their kind, the restart cost."""
 
     mtbf_s: float
-    p_fast: float = 0.0     # share of failures after which the fast (node-local) tier is still usable
+    p_fast: float = 0.0  # share of failures after which the fast (node-local) tier is still usable
     restart_s: float = 0.0  # requeue delay + start + init + warm-up, without the checkpoint load
 
 
@@ -82,8 +82,9 @@ def mtbf_s(rate_per_gpu_day: float, n_gpus: int) -> float:
     return SECONDS_PER_DAY / (rate_per_gpu_day * n_gpus)
 
 
-def restart_cost(resubmit_s: float, queue_wait_s: float = 0.0, p_stay: float = 0.0,
-                 in_allocation_s: float = 0.0) -> float:
+def restart_cost(
+    resubmit_s: float, queue_wait_s: float = 0.0, p_stay: float = 0.0, in_allocation_s: float = 0.0
+) -> float:
     """Mean restart cost R when a share `p_stay` of failures is recovered inside the allocation
     (`in_allocation_s` each: the agents restart the workers) and the rest leave it: a resubmission
     (`resubmit_s`) that waits `queue_wait_s` in the queue first. On a busy cluster the queue wait, not the
@@ -171,16 +172,22 @@ def expected_goodput(policy: CheckpointPolicy, failures: Failures) -> float:
     """Exact renewal-reward goodput for a one-tier policy; `loss_split` for two tiers, which have no simple exact
     form (after a fast restart the durable position lags behind, so cycles are not independent)."""
     if policy.fast is None or math.isinf(policy.tau_fast_s):
-        return goodput_exact(policy.tau_slow_s, policy.slow.blocked_s, failures.mtbf_s,
-                             failures.restart_s + policy.slow.load_s, policy.slow.write_s)
+        return goodput_exact(
+            policy.tau_slow_s,
+            policy.slow.blocked_s,
+            failures.mtbf_s,
+            failures.restart_s + policy.slow.load_s,
+            policy.slow.write_s,
+        )
     return loss_split(policy, failures).goodput
 
 
 IntervalRule = Callable[[float, float], float]
 
 
-def optimal_policy(slow: TierCost, failures: Failures, fast: TierCost | None = None,
-                   rule: IntervalRule = daly_interval) -> CheckpointPolicy:
+def optimal_policy(
+    slow: TierCost, failures: Failures, fast: TierCost | None = None, rule: IntervalRule = daly_interval
+) -> CheckpointPolicy:
     """Intervals per tier in closed form, each tier covering the failures only it can recover.
 
     The first-order two-tier waste C_f/tau_f + p tau_f/(2M) + C_s/tau_s + (1-p) tau_s/(2M) + const separates,
@@ -195,6 +202,7 @@ def optimal_policy(slow: TierCost, failures: Failures, fast: TierCost | None = N
     if fast is None or p <= 0.0:
         return alone
     m_slow = m / (1.0 - p) if p < 1.0 else math.inf
-    both = CheckpointPolicy(slow, max(rule(slow.blocked_s, m_slow), slow.write_s), fast,
-                max(rule(fast.blocked_s, m / p), fast.write_s))
+    both = CheckpointPolicy(
+        slow, max(rule(slow.blocked_s, m_slow), slow.write_s), fast, max(rule(fast.blocked_s, m / p), fast.write_s)
+    )
     return both if loss_split(both, failures).total < loss_split(alone, failures).total else alone

@@ -42,7 +42,7 @@ class _Timeline:
     until: float
     wall: np.ndarray  # breakpoints of work(wall): flat while a save blocks training
     work: np.ndarray
-    commits: tuple[np.ndarray, np.ndarray]    # commit wall times of the fast, slow tier (increasing)
+    commits: tuple[np.ndarray, np.ndarray]  # commit wall times of the fast, slow tier (increasing)
     positions: tuple[np.ndarray, np.ndarray]  # work positions of those checkpoints
 
     def work_at(self, t: np.ndarray) -> np.ndarray:
@@ -88,9 +88,13 @@ def _timeline(policy: CheckpointPolicy, until: float) -> _Timeline:
     end = max(until, wall_bp[-1]) + 1.0
     wall_bp.append(end)
     work_bp.append(work_bp[-1] + end - wall_bp[-2])
-    return _Timeline(until, np.array(wall_bp), np.array(work_bp),
-                     (np.array(commits[0]), np.array(commits[1])),
-                     (np.array(positions[0]), np.array(positions[1])))
+    return _Timeline(
+        until,
+        np.array(wall_bp),
+        np.array(work_bp),
+        (np.array(commits[0]), np.array(commits[1])),
+        (np.array(positions[0]), np.array(positions[1])),
+    )
 
 
 def _draw(rng: np.random.Generator, mean: float, shape: float | None, n: int) -> np.ndarray:
@@ -102,15 +106,22 @@ def _draw(rng: np.random.Generator, mean: float, shape: float | None, n: int) ->
     return mean / math.gamma(1.0 + 1.0 / shape) * rng.weibull(shape, n)
 
 
-def simulate(policy: CheckpointPolicy, failures: Failures, horizon_s: float, reps: int = 200, seed: int = 0,
-             weibull_shape: float | None = None, delay_mean_s: float = 0.0) -> SimResult:
+def simulate(
+    policy: CheckpointPolicy,
+    failures: Failures,
+    horizon_s: float,
+    reps: int = 200,
+    seed: int = 0,
+    weibull_shape: float | None = None,
+    delay_mean_s: float = 0.0,
+) -> SimResult:
     """Goodput of `reps` runs of horizon_s wall time each; progress at the horizon counts even if uncommitted."""
     rng = np.random.default_rng(seed)
     fast, slow = 0, 1
     load = (policy.fast.load_s if policy.fast is not None else 0.0, policy.slow.load_s)
-    t = np.zeros(reps)              # wall time used
-    base = np.zeros(reps)           # position the current cycle started from
-    durable = np.zeros(reps)        # newest durable position
+    t = np.zeros(reps)  # wall time used
+    base = np.zeros(reps)  # position the current cycle started from
+    durable = np.zeros(reps)  # newest durable position
     base_fast = np.zeros(reps, bool)  # the current cycle started from the fast tier
     final = np.zeros(reps)
     blocked, lost, restart = np.zeros(reps), np.zeros(reps), np.zeros(reps)
@@ -148,6 +159,12 @@ def simulate(policy: CheckpointPolicy, failures: Failures, horizon_s: float, rep
         active &= fails & (t < horizon_s)
     g = final / horizon_s
     ci = 1.96 * g.std(ddof=1) / math.sqrt(reps) if reps > 1 else math.inf
-    return SimResult(float(g.mean()), float(ci), float(blocked.mean() / horizon_s),
-                     float(lost.mean() / horizon_s), float(restart.mean() / horizon_s),
-                     float(n_fail.mean()), reps)
+    return SimResult(
+        float(g.mean()),
+        float(ci),
+        float(blocked.mean() / horizon_s),
+        float(lost.mean() / horizon_s),
+        float(restart.mean() / horizon_s),
+        float(n_fail.mean()),
+        reps,
+    )

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -61,8 +61,13 @@ def worker_restart(pid: int, run_id: str, proc: Path = Path("/proc")) -> int | N
     return int(env["TORCHELASTIC_RESTART_COUNT"])
 
 
-def earlier_workers(apps: list[ComputeApp], gpu_uuid: str, run_id: str, restart: int,
-                    restart_of: Callable[[int, str], int | None] = worker_restart) -> list[int]:
+def earlier_workers(
+    apps: list[ComputeApp],
+    gpu_uuid: str,
+    run_id: str,
+    restart: int,
+    restart_of: Callable[[int, str], int | None] = worker_restart,
+) -> list[int]:
     """The processes on this GPU that are workers of this run from an earlier restart."""
     stale, own = [], gpu_uuid.removeprefix("GPU-")
     for app in apps:
@@ -93,9 +98,15 @@ def wait_for_free_gpu(device: torch.device, host: str, wait_s: float = WAIT_S) -
     wait_for_earlier_workers(uuid, run_id, restart, host, wait_s, _compute_apps)
 
 
-def wait_for_earlier_workers(gpu_uuid: str, run_id: str, restart: int, host: str, wait_s: float,
-                             apps: Callable[[], list[ComputeApp] | None],
-                             restart_of: Callable[[int, str], int | None] = worker_restart) -> None:
+def wait_for_earlier_workers(
+    gpu_uuid: str,
+    run_id: str,
+    restart: int,
+    host: str,
+    wait_s: float,
+    apps: Callable[[], list[ComputeApp] | None],
+    restart_of: Callable[[int, str], int | None] = worker_restart,
+) -> None:
     deadline = time.monotonic() + wait_s
     while True:
         found = apps()
@@ -103,7 +114,13 @@ def wait_for_earlier_workers(gpu_uuid: str, run_id: str, restart: int, host: str
         if not stale:
             return
         if time.monotonic() >= deadline:
-            raise UnhealthyNodes([host], {host: [
-                f"GPU {gpu_uuid} is still held by worker(s) {stale} of an earlier restart after {wait_s:.0f} s "
-                "(stuck in the driver: the GPU is likely hung)"]})
+            raise UnhealthyNodes(
+                [host],
+                {
+                    host: [
+                        f"GPU {gpu_uuid} is still held by worker(s) {stale} of an earlier restart after {wait_s:.0f} s "
+                        "(stuck in the driver: the GPU is likely hung)"
+                    ]
+                },
+            )
         time.sleep(POLL_S)

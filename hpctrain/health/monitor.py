@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from hpctrain.config.schema import HealthConfig
-
 from hpctrain.health.outliers import robust_outliers
 from hpctrain.health.preflight import matmul_seconds
 
@@ -68,8 +67,9 @@ class RunMonitor:
         values[2 * self.rank + 1] = self.last_step_s
         return values
 
-    def after_step(self, step: int, step_time: float,
-                   probes: list[float] | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    def after_step(
+        self, step: int, step_time: float, probes: list[float] | None = None
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         """Metrics and events of this step (rank 0's view; other ranks get empty ones). `probes`: the
         block of `control_values` summed over all ranks, on probe steps."""
         metrics: dict[str, float] = {}
@@ -80,14 +80,28 @@ class RunMonitor:
                 growth = slope(list(self.memory)) * self.window
                 metrics["health/memory_growth_mb_per_window"] = growth / 2**20
                 if growth > self.leak_bytes:
-                    events.append({"event": "memory_leak", "rank": self.rank, "host": self.host,
-                                   "mb_per_window": growth / 2**20, "window": self.window})
-                    log.warning("memory grew steadily by %.1f MB over the last %d steps on rank %d (%s): a leak?",
-                                growth / 2**20, self.window, self.rank, self.host)
+                    events.append(
+                        {
+                            "event": "memory_leak",
+                            "rank": self.rank,
+                            "host": self.host,
+                            "mb_per_window": growth / 2**20,
+                            "window": self.window,
+                        }
+                    )
+                    log.warning(
+                        "memory grew steadily by %.1f MB over the last %d steps on rank %d (%s): a leak?",
+                        growth / 2**20,
+                        self.window,
+                        self.rank,
+                        self.host,
+                    )
         self.last_step_s = step_time
         if probes and self.rank == 0:
-            gathered = [{"rank": r, "host": host, "probe_s": probes[2 * r], "step_s": probes[2 * r + 1]}
-                        for r, host in enumerate(self.hosts)]
+            gathered = [
+                {"rank": r, "host": host, "probe_s": probes[2 * r], "step_s": probes[2 * r + 1]}
+                for r, host in enumerate(self.hosts)
+            ]
             m, e = self._judge(gathered, step)
             metrics.update(m)
             events += e
@@ -96,8 +110,16 @@ class RunMonitor:
     def _judge(self, gathered: list[dict[str, Any]], step: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
         probes = {g["rank"]: g["probe_s"] for g in gathered}
         median = sorted(probes.values())[len(probes) // 2]
-        outliers = robust_outliers({str(r): t for r, t in probes.items()}, threshold=self.threshold,
-                                   higher_is_worse=True, min_rel=self.factor - 1) if len(probes) >= 3 else {}
+        outliers = (
+            robust_outliers(
+                {str(r): t for r, t in probes.items()},
+                threshold=self.threshold,
+                higher_is_worse=True,
+                min_rel=self.factor - 1,
+            )
+            if len(probes) >= 3
+            else {}
+        )
         slow = {int(r) for r in outliers}
         self.flags = {r: self.flags.get(r, 0) + 1 for r in slow}
         metrics = {"health/probe_max_over_median": max(probes.values()) / median if median else 1.0}
@@ -107,6 +129,12 @@ class RunMonitor:
                 host = next(g["host"] for g in gathered if g["rank"] == r)
                 ratio = probes[r] / median
                 events.append({"event": "straggler", "rank": r, "host": host, "slowdown": ratio, "checks": count})
-                log.warning("straggler: rank %d on %s is %.2fx slower than the median rank for %d checks in a row "
-                            "(step %d)", r, host, ratio, count, step)
+                log.warning(
+                    "straggler: rank %d on %s is %.2fx slower than the median rank for %d checks in a row (step %d)",
+                    r,
+                    host,
+                    ratio,
+                    count,
+                    step,
+                )
         return metrics, events

@@ -33,19 +33,25 @@ LOG_SUFFIXES = (".out", ".err", ".log", ".txt")
 
 # `host:pid:tid [cudaDev] [file.cc:line ]NCCL INFO|WARN msg`; searched anywhere in a line, so srun --label,
 # torchrun's `[default0]:` and Python logging prefixes are skipped.
-_PREFIX = re.compile(r"(?P<host>[A-Za-z0-9][\w.\-]*):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
-                     r"(?:(?P<where>[\w./\-]+:\d+) )?NCCL (?P<level>INFO|WARN|TRACE) ")
+_PREFIX = re.compile(
+    r"(?P<host>[A-Za-z0-9][\w.\-]*):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
+    r"(?:(?P<where>[\w./\-]+:\d+) )?NCCL (?P<level>INFO|WARN|TRACE) "
+)
 # 2.18-2.21 print the version once per process, unprefixed, from a communicator's rank 0; torch's errors end
 # in "NCCL version 2.18.3" (no +cuda), which must not count.
 _LABEL = re.compile(r"\s*(?:\d+: |\[[\w\-]+\]:)?")  # srun --label, torchrun --tee
 _BARE_VERSION = re.compile(r"^(?:\d+: |\[[\w\-]+\]:)?NCCL version (\d+\.\d+\.\d+\+cuda[\d.]+)\s*$")
 _VERSION = re.compile(r"^NCCL version (\d+\.\d+\.\d+(?:\+cuda[\d.]+)?)$")
 _MISMATCH = re.compile(r"^Mismatched NCCL version detected : rank (\d+) version (\d+) rank (\d+) version (\d+)")
-_INIT = re.compile(r"^(?:ncclCommInitRank\w* )?comm (0x[0-9a-f]+) rank (\d+) nranks (\d+) cudaDev \d+"
-                   r"(?: nvmlDev \d+)? busId \w+(?: commId (0x[0-9a-f]+))? - Init (?:START|COMPLETE)")
+_INIT = re.compile(
+    r"^(?:ncclCommInitRank\w* )?comm (0x[0-9a-f]+) rank (\d+) nranks (\d+) cudaDev \d+"
+    r"(?: nvmlDev \d+)? busId \w+(?: commId (0x[0-9a-f]+))? - Init (?:START|COMPLETE)"
+)
 _COMM = re.compile(r"^comm (0x[0-9a-f]+) rank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+) localRank \d+")
-_LINK = re.compile(r"^(?:Channel|Ring) (\d+)(?:/\d+)? : (\d+)\[(\w+)\] -> (\d+)\[(\w+)\]"
-                   r"(?: \[(send|receive)\])? via (\S.*?)\s*$")
+_LINK = re.compile(
+    r"^(?:Channel|Ring) (\d+)(?:/\d+)? : (\d+)\[(\w+)\] -> (\d+)\[(\w+)\]"
+    r"(?: \[(send|receive)\])? via (\S.*?)\s*$"
+)
 _RING = re.compile(r"^(?:Channel (\d+)/\d+|Ring (\d+)) :((?:\s+\d+)+)\s*$")
 _TREES = re.compile(r"^Trees((?: \[\d+\] -?\d+/-?\d+/-?\d+->-?\d+->-?\d+)+)\s*$")
 _TREE = re.compile(r"\[(\d+)\] (-?\d+/-?\d+/-?\d+)->(-?\d+)->(-?\d+)")
@@ -53,9 +59,11 @@ _ENV = re.compile(r"^(NCCL_\w+) set (?:by environment )?to (.*?)\s*$")
 _NET_IB = re.compile(r"^NET/(IB\w*) : Using (.*?); OOB")
 _NET_SOCKET = re.compile(r"^NET/Socket : Using (.*)$")
 _USING_NET = re.compile(r"^Using network (.+?)\s*$")
-_NET_REASON = re.compile(r"NET/IB : No device found|Failed to open libibverbs|NET/IB : Unable to open|"
-                         r"Call to ibv_\w+ failed|NCCL_IB_DISABLE set by environment to 1|"
-                         r"^NET/Plugin ?: ?(?:Plugin load|dlerror|Could not find|Failed)")
+_NET_REASON = re.compile(
+    r"NET/IB : No device found|Failed to open libibverbs|NET/IB : Unable to open|"
+    r"Call to ibv_\w+ failed|NCCL_IB_DISABLE set by environment to 1|"
+    r"^NET/Plugin ?: ?(?:Plugin load|dlerror|Could not find|Failed)"
+)
 
 
 @dataclass
@@ -92,7 +100,7 @@ def _clean_starts(lines: Sequence[str]) -> set[str]:
     hosts = set()
     for line in lines:
         m = _PREFIX.search(line)
-        if m and _LABEL.fullmatch(line[:m.start()]):
+        if m and _LABEL.fullmatch(line[: m.start()]):
             hosts.add(m["host"])
     return hosts
 
@@ -102,7 +110,6 @@ def _decode_version(code: int) -> str:
     if code >= 10000:
         return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
     return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
-
 
 
 class _Collector:
@@ -140,12 +147,21 @@ class _Collector:
                     self.stats["garbled"] += 1
                     continue
                 self.stats["nccl_lines"] += 1
-                self.recs.append(_Rec(rec_host, int(m["pid"]), int(m["tid"]), int(m["dev"]), m["level"], m["where"],
-                                      line[m.end():].rstrip(), source))
+                self.recs.append(
+                    _Rec(
+                        rec_host,
+                        int(m["pid"]),
+                        int(m["tid"]),
+                        int(m["dev"]),
+                        m["level"],
+                        m["where"],
+                        line[m.end() :].rstrip(),
+                        source,
+                    )
+                )
             host = found[-1][0]
             self.bare_versions += [(host, v) for v in pending]
             pending = []
-
 
     def report(self, allow_socket: bool = False) -> NcclReport:
         """The records read in order, then what only the whole log tells: versions named by mismatch WARNs only,
@@ -269,8 +285,10 @@ class _Reader:
             comm.rank_hosts[src] = r.host
         if side == "receive" or (side is None and kind in ("P2P", "SHM")):
             comm.rank_hosts[dst] = r.host
-        link = self.links.setdefault((comm.key, src, dst, side, via),
-                                     Link(comm.key, src, m[3], dst, m[5], side, via, kind, gdrdma="/GDRDMA" in via))
+        link = self.links.setdefault(
+            (comm.key, src, dst, side, via),
+            Link(comm.key, src, m[3], dst, m[5], side, via, kind, gdrdma="/GDRDMA" in via),
+        )
         if int(m[1]) not in link.channels:
             link.channels.append(int(m[1]))
 
@@ -290,7 +308,8 @@ class _Reader:
             hosts = self.comms[link.comm].rank_hosts
             link.src_host, link.dst_host = hosts.get(link.src), hosts.get(link.dst)
             link.intra_node = link.kind in ("P2P", "SHM") or (
-                link.kind == "NET" and link.src_host is not None and link.src_host == link.dst_host)
+                link.kind == "NET" and link.src_host is not None and link.src_host == link.dst_host
+            )
             link.channels.sort()
 
     def networks(self, hosts: list[str]) -> dict[str, HostNetwork]:
@@ -314,8 +333,12 @@ class _Reader:
         return networks
 
     def warnings(self) -> list[NcclWarning]:
-        return [NcclWarning(r.host, r.pid, r.dev, self.proc_rank.get((r.host, r.pid, r.dev), (0, None))[1],
-                            r.where, r.msg, r.source) for r in self.warn_recs]
+        return [
+            NcclWarning(
+                r.host, r.pid, r.dev, self.proc_rank.get((r.host, r.pid, r.dev), (0, None))[1], r.where, r.msg, r.source
+            )
+            for r in self.warn_recs
+        ]
 
 
 def parse_lines(lines: Iterable[str], source: str = "<input>", allow_socket: bool = False) -> NcclReport:

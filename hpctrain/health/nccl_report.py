@@ -119,9 +119,15 @@ def _ranges(values: Iterable[int]) -> str:
     return ",".join(out)
 
 
-def derive_findings(versions: dict[str, set[str]], networks: dict[str, HostNetwork], links: list[Link],
-                    env: dict[str, dict[str, str]], warnings: list[NcclWarning], multi_node: bool,
-                    allow_socket: bool) -> list[Finding]:
+def derive_findings(
+    versions: dict[str, set[str]],
+    networks: dict[str, HostNetwork],
+    links: list[Link],
+    env: dict[str, dict[str, str]],
+    warnings: list[NcclWarning],
+    multi_node: bool,
+    allow_socket: bool,
+) -> list[Finding]:
     """The policy: what is an error (exit 1) and what a warning; see the tools/nccl_log.py docstring."""
     out: list[Finding] = []
     base = {v.split("+")[0] for vs in versions.values() for v in vs}
@@ -134,9 +140,15 @@ def derive_findings(versions: dict[str, set[str]], networks: dict[str, HostNetwo
             why = "; ".join(net.reasons) or "no reason logged"
             scope = "a multi-node job" if multi_node else "a single-node job"
             severity = ERROR if multi_node and not allow_socket else WARNING
-            out.append(Finding(severity, "socket-fallback",
-                               f"{host}: NCCL uses TCP sockets ({', '.join(net.socket_devices) or '?'}) "
-                               f"instead of IB/RoCE on {scope}; reason: {why}", host=host))
+            out.append(
+                Finding(
+                    severity,
+                    "socket-fallback",
+                    f"{host}: NCCL uses TCP sockets ({', '.join(net.socket_devices) or '?'}) "
+                    f"instead of IB/RoCE on {scope}; reason: {why}",
+                    host=host,
+                )
+            )
 
     slow: dict[tuple[str, int, int], list[Link]] = defaultdict(list)
     for link in links:
@@ -146,33 +158,54 @@ def derive_findings(versions: dict[str, set[str]], networks: dict[str, HostNetwo
         host = group[0].src_host or group[0].dst_host
         p2p = len({(k.src, k.dst) for k in links if k.comm == comm and k.kind == "P2P"})
         channels = _ranges(c for k in group for c in k.channels)
-        hint = "; ".join(f"{k}={v}" for k, v in env.get(host or "", {}).items() if k.startswith(("NCCL_P2P", "NCCL_SHM")))
-        out.append(Finding(WARNING, "intra-node-slow-path",
-                           f"{host}: intra-node hop {src}[{group[0].src_dev}] -> {dst}[{group[0].dst_dev}] "
-                           f"uses {', '.join(sorted({k.transport for k in group}))} (channels {channels}), "
-                           + (f"while {p2p} other intra-node rank pairs use P2P" if p2p else "no link uses P2P")
-                           + (f"; {hint}" if hint else ""), host=host, rank=src))
+        hint = "; ".join(
+            f"{k}={v}" for k, v in env.get(host or "", {}).items() if k.startswith(("NCCL_P2P", "NCCL_SHM"))
+        )
+        out.append(
+            Finding(
+                WARNING,
+                "intra-node-slow-path",
+                f"{host}: intra-node hop {src}[{group[0].src_dev}] -> {dst}[{group[0].dst_dev}] "
+                f"uses {', '.join(sorted({k.transport for k in group}))} (channels {channels}), "
+                + (f"while {p2p} other intra-node rank pairs use P2P" if p2p else "no link uses P2P")
+                + (f"; {hint}" if hint else ""),
+                host=host,
+                rank=src,
+            )
+        )
 
     inter = [k for k in links if k.kind == "NET" and not k.intra_node and not k.transport.startswith("NET/Socket")]
     if any(k.gdrdma for k in inter):
         for k in inter:
             if not k.gdrdma:
                 host = k.src_host if k.side == "send" else k.dst_host
-                out.append(Finding(WARNING, "no-gdrdma",
-                                   f"{host}: inter-node link {k.src} -> {k.dst} ({k.side} side) uses {k.transport} "
-                                   f"without GPUDirect RDMA (channels {_ranges(k.channels)}) while other "
-                                   "inter-node links use GDRDMA", host=host, rank=k.src if k.side == "send" else k.dst))
+                out.append(
+                    Finding(
+                        WARNING,
+                        "no-gdrdma",
+                        f"{host}: inter-node link {k.src} -> {k.dst} ({k.side} side) uses {k.transport} "
+                        f"without GPUDirect RDMA (channels {_ranges(k.channels)}) while other "
+                        "inter-node links use GDRDMA",
+                        host=host,
+                        rank=k.src if k.side == "send" else k.dst,
+                    )
+                )
 
     for w in warnings:
-        out.append(Finding(WARNING, "nccl-warn", f"{w.host} rank {w.rank} [{w.device}]: {w.message}",
-                           host=w.host, rank=w.rank))
+        out.append(
+            Finding(WARNING, "nccl-warn", f"{w.host} rank {w.rank} [{w.device}]: {w.message}", host=w.host, rank=w.rank)
+        )
     return out
 
 
 def format_text(report: NcclReport) -> str:
     """The human summary: versions, networks, communicators, transports, env, warnings, findings."""
-    out = [(f"NCCL log analysis: {len(report.sources)} file(s), {len(report.hosts)} host(s), "
-            f"{report.stats['nccl_lines']} NCCL lines, {report.stats['garbled']} garbled/truncated ignored")]
+    out = [
+        (
+            f"NCCL log analysis: {len(report.sources)} file(s), {len(report.hosts)} host(s), "
+            f"{report.stats['nccl_lines']} NCCL lines, {report.stats['garbled']} garbled/truncated ignored"
+        )
+    ]
     out.append("versions:")
     out += [f"  {h}: {', '.join(vs)}" for h, vs in report.versions.items()] or ["  (none logged)"]
     out.append("network:")
@@ -188,16 +221,25 @@ def format_text(report: NcclReport) -> str:
         links = [k for k in report.links if k.comm == comm.key]
         if not (links or comm.rings or comm.nranks):
             continue
-        shape = [f"{n} {what}" for n, what in [(comm.nranks, "ranks"), (comm.nnodes, "nodes"),
-                                                (comm.local_ranks, "local ranks"), (len(comm.rings), "rings"),
-                                                (len(comm.trees), "ranks with trees")] if n]
+        shape = [
+            f"{n} {what}"
+            for n, what in [
+                (comm.nranks, "ranks"),
+                (comm.nnodes, "nodes"),
+                (comm.local_ranks, "local ranks"),
+                (len(comm.rings), "rings"),
+                (len(comm.trees), "ranks with trees"),
+            ]
+            if n
+        ]
         out.append(f"communicator {comm.key}: {', '.join(shape)}")
         for ch, order in sorted(comm.rings.items())[:2]:
             out.append(f"  ring {ch:02d}: {' '.join(map(str, order))}")
         counts: dict[tuple[str, str], set[tuple[int, int]]] = defaultdict(set)
         for k in links:
             counts[("intra-node" if k.intra_node else "inter-node", re.sub(r"/\d+(\(\d+\))?", "", k.transport))].add(
-                (k.src, k.dst))
+                (k.src, k.dst)
+            )
         for (scope, via), pairs in sorted(counts.items()):
             out.append(f"  {scope} {via}: {len(pairs)} rank pairs")
     if report.env:
@@ -205,8 +247,10 @@ def format_text(report: NcclReport) -> str:
         out += [f"  {h}: " + " ".join(f"{k}={v}" for k, v in e.items()) for h, e in report.env.items()]
     if report.warnings:
         out.append("NCCL WARN:")
-        out += [" ".join(filter(None, [f"  {w.host} rank {w.rank} [{w.device}]", w.where, w.message]))
-                for w in report.warnings]
+        out += [
+            " ".join(filter(None, [f"  {w.host} rank {w.rank} [{w.device}]", w.where, w.message]))
+            for w in report.warnings
+        ]
     errors = len(report.errors)
     out.append("findings:")
     out += [f"  {f.severity.upper()} {f.code}: {f.message}" for f in report.findings] or ["  none"]

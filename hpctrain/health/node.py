@@ -78,6 +78,7 @@ def _collect(cmd: list[str], parse: Any) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ collectors
 
+
 def gpu_report() -> dict[str, Any]:
     """`nvidia-smi -q -x` parsed; "not present" without nvidia-smi. Xids are not in it (see XID_SOURCE)."""
     report = _collect(["nvidia-smi", "-q", "-x"], parse_nvidia_smi_xml)
@@ -113,22 +114,37 @@ def ib_report(root: str | os.PathLike[str] = "/sys/class/infiniband") -> dict[st
         ports = {}
         for port in sorted((dev / "ports").iterdir()) if (dev / "ports").is_dir() else []:
             rate = _read(port / "rate")
-            ports[port.name] = {"state": _read(port / "state"), "phys_state": _read(port / "phys_state"),
-                                "rate": rate, "rate_gbps": rate_gbps(rate),
-                                "link_layer": _read(port / "link_layer")}
-        devices[dev.name] = {"hca_type": _read(dev / "hca_type"), "fw_ver": _read(dev / "fw_ver"),
-                             "board_id": _read(dev / "board_id"), "ports": ports}
+            ports[port.name] = {
+                "state": _read(port / "state"),
+                "phys_state": _read(port / "phys_state"),
+                "rate": rate,
+                "rate_gbps": rate_gbps(rate),
+                "link_layer": _read(port / "link_layer"),
+            }
+        devices[dev.name] = {
+            "hca_type": _read(dev / "hca_type"),
+            "fw_ver": _read(dev / "fw_ver"),
+            "board_id": _read(dev / "board_id"),
+            "ports": ports,
+        }
     return {"status": "ok", "devices": devices}
 
 
 # ------------------------------------------------------------------------------------ software
 
+
 def software_versions(driver: str | None = None) -> dict[str, Any]:
     """Versions that must agree across nodes; torch is imported here, not at module level, so the
     health check stays cheap where torch is absent."""
-    versions: dict[str, Any] = {"python": platform.python_version(), "torch": None, "cuda": None,
-                                "nccl": None, "driver": driver, "hostname": socket.gethostname(),
-                                "kernel": platform.release()}
+    versions: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": None,
+        "cuda": None,
+        "nccl": None,
+        "driver": driver,
+        "hostname": socket.gethostname(),
+        "kernel": platform.release(),
+    }
     try:
         import torch
     except ImportError:
@@ -143,30 +159,47 @@ def software_versions(driver: str | None = None) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------- the node
 
-def node_report(expected_gpus: int, expected_gpu_name: str | None, kernel_log: str | None = None
-                ) -> dict[str, Any]:
+
+def node_report(expected_gpus: int, expected_gpu_name: str | None, kernel_log: str | None = None) -> dict[str, Any]:
     """Everything this node says about itself plus the `problems` found in it. `kernel_log` is the
     text of dmesg/journalctl -k when the caller can read it (often needs root), for Xids."""
     gpu = gpu_report()
     nvlink = nvlink_report()
     ib = ib_report()
     xids = parse_xid_lines(kernel_log) if kernel_log else []
-    problems = (gpu_problems(gpu, expected_gpus, expected_gpu_name) + nvlink_problems(nvlink)
-                + ib_problems(ib) + xid_problems(xids))
-    return {"hostname": socket.gethostname(), "gpu": gpu, "nvlink": nvlink, "topology": topology_report(),
-            "ib": ib, "software": software_versions(gpu.get("driver_version")), "xids": xids,
-            "problems": problems}
+    problems = (
+        gpu_problems(gpu, expected_gpus, expected_gpu_name)
+        + nvlink_problems(nvlink)
+        + ib_problems(ib)
+        + xid_problems(xids)
+    )
+    return {
+        "hostname": socket.gethostname(),
+        "gpu": gpu,
+        "nvlink": nvlink,
+        "topology": topology_report(),
+        "ib": ib,
+        "software": software_versions(gpu.get("driver_version")),
+        "xids": xids,
+        "problems": problems,
+    }
 
 
 # ------------------------------------------------------------------------------- across nodes
+
 
 def _facts(report: dict[str, Any]) -> dict[str, str]:
     """What must be identical on every node of a job, as printable values ("absent" when missing)."""
     sw = report.get("software", {})
     gpu = report.get("gpu", {})
-    facts = {"driver version": sw.get("driver") or gpu.get("driver_version"),
-             "CUDA version": sw.get("cuda"), "NCCL version": sw.get("nccl"), "torch version": sw.get("torch"),
-             "GPU model": ", ".join(gpu.get("product_names", [])) or None, "GPU count": gpu.get("count")}
+    facts = {
+        "driver version": sw.get("driver") or gpu.get("driver_version"),
+        "CUDA version": sw.get("cuda"),
+        "NCCL version": sw.get("nccl"),
+        "torch version": sw.get("torch"),
+        "GPU model": ", ".join(gpu.get("product_names", [])) or None,
+        "GPU count": gpu.get("count"),
+    }
     for name, dev in report.get("ib", {}).get("devices", {}).items():
         facts[f"IB firmware of {name}"] = dev.get("fw_ver")
     return {k: "absent" if v is None else str(v) for k, v in facts.items()}
@@ -203,8 +236,12 @@ def inconsistencies(reports: dict[str, dict[str, Any]]) -> list[tuple[str, list[
         if len(majority) > len(rest[0][1]):
             odd = "; ".join(f"{_names(nodes)} {_has(nodes)} {value}" for value, nodes in rest)
             others = "other" if len(majority) == 1 else "others"
-            messages.append((f"{key} differs: {odd}, {len(majority)} {others} {_has(majority)} {common}",
-                             [n for _, nodes in rest for n in nodes]))
+            messages.append(
+                (
+                    f"{key} differs: {odd}, {len(majority)} {others} {_has(majority)} {common}",
+                    [n for _, nodes in rest for n in nodes],
+                )
+            )
         else:
             groups_text = "; ".join(f"{_names(nodes)} {_has(nodes)} {value}" for value, nodes in ordered)
             messages.append((f"{key} differs: {groups_text}", sorted(facts)))
@@ -217,6 +254,7 @@ if __name__ == "__main__":
     from hpctrain.entry import EntryParser
 
     parser = EntryParser(prog="python -m hpctrain.health.node", description=__doc__)
-    parser.add_argument("expected_gpus", type=int, nargs="?", default=0,
-                        help="the GPUs this node should have (0: any number)")
+    parser.add_argument(
+        "expected_gpus", type=int, nargs="?", default=0, help="the GPUs this node should have (0: any number)"
+    )
     json.dump(node_report(parser.parse_args().expected_gpus, None), sys.stdout, indent=2)

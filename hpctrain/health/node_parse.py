@@ -8,8 +8,10 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
-XID_SOURCE = ("nvidia-smi does not list Xid errors; they are in the kernel log (dmesg / journalctl -k) "
-              "as 'NVRM: Xid (PCI:...): N, ...' lines: pass that text to parse_xid_lines")
+XID_SOURCE = (
+    "nvidia-smi does not list Xid errors; they are in the kernel log (dmesg / journalctl -k) "
+    "as 'NVRM: Xid (PCI:...): N, ...' lines: pass that text to parse_xid_lines"
+)
 # nvidia-smi topo -m path kinds, nearest first: a NIC behind the same PCIe switch (PIX/PXB) gives
 # GPUDirect RDMA at full rate; through the CPU host bridge (PHB), another bridge of the NUMA node
 # (NODE) or across sockets (SYS) it does not.
@@ -17,6 +19,7 @@ PATH_RANK = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4}
 
 
 # ---------------------------------------------------------------------------------------- GPUs
+
 
 def _text(node: ET.Element | None, path: str) -> str | None:
     """Element text with nvidia-smi's "N/A" (and empty) read as None."""
@@ -52,8 +55,9 @@ def _uncorrectable(counts: ET.Element | None) -> dict[str, int]:
     """Uncorrectable ECC counts by location; Ampere+ drivers say SRAM/DRAM (newer split SRAM into
     parity/SECDED), pre-Ampere ones count double-bit errors."""
     found: dict[str, int] = {}
-    sram = [_int(counts, tag) for tag in ("sram_uncorrectable", "sram_uncorrectable_parity",
-                                          "sram_uncorrectable_secded")]
+    sram = [
+        _int(counts, tag) for tag in ("sram_uncorrectable", "sram_uncorrectable_parity", "sram_uncorrectable_secded")
+    ]
     if any(v is not None for v in sram):
         found["sram"] = sum(v for v in sram if v is not None)
     for key, path in (("dram", "dram_uncorrectable"), ("double_bit", "double_bit/total")):
@@ -72,8 +76,10 @@ def _gpu(index: int, el: ET.Element) -> dict[str, Any]:
         "pci_bus_id": _text(el, "pci/pci_bus_id") or el.get("id"),
         "product_name": _text(el, "product_name"),
         "ecc_mode": _text(el, "ecc_mode/current_ecc"),
-        "ecc_uncorrectable": {"volatile": _uncorrectable(el.find("ecc_errors/volatile")),
-                              "aggregate": _uncorrectable(el.find("ecc_errors/aggregate"))},
+        "ecc_uncorrectable": {
+            "volatile": _uncorrectable(el.find("ecc_errors/volatile")),
+            "aggregate": _uncorrectable(el.find("ecc_errors/aggregate")),
+        },
         "retired_pages": {
             "single_bit": _int(el, "retired_pages/multiple_single_bit_retirement/retired_count"),
             "double_bit": _int(el, "retired_pages/double_bit_retirement/retired_count"),
@@ -84,11 +90,14 @@ def _gpu(index: int, el: ET.Element) -> dict[str, Any]:
             "uncorrectable": _int(remap, "remapped_row_unc"),
             "pending": _yes(remap, "remapped_row_pending"),
             "failure": _yes(remap, "remapped_row_failure"),
-        } if has_remap else None,
+        }
+        if has_remap
+        else None,
         "sm_clock_mhz": _int(el, "clocks/sm_clock"),
         "sm_clock_max_mhz": _int(el, "max_clocks/sm_clock"),
-        "power_draw_w": _number(el, "gpu_power_readings/power_draw", "gpu_power_readings/instant_power_draw",
-                                "power_readings/power_draw"),
+        "power_draw_w": _number(
+            el, "gpu_power_readings/power_draw", "gpu_power_readings/instant_power_draw", "power_readings/power_draw"
+        ),
         "power_limit_w": _number(el, "gpu_power_readings/current_power_limit", "power_readings/power_limit"),
         "temperature_c": _number(el, "temperature/gpu_temp"),
     }
@@ -122,17 +131,20 @@ def parse_xid_lines(text: str) -> list[dict[str, Any]]:
             continue
         rest = match.group("rest")
         pid = re.match(r"pid='?(?P<pid>[^,']+)'?, name=(?P<name>[^,]*), (?P<msg>.*)$", rest)
-        events.append({
-            "pci": match.group("pci").lower(),
-            "xid": int(match.group("xid")),
-            "pid": pid.group("pid") if pid else None,
-            "name": pid.group("name") if pid else None,
-            "message": (pid.group("msg") if pid else rest).strip(),
-        })
+        events.append(
+            {
+                "pci": match.group("pci").lower(),
+                "xid": int(match.group("xid")),
+                "pid": pid.group("pid") if pid else None,
+                "name": pid.group("name") if pid else None,
+                "message": (pid.group("msg") if pid else rest).strip(),
+            }
+        )
     return events
 
 
 # -------------------------------------------------------------------------------------- NVLink
+
 
 def parse_nvlink_status(text: str) -> dict[str, Any]:
     """`nvidia-smi nvlink -s`: per GPU, per link its speed in GB/s, or None for `<inactive>`."""
@@ -153,6 +165,7 @@ def parse_nvlink_status(text: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------ topology
 
+
 def parse_topo_matrix(text: str) -> dict[str, Any]:
     """`nvidia-smi topo -m`: each GPU's nearest NIC(s) (used to pick NCCL_IB_HCA per local rank) and
     its CPU/NUMA affinity. NICn columns are renamed through the "NIC Legend" when present."""
@@ -165,12 +178,12 @@ def parse_topo_matrix(text: str) -> dict[str, Any]:
     names = [legend.get(d, d) for d in devices]
     nics = [n for d, n in zip(devices, names) if not d.startswith("GPU")]
     gpus: dict[str, dict[str, Any]] = {}
-    for line in lines[header_at + 1:]:
+    for line in lines[header_at + 1 :]:
         tokens = line.split()
         if not tokens or not re.fullmatch(r"GPU\d+", tokens[0]) or len(tokens) < 1 + len(devices):
             continue
-        cells = dict(zip(names, tokens[1:1 + len(devices)]))
-        rest = dict(zip(extras, tokens[1 + len(devices):]))
+        cells = dict(zip(names, tokens[1 : 1 + len(devices)]))
+        rest = dict(zip(extras, tokens[1 + len(devices) :]))
         paths = {nic: cells[nic] for nic in nics if cells[nic] in PATH_RANK}
         best = min((PATH_RANK[p] for p in paths.values()), default=None)
         gpus[tokens[0]] = {
@@ -183,6 +196,7 @@ def parse_topo_matrix(text: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- InfiniBand
+
 
 def rate_gbps(rate: str | None) -> float | None:
     """Gb/s from an IB rate such as "200 Gb/sec (4X HDR)"."""
@@ -215,6 +229,11 @@ def parse_ibstat(text: str) -> dict[str, Any]:
         elif key == "Rate":
             port.update(rate=value, rate_gbps=rate_gbps(value))
         else:
-            port.update({"State": {"state": value}, "Physical state": {"phys_state": value},
-                         "Link layer": {"link_layer": value}}.get(key, {}))
+            port.update(
+                {
+                    "State": {"state": value},
+                    "Physical state": {"phys_state": value},
+                    "Link layer": {"link_layer": value},
+                }.get(key, {})
+            )
     return {"status": "ok", "devices": devices}

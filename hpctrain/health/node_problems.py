@@ -52,8 +52,10 @@ def nvlink_problems(nvlink: dict[str, Any]) -> list[str]:
         links = g["links"]
         down = [n for n, speed in links.items() if speed is None]
         if down and len(down) < len(links):
-            problems.append(f"GPU {index}: NVLink link(s) {', '.join(down)} inactive "
-                            f"({len(links) - len(down)} of {len(links)} active)")
+            problems.append(
+                f"GPU {index}: NVLink link(s) {', '.join(down)} inactive "
+                f"({len(links) - len(down)} of {len(links)} active)"
+            )
     return problems
 
 

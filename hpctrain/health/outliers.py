@@ -26,8 +26,9 @@ MAD_SCALE = 0.6745
 MEAN_AD_SCALE = 1.253314
 
 
-def robust_outliers(values: dict[str, float], threshold: float = 3.5, higher_is_worse: bool = True,
-                    min_rel: float = 0.1) -> dict[str, float]:
+def robust_outliers(
+    values: dict[str, float], threshold: float = 3.5, higher_is_worse: bool = True, min_rel: float = 0.1
+) -> dict[str, float]:
     """name -> modified z-score of the values that are worse than the rest (higher, or lower when
     `higher_is_worse` is False; the score is then sign-flipped so it is positive for worse)."""
     if len(values) < 3:

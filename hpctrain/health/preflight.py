@@ -25,9 +25,10 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,9 +98,13 @@ def device_synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def allreduce_busbw(device: torch.device, megabytes: int, group: Any = None,
-                    synchronize: Callable[[], None] | None = None,
-                    clock: Callable[[], float] = time.perf_counter) -> float | None:
+def allreduce_busbw(
+    device: torch.device,
+    megabytes: int,
+    group: Any = None,
+    synchronize: Callable[[], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float | None:
     """Bus bandwidth of an all-reduce over `group` (default: the whole job), bytes/s as nccl-tests defines it.
 
     The clock starts only once the warm-up all-reduce has finished on the device (it sets up NCCL's channels
@@ -164,8 +169,11 @@ def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Pa
         if hc.preflight in ("exclude", "drain"):
             raise UnhealthyNodes(sorted(bad), bad)
     else:
-        log.info("pre-flight: %d node(s) healthy in %.1f s", len({e["host"] for e in everyone}),
-                 time.perf_counter() - started)
+        log.info(
+            "pre-flight: %d node(s) healthy in %.1f s",
+            len({e["host"] for e in everyone}),
+            time.perf_counter() - started,
+        )
     return Preflight(bad, path)
 
 
@@ -204,8 +212,9 @@ def _slowest_per_host(timings: list[dict[str, Any]]) -> dict[str, float]:
     return per_host
 
 
-def _judge(everyone: list[dict[str, Any]], hc: Any, again: list[dict[str, Any]] | None = None
-           ) -> tuple[dict[str, list[str]], dict[str, Any]]:
+def _judge(
+    everyone: list[dict[str, Any]], hc: Any, again: list[dict[str, Any]] | None = None
+) -> tuple[dict[str, list[str]], dict[str, Any]]:
     """The bad nodes and the report. With `again` (the confirming round), a node is slow only when it is an
     outlier in both rounds; its reason gives both timings."""
     hosts = sorted({e["host"] for e in everyone})
@@ -220,14 +229,23 @@ def _judge(everyone: list[dict[str, Any]], hc: Any, again: list[dict[str, Any]] 
             bad.setdefault(h, []).append(message)
     consistency = [message for message, _ in found]
     rounds = [_slowest_per_host(everyone)] + ([_slowest_per_host(again)] if again is not None else [])
-    flagged = [robust_outliers(r, threshold=hc.outlier_threshold, higher_is_worse=True, min_rel=hc.min_slowdown)
-               if len(hosts) >= 3 else {} for r in rounds]
+    flagged = [
+        robust_outliers(r, threshold=hc.outlier_threshold, higher_is_worse=True, min_rel=hc.min_slowdown)
+        if len(hosts) >= 3
+        else {}
+        for r in rounds
+    ]
     slow = {h: min(f[h] for f in flagged) for h in flagged[0] if all(h in f for f in flagged)}
     for h, score in slow.items():
-        timings = " then ".join(f"{r[h] * 1e3:.1f} ms vs median {statistics.median(r.values()) * 1e3:.1f} ms"
-                                for r in rounds)
+        timings = " then ".join(
+            f"{r[h] * 1e3:.1f} ms vs median {statistics.median(r.values()) * 1e3:.1f} ms" for r in rounds
+        )
         bad.setdefault(h, []).append(f"matmul {timings} (robust z {score:.1f})")
-    summary = {"hosts": {h: {"report": reports.get(h), "matmul_s": [r[h] for r in rounds]} for h in hosts},
-               "consistency": consistency, "slow": slow, "suspects": sorted(flagged[0]), "bad": bad}
+    summary = {
+        "hosts": {h: {"report": reports.get(h), "matmul_s": [r[h] for r in rounds]} for h in hosts},
+        "consistency": consistency,
+        "slow": slow,
+        "suspects": sorted(flagged[0]),
+        "bad": bad,
+    }
     return bad, summary
-

@@ -36,9 +36,10 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hpctrain.records.failures import record_failure
 from hpctrain.records.paths import RunPaths
@@ -96,7 +97,7 @@ def _inner_frames(stack: str) -> list[str]:
     torch/distributed/elastic frames at the bottom of every stack, a rank asleep in Python included."""
     files = re.findall(r'File "([^"]+)"', stack)
     ours = [i for i, f in enumerate(files) if "/hpctrain/" in f]
-    return files[ours[-1] + 1:] if ours else files
+    return files[ours[-1] + 1 :] if ours else files
 
 
 def decide(trace: dict[str, Any] | None, main_stack: str, backend: str | None, now_ns: int) -> Verdict:
@@ -106,10 +107,15 @@ def decide(trace: dict[str, Any] | None, main_stack: str, backend: str | None, n
         pending = pending_collectives(trace or {})
         if pending:
             oldest = min(pending, key=lambda e: int(e.get("time_created_ns") or 0))
-            return Verdict(True, f"waiting for another rank in {_describe(oldest, now_ns)}; "
-                                 f"{len(pending)} collective(s) in flight (flight recorder)")
+            return Verdict(
+                True,
+                f"waiting for another rank in {_describe(oldest, now_ns)}; "
+                f"{len(pending)} collective(s) in flight (flight recorder)",
+            )
     nccl = "nccl" in (backend or "")
-    if any(b in frame for frame in _inner_frames(main_stack) for b in (NCCL_BLOCKING_FRAMES if nccl else BLOCKING_FRAMES)):
+    if any(
+        b in frame for frame in _inner_frames(main_stack) for b in (NCCL_BLOCKING_FRAMES if nccl else BLOCKING_FRAMES)
+    ):
         return Verdict(True, "waiting for another rank in torch.distributed (main thread's stack)")
     source = "flight recorder and main thread's stack" if recorder_on(trace) else "main thread's stack"
     return Verdict(False, f"stuck outside collectives: nothing in flight ({source})")
@@ -122,8 +128,17 @@ STOPPED_S = 5.0
 
 
 class Watchdog:
-    def __init__(self, run_dir: Path, job_id: str, rank: int, timeout_s: float, factor: float,
-                 startup_timeout_s: float, poll_s: float = 1.0, ceiling_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        job_id: str,
+        rank: int,
+        timeout_s: float,
+        factor: float,
+        startup_timeout_s: float,
+        poll_s: float = 1.0,
+        ceiling_s: float = 0.0,
+    ) -> None:
         self.run_dir, self.job_id, self.rank = run_dir, job_id, rank
         self.timeout_s, self.factor, self.startup_timeout_s = timeout_s, factor, startup_timeout_s
         self.poll_s = poll_s
@@ -139,7 +154,7 @@ class Watchdog:
         self._device = _current_cuda_device()  # for the flight recorder's reads on a thread of their own
         self._thread = threading.Thread(target=self._watch, name="hpctrain-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if self.timeout_s > 0:
             self._thread.start()
         return self
@@ -202,8 +217,11 @@ class Watchdog:
                 self.last += stopped
                 if self.boundary_due is not None:
                     self.boundary_due += stopped
-                log.warning("rank %d: this process was stopped for %.0f s (suspended?): the hang limit starts again",
-                            self.rank, stopped)
+                log.warning(
+                    "rank %d: this process was stopped for %.0f s (suspended?): the hang limit starts again",
+                    self.rank,
+                    stopped,
+                )
                 continue
             due = self.boundary_due
             if now - self.last > self.limit() or (due is not None and now > due):
@@ -219,8 +237,7 @@ class Watchdog:
         directory.mkdir(parents=True, exist_ok=True)
         dump = directory / f"rank{self.rank}.txt"
         with open(dump, "w") as f:
-            f.write(f"rank {self.rank}: no step completed for {waited:.0f} s after step {self.step} "
-                    f"({self._why()})\n")
+            f.write(f"rank {self.rank}: no step completed for {waited:.0f} s after step {self.step} ({self._why()})\n")
             faulthandler.dump_traceback(file=f, all_threads=True)
         main_stack = "".join(traceback.format_stack(sys._current_frames()[self._main.ident]))
         backend = _backend()
@@ -228,8 +245,10 @@ class Watchdog:
         verdict = decide(active, main_stack, backend, time.time_ns())
         with open(dump, "a") as f:
             f.write(f"\nverdict: {verdict.reason}\n")
-        exc = Hang(f"no step completed in {waited:.0f} s after step {self.step} ({self._why()}); "
-                   f"{verdict.reason}; stacks in {dump}")
+        exc = Hang(
+            f"no step completed in {waited:.0f} s after step {self.step} ({self._why()}); "
+            f"{verdict.reason}; stacks in {dump}"
+        )
         record_failure(self.run_dir, self.job_id, self.rank, self.step + 1, exc, peer=verdict.peer)
         log.error("%s", exc)
         _save_full_traces(directory, self.rank, backend, self._device)

@@ -7,13 +7,13 @@ submitted, and reported with the key and the fix.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hpctrain.plan.checks import run_checks
 from hpctrain.config.problems import CheckReport, ConfigError, Problem
 from hpctrain.config.schema import simulating
 from hpctrain.launch.data import prepare_data
@@ -21,6 +21,7 @@ from hpctrain.launch.plan_view import build_plan, render
 from hpctrain.launch.resume import finished, resume_config
 from hpctrain.launch.rundir import RunDir, owner_problems, resolve_run_dir, tier_problems
 from hpctrain.launch.secrets import redact
+from hpctrain.plan.checks import run_checks
 
 EXIT_CONFIG_ERROR = 2
 
@@ -67,8 +68,10 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
         print(f"hpctrain: {done}", flush=True)
         return Outcome(0, run_dir.run_id, str(run_dir.path))
     if done:
-        print("note: " + done.replace("nothing was submitted", "without dry_run nothing would be submitted"),
-              file=sys.stderr)
+        print(
+            "note: " + done.replace("nothing was submitted", "without dry_run nothing would be submitted"),
+            file=sys.stderr,
+        )
     cfg.run.id = run_dir.run_id
     _join_sweep(cfg)
     plan = build_plan(cfg, report, run_dir)
@@ -104,8 +107,9 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
     return Outcome(code, run_dir.run_id, str(run_dir.path), job_id, error=error)
 
 
-def prepare(cfg: DictConfig, overrides: list[str] | None,
-            compose: Callable[[list[str]], DictConfig] | None = None) -> Prepared:
+def prepare(
+    cfg: DictConfig, overrides: list[str] | None, compose: Callable[[list[str]], DictConfig] | None = None
+) -> Prepared:
     """Everything before the plan, with no side effect: the resume's config, DeepSpeed's settings, parallel=auto,
     every check (all problems at once) and the run directory it will use. Raises ConfigError when the run must
     not go on (a dry run goes on to its plan when the layout resolves)."""
@@ -152,8 +156,8 @@ def check_all(cfg: DictConfig, run_dir: Path | None = None) -> CheckReport:
     except ConfigError as err:
         first = list(err.problems)
     from hpctrain.config.checks import check_schema
-    from hpctrain.plan.checks import CHECKS
     from hpctrain.config.layout import Layout, resolve_layout
+    from hpctrain.plan.checks import CHECKS
 
     problems: list[Problem] = []
     for step in (check_schema, resolve_layout):
@@ -213,15 +217,25 @@ def apply_deepspeed(cfg: DictConfig, explicit: set[str]) -> None:
             kept.append(key)
             continue
         OmegaConf.update(cfg, key, value, merge=False)
-    print(f"deepspeed: {path}\n" + "\n".join(f"  {line}" for line in translation.report().splitlines())
-          + "".join(f"\n  (the command line's {key}={OmegaConf.select(cfg, key)} kept over the file's "
-                    f"{translation.overrides[key]})" for key in kept), file=sys.stderr)
+    print(
+        f"deepspeed: {path}\n"
+        + "\n".join(f"  {line}" for line in translation.report().splitlines())
+        + "".join(
+            f"\n  (the command line's {key}={OmegaConf.select(cfg, key)} kept over the file's "
+            f"{translation.overrides[key]})"
+            for key in kept
+        ),
+        file=sys.stderr,
+    )
 
 
 def _explicit_keys(overrides: list[str] | None) -> set[str]:
     """The keys (and config groups) the command line set itself."""
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides or []
-            if "=" in o and o.split("=", 1)[0].lstrip("+~") not in ("deepspeed", "experiment")}
+    return {
+        o.split("=", 1)[0].lstrip("+~")
+        for o in overrides or []
+        if "=" in o and o.split("=", 1)[0].lstrip("+~") not in ("deepspeed", "experiment")
+    }
 
 
 def apply_auto(cfg: DictConfig) -> None:
@@ -236,15 +250,25 @@ def apply_auto(cfg: DictConfig) -> None:
     if shape.errors:
         raise ConfigError(shape.errors)
     c = cfg.cluster
-    candidates = search_layouts(model_shape(cfg.model, cfg.train.seq_len), c.nodes * c.gpus_per_node,
-                                cluster_hardware(c), cfg.train.global_batch, dtype=cfg.precision.dtype.value,
-                                reduce_dtype=cfg.precision.reduce_dtype.value)
+    candidates = search_layouts(
+        model_shape(cfg.model, cfg.train.seq_len),
+        c.nodes * c.gpus_per_node,
+        cluster_hardware(c),
+        cfg.train.global_batch,
+        dtype=cfg.precision.dtype.value,
+        reduce_dtype=cfg.precision.reduce_dtype.value,
+    )
     if not candidates:
-        raise ConfigError([Problem(
-            "parallel.auto", f"no layout of {cfg.model.name} on {c.nodes} x {c.gpus_per_node} {c.gpu_type} with "
-            f"global batch {cfg.train.global_batch} fits in memory",
-            "add nodes, change train.global_batch, or use offload (zero=stage3_offload) with an explicit layout",
-        )])
+        raise ConfigError(
+            [
+                Problem(
+                    "parallel.auto",
+                    f"no layout of {cfg.model.name} on {c.nodes} x {c.gpus_per_node} {c.gpu_type} with "
+                    f"global batch {cfg.train.global_batch} fits in memory",
+                    "add nodes, change train.global_batch, or use offload (zero=stage3_offload) with an explicit layout",
+                )
+            ]
+        )
     for key, value in layout_overrides(candidates[0].layout).items():
         OmegaConf.update(cfg, key, value)
     print(f"parallel=auto chose: {candidates[0].why}", file=sys.stderr)
@@ -287,8 +311,13 @@ def exit_on_failure(outcome: Outcome) -> dict[str, Any]:
     """Exit non-zero on failure; return what happened (a Hydra multirun's sweep table reads it). A point of a
     multirun returns its failure instead, so the sweep goes on and its table shows the error; the sweep then
     exits with the code (hpctrain.launch.sweep)."""
-    result = {"run_id": outcome.run_id, "run_dir": outcome.run_dir, "job_id": outcome.job_id,
-              "code": outcome.code, "error": outcome.error}
+    result = {
+        "run_id": outcome.run_id,
+        "run_dir": outcome.run_dir,
+        "job_id": outcome.job_id,
+        "code": outcome.code,
+        "error": outcome.error,
+    }
     if outcome.code and not _in_multirun():
         sys.exit(outcome.code)
     return result

@@ -15,21 +15,41 @@ def prepare_data(data: DataConfig) -> None:
     from hpctrain.data.indexed import exists
     from hpctrain.data.prepare import PrepareError, prepare
 
-    (_, prefix), = parse_blend(data.blend)
+    ((_, prefix),) = parse_blend(data.blend)
     if exists(prefix):
         return
     p = data.prepare
     # progress on stderr as it goes (a bar on a terminal, else a line every few seconds): this can take minutes
     print(f"data: preparing {prefix} from {', '.join(p.inputs)} (once: a later run finds it)", flush=True)
     try:
-        summary = prepare(list(p.inputs), prefix, tokenizer=p.tokenizer, vocab_size=p.vocab_size,
-                          workers=p.workers, text_key=p.text_key, progress=True)
+        summary = prepare(
+            list(p.inputs),
+            prefix,
+            tokenizer=p.tokenizer,
+            vocab_size=p.vocab_size,
+            workers=p.workers,
+            text_key=p.text_key,
+            progress=True,
+        )
         print(f"data: prepared {summary}", flush=True)
     except PrepareError as exc:
-        raise ConfigError([Problem("data.prepare.inputs", str(exc), "fix the input, or prepare the dataset yourself "
-                                   "with python -m hpctrain.data.prepare")]) from exc
+        raise ConfigError(
+            [
+                Problem(
+                    "data.prepare.inputs",
+                    str(exc),
+                    "fix the input, or prepare the dataset yourself with python -m hpctrain.data.prepare",
+                )
+            ]
+        ) from exc
     if summary.vocab_size > data.vocab_size:
-        raise ConfigError([Problem("data.vocab_size", f"the tokenizer of {prefix} has {summary.vocab_size} tokens, "
-                                   f"more than data.vocab_size={data.vocab_size}",
-                                   f"set data.vocab_size={summary.vocab_size} and model.vocab_size>="
-                                   f"{summary.vocab_size}")])
+        raise ConfigError(
+            [
+                Problem(
+                    "data.vocab_size",
+                    f"the tokenizer of {prefix} has {summary.vocab_size} tokens, "
+                    f"more than data.vocab_size={data.vocab_size}",
+                    f"set data.vocab_size={summary.vocab_size} and model.vocab_size>={summary.vocab_size}",
+                )
+            ]
+        )

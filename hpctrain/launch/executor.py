@@ -28,13 +28,17 @@ def job_spec(cfg: Any, run_id: str, layout: Layout, folder: Path) -> JobSpec:
     per rank."""
     ranks_per_task = layout.gpus_per_node if cfg.launcher.in_allocation else 1
     spares = cfg.cluster.spare_nodes if cfg.launcher.in_allocation else 0
-    return JobSpec(name=f"hpctrain-{cfg.run.name}-{run_id}", folder=folder, run_dir=folder.parent,
-                   nodes=layout.nodes + spares,
-                   tasks_per_node=layout.gpus_per_node // ranks_per_task,
-                   gpus_per_node=0 if cfg.cluster.gpu_type == "cpu" else layout.gpus_per_node,
-                   cpus_per_task=cfg.cluster.cpus_per_task * ranks_per_task,
-                   survive_node_loss=bool(cfg.launcher.in_allocation and (spares or cfg.elastic.min_nodes)),
-                   after=(sys.executable, "-m", SUPERVISOR, str(folder.parent)))
+    return JobSpec(
+        name=f"hpctrain-{cfg.run.name}-{run_id}",
+        folder=folder,
+        run_dir=folder.parent,
+        nodes=layout.nodes + spares,
+        tasks_per_node=layout.gpus_per_node // ranks_per_task,
+        gpus_per_node=0 if cfg.cluster.gpu_type == "cpu" else layout.gpus_per_node,
+        cpus_per_task=cfg.cluster.cpus_per_task * ranks_per_task,
+        survive_node_loss=bool(cfg.launcher.in_allocation and (spares or cfg.elastic.min_nodes)),
+        after=(sys.executable, "-m", SUPERVISOR, str(folder.parent)),
+    )
 
 
 def sbatch_preview(cfg: Any, layout: Layout, run_id: str, folder: Path) -> str:

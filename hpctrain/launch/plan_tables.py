@@ -16,12 +16,15 @@ def stage_lines(counts: dict[str, Any], tp: int, ep: int = 1) -> list[str]:
     of the experts (closed form, hpctrain.models.params)."""
     stages, ranks = counts["params_per_stage"], counts["stages_of_rank"]
     split = f"TP {tp}" + (f", EP {ep}" if ep > 1 else "")
-    lines = [f"parameters per pipeline rank: {len(stages)} stages, {split} ({counts['last_stage_head']} on the "
-             "last stage)"]
+    lines = [
+        f"parameters per pipeline rank: {len(stages)} stages, {split} ({counts['last_stage_head']} on the last stage)"
+    ]
     for r, (mine, per_gpu) in enumerate(zip(ranks, counts["params_per_gpu_before_zero"])):
-        lines.append(f"  pipeline rank {r}: stage(s) {','.join(map(str, mine))} "
-                     f"{sum(stages[s] for s in mine):>16,} params, {per_gpu:>15,} per GPU after "
-                     + ("TP and EP" if ep > 1 else "TP"))
+        lines.append(
+            f"  pipeline rank {r}: stage(s) {','.join(map(str, mine))} "
+            f"{sum(stages[s] for s in mine):>16,} params, {per_gpu:>15,} per GPU after "
+            + ("TP and EP" if ep > 1 else "TP")
+        )
     return lines
 
 
@@ -29,21 +32,28 @@ def memory_lines(est: Estimates) -> list[str]:
     """The most loaded GPU's memory, column by column with its parts, and whether it fits."""
     mem, hw, g = est.memory, est.hw, GiB
     bar_total = max(mem.total, mem.usable)
-    lines = [f"per-GPU memory (most loaded GPU: pipeline stage {mem.stage}; {hw.name}, "
-             f"{hw.gpu_mem_bytes / g:.0f} GiB, {mem.usable / g:.1f} GiB usable after the reserve)"]
-    columns = (("parameters", "params", mem.params), ("gradients", "grads", mem.grads),
-               ("optimizer", "optimizer", mem.optimizer), ("buffers", "buffers", mem.buffers),
-               ("activations", "activations", mem.activations),
-               ("total", "", mem.total))
+    lines = [
+        f"per-GPU memory (most loaded GPU: pipeline stage {mem.stage}; {hw.name}, "
+        f"{hw.gpu_mem_bytes / g:.0f} GiB, {mem.usable / g:.1f} GiB usable after the reserve)"
+    ]
+    columns = (
+        ("parameters", "params", mem.params),
+        ("gradients", "grads", mem.grads),
+        ("optimizer", "optimizer", mem.optimizer),
+        ("buffers", "buffers", mem.buffers),
+        ("activations", "activations", mem.activations),
+        ("total", "", mem.total),
+    )
     for name, kind, value in columns:
         bar = "#" * round(30 * value / bar_total) if bar_total else ""
         lines.append(f"  {name:<12} {value / g:9.2f} GiB  {bar}")
-        lines += [f"  {'':<12} {p.bytes / g:9.2f} GiB    {p.name}" + _place(p)
-                  for p in mem.parts if p.kind == kind]
+        lines += [f"  {'':<12} {p.bytes / g:9.2f} GiB    {p.name}" + _place(p) for p in mem.parts if p.kind == kind]
     verdict = "fits" if mem.fits else "DOES NOT FIT"
-    lines.append(f"  {verdict}: headroom {mem.headroom / g:.2f} GiB"
-                 + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU memory" if mem.cpu_offload_bytes else "")
-                 + (f", {mem.nvme_bytes / g:.1f} GiB to NVMe" if mem.nvme_bytes else ""))
+    lines.append(
+        f"  {verdict}: headroom {mem.headroom / g:.2f} GiB"
+        + (f"; {mem.cpu_offload_bytes / g:.1f} GiB offloaded to CPU memory" if mem.cpu_offload_bytes else "")
+        + (f", {mem.nvme_bytes / g:.1f} GiB to NVMe" if mem.nvme_bytes else "")
+    )
     return lines + offload_memory_lines(est)
 
 
@@ -56,12 +66,16 @@ def offload_memory_lines(est: Estimates) -> list[str]:
     o, hw, g = est.step.offload, est.hw, GiB
     if o is None:
         return []
-    lines = [f"  host memory per node  {o.host_bytes_per_node / g:9.2f} GiB of {hw.host_mem_bytes / g:.0f} GiB "
-             f"({o.gpus_per_node} GPUs x {o.host_bytes_per_gpu / g:.2f} GiB):",
-             f"  {'':<21} {o.host_terms()}"]
+    lines = [
+        f"  host memory per node  {o.host_bytes_per_node / g:9.2f} GiB of {hw.host_mem_bytes / g:.0f} GiB "
+        f"({o.gpus_per_node} GPUs x {o.host_bytes_per_gpu / g:.2f} GiB):",
+        f"  {'':<21} {o.host_terms()}",
+    ]
     if o.device == "nvme":
-        lines.append(f"  NVMe per node         {o.nvme_bytes_per_node / g:9.2f} GiB of {hw.nvme_bytes / 1e12:.1f} TB "
-                     f"(Adam moments: {o.gpus_per_node} GPUs x {o.nvme_bytes_per_gpu / g:.2f} GiB)")
+        lines.append(
+            f"  NVMe per node         {o.nvme_bytes_per_node / g:9.2f} GiB of {hw.nvme_bytes / 1e12:.1f} TB "
+            f"(Adam moments: {o.gpus_per_node} GPUs x {o.nvme_bytes_per_gpu / g:.2f} GiB)"
+        )
     return lines
 
 
@@ -99,19 +113,23 @@ def offload_step_lines(est: Estimates) -> list[str]:
     o = st.offload
     if o is None:
         return []
-    lines = [f"  offload              {st.offload_s:.3f} s exposed = optimizer step on the CPU {o.optimizer_s:.3f} + "
-             f"PCIe {o.pcie_s:.3f}: {st.offload_slowdown:.1%} slower than without offload",
-             f"    PCIe per GPU       {o.pcie_bytes / 1e9:.3f} GB per step ({o.all_gathers} x {o.h2d_bytes / max(o.all_gathers, 1) / 1e9:.3f} "
-             f"GB of parameter shard to the GPU, {o.d2h_bytes / 1e9:.3f} GB of gradient shard back) at "
-             f"{hw.pcie_bw / 1e9:.0f} GB/s",
-             f"    CPU Adam           {o.shard_params / 1e6:,.1f}M parameters per rank at {hw.adam_rate_per_gpu() / 1e9:.2f}e9 "
-             f"per second (the node's {hw.cpu_adam_rate / 1e9:.1f}e9 shared by {o.gpus_per_node} ranks): "
-             f"{o.cpu_adam_s:.3f} s"]
+    lines = [
+        f"  offload              {st.offload_s:.3f} s exposed = optimizer step on the CPU {o.optimizer_s:.3f} + "
+        f"PCIe {o.pcie_s:.3f}: {st.offload_slowdown:.1%} slower than without offload",
+        f"    PCIe per GPU       {o.pcie_bytes / 1e9:.3f} GB per step ({o.all_gathers} x {o.h2d_bytes / max(o.all_gathers, 1) / 1e9:.3f} "
+        f"GB of parameter shard to the GPU, {o.d2h_bytes / 1e9:.3f} GB of gradient shard back) at "
+        f"{hw.pcie_bw / 1e9:.0f} GB/s",
+        f"    CPU Adam           {o.shard_params / 1e6:,.1f}M parameters per rank at {hw.adam_rate_per_gpu() / 1e9:.2f}e9 "
+        f"per second (the node's {hw.cpu_adam_rate / 1e9:.1f}e9 shared by {o.gpus_per_node} ranks): "
+        f"{o.cpu_adam_s:.3f} s",
+    ]
     if o.device == "nvme":
-        lines.append(f"    NVMe per node      {o.nvme_read_bytes / 1e9:.2f} GB read + {o.nvme_write_bytes / 1e9:.2f} GB "
-                     f"written per step at {hw.nvme_read_bw / 1e9:.0f}/{hw.nvme_write_bw / 1e9:.0f} GB/s: "
-                     f"{o.nvme_read_s:.3f} + {o.nvme_write_s:.3f} s, overlapping the update: "
-                     + ("the drives bound the optimizer step" if o.nvme_bound else "the CPU bounds the optimizer step"))
+        lines.append(
+            f"    NVMe per node      {o.nvme_read_bytes / 1e9:.2f} GB read + {o.nvme_write_bytes / 1e9:.2f} GB "
+            f"written per step at {hw.nvme_read_bw / 1e9:.0f}/{hw.nvme_write_bw / 1e9:.0f} GB/s: "
+            f"{o.nvme_read_s:.3f} + {o.nvme_write_s:.3f} s, overlapping the update: "
+            + ("the drives bound the optimizer step" if o.nvme_bound else "the CPU bounds the optimizer step")
+        )
     return lines
 
 
@@ -120,14 +138,17 @@ def range_lines(est: Estimates) -> list[str]:
     moves the estimate to, and the span of all of them together."""
     span = est.range
     n = len(span.assumptions)
-    lines = [f"  assumptions          {'two' if n == 2 else 'three'} constants no source pins carry the absolute "
-             "numbers:"]
+    lines = [
+        f"  assumptions          {'two' if n == 2 else 'three'} constants no source pins carry the absolute numbers:"
+    ]
     for a, (low, high) in zip(span.assumptions, span.alone):
         lines.append(f"    {a.name} {a.value:g}, plausible {a.low:g}-{a.high:g}: {_samples(low, high)} ({a.why})")
     slow, fast = span.slowest, span.fastest
-    lines.append(f"  range                {_samples(slow, fast)}, MFU {slow.mfu:.1%}-{fast.mfu:.1%}, step "
-                 f"{fast.step_time_s:.2f}-{slow.step_time_s:.2f} s with {'both' if n == 2 else 'all three'} over "
-                 "their intervals: the estimate ranks layouts, it does not predict a run")
+    lines.append(
+        f"  range                {_samples(slow, fast)}, MFU {slow.mfu:.1%}-{fast.mfu:.1%}, step "
+        f"{fast.step_time_s:.2f}-{slow.step_time_s:.2f} s with {'both' if n == 2 else 'all three'} over "
+        "their intervals: the estimate ranks layouts, it does not predict a run"
+    )
     return lines
 
 

@@ -69,8 +69,9 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
 
 
 # What the plan says of each credential taken out of cluster.env (hpctrain.launch.secrets)
-REDACTION = "passed to the job through the environment of the submission, not written to the plan, config.yaml or " \
-    "plan.json"
+REDACTION = (
+    "passed to the job through the environment of the submission, not written to the plan, config.yaml or plan.json"
+)
 
 
 def recovery_summary(cfg: Any) -> str:
@@ -87,22 +88,38 @@ def recovery_summary(cfg: Any) -> str:
 
 
 def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_len: int) -> dict[str, Any]:
-    return {"nodes": lay.nodes, "gpus_per_node": lay.gpus_per_node, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-            "ep": lay.ep, "cp": lay.cp, "dp_replicate": lay.dp_replicate, "virtual_stages": lay.virtual_stages,
-            "first_stage_layers": lay.first_stage_layers, "last_stage_layers": lay.last_stage_layers,
-            "schedule": parallel.schedule,
-            "sequence_parallel": parallel.sequence_parallel, "zero_stage": lay.zero_stage,
-            "offload_optimizer": zero.offload_optimizer, "offload_params": zero.offload_params,
-            "offload_optimizer_device": lay.offload_device, "accumulate_unsharded": lay.accumulate_unsharded,
-            "micro_batch": lay.micro_batch, "grad_accum": lay.grad_accum, "global_batch": lay.global_batch,
-            "tokens_per_step": lay.global_batch * seq_len}
+    return {
+        "nodes": lay.nodes,
+        "gpus_per_node": lay.gpus_per_node,
+        "dp": lay.dp,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "ep": lay.ep,
+        "cp": lay.cp,
+        "dp_replicate": lay.dp_replicate,
+        "virtual_stages": lay.virtual_stages,
+        "first_stage_layers": lay.first_stage_layers,
+        "last_stage_layers": lay.last_stage_layers,
+        "schedule": parallel.schedule,
+        "sequence_parallel": parallel.sequence_parallel,
+        "zero_stage": lay.zero_stage,
+        "offload_optimizer": zero.offload_optimizer,
+        "offload_params": zero.offload_params,
+        "offload_optimizer_device": lay.offload_device,
+        "accumulate_unsharded": lay.accumulate_unsharded,
+        "micro_batch": lay.micro_batch,
+        "grad_accum": lay.grad_accum,
+        "global_batch": lay.global_batch,
+        "tokens_per_step": lay.global_batch * seq_len,
+    }
 
 
 def _search(est: Estimates, cluster: ClusterConfig, global_batch: int, top_k: int) -> tuple[dict[str, Any], list[str]]:
     """The layout search's data and its text lines: the top layouts, and where the configured one ranks."""
     n_gpus = cluster.nodes * cluster.gpus_per_node
-    candidates = search_layouts(est.model, n_gpus, est.hw, global_batch, dtype=est.layout.dtype,
-                                reduce_dtype=est.layout.reduce_dtype)
+    candidates = search_layouts(
+        est.model, n_gpus, est.hw, global_batch, dtype=est.layout.dtype, reduce_dtype=est.layout.reduce_dtype
+    )
     mine = evaluate(est.model, est.layout, est.hw)
     data = search_summary(candidates, mine, top_k)
     return data, search_lines(candidates, mine, data["configured_rank"], top_k, f"{n_gpus} x {cluster.gpu_type}")
@@ -114,12 +131,17 @@ def render_text(plan: dict[str, Any]) -> str:
         f"hpctrain plan: {plan['run']['name']} (run id {plan['run']['id']}, not submitted)",
         f"  run directory   {plan['run']['directory']}",
         f"  model           {m['name']} ({m['arch']}): {m['n_layers']} layers, d_model {m['d_model']}, "
-        f"{m['n_heads']} heads" + (f" ({m['n_kv_heads']} key/value)" if m["n_kv_heads"] != m["n_heads"] else "")
+        f"{m['n_heads']} heads"
+        + (f" ({m['n_kv_heads']} key/value)" if m["n_kv_heads"] != m["n_heads"] else "")
         + (_experts(m["moe"]) if "moe" in m else f", MLP {m['ffn_hidden']}")
         + f", vocab {m['vocab_size']}, context {m['context']}",
         f"  parameters      {plan['params_total']:,} ({_human(plan['params_total'])})"
-        + (f", {plan['params_active']:,} ({_human(plan['params_active'])}) active per token (top_k of each "
-           "layer's experts)" if "params_active" in plan else ""),
+        + (
+            f", {plan['params_active']:,} ({_human(plan['params_active'])}) active per token (top_k of each "
+            "layer's experts)"
+            if "params_active" in plan
+            else ""
+        ),
         *_padding_lines(plan),
         f"  cluster         {lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = {plan['world_size']} "
         f"({plan['executor']} executor)",
@@ -129,18 +151,27 @@ def render_text(plan: dict[str, Any]) -> str:
         + (f" (HSDP: {lay['dp_replicate']} replicas)" if lay["dp_replicate"] > 1 else "")
         + (f", EP {lay['ep']} (experts split over {lay['ep']} of the DP ranks)" if lay.get("ep", 1) > 1 else "")
         + (f", {lay['virtual_stages']} virtual stages" if lay["virtual_stages"] > 1 else "")
-        + (f", first/last stage {lay['first_stage_layers'] or 'as the others'} / "
-           f"{lay['last_stage_layers'] or 'as the others'} layers"
-           if lay.get("first_stage_layers") or lay.get("last_stage_layers") else "")
+        + (
+            f", first/last stage {lay['first_stage_layers'] or 'as the others'} / "
+            f"{lay['last_stage_layers'] or 'as the others'} layers"
+            if lay.get("first_stage_layers") or lay.get("last_stage_layers")
+            else ""
+        )
         + (f", schedule {lay['schedule']}" if lay["pp"] > 1 else "")
         + (", sequence parallel" if lay["sequence_parallel"] else ""),
         f"  ZeRO            stage {lay['zero_stage']}"
         + (", optimizer offload" if lay["offload_optimizer"] else "")
-        + (" (Adam's moments on NVMe)" if lay["offload_optimizer"] and lay.get("offload_optimizer_device") == "nvme"
-           else "")
+        + (
+            " (Adam's moments on NVMe)"
+            if lay["offload_optimizer"] and lay.get("offload_optimizer_device") == "nvme"
+            else ""
+        )
         + (", parameter offload" if lay["offload_params"] else "")
-        + (", gradients accumulated unsharded, one reduce-scatter a step (zero.accumulate_unsharded)"
-           if lay.get("accumulate_unsharded") else ""),
+        + (
+            ", gradients accumulated unsharded, one reduce-scatter a step (zero.accumulate_unsharded)"
+            if lay.get("accumulate_unsharded")
+            else ""
+        ),
         f"  batch           global {lay['global_batch']} = micro-batch {lay['micro_batch']} x grad accum "
         f"{lay['grad_accum']} x DP {lay['dp']} ({lay['tokens_per_step']:,} tokens/step)",
         f"  precision       {plan['precision']}",
@@ -176,8 +207,10 @@ def _padding_lines(plan: dict[str, Any]) -> list[str]:
     if not pad or not pad["extra_rows"]:
         return []
     built = plan["params_total"] + pad["extra_params"]
-    return [f"  vocab padding   embedding padded {pad['vocab_size']} -> {pad['embedding_rows']} rows (multiple of "
-            f"{pad['multiple']} x TP {pad['tp']}): +{pad['extra_params']:,} params, {built:,} as built"]
+    return [
+        f"  vocab padding   embedding padded {pad['vocab_size']} -> {pad['embedding_rows']} rows (multiple of "
+        f"{pad['multiple']} x TP {pad['tp']}): +{pad['extra_params']:,} params, {built:,} as built"
+    ]
 
 
 def render(plan: dict[str, Any], fmt: str) -> str:

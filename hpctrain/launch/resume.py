@@ -21,9 +21,10 @@ nothing: `finished` says so, and how to train on (raise train.max_steps). A save
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -50,7 +51,7 @@ RESUMABLE: dict[str, str] = {
     "parallel": "the layout: DCP reshards the checkpoint into any DP, TP, PP (tests/checkpoint, RESHARD)",
     "zero": "the ZeRO stage and offload: DCP reshards the checkpoint",
     "cluster": "where and how large the job is: with parallel.dp=-1 DP follows the world size; the checks "
-               "refuse a size the batch does not fit",
+    "refuse a size the batch does not fit",
     "launcher": "how failures are recovered",
     "elastic": "how failures are recovered",
     "health": "monitoring only",
@@ -66,9 +67,21 @@ RESUMABLE: dict[str, str] = {
 # Never, even with checkpoint.force_resume=true: the weights' shape (hpctrain.records.fingerprint.ModelShape, and
 # the Mixture-of-Experts' sizes, hpctrain.models.family.Dims). Any other model.* key whose change gives the family
 # other parameter shapes is refused as these are (`reshaping_keys`).
-MODEL_SHAPE = ("model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.head_dim",
-               "model.vocab_size", "model.context", "model.ffn_mult", "model.ffn_hidden", "model.arch",
-               "model.moe.n_experts", "model.moe.expert_hidden", "model.moe.n_shared_experts")
+MODEL_SHAPE = (
+    "model.n_layers",
+    "model.d_model",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.head_dim",
+    "model.vocab_size",
+    "model.context",
+    "model.ffn_mult",
+    "model.ffn_hidden",
+    "model.arch",
+    "model.moe.n_experts",
+    "model.moe.expert_hidden",
+    "model.moe.n_shared_experts",
+)
 RUN_DIRECTORY = ("run.name", "run.id")  # the run's directory is the one resumed
 # Keys whose change alone does not make a new config worth keeping (config.yaml stays as it is).
 BOOKKEEPING = ("run.resume", "dry_run", "plan")
@@ -106,8 +119,12 @@ def leaves(node: Any, key: str = "") -> dict[str, Any]:
         for k, v in node.items():
             out.update(leaves(v, f"{key}.{k}" if key else str(k)))
         return out
-    if isinstance(node, list) and node and all(isinstance(v, dict) and "name" in v for v in node) \
-            and len({str(v["name"]) for v in node}) == len(node):
+    if (
+        isinstance(node, list)
+        and node
+        and all(isinstance(v, dict) and "name" in v for v in node)
+        and len({str(v["name"]) for v in node}) == len(node)
+    ):
         out = {}
         for v in node:
             out.update(leaves({k: x for k, x in v.items()}, f"{key}.{v['name']}"))
@@ -144,45 +161,73 @@ class Resume:
     def changes(self, cfg: Any) -> dict[str, tuple[Any, Any]]:
         """Every key whose value differs from the saved config: key -> (saved, new)."""
         before, after = leaves(_container(self.saved)), leaves(_container(cfg))
-        return {k: (before.get(k, _ABSENT), after.get(k, _ABSENT)) for k in sorted(set(before) | set(after))
-                if before.get(k, _ABSENT) != after.get(k, _ABSENT)}
+        return {
+            k: (before.get(k, _ABSENT), after.get(k, _ABSENT))
+            for k in sorted(set(before) | set(after))
+            if before.get(k, _ABSENT) != after.get(k, _ABSENT)
+        }
 
     def problems(self, cfg: Any) -> list[Problem]:
         """The changed keys a resume may not change, one problem each."""
         force = bool(cfg.checkpoint.force_resume)
         changes = self.changes(cfg)
-        reshaping = reshaping_keys(_container(self.saved.model), _container(cfg.model),
-                                   [k for k in changes if _under(k, ["model"]) and not _under(k, MODEL_SHAPE)])
+        reshaping = reshaping_keys(
+            _container(self.saved.model),
+            _container(cfg.model),
+            [k for k in changes if _under(k, ["model"]) and not _under(k, MODEL_SHAPE)],
+        )
         out = []
         for key, (old, new) in changes.items():
             shape = _under(key, MODEL_SHAPE) or key in reshaping
             if not shape and allowed(key, force, old):
                 continue
-            where = f"the run {self.run_dir.name} has {_shown(key, old)} (its config.yaml), this command gives " \
-                    f"{_shown(key, new)}"
+            where = (
+                f"the run {self.run_dir.name} has {_shown(key, old)} (its config.yaml), this command gives "
+                f"{_shown(key, new)}"
+            )
             if shape:
-                out.append(Problem(key, f"{where}: a resume continues the run's checkpoint, whose weights have the "
-                                   "saved shapes, and this changes a parameter's shape or count, so it is refused "
-                                   "even with checkpoint.force_resume=true (the weights would not load, or only cut "
-                                   "to the new shape)",
-                                   f"drop {self.source(key)} to continue the run; for the new shape start a new run "
-                                   "(without run.resume), converting this one's weights first: tools/checkpoint.py "
-                                   "export RUN --format hf OUT, then model.init_from=OUT"))
+                out.append(
+                    Problem(
+                        key,
+                        f"{where}: a resume continues the run's checkpoint, whose weights have the "
+                        "saved shapes, and this changes a parameter's shape or count, so it is refused "
+                        "even with checkpoint.force_resume=true (the weights would not load, or only cut "
+                        "to the new shape)",
+                        f"drop {self.source(key)} to continue the run; for the new shape start a new run "
+                        "(without run.resume), converting this one's weights first: tools/checkpoint.py "
+                        "export RUN --format hf OUT, then model.init_from=OUT",
+                    )
+                )
             elif _under(key, RUN_DIRECTORY):
-                out.append(Problem(key, f"{where}: a resume continues the run in its own directory",
-                                   f"drop {self.source(key)} (run.resume alone names the run)"))
+                out.append(
+                    Problem(
+                        key,
+                        f"{where}: a resume continues the run in its own directory",
+                        f"drop {self.source(key)} (run.resume alone names the run)",
+                    )
+                )
             elif _tier_path(key):
-                out.append(Problem(key, f"{where}: the run's checkpoints are in the tier it saved to, and a resume "
-                                   "would not find them elsewhere (it would start again from step 0)",
-                                   f"keep {key} as it was (new tiers may be added), start a new run, or set "
-                                   "checkpoint.force_resume=true"))
+                out.append(
+                    Problem(
+                        key,
+                        f"{where}: the run's checkpoints are in the tier it saved to, and a resume "
+                        "would not find them elsewhere (it would start again from step 0)",
+                        f"keep {key} as it was (new tiers may be added), start a new run, or set "
+                        "checkpoint.force_resume=true",
+                    )
+                )
             else:
-                out.append(Problem(key, f"{where}: a resume keeps the run's settings, and {key} is not one a resume "
-                                   f"may change (those are: {_resumable()})",
-                                   f"drop {self.source(key)} to continue the run as it was; start a new "
-                                   "run (without run.resume) to train with the new value; or add "
-                                   "checkpoint.force_resume=true to continue this run's checkpoint with it (not "
-                                   "the same training as the run so far)"))
+                out.append(
+                    Problem(
+                        key,
+                        f"{where}: a resume keeps the run's settings, and {key} is not one a resume "
+                        f"may change (those are: {_resumable()})",
+                        f"drop {self.source(key)} to continue the run as it was; start a new "
+                        "run (without run.resume) to train with the new value; or add "
+                        "checkpoint.force_resume=true to continue this run's checkpoint with it (not "
+                        "the same training as the run so far)",
+                    )
+                )
         return out
 
     def config_changed(self, cfg: Any) -> bool:
@@ -200,13 +245,17 @@ def load_saved(run_dir: Path) -> DictConfig:
     version no longer knows is a config error of `run.resume` naming the file, never a traceback."""
     path = run_dir / "config.yaml"
     older = sorted(run_dir.glob("config.*.yaml"))  # kept by a resume that changed the config
-    fix = (f"restore the run's config.yaml (from {older[-1]}, the copy a resume kept, if the run's config did not "
-           "change since) or start a new run (without run.resume)" if older else
-           "restore the run's config.yaml, or start a new run (without run.resume)")
+    fix = (
+        f"restore the run's config.yaml (from {older[-1]}, the copy a resume kept, if the run's config did not "
+        "change since) or start a new run (without run.resume)"
+        if older
+        else "restore the run's config.yaml, or start a new run (without run.resume)"
+    )
 
     def refused(what: str, how: str = fix) -> ConfigError:
-        return ConfigError([Problem("run.resume", f"the run's saved config {what}: the resume has nothing to "
-                                    "continue from", how)])
+        return ConfigError(
+            [Problem("run.resume", f"the run's saved config {what}: the resume has nothing to continue from", how)]
+        )
 
     try:
         text = read_text(path)
@@ -223,9 +272,10 @@ def load_saved(run_dir: Path) -> DictConfig:
     try:
         saved = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(text))
     except (OmegaConfBaseException, ValueError, TypeError) as err:
-        raise refused(f"{path} does not fit this version's schema: {str(err).splitlines()[0]}",
-                      "start a new run (without run.resume), or resume with the hpctrain version that wrote it") \
-            from None
+        raise refused(
+            f"{path} does not fit this version's schema: {str(err).splitlines()[0]}",
+            "start a new run (without run.resume), or resume with the hpctrain version that wrote it",
+        ) from None
     missing = sorted(OmegaConf.missing_keys(saved))
     if missing:
         raise refused(f"{path} lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
@@ -247,12 +297,16 @@ def _parameter_shapes(model: dict[str, Any]) -> Any:
     from hpctrain.models.family import Dims
 
     try:  # the dataclasses themselves, not OmegaConf's: a resume asks this once per changed key
-        typed = ModelConfig(**{**model, "moe": MoEConfig(**model.get("moe", {})),
-                               "rope": RopeConfig(**model.get("rope", {}))})
+        typed = ModelConfig(
+            **{**model, "moe": MoEConfig(**model.get("moe", {})), "rope": RopeConfig(**model.get("rope", {}))}
+        )
         family = registry.family_of(typed)
         dims = Dims.of(typed)
-        return (dims.n_layers, sorted(family.block_shapes(dims).items()),
-                sorted(family.top_shapes(dims, dims.vocab_size).items()))
+        return (
+            dims.n_layers,
+            sorted(family.block_shapes(dims).items()),
+            sorted(family.top_shapes(dims, dims.vocab_size).items()),
+        )
     except Exception:  # noqa: BLE001 -- any value a family's formulas cannot take: not a shape to compare
         return None
 
@@ -305,14 +359,20 @@ def finished(cfg: Any, run_dir: Path) -> str | None:
     step, max_steps = max(steps), int(cfg.train.max_steps)
     if step < max_steps:
         return None
-    where = f"complete at step {step} (train.max_steps={max_steps})" if step == max_steps else \
-        f"at step {step}, past train.max_steps={max_steps}"
-    return (f"run {run_dir.name} is {where}; nothing was submitted ({run_dir}). To train on, raise "
-            f"train.max_steps: python -m hpctrain run.resume={run_dir.name} train.max_steps=<more than {step}>")
+    where = (
+        f"complete at step {step} (train.max_steps={max_steps})"
+        if step == max_steps
+        else f"at step {step}, past train.max_steps={max_steps}"
+    )
+    return (
+        f"run {run_dir.name} is {where}; nothing was submitted ({run_dir}). To train on, raise "
+        f"train.max_steps: python -m hpctrain run.resume={run_dir.name} train.max_steps=<more than {step}>"
+    )
 
 
-def named_keys(cfg: Any, overrides: list[str] | None,
-               compose: Callable[[list[str]], DictConfig] | None = None) -> dict[str, str]:
+def named_keys(
+    cfg: Any, overrides: list[str] | None, compose: Callable[[list[str]], DictConfig] | None = None
+) -> dict[str, str]:
     """The keys whose value this command line sets: `key=value`, `~key`, a schema group (`cluster=dev`: its
     whole section), and for another group (`+experiment=NAME`) the keys it changes against the same command
     line without it (`compose`). Key -> the override that names it. Without overrides (an in-process caller):
@@ -344,8 +404,9 @@ def _groups() -> set[str]:
     return {p.name for p in conf.iterdir() if p.is_dir()} if conf.is_dir() else set()
 
 
-def resume_config(cfg: Any, overrides: list[str] | None, run_dir: Path,
-                  compose: Callable[[list[str]], DictConfig] | None = None) -> Resume:
+def resume_config(
+    cfg: Any, overrides: list[str] | None, run_dir: Path, compose: Callable[[list[str]], DictConfig] | None = None
+) -> Resume:
     """The config of a resume: the run's saved config, with the keys the command line names taken from `cfg`."""
     saved = load_saved(run_dir)
     merged: dict[str, Any] = _container(saved)
@@ -356,8 +417,13 @@ def resume_config(cfg: Any, overrides: list[str] | None, run_dir: Path,
         if value is _ABSENT:
             _delete(merged, path)
         else:
-            _set(merged, path, OmegaConf.to_container(value, resolve=True, enum_to_str=True)
-                 if OmegaConf.is_config(value) else getattr(value, "value", value))
+            _set(
+                merged,
+                path,
+                OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+                if OmegaConf.is_config(value)
+                else getattr(value, "value", value),
+            )
     extra = {k: merged.pop(k) for k in list(merged) if k not in SCHEMA_SECTIONS and k != "dry_run"}
     try:
         typed = OmegaConf.merge(OmegaConf.structured(Config), merged)

@@ -79,10 +79,15 @@ def _find_existing(root: Path, resume: str) -> RunDir:
     path = find_run(root, resume)
     if path is not None:
         return RunDir(run_id=path.name, path=path, resumed=True)
-    raise ConfigError([Problem(
-        "run.resume", f"no run {resume!r} found (looked for {CONFIG} in {resume} and in {root}/*/{resume})",
-        "pass a run directory path or the id of a run under run.root (ls the run root to see them)",
-    )])
+    raise ConfigError(
+        [
+            Problem(
+                "run.resume",
+                f"no run {resume!r} found (looked for {CONFIG} in {resume} and in {root}/*/{resume})",
+                "pass a run directory path or the id of a run under run.root (ls the run root to see them)",
+            )
+        ]
+    )
 
 
 def create_run_dir(cfg: DictConfig, run: RunDir) -> Path:
@@ -117,16 +122,22 @@ def tier_problems(cfg: DictConfig, run: RunDir) -> list[Problem]:
         if not found:
             continue
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        where = f"{home}, this run's own directory of tier {tier.name}" \
-            if Path(str(tier.path)).expanduser().is_absolute() else f"the run directory {home}"
-        problems.append(Problem(
-            f"checkpoint.tiers[{i}].path",
-            f"{found[0]}{more}: a run loads, saves and deletes checkpoints only inside {where}; through this link "
-            "it would resume another run's checkpoint, save into that run's directory and let retention delete its "
-            "steps",
-            "remove the link (the run then makes its own directory) or put the run's own checkpoints back in its "
-            "place; a run never shares checkpoints with another: to start from another run's weights, export them "
-            "(tools/checkpoint.py export RUN --format hf OUT) and start a new run with model.init_from=OUT"))
+        where = (
+            f"{home}, this run's own directory of tier {tier.name}"
+            if Path(str(tier.path)).expanduser().is_absolute()
+            else f"the run directory {home}"
+        )
+        problems.append(
+            Problem(
+                f"checkpoint.tiers[{i}].path",
+                f"{found[0]}{more}: a run loads, saves and deletes checkpoints only inside {where}; through this link "
+                "it would resume another run's checkpoint, save into that run's directory and let retention delete its "
+                "steps",
+                "remove the link (the run then makes its own directory) or put the run's own checkpoints back in its "
+                "place; a run never shares checkpoints with another: to start from another run's weights, export them "
+                "(tools/checkpoint.py export RUN --format hf OUT) and start a new run with model.init_from=OUT",
+            )
+        )
     return problems
 
 
@@ -142,10 +153,14 @@ def owner_problems(cfg: DictConfig, run: RunDir) -> list[Problem]:
     if newest is None or owner is None or str(owner) == run.run_id:
         return []
     path, manifest = newest
-    return [Problem(
-        "run.resume", f"the newest checkpoint of run {run.run_id} ({path}, step {manifest['step']}) belongs to run "
-        f"{owner} (its manifest): a run resumes only its own checkpoints, so the job would refuse it",
-        f"if this directory was run {owner}'s and was renamed, give it its name back ({run.path.parent / str(owner)}); "
-        f"if the checkpoint was copied in from run {owner}, remove it from this run (or resume run {owner} itself); "
-        "to start from its weights, export them (tools/checkpoint.py export RUN --format hf OUT) and start a new run "
-        "with model.init_from=OUT")]
+    return [
+        Problem(
+            "run.resume",
+            f"the newest checkpoint of run {run.run_id} ({path}, step {manifest['step']}) belongs to run "
+            f"{owner} (its manifest): a run resumes only its own checkpoints, so the job would refuse it",
+            f"if this directory was run {owner}'s and was renamed, give it its name back ({run.path.parent / str(owner)}); "
+            f"if the checkpoint was copied in from run {owner}, remove it from this run (or resume run {owner} itself); "
+            "to start from its weights, export them (tools/checkpoint.py export RUN --format hf OUT) and start a new run "
+            "with model.init_from=OUT",
+        )
+    ]

@@ -31,8 +31,28 @@ REDACTED = "<redacted>"
 # SUFFIXES, or anywhere it spells one of INSIDE: HF_TOKEN, MY_API_KEY, GITHUB_PAT, SSH_KEY, AUTH, SESSION, COOKIE,
 # NGROK_AUTHTOKEN, passwordfile, AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS. Whole words keep
 # TOKENIZERS_PARALLELISM, KEYBOARD, PATH and PWD (the shell's directory) out.
-WORDS = {"KEY", "KEYS", "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASS", "PASSWD", "PASSWORD", "PASSPHRASE", "PAT",
-         "AUTH", "AUTHORIZATION", "SESSION", "COOKIE", "COOKIES", "CREDENTIAL", "CREDENTIALS", "CREDS", "SIGNATURE"}
+WORDS = {
+    "KEY",
+    "KEYS",
+    "TOKEN",
+    "TOKENS",
+    "SECRET",
+    "SECRETS",
+    "PASS",
+    "PASSWD",
+    "PASSWORD",
+    "PASSPHRASE",
+    "PAT",
+    "AUTH",
+    "AUTHORIZATION",
+    "SESSION",
+    "COOKIE",
+    "COOKIES",
+    "CREDENTIAL",
+    "CREDENTIALS",
+    "CREDS",
+    "SIGNATURE",
+}
 SUFFIXES = ("TOKEN", "APIKEY", "ACCESSKEY", "SECRETKEY", "PRIVATEKEY")
 INSIDE = ("PASSWORD", "PASSWD", "SECRET", "CREDENTIAL")
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
@@ -61,8 +81,7 @@ def looks_secret(name: str) -> bool:
     name = str(name)
     words = [w.upper() for w in _WORD.findall(name)]
     upper = name.upper()
-    return (any(w in WORDS or w.endswith(SUFFIXES) for w in words)
-            or any(part in upper for part in INSIDE))
+    return any(w in WORDS or w.endswith(SUFFIXES) for w in words) or any(part in upper for part in INSIDE)
 
 
 def secret_value(value: object) -> str:
@@ -93,21 +112,31 @@ def redact(cfg: Any, report: CheckReport | None = None) -> dict[str, str]:
         if not (by_value or looks_secret(name) or value == REDACTED):
             continue
         key = f"cluster.env.{name}"
-        how = (f"export {name}=... in the shell you submit from, and leave it out of the command line: sbatch passes "
-               "that environment on to the job (--export=ALL, Slurm's default; submitit's local executor does the "
-               "same)" + (", and W&B reads WANDB_API_KEY from it" if name.upper() == "WANDB_API_KEY" else ""))
+        how = (
+            f"export {name}=... in the shell you submit from, and leave it out of the command line: sbatch passes "
+            "that environment on to the job (--export=ALL, Slurm's default; submitit's local executor does the "
+            "same)" + (", and W&B reads WANDB_API_KEY from it" if name.upper() == "WANDB_API_KEY" else "")
+        )
         if value == REDACTED:  # a resumed run: its saved config never held the value (by its name or its value)
             if not os.environ.get(name) and report is not None:
-                report.warn(key, f"looks like a credential, so the run's saved config holds no value for it, and "
-                            f"{name} is not set in this environment: the job will run without it", how)
+                report.warn(
+                    key,
+                    f"looks like a credential, so the run's saved config holds no value for it, and "
+                    f"{name} is not set in this environment: the job will run without it",
+                    how,
+                )
             continue
         secrets[name] = value
         env[name] = REDACTED
         if report is not None:
             why = f"its value looks like {by_value}" if by_value else "looks like a credential"
-            report.warn(key, f"{why}: its value is kept out of the plan, config.yaml and plan.json "
-                        f"(written as {REDACTED}) and reaches the job only through the environment of this "
-                        "submission; a value on the command line stays in the shell's history and in ps", how)
+            report.warn(
+                key,
+                f"{why}: its value is kept out of the plan, config.yaml and plan.json "
+                f"(written as {REDACTED}) and reaches the job only through the environment of this "
+                "submission; a value on the command line stays in the shell's history and in ps",
+                how,
+            )
     return secrets
 
 
@@ -141,6 +170,7 @@ def redact_assignments(text: str) -> str:
     """Free text that may carry credentials (the lines Hydra logs for a sweep's points, its multirun.yaml): each
     `NAME=value` or `NAME: value` whose name `looks_secret`, and every value that looks like a credential
     (`secret_value`), hidden."""
+
     def hide(m: re.Match[str]) -> str:
         name, sep, value = m.groups()
         secret = looks_secret(name.rsplit(".", 1)[-1]) or bool(secret_value(value))

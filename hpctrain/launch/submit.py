@@ -34,8 +34,9 @@ from hpctrain.records.paths import RunPaths
 from hpctrain.train.task import TrainTask
 
 
-def submit(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any],
-           secrets: dict[str, str] | None = None) -> submitit.Job:
+def submit(
+    cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any], secrets: dict[str, str] | None = None
+) -> submitit.Job:
     """Write the run directory and submit its job. A submission the scheduler refuses raises ConfigError with
     the scheduler's own message and the key to change, and leaves the run directory as it found it (removed
     when this submission created it)."""
@@ -61,9 +62,15 @@ def submit(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any],
         undo()
         if "srun" not in str(exc):  # submitit's SlurmExecutor on a machine without Slurm
             raise
-        raise ConfigError([Problem("cluster.executor", f"cluster.executor=slurm, but this machine has no Slurm "
-                                   f"client ({exc})", "submit from a Slurm login node, or run here with "
-                                   "cluster=local")]) from None
+        raise ConfigError(
+            [
+                Problem(
+                    "cluster.executor",
+                    f"cluster.executor=slurm, but this machine has no Slurm client ({exc})",
+                    "submit from a Slurm login node, or run here with cluster=local",
+                )
+            ]
+        ) from None
     except BaseException:
         undo()
         raise
@@ -130,32 +137,46 @@ def refused_submission(cfg: Any, exc: BaseException) -> Problem:
     if isinstance(exc, OSError):
         message = f"the job could not be submitted: {exc}"
         if getattr(exc, "filename", None) in ("sbatch", b"sbatch") or "sbatch" in str(exc):
-            return Problem("cluster.executor", message + " (no sbatch on this machine)",
-                           "submit from a Slurm login node, or run here with cluster=local")
+            return Problem(
+                "cluster.executor",
+                message + " (no sbatch on this machine)",
+                "submit from a Slurm login node, or run here with cluster=local",
+            )
         return Problem("cluster", message, "check the run directory's file system and the cluster settings")
     said = _scheduler_message(str(exc))
     if re.search(_UNREACHABLE, said, re.IGNORECASE):
-        return Problem("cluster.executor", f"the scheduler did not take the job: {said}",
-                       "Slurm's controller did not answer (scontrol ping says whether it is up): submit again "
-                       "when it does, with the same command")
+        return Problem(
+            "cluster.executor",
+            f"the scheduler did not take the job: {said}",
+            "Slurm's controller did not answer (scontrol ping says whether it is up): submit again "
+            "when it does, with the same command",
+        )
     extra = {str(k): v for k, v in dict(cfg.cluster.sbatch_extra).items()}
     named = [k for k in extra if re.search(rf"\b{re.escape(k)}\b", said, re.IGNORECASE)]
     if named:
         key = f"cluster.sbatch_extra.{named[0]}"
     else:
-        key = next((k for pattern, k in _REFUSAL_KEYS if re.search(pattern, said, re.IGNORECASE)),
-                   "cluster.sbatch_extra" if extra else "cluster")
+        key = next(
+            (k for pattern, k in _REFUSAL_KEYS if re.search(pattern, said, re.IGNORECASE)),
+            "cluster.sbatch_extra" if extra else "cluster",
+        )
         gres = [k for k in extra if re.search(r"gres|gpu", k, re.IGNORECASE)]
         if key == "cluster.gpus_per_node" and gres:  # the GPUs asked for through sbatch_extra
             key = f"cluster.sbatch_extra.{gres[0]}"
     value = _value_of(cfg, key)
-    hint = {"cluster.gpus_per_node": " (sbatch --gpus-per-node; cluster.gpu_type=cpu asks for no GPUs)",
-            "cluster.time_min": " (the partition's MaxTime)", "cluster.mem_gb": " (0: the partition's default)",
-            "cluster.nodes": " (or what each node is asked for: cluster.gpus_per_node, cluster.cpus_per_task, "
-                             "cluster.mem_gb, cluster.constraint)"}
-    return Problem(key, f"the scheduler refused the job: {said}" + (f" ({key}={value})" if value is not None else ""),
-                   f"change {key}{hint.get(key, '')} to a value this cluster accepts (sinfo and scontrol show "
-                   "partition list what it has); dry_run=true shows the sbatch script hpctrain submits")
+    hint = {
+        "cluster.gpus_per_node": " (sbatch --gpus-per-node; cluster.gpu_type=cpu asks for no GPUs)",
+        "cluster.time_min": " (the partition's MaxTime)",
+        "cluster.mem_gb": " (0: the partition's default)",
+        "cluster.nodes": " (or what each node is asked for: cluster.gpus_per_node, cluster.cpus_per_task, "
+        "cluster.mem_gb, cluster.constraint)",
+    }
+    return Problem(
+        key,
+        f"the scheduler refused the job: {said}" + (f" ({key}={value})" if value is not None else ""),
+        f"change {key}{hint.get(key, '')} to a value this cluster accepts (sinfo and scontrol show "
+        "partition list what it has); dry_run=true shows the sbatch script hpctrain submits",
+    )
 
 
 def _scheduler_message(text: str) -> str:
@@ -170,8 +191,9 @@ def _value_of(cfg: Any, key: str) -> Any:
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
-def launch(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any],
-           secrets: dict[str, str] | None = None) -> tuple[int, str, str]:
+def launch(
+    cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any], secrets: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     """Submit; follow a local job. Returns the exit code, the job id and, for a failed local job, what failed
     (as printed: a sweep's table shows it too)."""
     job = submit(cfg, layout, run, plan, secrets)
@@ -189,8 +211,9 @@ def launch(cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any],
     return 0, str(job.job_id), ""
 
 
-def follow(job: submitit.Job, poll_s: float = 0.5,
-           explain: Callable[[BaseException | None], str] | None = None) -> tuple[int, str]:
+def follow(
+    job: submitit.Job, poll_s: float = 0.5, explain: Callable[[BaseException | None], str] | None = None
+) -> tuple[int, str]:
     """Echo rank 0's stdout while the job runs; on failure say what failed (`explain`: from the task's exception,
     the lines to print), never with a traceback: that stays in the task's log file. Returns the exit code and
     what was said of a failure."""
@@ -239,8 +262,10 @@ def explain_failure(run_dir: Path, job: submitit.Job, exc: BaseException | None,
     if own:
         r = own[0]
         root_rank = _int(r.get("rank"))
-        lines.append(f"rank {r.get('rank')} failed at step {r.get('step')}: {r.get('type')}: "
-                     f"{_first_lines(str(r.get('message', '')))}")
+        lines.append(
+            f"rank {r.get('rank')} failed at step {r.get('step')}: {r.get('type')}: "
+            f"{_first_lines(str(r.get('message', '')))}"
+        )
         record = RunPaths(run_dir).failures(key) / f"rank{r.get('rank')}.json"
         lines.append(f"failure record: {record}")
     else:
@@ -248,16 +273,23 @@ def explain_failure(run_dir: Path, job: submitit.Job, exc: BaseException | None,
         silent = sorted(set(range(world)) - {_int(r.get("rank")) for r in records}) if world else []
         if died is not None:
             root_rank = died[0]
-            lines.append(f"rank {died[0]} " + (f"was killed by signal {-died[1]}" if died[1] < 0 else
-                                               f"exited with code {died[1]}") + " without a failure record")
+            lines.append(
+                f"rank {died[0]} "
+                + (f"was killed by signal {-died[1]}" if died[1] < 0 else f"exited with code {died[1]}")
+                + " without a failure record"
+            )
         elif records and silent:
             root_rank = silent[0]
-            lines.append(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} ended without a "
-                         "failure record (killed, or the process exited)")
+            lines.append(
+                f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} ended without a "
+                "failure record (killed, or the process exited)"
+            )
         if records:
             r = records[0]
-            lines.append(f"rank {r.get('rank')} lost its peers at step {r.get('step')}: {r.get('type')}: "
-                         f"{_first_lines(str(r.get('message', '')), 1)}")
+            lines.append(
+                f"rank {r.get('rank')} lost its peers at step {r.get('step')}: {r.get('type')}: "
+                f"{_first_lines(str(r.get('message', '')), 1)}"
+            )
         if not lines:
             lines.append(task_said or "the job ended without a result")
     stopped = _stopped(run_dir, job_id)
@@ -322,8 +354,11 @@ def _task_log(job: submitit.Job, exc: BaseException | None, rank: int | None, ra
 def _task_error(exc: BaseException) -> str:
     """What a task's exception says, without its traceback or submitit's hint: the last exception line of the
     trace submitit carries (the class without its module), or the first line of an uncompleted job's error."""
-    return _last_error(str(exc)) if isinstance(exc, submitit.core.utils.FailedJobError) else (
-        _first_lines(f"{type(exc).__name__}: {exc}", 1))
+    return (
+        _last_error(str(exc))
+        if isinstance(exc, submitit.core.utils.FailedJobError)
+        else (_first_lines(f"{type(exc).__name__}: {exc}", 1))
+    )
 
 
 def _last_error(text: str) -> str:
@@ -331,7 +366,7 @@ def _last_error(text: str) -> str:
     trace = body[1] if len(body) >= 3 else text
     lines = trace.strip("\n").splitlines()
     frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
-    rest = lines[frames[-1] + 1:] if frames else lines
+    rest = lines[frames[-1] + 1 :] if frames else lines
     rest = [line for line in rest if line.strip() and not line.startswith(" ")] or rest
     if not rest:
         return "the task failed"

@@ -55,8 +55,9 @@ from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import Scheduler, scheduler_for
 
 
-def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int, since: float = 0.0,
-           requeue: int = 0) -> dict[str, Any]:
+def decide(
+    run_dir: Path, job_id: str, exit_code: int, max_restarts: int, since: float = 0.0, requeue: int = 0
+) -> dict[str, Any]:
     """Pure decision from the records on disk: {"action": "done"|"stop"|"resubmit", ...}. `requeue`: the job's
     run (its records' keys say it); `since`: when that run started (older records are not this failure's)."""
     if exit_code == 0:
@@ -67,12 +68,21 @@ def decide(run_dir: Path, job_id: str, exit_code: int, max_restarts: int, since:
     excluded = sorted(set(hosts).union(*(a.get("excluded", []) for a in attempts)))
     failed_before = [a for a in attempts if a.get("signature")]
     if failed_before and same_failure(failed_before[-1]["signature"], signature):
-        return {"action": "stop", "why": f"deterministic failure: the same error at step {signature['step']} on "
-                f"two attempts in a row ({signature['type']}: {signature['message']}); resubmitting would "
-                "loop. Fix the cause, then resume with run.resume", "signature": signature, "excluded": excluded}
+        return {
+            "action": "stop",
+            "why": f"deterministic failure: the same error at step {signature['step']} on "
+            f"two attempts in a row ({signature['type']}: {signature['message']}); resubmitting would "
+            "loop. Fix the cause, then resume with run.resume",
+            "signature": signature,
+            "excluded": excluded,
+        }
     if len(attempts) >= max_restarts:
-        return {"action": "stop", "why": f"{len(attempts)} resubmissions already (launcher.max_restarts="
-                f"{max_restarts})", "signature": signature, "excluded": excluded}
+        return {
+            "action": "stop",
+            "why": f"{len(attempts)} resubmissions already (launcher.max_restarts={max_restarts})",
+            "signature": signature,
+            "excluded": excluded,
+        }
     return {"action": "resubmit", "signature": signature, "excluded": excluded, "blamed": hosts}
 
 
@@ -86,9 +96,11 @@ def cannot_fit(partition_nodes: list[str], exclude: list[str], needed: int, part
     if len(left) >= needed:
         return None
     name = partition or "the default partition"
-    return (f"{name} has {len(set(partition_nodes))} node(s); with {','.join(exclude)} excluded only {len(left)} "
-            f"remain and the job needs {needed} (cluster.nodes). Return repaired nodes to service (scontrol update "
-            f"nodename=... state=resume), or lower cluster.nodes, then resume with run.resume")
+    return (
+        f"{name} has {len(set(partition_nodes))} node(s); with {','.join(exclude)} excluded only {len(left)} "
+        f"remain and the job needs {needed} (cluster.nodes). Return repaired nodes to service (scontrol update "
+        f"nodename=... state=resume), or lower cluster.nodes, then resume with run.resume"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -100,13 +112,19 @@ def main(argv: list[str]) -> int:
     run_dir, job_id, exit_code = args.run_dir, args.job_id, args.exit_code % 256
     cfg = OmegaConf.load(RunPaths(run_dir).config)
     if exit_code and superseded(run_dir, job_id, [j["job_id"] for j in read_jobs(run_dir)]):
-        print(f"hpctrain supervisor: job {job_id} failed, but a later job holds the run "
-              f"({current_lease(run_dir).job_id}): not resubmitting", flush=True)
+        print(
+            f"hpctrain supervisor: job {job_id} failed, but a later job holds the run "
+            f"({current_lease(run_dir).job_id}): not resubmitting",
+            flush=True,
+        )
         return exit_code
     completed = read_completed(run_dir)
     if exit_code and completed and completed["job_id"] == job_id:  # e.g. srun --no-kill after a lost node
-        print(f"hpctrain supervisor: job {job_id} trained the run to step {completed['step']} (srun exit "
-              f"{exit_code}: a node lost on the way)", flush=True)
+        print(
+            f"hpctrain supervisor: job {job_id} trained the run to step {completed['step']} (srun exit "
+            f"{exit_code}: a node lost on the way)",
+            flush=True,
+        )
         return 0
     report = read_report(run_dir)
     if exit_code and report and report.get("job_id") == job_id:  # its workers stopped a restart loop
@@ -114,21 +132,25 @@ def main(argv: list[str]) -> int:
         return exit_code
     scheduler = scheduler_for(cfg.cluster.executor)
     requeue = int(scheduler.job_context().get("restart_count") or 0)  # this batch script's run of the job
-    decision = decide(run_dir, job_id, exit_code, int(cfg.launcher.max_restarts), _run_started(scheduler, job_id),
-                      requeue)
+    decision = decide(
+        run_dir, job_id, exit_code, int(cfg.launcher.max_restarts), _run_started(scheduler, job_id), requeue
+    )
     if decision["action"] == "done":
         return 0
     exclude = sorted(set(decision["excluded"]) | set(_csv(cfg.cluster.exclude)))
     if decision["action"] == "resubmit":
-        why = cannot_fit(scheduler.partition_nodes(cfg.cluster.partition), exclude, int(cfg.cluster.nodes),
-                         cfg.cluster.partition)
+        why = cannot_fit(
+            scheduler.partition_nodes(cfg.cluster.partition), exclude, int(cfg.cluster.nodes), cfg.cluster.partition
+        )
         if why:
             decision = {**decision, "action": "stop", "why": why}
     record = {"job_id": job_id, "exit_code": exit_code, "time": time.time(), **decision}
     if decision["action"] == "stop":
         report = write_report(run_dir, record)
-        print(f"hpctrain supervisor: job {job_id} failed; not resubmitting: {decision['why']}. "
-              f"Report: {report}", flush=True)
+        print(
+            f"hpctrain supervisor: job {job_id} failed; not resubmitting: {decision['why']}. Report: {report}",
+            flush=True,
+        )
         return exit_code
     _resubmit(scheduler, run_dir, record, exclude)
     return exit_code  # the batch script's status: this job stays FAILED in sacct
@@ -143,14 +165,19 @@ def _resubmit(scheduler: Scheduler, run_dir: Path, record: dict[str, Any], exclu
     """
     job_id = record["job_id"]
     if not scheduler.cancel_requeue(job_id):
-        print(f"hpctrain supervisor: job {job_id} failed and will be requeued by the scheduler: not resubmitting",
-              flush=True)
+        print(
+            f"hpctrain supervisor: job {job_id} failed and will be requeued by the scheduler: not resubmitting",
+            flush=True,
+        )
         return
     new_id = scheduler.resubmit(RunPaths(run_dir).submitit, job_id, exclude)
     append_attempt(run_dir, {**record, "resubmitted_as": new_id})
     append_job(run_dir, new_id, scheduler.name, resubmission_of=job_id, exclude=exclude)
-    print(f"hpctrain supervisor: job {job_id} failed (exit {record['exit_code']}); resubmitted as {new_id}"
-          + (f" excluding {','.join(exclude)}" if exclude else ""), flush=True)
+    print(
+        f"hpctrain supervisor: job {job_id} failed (exit {record['exit_code']}); resubmitted as {new_id}"
+        + (f" excluding {','.join(exclude)}" if exclude else ""),
+        flush=True,
+    )
 
 
 def _run_started(scheduler: Scheduler, job_id: str) -> float:

@@ -58,8 +58,7 @@ class SweepSummary(Callback):
         if shared is not None:  # refused before Hydra creates the sweep directory: nothing is written
             for i, (point, error) in enumerate(zip(points, errors)):
                 if error:
-                    print(f"hpctrain: sweep point {i} ({' '.join(map(redact_text, point))}): {error}",
-                          file=sys.stderr)
+                    print(f"hpctrain: sweep point {i} ({' '.join(map(redact_text, point))}): {error}", file=sys.stderr)
             print(f"hpctrain: {ConfigError([shared])}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)
         if not any(errors):
@@ -70,11 +69,20 @@ class SweepSummary(Callback):
         for i, (point, error) in enumerate(zip(points, errors)):
             if error:
                 print(f"hpctrain: sweep point {i} ({' '.join(map(redact_text, point))}): {error}", file=sys.stderr)
-        print(f"hpctrain: {failed} of {len(points)} sweep points failed the checks; no point was submitted",
-              file=sys.stderr)
-        self.rows = [{"point": i, "overrides": " ".join(map(redact_text, point)), "job_id": "-",
-                      "run_dir": "failed the checks" if error else "not submitted (another point failed the checks)",
-                      "error": error or ""} for i, (point, error) in enumerate(zip(points, errors))]
+        print(
+            f"hpctrain: {failed} of {len(points)} sweep points failed the checks; no point was submitted",
+            file=sys.stderr,
+        )
+        self.rows = [
+            {
+                "point": i,
+                "overrides": " ".join(map(redact_text, point)),
+                "job_id": "-",
+                "run_dir": "failed the checks" if error else "not submitted (another point failed the checks)",
+                "error": error or "",
+            }
+            for i, (point, error) in enumerate(zip(points, errors))
+        ]
         self._write(print_table=True)
         sys.exit(EXIT_CONFIG_ERROR)
 
@@ -104,9 +112,15 @@ class SweepSummary(Callback):
         else:
             value, code, error = {}, 1, f"{type(value).__name__}: {value}"
         self.code = self.code or code
-        self.rows.append({"point": len(self.rows), "overrides": " ".join(map(redact_text, job_return.overrides or [])),
-                          "job_id": value.get("job_id") or "-",
-                          "run_dir": value.get("run_dir") or "failed", "error": error})
+        self.rows.append(
+            {
+                "point": len(self.rows),
+                "overrides": " ".join(map(redact_text, job_return.overrides or [])),
+                "job_id": value.get("job_id") or "-",
+                "run_dir": value.get("run_dir") or "failed",
+                "error": error,
+            }
+        )
         self._write(print_table=False)  # a sweep cut short still leaves what it did
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -192,14 +206,21 @@ def shared_run_dirs(points: list[list[str]], configs: list[DictConfig | None]) -
         first = seen[path]
         both = ", ".join(f"{n} ({' '.join(map(redact_text, points[n])) or 'no overrides'})" for n in (first, i))
         if key == "run.resume":
-            return Problem(key, f"{key}={value} is the same for sweep points {both}: every point would resume the "
-                           f"one run {path}, one after the other (the later ones overwriting its config.yaml)",
-                           "resume one run per command (without -m), or sweep over it: run.resume=a,b, one run "
-                           "per point (Hydra sweeps every combination of the swept keys)")
-        return Problem(key, f"{key}={value} is the same for sweep points {both}: they would share one run "
-                       f"directory ({path}): the second would resume the first's run, train nothing and overwrite "
-                       "its config.yaml", "leave run.id out in a sweep (each point gets its own), or sweep over "
-                       "it: run.id=a,b, one id per point (Hydra sweeps every combination of the swept keys)")
+            return Problem(
+                key,
+                f"{key}={value} is the same for sweep points {both}: every point would resume the "
+                f"one run {path}, one after the other (the later ones overwriting its config.yaml)",
+                "resume one run per command (without -m), or sweep over it: run.resume=a,b, one run "
+                "per point (Hydra sweeps every combination of the swept keys)",
+            )
+        return Problem(
+            key,
+            f"{key}={value} is the same for sweep points {both}: they would share one run "
+            f"directory ({path}): the second would resume the first's run, train nothing and overwrite "
+            "its config.yaml",
+            "leave run.id out in a sweep (each point gets its own), or sweep over "
+            "it: run.id=a,b, one id per point (Hydra sweeps every combination of the swept keys)",
+        )
     return None
 
 

@@ -9,9 +9,10 @@ hpctrain/models/registry.py, as a pipeline schedule is one entry of hpctrain/sch
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import import_module
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hpctrain.config.schema import ModelConfig
@@ -57,9 +58,20 @@ class Dims:
         """A config's `model` section: n_kv_heads 0 means n_heads, ffn_hidden 0 means ffn_mult x d_model, head_dim
         0 means d_model / n_heads."""
         moe = m.moe
-        return cls(m.n_layers, m.d_model, m.n_heads, m.n_kv_heads or m.n_heads,
-                   m.ffn_hidden or m.ffn_mult * m.d_model, m.vocab_size, m.context, m.head_dim,
-                   moe.n_experts, moe.top_k if moe.n_experts else 0, moe.expert_hidden, moe.n_shared_experts)
+        return cls(
+            m.n_layers,
+            m.d_model,
+            m.n_heads,
+            m.n_kv_heads or m.n_heads,
+            m.ffn_hidden or m.ffn_mult * m.d_model,
+            m.vocab_size,
+            m.context,
+            m.head_dim,
+            moe.n_experts,
+            moe.top_k if moe.n_experts else 0,
+            moe.expert_hidden,
+            moe.n_shared_experts,
+        )
 
 
 @dataclass(frozen=True)
@@ -154,13 +166,16 @@ class HFMismatch(ValueError):
 
 def refuse(values: dict[str, tuple[Any, tuple[Any, ...]]], kind: str) -> None:
     """HFMismatch naming each config.json setting (value, the values hpctrain's model supports) not supported."""
-    bad = [f"{k}={v!r} (hpctrain's model supports {', '.join(map(repr, ok))})"
-           for k, (v, ok) in values.items() if v not in ok]
+    bad = [
+        f"{k}={v!r} (hpctrain's model supports {', '.join(map(repr, ok))})"
+        for k, (v, ok) in values.items()
+        if v not in ok
+    ]
     if bad:
         raise HFMismatch(f"this {kind} model cannot be represented by hpctrain's: " + "; ".join(bad))
 
 
 def resolve(target: str) -> Any:
-    """"package.module:attr" -> the object (the torch side, imported only when asked for)."""
+    """ "package.module:attr" -> the object (the torch side, imported only when asked for)."""
     module, _, attr = target.partition(":")
     return getattr(import_module(module), attr)

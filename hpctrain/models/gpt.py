@@ -74,8 +74,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q, k, v = self.qkv(x).view(bsz, seqlen, -1, 3, self.head_dim).unbind(3)
-        y = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           dropout_p=self.dropout if self.training else 0.0)
+        y = self.attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=self.dropout if self.training else 0.0
+        )
         return self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -190,18 +191,19 @@ def assign_param(p: torch.Tensor, full_value: torch.Tensor) -> None:
 
     if isinstance(p, DTensor):
         # Every rank computed the same full value: take the local piece without communication.
-        shard = distribute_tensor(full_value.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements,
-                                  src_data_rank=None)
+        shard = distribute_tensor(
+            full_value.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements, src_data_rank=None
+        )
         p.copy_(shard)
     else:
         p.copy_(full_value.to(device=p.device, dtype=p.dtype))
-
 
 
 def build(m: Any, tp: int = 1) -> GPT:
     """The family's builder (`Family.builder`): the GPT of a config's `model` section, embedding padded for `tp`,
     on the current device context (`with torch.device("meta")` allocates nothing; init_weights() fills it)."""
     return GPT(gpt_args(m, tp))
+
 
 # ---------------------------------------------------------------- Hugging Face (GPT2LMHeadModel)
 

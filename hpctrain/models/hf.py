@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,14 +64,18 @@ def to_hf(state: Mapping[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.
     table, expected = recipes(m), shapes(m)
     missing, unknown = sorted(set(table) - set(state)), sorted(set(state) - set(table))
     if missing or unknown:
-        raise HFMismatch(f"the {family_of(m).name} state does not match the model config (model={m.name}): missing "
-                         f"{missing[:5]}, unexpected {unknown[:5]} ({len(missing)} and {len(unknown)} in all)")
+        raise HFMismatch(
+            f"the {family_of(m).name} state does not match the model config (model={m.name}): missing "
+            f"{missing[:5]}, unexpected {unknown[:5]} ({len(missing)} and {len(unknown)} in all)"
+        )
     out: dict[str, torch.Tensor] = {}
     for name, recipe in table.items():
         want = _rows_of(name, expected[name], state[name].shape)
         if tuple(state[name].shape) != want:
-            raise HFMismatch(f"{name}: shape {list(state[name].shape)} in the state, the model config "
-                             f"(model={m.name}) wants {list(want)}: export with the config the run trained with")
+            raise HFMismatch(
+                f"{name}: shape {list(state[name].shape)} in the state, the model config "
+                f"(model={m.name}) wants {list(want)}: export with the config the run trained with"
+            )
         out.update(zip(recipe.hf_names, recipe.split(state[name])))
     return out
 
@@ -82,16 +87,26 @@ def _rows_of(name: str, shape: tuple[int, ...], actual: torch.Size) -> tuple[int
     return shape
 
 
-def from_hf(hf: Mapping[str, torch.Tensor], m: ModelConfig, rows: int | None = None,
-            names: list[str] | None = None, tied: bool = False) -> dict[str, torch.Tensor]:
+def from_hf(
+    hf: Mapping[str, torch.Tensor],
+    m: ModelConfig,
+    rows: int | None = None,
+    names: list[str] | None = None,
+    tied: bool = False,
+) -> dict[str, torch.Tensor]:
     """An HF state dict -> hpctrain's weights `names` (all when None), the vocabulary padded with zero rows to
     `rows`. `tied`: the HF model ties lm_head to the embedding (Llama 3.2 1B/3B), so hpctrain's untied head
     starts as a copy of it."""
     return dict(iter_from_hf(hf, m, rows, names, tied))
 
 
-def iter_from_hf(hf: Mapping[str, torch.Tensor], m: ModelConfig, rows: int | None = None,
-                 names: list[str] | None = None, tied: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_from_hf(
+    hf: Mapping[str, torch.Tensor],
+    m: ModelConfig,
+    rows: int | None = None,
+    names: list[str] | None = None,
+    tied: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """from_hf one weight at a time: a lazy `hf` (memory-mapped files) is read only as far as the loop goes."""
     table = recipes(m)
     if tied and "output.weight" in table:
@@ -110,8 +125,7 @@ def canonical_name(name: str, m: ModelConfig) -> str:
     return name if name.startswith((base, "lm_head.")) else base + name
 
 
-def check_hf_shapes(found: Mapping[str, tuple[int, ...]], m: ModelConfig, where: str, tied: bool = False
-                    ) -> list[str]:
+def check_hf_shapes(found: Mapping[str, tuple[int, ...]], m: ModelConfig, where: str, tied: bool = False) -> list[str]:
     """Problems with an HF checkpoint's tensors (canonical name -> shape) for the config's model, one line each.
     `tied`: the HF model ties lm_head to the embedding (its lm_head, if saved at all, is not read)."""
     want = hf_shapes(m)
@@ -122,9 +136,14 @@ def check_hf_shapes(found: Mapping[str, tuple[int, ...]], m: ModelConfig, where:
         return k.endswith(family_of(m).hf.not_weights) or (k == "lm_head.weight" and k not in want)
 
     have = {k: tuple(v) for k, v in found.items() if not ignored(k)}
-    problems = [f"{k}: missing from {where} (the config's {family_of(m).name} model has it)" for k in want if k not in have]
-    problems += [f"{k}: shape {list(have[k])} in {where}, the config wants {list(s)}"
-                 for k, s in want.items() if k in have and have[k] != s]
+    problems = [
+        f"{k}: missing from {where} (the config's {family_of(m).name} model has it)" for k in want if k not in have
+    ]
+    problems += [
+        f"{k}: shape {list(have[k])} in {where}, the config wants {list(s)}"
+        for k, s in want.items()
+        if k in have and have[k] != s
+    ]
     problems += [f"{k}: in {where}, not in the config's {family_of(m).name} model" for k in have if k not in want]
     return problems
 
@@ -150,8 +169,9 @@ def dropout_differences(m: ModelConfig, hf: Mapping[str, Any]) -> dict[str, floa
     """The HF config's dropout probabilities (transformers' default where a key is absent: its family's
     `hf.dropout`) that differ from the run's model.dropout; empty when they agree. hpctrain has one dropout,
     model.dropout, on attention, residual and embedding alike."""
-    found = {key: float(hf[key] if hf.get(key) is not None else default)
-             for key, default in _dropout_defaults(hf).items()}
+    found = {
+        key: float(hf[key] if hf.get(key) is not None else default) for key, default in _dropout_defaults(hf).items()
+    }
     return {key: value for key, value in found.items() if not math.isclose(value, float(m.dropout), abs_tol=1e-12)}
 
 
@@ -169,9 +189,11 @@ def warn_dropout(m: ModelConfig, hf: Mapping[str, Any]) -> str | None:
     if not differ:
         return None
     theirs = ", ".join(f"{key}={value:g}" for key, value in differ.items())
-    line = (f"model.init_from: the Hugging Face config.json ({hf.get('model_type')}) has dropout {theirs}; this run "
-            f"trains with model.dropout={float(m.dropout):g} (hpctrain's one dropout: attention, residual and "
-            f"embedding). Set model.dropout={max(differ.values()):g} to train with the model's own dropout, or "
-            f"keep model.dropout={float(m.dropout):g} (usual for pretraining) and this is only a note")
+    line = (
+        f"model.init_from: the Hugging Face config.json ({hf.get('model_type')}) has dropout {theirs}; this run "
+        f"trains with model.dropout={float(m.dropout):g} (hpctrain's one dropout: attention, residual and "
+        f"embedding). Set model.dropout={max(differ.values()):g} to train with the model's own dropout, or "
+        f"keep model.dropout={float(m.dropout):g} (usual for pretraining) and this is only a note"
+    )
     log.warning(line)
     return line

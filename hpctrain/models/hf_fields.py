@@ -8,7 +8,8 @@ config.json holds is its family's (hpctrain.models.registry, `Family.hf`).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from hpctrain.models import registry
 from hpctrain.models.family import Dims, HFMismatch
@@ -37,12 +38,20 @@ def config_mismatches(m: Any, hf: Mapping[str, Any]) -> list[tuple[str, Any, Any
     has, and what the HF model's family compares besides (`HFSpec.compared`)."""
     theirs = model_fields(hf)
     d = Dims.of(m)
-    ours: dict[str, Any] = {"arch": registry.family_of(m).name, "n_layers": m.n_layers, "d_model": m.d_model,
-                            "n_heads": m.n_heads, "ffn_hidden": d.ffn_hidden, "vocab_size": m.vocab_size,
-                            "norm_eps": m.norm_eps, **registry.get(theirs["arch"]).hf.compared(m, theirs)}
+    ours: dict[str, Any] = {
+        "arch": registry.family_of(m).name,
+        "n_layers": m.n_layers,
+        "d_model": m.d_model,
+        "n_heads": m.n_heads,
+        "ffn_hidden": d.ffn_hidden,
+        "vocab_size": m.vocab_size,
+        "norm_eps": m.norm_eps,
+        **registry.get(theirs["arch"]).hf.compared(m, theirs),
+    }
     flat = _flat(theirs)
-    return [(f"model.{key}", value, flat.get(key)) for key, value in _flat(ours).items()
-            if not _equal(value, flat.get(key))]
+    return [
+        (f"model.{key}", value, flat.get(key)) for key, value in _flat(ours).items() if not _equal(value, flat.get(key))
+    ]
 
 
 def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

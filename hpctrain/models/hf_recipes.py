@@ -6,8 +6,8 @@ Every conversion is exact: a permutation, transposition or split, no arithmetic 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -57,5 +57,3 @@ def host_read_contexts() -> tuple[_HostReads, _HostReads]:
     """One forward's record and its recomputations' replay (full recomputation's context_fn)."""
     values: list[Any] = []
     return _HostReads(values, replay=False), _HostReads(values, replay=True)
-
-

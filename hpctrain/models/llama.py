@@ -25,16 +25,17 @@ from __future__ import annotations
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hpctrain.models.attention import CausalAttention
-from hpctrain.models.gpt import init_by_name
 from hpctrain.models.family import Dims
+from hpctrain.models.gpt import init_by_name
 from hpctrain.models.hf_recipes import Recipe, same, vocab
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of, padded_vocab
 
@@ -133,12 +134,24 @@ def rope_tables(args: LlamaArgs, like: torch.Tensor, seq_len: int | None = None)
     torch.compile the few ops are traced into the graph instead. The tables are never written to once made.
     """
     seq_len, device, dtype = like.shape[-2] if seq_len is None else seq_len, like.device, like.dtype
-    if (type(like) is not torch.Tensor or torch.compiler.is_compiling()
-            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):
+    if (
+        type(like) is not torch.Tensor
+        or torch.compiler.is_compiling()
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    ):
         cos, sin = rope_cos_sin(args, seq_len, device)
         return cos.to(dtype), sin.to(dtype)
-    key = (args.head_dim, args.rope_theta, args.rope_scaling, args.rope_low_freq_factor, args.rope_high_freq_factor,
-           args.rope_original_context, int(seq_len), device, dtype)
+    key = (
+        args.head_dim,
+        args.rope_theta,
+        args.rope_scaling,
+        args.rope_low_freq_factor,
+        args.rope_high_freq_factor,
+        args.rope_original_context,
+        int(seq_len),
+        device,
+        dtype,
+    )
     tables = _ROPE_CACHE.get(key)
     if tables is not None:
         _ROPE_CACHE.move_to_end(key)
@@ -317,7 +330,7 @@ def legacy_source(key: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]
     if match is None:
         return None
     half = 0 if match.group(2) == "gate" else 1
-    old = f"{key[:match.start()]}{match.group(1)}{LEGACY_GATE_UP}{key[match.end():]}"
+    old = f"{key[: match.start()]}{match.group(1)}{LEGACY_GATE_UP}{key[match.end() :]}"
 
     def take(interleaved: torch.Tensor) -> torch.Tensor:
         if interleaved.dim() == 0:
@@ -325,7 +338,6 @@ def legacy_source(key: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]
         return interleaved.unflatten(0, (-1, 2))[:, half].contiguous()
 
     return old, take
-
 
 
 def build(m: Any, tp: int = 1) -> Llama:
@@ -349,13 +361,17 @@ def _llama_qkv(prefix: str, n_heads: int, n_kv: int, head_dim: int) -> Recipe:
     def join(ts: list[torch.Tensor]) -> torch.Tensor:
         q, k, v = ts
         d = q.shape[1]
-        return torch.cat([q.reshape(n_kv, r, head_dim, d), k.reshape(n_kv, 1, head_dim, d),
-                          v.reshape(n_kv, 1, head_dim, d)], dim=1).reshape(-1, d)
+        return torch.cat(
+            [q.reshape(n_kv, r, head_dim, d), k.reshape(n_kv, 1, head_dim, d), v.reshape(n_kv, 1, head_dim, d)], dim=1
+        ).reshape(-1, d)
 
     def split(t: torch.Tensor) -> list[torch.Tensor]:
         groups = t.reshape(n_kv, r + 2, head_dim, t.shape[1])
-        return [groups[:, :r].reshape(-1, t.shape[1]).contiguous(), groups[:, r].reshape(-1, t.shape[1]).contiguous(),
-                groups[:, r + 1].reshape(-1, t.shape[1]).contiguous()]
+        return [
+            groups[:, :r].reshape(-1, t.shape[1]).contiguous(),
+            groups[:, r].reshape(-1, t.shape[1]).contiguous(),
+            groups[:, r + 1].reshape(-1, t.shape[1]).contiguous(),
+        ]
 
     return Recipe((f"{prefix}q_proj.weight", f"{prefix}k_proj.weight", f"{prefix}v_proj.weight"), join, split)
 

@@ -29,12 +29,17 @@ EXPERT_WEIGHTS = {"mlp.experts.w_gate": 0, "mlp.experts.w_up": 0, "mlp.experts.w
 def moe_shapes(d: Dims) -> Shapes:
     """The MoE layer's parameters (names under `layers.<i>.`)."""
     h, e, f = d.d_model, d.n_experts, d.expert_hidden
-    out: Shapes = {"mlp.router.weight": (e, h), "mlp.experts.w_gate": (e, f, h), "mlp.experts.w_up": (e, f, h),
-                   "mlp.experts.w_down": (e, h, f)}
+    out: Shapes = {
+        "mlp.router.weight": (e, h),
+        "mlp.experts.w_gate": (e, f, h),
+        "mlp.experts.w_up": (e, f, h),
+        "mlp.experts.w_down": (e, h, f),
+    }
     if d.n_shared_experts:
         fs = d.n_shared_experts * f
-        out.update({"mlp.shared.gate.weight": (fs, h), "mlp.shared.up.weight": (fs, h),
-                    "mlp.shared.proj.weight": (h, fs)})
+        out.update(
+            {"mlp.shared.gate.weight": (fs, h), "mlp.shared.up.weight": (fs, h), "mlp.shared.proj.weight": (h, fs)}
+        )
     return out
 
 
@@ -51,32 +56,71 @@ def shape_problems(m: ModelConfig) -> list[ShapeProblem]:
     out = llama_spec.shape_problems(m)
     moe = m.moe
     if moe.n_experts < 1:
-        out.append(("model.moe.n_experts", f"model.arch={m.arch} "
-                    f"is a Mixture of Experts, but model.moe.n_experts={moe.n_experts}",
-                    "set model.moe.n_experts (Mixtral 8, Qwen3-MoE 128), or a dense arch (llama, qwen3)"))
+        out.append(
+            (
+                "model.moe.n_experts",
+                f"model.arch={m.arch} is a Mixture of Experts, but model.moe.n_experts={moe.n_experts}",
+                "set model.moe.n_experts (Mixtral 8, Qwen3-MoE 128), or a dense arch (llama, qwen3)",
+            )
+        )
         return out
     if not 1 <= moe.top_k <= moe.n_experts:
-        out.append(("model.moe.top_k", f"each token must go through 1 to n_experts={moe.n_experts} experts, got "
-                    f"top_k={moe.top_k}", f"set model.moe.top_k between 1 and {moe.n_experts}"))
+        out.append(
+            (
+                "model.moe.top_k",
+                f"each token must go through 1 to n_experts={moe.n_experts} experts, got top_k={moe.top_k}",
+                f"set model.moe.top_k between 1 and {moe.n_experts}",
+            )
+        )
     if moe.router not in ROUTERS:
         out.append(("model.moe.router", f"unknown router {moe.router!r}", f"use one of {', '.join(ROUTERS)}"))
     if moe.n_groups < 1 or moe.n_experts % moe.n_groups or not 1 <= moe.topk_groups <= moe.n_groups:
-        out.append(("model.moe.n_groups", f"n_groups={moe.n_groups} must divide n_experts={moe.n_experts} and "
-                    f"topk_groups={moe.topk_groups} be between 1 and n_groups", "set model.moe.n_groups=1"))
-    elif moe.n_groups > 1 and (moe.router != "sigmoid" or moe.n_experts // moe.n_groups < 2
-                               or moe.top_k > moe.topk_groups * moe.n_experts // moe.n_groups):
-        out.append(("model.moe.n_groups", "expert groups need the sigmoid router, at least 2 experts a group and "
-                    "top_k <= topk_groups x experts per group", "set model.moe.n_groups=1"))
+        out.append(
+            (
+                "model.moe.n_groups",
+                f"n_groups={moe.n_groups} must divide n_experts={moe.n_experts} and "
+                f"topk_groups={moe.topk_groups} be between 1 and n_groups",
+                "set model.moe.n_groups=1",
+            )
+        )
+    elif moe.n_groups > 1 and (
+        moe.router != "sigmoid"
+        or moe.n_experts // moe.n_groups < 2
+        or moe.top_k > moe.topk_groups * moe.n_experts // moe.n_groups
+    ):
+        out.append(
+            (
+                "model.moe.n_groups",
+                "expert groups need the sigmoid router, at least 2 experts a group and "
+                "top_k <= topk_groups x experts per group",
+                "set model.moe.n_groups=1",
+            )
+        )
     if moe.capacity_factor < 0:
-        out.append(("model.moe.capacity_factor", f"must be >= 0 (0: dropless), got {moe.capacity_factor}",
-                    "set model.moe.capacity_factor=0"))
+        out.append(
+            (
+                "model.moe.capacity_factor",
+                f"must be >= 0 (0: dropless), got {moe.capacity_factor}",
+                "set model.moe.capacity_factor=0",
+            )
+        )
     for key in ("balance_coef", "z_loss_coef"):
         if getattr(moe, key) < 0:
-            out.append((f"model.moe.{key}", f"a loss coefficient must be >= 0, got {getattr(moe, key)}",
-                        f"set model.moe.{key}=0 to turn it off"))
+            out.append(
+                (
+                    f"model.moe.{key}",
+                    f"a loss coefficient must be >= 0, got {getattr(moe, key)}",
+                    f"set model.moe.{key}=0 to turn it off",
+                )
+            )
     if moe.expert_hidden < 0 or moe.n_shared_experts < 0:
-        out.append(("model.moe.expert_hidden", "expert sizes must be >= 0 (expert_hidden 0: model.ffn_hidden)",
-                    "set model.moe.expert_hidden and model.moe.n_shared_experts to non-negative values"))
+        out.append(
+            (
+                "model.moe.expert_hidden",
+                "expert sizes must be >= 0 (expert_hidden 0: model.ffn_hidden)",
+                "set model.moe.expert_hidden and model.moe.n_shared_experts to non-negative values",
+            )
+        )
     return out
 
 

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,13 +80,17 @@ class MoEArgs:
         if not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
         if self.n_groups < 1 or self.n_experts % self.n_groups or not 1 <= self.topk_groups <= self.n_groups:
-            raise ValueError(f"n_groups {self.n_groups} must divide n_experts {self.n_experts} and "
-                             f"topk_groups {self.topk_groups} be in [1, n_groups]")
+            raise ValueError(
+                f"n_groups {self.n_groups} must divide n_experts {self.n_experts} and "
+                f"topk_groups {self.topk_groups} be in [1, n_groups]"
+            )
         if self.n_groups > 1:
             group_size = self.n_experts // self.n_groups
             if self.router != "sigmoid" or group_size < 2 or self.top_k > self.topk_groups * group_size:
-                raise ValueError("expert groups need the sigmoid router, at least 2 experts a group (a group "
-                                 "scores its top 2) and top_k <= topk_groups * experts per group")
+                raise ValueError(
+                    "expert groups need the sigmoid router, at least 2 experts a group (a group "
+                    "scores its top 2) and top_k <= topk_groups * experts per group"
+                )
         if self.capacity_factor < 0:
             raise ValueError(f"capacity_factor must be >= 0, not {self.capacity_factor}")
 
@@ -111,8 +116,11 @@ def full_fp32_matmul(device_type: str) -> Iterator[None]:
     precision "high"), nor in autocast's dtype; both restored after. Eager only: dynamo traces neither the
     precision's getter nor its setter, and the MoE families do not compile (hpctrain.config.checks)."""
     before = torch.get_float32_matmul_precision()
-    no_autocast = torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
+    no_autocast = (
+        torch.autocast(device_type, enabled=False)
+        if torch.amp.is_autocast_available(device_type)
         else contextlib.nullcontext()
+    )
     torch.set_float32_matmul_precision("highest")
     try:
         with no_autocast:
@@ -162,8 +170,14 @@ def _fake_host_read(values: torch.Tensor) -> None:
         record_host_read(values.cpu())
 
 
-def run_experts(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                w_down: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
+def run_experts(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    grouped: bool | None = None,
+) -> torch.Tensor:
     """Rows `x` [N, d] sorted by expert, counts[e] of them for expert e -> each row through its expert's SwiGLU,
     [N, d]. The rows past sum(counts) (what a capacity drops) are no expert's: the caller weights their output
     zero (the loop leaves it zero, the grouped GEMM runs them in the last expert's padding, which it computes
@@ -185,13 +199,16 @@ def run_experts(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_u
     else:
         sizes = replayed_host_read() or record_host_read(counts.tolist())
     dropped = x.shape[0] - sum(sizes)
-    outs = [F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)  # zip ends with the experts: not the dropped
-            for xe, wg, wu, wd in zip(x.split([*sizes, dropped]), w_gate, w_up, w_down)]
+    outs = [
+        F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)  # zip ends with the experts: not the dropped
+        for xe, wg, wu, wd in zip(x.split([*sizes, dropped]), w_gate, w_up, w_down)
+    ]
     return torch.cat([*outs, x.new_zeros(dropped, w_down.shape[1])] if dropped else outs)
 
 
-def _experts_grouped(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                     w_down: torch.Tensor) -> torch.Tensor:
+def _experts_grouped(
+    x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
     """run_experts with torch._grouped_mm, without a host sync. Each expert's segment is padded with zero rows to
     a multiple of GROUP_ROWS, at least GROUP_ROWS (torchtitan does the same): CUTLASS's grouped GEMM hung in the
     backward on an empty group (pytorch issue 152668, the weight gradient's K = 0). The padded rows sit in a
@@ -210,8 +227,9 @@ def _experts_grouped(x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor
     shift = starts - (counts.cumsum(0) - counts)  # padded start - packed start, per segment
     dest = torch.arange(n, device=x.device) + shift[expert_of_row]
     xp = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
-    hidden = (F.silu(torch._grouped_mm(xp, w_gate.transpose(-2, -1), offs=offs))
-              * torch._grouped_mm(xp, w_up.transpose(-2, -1), offs=offs))
+    hidden = F.silu(torch._grouped_mm(xp, w_gate.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
+        xp, w_up.transpose(-2, -1), offs=offs
+    )
     return torch._grouped_mm(hidden, w_down.transpose(-2, -1), offs=offs)[dest]
 
 
@@ -240,8 +258,9 @@ class GroupedExperts(nn.Module):
         scale = 1.0 / dist.get_world_size(self.ep_group)
         return self._dispatch(rows, counts, *(_ScaleGrad.apply(w, scale) for w in weights))
 
-    def _dispatch(self, rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                  w_down: torch.Tensor) -> torch.Tensor:
+    def _dispatch(
+        self, rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+    ) -> torch.Tensor:
         """Expert parallelism: this rank's rows, sorted by global expert (counts [n_experts]), go to the ranks
         holding their experts (rank r holds experts r * local .. (r + 1) * local - 1), run there, and come back
         in the same order; the rows past sum(counts) (a capacity's drops) stay, their output zero. Three
@@ -261,8 +280,9 @@ class GroupedExperts(nn.Module):
         routed = sum(send)
         received = funcol.all_to_all_single_autograd(rows[:routed], receive, send, group)
         # Rows arrive source by source, each source's sorted by expert: regroup them expert by expert.
-        expert_of_row = torch.repeat_interleave(torch.arange(local, device=rows.device).repeat(ep),
-                                                per_source.flatten(), output_size=received.shape[0])
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(ep), per_source.flatten(), output_size=received.shape[0]
+        )
         order = torch.argsort(expert_of_row, stable=True)
         out = run_experts(received[order], per_source.sum(0), w_gate, w_up, w_down)
         back = torch.zeros_like(out).index_copy(0, order, out)  # the arrival order again
@@ -364,8 +384,12 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, stats: MoEStats) -> None:
-        record = torch.cat((stats.tokens_per_expert.double(), torch.stack(
-            (stats.balance_loss.double(), stats.z_loss.double(), stats.dropped.double()))))
+        record = torch.cat(
+            (
+                stats.tokens_per_expert.double(),
+                torch.stack((stats.balance_loss.double(), stats.z_loss.double(), stats.dropped.double())),
+            )
+        )
         self.routing = record if self.routing is None else self.routing + record
 
     def take_routing(self) -> torch.Tensor | None:
@@ -456,5 +480,8 @@ class MoE(nn.Module):
 def moe_layers(model: nn.Module) -> dict[int, MoE]:
     """A model's (or pipeline stage's) MoE layers by block index in the whole model: each block's `mlp` that is
     an MoE (hpctrain.models.moe_llama); empty for a dense model."""
-    return {int(i): block.mlp for i, block in getattr(model, "layers", {}).items()
-            if isinstance(getattr(block, "mlp", None), MoE)}
+    return {
+        int(i): block.mlp
+        for i, block in getattr(model, "layers", {}).items()
+        if isinstance(getattr(block, "mlp", None), MoE)
+    }

@@ -24,8 +24,9 @@ def experts(names: list[str]) -> Recipe:
     return Recipe(tuple(names), torch.stack, lambda t: [x.clone() for x in t.unbind(0)])
 
 
-def _with_experts(dense: dict[str, Recipe], m: Any, router: str, where: str,
-                  gate: str, up: str, down: str) -> dict[str, Recipe]:
+def _with_experts(
+    dense: dict[str, Recipe], m: Any, router: str, where: str, gate: str, up: str, down: str
+) -> dict[str, Recipe]:
     """The dense table with each layer's MLP replaced, in its place (export writes the weights in this order), by
     its router `<layer>.<router>.weight` and experts `<layer>.<where>.<e>.<gate|up|down>.weight`."""
     n = Dims.of(m).n_experts
@@ -39,9 +40,14 @@ def _with_experts(dense: dict[str, Recipe], m: Any, router: str, where: str,
             def each(proj: str) -> list[str]:
                 return [f"{hf}{where}.{e}.{proj}.weight" for e in range(n)]
 
-            out.update({f"{ours}router.weight": same(f"{hf}{router}.weight"),
-                        f"{ours}experts.w_gate": experts(each(gate)), f"{ours}experts.w_up": experts(each(up)),
-                        f"{ours}experts.w_down": experts(each(down))})
+            out.update(
+                {
+                    f"{ours}router.weight": same(f"{hf}{router}.weight"),
+                    f"{ours}experts.w_gate": experts(each(gate)),
+                    f"{ours}experts.w_up": experts(each(up)),
+                    f"{ours}experts.w_down": experts(each(down)),
+                }
+            )
     return out
 
 

@@ -16,12 +16,22 @@ from hpctrain.models.moe import MoE, MoEArgs, moe_layers
 def moe_args(m: Any) -> MoEArgs:
     """The MoE layer arguments of a config's `model` section (model.moe; expert_hidden 0: model.ffn_hidden)."""
     e = m.moe
-    return MoEArgs(d_model=m.d_model, expert_hidden=e.expert_hidden or llama_args(m).ffn_hidden,
-                   n_experts=e.n_experts, top_k=e.top_k, router=str(e.router), norm_topk_prob=bool(e.norm_topk_prob),
-                   n_groups=e.n_groups, topk_groups=e.topk_groups, route_scale=float(e.route_scale),
-                   n_shared_experts=e.n_shared_experts, capacity_factor=float(e.capacity_factor),
-                   bias_update_rate=float(e.bias_update_rate), balance_coef=float(e.balance_coef),
-                   z_loss_coef=float(e.z_loss_coef))
+    return MoEArgs(
+        d_model=m.d_model,
+        expert_hidden=e.expert_hidden or llama_args(m).ffn_hidden,
+        n_experts=e.n_experts,
+        top_k=e.top_k,
+        router=str(e.router),
+        norm_topk_prob=bool(e.norm_topk_prob),
+        n_groups=e.n_groups,
+        topk_groups=e.topk_groups,
+        route_scale=float(e.route_scale),
+        n_shared_experts=e.n_shared_experts,
+        capacity_factor=float(e.capacity_factor),
+        bias_update_rate=float(e.bias_update_rate),
+        balance_coef=float(e.balance_coef),
+        z_loss_coef=float(e.z_loss_coef),
+    )
 
 
 class MoELlama(Llama):

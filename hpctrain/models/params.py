@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from hpctrain.models import registry
 from hpctrain.models.family import Dims
@@ -107,8 +108,9 @@ def dims_param_count(arch: str, dims: Dims, embedding_rows: int | None = None) -
 def model_active_param_count(model: ModelConfig, context: int | None = None) -> int:
     """The parameters one token goes through (model_param_count for a dense model): each layer's expert weights
     count top_k / n_experts (module docstring)."""
-    return dims_active_param_count(registry.family_of(model).name,
-                                   replace(Dims.of(model), context=context or model.context))
+    return dims_active_param_count(
+        registry.family_of(model).name, replace(Dims.of(model), context=context or model.context)
+    )
 
 
 def dims_active_param_count(arch: str, dims: Dims, embedding_rows: int | None = None) -> int:
@@ -121,8 +123,9 @@ def dims_active_param_count(arch: str, dims: Dims, embedding_rows: int | None = 
 def expert_layer_params(arch: str, dims: Dims) -> int:
     """One block's expert weights (the family's `ep_dims`: what expert parallelism splits); 0 for a dense family."""
     family = registry.get(arch)
-    return sum(math.prod(shape) for name, shape in family.block_shapes(dims).items()
-               if family.expert_dim(name) is not None)
+    return sum(
+        math.prod(shape) for name, shape in family.block_shapes(dims).items() if family.expert_dim(name) is not None
+    )
 
 
 # ---------------------------------------------------------------- where the parameters live
@@ -135,8 +138,9 @@ def _dims(d_model: int, ffn_hidden: int, kv_dim: int | None, context: int = 1, n
     return Dims(n_layers, d_model, d_model, d_model if kv_dim is None else kv_dim, ffn_hidden, 1, context)
 
 
-def block_shapes(d_model: int, ffn_hidden: int, arch: str = "gpt", kv_dim: int | None = None
-                 ) -> dict[str, tuple[int, ...]]:
+def block_shapes(
+    d_model: int, ffn_hidden: int, arch: str = "gpt", kv_dim: int | None = None
+) -> dict[str, tuple[int, ...]]:
     """One transformer block's parameters (names under `layers.<i>.`) and their shapes, as family `arch` builds
     them. kv_dim: the width of K and V (grouped-query attention: n_kv_heads x head_dim); d_model when None."""
     return registry.get(arch).block_shapes(_dims(d_model, ffn_hidden, kv_dim))
@@ -181,8 +185,9 @@ def stage_holds(module: str, stage: int, split: Sequence[int], arch: str = "gpt"
     return registry.get(arch).stage_holds(module, stage == 0, stage == len(split) - 1)
 
 
-def stage_param_counts(model: ModelConfig, split: Sequence[int], tp: int = 1, per_gpu: bool = False,
-                       ep: int = 1) -> list[int]:
+def stage_param_counts(
+    model: ModelConfig, split: Sequence[int], tp: int = 1, per_gpu: bool = False, ep: int = 1
+) -> list[int]:
     """Parameters of each pipeline stage as built for a layout with `tp` (the embedding padded for it).
 
     per_gpu: what one TP and EP rank holds (the family's `tp_dims` split over tp, its `ep_dims` over ep, the rest
@@ -191,8 +196,9 @@ def stage_param_counts(model: ModelConfig, split: Sequence[int], tp: int = 1, pe
     tp_split, experts = (tp, ep) if per_gpu else (1, 1)
     family, dims = registry.family_of(model), Dims.of(model)
     arch = family.name
-    block = sum(tp_local_numel(name, shape, tp_split, arch, experts)
-                for name, shape in family.block_shapes(dims).items())
+    block = sum(
+        tp_local_numel(name, shape, tp_split, arch, experts) for name, shape in family.block_shapes(dims).items()
+    )
     top: dict[str, int] = {}
     for name, shape in family.top_shapes(dims, rows).items():
         module = name.split(".")[0]

@@ -8,8 +8,9 @@ embedding there (hpctrain's head starts as a copy, as for Llama 3.2 1B).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.models import llama_spec
 from hpctrain.models.family import BlockActivations, Dims, Shapes, refuse
@@ -48,6 +49,13 @@ QWEN3_FAMILY = replace(
     block_shapes=block_shapes,
     activations=BlockActivations(gated_mlp=True, rope=True, norm_fp32_copy=True, head_norms=True),
     tp_head_norms=("attn.norm_q", "attn.norm_k"),
-    hf=replace(llama_spec.LLAMA_FAMILY.hf, model_type="qwen3", class_name="Qwen3ForCausalLM", fields=hf_fields,
-               config=hf_config, weight_shapes=hf_weight_shapes, recipes="hpctrain.models.llama:qwen3_hf_recipes"),
+    hf=replace(
+        llama_spec.LLAMA_FAMILY.hf,
+        model_type="qwen3",
+        class_name="Qwen3ForCausalLM",
+        fields=hf_fields,
+        config=hf_config,
+        weight_shapes=hf_weight_shapes,
+        recipes="hpctrain.models.llama:qwen3_hf_recipes",
+    ),
 )

@@ -15,8 +15,9 @@ from hpctrain.models.mixtral_spec import MIXTRAL_FAMILY
 from hpctrain.models.qwen3_moe_spec import QWEN3_MOE_FAMILY
 from hpctrain.models.qwen3_spec import QWEN3_FAMILY
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (GPT_FAMILY, LLAMA_FAMILY, QWEN3_FAMILY, MIXTRAL_FAMILY,
-                                                   QWEN3_MOE_FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (GPT_FAMILY, LLAMA_FAMILY, QWEN3_FAMILY, MIXTRAL_FAMILY, QWEN3_MOE_FAMILY)
+}
 DEFAULT = GPT_FAMILY.name  # model.arch when a model config leaves it out
 BUILT_IN = frozenset(FAMILIES)
 

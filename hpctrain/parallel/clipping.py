@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,9 @@ def reduce_partial_grads_(params: Iterable[torch.Tensor]) -> None:
         flat = flat.to(locals_[0].device)
         reduced = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
         for p, local, chunk in zip(members, locals_, flat.split([t.numel() for t in locals_])):
-            p.grad = DTensor.from_local(chunk.view_as(local), mesh, reduced, run_check=False,
-                                        shape=p.grad.shape, stride=p.grad.stride())
+            p.grad = DTensor.from_local(
+                chunk.view_as(local), mesh, reduced, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+            )
 
 
 def copies(grad: torch.Tensor, ranks_per_stage: int) -> int:
@@ -88,8 +89,10 @@ def scale_grads_(params: Iterable[torch.Tensor], factor: float | torch.Tensor) -
             groups[(local.device, local.dtype)].append(local)
     with torch.no_grad():
         for (device, _), tensors in groups.items():
-            torch._foreach_mul_(tensors, factor.to(device, non_blocking=device.type != "cpu")
-                                if isinstance(factor, torch.Tensor) else factor)
+            torch._foreach_mul_(
+                tensors,
+                factor.to(device, non_blocking=device.type != "cpu") if isinstance(factor, torch.Tensor) else factor,
+            )
 
 
 def clip_coefficient(squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

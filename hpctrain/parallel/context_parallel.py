@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single_autograd
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -30,8 +30,10 @@ from hpctrain.models.attention import CausalAttention, grouped_kv, sdpa_expands_
 def chunk_size(seq_len: int, cp: int) -> int:
     """The length of one of the 2 * cp chunks; refuses a sequence that does not cut evenly."""
     if cp < 1 or seq_len % (2 * cp):
-        raise ValueError(f"context parallelism cuts the sequence into 2 * cp chunks: seq_len {seq_len} is not "
-                         f"divisible by 2 * cp = {2 * cp}")
+        raise ValueError(
+            f"context parallelism cuts the sequence into 2 * cp chunks: seq_len {seq_len} is not "
+            f"divisible by 2 * cp = {2 * cp}"
+        )
     return seq_len // (2 * cp)
 
 
@@ -91,8 +93,10 @@ class IndexCache:
         self._entries: OrderedDict[tuple[int, int, int, torch.device], Indices] = OrderedDict()
 
     def __call__(self, seq_len: int, cp: int, rank: int, device: torch.device) -> Indices:
-        if (torch.compiler.is_compiling()
-                or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None):
+        if (
+            torch.compiler.is_compiling()
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        ):
             return build_indices(seq_len, cp, rank, device)
         key = (seq_len, cp, rank, torch.device(device))
         found = self._entries.get(key)
@@ -105,8 +109,9 @@ class IndexCache:
         return found
 
 
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                 indices: IndexCache | None = None) -> torch.Tensor:
+def cp_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, indices: IndexCache | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's chunks against the whole sequence's keys and values.
 
     q [B, Hq, L, D], k and v [B, Hkv, L, D] hold this rank's two chunks (L = seq_len / cp, chunk_order's order).
@@ -128,8 +133,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.
     return chunk_attention(q, keys, values, cp, rank, masks=built.masks)
 
 
-def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cp: int, rank: int,
-                    masks: tuple[CausalBias, CausalBias] | None = None) -> torch.Tensor:
+def chunk_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cp: int,
+    rank: int,
+    masks: tuple[CausalBias, CausalBias] | None = None,
+) -> torch.Tensor:
     """CP rank `rank`'s two query chunks (q [B, Hq, s / cp, D], chunk_order's order) against the whole sequence's
     keys and values in global order ([B, Hkv, s, D]): chunk i against keys [0, end of chunk i), one SDPA call each
     with the causal diagonal aligned bottom-right (`masks`, `Indices.masks`; made here when not given). The part of
@@ -156,9 +167,15 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, c
     for local, chunk in enumerate(chunk_ids(cp, rank)):
         end = (chunk + 1) * c
         mask = masks[local] if masks is not None else _lower_right(c, end)
-        outs.append(F.scaled_dot_product_attention(
-            q[:, :, local * c:(local + 1) * c], keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-            enable_gqa=gqa))
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, local * c : (local + 1) * c],
+                keys[:, :, :end],
+                values[:, :, :end],
+                attn_mask=mask,
+                enable_gqa=gqa,
+            )
+        )
     return torch.cat(outs, dim=2)
 
 
@@ -166,7 +183,7 @@ SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 
 def gpu_chunk_kernel(dtype: torch.dtype, n_heads: int, n_kv_heads: int, head_dim: int) -> str:
-    """"flash", "efficient" or "math": the kernel `chunk_attention` runs on an sm80+ GPU (A100, H100/H200) under
+    """ "flash", "efficient" or "math": the kernel `chunk_attention` runs on an sm80+ GPU (A100, H100/H200) under
     torch 2.13, for q of `dtype` with `n_heads` heads against `n_kv_heads` gathered key/value heads of `head_dim`.
 
     `grouped_kv` first (`sdpa_expands_kv`: repeat the key/value heads in fp32, or in 16 bits past head_dim 256),

@@ -27,8 +27,9 @@ Under PP torch's schedules drive FSDP2 themselves (hpctrain.plan.states explains
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -56,20 +57,38 @@ def accumulates_unsharded(zero_stage: int, accumulate_unsharded: bool) -> bool:
     return zero_stage == 1 or accumulate_unsharded
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, zero: ZeroConfig, precision: PrecisionConfig,
-               zero_stage: int, experts: ExpertSharding | None = None) -> None:
+def apply_fsdp(
+    model: Transformer,
+    mesh: DeviceMesh,
+    zero: ZeroConfig,
+    precision: PrecisionConfig,
+    zero_stage: int,
+    experts: ExpertSharding | None = None,
+) -> None:
     """fully_shard each block (ZeRO-3: its attention and MLP as units of their own first), then the root
     (embeddings, final norm, head). ZeRO-1/2 keep the parameters gathered from forward to backward. Under expert
     parallelism each MoE layer's experts are a unit of their own first, over `experts.mesh`."""
     # Pinned where the mesh is on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not).
-    offload: OffloadPolicy = (CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
-                              if zero.offload_optimizer or zero.offload_params else OffloadPolicy())
-    kwargs = dict(mesh=mesh, mp_policy=fsdp_mp_policy(precision), offload_policy=offload,
-                  reshard_after_forward=zero_stage == 3, shard_placement_fn=expert_placement(model, mesh))
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+        if zero.offload_optimizer or zero.offload_params
+        else OffloadPolicy()
+    )
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=fsdp_mp_policy(precision),
+        offload_policy=offload,
+        reshard_after_forward=zero_stage == 3,
+        shard_placement_fn=expert_placement(model, mesh),
+    )
     for block in model.layers.values():
         if experts is not None:
-            experts.wrap(block, lambda unit, mesh: fully_shard(
-                unit, **{**kwargs, "mesh": mesh, "shard_placement_fn": expert_placement(unit, mesh)}))
+            experts.wrap(
+                block,
+                lambda unit, mesh: fully_shard(
+                    unit, **{**kwargs, "mesh": mesh, "shard_placement_fn": expert_placement(unit, mesh)}
+                ),
+            )
         if zero_stage == 3:
             fully_shard(block.attn, **kwargs)
             fully_shard(block.mlp, **kwargs)
@@ -91,6 +110,7 @@ def expert_placement(module: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parame
             return None
         local = param.to_local() if isinstance(param, DTensor) else param
         return Shard(1) if local.shape[0] % shard and not local.shape[1] % shard else None
+
     return place
 
 
@@ -120,8 +140,9 @@ def microbatch_sync(model: FSDPModule, zero_stage: int, accumulate_unsharded: bo
     model.set_reshard_after_backward(last or zero_stage == 3)
 
 
-def apply_replicate(model: Transformer, mesh: DeviceMesh, precision: PrecisionConfig,
-                    experts: ExpertSharding | None = None) -> None:
+def apply_replicate(
+    model: Transformer, mesh: DeviceMesh, precision: PrecisionConfig, experts: ExpertSharding | None = None
+) -> None:
     """DDP semantics for DTensor (TP, EP) parameters, from FSDP2's replicate."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -132,12 +153,13 @@ def apply_replicate(model: Transformer, mesh: DeviceMesh, precision: PrecisionCo
     replicate(model, mesh=mesh, mp_policy=fsdp_mp_policy(precision))
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, zero: ZeroConfig,
-              precision: PrecisionConfig) -> nn.parallel.DistributedDataParallel:
+def apply_ddp(
+    model: nn.Module, mesh: DeviceMesh, zero: ZeroConfig, precision: PrecisionConfig
+) -> nn.parallel.DistributedDataParallel:
     group = mesh.get_group()
     ddp = nn.parallel.DistributedDataParallel(
-        model, process_group=group, bucket_cap_mb=zero.reduce_bucket_size / 2**20,
-        gradient_as_bucket_view=True)
+        model, process_group=group, bucket_cap_mb=zero.reduce_bucket_size / 2**20, gradient_as_bucket_view=True
+    )
     hook = ddp_comm_hook(precision, mesh.device_type)
     if hook is not None:
         ddp.register_comm_hook(group, hook)

@@ -53,7 +53,8 @@ class ParallelDims:
             raise ParallelDimsError(
                 f"dp x tp x pp x cp = {lay.dp} x {lay.tp} x {lay.pp} x {lay.cp} = {lay.world_size} ranks, but there "
                 f"are {self.world_size} processes: change parallel.dp / parallel.tp / parallel.pp / parallel.cp so "
-                "their product is the number of processes")
+                "their product is the number of processes"
+            )
 
     dp_replicate = _of_layout("dp_replicate")
     dp_shard = _of_layout("dp_shard")
@@ -102,8 +103,10 @@ class ParallelDims:
     def _dim(self, name: str) -> DeviceMesh:
         """One dim's mesh; a dim of one rank is not in the mesh, and asking for it is a mistake of the caller's."""
         if name not in self.mesh_dims:
-            raise ParallelDimsError(f"mesh dim {name!r} has one rank in this layout, so the mesh leaves it out "
-                                    "(hpctrain.parallel.dims): read it only where it is > 1")
+            raise ParallelDimsError(
+                f"mesh dim {name!r} has one rank in this layout, so the mesh leaves it out "
+                "(hpctrain.parallel.dims): read it only where it is > 1"
+            )
         return self.mesh[name]
 
     @cached_property

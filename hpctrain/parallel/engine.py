@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -52,14 +53,13 @@ from hpctrain.parallel.data_parallel import (
 )
 from hpctrain.parallel.dims import ParallelDims
 from hpctrain.parallel.expert_parallel import apply_ep
-from hpctrain.parallel.grad_buffer import fill_as_made
-from hpctrain.parallel.moe_stats import MoEStepStats
 from hpctrain.parallel.float8 import apply_float8, register_scale_precompute
+from hpctrain.parallel.grad_buffer import fill_as_made
 from hpctrain.parallel.groups import own_group, tied_embedding_pairs
+from hpctrain.parallel.moe_stats import MoEStepStats
+from hpctrain.parallel.optimizer import build_optimizer, skip_if_found_inf, skips_on_device
 from hpctrain.parallel.pipeline import build_schedule, stage_model, start_up
 from hpctrain.parallel.pipeline import evaluate as evaluate_pipeline
-from hpctrain.parallel.optimizer import build_optimizer
-from hpctrain.parallel.optimizer import skip_if_found_inf, skips_on_device
 from hpctrain.parallel.precision import LossScaler, autocast, enum_value
 from hpctrain.parallel.recompute import apply_recompute
 from hpctrain.parallel.tensor_parallel import apply_tp
@@ -89,9 +89,11 @@ class TrainingDiverged(RuntimeError):
         self.step, self.last_good_step, self.loss, self.grad_norm = step, last_good_step, loss, grad_norm
         super().__init__(
             f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm} (last good step "
-            f"{last_good_step}); the step was not applied. " + (f"Likely cause: {cause}. " if cause else "")
+            f"{last_good_step}); the step was not applied. "
+            + (f"Likely cause: {cause}. " if cause else "")
             + f"Resume from a checkpoint at or before step {last_good_step} with a lower optim.lr, a tighter "
-            "optim.grad_clip or precision=fp32/bf16")
+            "optim.grad_clip or precision=fp32/bf16"
+        )
 
 
 def likely_cause(optim: OptimConfig, precision: PrecisionConfig, lr: float, grad_norm: float) -> str:
@@ -124,8 +126,14 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | No
 class Engine:
     """Every layout (DP/ZeRO/HSDP x TP(+SP) x PP x CP) behind one step()."""
 
-    def __init__(self, cfg: Config, layout: Layout, device: torch.device, dims: ParallelDims | None = None,
-                 tensors: contextlib.AbstractContextManager[Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        layout: Layout,
+        device: torch.device,
+        dims: ParallelDims | None = None,
+        tensors: contextlib.AbstractContextManager[Any] | None = None,
+    ) -> None:
         """`dims`: a mesh built already (default: this world's); `tensors`: the context the engine's tensors
         are made in (hpctrain.simulate's fake tensor mode). The layout is applied on the meta device outside
         it: meshes and process groups are host-side bookkeeping, and a fake tensor mode cannot run them."""
@@ -150,18 +158,20 @@ class Engine:
                 "zero-bubble schedules compute weight gradients in a separate pass, and with FSDP2-sharded "
                 "parameters torch 2.13 loses some of them (the tied embedding's gradient comes back empty, the "
                 "others wrong). Use zero.stage=0 (replicated DP works with these schedules) or "
-                "parallel.schedule=interleaved_1f1b")
+                "parallel.schedule=interleaved_1f1b"
+            )
 
         with torch.device("meta"):
             full = create_model(cfg.model, layout.tp)
         self.tied_embeddings = full.tied_embeddings
-        self.stage_ids = self.pipeline_schedule.stage_ids(dims.pp_rank, dims.pp, dims.virtual_stages) \
-            if dims.pp > 1 else [0]
+        self.stage_ids = (
+            self.pipeline_schedule.stage_ids(dims.pp_rank, dims.pp, dims.virtual_stages) if dims.pp > 1 else [0]
+        )
         # the model module of each part (inside DDP when DDP wraps it), its layout applied on the meta device
         self.split = layout.layer_split(cfg.model.n_layers)
         self.stage_models: list[Transformer] = [
-            self._apply_layout(stage_model(full, sid, self.split) if dims.pp > 1 else full)
-            for sid in self.stage_ids]
+            self._apply_layout(stage_model(full, sid, self.split) if dims.pp > 1 else full) for sid in self.stage_ids
+        ]
         self.pp_group = dims.pp_mesh.get_group() if dims.pp > 1 else None
         self._embedding_group = self._tied_embedding_group() if dims.pp > 1 and self.tied_embeddings else None
         self.has_first = 0 in self.stage_ids
@@ -176,19 +186,23 @@ class Engine:
             self.scaler = LossScaler(cfg.precision)
             self.schedule = None
             if dims.pp > 1:
-                stages = [PipelineStage(part, sid, dims.n_stages, device, group=self.pp_group)
-                          for part, sid in zip(self.model_parts, self.stage_ids)]
+                stages = [
+                    PipelineStage(part, sid, dims.n_stages, device, group=self.pp_group)
+                    for part, sid in zip(self.model_parts, self.stage_ids)
+                ]
                 self.schedule = build_schedule(stages, layout.schedule, layout.microbatches, self._pipeline_loss)
         # ZeRO-1's gradient buffer filled as gradients are made (grad_buffer): the accumulation loop arms it
         self.buffer_fill = fill_as_made(self.model_parts[0], self.tied_embeddings) if fills_buffer(layout) else None
-        self.model: nn.Module | list[nn.Module] = self.model_parts[0] if len(self.model_parts) == 1 \
-            else self.model_parts
+        self.model: nn.Module | list[nn.Module] = (
+            self.model_parts[0] if len(self.model_parts) == 1 else self.model_parts
+        )
         for layer in self.moe_layers.values():  # DDP's settling forward is no training step
             layer.take_routing()
         self.vocab_size = int(cfg.model.vocab_size)
         self.ranks_per_stage = dims.world_size // dims.pp
         self.steps_on_host = self.device.type != "cpu" and any(
-            p.device.type == "cpu" for opt in self.optimizers for group in opt.param_groups for p in group["params"])
+            p.device.type == "cpu" for opt in self.optimizers for group in opt.param_groups for p in group["params"]
+        )
         self.steps_done = 0
         self.last_good_step = 0
         # What must finish before the optimizer changes the state: a checkpoint's copy of it, which runs while
@@ -233,14 +247,18 @@ class Engine:
         return model
 
     def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
-        return build_optimizer(part.parameters(), self.cfg.optim, self.cfg.zero,
-                               dist.get_rank() if dist.is_initialized() else 0)
+        return build_optimizer(
+            part.parameters(), self.cfg.optim, self.cfg.zero, dist.get_rank() if dist.is_initialized() else 0
+        )
 
     def _tied_embedding_group(self) -> dist.ProcessGroup | None:
         """Ranks holding the first or last stage with this rank's DP/TP coordinates (None: one rank has both)."""
         pp = self.dims.pp
-        last_rank = next(r for r in range(pp) if self.dims.n_stages - 1 in
-                         self.pipeline_schedule.stage_ids(r, pp, self.dims.virtual_stages))
+        last_rank = next(
+            r
+            for r in range(pp)
+            if self.dims.n_stages - 1 in self.pipeline_schedule.stage_ids(r, pp, self.dims.virtual_stages)
+        )
         if last_rank == 0:
             return None
         if pp == 2:
@@ -288,8 +306,13 @@ class Engine:
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
         if not finite and not self.scaler.enabled:
             self._zero_grad()
-            raise TrainingDiverged(self.steps_done, self.last_good_step, loss, grad_norm,
-                                   likely_cause(self.cfg.optim, self.cfg.precision, lr, grad_norm))
+            raise TrainingDiverged(
+                self.steps_done,
+                self.last_good_step,
+                loss,
+                grad_norm,
+                likely_cause(self.cfg.optim, self.cfg.precision, lr, grad_norm),
+            )
         if finite and not queued:
             on_host = torch.tensor(read, dtype=torch.float64) if self.steps_on_host else values
             self._optimizer_step(params, on_host, found_inf=None)
@@ -297,8 +320,14 @@ class Engine:
         self._zero_grad()
         if finite:
             self.last_good_step = self.steps_done
-        return StepStats(loss=loss, grad_norm=grad_norm, skipped=not finite, loss_scale=scale, control=agreed,
-                         moe=self._moe_stats(routing, inputs.shape[0]))
+        return StepStats(
+            loss=loss,
+            grad_norm=grad_norm,
+            skipped=not finite,
+            loss_scale=scale,
+            control=agreed,
+            moe=self._moe_stats(routing, inputs.shape[0]),
+        )
 
     @torch.no_grad()
     def evaluate(self, batches: list[torch.Tensor]) -> float:
@@ -328,8 +357,12 @@ class Engine:
             else:
                 losses = []
                 kwargs: dict[str, Any] = dict(target=targets.flatten(0, 1), losses=losses) if self.has_last else {}
-                evaluate_pipeline(self.schedule, self.pipeline_schedule.placement,
-                                  (inputs.flatten(0, 1),) if self.has_first else (), **kwargs)
+                evaluate_pipeline(
+                    self.schedule,
+                    self.pipeline_schedule.placement,
+                    (inputs.flatten(0, 1),) if self.has_first else (),
+                    **kwargs,
+                )
                 losses = [loss / self.scaler.scale for loss in losses]  # _pipeline_loss scaled them
         if not losses:
             return torch.zeros((), dtype=torch.float64, device=self.device)
@@ -408,19 +441,28 @@ class Engine:
     def _norm_params(self) -> list[torch.Tensor]:
         """Each parameter once per pipeline: the tied embedding's copy on a stage that does not embed (the last,
         where it is the head) is left out."""
-        return [p for m in self.stage_models for name, p in m.named_parameters()
-                if not (name == "tok_emb.weight" and not m.embeds)]
+        return [
+            p
+            for m in self.stage_models
+            for name, p in m.named_parameters()
+            if not (name == "tok_emb.weight" and not m.embeds)
+        ]
 
     def _reduce(self, local_loss: torch.Tensor, control: list[float] | tuple[float, ...]) -> torch.Tensor:
         """The step's one reduction over all ranks: [loss, squared-norm share, *control] summed on the default
         group, in float64 on this rank's device, left there (`_stats` reads it)."""
         reduce_partial_grads_(p for part in self.model_parts for p in part.parameters())
         share = squared_norm_share(self._norm_params(), self.ranks_per_stage, self.device)
-        loss = local_loss.detach().double() if self.has_last else torch.zeros((), dtype=torch.float64,
-                                                                             device=self.device)
-        values = torch.cat([torch.stack([loss, share]),
-                            torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True),
-                            self._routing()])
+        loss = (
+            local_loss.detach().double() if self.has_last else torch.zeros((), dtype=torch.float64, device=self.device)
+        )
+        values = torch.cat(
+            [
+                torch.stack([loss, share]),
+                torch.tensor(list(control), dtype=torch.float64).to(self.device, non_blocking=True),
+                self._routing(),
+            ]
+        )
         self._sum_over_ranks(values)
         return values
 
@@ -432,7 +474,7 @@ class Engine:
         for i, layer in self.moe_layers.items():
             record = layer.take_routing()
             if record is not None:
-                out[i * width:(i + 1) * width] = record
+                out[i * width : (i + 1) * width] = record
         return out
 
     def _update_router_bias(self, values: torch.Tensor, found_inf: torch.Tensor | None) -> None:
@@ -440,10 +482,10 @@ class Engine:
         over the global batch (the tail of the reduced `values`, the same on every rank), on the device; not on
         a skipped step (`found_inf` 1.0), which leaves the whole state as it was."""
         width = self.routing_width
-        routing = values[values.numel() - width * self.cfg.model.n_layers:]
+        routing = values[values.numel() - width * self.cfg.model.n_layers :]
         for i, layer in self.moe_layers.items():
             if layer.expert_bias is not None:
-                layer.update_bias(routing[i * width:(i + 1) * width - ROUTING_FIELDS], skipped=found_inf)
+                layer.update_bias(routing[i * width : (i + 1) * width - ROUTING_FIELDS], skipped=found_inf)
 
     def _moe_stats(self, routing: list[float], microbatches: int) -> MoEStepStats | None:
         """The reduced routing records as the user sees them: TP peers routed the same tokens (counted once),
@@ -451,15 +493,16 @@ class Engine:
         if not self.routing_width:
             return None
         copies, width = self.dims.tp, self.routing_width
-        layers = [[v / copies for v in routing[i:i + width]] for i in range(0, len(routing), width)]
+        layers = [[v / copies for v in routing[i : i + width]] for i in range(0, len(routing), width)]
         runs = len(layers) * microbatches * self.dims.dp
-        return MoEStepStats(tokens_per_expert=[layer[:-ROUTING_FIELDS] for layer in layers],
-                            balance_loss=sum(layer[-3] for layer in layers) / runs,
-                            z_loss=sum(layer[-2] for layer in layers) / runs,
-                            dropped=sum(layer[-1] for layer in layers))
+        return MoEStepStats(
+            tokens_per_expert=[layer[:-ROUTING_FIELDS] for layer in layers],
+            balance_loss=sum(layer[-3] for layer in layers) / runs,
+            z_loss=sum(layer[-2] for layer in layers) / runs,
+            dropped=sum(layer[-1] for layer in layers),
+        )
 
-    def _optimizer_step(self, params: list[torch.Tensor], values: torch.Tensor,
-                        found_inf: torch.Tensor | None) -> None:
+    def _optimizer_step(self, params: list[torch.Tensor], values: torch.Tensor, found_inf: torch.Tensor | None) -> None:
         """Clip with the coefficient computed on the device from the reduced squared norm, then step every
         optimizer and move the sigmoid routers' biases; `found_inf` (1.0: the step is not finite) makes fused
         kernels, and the biases, leave everything untouched. All after `before_update`: the bias is state a
@@ -477,8 +520,12 @@ class Engine:
         averaged over DP x TP copies and CP parts, each CP rank's the mean over its seq/cp tokens of every
         sequence), the global gradient norm, the summed control values and routing records."""
         total_loss, squared_norm, *rest = read
-        return (total_loss / self.loss_copies, math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
-                rest[:n_control], rest[n_control:])
+        return (
+            total_loss / self.loss_copies,
+            math.sqrt(squared_norm) if squared_norm >= 0 else math.nan,
+            rest[:n_control],
+            rest[n_control:],
+        )
 
     @staticmethod
     def _read(values: torch.Tensor) -> list[float]:
@@ -564,8 +611,13 @@ def _loaded_in_place(state: dict[str, Any], parts: list[nn.Module], optimizers: 
     """Every tensor of `state` is one of this rank's parameters, buffers or optimizer states, and every
     parameter and optimizer state is one of them: a load into it has set the engine's whole state."""
     live = {_memory(p) for part in parts for p in part.parameters()}
-    live |= {_memory(v) for opt in optimizers for per_param in opt.state.values() for v in per_param.values()
-             if isinstance(v, torch.Tensor)}
+    live |= {
+        _memory(v)
+        for opt in optimizers
+        for per_param in opt.state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    }
     buffers = {_memory(b) for part in parts for b in part.buffers()}
     loaded = {_memory(v) for key in ("model", "optim") for v in state[key].values()}
     return None not in live and None not in loaded and live <= loaded <= live | buffers

@@ -101,8 +101,9 @@ def float8_config(recipe: str, emulate: bool, all_gather: bool) -> Any:
     _torchao()
     from torchao.float8 import Float8LinearConfig
 
-    return dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
-                               enable_fsdp_float8_all_gather=all_gather)
+    return dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe), emulate=emulate, enable_fsdp_float8_all_gather=all_gather
+    )
 
 
 def converts(module: nn.Module, fqn: str) -> bool:
@@ -116,8 +117,9 @@ def converts(module: nn.Module, fqn: str) -> bool:
     return out_features % DIM_MULTIPLE == 0 and in_features % DIM_MULTIPLE == 0
 
 
-def apply_float8(model: nn.Module, precision: PrecisionConfig, layout: Layout, device: torch.device,
-                 fsdp: bool) -> nn.Module:
+def apply_float8(
+    model: nn.Module, precision: PrecisionConfig, layout: Layout, device: torch.device, fsdp: bool
+) -> nn.Module:
     """Swap the block Linears of `model` (meta device, no layout yet) for torchao's Float8Linear, in place.
 
     Real FP8 GEMMs on CUDA devices (refused below compute capability 8.9), torchao's emulation elsewhere."""
@@ -132,7 +134,8 @@ def apply_float8(model: nn.Module, precision: PrecisionConfig, layout: Layout, d
             raise RuntimeError(
                 f"precision.fp8={recipe}: {torch.cuda.get_device_name(index)} has compute capability "
                 f"{capability[0]}.{capability[1]}; FP8 tensor cores need 8.9 or newer (Ada, Hopper, Blackwell). "
-                "Set precision.fp8=none or run on H100/H200-class GPUs")
+                "Set precision.fp8=none or run on H100/H200-class GPUs"
+            )
     _torchao()
     from torchao.float8 import convert_to_float8_training
 
@@ -161,8 +164,9 @@ def _tensorwise(module: nn.Module) -> bool:
     if not isinstance(module, Float8Linear):
         return False
     casts = (module.config.cast_config_input, module.config.cast_config_weight, module.config.cast_config_grad_output)
-    return all(c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE
-               for c in casts)
+    return all(
+        c.scaling_type is ScalingType.DYNAMIC and c.scaling_granularity is ScalingGranularity.TENSORWISE for c in casts
+    )
 
 
 def float8_tp_plan(block: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
@@ -184,14 +188,19 @@ def float8_tp_plan(block: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
         module = block.get_submodule(name)
         if isinstance(style, (ColwiseParallel, RowwiseParallel)) and _tensorwise(module):
             cls = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
-            style = cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
-                        use_local_output=style.use_local_output)
+            style = cls(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
         elif type(style) is PrepareModuleInput and _all_tensorwise(module):
             style = PrepareFloat8ModuleInput(
-                input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
                 input_kwarg_layouts=style.input_kwarg_layouts,
                 desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
-                use_local_output=style.use_local_output)
+                use_local_output=style.use_local_output,
+            )
         out[name] = style
     return out
 

@@ -84,6 +84,7 @@ class BufferFill:
             grad, param.grad = param.grad, None
             if grad is not None:
                 _add_into(fsdp_param, grad)
+
         return hook
 
     def head_weight(self, weight: torch.Tensor) -> torch.Tensor:

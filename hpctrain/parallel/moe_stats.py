@@ -40,13 +40,21 @@ class MoEStepStats:
     def metrics(self) -> dict[str, float]:
         """The `moe/*` metrics of a step (metrics.jsonl and W&B)."""
         loads = self.layers()
-        out = {"moe/balance_loss": self.balance_loss, "moe/z_loss": self.z_loss,
-               "moe/dropped_fraction": self.dropped_fraction(),
-               "moe/imbalance_max": max(load.imbalance for load in loads),
-               "moe/idle_experts": sum(len(load.idle) for load in loads)}
+        out = {
+            "moe/balance_loss": self.balance_loss,
+            "moe/z_loss": self.z_loss,
+            "moe/dropped_fraction": self.dropped_fraction(),
+            "moe/imbalance_max": max(load.imbalance for load in loads),
+            "moe/idle_experts": sum(len(load.idle) for load in loads),
+        }
         for i, load in enumerate(loads):
-            out.update({f"moe/layer{i}/tokens_min": load.tokens_min, f"moe/layer{i}/tokens_max": load.tokens_max,
-                        f"moe/layer{i}/imbalance": load.imbalance})
+            out.update(
+                {
+                    f"moe/layer{i}/tokens_min": load.tokens_min,
+                    f"moe/layer{i}/tokens_max": load.tokens_max,
+                    f"moe/layer{i}/imbalance": load.imbalance,
+                }
+            )
         return out
 
 
@@ -61,8 +69,12 @@ class LayerLoad:
 
     @classmethod
     def of(cls, tokens: list[float]) -> LayerLoad:
-        return cls(tokens_min=min(tokens), tokens_max=max(tokens), tokens_mean=sum(tokens) / len(tokens),
-                   idle=tuple(e for e, n in enumerate(tokens) if n == 0))
+        return cls(
+            tokens_min=min(tokens),
+            tokens_max=max(tokens),
+            tokens_mean=sum(tokens) / len(tokens),
+            idle=tuple(e for e, n in enumerate(tokens) if n == 0),
+        )
 
     @property
     def imbalance(self) -> float:
@@ -91,4 +103,3 @@ class IdleExperts:
                     reached.setdefault(layer, []).append(expert)
         self._idle_for = idle_for  # an expert that received tokens starts again from 0
         return reached
-

@@ -33,10 +33,11 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -124,7 +125,7 @@ def _aligned_buffer(nbytes: int) -> torch.Tensor:
     """nbytes of host memory starting at an ALIGN boundary (O_DIRECT's rule for user buffers)."""
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     pad = (-raw.data_ptr()) % ALIGN
-    return raw[pad:pad + nbytes]
+    return raw[pad : pad + nbytes]
 
 
 @dataclass
@@ -154,8 +155,10 @@ class MomentFile:
             directory.mkdir(parents=True, exist_ok=True)
             fd, name = tempfile.mkstemp(dir=directory, prefix=f"hpctrain-rank{rank}-", suffix=".adam")
         except OSError as exc:
-            raise NvmePathError(f"zero.nvme_path={directory}: cannot create the optimizer's moments file there "
-                                f"({exc}); set zero.nvme_path to a writable node-local directory") from exc
+            raise NvmePathError(
+                f"zero.nvme_path={directory}: cannot create the optimizer's moments file there "
+                f"({exc}); set zero.nvme_path to a writable node-local directory"
+            ) from exc
         try:
             try:
                 self.fd = os.open(name, os.O_RDWR | getattr(os, "O_DIRECT", 0))
@@ -169,8 +172,12 @@ class MomentFile:
         finally:
             os.unlink(name)
         self.path, self.nbytes = name, nbytes
-        log.info("optimizer moments: %s in %s (deleted; %s)", format_bytes(nbytes), name,
-                 "O_DIRECT" if self.direct else "buffered: the file system refuses O_DIRECT")
+        log.info(
+            "optimizer moments: %s in %s (deleted; %s)",
+            format_bytes(nbytes),
+            name,
+            "O_DIRECT" if self.direct else "buffered: the file system refuses O_DIRECT",
+        )
 
     def _reserve(self, directory: Path, nbytes: int) -> None:
         """The file's space, taken now: a drive too small for every rank's moments fails at the start, naming
@@ -182,10 +189,12 @@ class MomentFile:
             if exc.errno == errno.ENOSPC:
                 os.close(self.fd)
                 free = shutil.disk_usage(directory).free
-                raise NvmePathError(f"zero.nvme_path={directory}: this rank's optimizer moments need "
-                                    f"{format_bytes(nbytes)}, {format_bytes(free)} are free there (every rank "
-                                    "of the node takes as much); free space, use a larger drive, or shard over "
-                                    "more ranks") from exc
+                raise NvmePathError(
+                    f"zero.nvme_path={directory}: this rank's optimizer moments need "
+                    f"{format_bytes(nbytes)}, {format_bytes(free)} are free there (every rank "
+                    "of the node takes as much); free space, use a larger drive, or shard over "
+                    "more ranks"
+                ) from exc
             os.ftruncate(self.fd, nbytes)  # no fallocate here (O_DIRECT refuses glibc's emulation): sparse
 
     def _probe(self, name: str) -> None:
@@ -226,8 +235,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     local = _local(t)
     if not local.is_contiguous():
-        raise RuntimeError(f"NVMe offload steps contiguous shards in place; this {what} is not "
-                           f"(shape {tuple(local.shape)}, stride {local.stride()})")
+        raise RuntimeError(
+            f"NVMe offload steps contiguous shards in place; this {what} is not "
+            f"(shape {tuple(local.shape)}, stride {local.stride()})"
+        )
     return local.view(-1)
 
 
@@ -237,22 +248,26 @@ class NvmeAdamW(torch.optim.AdamW):
     Everything else is AdamW's own: param_groups, hyperparameters, the per-parameter step count in `state`,
     state_dict's format (the moments are read back for it)."""
 
-    def __init__(self, params: Any, directory: str | Path, chunk_elements: int, rank: int = 0,
-                 **defaults: Any) -> None:
+    def __init__(self, params: Any, directory: str | Path, chunk_elements: int, rank: int = 0, **defaults: Any) -> None:
         if defaults.get("amsgrad") or defaults.get("fused") or defaults.get("foreach"):
-            raise ValueError("NVMe offload runs AdamW's fused CPU kernel on each chunk itself: no amsgrad, fused "
-                             "or foreach flags")
+            raise ValueError(
+                "NVMe offload runs AdamW's fused CPU kernel on each chunk itself: no amsgrad, fused or foreach flags"
+            )
         super().__init__(params, **defaults)
         self.params = [p for group in self.param_groups for p in group["params"]]
         devices = {_local(p).device.type for p in self.params}
         if devices != {"cpu"}:
-            raise ValueError(f"NVMe offload steps the optimizer on the CPU, but parameters are on {devices}: it "
-                             "needs FSDP2's CPU offload (zero.stage>=2 with dp>1) to keep the shards in host memory")
+            raise ValueError(
+                f"NVMe offload steps the optimizer on the CPU, but parameters are on {devices}: it "
+                "needs FSDP2's CPU offload (zero.stage>=2 with dp>1) to keep the shards in host memory"
+            )
         self.chunks = plan_chunks([_local(p).numel() for p in self.params], chunk_elements)
         size = self.chunks[-1].offset + self.chunks[-1].nbytes if self.chunks else ALIGN
         self.file = MomentFile(Path(directory), size, rank)
-        self.ring = [_aligned_buffer(max(c.nbytes for c in self.chunks) if self.chunks else ALIGN)
-                     for _ in range(min(RING, len(self.chunks)) or 1)]
+        self.ring = [
+            _aligned_buffer(max(c.nbytes for c in self.chunks) if self.chunks else ALIGN)
+            for _ in range(min(RING, len(self.chunks)) or 1)
+        ]
         self.io = IoStats()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-nvme-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hpctrain-nvme-write")
@@ -264,10 +279,12 @@ class NvmeAdamW(torch.optim.AdamW):
             start = time.perf_counter()
             fn(buf, offset)
             self.io.add(kind, buf.numel(), time.perf_counter() - start)
+
         return run
 
-    def _stream(self, chunks: list[Chunk], work: Callable[[Chunk, torch.Tensor], None], read: bool = True,
-                write: bool = True) -> None:
+    def _stream(
+        self, chunks: list[Chunk], work: Callable[[Chunk, torch.Tensor], None], read: bool = True, write: bool = True
+    ) -> None:
         """work(chunk, its moments as float32 [2, elements]) for each chunk, chunk k+1 read while chunk k is
         worked on and chunk k-1 written; returns when every write is on disk (or in the page cache)."""
         read_fn, write_fn = self._timed("read", self.file.read), self._timed("write", self.file.write)
@@ -275,7 +292,7 @@ class NvmeAdamW(torch.optim.AdamW):
         reads: dict[int, Future[None]] = {}
 
         def buffer(i: int) -> torch.Tensor:
-            return self.ring[i % len(self.ring)][:chunks[i].nbytes]
+            return self.ring[i % len(self.ring)][: chunks[i].nbytes]
 
         def fetch(i: int) -> None:
             slot = i % len(self.ring)
@@ -294,7 +311,7 @@ class NvmeAdamW(torch.optim.AdamW):
                 if i + 1 < len(chunks):
                     fetch(i + 1)
                 buf = buffer(i)
-                work(chunk, buf[:2 * 4 * chunk.elements].view(torch.float32).view(2, chunk.elements))
+                work(chunk, buf[: 2 * 4 * chunk.elements].view(torch.float32).view(2, chunk.elements))
                 if write:
                     writes[i % len(self.ring)] = self._writer.submit(write_fn, buf, chunk.offset)
         finally:
@@ -332,11 +349,29 @@ class NvmeAdamW(torch.optim.AdamW):
                 span = slice(seg.start, seg.start + seg.length)
                 here = slice(seg.offset, seg.offset + seg.length)
                 beta1, beta2 = group["betas"]
-                adam([_flat(p, "parameter")[span]], [_flat(p.grad, "gradient")[span]], [moments[0, here]],
-                     [moments[1, here]], [], [before[seg.param].clone()], foreach=False, capturable=False,
-                     differentiable=False, fused=True, grad_scale=None, found_inf=None, has_complex=False,
-                     decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"])
+                adam(
+                    [_flat(p, "parameter")[span]],
+                    [_flat(p.grad, "gradient")[span]],
+                    [moments[0, here]],
+                    [moments[1, here]],
+                    [],
+                    [before[seg.param].clone()],
+                    foreach=False,
+                    capturable=False,
+                    differentiable=False,
+                    fused=True,
+                    grad_scale=None,
+                    found_inf=None,
+                    has_complex=False,
+                    decoupled_weight_decay=True,
+                    amsgrad=False,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=group["maximize"],
+                )
 
         self._stream([c for c in self.chunks if any(s.param in stepping for s in c.segments)], update)
         self.io.steps += 1
@@ -347,15 +382,19 @@ class NvmeAdamW(torch.optim.AdamW):
 
     def read_moments(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every parameter's moments read back from the file, shaped and placed like the parameter."""
-        out = {i: {m: torch.zeros_like(_local(p)) for m in MOMENTS}
-               for i, p in enumerate(self.params) if "step" in self.state.get(p, {})}
+        out = {
+            i: {m: torch.zeros_like(_local(p)) for m in MOMENTS}
+            for i, p in enumerate(self.params)
+            if "step" in self.state.get(p, {})
+        }
 
         def gather(chunk: Chunk, moments: torch.Tensor) -> None:
             for seg in chunk.segments:
                 if seg.param in out:
                     for row, name in enumerate(MOMENTS):
-                        out[seg.param][name].view(-1)[seg.start:seg.start + seg.length].copy_(
-                            moments[row, seg.offset:seg.offset + seg.length])
+                        out[seg.param][name].view(-1)[seg.start : seg.start + seg.length].copy_(
+                            moments[row, seg.offset : seg.offset + seg.length]
+                        )
 
         self._stream(self.chunks, gather, write=False)
         return {i: {m: _like(self.params[i], t) for m, t in moments.items()} for i, moments in out.items()}
@@ -368,17 +407,20 @@ class NvmeAdamW(torch.optim.AdamW):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        loaded = {i: {m: _flat(self.state[p][m], "moment") for m in MOMENTS}
-                  for i, p in enumerate(self.params)
-                  if all(isinstance(self.state.get(p, {}).get(m), torch.Tensor) for m in MOMENTS)}
+        loaded = {
+            i: {m: _flat(self.state[p][m], "moment") for m in MOMENTS}
+            for i, p in enumerate(self.params)
+            if all(isinstance(self.state.get(p, {}).get(m), torch.Tensor) for m in MOMENTS)
+        }
 
         def scatter(chunk: Chunk, moments: torch.Tensor) -> None:
             moments.zero_()  # a parameter without loaded state starts from zeros, as AdamW's does
             for seg in chunk.segments:
                 if seg.param in loaded:
                     for row, name in enumerate(MOMENTS):
-                        moments[row, seg.offset:seg.offset + seg.length].copy_(
-                            loaded[seg.param][name][seg.start:seg.start + seg.length])
+                        moments[row, seg.offset : seg.offset + seg.length].copy_(
+                            loaded[seg.param][name][seg.start : seg.start + seg.length]
+                        )
 
         self._stream(self.chunks, scatter, read=False)
         for i in loaded:
@@ -392,8 +434,9 @@ class NvmeAdamW(torch.optim.AdamW):
 
 def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
     return local
 
 

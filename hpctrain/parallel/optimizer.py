@@ -51,8 +51,9 @@ def skip_if_found_inf(opt: torch.optim.Optimizer, found_inf: torch.Tensor | None
         opt.found_inf = found_inf  # type: ignore[attr-defined]
 
 
-def build_optimizer(params: Any, optim: OptimConfig, zero: ZeroConfig | None = None, rank: int = 0
-                    ) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Any, optim: OptimConfig, zero: ZeroConfig | None = None, rank: int = 0
+) -> torch.optim.Optimizer:
     """AdamW (GPT-3's optimizer), fused where every parameter's device has the kernel (FSDP2's offload keeps
     them on the CPU); with zero.offload_optimizer_device=nvme, AdamW with its moments in a file under
     zero.nvme_path (torch's fused CPU kernel on each chunk, but no `found_inf`: it cannot skip on the device)."""
@@ -63,6 +64,5 @@ def build_optimizer(params: Any, optim: OptimConfig, zero: ZeroConfig | None = N
         from hpctrain.parallel.nvme import NvmeAdamW, chunk_elements
 
         hyper = {k: v for k, v in optimizer_defaults(optim, "cpu").items() if k not in ("fused", "foreach")}
-        return NvmeAdamW(param_groups(params, optim), zero.nvme_path, chunk_elements(zero.nvme_chunk_mb), rank,
-                         **hyper)
+        return NvmeAdamW(param_groups(params, optim), zero.nvme_path, chunk_elements(zero.nvme_chunk_mb), rank, **hyper)
     return torch.optim.AdamW(param_groups(params, optim), **optimizer_defaults(optim, device_type))

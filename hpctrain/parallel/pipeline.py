@@ -16,11 +16,12 @@ last stage).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-
-from torch.distributed.pipelining import PipelineStage, schedules as torch_schedules
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
 
 from hpctrain import schedules
 from hpctrain.models.params import stage_holds
@@ -48,8 +49,7 @@ def stage_model(full: Transformer, stage: int, split: Sequence[int]) -> Transfor
     return prune_to_stage(copy.deepcopy(full), stage, split)
 
 
-def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: int,
-                   loss_fn: Any) -> Any:
+def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: int, loss_fn: Any) -> Any:
     """The schedule object for this rank's stages (the class named in hpctrain.schedules); `loss_fn`
     returns the loss of one microbatch.
 
@@ -61,8 +61,10 @@ def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: i
     cls = getattr(torch_schedules, entry.torch_class)
     if entry.chunks == "one":
         if len(stages) != 1:
-            raise ValueError(f"schedule {schedule} runs one stage per rank, got {len(stages)}: use "
-                             "interleaved_1f1b for virtual stages")
+            raise ValueError(
+                f"schedule {schedule} runs one stage per rank, got {len(stages)}: use "
+                "interleaved_1f1b for virtual stages"
+            )
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
@@ -84,8 +86,13 @@ def evaluate(schedule: Any, placement: str, args: tuple[torch.Tensor, ...], **kw
         schedule.pipeline_order_with_comms = training
 
 
-_FORWARD_KINDS = {torch_schedules.FORWARD, torch_schedules.SEND_F, torch_schedules.RECV_F, torch_schedules.UNSHARD,
-                  torch_schedules.RESHARD}
+_FORWARD_KINDS = {
+    torch_schedules.FORWARD,
+    torch_schedules.SEND_F,
+    torch_schedules.RECV_F,
+    torch_schedules.UNSHARD,
+    torch_schedules.RESHARD,
+}
 
 
 def _forwards(actions: list[Any]) -> list[Any]:

@@ -10,7 +10,8 @@ the scale (never below min_scale); loss_scale_window clean steps double it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -69,8 +70,9 @@ def ddp_comm_hook(precision: PrecisionConfig, device_type: str) -> Any | None:
 
     if device_type != "cuda":
         return None
-    return {torch.bfloat16: default_hooks.bf16_compress_hook,
-            torch.float16: default_hooks.fp16_compress_hook}.get(reduce_dtype(precision))
+    return {torch.bfloat16: default_hooks.bf16_compress_hook, torch.float16: default_hooks.fp16_compress_hook}.get(
+        reduce_dtype(precision)
+    )
 
 
 class LossScaler:

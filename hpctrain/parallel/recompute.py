@@ -71,9 +71,15 @@ _MATMULS |= _ops(_aten, "_grouped_mm")
 # fp32's kernel, through `_efficient_attention_forward`; `_flash_attention_forward` for completeness), so the
 # attention is saved in every dtype and kernel CP takes (docs/context_parallel.md). SDPA's math fallback has no
 # op of its own: its two bmm are saved as matmuls.
-_ATTENTION = _ops(_aten, "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                  "_efficient_attention_forward", "_flash_attention_forward")
+_ATTENTION = _ops(
+    _aten,
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_efficient_attention_forward",
+    "_flash_attention_forward",
+)
 _COLLECTIVES = _ops(_c10d, "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 _WAIT = _c10d.wait_tensor.default
 _AMAX = {_aten.max.default}  # FP8's tensorwise scale: a reduction over the whole tensor (torchtitan saves it)
@@ -86,9 +92,15 @@ _saved_unwaited: dict[int, weakref.ref[torch.Tensor]] = {}
 # Profiler ranges are not cached, nor counted: FSDP2's post-forward hook on a unit inside the block (the experts
 # under expert parallelism) opens a different number of them in forward and in recomputation, which SAC would
 # refuse as a nondeterministic region (torch's own list ignores detach for the same reason).
-SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
-                        *(getattr(torch.ops.profiler._record_function_exit, o)
-                          for o in torch.ops.profiler._record_function_exit.overloads())})
+SAC_IGNORED_OPS.update(
+    {
+        torch.ops.profiler._record_function_enter_new.default,
+        *(
+            getattr(torch.ops.profiler._record_function_exit, o)
+            for o in torch.ops.profiler._record_function_exit.overloads()
+        ),
+    }
+)
 
 
 def is_partial_sum(output: Any) -> bool:
@@ -98,7 +110,10 @@ def is_partial_sum(output: Any) -> bool:
 
 
 def save_for_flash_attention(
-    ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any,
+    ctx: SelectiveCheckpointContext,
+    op: Any,
+    *args: Any,
+    **kwargs: Any,
 ) -> CheckpointPolicy:
     """The selective policy (module docstring): save attention, matmul and TP collective outputs, except partial
     sums. torch calls it in forward only, after the op ran (`ctx.op_output`)."""

@@ -8,7 +8,8 @@ closed form is tested against.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,6 +36,6 @@ def meta_stage_counts(cfg: Any, split: Sequence[int], tp: int) -> tuple[list[int
 
 
 def _module_of(param: str) -> str:
-    """"layers.3.attn.qkv.weight" -> "layers.3"; "tok_emb.weight" -> "tok_emb"."""
+    """ "layers.3.attn.qkv.weight" -> "layers.3"; "tok_emb.weight" -> "tok_emb"."""
     parts = param.split(".")
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]

@@ -51,44 +51,70 @@ def block_plan(sequence_parallel: bool, family: str = "gpt") -> dict[str, Any]:
     out = Shard(1) if sequence_parallel else Replicate()
     styles = {0: ColwiseParallel, 1: lambda: RowwiseParallel(output_layouts=out)}
     spec = registry.get(family)
-    plan: dict[str, Any] = {name.removesuffix(".weight"): styles[dim]()
-                            for name, dim in spec.block_tp_dims().items() if name.endswith(".weight")}
+    plan: dict[str, Any] = {
+        name.removesuffix(".weight"): styles[dim]()
+        for name, dim in spec.block_tp_dims().items()
+        if name.endswith(".weight")
+    }
     plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in spec.tp_head_norms})
     if sequence_parallel:
-        plan.update({
-            "norm1": SequenceParallel(),
-            "norm2": SequenceParallel(),
-            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        plan.update(
+            {
+                "norm1": SequenceParallel(),
+                "norm2": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        )
         # A module TP leaves whole (an MoE layer) runs on the gathered sequence as plain tensors; its output,
         # the same on every TP rank, is cut back to this rank's slice (backward: all-gathered).
-        plan.update({name: PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
-            for name in spec.tp_whole})
+        plan.update(
+            {
+                name: PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(Shard(1),),
+                    use_local_output=True,
+                )
+                for name in spec.tp_whole
+            }
+        )
     return plan
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Split a (possibly pipeline-pruned) model across the TP mesh, in place; works on the meta device."""
     if model.tok_emb is not None:
-        parallelize_module(model.tok_emb, tp_mesh,
-                           RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        parallelize_module(
+            model.tok_emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        )
     for index, block in model.layers.items():
         plan = block_plan(sequence_parallel, model.family)
         parallelize_module(block, tp_mesh, float8_tp_plan(block, plan))  # FP8 styles
         if sequence_parallel and model.embeds and index == next(iter(model.layers)):
             # The embedding is replicated: the first block takes its own sequence slice (no communication).
-            parallelize_module(block, tp_mesh, PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+            parallelize_module(
+                block,
+                tp_mesh,
+                PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+                ),
+            )
     if model.norm_f is not None:
         if sequence_parallel:
             parallelize_module(model.norm_f, tp_mesh, SequenceParallel())
         # The head multiplies by a vocabulary-sharded weight: its input must be a replicated DTensor.
-        parallelize_module(model.norm_f, tp_mesh, PrepareModuleOutput(
-            output_layouts=Shard(1) if sequence_parallel else Replicate(),
-            desired_output_layouts=Replicate(), use_local_output=False))
+        parallelize_module(
+            model.norm_f,
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=Shard(1) if sequence_parallel else Replicate(),
+                desired_output_layouts=Replicate(),
+                use_local_output=False,
+            ),
+        )
         if not model.tied_embeddings:
             parallelize_module(model.output, tp_mesh, ColwiseParallel(use_local_output=False))
         model.register_forward_hook(_gather_logits)
@@ -97,5 +123,3 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
 def _gather_logits(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     """Vocabulary-sharded logits -> the full logits as a plain tensor (backward takes the local slice)."""
     return output.full_tensor() if isinstance(output, DTensor) else output
-
-

@@ -111,8 +111,14 @@ from hpctrain.models import registry
 
 
 def korthikanti_bytes_per_layer(
-    seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False,
-    recompute: str = "none", ffn_hidden: int | None = None,
+    seq_len: int,
+    micro_batch: int,
+    d_model: int,
+    n_heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    ffn_hidden: int | None = None,
 ) -> float:
     """Korthikanti et al. 2022 eq. 1-2 and sec. 4 verbatim: Megatron's stored bytes of one layer, one micro-batch."""
     s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
@@ -178,10 +184,23 @@ def moe_bytes_per_token(d_model: int, moe: MoELayer, recompute: str = "none") ->
 
 
 def activation_bytes_per_layer(
-    seq_len: int, micro_batch: int, d_model: int, n_heads: int, tp: int = 1, sequence_parallel: bool = False,
-    recompute: str = "none", ffn_hidden: int | None = None, *, flash_attention: bool = True,
-    dropout: bool = False, sp_keeps_gathered: bool = True, fp32_residual: bool = False,
-    arch: str = "gpt", n_kv_heads: int | None = None, head_dim: int | None = None, moe: MoELayer | None = None,
+    seq_len: int,
+    micro_batch: int,
+    d_model: int,
+    n_heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    ffn_hidden: int | None = None,
+    *,
+    flash_attention: bool = True,
+    dropout: bool = False,
+    sp_keeps_gathered: bool = True,
+    fp32_residual: bool = False,
+    arch: str = "gpt",
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    moe: MoELayer | None = None,
     cp: int = 1,
 ) -> float:
     """Bytes the block of model family `arch` saves for backward per micro-batch (16-bit activations; its
@@ -240,7 +259,11 @@ def activation_bytes_per_layer(
 
 
 def logits_bytes(
-    micro_batch: int, seq_len: int, vocab_rows: int, compute_bytes: int, stored: float = 1.0,
+    micro_batch: int,
+    seq_len: int,
+    vocab_rows: int,
+    compute_bytes: int,
+    stored: float = 1.0,
     pipeline: bool = False,
 ) -> float:
     """Peak bytes of the logits and the loss on one rank of the last stage, with `stored` micro-batches held.

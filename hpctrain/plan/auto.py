@@ -21,29 +21,55 @@ from hpctrain.plan.types import Hardware, Layout, ModelShape
 def layout_overrides(layout: Layout) -> dict[str, Any]:
     """The config keys (dotted) and values that make a run use `layout` (what `parallel=auto` sets)."""
     return {
-        "parallel.dp": layout.dp, "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.ep": layout.ep,
+        "parallel.dp": layout.dp,
+        "parallel.tp": layout.tp,
+        "parallel.pp": layout.pp,
+        "parallel.ep": layout.ep,
         "parallel.cp": layout.cp,
-        "parallel.virtual_stages": layout.virtual_stages, "parallel.schedule": layout.schedule,
+        "parallel.virtual_stages": layout.virtual_stages,
+        "parallel.schedule": layout.schedule,
         "parallel.first_stage_layers": layout.first_stage_layers,
         "parallel.last_stage_layers": layout.last_stage_layers,
-        "parallel.sequence_parallel": layout.sequence_parallel, "parallel.recompute": layout.recompute,
-        "parallel.dp_replicate": 1, "parallel.microbatches": 0, "zero.stage": layout.zero_stage,
-        "zero.accumulate_unsharded": layout.accumulate_unsharded, "train.micro_batch": layout.micro_batch,
-        "train.grad_accum": layout.grad_accum, "parallel.auto": False,
+        "parallel.sequence_parallel": layout.sequence_parallel,
+        "parallel.recompute": layout.recompute,
+        "parallel.dp_replicate": 1,
+        "parallel.microbatches": 0,
+        "zero.stage": layout.zero_stage,
+        "zero.accumulate_unsharded": layout.accumulate_unsharded,
+        "train.micro_batch": layout.micro_batch,
+        "train.grad_accum": layout.grad_accum,
+        "parallel.auto": False,
     }
 
 
 def search_summary(candidates: list[Candidate], mine: Candidate, top_k: int) -> dict[str, Any]:
     """The search as data: how many layouts fit, where the configured one ranks, the top ones."""
     rank = 1 + sum(1 for c in candidates if c.tokens_per_s > mine.tokens_per_s)
-    return {"candidates": len(candidates), "configured_rank": rank,
-            "top": [{"dp": c.layout.dp, "tp": c.layout.tp, "pp": c.layout.pp, "ep": c.layout.ep, "cp": c.layout.cp,
-                     "virtual_stages": c.layout.virtual_stages, "first_stage_layers": c.layout.first_stage_layers,
-                     "last_stage_layers": c.layout.last_stage_layers, "micro_batch": c.layout.micro_batch,
-                     "grad_accum": c.layout.grad_accum, "zero_stage": c.layout.zero_stage,
-                     "accumulate_unsharded": c.layout.accumulate_unsharded, "recompute": c.layout.recompute,
-                     "est_tokens_per_s": c.tokens_per_s,
-                     "est_mfu": c.step.mfu, "why": c.why} for c in candidates[:top_k]]}
+    return {
+        "candidates": len(candidates),
+        "configured_rank": rank,
+        "top": [
+            {
+                "dp": c.layout.dp,
+                "tp": c.layout.tp,
+                "pp": c.layout.pp,
+                "ep": c.layout.ep,
+                "cp": c.layout.cp,
+                "virtual_stages": c.layout.virtual_stages,
+                "first_stage_layers": c.layout.first_stage_layers,
+                "last_stage_layers": c.layout.last_stage_layers,
+                "micro_batch": c.layout.micro_batch,
+                "grad_accum": c.layout.grad_accum,
+                "zero_stage": c.layout.zero_stage,
+                "accumulate_unsharded": c.layout.accumulate_unsharded,
+                "recompute": c.layout.recompute,
+                "est_tokens_per_s": c.tokens_per_s,
+                "est_mfu": c.step.mfu,
+                "why": c.why,
+            }
+            for c in candidates[:top_k]
+        ],
+    }
 
 
 @dataclass(frozen=True)
@@ -61,8 +87,9 @@ class MicrobatchTip:
         return self.current_step_time_s / self.step_time_s
 
 
-def better_microbatches(model: ModelShape, layout: Layout, hw: Hardware,
-                        min_speedup: float = 1.02) -> MicrobatchTip | None:
+def better_microbatches(
+    model: ModelShape, layout: Layout, hw: Hardware, min_speedup: float = 1.02
+) -> MicrobatchTip | None:
     """The fastest other split of each DP rank's batch into microbatches that fits and is legal for the
     schedule, if the estimate says it is at least `min_speedup` times faster; None otherwise.
 
@@ -90,8 +117,9 @@ def better_microbatches(model: ModelShape, layout: Layout, hw: Hardware,
     return best
 
 
-def context_for_fit(model: ModelShape, layout: Layout, hw: Hardware, max_cp: int = 32
-                    ) -> tuple[Layout, MemoryBreakdown] | None:
+def context_for_fit(
+    model: ModelShape, layout: Layout, hw: Hardware, max_cp: int = 32
+) -> tuple[Layout, MemoryBreakdown] | None:
     """The smallest CP degree above `layout`'s (search.context_degrees: powers of two up to max_cp that the sequence's
     rules allow) that makes it fit, and its memory; None where none does. The CP ranks come out of DP, so the job's
     GPUs and the global batch stay (each DP rank runs cp' / cp times the micro-batches); never with expert

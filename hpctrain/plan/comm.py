@@ -59,8 +59,8 @@ none), vocab-parallel loss reductions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from hpctrain.plan.activations import EXPERT_IMBALANCE
 from hpctrain.plan.memory import layers_on_stage, local_seq_len, stage_expert_params_per_gpu, stage_params_per_gpu
@@ -180,14 +180,25 @@ def dp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
         if z <= 2:
             items.append(CommItem("param all-gather", "dp", ring(all_gather_bytes, c), link, bw, "none"))
         else:
-            items.append(CommItem("param all-gather fwd+bwd x m", "dp",
-                                  param_all_gathers(layout) * ring(all_gather_bytes, c), link, bw, "compute"))
+            items.append(
+                CommItem(
+                    "param all-gather fwd+bwd x m",
+                    "dp",
+                    param_all_gathers(layout) * ring(all_gather_bytes, c),
+                    link,
+                    bw,
+                    "compute",
+                )
+            )
     r = layout.dp_replicate
     if z > 0 and r > 1:
         rlink, rbw = _link(layout.tp * layout.cp * layout.dp, hw)
         shard_grads = sum(n / ranks for n, ranks in groups) * r_bytes
-        items.append(CommItem("HSDP replica all-reduce", "dp", reductions * all_reduce_bytes(r, shard_grads),
-                              rlink, rbw, "backward"))
+        items.append(
+            CommItem(
+                "HSDP replica all-reduce", "dp", reductions * all_reduce_bytes(r, shard_grads), rlink, rbw, "backward"
+            )
+        )
     return items
 
 
@@ -201,8 +212,7 @@ def ep_items(model: ModelShape, layout: Layout, hw: Hardware, imbalance: float =
     per_layer = 4 if layout.recompute == "none" else 6
     n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(layout.tp * ep, hw)
-    return [CommItem(f"EP all-to-all x{per_layer}/layer", "ep", n * rows * (ep - 1) / ep * imbalance, link, bw,
-                     "none")]
+    return [CommItem(f"EP all-to-all x{per_layer}/layer", "ep", n * rows * (ep - 1) / ep * imbalance, link, bw, "none")]
 
 
 def tp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
@@ -241,13 +251,27 @@ def cp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
     per_layer = 3 if layout.recompute == "full" else 2
     n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(layout.tp * cp, hw)
-    return [CommItem(f"CP K/V all-gather + grad reduce-scatter x{per_layer}/layer", "cp",
-                     n * all_gather_bytes(cp, kv), link, bw, "none")]
+    return [
+        CommItem(
+            f"CP K/V all-gather + grad reduce-scatter x{per_layer}/layer",
+            "cp",
+            n * all_gather_bytes(cp, kv),
+            link,
+            bw,
+            "none",
+        )
+    ]
 
 
-def comm_per_step(model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bool = True,
-                  imbalance: float = EXPERT_IMBALANCE) -> CommBreakdown:
+def comm_per_step(
+    model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bool = True, imbalance: float = EXPERT_IMBALANCE
+) -> CommBreakdown:
     """All traffic one GPU sends in one step, by kind, with the link it uses."""
-    items = dp_items(model, layout, hw) + tp_items(model, layout, hw) + pp_items(model, layout, hw, scatter_gather) \
-        + ep_items(model, layout, hw, imbalance) + cp_items(model, layout, hw)
+    items = (
+        dp_items(model, layout, hw)
+        + tp_items(model, layout, hw)
+        + pp_items(model, layout, hw, scatter_gather)
+        + ep_items(model, layout, hw, imbalance)
+        + cp_items(model, layout, hw)
+    )
     return CommBreakdown(tuple(items))

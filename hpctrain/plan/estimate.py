@@ -39,12 +39,30 @@ def model_shape(m: ModelConfig, seq_len: int) -> ModelShape:
     dropout, and a Mixture of Experts' experts (model.moe, read only for a family whose block is one)."""
     family = registry.family_of(m)
     d = Dims.of(m)
-    experts = {"n_experts": d.n_experts, "top_k": d.top_k, "expert_hidden": d.expert_hidden,
-               "n_shared_experts": d.n_shared_experts} if family.moe else {}
-    return ModelShape(n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, seq_len=seq_len,
-                      vocab_size=m.vocab_size, ffn_hidden=ffn_hidden_of(m), vocab_pad_multiple=m.vocab_pad_multiple,
-                      dropout=m.dropout, arch=family.name, n_kv_heads=kv_heads_of(m) if family.grouped_query else 0,
-                      head_dim=m.head_dim, **experts)
+    experts = (
+        {
+            "n_experts": d.n_experts,
+            "top_k": d.top_k,
+            "expert_hidden": d.expert_hidden,
+            "n_shared_experts": d.n_shared_experts,
+        }
+        if family.moe
+        else {}
+    )
+    return ModelShape(
+        n_layers=m.n_layers,
+        d_model=m.d_model,
+        n_heads=m.n_heads,
+        seq_len=seq_len,
+        vocab_size=m.vocab_size,
+        ffn_hidden=ffn_hidden_of(m),
+        vocab_pad_multiple=m.vocab_pad_multiple,
+        dropout=m.dropout,
+        arch=family.name,
+        n_kv_heads=kv_heads_of(m) if family.grouped_query else 0,
+        head_dim=m.head_dim,
+        **experts,
+    )
 
 
 def cluster_hardware(cluster: ClusterConfig) -> Hardware:
@@ -61,7 +79,9 @@ def estimate(cfg: Any, layout: Layout) -> Estimates:
         point = replace(span.point, offload=offload_costs(model, layout, hw, checkpoint=cfg.checkpoint))
         span = replace(span, point=point)
     return Estimates(
-        model=model, layout=layout, hw=hw,
+        model=model,
+        layout=layout,
+        hw=hw,
         memory=memory_per_gpu(model, layout, hw),
         step=span.point,
         flops_per_iteration=flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp),
@@ -82,12 +102,22 @@ def model_states_per_param(est: Estimates) -> dict[str, float]:
 def as_json(est: Estimates) -> dict[str, Any]:
     mem, st = est.memory, est.step
     return {
-        "memory_per_gpu_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-                                 "buffers": mem.buffers, "activations": mem.activations, "total": mem.total,
-                                 "cpu_offload": mem.cpu_offload_bytes, "nvme": mem.nvme_bytes, "usable": mem.usable,
-                                 "fits": mem.fits, "pipeline_stage": mem.stage},
-        "memory_parts_bytes": [{"kind": p.kind, "name": p.name, "bytes": p.bytes, "cpu": p.cpu, "nvme": p.nvme}
-                               for p in mem.parts],
+        "memory_per_gpu_bytes": {
+            "params": mem.params,
+            "grads": mem.grads,
+            "optimizer": mem.optimizer,
+            "buffers": mem.buffers,
+            "activations": mem.activations,
+            "total": mem.total,
+            "cpu_offload": mem.cpu_offload_bytes,
+            "nvme": mem.nvme_bytes,
+            "usable": mem.usable,
+            "fits": mem.fits,
+            "pipeline_stage": mem.stage,
+        },
+        "memory_parts_bytes": [
+            {"kind": p.kind, "name": p.name, "bytes": p.bytes, "cpu": p.cpu, "nvme": p.nvme} for p in mem.parts
+        ],
         "model_states_bytes_per_param": model_states_per_param(est),
         "flops_per_iteration": est.flops_per_iteration,
         "est_step_time_s": st.step_time_s,
@@ -95,11 +125,20 @@ def as_json(est: Estimates) -> dict[str, Any]:
         "est_mfu": st.mfu,
         "bubble_fraction": st.bubble_fraction,
         "comm_bytes_per_gpu_per_step": sum(item.bytes for item in st.comm.items),
-        "comm_per_gpu_per_step": [{"name": i.name, "kind": i.kind, "bytes": i.bytes, "link": i.link,
-                                   "time_s": i.time_s} for i in st.comm.items],
-        "step_time_split_s": {"compute": st.compute_s, "tp": st.tp_s, "pp": st.pp_s, "ep": st.ep_s,
-                              "expert_imbalance": st.imbalance_s, "bubble": st.bubble_s,
-                              "dp_exposed": st.dp_exposed_s, "offload": st.offload_s},
+        "comm_per_gpu_per_step": [
+            {"name": i.name, "kind": i.kind, "bytes": i.bytes, "link": i.link, "time_s": i.time_s}
+            for i in st.comm.items
+        ],
+        "step_time_split_s": {
+            "compute": st.compute_s,
+            "tp": st.tp_s,
+            "pp": st.pp_s,
+            "ep": st.ep_s,
+            "expert_imbalance": st.imbalance_s,
+            "bubble": st.bubble_s,
+            "dp_exposed": st.dp_exposed_s,
+            "offload": st.offload_s,
+        },
         "offload": offload_json(st, est.hw),
         "est_samples_per_s": st.samples_per_s,
         **range_json(est.range),
@@ -113,31 +152,64 @@ def offload_json(st: StepEstimate, hw: Hardware) -> dict[str, Any] | None:
     if o is None:
         return None
     g, h = o.gpus_per_node, o.host
-    return {"device": o.device, "params_per_rank": o.shard_params, "gpus_per_node": o.gpus_per_node,
-            "host_bytes_per_node": o.host_bytes_per_node, "host_memory_per_node": hw.host_mem_bytes,
-            "host_per_node_bytes": {"offloaded_shards": g * h.shards, "pinned_rounding": g * h.pinned_rounding,
-                                    "checkpoint_staging_per_tier": g * h.staging_per_tier,
-                                    "checkpoint_staging_rounding_per_tier": g * h.staging_rounding_per_tier,
-                                    "checkpoint_tiers": h.tiers, "nvme_save_readback": g * h.save_readback,
-                                    "pinned": h.pinned},
-            "nvme_bytes_per_node": o.nvme_bytes_per_node, "nvme_capacity_per_node": hw.nvme_bytes,
-            "nvme_read_bytes_per_step": o.nvme_read_bytes, "nvme_write_bytes_per_step": o.nvme_write_bytes,
-            "pcie_bytes_per_gpu_per_step": o.pcie_bytes, "h2d_bytes_per_gpu_per_step": o.h2d_bytes,
-            "d2h_bytes_per_gpu_per_step": o.d2h_bytes, "param_all_gathers_per_step": o.all_gathers,
-            "time_s": {"pcie": o.pcie_s, "cpu_adam": o.cpu_adam_s, "nvme_read": o.nvme_read_s,
-                       "nvme_write": o.nvme_write_s, "optimizer_step": o.optimizer_s, "exposed": o.exposed_s},
-            "nvme_bound": o.nvme_bound, "slowdown_vs_no_offload": st.offload_slowdown}
+    return {
+        "device": o.device,
+        "params_per_rank": o.shard_params,
+        "gpus_per_node": o.gpus_per_node,
+        "host_bytes_per_node": o.host_bytes_per_node,
+        "host_memory_per_node": hw.host_mem_bytes,
+        "host_per_node_bytes": {
+            "offloaded_shards": g * h.shards,
+            "pinned_rounding": g * h.pinned_rounding,
+            "checkpoint_staging_per_tier": g * h.staging_per_tier,
+            "checkpoint_staging_rounding_per_tier": g * h.staging_rounding_per_tier,
+            "checkpoint_tiers": h.tiers,
+            "nvme_save_readback": g * h.save_readback,
+            "pinned": h.pinned,
+        },
+        "nvme_bytes_per_node": o.nvme_bytes_per_node,
+        "nvme_capacity_per_node": hw.nvme_bytes,
+        "nvme_read_bytes_per_step": o.nvme_read_bytes,
+        "nvme_write_bytes_per_step": o.nvme_write_bytes,
+        "pcie_bytes_per_gpu_per_step": o.pcie_bytes,
+        "h2d_bytes_per_gpu_per_step": o.h2d_bytes,
+        "d2h_bytes_per_gpu_per_step": o.d2h_bytes,
+        "param_all_gathers_per_step": o.all_gathers,
+        "time_s": {
+            "pcie": o.pcie_s,
+            "cpu_adam": o.cpu_adam_s,
+            "nvme_read": o.nvme_read_s,
+            "nvme_write": o.nvme_write_s,
+            "optimizer_step": o.optimizer_s,
+            "exposed": o.exposed_s,
+        },
+        "nvme_bound": o.nvme_bound,
+        "slowdown_vs_no_offload": st.offload_slowdown,
+    }
 
 
 def range_json(span: StepRange) -> dict[str, Any]:
     """The assumptions with their intervals and what each end gives alone; the slowest and fastest corners."""
+
     def figures(st: StepEstimate) -> dict[str, float]:
-        return {"samples_per_s": st.samples_per_s, "tokens_per_s": st.tokens_per_s, "step_time_s": st.step_time_s,
-                "mfu": st.mfu}
+        return {
+            "samples_per_s": st.samples_per_s,
+            "tokens_per_s": st.tokens_per_s,
+            "step_time_s": st.step_time_s,
+            "mfu": st.mfu,
+        }
 
     return {
-        "assumptions": [{"name": a.name, "value": a.value, "interval": [a.low, a.high], "why": a.why,
-                         "at_low": figures(low), "at_high": figures(high)}
-                        for a, (low, high) in zip(span.assumptions, span.alone)],
+        "assumptions": [
+            {
+                "name": a.name,
+                "value": a.value,
+                "interval": [a.low, a.high],
+                "why": a.why,
+                "at_low": figures(low),
+                "at_high": figures(high),
+            }
+            for a, (low, high) in zip(span.assumptions, span.alone)
+        ],
         "est_range": {"slowest": figures(span.slowest), "fastest": figures(span.fastest)},
     }

@@ -44,17 +44,25 @@ from hpctrain.models import params
 from hpctrain.plan.types import ModelShape
 
 
-def layer_forward_flops(tokens: float, seq_len: int, d_model: int, ffn_hidden: int | None = None,
-                        kv_dim: int | None = None, gated: bool = False) -> float:
+def layer_forward_flops(
+    tokens: float,
+    seq_len: int,
+    d_model: int,
+    ffn_hidden: int | None = None,
+    kv_dim: int | None = None,
+    gated: bool = False,
+) -> float:
     """Matmul FLOPs of one layer's forward pass over `tokens` tokens in sequences of seq_len.
 
     kv_dim: the width of K and V (grouped-query attention), d_model when None; gated: a SwiGLU MLP (3 matrices)."""
-    return linear_forward_flops(tokens, d_model, ffn_hidden, kv_dim, gated) + attention_core_flops(tokens, seq_len,
-                                                                                                d_model)
+    return linear_forward_flops(tokens, d_model, ffn_hidden, kv_dim, gated) + attention_core_flops(
+        tokens, seq_len, d_model
+    )
 
 
-def linear_forward_flops(tokens: float, d_model: int, ffn_hidden: int | None = None, kv_dim: int | None = None,
-                         gated: bool = False) -> float:
+def linear_forward_flops(
+    tokens: float, d_model: int, ffn_hidden: int | None = None, kv_dim: int | None = None, gated: bool = False
+) -> float:
     """The Linear layers' share of one layer's forward (QKV, output projection, MLP): what FP8 converts."""
     h = d_model
     f = ffn_hidden if ffn_hidden is not None else 4 * h
@@ -105,8 +113,9 @@ def expert_flops_per_iteration(model: ModelShape, global_batch: int, recompute: 
     return model.n_layers * forward_passes(recompute) * 2 * tokens * tp * model.expert_matmul_params
 
 
-def fp8_flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full",
-                            fp8: str = "none", tp: int = 1) -> float:
+def fp8_flops_per_iteration(
+    model: ModelShape, global_batch: int, recompute: str = "full", fp8: str = "none", tp: int = 1
+) -> float:
     """The part of `flops_per_iteration` that runs as FP8 GEMMs with precision.fp8 on: the blocks' Linears in
     forward, both backward GEMMs (input and weight gradient) and a full recomputation's second forward, under
     both torchao recipes (tensorwise, rowwise), and selective recomputation's rerun output projection (TP).
@@ -118,12 +127,14 @@ def fp8_flops_per_iteration(model: ModelShape, global_batch: int, recompute: str
     # the modules TP leaves whole (an MoE layer: stacked experts, not Linears; the router, in fp32) stay bf16
     linear_fwd = 2 * global_batch * model.seq_len * (model.block_matmul_params - model.whole_matmul_params)
     tokens = global_batch * model.seq_len
-    return model.n_layers * (forward_passes(recompute) * linear_fwd
-                             + recomputed_forward_flops(model, tokens, recompute, tp))
+    return model.n_layers * (
+        forward_passes(recompute) * linear_fwd + recomputed_forward_flops(model, tokens, recompute, tp)
+    )
 
 
-def compute_seconds(flops: float, fp8_flops: float, n_gpus: int, peak_flops: float, fp8_peak_flops: float,
-                    efficiency: float) -> float:
+def compute_seconds(
+    flops: float, fp8_flops: float, n_gpus: int, peak_flops: float, fp8_peak_flops: float, efficiency: float
+) -> float:
     """Matmul time of an iteration spread over n_gpus: `fp8_flops` of it at the FP8 peak (the bf16 peak on a GPU
     without FP8, fp8_peak_flops = 0: torchao's emulation there is no faster), the rest at the bf16 peak, both at
     the same matmul efficiency. FP8's casts (an amax reduction and a scaled copy per operand, memory-bound) are
@@ -151,8 +162,15 @@ def mfu(tokens_per_s: float, model: ModelShape, n_gpus: int, peak_flops: float) 
     return tokens_per_s * model_flops_per_token(model) / (n_gpus * peak_flops)
 
 
-def training_time_s(model: ModelShape, tokens: float, global_batch: int, n_gpus: int, flops_per_gpu: float,
-                    recompute: str = "full", tp: int = 1) -> float:
+def training_time_s(
+    model: ModelShape,
+    tokens: float,
+    global_batch: int,
+    n_gpus: int,
+    flops_per_gpu: float,
+    recompute: str = "full",
+    tp: int = 1,
+) -> float:
     """End-to-end time for `tokens` at an achieved per-GPU (hardware) FLOP/s (Narayanan 2021 sec. 5.1: ~8TP/(nX))."""
     iterations = tokens / (global_batch * model.seq_len)
     return iterations * flops_per_iteration(model, global_batch, recompute, tp) / (n_gpus * flops_per_gpu)

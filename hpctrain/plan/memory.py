@@ -69,10 +69,25 @@ from hpctrain.plan.states import (
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
 __all__ = [
-    "FP32_BYTES", "MIXED_PRECISION_BYTES", "MemoryBreakdown", "ModelStates", "Part", "activation_bytes_per_layer",
-    "bytes_per_param", "inflight_microbatches", "korthikanti_bytes_per_layer", "layer_activation_bytes",
-    "layer_params_per_gpu", "layers_on_stage", "memory_per_gpu", "shard_params_per_gpu", "stage_activation_bytes",
-    "stage_activation_parts", "stage_expert_params_per_gpu", "stage_params_per_gpu", "zero_model_states",
+    "FP32_BYTES",
+    "MIXED_PRECISION_BYTES",
+    "MemoryBreakdown",
+    "ModelStates",
+    "Part",
+    "activation_bytes_per_layer",
+    "bytes_per_param",
+    "inflight_microbatches",
+    "korthikanti_bytes_per_layer",
+    "layer_activation_bytes",
+    "layer_params_per_gpu",
+    "layers_on_stage",
+    "memory_per_gpu",
+    "shard_params_per_gpu",
+    "stage_activation_bytes",
+    "stage_activation_parts",
+    "stage_expert_params_per_gpu",
+    "stage_params_per_gpu",
+    "zero_model_states",
 ]
 
 
@@ -125,9 +140,15 @@ def largest_param_per_gpu(model: ModelShape, layout: Layout) -> float:
     family = model.family
 
     def on_gpu(name: str, shape: tuple[int, ...]) -> float:
-        split = layout.ep if family.expert_dim(name) is not None else \
-            layout.tp if family.sharded_dim(name) is not None else 1
+        split = (
+            layout.ep
+            if family.expert_dim(name) is not None
+            else layout.tp
+            if family.sharded_dim(name) is not None
+            else 1
+        )
         return math.prod(shape) / split
+
     return max(on_gpu(name, shape) for name, shape in {**model.block_shapes(), **model.top_shapes(layout.tp)}.items())
 
 
@@ -146,8 +167,11 @@ def stage_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float
     split, layer = layout.layer_split(model.n_layers), layer_params_per_gpu(model, layout.tp, layout.ep)
     n = 0.0
     for chunk in layout.stages_of(stage):
-        held = {name: shape for name, shape in model.top_shapes(layout.tp).items()
-                if stage_holds(name.split(".")[0], chunk, split, model.arch)}
+        held = {
+            name: shape
+            for name, shape in model.top_shapes(layout.tp).items()
+            if stage_holds(name.split(".")[0], chunk, split, model.arch)
+        }
         n += split[chunk] * layer + _per_rank(held, layout.tp, model.family)
     return n
 
@@ -177,10 +201,22 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | N
     """One layer's stored activations for one micro-batch of `layout` (activations.py), in its dtype."""
     scale = layout.compute_bytes / 2
     return scale * activation_bytes_per_layer(
-        local_seq_len(model, layout), layout.micro_batch, model.d_model, model.n_heads, layout.tp,
-        layout.sequence_parallel, recompute or layout.recompute, model.ffn, dropout=model.dropout > 0,
-        fp32_residual=autocast_forward(layout), arch=model.arch, n_kv_heads=model.kv_heads,
-        head_dim=model.dims.head_dim, moe=moe_layer(model, layout.ep), cp=layout.cp)
+        local_seq_len(model, layout),
+        layout.micro_batch,
+        model.d_model,
+        model.n_heads,
+        layout.tp,
+        layout.sequence_parallel,
+        recompute or layout.recompute,
+        model.ffn,
+        dropout=model.dropout > 0,
+        fp32_residual=autocast_forward(layout),
+        arch=model.arch,
+        n_kv_heads=model.kv_heads,
+        head_dim=model.dims.head_dim,
+        moe=moe_layer(model, layout.ep),
+        cp=layout.cp,
+    )
 
 
 def local_seq_len(model: ModelShape, layout: Layout) -> int:
@@ -194,8 +230,9 @@ def moe_layer(model: ModelShape, ep: int) -> MoELayer | None:
     if not model.moe:
         return None
     d = model.dims
-    return MoELayer(d.n_experts, d.top_k, d.expert_hidden, d.n_shared_experts * d.expert_hidden,
-                    EXPERT_IMBALANCE if ep > 1 else 1.0)
+    return MoELayer(
+        d.n_experts, d.top_k, d.expert_hidden, d.n_shared_experts * d.expert_hidden, EXPERT_IMBALANCE if ep > 1 else 1.0
+    )
 
 
 def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:
@@ -219,25 +256,50 @@ def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> lis
     """Peak activation bytes on one GPU of pipeline stage `stage`, by part."""
     inflight = inflight_microbatches(layout.pp, layout.microbatches, layout.virtual_stages, layout.schedule, stage)
     n_layers = layers_on_stage(model, layout, stage)
-    name = f"{n_layers} layers x {inflight:g} micro-batch{'' if inflight == 1 else 'es'} in flight, " \
+    name = (
+        f"{n_layers} layers x {inflight:g} micro-batch{'' if inflight == 1 else 'es'} in flight, "
         f"recompute {layout.recompute}"
+    )
     parts = [Part("activations", name, layer_activation_bytes(model, layout) * n_layers * inflight)]
     if stage == 0 and model.dropout > 0:
-        parts.append(Part("activations", "embedding dropout mask",
-                          local_seq_len(model, layout) * layout.micro_batch * model.d_model * inflight))
+        parts.append(
+            Part(
+                "activations",
+                "embedding dropout mask",
+                local_seq_len(model, layout) * layout.micro_batch * model.d_model * inflight,
+            )
+        )
     if stage == layout.pp - 1:
-        parts.append(Part("activations", f"output head + logits ({model.vocab_rows(layout.tp)} columns, "
-                          "full on every TP rank) + fp32 loss", _head_bytes(model, layout)))
+        parts.append(
+            Part(
+                "activations",
+                f"output head + logits ({model.vocab_rows(layout.tp)} columns, full on every TP rank) + fp32 loss",
+                _head_bytes(model, layout),
+            )
+        )
     if stage == 0 and layout.tp > 1 and layout.sequence_parallel and layout.recompute == "full":
         # the first block's checkpoint saves its input before SP slices it (the slicing hook runs inside)
-        parts.append(Part("activations", "first block's checkpointed input: the embedding output, whole sequence",
-                          local_seq_len(model, layout) * layout.micro_batch * model.d_model * _residual_bytes(layout)
-                          * (1 - 1 / layout.tp) * inflight))
+        parts.append(
+            Part(
+                "activations",
+                "first block's checkpointed input: the embedding output, whole sequence",
+                local_seq_len(model, layout)
+                * layout.micro_batch
+                * model.d_model
+                * _residual_bytes(layout)
+                * (1 - 1 / layout.tp)
+                * inflight,
+            )
+        )
     if stage == 0 and layout.tp > 1 and accumulates_unsharded(layout):
-        parts.append(Part("activations", "token embedding backward's working copies ("
-                          f"{layout.reduce_dtype or layout.dtype} and {layout.dtype}, whole table)",
-                          _embedding_elements(model, layout.tp)
-                          * (layout.reduce_bytes + layout.compute_bytes)))
+        parts.append(
+            Part(
+                "activations",
+                "token embedding backward's working copies ("
+                f"{layout.reduce_dtype or layout.dtype} and {layout.dtype}, whole table)",
+                _embedding_elements(model, layout.tp) * (layout.reduce_bytes + layout.compute_bytes),
+            )
+        )
     transient = recompute_transient_bytes(model, layout)
     if transient:
         parts.append(Part("activations", "one layer recomputed in backward", transient))
@@ -265,18 +327,34 @@ def embedding_grad_parts(model: ModelShape, layout: Layout, stage: int) -> list[
     if stage != 0 or layout.tp == 1:
         return []
     kind = data_parallel_kind(layout)
-    dtype_bytes = MASTER if kind in ("none", "ddp") else \
-        layout.reduce_bytes if accumulates_unsharded(layout) else layout.compute_bytes
+    dtype_bytes = (
+        MASTER
+        if kind in ("none", "ddp")
+        else layout.reduce_bytes
+        if accumulates_unsharded(layout)
+        else layout.compute_bytes
+    )
     whole = _embedding_elements(model, layout.tp)
-    parts = [Part("grads", f"token embedding's gradient, whole on every TP rank (the other {layout.tp - 1}/"
-                  f"{layout.tp})", whole * dtype_bytes * (1 - 1 / layout.tp))]
+    parts = [
+        Part(
+            "grads",
+            f"token embedding's gradient, whole on every TP rank (the other {layout.tp - 1}/{layout.tp})",
+            whole * dtype_bytes * (1 - 1 / layout.tp),
+        )
+    ]
     if accumulates_unsharded(layout):
         # while it is added in, its fresh gradient (whole, compute dtype) is the backward's largest transient
-        beyond = whole * layout.compute_bytes - (layout.compute_bytes + layout.reduce_bytes) * \
-            fsdp_unit_params_per_gpu(model, layout)
+        beyond = whole * layout.compute_bytes - (layout.compute_bytes + layout.reduce_bytes) * fsdp_unit_params_per_gpu(
+            model, layout
+        )
         if beyond > 0:
-            parts.append(Part("grads", f"token embedding's fresh {layout.dtype} gradient while it is accumulated, "
-                              "beyond one unit's", beyond))
+            parts.append(
+                Part(
+                    "grads",
+                    f"token embedding's fresh {layout.dtype} gradient while it is accumulated, beyond one unit's",
+                    beyond,
+                )
+            )
     return parts
 
 
@@ -315,9 +393,11 @@ def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     unit = fsdp_unit_params_per_gpu(model, layout)
     root = n - layers_on_stage(model, layout, stage) * layer
     sharded = shard_params_per_gpu(model, layout, stage)
-    return hpctrain_state_parts(n, layer, layout, unit, root, sharded, largest_param_per_gpu(model, layout)) \
-        + embedding_grad_parts(model, layout, stage) \
+    return (
+        hpctrain_state_parts(n, layer, layout, unit, root, sharded, largest_param_per_gpu(model, layout))
+        + embedding_grad_parts(model, layout, stage)
         + stage_activation_parts(model, layout, stage)
+    )
 
 
 def _column(parts: list[Part], kind: str) -> float:
@@ -336,9 +416,17 @@ def memory_per_gpu(model: ModelShape, layout: Layout, hw: Hardware, reserve_frac
     total, stage, parts = best
     usable = hw.gpu_mem_bytes * (1.0 - reserve_fraction)
     return MemoryBreakdown(
-        params=_column(parts, "params"), grads=_column(parts, "grads"), optimizer=_column(parts, "optimizer"),
-        activations=_column(parts, "activations"), total=total,
-        cpu_offload_bytes=sum(p.bytes for p in parts if p.cpu), buffers=_column(parts, "buffers"),
-        fits=total <= usable, headroom=usable - total, usable=usable, stage=stage, parts=tuple(parts),
+        params=_column(parts, "params"),
+        grads=_column(parts, "grads"),
+        optimizer=_column(parts, "optimizer"),
+        activations=_column(parts, "activations"),
+        total=total,
+        cpu_offload_bytes=sum(p.bytes for p in parts if p.cpu),
+        buffers=_column(parts, "buffers"),
+        fits=total <= usable,
+        headroom=usable - total,
+        usable=usable,
+        stage=stage,
+        parts=tuple(parts),
         nvme_bytes=sum(p.bytes for p in parts if p.nvme),
     )

@@ -238,12 +238,16 @@ class OffloadCosts:
         (each incl. pinned rounding 2.48 GiB)"."""
         g, h = self.gpus_per_node, self.host
         what = "fp32 parameter and gradient shards" + ("" if self.device == "nvme" else " and Adam moments")
-        text = (f"offloaded shards ({what}) {g * (h.shards + h.pinned_rounding) / unit:,.2f} {name} incl. pinned "
-                f"rounding {g * h.pinned_rounding / unit:,.2f} {name}, ")
+        text = (
+            f"offloaded shards ({what}) {g * (h.shards + h.pinned_rounding) / unit:,.2f} {name} incl. pinned "
+            f"rounding {g * h.pinned_rounding / unit:,.2f} {name}, "
+        )
         if not h.tiers:
             return text + "no checkpoint staging (no checkpoint tiers)"
-        text += (f"checkpoint staging {g * h.staging_per_tier / unit:,.2f} {name} x {h.tiers} "
-                 f"tier{'' if h.tiers == 1 else 's'}")
+        text += (
+            f"checkpoint staging {g * h.staging_per_tier / unit:,.2f} {name} x {h.tiers} "
+            f"tier{'' if h.tiers == 1 else 's'}"
+        )
         if h.staging_rounding_per_tier:
             text += f" (each incl. pinned rounding {g * h.staging_rounding_per_tier / unit:,.2f} {name})"
         if h.save_readback:
@@ -288,15 +292,21 @@ class OffloadCosts:
         return self.optimizer_s + self.pcie_s
 
 
-def offload_costs(model: ModelShape, layout: Layout, hw: Hardware, threads_per_rank: int | None = None,
-                  checkpoint: CheckpointConfig | None = None) -> OffloadCosts:
+def offload_costs(
+    model: ModelShape,
+    layout: Layout,
+    hw: Hardware,
+    threads_per_rank: int | None = None,
+    checkpoint: CheckpointConfig | None = None,
+) -> OffloadCosts:
     """What offloading costs `layout` on `hw` per step (module docstring); zeros when it does not offload.
     threads_per_rank: the CPU threads each rank's AdamW runs on (None: enough for the rank's share of the node).
     checkpoint: the run's checkpoint section, for its tiers' staging copies in host memory (None: no staging)."""
     g = hw.gpus_per_node
     if not offloads(layout):
-        return OffloadCosts("", 0.0, 1, 0.0, g, HostMemory(0.0, 0.0, 0.0, 0.0, 0, 0.0), 0.0, 0, 0.0, 0.0, 0.0,
-                            0.0, 0.0, 0.0)
+        return OffloadCosts(
+            "", 0.0, 1, 0.0, g, HostMemory(0.0, 0.0, 0.0, 0.0, 0, 0.0), 0.0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        )
     stages = range(layout.pp)  # uneven stages: any rank may hold the most
     stage = max(stages, key=lambda s: stage_params_per_gpu(model, layout, s))
     n = stage_params_per_gpu(model, layout, stage)
@@ -306,15 +316,23 @@ def offload_costs(model: ModelShape, layout: Layout, hw: Hardware, threads_per_r
     parts = hpctrain_state_parts(n, layer, layout, fsdp_unit_params_per_gpu(model, layout), root, sharded)
     nvme = sum(p.bytes for p in parts if p.nvme)
     on_nvme, tiers, pinned = moments_on_nvme(layout), checkpoint_tiers(checkpoint), pins_host_memory(hw)
-    host = max((host_memory(rank_shards(model, layout, s), not on_nvme, pinned, tiers) for s in stages),
-               key=lambda h: h.total)
+    host = max(
+        (host_memory(rank_shards(model, layout, s), not on_nvme, pinned, tiers) for s in stages), key=lambda h: h.total
+    )
     fp32_shard = MASTER * sharded
     gathers = param_all_gathers(layout)
     h2d, d2h = gathers * fp32_shard, fp32_shard
     return OffloadCosts(
         device="nvme" if on_nvme else "cpu",
-        params_per_gpu=n, shard=layout.zero_shard, shard_params=sharded, gpus_per_node=g, host=host,
-        nvme_bytes_per_gpu=nvme, all_gathers=gathers, h2d_bytes=h2d, d2h_bytes=d2h,
+        params_per_gpu=n,
+        shard=layout.zero_shard,
+        shard_params=sharded,
+        gpus_per_node=g,
+        host=host,
+        nvme_bytes_per_gpu=nvme,
+        all_gathers=gathers,
+        h2d_bytes=h2d,
+        d2h_bytes=d2h,
         pcie_s=(h2d + d2h) / hw.pcie_bw,
         cpu_adam_s=sharded / hw.adam_rate_per_gpu(threads_per_rank),
         nvme_read_s=nvme * g / hw.nvme_read_bw,

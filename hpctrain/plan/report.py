@@ -45,19 +45,37 @@ def vocab_padding(m: ModelConfig, tp: int) -> dict[str, int]:
     rows and parameters the padding adds."""
     rows = padded_vocab(m.vocab_size, m.vocab_pad_multiple, tp)
     matrices = 1 if tied_of(m) else 2
-    return {"vocab_size": m.vocab_size, "embedding_rows": rows, "multiple": m.vocab_pad_multiple, "tp": tp,
-            "extra_rows": rows - m.vocab_size, "extra_params": matrices * (rows - m.vocab_size) * m.d_model}
+    return {
+        "vocab_size": m.vocab_size,
+        "embedding_rows": rows,
+        "multiple": m.vocab_pad_multiple,
+        "tp": tp,
+        "extra_rows": rows - m.vocab_size,
+        "extra_params": matrices * (rows - m.vocab_size) * m.d_model,
+    }
 
 
 def model_summary(m: ModelConfig) -> dict[str, Any]:
     """The model's shape; a Mixture of Experts adds its experts (how many, per token, their width, shared ones)."""
-    out = {"name": m.name, "arch": arch_of(m), "n_layers": m.n_layers, "d_model": m.d_model, "n_heads": m.n_heads,
-           "n_kv_heads": kv_heads_of(m), "ffn_hidden": ffn_hidden_of(m), "vocab_size": m.vocab_size,
-           "context": m.context}
+    out = {
+        "name": m.name,
+        "arch": arch_of(m),
+        "n_layers": m.n_layers,
+        "d_model": m.d_model,
+        "n_heads": m.n_heads,
+        "n_kv_heads": kv_heads_of(m),
+        "ffn_hidden": ffn_hidden_of(m),
+        "vocab_size": m.vocab_size,
+        "context": m.context,
+    }
     if registry.family_of(m).moe:
         d = Dims.of(m)
-        out["moe"] = {"n_experts": d.n_experts, "top_k": d.top_k, "expert_hidden": d.expert_hidden,
-                      "n_shared_experts": d.n_shared_experts}
+        out["moe"] = {
+            "n_experts": d.n_experts,
+            "top_k": d.top_k,
+            "expert_hidden": d.expert_hidden,
+            "n_shared_experts": d.n_shared_experts,
+        }
     return out
 
 
@@ -76,5 +94,10 @@ def stage_counts(m: ModelConfig, lay: Layout) -> dict[str, Any] | None:
     shard = stage_param_counts(m, split, lay.tp, per_gpu=True, ep=getattr(lay, "ep", 1))
     ranks = [list(lay.stages_of(r)) for r in range(lay.pp)]
     head = "the tied head's embedding copy" if tied_of(m) else "the output head"
-    return {"params_per_stage": whole, "layers_per_stage": list(split), "stages_of_rank": ranks,
-            "last_stage_head": head, "params_per_gpu_before_zero": [sum(shard[s] for s in ids) for ids in ranks]}
+    return {
+        "params_per_stage": whole,
+        "layers_per_stage": list(split),
+        "stages_of_rank": ranks,
+        "last_stage_head": head,
+        "params_per_gpu_before_zero": [sum(shard[s] for s in ids) for ids in ranks],
+    }

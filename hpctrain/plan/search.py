@@ -48,7 +48,6 @@ from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from hpctrain.plan.step_time import StepEstimate, estimate_step
 from hpctrain.plan.types import RECOMPUTE, GiB, Hardware, Layout, ModelShape
 
-
 # Sequences at least this long also try context parallelism (Llama 3 used it from 131,072 tokens; at 16,384 a
 # 70B-class layer's activations already take GiBs per micro-batch); shorter ones only when nothing fits without it.
 CP_MIN_SEQ_LEN = 16384
@@ -74,13 +73,32 @@ def _divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
-def shape_problems(model: ModelShape, tp: int, pp: int, virtual_stages: int, gpus_per_node: int,
-                   ep: int = 1, first_stage_layers: int = 0, last_stage_layers: int = 0) -> list[str]:
+def shape_problems(
+    model: ModelShape,
+    tp: int,
+    pp: int,
+    virtual_stages: int,
+    gpus_per_node: int,
+    ep: int = 1,
+    first_stage_layers: int = 0,
+    last_stage_layers: int = 0,
+) -> list[str]:
     """What the model's shape rules (their one owner: config.layout.model_fit_problems) say of these degrees."""
-    degrees = SimpleNamespace(tp=tp, pp=pp, virtual_stages=virtual_stages, gpus_per_node=gpus_per_node, ep=ep,
-                              first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
-    return [message for _, message, _ in
-            model_fit_problems(degrees, model.n_layers, model.n_heads, model.kv_heads, model.ffn, model.n_experts)]
+    degrees = SimpleNamespace(
+        tp=tp,
+        pp=pp,
+        virtual_stages=virtual_stages,
+        gpus_per_node=gpus_per_node,
+        ep=ep,
+        first_stage_layers=first_stage_layers,
+        last_stage_layers=last_stage_layers,
+    )
+    return [
+        message
+        for _, message, _ in model_fit_problems(
+            degrees, model.n_layers, model.n_heads, model.kv_heads, model.ffn, model.n_experts
+        )
+    ]
 
 
 def context_degrees(model: ModelShape, gpus: int, max_cp: int) -> list[int]:
@@ -108,8 +126,16 @@ def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int
     if layout.n_gpus != n_gpus:
         bad.append(f"dp*tp*pp*cp = {layout.n_gpus} != {n_gpus} GPUs")
     bad += [message for _, message, _ in sequence_problems(layout, model.seq_len, model.dropout)]
-    bad += shape_problems(model, layout.tp, layout.pp, layout.virtual_stages, hw.gpus_per_node, layout.ep,
-                          layout.first_stage_layers, layout.last_stage_layers)
+    bad += shape_problems(
+        model,
+        layout.tp,
+        layout.pp,
+        layout.virtual_stages,
+        hw.gpus_per_node,
+        layout.ep,
+        layout.first_stage_layers,
+        layout.last_stage_layers,
+    )
     if layout.global_batch != global_batch:
         bad.append(f"micro_batch*grad_accum*dp = {layout.global_batch} != global batch {global_batch}")
     if layout.pp > 1 and layout.microbatches < layout.pp:
@@ -122,11 +148,14 @@ def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int
 def _why(layout: Layout, mem: MemoryBreakdown, step: StepEstimate, recompute_needed: bool = False) -> str:
     """One line: the layout and what costs it most."""
     parts = [
-        f"tp{layout.tp} pp{layout.pp}" + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
-        + (f" cp{layout.cp}" if layout.cp > 1 else "") + f" dp{layout.dp}"
+        f"tp{layout.tp} pp{layout.pp}"
+        + (f"x{layout.virtual_stages}" if layout.virtual_stages > 1 else "")
+        + (f" cp{layout.cp}" if layout.cp > 1 else "")
+        + f" dp{layout.dp}"
         + (f" ep{layout.ep}" if layout.ep > 1 else "")
         + f" mb{layout.micro_batch} m{layout.microbatches} zero{layout.zero_stage}"
-        + ("+accumulate_unsharded" if layout.accumulate_unsharded else "") + f" rc={layout.recompute}",
+        + ("+accumulate_unsharded" if layout.accumulate_unsharded else "")
+        + f" rc={layout.recompute}",
         f"{step.tokens_per_s:,.0f} tok/s, MFU {step.mfu:.0%}",
         f"bubble {step.bubble_fraction:.0%} of pipeline",
         f"exposed comm {step.comm_share:.0%}",
@@ -185,12 +214,27 @@ def search_layouts(
     return out[:top_k] if top_k is not None else out
 
 
-def _candidates(model: ModelShape, n_gpus: int, hw: Hardware, global_batch: int, dtype: str,
-                reduce_dtype: str | None, zero_stages: tuple[int, ...], max_micro_batch: int, max_virtual_stages: int,
-                plain: bool, split: bool, max_cp: int, step_kwargs: dict[str, float]) -> list[Candidate]:
+def _candidates(
+    model: ModelShape,
+    n_gpus: int,
+    hw: Hardware,
+    global_batch: int,
+    dtype: str,
+    reduce_dtype: str | None,
+    zero_stages: tuple[int, ...],
+    max_micro_batch: int,
+    max_virtual_stages: int,
+    plain: bool,
+    split: bool,
+    max_cp: int,
+    step_kwargs: dict[str, float],
+) -> list[Candidate]:
     """The fitting layouts (module docstring's rules): without CP where `plain`, with cp > 1 where `split`."""
-    tps = [t for t in _divisors(hw.gpus_per_node)
-           if n_gpus % t == 0 and not shape_problems(model, t, 1, 1, hw.gpus_per_node)]
+    tps = [
+        t
+        for t in _divisors(hw.gpus_per_node)
+        if n_gpus % t == 0 and not shape_problems(model, t, 1, 1, hw.gpus_per_node)
+    ]
     out: list[Candidate] = []
     for tp in tps:
         cps = ([1] if plain else []) + (context_degrees(model, n_gpus // tp, max_cp) if split else [])
@@ -217,11 +261,22 @@ def _candidates(model: ModelShape, n_gpus: int, hw: Hardware, global_batch: int,
                         unsharded_options = (False, True) if z >= 2 and m > 1 and pp == 1 else (False,)
                         for ep, unsharded in itertools.product(expert_degrees(model, dp, z, cp), unsharded_options):
                             layout = Layout(
-                                dp=dp, tp=tp, pp=pp, virtual_stages=v, zero_stage=z, micro_batch=micro,
-                                grad_accum=m, sequence_parallel=tp > 1,
-                                schedule="interleaved_1f1b" if v > 1 else "1f1b", dtype=dtype,
-                                reduce_dtype=reduce_dtype, accumulate_unsharded=unsharded, ep=ep,
-                                first_stage_layers=ends or 0, last_stage_layers=ends or 0, cp=cp,
+                                dp=dp,
+                                tp=tp,
+                                pp=pp,
+                                virtual_stages=v,
+                                zero_stage=z,
+                                micro_batch=micro,
+                                grad_accum=m,
+                                sequence_parallel=tp > 1,
+                                schedule="interleaved_1f1b" if v > 1 else "1f1b",
+                                dtype=dtype,
+                                reduce_dtype=reduce_dtype,
+                                accumulate_unsharded=unsharded,
+                                ep=ep,
+                                first_stage_layers=ends or 0,
+                                last_stage_layers=ends or 0,
+                                cp=cp,
                             )
                             cand = cheapest_fitting(model, layout, hw, **step_kwargs)
                             if cand is not None:
@@ -229,8 +284,9 @@ def _candidates(model: ModelShape, n_gpus: int, hw: Hardware, global_batch: int,
     return out
 
 
-def rank_of(layout: Layout, candidates: list[Candidate], model: ModelShape | None = None,
-            hw: Hardware | None = None) -> int:
+def rank_of(
+    layout: Layout, candidates: list[Candidate], model: ModelShape | None = None, hw: Hardware | None = None
+) -> int:
     """1-based rank `layout` takes among `candidates` by tokens/s (evaluated afresh if it is not among them)."""
     for i, c in enumerate(candidates):
         if c.layout == layout:
@@ -271,8 +327,10 @@ def explain(candidate: Candidate, best: Candidate | None = None) -> str:
     for item in st.comm.items:
         lines.append(f"comm: {item.name} {item.bytes / 1e9:.1f} GB/step over {item.link} = {item.time_s:.2f} s")
     if st.imbalance_s:
-        lines.append(f"expert parallelism: the busiest of the {lay.ep} EP ranks' experts run more rows than the "
-                     f"mean, {st.imbalance_s:.2f} s of waiting per step (an assumed imbalance)")
+        lines.append(
+            f"expert parallelism: the busiest of the {lay.ep} EP ranks' experts run more rows than the "
+            f"mean, {st.imbalance_s:.2f} s of waiting per step (an assumed imbalance)"
+        )
     if lay.zero_stage == 3 and lay.microbatches > 1:
         lines.append(
             f"ZeRO-3 all-gathers the weights in forward and backward of each of the {lay.microbatches}"

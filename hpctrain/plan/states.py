@@ -129,7 +129,11 @@ def bytes_per_param(dtype: str = "bf16", grad_bytes: int | None = None, k: int |
 
 
 def zero_model_states(
-    n_params: float, dp: int, zero_stage: int, dtype: str = "bf16", grad_bytes: int | None = None,
+    n_params: float,
+    dp: int,
+    zero_stage: int,
+    dtype: str = "bf16",
+    grad_bytes: int | None = None,
     k: int | None = None,
 ) -> ModelStates:
     """Model-state bytes per GPU for n_params replicated over dp ranks under a ZeRO stage (ZeRO Fig. 1)."""
@@ -176,8 +180,15 @@ def split_units(layout: Layout) -> bool:
     return data_parallel_kind(layout) == "fsdp" and layout.zero_stage == 3
 
 
-def hpctrain_state_parts(n: float, layer: float, layout: Layout, unit: float | None = None,
-                         root: float = 0.0, sharded: float | None = None, largest: float = 0.0) -> list[Part]:
+def hpctrain_state_parts(
+    n: float,
+    layer: float,
+    layout: Layout,
+    unit: float | None = None,
+    root: float = 0.0,
+    sharded: float | None = None,
+    largest: float = 0.0,
+) -> list[Part]:
     """Parameters, gradients, optimizer state and collective buffers one GPU holds for n parameters, each column
     at its own peak
     (layer: one layer's share; unit: the largest block-level FSDP unit's, a layer unless `split_units`, None: a
@@ -189,8 +200,15 @@ def hpctrain_state_parts(n: float, layer: float, layout: Layout, unit: float | N
         return _unsharded_parts(n, layout)
     if kind == "replicate":
         return _replicate_parts(n, layer, layout)
-    return _fsdp_parts(n, layer, layer if unit is None else unit, root, layout,
-                       n / layout.zero_shard if sharded is None else sharded, largest)
+    return _fsdp_parts(
+        n,
+        layer,
+        layer if unit is None else unit,
+        root,
+        layout,
+        n / layout.zero_shard if sharded is None else sharded,
+        largest,
+    )
 
 
 def _unsharded_parts(n: float, layout: Layout) -> list[Part]:
@@ -211,8 +229,11 @@ def _replicate_parts(n: float, layer: float, layout: Layout) -> list[Part]:
     held = r * n if accumulates_unsharded(layout) else 0.0
     return [
         Part("params", "fp32 parameters (master weights)", MASTER * n),
-        Part("params", f"{layout.dtype} unsharded parameters, whole stage kept from the first forward to the last "
-             "backward", c * n),
+        Part(
+            "params",
+            f"{layout.dtype} unsharded parameters, whole stage kept from the first forward to the last backward",
+            c * n,
+        ),
         Part("optimizer", "Adam moments", ADAM * n),
         Part("grads", "fp32 gradients", max(held, MASTER * n)),
         Part("grads", "one layer's unsharded gradient", c * layer),
@@ -220,8 +241,9 @@ def _replicate_parts(n: float, layer: float, layout: Layout) -> list[Part]:
     ]
 
 
-def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout, sharded: float,
-                largest: float) -> list[Part]:
+def _fsdp_parts(
+    n: float, layer: float, unit: float, root: float, layout: Layout, sharded: float, largest: float
+) -> list[Part]:
     """FSDP2 fully_shard over N = zero_shard ranks (ZeRO-1/2/3), with CPU offload when configured.
 
     Measured against real gloo ranks in tests/parallel/test_zero_memory.py (torch's MemTracker, each column's
@@ -240,10 +262,16 @@ def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout
         of += f" (this EP rank's experts: 1/{layout.dp_shard_mod_ep})"
     parts = [
         Part("params", f"fp32 parameter shard{of}", MASTER * sharded, cpu),
-        Part("params", f"{layout.dtype} unsharded parameters, " + (
-            "the root unit and one block's units" if gathered_units
-            else "whole stage kept from the first forward to the last backward"),
-            c * (root + layer if gathered_units else n)),
+        Part(
+            "params",
+            f"{layout.dtype} unsharded parameters, "
+            + (
+                "the root unit and one block's units"
+                if gathered_units
+                else "whole stage kept from the first forward to the last backward"
+            ),
+            c * (root + layer if gathered_units else n),
+        ),
         Part("buffers", "one unit's all-gather output while it is copied out", c * unit),
         Part("optimizer", f"Adam moments{of}", ADAM * sharded, cpu and not nvme, nvme),
     ]
@@ -251,9 +279,15 @@ def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout
     unit_name = "MLP" if split_units(layout) else "layer"
     if accumulates_unsharded(layout):
         held = r * n if cpu else max(r * n, shards)  # the shards replace the accumulated gradients unit by unit
-        parts.append(Part("grads", f"unsharded {layout.reduce_dtype or layout.dtype} gradients, accumulated until "
-                          "the last micro-batch's reduce-scatter" + (" (the buffer each gradient is added into as "
-                          "backward makes it)" if fills_buffer(layout) else ""), held))
+        parts.append(
+            Part(
+                "grads",
+                f"unsharded {layout.reduce_dtype or layout.dtype} gradients, accumulated until "
+                "the last micro-batch's reduce-scatter"
+                + (" (the buffer each gradient is added into as backward makes it)" if fills_buffer(layout) else ""),
+                held,
+            )
+        )
         if cpu:
             parts.append(Part("grads", f"fp32 gradient shard{of}", shards, True))
         if fills_buffer(layout):
@@ -267,12 +301,20 @@ def _fsdp_parts(n: float, layer: float, unit: float, root: float, layout: Layout
         # then the one held)
         peak = max((c * unit, r * unit, unit_name), (0.0, r * root, "root unit"), key=lambda m: m[0] + m[1])
     fresh, staged, whose = peak
-    parts.append(Part("grads", "the root's gradient held through backward" + (
-        f" + one {whose}'s unsharded gradient" if fresh else ""), c * root + fresh))
+    parts.append(
+        Part(
+            "grads",
+            "the root's gradient held through backward" + (f" + one {whose}'s unsharded gradient" if fresh else ""),
+            c * root + fresh,
+        )
+    )
     if staged:
         beyond = f", beyond its {layout.dtype} gradient, freed before it" if accumulates_unsharded(layout) else ""
-        parts.append(Part("buffers", f"the {whose}'s reduce-scatter input ({layout.reduce_dtype or layout.dtype}"
-                          f"{beyond})", staged))
+        parts.append(
+            Part(
+                "buffers", f"the {whose}'s reduce-scatter input ({layout.reduce_dtype or layout.dtype}{beyond})", staged
+            )
+        )
     return parts
 
 
@@ -283,6 +325,9 @@ def _filled_buffer_parts(layout: Layout, unit: float, largest: float, unit_name:
     input, at the very end, is made once every block's part of the buffer has become a shard, so it is no peak
     beside the buffer."""
     c, r = layout.compute_bytes, layout.reduce_bytes
-    return [Part("buffers", f"one parameter's fresh {layout.dtype} gradient while it is added into the buffer",
-                 c * largest),
-            Part("buffers", f"one {unit_name}'s reduce-scatter input ({layout.reduce_dtype})", r * unit)]
+    return [
+        Part(
+            "buffers", f"one parameter's fresh {layout.dtype} gradient while it is added into the buffer", c * largest
+        ),
+        Part("buffers", f"one {unit_name}'s reduce-scatter input ({layout.reduce_dtype})", r * unit),
+    ]

@@ -76,14 +76,28 @@ class Assumption:
 # Intervals: Megatron-LM reached 44-52% of the A100's peak end to end (Narayanan et al. 2021, Table 1), so the
 # matmuls alone run at no less than ~0.45; large single GEMMs reach ~0.75 (cuBLAS on A100/H100). DP traffic is
 # hidden behind backward anywhere from mostly (bucketed overlap, 0.25 exposed) to not at all (1.0).
-EFFICIENCY = ("matmul_efficiency", 0.45, 0.75, "fraction of peak FLOP/s the matmuls reach: Megatron's 44-52% "
-              "end to end is a floor for the compute alone, large single GEMMs reach ~75%")
-EXPOSED = ("dp_exposed_share", 0.25, 1.0, "share of overlappable data-parallel traffic not hidden behind "
-           "compute: from bucketed overlap (0.25) to none (1.0)")
+EFFICIENCY = (
+    "matmul_efficiency",
+    0.45,
+    0.75,
+    "fraction of peak FLOP/s the matmuls reach: Megatron's 44-52% "
+    "end to end is a floor for the compute alone, large single GEMMs reach ~75%",
+)
+EXPOSED = (
+    "dp_exposed_share",
+    0.25,
+    1.0,
+    "share of overlappable data-parallel traffic not hidden behind compute: from bucketed overlap (0.25) to none (1.0)",
+)
 # The busiest EP rank's routed rows over the mean: 1.0 is a perfect balance, 2.0 the busiest rank's experts at twice
 # the mean (a routing a balancing loss has not evened out yet). Both ends are assumptions, not measurements.
-IMBALANCE = ("expert_imbalance", 1.0, 2.0, "routed rows the busiest expert-parallel rank receives over the mean "
-             "(dropless routing): from perfectly balanced (1.0) to its hottest experts at twice the mean (2.0)")
+IMBALANCE = (
+    "expert_imbalance",
+    1.0,
+    2.0,
+    "routed rows the busiest expert-parallel rank receives over the mean "
+    "(dropless routing): from perfectly balanced (1.0) to its hottest experts at twice the mean (2.0)",
+)
 
 
 @dataclass(frozen=True)
@@ -183,8 +197,9 @@ def estimate_step(
     fp8_flops = fp8_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.fp8, layout.tp)
     # a pipeline runs at its busiest rank's pace: with uneven stages the ranks holding more layers (1 when even)
     pace = layers_on_stage(model, layout) * layout.pp / model.n_layers
-    compute_s = pace * compute_seconds(flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency) \
-        + selective_rerun_seconds(model, layout, hw)
+    compute_s = pace * compute_seconds(
+        flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency
+    ) + selective_rerun_seconds(model, layout, hw)
     comm = comm_per_step(model, layout, hw, imbalance=imbalance)
     tp_s = tp_exposed * comm.time_of("tp")
     pp_s = pp_exposed * comm.time_of("pp")
@@ -243,18 +258,20 @@ def step_range(model: ModelShape, layout: Layout, hw: Hardware, dp_exposed: floa
     given = [(EFFICIENCY, hw.efficiency), (EXPOSED, dp_exposed)]
     if layout.ep > 1 and model.moe:
         given.append((IMBALANCE, EXPERT_IMBALANCE))
-    assumptions = tuple(Assumption(name, value, min(lo, value), max(hi, value), why)
-                        for (name, lo, hi, why), value in given)
+    assumptions = tuple(
+        Assumption(name, value, min(lo, value), max(hi, value), why) for (name, lo, hi, why), value in given
+    )
 
     def at(values: tuple[float, ...]) -> StepEstimate:
         e, x, *rest = values
-        return estimate_step(model, layout, replace(hw, efficiency=e), dp_exposed=x,
-                             imbalance=rest[0] if rest else EXPERT_IMBALANCE)
+        return estimate_step(
+            model, layout, replace(hw, efficiency=e), dp_exposed=x, imbalance=rest[0] if rest else EXPERT_IMBALANCE
+        )
 
     point = tuple(a.value for a in assumptions)
 
     def moved(i: int, value: float) -> tuple[float, ...]:
-        return point[:i] + (value,) + point[i + 1:]
+        return point[:i] + (value,) + point[i + 1 :]
 
     corners = [at(c) for c in itertools.product(*((a.low, a.high) for a in assumptions))]
     return StepRange(

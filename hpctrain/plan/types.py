@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 
 from hpctrain.config.layout import DTYPES, RECOMPUTE, Layout, dtype_bytes  # noqa: F401 (the planner's types)
+from hpctrain.hardware import GB, KNOWN_HARDWARE, GiB, Hardware, hardware  # noqa: F401 (the planner's types)
 from hpctrain.models import registry
 from hpctrain.models.family import Dims, Family
 from hpctrain.models.params import (
@@ -20,9 +21,6 @@ from hpctrain.models.params import (
     ffn_hidden_size,
     padded_vocab,
 )
-
-
-from hpctrain.hardware import GB, GiB, KNOWN_HARDWARE, Hardware, hardware  # noqa: F401 (the planner's types)
 
 
 @dataclass(frozen=True)
@@ -65,8 +63,10 @@ class ModelShape:
         if not family.grouped_query and self.kv_heads != self.n_heads:
             raise ValueError(f"grouped-query attention (n_kv_heads < n_heads) is not the {self.arch} family's")
         if family.moe != (self.n_experts > 0):
-            raise ValueError(f"the {self.arch} family is {'a Mixture of Experts' if family.moe else 'dense'}: "
-                             f"n_experts={self.n_experts}")
+            raise ValueError(
+                f"the {self.arch} family is {'a Mixture of Experts' if family.moe else 'dense'}: "
+                f"n_experts={self.n_experts}"
+            )
         if family.moe and not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"top_k {self.top_k} must be in [1, n_experts = {self.n_experts}]")
 
@@ -90,9 +90,20 @@ class ModelShape:
     @cached_property
     def dims(self) -> Dims:
         """The numbers the family's shape formulas read (its embedding: the tokenizer's vocabulary)."""
-        return Dims(self.n_layers, self.d_model, self.n_heads, self.kv_heads, self.ffn, self.vocab_size,
-                    self.seq_len, self.head_dim, self.n_experts, self.top_k, self.expert_hidden,
-                    self.n_shared_experts)
+        return Dims(
+            self.n_layers,
+            self.d_model,
+            self.n_heads,
+            self.kv_heads,
+            self.ffn,
+            self.vocab_size,
+            self.seq_len,
+            self.head_dim,
+            self.n_experts,
+            self.top_k,
+            self.expert_hidden,
+            self.n_shared_experts,
+        )
 
     @property
     def q_dim(self) -> int:
@@ -114,8 +125,9 @@ class ModelShape:
     def whole_matmul_params(self) -> int:
         """The part of `block_matmul_params` in the modules TP leaves whole (`Family.tp_whole`: the MoE layer),
         which every TP rank computes on the full sequence; 0 for a dense family."""
-        return sum(self._token_matmul_params(name, shape) for name, shape in self.block_shapes().items()
-                   if self.tp_whole(name))
+        return sum(
+            self._token_matmul_params(name, shape) for name, shape in self.block_shapes().items() if self.tp_whole(name)
+        )
 
     @cached_property
     def expert_matmul_params(self) -> int:

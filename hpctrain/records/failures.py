@@ -18,9 +18,18 @@ from hpctrain.records.paths import RunPaths
 
 # Messages that mean "another rank went away", not "this rank is broken".
 PEER_MARKERS = (
-    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out",
-    "timeout", "Timeout", "connectFullMesh", "remote process exited", "NCCL communicator was aborted",
-    "Socket Timeout", "Connection refused",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out",
+    "timed out",
+    "timeout",
+    "Timeout",
+    "connectFullMesh",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+    "Connection refused",
 )
 
 
@@ -29,8 +38,15 @@ def is_peer_failure(exc: BaseException) -> bool:
     return any(marker in text for marker in PEER_MARKERS)
 
 
-def record_failure(run_dir: Path, job_id: str, rank: int, step: int, exc: BaseException,
-                   peer: bool | None = None, blame: list[str] | None = None) -> Path:
+def record_failure(
+    run_dir: Path,
+    job_id: str,
+    rank: int,
+    step: int,
+    exc: BaseException,
+    peer: bool | None = None,
+    blame: list[str] | None = None,
+) -> Path:
     """Write this rank's record. `peer` overrides the guess from the message; `blame` names other hosts at
     fault (a health check run on this rank found them bad), instead of this rank's own."""
     directory = RunPaths(run_dir).failures(job_id)
@@ -77,8 +93,11 @@ def last_attempt(run_dir: Path, job_id: str, since: float = 0.0) -> str:
     failure records; a restart that left at once, without training, has none). `since`: the start of the
     job's current run: a requeued job numbers its restarts from 0 again, under the same keys, so records older
     than its run are an earlier run's and do not count."""
-    restarts = [int(p.name.rpartition(".")[2]) for p in RunPaths(run_dir).failures(job_id).parent.glob(f"{job_id}.*")
-                if p.name.rpartition(".")[2].isdigit() and read_failures(run_dir, p.name, since)]
+    restarts = [
+        int(p.name.rpartition(".")[2])
+        for p in RunPaths(run_dir).failures(job_id).parent.glob(f"{job_id}.*")
+        if p.name.rpartition(".")[2].isdigit() and read_failures(run_dir, p.name, since)
+    ]
     return attempt_key(job_id, max(restarts, default=0))
 
 
@@ -98,8 +117,9 @@ def condemned_hosts(run_dir: Path, job_id: str, restart: int) -> list[str]:
     return sorted({h for r in records for h in (r.get("blame") or [])})
 
 
-def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = None
-             ) -> tuple[list[str], dict[str, Any] | None]:
+def diagnose(
+    records: list[dict[str, Any]], hosts_by_rank: list[str] | None = None
+) -> tuple[list[str], dict[str, Any] | None]:
     """The hosts to blame and the root error (the first record that is not a consequence of a lost peer).
 
     With no such record, the ranks that left no record at all (killed with their node, or by the kernel)
@@ -113,8 +133,17 @@ def diagnose(records: list[dict[str, Any]], hosts_by_rank: list[str] | None = No
         silent = set(range(len(hosts_by_rank))) - {r["rank"] for r in records}
         if len(silent) < len(hosts_by_rank):
             hosts = sorted({hosts_by_rank[r] for r in silent})
-    signature = None if root is None else {"type": root["type"], "message": root["message"],
-                                           "step": root["step"], "rank": root["rank"], "host": root["host"]}
+    signature = (
+        None
+        if root is None
+        else {
+            "type": root["type"],
+            "message": root["message"],
+            "step": root["step"],
+            "rank": root["rank"],
+            "host": root["host"],
+        }
+    )
     return hosts, signature
 
 
@@ -125,8 +154,11 @@ def same_failure(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     """Two attempts ended with the same error at the same step: a deterministic failure, retrying loops.
     The messages are compared on their first SAME_PREFIX characters (signatures carry them whole): signatures
     written before that, cut there, still compare equal to today's."""
-    return a is not None and b is not None and (a["type"], a["message"][:SAME_PREFIX], a["step"]) == (
-        b["type"], b["message"][:SAME_PREFIX], b["step"])
+    return (
+        a is not None
+        and b is not None
+        and (a["type"], a["message"][:SAME_PREFIX], a["step"]) == (b["type"], b["message"][:SAME_PREFIX], b["step"])
+    )
 
 
 def read_failures(run_dir: Path, job_id: str, since: float = 0.0) -> list[dict[str, Any]]:

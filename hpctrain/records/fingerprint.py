@@ -45,12 +45,17 @@ class ModelShape:
         object.__setattr__(self, "head_dim", int(self.head_dim) or self.d_model // self.n_heads)
 
     @classmethod
-    def from_value(cls, value: dict[str, Any] | list[int]) -> "ModelShape":
+    def from_value(cls, value: dict[str, Any] | list[int]) -> ModelShape:
         """From a manifest: named fields (those added later may be absent), or the positional list of older
         manifests (same field order)."""
         if isinstance(value, dict):
-            return cls(**{f.name: (str if f.type == "str" else int)(value[f.name]) for f in fields(cls)
-                          if f.name in value or f.default is MISSING})
+            return cls(
+                **{
+                    f.name: (str if f.type == "str" else int)(value[f.name])
+                    for f in fields(cls)
+                    if f.name in value or f.default is MISSING
+                }
+            )
         return cls(*(int(v) for v in value))
 
 
@@ -63,7 +68,7 @@ class DataSource:
     source: str | int | None
 
     @classmethod
-    def from_value(cls, value: dict[str, Any] | list[Any]) -> "DataSource":
+    def from_value(cls, value: dict[str, Any] | list[Any]) -> DataSource:
         if isinstance(value, dict):
             return cls(value["kind"], value["source"])
         kind, source = value
@@ -82,18 +87,33 @@ class Fingerprint:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Fingerprint":
-        return cls(ModelShape.from_value(d["model"]), int(d["global_batch"]), int(d["seq_len"]), int(d["seed"]),
-                   DataSource.from_value(d["data"]))
+    def from_dict(cls, d: dict[str, Any]) -> Fingerprint:
+        return cls(
+            ModelShape.from_value(d["model"]),
+            int(d["global_batch"]),
+            int(d["seq_len"]),
+            int(d["seed"]),
+            DataSource.from_value(d["data"]),
+        )
 
 
-def fingerprint_of(model: "ModelConfig", train: "TrainConfig", data: "DataConfig") -> Fingerprint:
+def fingerprint_of(model: ModelConfig, train: TrainConfig, data: DataConfig) -> Fingerprint:
     """The fingerprint of a run's config sections."""
     kind = getattr(data.kind, "value", data.kind)
     family = registry.family_of(model)
     kv_heads = model.n_kv_heads if family.grouped_query else 0  # no key/value groups: as many as query heads
-    shape = ModelShape(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.context,
-                       model.ffn_mult, family.name, kv_heads, model.ffn_hidden, model.head_dim)
+    shape = ModelShape(
+        model.n_layers,
+        model.d_model,
+        model.n_heads,
+        model.vocab_size,
+        model.context,
+        model.ffn_mult,
+        family.name,
+        kv_heads,
+        model.ffn_hidden,
+        model.head_dim,
+    )
     source = {"text_bytes": data.max_bytes, "indexed": data.blend}.get(kind, data.path)
     if data.valid_fraction:  # the held-out part is not trained on: another split is other training data
         source = f"{source} valid_fraction={data.valid_fraction:g}"

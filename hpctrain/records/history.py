@@ -14,11 +14,30 @@ from hpctrain.records.paths import RunPaths
 # the process began (forked by the agent), imported, joined the process group, holds the lease, watchdog and
 # pre-flight done, engine built, checkpoint manager ready, state loaded, data and tracker ready, first step
 # done. The goodput ledger and bench/bench_restart.py break restarts down with them.
-ATTEMPT_MARKS = ("process_started", "imported", "joined", "leased", "checked", "engine_built", "manager_ready",
-                 "resumed", "ready", "first_step")
+ATTEMPT_MARKS = (
+    "process_started",
+    "imported",
+    "joined",
+    "leased",
+    "checked",
+    "engine_built",
+    "manager_ready",
+    "resumed",
+    "ready",
+    "first_step",
+)
 # What each pair of marks in a row spans.
-ATTEMPT_PARTS = ("imports", "process group", "lease, hosts", "watchdog, pre-flight", "engine build",
-                 "checkpoint manager", "state read", "data, tracker", "first step")
+ATTEMPT_PARTS = (
+    "imports",
+    "process group",
+    "lease, hosts",
+    "watchdog, pre-flight",
+    "engine build",
+    "checkpoint manager",
+    "state read",
+    "data, tracker",
+    "first step",
+)
 
 
 def lines_from(path: Path, offset: int = 0) -> Iterator[tuple[dict[str, Any], int]]:

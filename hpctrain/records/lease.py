@@ -54,12 +54,21 @@ def take_lease(run_dir: Path, job_id: str) -> Lease:
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         held = current_lease(run_dir)
-        lease = Lease(token=(held.token if held else 0) + 1, job_id=str(job_id),
-                      previous_job=held.job_id if held else None)
+        lease = Lease(
+            token=(held.token if held else 0) + 1, job_id=str(job_id), previous_job=held.job_id if held else None
+        )
         tmp = path.with_suffix(f".tmp.{os.getpid()}")
         with open(tmp, "w") as f:
-            json.dump({"token": lease.token, "job_id": lease.job_id, "host": socket.gethostname(),
-                       "pid": os.getpid(), "time": time.time()}, f)
+            json.dump(
+                {
+                    "token": lease.token,
+                    "job_id": lease.job_id,
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "time": time.time(),
+                },
+                f,
+            )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -128,8 +137,13 @@ class LeaseWatch:
         try:
             held = holds(self.run_dir, self.lease)
         except (OSError, ValueError, KeyError) as exc:  # unreadable or half-written by hand: try again later
-            log.warning("lease: cannot read %s (%s: %s); retrying in %g s", RunPaths(self.run_dir).lease,
-                        type(exc).__name__, exc, self.interval_s)
+            log.warning(
+                "lease: cannot read %s (%s: %s); retrying in %g s",
+                RunPaths(self.run_dir).lease,
+                type(exc).__name__,
+                exc,
+                self.interval_s,
+            )
             return not self.lost()
         if not held:
             self._lost.set()

@@ -120,5 +120,6 @@ def escaping_entries(directory: Path, prefix: str) -> list[tuple[Path, str]]:
     except OSError:
         return []
     home = Path(os.path.realpath(directory))
-    return [(e, why) for e in entries if e.name.startswith(prefix) and e.is_symlink()
-            for why in [escape(e, home)] if why]
+    return [
+        (e, why) for e in entries if e.name.startswith(prefix) and e.is_symlink() for why in [escape(e, home)] if why
+    ]

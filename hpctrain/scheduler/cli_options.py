@@ -168,8 +168,11 @@ def parse_apptainer(words: list[str]) -> list[Word]:
             else:
                 out.append(Word("missing", word, i - 1, flag.name))
                 break
-            out.append(_boolean(flag, value, word, i - 1) if flag.takes == NONE
-                       else Word("option", word, i - 1, flag.name, value))
+            out.append(
+                _boolean(flag, value, word, i - 1)
+                if flag.takes == NONE
+                else Word("option", word, i - 1, flag.name, value)
+            )
     return out
 
 
@@ -255,5 +258,10 @@ def final(words: list[Word], name: str) -> Word | None:
 
 def values(words: list[Word], name: str) -> list[tuple[Word, str]]:
     """Each comma-separated item of every occurrence of a list option (`--no-env A,B --no-env C`)."""
-    return [(w, item) for w in words if w.kind == "option" and w.name == name and w.value
-            for item in w.value.split(",") if item]
+    return [
+        (w, item)
+        for w in words
+        if w.kind == "option" and w.name == name and w.value
+        for item in w.value.split(",")
+        if item
+    ]

@@ -42,8 +42,10 @@ def parse_mount(spec: str) -> tuple[str, str, str]:
     flags = parts[2] if len(parts) == 3 else ""
     for what, path in (("host", source), ("container", target)):
         if not path.startswith("/"):
-            raise ValueError(f"the {what} path {path!r} of {spec!r} is relative: the tasks start on other nodes, "
-                             "in another working directory")
+            raise ValueError(
+                f"the {what} path {path!r} of {spec!r} is relative: the tasks start on other nodes, "
+                "in another working directory"
+            )
     if "," in spec:
         raise ValueError(f"{spec!r} holds a comma, which separates mounts on the runtime's command line")
     return source, target, flags
@@ -103,5 +105,8 @@ def setup_lines(container: ContainerConfig) -> list[str]:
     if runtime(container) != APPTAINER:
         return []
     # A name is written into the line as shell: one that is not a variable's name (the checks refuse it) is left out
-    return [f'[ -z "${{{name}+set}}" ] || export APPTAINERENV_{name}="${name}"' for name in map(str, container.env)
-            if ENV_NAME.fullmatch(name)]
+    return [
+        f'[ -z "${{{name}+set}}" ] || export APPTAINERENV_{name}="${name}"'
+        for name in map(str, container.env)
+        if ENV_NAME.fullmatch(name)
+    ]

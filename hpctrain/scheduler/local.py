@@ -26,8 +26,12 @@ def local_parameters(cluster: ClusterConfig, job: JobSpec) -> dict[str, Any]:
     """submitit's local executor parameters. With `cluster.gpu_type` a GPU, the job gets its GPUs: submitit
     sets CUDA_VISIBLE_DEVICES to the GPUs requested, and to nothing when none are, so without `gpus_per_node`
     a GPU workstation would train on its CPUs (the checks warn when GPUs are visible and gpu_type=cpu)."""
-    params: dict[str, Any] = {"tasks_per_node": job.tasks_per_node, "nodes": 1, "timeout_min": cluster.time_min,
-                              "signal_delay_s": cluster.signal_delay_s}
+    params: dict[str, Any] = {
+        "tasks_per_node": job.tasks_per_node,
+        "nodes": 1,
+        "timeout_min": cluster.time_min,
+        "signal_delay_s": cluster.signal_delay_s,
+    }
     if job.gpus_per_node:
         params["gpus_per_node"] = job.gpus_per_node
     return params
@@ -69,5 +73,9 @@ class LocalScheduler(Scheduler):
         return False
 
     def job_context(self) -> dict[str, Any]:
-        return {"job_id": os.environ.get("SUBMITIT_LOCAL_JOB_ID"), "restart_count": 0,
-                "nodelist": socket.gethostname(), "num_nodes": 1}
+        return {
+            "job_id": os.environ.get("SUBMITIT_LOCAL_JOB_ID"),
+            "restart_count": 0,
+            "nodelist": socket.gethostname(),
+            "num_nodes": 1,
+        }

@@ -30,8 +30,19 @@ log = logging.getLogger(__name__)
 TIMEOUT_S = 60  # for every Slurm command: a wedged slurmctld must not hang the caller for ever
 # sacct's fields for `accounting`, in this order; -D keeps every run of a requeued job, -X the allocation only.
 # Suspended: the job's time suspended (`scontrol suspend`), inside Start-End (the goodput ledger's "suspended").
-SACCT_FIELDS = ("JobIDRaw", "State", "Submit", "Eligible", "Start", "End", "NNodes", "NodeList", "ExitCode", "Reason",
-                "Suspended")
+SACCT_FIELDS = (
+    "JobIDRaw",
+    "State",
+    "Submit",
+    "Eligible",
+    "Start",
+    "End",
+    "NNodes",
+    "NodeList",
+    "ExitCode",
+    "Reason",
+    "Suspended",
+)
 
 
 def slurm_parameters(cluster: ClusterConfig, job: JobSpec) -> dict[str, Any]:
@@ -77,8 +88,9 @@ def slurm_parameters(cluster: ClusterConfig, job: JobSpec) -> dict[str, Any]:
 
 def python_command(cluster: ClusterConfig, job: JobSpec) -> str:
     """What srun starts the tasks' interpreter with: the container's, or this process' own (submitit's default)."""
-    return (containers.python_command(cluster.container, job.run_dir, gpus=job.gpus_per_node > 0)
-            or shlex.quote(sys.executable))
+    return containers.python_command(cluster.container, job.run_dir, gpus=job.gpus_per_node > 0) or shlex.quote(
+        sys.executable
+    )
 
 
 def _own_job_id() -> str | None:
@@ -97,8 +109,9 @@ class SlurmScheduler(Scheduler):
     def executor(self, cluster: ClusterConfig, job: JobSpec) -> submitit.Executor:
         import submitit
 
-        executor = submitit.SlurmExecutor(folder=job.folder, max_num_timeout=cluster.max_num_timeout,
-                                          python=python_command(cluster, job))
+        executor = submitit.SlurmExecutor(
+            folder=job.folder, max_num_timeout=cluster.max_num_timeout, python=python_command(cluster, job)
+        )
         executor.update_parameters(**slurm_parameters(cluster, job))
         return executor
 
@@ -114,8 +127,11 @@ class SlurmScheduler(Scheduler):
             out = _run(["sinfo", "-h", "-o", "%P|%N"], check=True).stdout
         except (OSError, subprocess.SubprocessError):
             return []
-        lists = [nodes for name, _, nodes in (line.partition("|") for line in out.splitlines())
-                 if (name.rstrip("*") == partition if partition else name.endswith("*")) and nodes]
+        lists = [
+            nodes
+            for name, _, nodes in (line.partition("|") for line in out.splitlines())
+            if (name.rstrip("*") == partition if partition else name.endswith("*")) and nodes
+        ]
         if not lists:
             return []
         hosts = _run(["scontrol", "show", "hostnames", ",".join(lists)])
@@ -127,9 +143,16 @@ class SlurmScheduler(Scheduler):
         # Not this run's requeue count: sbatch passes the environment on, and Slurm sets SLURM_RESTART_COUNT
         # only once the new job is requeued itself (a stale one would name its records after this run's).
         fresh = {k: v for k, v in os.environ.items() if k != "SLURM_RESTART_COUNT"}
-        out = subprocess.run(["sbatch", "--hold", "--parsable"] + ([f"--exclude={','.join(exclude)}"] if exclude
-                                                                   else []) + [str(script)],
-                             capture_output=True, text=True, timeout=TIMEOUT_S, check=True, env=fresh).stdout.strip()
+        out = subprocess.run(
+            ["sbatch", "--hold", "--parsable"]
+            + ([f"--exclude={','.join(exclude)}"] if exclude else [])
+            + [str(script)],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=True,
+            env=fresh,
+        ).stdout.strip()
         new_id = out.split(";")[0]
         shutil.copy(folder / f"{job_id}_submitted.pkl", folder / f"{new_id}_submitted.pkl")
         shutil.copy(script, folder / f"{new_id}_submission.sh")
@@ -155,8 +178,14 @@ class SlurmScheduler(Scheduler):
             return []
         command = ["sacct", "-X", "-D", "-P", "-n", "-o", ",".join(SACCT_FIELDS), "-j", ",".join(job_ids)]
         try:
-            out = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False,
-                                 env={**os.environ, "SLURM_TIME_FORMAT": "%s"})
+            out = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+                env={**os.environ, "SLURM_TIME_FORMAT": "%s"},
+            )
         except (OSError, subprocess.SubprocessError) as exc:
             log.warning("sacct failed: %s", exc)
             return []
@@ -197,8 +226,12 @@ class SlurmScheduler(Scheduler):
 
     def job_context(self) -> dict[str, Any]:
         env = os.environ
-        return {"job_id": env.get("SLURM_JOB_ID"), "restart_count": int(env.get("SLURM_RESTART_COUNT", 0)),
-                "nodelist": env.get("SLURM_JOB_NODELIST"), "num_nodes": env.get("SLURM_JOB_NUM_NODES")}
+        return {
+            "job_id": env.get("SLURM_JOB_ID"),
+            "restart_count": int(env.get("SLURM_RESTART_COUNT", 0)),
+            "nodelist": env.get("SLURM_JOB_NODELIST"),
+            "num_nodes": env.get("SLURM_JOB_NUM_NODES"),
+        }
 
 
 def parse_sacct(text: str) -> list[Allocation]:
@@ -213,11 +246,21 @@ def parse_sacct(text: str) -> list[Allocation]:
         if len(fields) != len(SACCT_FIELDS):
             continue
         job, state, submit, eligible, start, end, nodes, node_list, exit_code, reason, suspended = fields
-        runs.append(Allocation(job_id=job, state=state.split()[0] if state else "", submit=_epoch(submit),
-                               eligible=_epoch(eligible), start=_epoch(start), end=_epoch(end),
-                               nodes=int(nodes) if nodes.isdigit() else 0,
-                               node_list="" if node_list in ("None assigned", "(null)") else node_list,
-                               exit_code=exit_code, reason=reason, suspended_s=_elapsed(suspended)))
+        runs.append(
+            Allocation(
+                job_id=job,
+                state=state.split()[0] if state else "",
+                submit=_epoch(submit),
+                eligible=_epoch(eligible),
+                start=_epoch(start),
+                end=_epoch(end),
+                nodes=int(nodes) if nodes.isdigit() else 0,
+                node_list="" if node_list in ("None assigned", "(null)") else node_list,
+                exit_code=exit_code,
+                reason=reason,
+                suspended_s=_elapsed(suspended),
+            )
+        )
     return sorted(runs, key=lambda r: (r.start is None, r.start or r.submit or 0))
 
 

@@ -29,11 +29,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 # reduce-scatter staging are "buffers", apart from the model states, as in the planner (states.py, "Columns");
 # "Buffer" is a module's registered buffer (torch's _MemRefType.BUFFER), held like a parameter
 COLUMNS = {
-    "Sharded Param": "params", "Unsharded Param": "params", "Buffer": "params", "Parameter": "params",
-    "Sharded Grad": "grads", "Unsharded Grad": "grads", "Gradient": "grads",
-    "All Gather": "buffers", "Reduce Scatter": "buffers",
-    "OptState": "optimizer", "Optstate": "optimizer",
-    "Activation": "activations", "Temp": "activations", "Inputs": "activations", "Other": "activations",
+    "Sharded Param": "params",
+    "Unsharded Param": "params",
+    "Buffer": "params",
+    "Parameter": "params",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "grads",
+    "Gradient": "grads",
+    "All Gather": "buffers",
+    "Reduce Scatter": "buffers",
+    "OptState": "optimizer",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "activations",
+    "Inputs": "activations",
+    "Other": "activations",
 }
 
 
@@ -83,6 +93,7 @@ class _FSDPStepTracker(_ColumnPeaks, fsdp_tools.FSDPMemTracker):
             if id(fsdp_mod) in self._roots and not self._mod_tracker.is_bw:
                 self.memory_tracking.pop(fsdp_mod, None)
             return inner(*args, **kwargs)
+
         return next_microbatch
 
     def _fsdp_param_group_post_backward(self, fsdp_mod: FSDPModule, orig: Any) -> Any:
@@ -93,10 +104,11 @@ class _FSDPStepTracker(_ColumnPeaks, fsdp_tools.FSDPMemTracker):
             group = fsdp_mod._get_fsdp_state()._fsdp_param_group
             for param in group.fsdp_params if group else ():
                 if param.unsharded_accumulated_grad is not None:
-                    self._update_and_maybe_create_winfos(param.unsharded_accumulated_grad,
-                                                         fsdp_tools._FSDPRefType.UNSHARDED_GRAD,
-                                                         update_existing=True)
+                    self._update_and_maybe_create_winfos(
+                        param.unsharded_accumulated_grad, fsdp_tools._FSDPRefType.UNSHARDED_GRAD, update_existing=True
+                    )
             return out
+
         return name_accumulated
 
     def _instrument_optimizer(self) -> None:
@@ -124,8 +136,9 @@ class _StepTracker(_ColumnPeaks):
         super()._pre_fw_hook(module, inputs)
 
 
-def step_tracker(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], device_type: str = "cpu"
-                 ) -> MemTracker:
+def step_tracker(
+    parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], device_type: str = "cpu"
+) -> MemTracker:
     """The tracker for this rank's model parts: FSDP-aware when FSDP2 wraps them, torch's MemTracker otherwise.
     Its columns count `device_type`'s memory: on fake CUDA the GPU's, not the host's (offloaded states, batches)."""
     tracker: MemTracker

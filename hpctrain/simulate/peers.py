@@ -36,8 +36,11 @@ def pipeline_peers(boundary: tuple[Any, ...] | None) -> Iterator[list[tuple[Any,
     forward (None: this rank holds stage 0 and records them when it sends). Yields the metas this rank sent."""
     sent: list[tuple[Any, ...]] = []
     known = [boundary] if boundary is not None else []
-    saved = (torch_schedules._PipelineSchedule._warmup_p2p, torch_stage.PipelineStage._recv_meta,
-             torch_stage.PipelineStage._send_meta)
+    saved = (
+        torch_schedules._PipelineSchedule._warmup_p2p,
+        torch_stage.PipelineStage._recv_meta,
+        torch_stage.PipelineStage._send_meta,
+    )
 
     def vote(schedule: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
         mode = torch_stage.InferenceMode
@@ -67,5 +70,8 @@ def pipeline_peers(boundary: tuple[Any, ...] | None) -> Iterator[list[tuple[Any,
     try:
         yield sent
     finally:
-        (torch_schedules._PipelineSchedule._warmup_p2p, torch_stage.PipelineStage._recv_meta,
-         torch_stage.PipelineStage._send_meta) = saved
+        (
+            torch_schedules._PipelineSchedule._warmup_p2p,
+            torch_stage.PipelineStage._recv_meta,
+            torch_stage.PipelineStage._send_meta,
+        ) = saved

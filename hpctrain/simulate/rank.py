@@ -38,8 +38,11 @@ from hpctrain.simulate.memory import category_peaks, column_peaks, columns, peak
 from hpctrain.simulate.peers import pipeline_peers
 from hpctrain.simulate.world import counting_group_calls, fake_world, groups_held
 
-UNSEEN = ("kernel speed", "NCCL's own buffers", "the CUDA caching allocator's fragmentation and workspaces "
-          "(cuBLAS, attention)")
+UNSEEN = (
+    "kernel speed",
+    "NCCL's own buffers",
+    "the CUDA caching allocator's fragmentation and workspaces (cuBLAS, attention)",
+)
 UNSEEN_ON_CPU = ("which attention kernel a GPU runs (CPU SDPA is not flash attention)",)
 FAKE_CUDA = "cuda (fake)"
 
@@ -100,8 +103,7 @@ class SimulatedEngine(Engine):
         return metas
 
 
-def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None, device: str = "cpu"
-             ) -> Simulation:
+def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None, device: str = "cpu") -> Simulation:
     """Rank `rank` of `layout`'s job (cfg: the run's config), built and stepped once on fake tensors, in a process
     of its own: a fake world leaves state in torch that the caller must not inherit (DTensor's sharding cache keeps
     the fake world's meshes, whose groups are gone with it). The child rebuilds the config from a plain dict, as a
@@ -118,8 +120,10 @@ def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = Non
 
         why_cpu = not_on_fake_cuda(config, layout) or fake_cuda.unavailable_reason() or ""
         if why_cpu and device == "cuda":
-            raise SimulationError(f"plan.simulate_device=cuda: fake CUDA cannot run this here: {why_cpu}\n"
-                                  "    fix: plan.simulate_device=auto (on the CPU where fake CUDA cannot run, saying why)")
+            raise SimulationError(
+                f"plan.simulate_device=cuda: fake CUDA cannot run this here: {why_cpu}\n"
+                "    fix: plan.simulate_device=auto (on the CPU where fake CUDA cannot run, saying why)"
+            )
     if device != "cpu" and not why_cpu:
         return _on_fake_cuda(config, layout, rank, microbatches)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -134,10 +138,15 @@ def not_on_fake_cuda(config: dict[str, Any], layout: Layout) -> str | None:
     dry_run=simulate)."""
     from hpctrain.parallel.data_parallel import uses_fsdp
 
-    if layout.world_size > 1 and layout.dp * layout.cp > 1 and not uses_fsdp(layout.zero_stage, layout.tp, layout.pp,
-                                                                               layout.ep):
-        return ("torch's DDP (zero.stage=0 without TP or PP): its C++ Reducer reads tensors' bytes (the shape check "
-                "across ranks, the bucket rebuild), which fake tensors do not have")
+    if (
+        layout.world_size > 1
+        and layout.dp * layout.cp > 1
+        and not uses_fsdp(layout.zero_stage, layout.tp, layout.pp, layout.ep)
+    ):
+        return (
+            "torch's DDP (zero.stage=0 without TP or PP): its C++ Reducer reads tensors' bytes (the shape check "
+            "across ranks, the bucket rebuild), which fake tensors do not have"
+        )
     if config.get("parallel", {}).get("compile"):
         return "parallel.compile: Inductor's CUDA kernels are Triton code, which needs a GPU"
     return None
@@ -152,8 +161,9 @@ def _on_fake_cuda(config: dict[str, Any], layout: Layout, rank: int, microbatche
         request.write_bytes(pickle.dumps((config, layout, rank, microbatches)))
         done = fake_cuda.run_module("hpctrain.simulate.fake_cuda.child", ["simulate", str(request), str(answer)])
         if done.returncode != 0 or not answer.is_file():
-            raise SimulationError(f"the simulation on fake CUDA failed (exit {done.returncode}):\n"
-                                  f"{done.stderr[-4000:]}")
+            raise SimulationError(
+                f"the simulation on fake CUDA failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+            )
         outcome = pickle.loads(answer.read_bytes())
     if isinstance(outcome, str):
         raise SimulationError(outcome)
@@ -174,8 +184,14 @@ class SimulationError(RuntimeError):
     """A simulation that failed in its process, with that process's traceback as text."""
 
 
-def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None, device: str = "cpu",
-                  step_modes: Callable[[], Sequence[Any]] = tuple) -> Simulation:
+def simulate_here(
+    cfg: Any,
+    layout: Layout,
+    rank: int,
+    microbatches: int | None = None,
+    device: str = "cpu",
+    step_modes: Callable[[], Sequence[Any]] = tuple,
+) -> Simulation:
     """`simulate` in this process (which must not have torch.distributed initialised; it is left polluted).
     `device` "cuda" needs fake CUDA loaded and installed (hpctrain.simulate.fake_cuda.child does both);
     `step_modes()`: more dispatch modes for the step alone, entered inside the fake mode (fake_cuda.rules)."""
@@ -219,15 +235,28 @@ def simulate_here(cfg: Any, layout: Layout, rank: int, microbatches: int | None 
                 engine.step(batches, float(cfg.optim.lr))
         categories = peak_by_category(tracker)
         return Simulation(
-            rank=rank, world_size=layout.world_size, pp_rank=dims.pp_rank, dp_rank=dims.dp_rank,
-            tp_rank=dims.tp_rank, cp_rank=dims.cp_rank if dims.cp > 1 else None, stages=tuple(engine.stage_ids),
+            rank=rank,
+            world_size=layout.world_size,
+            pp_rank=dims.pp_rank,
+            dp_rank=dims.dp_rank,
+            tp_rank=dims.tp_rank,
+            cp_rank=dims.cp_rank if dims.cp > 1 else None,
+            stages=tuple(engine.stage_ids),
             categories=categories,
-            category_peaks=category_peaks(tracker), column_peaks=column_peaks(tracker),
-            peak=sum(categories.values()), microbatches=microbatches, step_microbatches=step_microbatches,
-            groups_held=groups_held(), group_calls=len(calls), collectives=counter.summary(),
-            world_collectives=counter.on_world(), seconds=time.perf_counter() - started,
-            unseen=UNSEEN if cuda else UNSEEN + UNSEEN_ON_CPU, device=FAKE_CUDA if cuda else "cpu",
-            attention=dict(kernels.kernels) if kernels else {})
+            category_peaks=category_peaks(tracker),
+            column_peaks=column_peaks(tracker),
+            peak=sum(categories.values()),
+            microbatches=microbatches,
+            step_microbatches=step_microbatches,
+            groups_held=groups_held(),
+            group_calls=len(calls),
+            collectives=counter.summary(),
+            world_collectives=counter.on_world(),
+            seconds=time.perf_counter() - started,
+            unseen=UNSEEN if cuda else UNSEEN + UNSEEN_ON_CPU,
+            device=FAKE_CUDA if cuda else "cpu",
+            attention=dict(kernels.kernels) if kernels else {},
+        )
 
 
 @contextlib.contextmanager
@@ -270,5 +299,3 @@ def _make_optimizer_state(engine: Engine) -> None:
 def most_loaded_rank(layout: Layout, stage: int) -> int:
     """The first rank (DP 0, TP 0) of pipeline rank `stage`: the mesh puts PP outermost."""
     return stage * (layout.world_size // layout.pp)
-
-

@@ -22,8 +22,13 @@ from hpctrain.plan.types import GiB
 from hpctrain.simulate.rank import Simulation, most_loaded_rank, simulate
 
 STATES_TOLERANCE = 0.10  # |planner - torch| / torch on parameters + gradients + optimizer state
-COLUMNS = (("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"),
-           ("buffers", "buffers"), ("activations", "activations"))
+COLUMNS = (
+    ("parameters", "params"),
+    ("gradients", "grads"),
+    ("optimizer state", "optimizer"),
+    ("buffers", "buffers"),
+    ("activations", "activations"),
+)
 STATES = ("params", "grads", "optimizer")
 
 
@@ -48,8 +53,13 @@ def comparison(sim: Simulation, est: Estimates) -> dict[str, Any]:
     return {
         "columns": {key: {"planner": planner[key], "torch": torch_[key]} for _, key in COLUMNS},
         "total": {"planner": sum(planner.values()), "torch": sim.peak},
-        "model_states": {"planner": states_planner, "torch": states_torch, "drift": drift,
-                         "tolerance": STATES_TOLERANCE, "within": abs(drift) <= STATES_TOLERANCE},
+        "model_states": {
+            "planner": states_planner,
+            "torch": states_torch,
+            "drift": drift,
+            "tolerance": STATES_TOLERANCE,
+            "within": abs(drift) <= STATES_TOLERANCE,
+        },
     }
 
 
@@ -61,30 +71,45 @@ def simulation_lines(data: dict[str, Any]) -> list[str]:
     """The plan's text section: the table, torch's own categories, groups and collectives, what is not seen."""
     g = GiB
     stages = ",".join(map(str, data["stages"]))
-    sliced = "" if data["microbatches"] == data["step_microbatches"] else \
-        f" (micro-batches 1 and 2 of {data['step_microbatches']}: the later ones repeat the second's allocations)"
-    lines = [f"simulation: rank {data['rank']} of {data['world_size']} (pipeline rank {data['pp_rank']}, stage(s) "
-             f"{stages}; DP {data['dp_rank']}, TP {data['tp_rank']}"
-             + (f", CP {data['cp_rank']}" if data.get("cp_rank") is not None else "")
-             + f"), one training step on fake tensors {_where(data)}, "
-             f"{data['seconds']:.1f} s{sliced}",
-             f"  {'':<18} {'planner':>10} {'torch':>10}  torch vs planner (a column: its most in the step; "
-             "total: torch's peak, one moment)"]
+    sliced = (
+        ""
+        if data["microbatches"] == data["step_microbatches"]
+        else f" (micro-batches 1 and 2 of {data['step_microbatches']}: the later ones repeat the second's allocations)"
+    )
+    lines = [
+        f"simulation: rank {data['rank']} of {data['world_size']} (pipeline rank {data['pp_rank']}, stage(s) "
+        f"{stages}; DP {data['dp_rank']}, TP {data['tp_rank']}"
+        + (f", CP {data['cp_rank']}" if data.get("cp_rank") is not None else "")
+        + f"), one training step on fake tensors {_where(data)}, "
+        f"{data['seconds']:.1f} s{sliced}",
+        f"  {'':<18} {'planner':>10} {'torch':>10}  torch vs planner (a column: its most in the step; "
+        "total: torch's peak, one moment)",
+    ]
     rows = [(name, data["columns"][key]) for name, key in COLUMNS] + [("total", data["total"])]
     for name, row in rows:
-        lines.append(f"  {name:<18} {row['planner'] / g:6.2f} GiB {row['torch'] / g:6.2f} GiB  "
-                     f"{_relative(row['torch'], row['planner'])}")
+        lines.append(
+            f"  {name:<18} {row['planner'] / g:6.2f} GiB {row['torch'] / g:6.2f} GiB  "
+            f"{_relative(row['torch'], row['planner'])}"
+        )
     states = data["model_states"]
     verdict = "within" if states["within"] else "OUTSIDE"
-    lines.append(f"  model states (parameters + gradients + optimizer): planner {states['planner'] / g:.2f} GiB, "
-                 f"torch {states['torch'] / g:.2f} GiB: {states['drift']:+.1%}, {verdict} the "
-                 f"{states['tolerance']:.0%} tolerance")
-    lines.append("  torch's peak by its own categories: " + ", ".join(
-        f"{name} {b / g:.2f} GiB" for name, b in sorted(data["categories"].items(), key=lambda kv: -kv[1])))
-    lines.append(f"  process groups: {data['groups_held']} held by this rank; {data['group_calls']} made by the "
-                 "engine beyond the mesh")
-    lines.append(f"  collectives in the step: {data['world_collectives']} over all {data['world_size']} ranks; "
-                 + ", ".join(f"{name} x{n}" for name, n in data["collectives"].items()))
+    lines.append(
+        f"  model states (parameters + gradients + optimizer): planner {states['planner'] / g:.2f} GiB, "
+        f"torch {states['torch'] / g:.2f} GiB: {states['drift']:+.1%}, {verdict} the "
+        f"{states['tolerance']:.0%} tolerance"
+    )
+    lines.append(
+        "  torch's peak by its own categories: "
+        + ", ".join(f"{name} {b / g:.2f} GiB" for name, b in sorted(data["categories"].items(), key=lambda kv: -kv[1]))
+    )
+    lines.append(
+        f"  process groups: {data['groups_held']} held by this rank; {data['group_calls']} made by the "
+        "engine beyond the mesh"
+    )
+    lines.append(
+        f"  collectives in the step: {data['world_collectives']} over all {data['world_size']} ranks; "
+        + ", ".join(f"{name} x{n}" for name, n in data["collectives"].items())
+    )
     lines.append("  not seen on fake tensors: " + "; ".join(data["unseen"]))
     return lines
 

@@ -54,6 +54,7 @@ def counting_group_calls() -> Iterator[list[str]]:
         def call(*args, **kwargs):
             calls.append(name)
             return originals[name](*args, **kwargs)
+
         return call
 
     for name in originals:

@@ -29,13 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", help="a run directory, or a run id under --root")
     parser.add_argument("--root", default="outputs", help="where run ids are looked for (run.root; default outputs)")
     parser.add_argument("--json", action="store_true", help="the whole ledger as JSON")
-    parser.add_argument("--watch", nargs="?", const=10.0, type=float, metavar="SECONDS",
-                        help="refresh every SECONDS (default 10) until the run ends; Ctrl-C leaves")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        const=10.0,
+        type=float,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 10) until the run ends; Ctrl-C leaves",
+    )
     args = parser.parse_args(argv)
     run_dir = find_run(Path(args.root).expanduser().resolve(), args.run)
     if run_dir is None:
-        print(f"no run {args.run!r}: give a run directory, or an id under --root ({args.root}/*/{args.run})",
-              file=sys.stderr)
+        print(
+            f"no run {args.run!r}: give a run directory, or an id under --root ({args.root}/*/{args.run})",
+            file=sys.stderr,
+        )
         return 2
     records = RunRecords(run_dir)
     settings = records.settings()
@@ -45,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 ledger = records.measure(settings)
             except Exception as exc:  # noqa: BLE001  (records each sound, still contradicting each other)
-                print(f"hpctrain.status: the records of {run_dir} do not make a ledger ({type(exc).__name__}: "
-                      f"{exc})" + "".join(f"\n  {line}" for line in records.notes.lines()), file=sys.stderr)
+                print(
+                    f"hpctrain.status: the records of {run_dir} do not make a ledger ({type(exc).__name__}: "
+                    f"{exc})" + "".join(f"\n  {line}" for line in records.notes.lines()),
+                    file=sys.stderr,
+                )
                 return 1
             ledger.checkpoints = newest_checkpoints(run_dir, ledger.checkpoints)
             ended = _ended(records, ledger)
@@ -78,8 +89,9 @@ def _ended(records: RunRecords, ledger: Ledger) -> str | None:
         trained = [j for j in ledger.jobs if j.steps and j.steps[1] >= step]
         job = trained[-1].job_id if trained else completed["job_id"]  # the last to train that step
         later = [j.job_id for j in ledger.jobs if not j.counted]
-        return (f"the run is complete: job {job} trained it to step {step}"
-                + (f" ({', '.join(later)} resumed it after its end: nothing was left to train)" if later else ""))
+        return f"the run is complete: job {job} trained it to step {step}" + (
+            f" ({', '.join(later)} resumed it after its end: nothing was left to train)" if later else ""
+        )
     report = records.report()
     return f"the run stopped: {report['why']}" if report else None
 
@@ -119,7 +131,7 @@ def _newest_in(directory: Path) -> dict[str, Any] | None:
     except OSError:
         return None
     for sub in entries:
-        digits = sub.name[len(PREFIX):]
+        digits = sub.name[len(PREFIX) :]
         if not (sub.name.startswith(PREFIX) and digits.isdigit()) or (best and int(digits) <= best["step"]):
             continue
         try:

@@ -57,8 +57,9 @@ class Notes:
                 said.append(f"{_size(size)}: only its last {_size(size - left)} read")
             if self.skipped.get(name):
                 n = self.skipped[name]
-                said.append(f"{n} unreadable line{'s' if n > 1 else ''} skipped (not a JSON record of this file, "
-                            "or not UTF-8)")
+                said.append(
+                    f"{n} unreadable line{'s' if n > 1 else ''} skipped (not a JSON record of this file, or not UTF-8)"
+                )
             if name in self.incomplete:
                 said.append("its last line is incomplete (being written, or cut off): not read")
             out.append(f"{name}: " + "; ".join(said))
@@ -147,11 +148,15 @@ def json_file(path: Path, notes: Notes, accept: Callable[[Any], Any]) -> Any:
 
 def _rel(path: Path) -> str:
     """A record's name as the notes say it: the file name, with its attempt's folder for a failure record."""
-    return f"{path.parent.parent.name}/{path.parent.name}/{path.name}" if path.parent.parent.name == "failures" \
+    return (
+        f"{path.parent.parent.name}/{path.parent.name}/{path.name}"
+        if path.parent.parent.name == "failures"
         else path.name
+    )
 
 
 # What a record must hold for the ledger to read it (the fields hpctrain.goodput.ledger reads, with their types).
+
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -166,8 +171,13 @@ def event(e: Any) -> dict[str, Any] | None:
         return None
     kind = e["event"]
     if kind == "attempt" and all(m in e for m in ATTEMPT_MARKS):
-        ok = (all(_number(e[m]) for m in ATTEMPT_MARKS) and e.get("job_id") is not None
-              and _integer(e.get("restart")) and _integer(e.get("from_step")) and _integer(e.get("requeue", 0)))
+        ok = (
+            all(_number(e[m]) for m in ATTEMPT_MARKS)
+            and e.get("job_id") is not None
+            and _integer(e.get("restart"))
+            and _integer(e.get("from_step"))
+            and _integer(e.get("requeue", 0))
+        )
         return e if ok else None
     if kind in ("stop", "attempt_end") and not _number(e.get("save_s", 0.0)):
         return None
@@ -197,9 +207,14 @@ def resubmission(r: Any) -> dict[str, Any] | None:
 
 
 def failure(r: Any) -> dict[str, Any] | None:
-    ok = (isinstance(r, dict) and _integer(r.get("rank")) and _number(r.get("time")) and "step" in r
-          and all(isinstance(r.get(k), str) for k in ("type", "message", "host"))
-          and (r.get("blame") is None or isinstance(r.get("blame"), list)))
+    ok = (
+        isinstance(r, dict)
+        and _integer(r.get("rank"))
+        and _number(r.get("time"))
+        and "step" in r
+        and all(isinstance(r.get(k), str) for k in ("type", "message", "host"))
+        and (r.get("blame") is None or isinstance(r.get("blame"), list))
+    )
     return r if ok else None
 
 

@@ -64,21 +64,29 @@ def _progress(ledger: Ledger) -> list[str]:
     if ledger.rate_steps_per_s:
         line += f"; {ledger.rate_steps_per_s:.3g} steps/s now"
     if done < total:
-        line += (f"; ETA {duration(ledger.eta_s)} at this rate, {duration(ledger.eta_at_pace_s)} at the run's pace "
-                 "so far (its interruptions included)")
+        line += (
+            f"; ETA {duration(ledger.eta_s)} at this rate, {duration(ledger.eta_at_pace_s)} at the run's pace "
+            "so far (its interruptions included)"
+        )
     out = [line]
     if ledger.checkpoints:  # the newest first
-        out.append("newest checkpoints: " + ", ".join(
-            f"{tier} step {c['step']:.0f} ({duration(ledger.now - c['time'])} ago)"
-            for tier, c in sorted(ledger.checkpoints.items(), key=lambda tc: (-tc[1]["step"], tc[0]))))
+        out.append(
+            "newest checkpoints: "
+            + ", ".join(
+                f"{tier} step {c['step']:.0f} ({duration(ledger.now - c['time'])} ago)"
+                for tier, c in sorted(ledger.checkpoints.items(), key=lambda tc: (-tc[1]["step"], tc[0]))
+            )
+        )
     else:
         out.append("newest checkpoints: none committed yet")
     return out
 
 
 def _jobs(ledger: Ledger) -> list[str]:
-    header = (f"  {'job':<12}{'nodes':>6}  {'node list':<14}{'submitted':>15}{'queued':>10}{'start':>15}{'end':>15}"
-              f"{'wall':>10}{'steps':>13}{'goodput':>9}  ended")
+    header = (
+        f"  {'job':<12}{'nodes':>6}  {'node list':<14}{'submitted':>15}{'queued':>10}{'start':>15}{'end':>15}"
+        f"{'wall':>10}{'steps':>13}{'goodput':>9}  ended"
+    )
     out = [header]
     for j in ledger.jobs:
         name = j.job_id + (f" ({j.run})" if j.run else "")
@@ -86,9 +94,11 @@ def _jobs(ledger: Ledger) -> list[str]:
         goodput = "-" if j.goodput is None or not j.counted else f"{j.goodput:.1%}"
         queued = "-" if j.queue_s is None or not ledger.accounting else duration(j.queue_s)
         nodes = ">".join(str(n) for _, _, n in j.pieces) if len(j.pieces) > 1 else str(j.nodes)  # shrank
-        out.append(f"  {name:<12}{nodes:>6}  {j.node_list or '-':<14}{clock(j.submit, ledger.now):>15}{queued:>10}"
-                   f"{clock(j.start, ledger.now):>15}{clock(j.end, ledger.now):>15}{duration(j.wall_s):>10}"
-                   f"{steps:>13}{goodput:>9}  {j.ended}")
+        out.append(
+            f"  {name:<12}{nodes:>6}  {j.node_list or '-':<14}{clock(j.submit, ledger.now):>15}{queued:>10}"
+            f"{clock(j.start, ledger.now):>15}{clock(j.end, ledger.now):>15}{duration(j.wall_s):>10}"
+            f"{steps:>13}{goodput:>9}  {j.ended}"
+        )
     if not ledger.jobs:
         out.append("  (no job has started yet)")
     return out
@@ -103,19 +113,27 @@ def _parts(ledger: Ledger, per: float) -> list[str]:
             share = value / total if total else 0.0
             out.append(f"  {name.replace('_', ' '):<15}{value / per:>10.2f}{share:>8.1%}  {PART_NOTES[name]}")
     counted = [j for j in ledger.jobs if j.counted]
-    out.append(f"  {'allocated':<15}{total / per:>10.2f}{1 if total else 0:>8.1%}  "
-               f"{len(counted)} job run(s), {duration(ledger.wall_s)} of wall time")
+    out.append(
+        f"  {'allocated':<15}{total / per:>10.2f}{1 if total else 0:>8.1%}  "
+        f"{len(counted)} job run(s), {duration(ledger.wall_s)} of wall time"
+    )
     if len(counted) < len(ledger.jobs):
-        out.append(f"  {'after the end':<15}{ledger.after_end_node_s / per:>10.2f}{'':>8}  "
-                   f"{len(ledger.jobs) - len(counted)} job run(s) that resumed the complete run: not counted")
+        out.append(
+            f"  {'after the end':<15}{ledger.after_end_node_s / per:>10.2f}{'':>8}  "
+            f"{len(ledger.jobs) - len(counted)} job run(s) that resumed the complete run: not counted"
+        )
     if abs(ledger.unattributed_node_s) > 0.001 * max(total, 1.0):
-        out.append(f"  {'unattributed':<15}{ledger.unattributed_node_s / per:>10.2f}"
-                   f"{ledger.unattributed_node_s / total:>8.1%}  (the parts do not tile the allocations)")
+        out.append(
+            f"  {'unattributed':<15}{ledger.unattributed_node_s / per:>10.2f}"
+            f"{ledger.unattributed_node_s / total:>8.1%}  (the parts do not tile the allocations)"
+        )
     if ledger.queue_s is None:
         out.append("  queue wait     unknown (no batch-system accounting: a local run)")
     else:
-        out.append(f"  queue wait     {duration(ledger.queue_s)} between jobs, {duration(ledger.first_queue_s)} "
-                   "before the first (not allocated)")
+        out.append(
+            f"  queue wait     {duration(ledger.queue_s)} between jobs, {duration(ledger.first_queue_s)} "
+            "before the first (not allocated)"
+        )
     goodput = "-" if ledger.goodput is None else f"{ledger.goodput:.1%}"
     out.append(f"  goodput        {goodput} (productive / allocated)")
     if ledger.goodput_with_queue is not None and ledger.queue_s:
@@ -124,16 +142,29 @@ def _parts(ledger: Ledger, per: float) -> list[str]:
 
 
 def _incidents(ledger: Ledger) -> list[str]:
-    names = ["detection", "stop save", "teardown", "teardown, rendezvous, spawn", "queue", "restart", "load",
-             "first step"]
+    names = [
+        "detection",
+        "stop save",
+        "teardown",
+        "teardown, rendezvous, spawn",
+        "queue",
+        "restart",
+        "load",
+        "first step",
+    ]
     shown = [n for n in names if any(i.parts.get(n) is not None for i in ledger.incidents)]
-    out = [f"  {'#':<3}{'attempt':<10}{'kind':<27}{'step':>6}{'lost':>6}"
-           + "".join(f"{n:>{max(len(n), 6) + 2}}" for n in shown) + f"{'total':>9}  cause"]
+    out = [
+        f"  {'#':<3}{'attempt':<10}{'kind':<27}{'step':>6}{'lost':>6}"
+        + "".join(f"{n:>{max(len(n), 6) + 2}}" for n in shown)
+        + f"{'total':>9}  cause"
+    ]
     for n, i in enumerate(ledger.incidents, 1):
         attempt = i.attempt
         cells = "".join(f"{_seconds(i.parts.get(p)):>{max(len(p), 6) + 2}}" for p in shown)
-        out.append(f"  {n:<3}{attempt:<10}{i.kind:<27}{i.last_step:>6}{i.lost_steps:>6}{cells}"
-                   f"{_seconds(i.total_s):>9}  {i.cause}")
+        out.append(
+            f"  {n:<3}{attempt:<10}{i.kind:<27}{i.last_step:>6}{i.lost_steps:>6}{cells}"
+            f"{_seconds(i.total_s):>9}  {i.cause}"
+        )
         if i.next_job:
             resumed = f"step {i.resumed_from}" + (f" from the {i.tier} tier" if i.tier else "")
             load = ", ".join(f"{k} {v:.2f}" for k, v in i.load.items() if v >= 0.005)

@@ -80,8 +80,9 @@ class Tracker:
             self._publish(self._measured(run_dir))
             return
         future: Future[Any] = Future()
-        threading.Thread(target=lambda: future.set_result(self._measured(run_dir)), name="hpctrain-ledger",
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: future.set_result(self._measured(run_dir)), name="hpctrain-ledger", daemon=True
+        ).start()
         self._pending = future
 
     def poll(self) -> None:

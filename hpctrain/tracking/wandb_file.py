@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 HEADER = 7
 BLOCK = 32768
@@ -31,7 +32,7 @@ def records(path: Path) -> Iterator[Any]:
             pos += left_in_block
             continue
         length, kind = struct.unpack_from("<HB", data, pos + 4)
-        chunk = data[pos + 7: pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:  # zero fill of a preallocated block
             pos += BLOCK - pos % BLOCK if pos % BLOCK else 0
@@ -55,9 +56,11 @@ def run_info(path: Path) -> dict[str, Any]:
             info["run_id"], info["group"] = record.run.run_id, record.run.run_group
             info["tags"] = list(record.run.tags)
         elif kind == "history":
-            info["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                    for item in record.history.item})
+            info["history"].append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
         elif kind == "summary":
-            info["summary"].update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                    for item in record.summary.update})
+            info["summary"].update(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update}
+            )
     return info

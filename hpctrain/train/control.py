@@ -40,8 +40,9 @@ class Agreed:
 
 
 class StepControl:
-    def __init__(self, stop: StopFlag, ckpt: CheckpointManager, monitor: RunMonitor,
-                 lease: LeaseWatch | None = None) -> None:
+    def __init__(
+        self, stop: StopFlag, ckpt: CheckpointManager, monitor: RunMonitor, lease: LeaseWatch | None = None
+    ) -> None:
         self.stop, self.ckpt, self.monitor = stop, ckpt, monitor
         self.lease = lease  # rank 0's watch of the lease taken at start; None on the other ranks
         self._sizes: tuple[int, int] = (0, 0)
@@ -56,5 +57,9 @@ class StepControl:
 
     def decode(self, summed: list[float]) -> Agreed:
         n_ckpt, n_probes = self._sizes
-        return Agreed(signum=StopFlag.agreed(summed[:2]), stale=summed[2] > 0, checkpoint=summed[3:3 + n_ckpt],
-                      probes=summed[3 + n_ckpt:3 + n_ckpt + n_probes] or None)
+        return Agreed(
+            signum=StopFlag.agreed(summed[:2]),
+            stale=summed[2] > 0,
+            checkpoint=summed[3 : 3 + n_ckpt],
+            probes=summed[3 + n_ckpt : 3 + n_ckpt + n_probes] or None,
+        )

@@ -39,7 +39,7 @@ class Fault:
     seconds: float = 0.0  # `stall` only
 
     @classmethod
-    def from_env(cls) -> "Fault | None":
+    def from_env(cls) -> Fault | None:
         spec = os.environ.get(VARIABLE)
         if not spec:
             return None

@@ -33,8 +33,8 @@ from hpctrain.distributed.environment import (
     task_device,
 )
 from hpctrain.distributed.task_env import task_environment
-from hpctrain.health.monitor import RunMonitor
 from hpctrain.health.gpu_free import wait_for_free_gpu
+from hpctrain.health.monitor import RunMonitor
 from hpctrain.health.preflight import UnhealthyNodes, run_preflight
 from hpctrain.health.watchdog import Watchdog
 from hpctrain.parallel.compile import CompileClock
@@ -57,6 +57,7 @@ from hpctrain.records.lease import LeaseWatch, StaleAttempt, current_lease, hold
 from hpctrain.tracking.tracker import Tracker
 from hpctrain.train.control import StepControl
 from hpctrain.train.faults import Fault
+from hpctrain.train.lr_schedule import lr_at
 from hpctrain.train.preemption import (
     REASONS,
     StopFlag,
@@ -65,17 +66,18 @@ from hpctrain.train.preemption import (
     wait_to_be_ended,
 )
 from hpctrain.train.progress import StepReporter
-from hpctrain.train.lr_schedule import lr_at
 
 log = logging.getLogger("hpctrain")
+
 
 def load_config(config: dict[str, Any]) -> Any:
     """Rebuild the typed config on the task from the plain dict the launcher pickled."""
     return OmegaConf.merge(OmegaConf.structured(Config), config)
 
 
-def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None,
-          process_started: float | None = None) -> dict[str, Any]:
+def train(
+    config: dict[str, Any], run_dir: str, layout: Layout | None = None, process_started: float | None = None
+) -> dict[str, Any]:
     """One task's whole run. `layout` is the one the login node resolved and checked (tools and tests that
     call this directly may leave it to be resolved here from the same config). `process_started`: when the
     process began (an elastic worker's), the first mark of the attempt's start-up timeline."""
@@ -89,16 +91,36 @@ def train(config: dict[str, Any], run_dir: str, layout: Layout | None = None,
     _expect_a_gpu(str(cfg.cluster.gpu_type), device)
     if device.type == "cuda":  # NCCL reads these when its communicators start: set them before
         os.environ.update(node_nccl_environment(cfg, env.local_rank))
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,  # a forked worker: the agent's too
-                        format=f"[rank{env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stdout,
+        force=True,  # a forked worker: the agent's too
+        format=f"[rank{env.rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("submitit").propagate = False  # submitit prints its own lines already
-    log.info("task rank %d/%d local %d on %s (job %s, restart %d), rendezvous %s:%d", env.rank, env.world_size,
-             env.local_rank, env.hostname, env.job_id, env.restart, env.master_addr, env.master_port)
+    log.info(
+        "task rank %d/%d local %d on %s (job %s, restart %d), rendezvous %s:%d",
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        env.hostname,
+        env.job_id,
+        env.restart,
+        env.master_addr,
+        env.master_port,
+    )
     if env.world_size != layout.world_size:  # the agents went on without lost nodes (elastic.min_nodes)
         smaller = layout_on_nodes(cfg, env.num_nodes)
-        log.warning("running on %d of %d nodes: DP %d -> %d, gradient accumulation %d -> %d (global batch %d)",
-                    env.num_nodes, layout.nodes, layout.dp, smaller.dp, layout.grad_accum, smaller.grad_accum,
-                    smaller.global_batch)
+        log.warning(
+            "running on %d of %d nodes: DP %d -> %d, gradient accumulation %d -> %d (global batch %d)",
+            env.num_nodes,
+            layout.nodes,
+            layout.dp,
+            smaller.dp,
+            layout.grad_accum,
+            smaller.grad_accum,
+            smaller.global_batch,
+        )
         layout = smaller
     try:  # before the first allocation on the GPU (the process group's communicator is one)
         wait_for_free_gpu(device, env.hostname)
@@ -141,7 +163,8 @@ def _expect_a_gpu(gpu_type: str, device: torch.device) -> None:
         f"cluster.gpu_type={gpu_type} but this task sees no GPU (CUDA_VISIBLE_DEVICES="
         f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}, torch {torch.__version__} built "
         f"{'with CUDA ' + str(torch.version.cuda) if torch.version.cuda else 'without CUDA'}): check the node's driver "
-        "(nvidia-smi) and the job's GPU request, or set cluster.gpu_type=cpu to train on CPUs")
+        "(nvidia-smi) and the job's GPU request, or set cluster.gpu_type=cpu to train on CPUs"
+    )
 
 
 def agree_on_restart(env: DistEnv) -> DistEnv:
@@ -160,24 +183,35 @@ def repeated_failure(run_dir: Path, env: Any) -> dict[str, Any] | None:
     ended with the same error at the same step (a deterministic failure); None when this restart may run."""
     if env.restart < 2:
         return None
-    sigs = [diagnose(read_failures(run_dir, key), read_hosts(run_dir, key))[1]
-            for key in (attempt_key(env.job_id, env.restart - 2, env.requeue),
-                        attempt_key(env.job_id, env.restart - 1, env.requeue))]
+    sigs = [
+        diagnose(read_failures(run_dir, key), read_hosts(run_dir, key))[1]
+        for key in (
+            attempt_key(env.job_id, env.restart - 2, env.requeue),
+            attempt_key(env.job_id, env.restart - 1, env.requeue),
+        )
+    ]
     if not same_failure(*sigs):
         return None
     sig = sigs[1]
-    return {"job_id": env.job_id, "action": "stop", "time": time.time(), "signature": sig, "restarts": env.restart - 1,
-            "why": f"deterministic failure: the same error at step {sig['step']} on two attempts in a row "
-                   f"({sig['type']}: {sig['message']}); restarting would loop. Fix the cause, then resume "
-                   "with run.resume"}
+    return {
+        "job_id": env.job_id,
+        "action": "stop",
+        "time": time.time(),
+        "signature": sig,
+        "restarts": env.restart - 1,
+        "why": f"deterministic failure: the same error at step {sig['step']} on two attempts in a row "
+        f"({sig['type']}: {sig['message']}); restarting would loop. Fix the cause, then resume "
+        "with run.resume",
+    }
 
 
 class Preempted(Exception):
     """Training stopped at a step boundary on a signal, after a checkpoint; the job was requeued if possible."""
 
 
-def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[str, float] | None = None
-           ) -> dict[str, Any]:
+def _train(
+    cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[str, float] | None = None
+) -> dict[str, Any]:
     device = task_device(env.local_rank)
     configure_device_math(bool(cfg.precision.tf32), device)
     taken = take_lease(run_dir, env.job_id) if env.is_main else None  # this attempt now holds the run
@@ -186,9 +220,15 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
     timeline = {**(timeline or {}), "leased": time.time()}
     # Started before the pre-flight (whose collectives can hang too), with a limit below the collective
     # timeout: it must fire before NCCL's own watchdog, to leave stacks, the flight recorder and a record.
-    watchdog = Watchdog(run_dir, env.attempt, env.rank, cfg.health.hang_timeout_s, cfg.health.hang_factor,
-                        cfg.health.startup_timeout_s,
-                        ceiling_s=cfg.launcher.collective_timeout_s - TIMEOUT_MARGIN_S).start()
+    watchdog = Watchdog(
+        run_dir,
+        env.attempt,
+        env.rank,
+        cfg.health.hang_timeout_s,
+        cfg.health.hang_factor,
+        cfg.health.startup_timeout_s,
+        ceiling_s=cfg.launcher.collective_timeout_s - TIMEOUT_MARGIN_S,
+    ).start()
     run_preflight(cfg, env.rank, env.local_rank, env.attempt, run_dir, device)
     stop, tracker, stats, done = StopFlag(on_signal=lambda _: watchdog.stop_signalled()), None, None, 0
     reader: BatchReader | None = None
@@ -202,10 +242,21 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
         t = cfg.train
         data = open_datasets(cfg.data, t.seq_len, t.seed)
         if env.is_main:
-            log.info("data: train %s; validation %s", data.train.describe(),
-                     data.valid.describe() if data.valid is not None else "none")
-        reader = BatchReader(data.train, layout.global_batch, layout.micro_batch, engine.dp_size, engine.dp_rank,
-                             pin=device.type == "cuda", ahead=cfg.data.prefetch, vocab_size=cfg.data.vocab_size)
+            log.info(
+                "data: train %s; validation %s",
+                data.train.describe(),
+                data.valid.describe() if data.valid is not None else "none",
+            )
+        reader = BatchReader(
+            data.train,
+            layout.global_batch,
+            layout.micro_batch,
+            engine.dp_size,
+            engine.dp_rank,
+            pin=device.type == "cuda",
+            ahead=cfg.data.prefetch,
+            vocab_size=cfg.data.vocab_size,
+        )
         validation = Validation(cfg, layout, engine, data.valid) if t.eval_every else None
         if env.is_main:
             time.sleep(max(0.0, settle_time(taken, timeline["leased"], cfg.run.lease_check_s) - time.time()))
@@ -213,8 +264,9 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
             for e in ckpt.events:  # what the resume did: the tier used and the ones skipped, and why
                 tracker.event(e.pop("event"), **e)
             ckpt.events.clear()
-        reporter = StepReporter(cfg, layout.global_batch * t.seq_len, env.world_size, device, start_step,
-                                ckpt.stop_tier())
+        reporter = StepReporter(
+            cfg, layout.global_batch * t.seq_len, env.world_size, device, start_step, ckpt.stop_tier()
+        )
         fault = Fault.from_env()
         compiling = CompileClock()  # torch.compile's share of each step (parallel.compile), for the ledger
         watch = LeaseWatch(run_dir, lease, cfg.run.lease_check_s).start() if env.is_main else None
@@ -245,13 +297,27 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
             if evaluated:
                 watchdog.touch()  # the next step's hang limit starts after the evaluation
             if tracker is not None and not watch.lost():  # lost during this step: stop at the next, writing nothing
-                reporter.step(tracker, done, consumed, stats, lr, step_time, ckpt.events, monitor_out,
-                              {"data_wait_s": reader.wait_s, "ckpt_s": ckpt_s, **compiling.report(), **evaluated})
+                reporter.step(
+                    tracker,
+                    done,
+                    consumed,
+                    stats,
+                    lr,
+                    step_time,
+                    ckpt.events,
+                    monitor_out,
+                    {"data_wait_s": reader.wait_s, "ckpt_s": ckpt_s, **compiling.report(), **evaluated},
+                )
                 if done == start_step + 1:  # how long this attempt took to train again, part by part
                     timeline["first_step"] = time.time()
-                    tracker.event("attempt", job_id=env.job_id, restart=env.restart, requeue=env.requeue,
-                                  from_step=start_step,
-                                  **{mark: timeline[mark] for mark in ATTEMPT_MARKS if mark in timeline})
+                    tracker.event(
+                        "attempt",
+                        job_id=env.job_id,
+                        restart=env.restart,
+                        requeue=env.requeue,
+                        from_step=start_step,
+                        **{mark: timeline[mark] for mark in ATTEMPT_MARKS if mark in timeline},
+                    )
                     tracker.ledger(run_dir, background=True)  # with the previous attempt's end, now known
                 tracker.poll()
             ckpt.events.clear()
@@ -266,8 +332,12 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
         if env.is_main and done == t.max_steps:
             write_completed(run_dir, env.job_id, done)
         if tracker is not None:
-            tracker.event("attempt_end", how="completed" if done == t.max_steps else "ended",
-                          save_s=time.perf_counter() - saving, step=done)
+            tracker.event(
+                "attempt_end",
+                how="completed" if done == t.max_steps else "ended",
+                save_s=time.perf_counter() - saving,
+                step=done,
+            )
             tracker.ledger(run_dir)
     except (Preempted, StaleAttempt):
         raise
@@ -285,8 +355,12 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[
         stop.restore()
         if tracker is not None:
             tracker.close()
-    return {"rank": env.rank, "steps": t.max_steps, "start_step": start_step,
-            "final_loss": stats.loss if stats else None}
+    return {
+        "rank": env.rank,
+        "steps": t.max_steps,
+        "start_step": start_step,
+        "final_loss": stats.loss if stats else None,
+    }
 
 
 class Validation:
@@ -295,13 +369,25 @@ class Validation:
 
     def __init__(self, cfg: Config, layout: Layout, engine: Any, valid: Any) -> None:
         self.every, self.last, self.engine = cfg.train.eval_every, cfg.train.max_steps, engine
-        self.batches = validation_batches(valid, cfg.train.eval_batches, layout.global_batch, layout.micro_batch,
-                                          engine.dp_size, engine.dp_rank, cfg.data.vocab_size)
+        self.batches = validation_batches(
+            valid,
+            cfg.train.eval_batches,
+            layout.global_batch,
+            layout.micro_batch,
+            engine.dp_size,
+            engine.dp_rank,
+            cfg.data.vocab_size,
+        )
         wanted = cfg.train.eval_batches * layout.global_batch
         if wanted > valid.samples_per_epoch:
-            log.warning("validation: %d samples asked for (train.eval_batches=%d x global batch %d), the split "
-                        "holds %d: some are repeated", wanted, cfg.train.eval_batches, layout.global_batch,
-                        valid.samples_per_epoch)
+            log.warning(
+                "validation: %d samples asked for (train.eval_batches=%d x global batch %d), the split "
+                "holds %d: some are repeated",
+                wanted,
+                cfg.train.eval_batches,
+                layout.global_batch,
+                valid.samples_per_epoch,
+            )
 
     def after_step(self, done: int) -> dict[str, float]:
         """{"val_loss", "eval_s"} at an evaluation step, else {}."""
@@ -320,15 +406,23 @@ def _record_own_failure(watchdog: Watchdog, run_dir: Path, env: Any, step: int, 
     log.error("rank %d failed at step %d: %s: %s (record: %s)", env.rank, step, type(exc).__name__, exc, path)
 
 
-def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.device, timeline: dict[str, float]
-            ) -> tuple[Any, CheckpointManager, int, int]:
+def _resume(
+    cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.device, timeline: dict[str, float]
+) -> tuple[Any, CheckpointManager, int, int]:
     """The engine, its checkpoint manager, and where training goes on: (step, samples consumed); `timeline`
     gets the marks of the parts (engine built, manager ready)."""
     engine = build_engine(cfg, layout, device)
     timeline["engine_built"] = time.time()
-    ckpt = CheckpointManager(cfg.checkpoint, cfg.cluster.failure_rate_per_gpu_day, run_dir, str(cfg.run.id), env.rank,
-                             env.world_size,
-                             fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict(), device)
+    ckpt = CheckpointManager(
+        cfg.checkpoint,
+        cfg.cluster.failure_rate_per_gpu_day,
+        run_dir,
+        str(cfg.run.id),
+        env.rank,
+        env.world_size,
+        fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict(),
+        device,
+    )
     engine.before_update = ckpt.wait_for_staging  # a save's copy of the state is taken before it changes
     # What is built now (torch, the model, its optimizer: hundreds of thousands of objects) lives for the run: out
     # of the collector's sight, a full collection no longer scans it. One took 0.14 s on a 92M-parameter model,
@@ -345,8 +439,18 @@ def _resume(cfg: Config, layout: Layout, run_dir: Path, env: Any, device: torch.
     return engine, ckpt, step, consumed
 
 
-def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: int, consumed: int, env: Any,
-                     device: torch.device, tracker: Tracker | None, run_dir: Path, watchdog: Watchdog) -> None:
+def _stop_for_signal(
+    signum: int,
+    ckpt: CheckpointManager,
+    engine: Any,
+    done: int,
+    consumed: int,
+    env: Any,
+    device: torch.device,
+    tracker: Tracker | None,
+    run_dir: Path,
+    watchdog: Watchdog,
+) -> None:
     """All ranks: save to the fastest tier that outlives the allocation, wait for the commit; rank 0 books the
     save and the ledger and closes its tracker (its files complete before Slurm ends the tasks), then requeues
     on SIGUSR2; then stop."""
@@ -355,8 +459,9 @@ def _stop_for_signal(signum: int, ckpt: CheckpointManager, engine: Any, done: in
     ckpt.save_now(done, engine, {"consumed_samples": consumed}, ckpt.stop_tier())
     watchdog.stop()  # saved: waiting to be ended is not a hang
     if tracker is not None:
-        tracker.event("attempt_end", how="stopped", reason=REASONS[signum], save_s=time.perf_counter() - saving,
-                      step=done)
+        tracker.event(
+            "attempt_end", how="stopped", reason=REASONS[signum], save_s=time.perf_counter() - saving, step=done
+        )
         tracker.ledger(run_dir)
         tracker.close()
     requeued = env.is_main and signum == signal.SIGUSR2 and requeue_own_job()

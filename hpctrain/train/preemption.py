@@ -37,7 +37,7 @@ class StopFlag:
         self._previous: dict[int, object] = {}
         self._wakeup: tuple[int, int] | None = None  # (our pipe's write end, the wakeup fd it replaced)
 
-    def install(self) -> "StopFlag":
+    def install(self) -> StopFlag:
         for signum in REASONS:
             self._previous[signum] = signal.signal(signum, self._handler)
             # The handler only sets a flag: system calls it lands in (gloo's, in any thread) resume instead
@@ -104,5 +104,3 @@ def requeue_own_job() -> bool:
     """Put the job this task runs in back in its queue (it restarts from the same pickle and run directory);
     False where the scheduler has none (the local executor) or the requeue failed."""
     return scheduler_for().requeue_self()
-
-

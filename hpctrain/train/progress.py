@@ -33,17 +33,26 @@ class Progress:
         else:
             self.avg_step_s += self.smoothing * (step_time - self.avg_step_s)
         eta = datetime.timedelta(seconds=round(self.avg_step_s * (self.total - step)))
-        return (f"step {step}/{self.total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-                f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
-                f"{step_time:.3f} s/step | ETA {eta}")
+        return (
+            f"step {step}/{self.total} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+            f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_s']:,.0f} tok/s | "
+            f"{step_time:.3f} s/step | ETA {eta}"
+        )
 
 
 class StepReporter:
     """Rank 0's per-step report: one metrics row, the step's checkpoint and health events, and every
     `train.log_every` steps the progress line."""
 
-    def __init__(self, cfg: Config, tokens_per_step: int, world_size: int, device: torch.device,
-                 start_step: int, stop_tier: str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        tokens_per_step: int,
+        world_size: int,
+        device: torch.device,
+        start_step: int,
+        stop_tier: str | None = None,
+    ) -> None:
         self.cfg, self.tokens_per_step, self.world_size, self.device = cfg, tokens_per_step, world_size, device
         self.start_step = start_step
         self.progress = Progress(total_steps=cfg.train.max_steps, start_step=start_step)
@@ -51,15 +60,34 @@ class StepReporter:
         self._lead_checked = cfg.cluster.executor != Executor.slurm  # only Slurm sends a warning signal
         self.idle_experts = IdleExperts()
 
-    def step(self, tracker: Any, done: int, consumed: int, stats: Any, lr: float, step_time: float,
-             ckpt_events: list[dict[str, Any]], health: tuple[dict[str, float], list[dict[str, Any]]],
-             data: dict[str, float] | None = None) -> None:
+    def step(
+        self,
+        tracker: Any,
+        done: int,
+        consumed: int,
+        stats: Any,
+        lr: float,
+        step_time: float,
+        ckpt_events: list[dict[str, Any]],
+        health: tuple[dict[str, float], list[dict[str, Any]]],
+        data: dict[str, float] | None = None,
+    ) -> None:
         """`data`: the step's wait for its batches (`data_wait_s`) and, at an evaluation, `val_loss`, `eval_s`."""
         tokens_per_s = self.tokens_per_step / step_time
-        metrics = {"step": done, "loss": stats.loss, "lr": lr, "grad_norm": stats.grad_norm,
-                   "tokens_per_s": tokens_per_s, "step_time_s": step_time, "consumed_samples": consumed,
-                   "time": time.time(), "loss_scale": stats.loss_scale, "skipped": int(stats.skipped),
-                   "mfu": mfu(self.cfg, tokens_per_s, self.world_size), **memory_metrics(self.device)}
+        metrics = {
+            "step": done,
+            "loss": stats.loss,
+            "lr": lr,
+            "grad_norm": stats.grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": step_time,
+            "consumed_samples": consumed,
+            "time": time.time(),
+            "loss_scale": stats.loss_scale,
+            "skipped": int(stats.skipped),
+            "mfu": mfu(self.cfg, tokens_per_s, self.world_size),
+            **memory_metrics(self.device),
+        }
         metrics.update(data or {})
         if stats.moe is not None:
             metrics.update(stats.moe.metrics())
@@ -77,8 +105,7 @@ class StepReporter:
             self._check_idle_experts(tracker, done, stats.moe)
         self._print(done, step_time, metrics, stats)
 
-    def _check_signal_lead(self, tracker: Any, done: int, step_time: float,
-                           ckpt_events: list[dict[str, Any]]) -> None:
+    def _check_signal_lead(self, tracker: Any, done: int, step_time: float, ckpt_events: list[dict[str, Any]]) -> None:
         """Once, from the first measured save to the stop's tier: the warning signal (`cluster.signal_delay_s`
         before the time limit) must leave time for the step in flight and that save, or Slurm kills the stop
         before it commits. The plan can only guess these; the run measures them."""
@@ -89,12 +116,15 @@ class StepReporter:
         lead, needed = self.cfg.cluster.signal_delay_s, step_time + saved["total_s"]
         if needed <= lead:
             return
-        message = (f"cluster.signal_delay_s={lead} s is shorter than a step ({step_time:.1f} s) plus a save to tier "
-                   f"{self.stop_tier} ({saved['total_s']:.1f} s, measured at step {done}): a stop at the time limit "
-                   f"would be killed before its checkpoint commits; set cluster.signal_delay_s>={math.ceil(2 * needed)}")
+        message = (
+            f"cluster.signal_delay_s={lead} s is shorter than a step ({step_time:.1f} s) plus a save to tier "
+            f"{self.stop_tier} ({saved['total_s']:.1f} s, measured at step {done}): a stop at the time limit "
+            f"would be killed before its checkpoint commits; set cluster.signal_delay_s>={math.ceil(2 * needed)}"
+        )
         log.warning(message)
-        tracker.event("timeout_inconsistent", key="cluster.signal_delay_s", needed_s=needed, lead_s=lead,
-                      message=message)
+        tracker.event(
+            "timeout_inconsistent", key="cluster.signal_delay_s", needed_s=needed, lead_s=lead, message=message
+        )
 
     def _check_idle_experts(self, tracker: Any, done: int, moe: MoEStepStats) -> None:
         """An expert the router has starved for `IdleExperts.steps` steps in a row: one warning and one event per
@@ -104,9 +134,13 @@ class StepReporter:
             return
         n = self.idle_experts.steps
         where = "; ".join(f"layer {layer}: {', '.join(map(str, experts))}" for layer, experts in reached.items())
-        log.warning("MoE experts with no token for %d steps (to step %d): %s; the router starves them: check the "
-                    "balancing (model.moe.balance_coef, or model.moe.bias_update_rate for the sigmoid router)",
-                    n, done, where)
+        log.warning(
+            "MoE experts with no token for %d steps (to step %d): %s; the router starves them: check the "
+            "balancing (model.moe.balance_coef, or model.moe.bias_update_rate for the sigmoid router)",
+            n,
+            done,
+            where,
+        )
         for layer, experts in reached.items():
             tracker.event("expert_idle", layer=layer, experts=experts, steps=n)
 

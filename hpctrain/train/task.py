@@ -30,8 +30,13 @@ class TrainTask:
         from hpctrain.records.jobs import read_report
         from hpctrain.records.paths import RunPaths
 
-        agent = agent_from_submitit(self.layout.nodes, self.layout.gpus_per_node, int(launcher["max_restarts"]),
-                                    int(launcher["rendezvous_timeout_s"]), int(self.config["elastic"]["min_nodes"]))
+        agent = agent_from_submitit(
+            self.layout.nodes,
+            self.layout.gpus_per_node,
+            int(launcher["max_restarts"]),
+            int(launcher["rendezvous_timeout_s"]),
+            int(self.config["elastic"]["min_nodes"]),
+        )
         results = run_agent(agent, self)
         report = read_report(Path(self.run_dir))
         if report and report.get("job_id") == agent.job_id:  # the workers stopped a restart loop

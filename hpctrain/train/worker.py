@@ -27,9 +27,11 @@ def run_worker(task: Any) -> dict[str, Any]:
     started = time.time()
     try:
         if torch.cuda._is_in_bad_fork():  # the agent initialised CUDA before forking: no CUDA call can work here
-            raise RuntimeError("this worker was forked from an agent that had initialised CUDA, so its first CUDA "
-                               "call would fail ('Cannot re-initialize CUDA in forked subprocess'); something in "
-                               "the agent's process (hpctrain/distributed/elastic.py) touched CUDA before the fork")
+            raise RuntimeError(
+                "this worker was forked from an agent that had initialised CUDA, so its first CUDA "
+                "call would fail ('Cannot re-initialize CUDA in forked subprocess'); something in "
+                "the agent's process (hpctrain/distributed/elastic.py) touched CUDA before the fork"
+            )
         return train(task.config, task.run_dir, task.layout, process_started=started)
     except BaseException:
         traceback.print_exc()

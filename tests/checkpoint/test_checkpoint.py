@@ -17,15 +17,23 @@ from omegaconf import OmegaConf
 
 import hpctrain.checkpoint.manager as manager_module
 from hpctrain.checkpoint.inspect import export_model, find, list_checkpoints
-from hpctrain.checkpoint.storage import Committed, committed_in, verify
 from hpctrain.checkpoint.manager import ReusingStager
+from hpctrain.checkpoint.storage import Committed, committed_in, verify
 from hpctrain.records.failures import read_failures
 from tests.checkpoint.training import consumed_samples, losses_by_step, train
 from tests.distributed_harness import DistributedTestError
 
-SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "train.seq_len=32", "train.global_batch=8",
-         "train.micro_batch=2", "optim.warmup_steps=2", "data.max_bytes=300000",
-         "checkpoint.when_busy=wait"]  # every interval saved, whatever the machine's speed: deterministic tests
+SMALL = [
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=2",
+    "train.seq_len=32",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "optim.warmup_steps=2",
+    "data.max_bytes=300000",
+    "checkpoint.when_busy=wait",
+]  # every interval saved, whatever the machine's speed: deterministic tests
 
 
 def config(compose_cfg, tmp_path: Path, world: int, *overrides: str) -> dict[str, Any]:
@@ -34,9 +42,11 @@ def config(compose_cfg, tmp_path: Path, world: int, *overrides: str) -> dict[str
 
 
 def tiers(tmp_path: Path, ram: int = 2, local: int = 3, shared: int = 6) -> list[str]:
-    return [f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: {ram}, keep_last: 2}},"
-            f"{{name: local, path: {tmp_path}/ssd, interval_steps: {local}, keep_last: 2}},"
-            f"{{name: shared, path: checkpoints, interval_steps: {shared}, keep_last: 1}}]"]
+    return [
+        f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: {ram}, keep_last: 2}},"
+        f"{{name: local, path: {tmp_path}/ssd, interval_steps: {local}, keep_last: 2}},"
+        f"{{name: shared, path: checkpoints, interval_steps: {shared}, keep_last: 1}}]"
+    ]
 
 
 def steps_in(path: Path) -> list[int]:
@@ -72,15 +82,18 @@ def tensor_record_crcs(blob: bytes) -> list[int]:
     crcs, i = [], blob.find(b"PK\x01\x02")
     while i >= 0:
         crc, name_len = struct.unpack_from("<I", blob, i + 16)[0], struct.unpack_from("<H", blob, i + 28)[0]
-        if b"/data/" in blob[i + 46:i + 46 + name_len]:
+        if b"/data/" in blob[i + 46 : i + 46 + name_len]:
             crcs.append(crc)
         i = blob.find(b"PK\x01\x02", i + 4)
     return crcs
 
 
 def list_checkpoints_of(run_dir: Path, tmp_path: Path) -> list:
-    return [c for p in (tmp_path / "shm" / "test", tmp_path / "ssd" / "test", run_dir / "checkpoints")
-            for c in committed_in(p)]
+    return [
+        c
+        for p in (tmp_path / "shm" / "test", tmp_path / "ssd" / "test", run_dir / "checkpoints")
+        for c in committed_in(p)
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -123,8 +136,14 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(compose_cfg, tmp_
 
 @pytest.mark.timeout(300)
 def test_fallback_to_a_slower_tier_when_the_fast_one_is_gone(compose_cfg, tmp_path: Path, capfd) -> None:
-    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "checkpoint.save_final=false",
-                 *tiers(tmp_path, ram=2, local=3, shared=100))
+    cfg = config(
+        compose_cfg,
+        tmp_path,
+        2,
+        "train.max_steps=6",
+        "checkpoint.save_final=false",
+        *tiers(tmp_path, ram=2, local=3, shared=100),
+    )
     run_dir = tmp_path / "run"
     train(2, cfg, run_dir)
     assert steps_in(tmp_path / "shm" / "test") == [4, 6] and steps_in(tmp_path / "ssd" / "test") == [3, 6]
@@ -132,8 +151,14 @@ def test_fallback_to_a_slower_tier_when_the_fast_one_is_gone(compose_cfg, tmp_pa
     shard = tmp_path / "ssd" / "test" / "step_00000006" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:10])  # and local's newest is damaged
     capfd.readouterr()
-    cfg8 = config(compose_cfg, tmp_path, 2, "train.max_steps=8", "checkpoint.save_final=false",
-                  *tiers(tmp_path, ram=2, local=3, shared=100))
+    cfg8 = config(
+        compose_cfg,
+        tmp_path,
+        2,
+        "train.max_steps=8",
+        "checkpoint.save_final=false",
+        *tiers(tmp_path, ram=2, local=3, shared=100),
+    )
     train(2, cfg8, run_dir)
     out = capfd.readouterr()
     logs = out.out + out.err
@@ -146,16 +171,24 @@ def test_fallback_to_a_slower_tier_when_the_fast_one_is_gone(compose_cfg, tmp_pa
 def test_resume_refuses_a_changed_batch_unless_forced(compose_cfg, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=4", *tiers(tmp_path, 2, 100, 100)), run_dir)
-    changed = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16",
-                     *tiers(tmp_path, 2, 100, 100))
+    changed = config(
+        compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16", *tiers(tmp_path, 2, 100, 100)
+    )
     with pytest.raises(DistributedTestError, match="checkpoint.force_resume=true"):
         train(2, changed, run_dir, timeout=60)
     # A start-up error leaves failure records too, so the supervisor sees the same error twice and stops.
     records = read_failures(run_dir, "test")
     assert {r["rank"] for r in records} == {0, 1}
     assert all(r["type"] == "CheckpointError" and not r["peer"] for r in records), records
-    forced = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16",
-                    "checkpoint.force_resume=true", *tiers(tmp_path, 2, 100, 100))
+    forced = config(
+        compose_cfg,
+        tmp_path,
+        2,
+        "train.max_steps=6",
+        "train.global_batch=16",
+        "checkpoint.force_resume=true",
+        *tiers(tmp_path, 2, 100, 100),
+    )
     train(2, forced, run_dir)
     assert losses_by_step(run_dir)[6] > 0
 
@@ -164,8 +197,11 @@ def test_resume_refuses_a_changed_batch_unless_forced(compose_cfg, tmp_path: Pat
 def test_dp2_to_dp1_continues_the_data_exactly(compose_cfg, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=4", *tiers(tmp_path, 2, 100, 100)), run_dir)
-    train(1, config(compose_cfg, tmp_path, 1, "train.max_steps=7", "train.micro_batch=4",
-                    *tiers(tmp_path, 2, 100, 100)), run_dir)
+    train(
+        1,
+        config(compose_cfg, tmp_path, 1, "train.max_steps=7", "train.micro_batch=4", *tiers(tmp_path, 2, 100, 100)),
+        run_dir,
+    )
     assert consumed_samples(run_dir) == list(range(7 * 8))
 
 
@@ -187,12 +223,18 @@ def test_checkpoint_tool_lists_verifies_and_exports(compose_cfg, tmp_path: Path)
     newest = find(run_dir)
     victim = next(p for p in newest.path.iterdir() if p.suffix == ".distcp")
     victim.write_bytes(victim.read_bytes()[:100])
-    bad = subprocess.run([sys.executable, str(tool), "verify", str(run_dir), "--step", str(newest.step),
-                          "--tier", newest.tier], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, str(tool), "verify", str(run_dir), "--step", str(newest.step), "--tier", newest.tier],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 1 and "BROKEN" in bad.stdout
     out = tmp_path / "export" / "model.pt"
-    exported = subprocess.run([sys.executable, str(tool), "export", str(run_dir), str(out), "--tier", "shared"],
-                              capture_output=True, text=True)
+    exported = subprocess.run(
+        [sys.executable, str(tool), "export", str(run_dir), str(out), "--tier", "shared"],
+        capture_output=True,
+        text=True,
+    )
     assert exported.returncode == 0, exported.stderr
     state = torch.load(out)
     assert state["tok_emb.weight"].shape == (256, 64) and len(list_checkpoints(run_dir)) >= 2
@@ -204,8 +246,10 @@ def test_automatic_interval_follows_the_measured_cost_and_the_failure_rate(compo
 
     from hpctrain.goodput.model import daly_interval
 
-    auto = [f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 2, auto: true}}]",
-            "cluster.failure_rate_per_gpu_day=1000"]  # MTBF 86400 / (1000 x 2 GPUs) = 43.2 s
+    auto = [
+        f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 2, auto: true}}]",
+        "cluster.failure_rate_per_gpu_day=1000",
+    ]  # MTBF 86400 / (1000 x 2 GPUs) = 43.2 s
     run_dir = tmp_path / "run"
     train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=6", *auto), run_dir)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -221,10 +265,14 @@ RESHARD = {
     "tp2-to-tp1": ((2, ["parallel.tp=2"]), (1, [])),
     "pp2-to-pp1": ((2, ["parallel.pp=2"]), (1, [])),
     # uneven stages (1 + 3 layers) onto an even cut (2 + 2) and back: the checkpoint names layers globally
-    "pp2-uneven-to-pp2": ((2, ["model.n_layers=4", "parallel.pp=2", "parallel.first_stage_layers=1"]),
-                          (2, ["model.n_layers=4", "parallel.pp=2"])),
-    "pp2-to-pp2-uneven": ((2, ["model.n_layers=4", "parallel.pp=2"]),
-                          (2, ["model.n_layers=4", "parallel.pp=2", "parallel.last_stage_layers=3"])),
+    "pp2-uneven-to-pp2": (
+        (2, ["model.n_layers=4", "parallel.pp=2", "parallel.first_stage_layers=1"]),
+        (2, ["model.n_layers=4", "parallel.pp=2"]),
+    ),
+    "pp2-to-pp2-uneven": (
+        (2, ["model.n_layers=4", "parallel.pp=2"]),
+        (2, ["model.n_layers=4", "parallel.pp=2", "parallel.last_stage_layers=3"]),
+    ),
     "zero1-to-zero3": ((2, ["zero=stage1"]), (2, ["zero=stage3"])),
     # context parallelism: FSDP's shards over dp_shard x cp onto DP alone, and a plain DDP run onto CP x ZeRO-2
     "cp2-zero3-to-dp2-zero3": ((2, ["parallel.cp=2", "zero=stage3"]), (2, ["zero=stage3"])),
@@ -253,7 +301,8 @@ def test_resume_in_another_layout_continues_exactly(compose_cfg, tmp_path: Path,
 
 
 def test_staging_reuses_its_buffers_and_copies_in_its_thread_on_one_intra_op_thread(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every save of a tier stages into the same host buffers, the state's values bit for bit as they were when
     the save started, in the staging thread with one intra-op thread (an OpenMP copy stalls at its barriers on
     a busy machine: `docs/checkpoint.md`), the caller's count untouched."""
@@ -284,8 +333,9 @@ def test_staging_reuses_its_buffers_and_copies_in_its_thread_on_one_intra_op_thr
     assert torch.equal(second["model"]["w"], state["model"]["w"]) and second["optim"]["w.step"] == 3
 
 
-def test_the_optimizer_step_waits_for_a_saves_copy_of_the_state(compose_cfg, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_optimizer_step_waits_for_a_saves_copy_of_the_state(
+    compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A save's copy runs while the next step computes; its optimizer step waits for it. Made adversarial: the
     copy starts only when the step reaches its optimizer (the engine's before_update) and is slow, so without
     the wait the optimizer would change the parameters under it and the checkpoint would hold step 2's
@@ -295,11 +345,17 @@ def test_the_optimizer_step_waits_for_a_saves_copy_of_the_state(compose_cfg, tmp
     from hpctrain.parallel.engine import build_engine
     from hpctrain.records.fingerprint import fingerprint_of
 
-    cfg = compose_cfg(*SMALL, "cluster.gpus_per_node=1", "train.global_batch=2", "run.id=fence",
-                      f"checkpoint.tiers=[{{name: disk, path: {tmp_path}/tier, interval_steps: 1, keep_last: 2}}]")
+    cfg = compose_cfg(
+        *SMALL,
+        "cluster.gpus_per_node=1",
+        "train.global_batch=2",
+        "run.id=fence",
+        f"checkpoint.tiers=[{{name: disk, path: {tmp_path}/tier, interval_steps: 1, keep_last: 2}}]",
+    )
     engine = build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))
-    manager = CheckpointManager(cfg.checkpoint, 0.0, tmp_path, "fence", 0, 1,
-                                fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict())
+    manager = CheckpointManager(
+        cfg.checkpoint, 0.0, tmp_path, "fence", 0, 1, fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()
+    )
     reached_optimizer = threading.Event()
     copy = manager_module._copy_state_dict
 
@@ -342,16 +398,29 @@ def test_a_checkpoint_never_loads_into_other_shapes_even_when_forced(compose_cfg
     from hpctrain.parallel.engine import build_engine
     from hpctrain.records.fingerprint import fingerprint_of
 
-    moe = ["model.arch=qwen3_moe", "model.n_kv_heads=1", "model.head_dim=32", "model.ffn_hidden=64",
-           "model.moe.top_k=2"]
+    moe = [
+        "model.arch=qwen3_moe",
+        "model.n_kv_heads=1",
+        "model.head_dim=32",
+        "model.ffn_hidden=64",
+        "model.moe.top_k=2",
+    ]
 
     def start(tier: str, *overrides: str) -> tuple[Any, CheckpointManager]:
-        cfg = compose_cfg(*SMALL, "cluster.gpus_per_node=1", "train.global_batch=2", "run.id=shape",
-                          f"checkpoint.tiers=[{{name: disk, path: {tmp_path}/{tier}, interval_steps: 1}}]",
-                          *overrides)
-        return (build_engine(cfg, resolve_layout(cfg), torch.device("cpu")),
-                CheckpointManager(cfg.checkpoint, 0.0, tmp_path, "shape", 0, 1,
-                                  fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()))
+        cfg = compose_cfg(
+            *SMALL,
+            "cluster.gpus_per_node=1",
+            "train.global_batch=2",
+            "run.id=shape",
+            f"checkpoint.tiers=[{{name: disk, path: {tmp_path}/{tier}, interval_steps: 1}}]",
+            *overrides,
+        )
+        return (
+            build_engine(cfg, resolve_layout(cfg), torch.device("cpu")),
+            CheckpointManager(
+                cfg.checkpoint, 0.0, tmp_path, "shape", 0, 1, fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()
+            ),
+        )
 
     def save(engine: Any, manager: CheckpointManager) -> None:
         engine.step(torch.randint(0, 256, (2, 1, 2, 32), generator=torch.Generator().manual_seed(0)), 1e-3)
@@ -384,8 +453,15 @@ def test_the_shape_check_lets_an_older_llama_checkpoint_through(old_llama_checkp
 
     path, _, _ = old_llama_checkpoint
     cfg, engine = llama_engine(1)
-    manager = CheckpointManager(CheckpointConfig(enabled=False), 0.0, path.parent, "old", 0, 1,
-                                fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict())
+    manager = CheckpointManager(
+        CheckpointConfig(enabled=False),
+        0.0,
+        path.parent,
+        "old",
+        0,
+        1,
+        fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict(),
+    )
     state = {"train": engine.state_dict()}
     from hpctrain.checkpoint.integrity import read_metadata
 

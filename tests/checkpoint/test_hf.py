@@ -30,20 +30,35 @@ transformers = pytest.importorskip("transformers")
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "checkpoint.py"
 VOCAB = ["model.vocab_size=300"]  # not a multiple of 64: the padding rows are dropped on export, added on import
-LLAMA = ["model=llama_tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.ffn_hidden=96"]  # grouped-query attention: 2 query heads per key/value head
-QWEN3 = ["model=qwen3_tiny", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-         "model.head_dim=32", "model.ffn_hidden=96"]  # per-head q/k norms, heads 2 x wider than d_model / n_heads
+LLAMA = [
+    "model=llama_tiny",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_hidden=96",
+]  # grouped-query attention: 2 query heads per key/value head
+QWEN3 = [
+    "model=qwen3_tiny",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.head_dim=32",
+    "model.ffn_hidden=96",
+]  # per-head q/k norms, heads 2 x wider than d_model / n_heads
 ROPE_SCALED = ["model.rope.scaling_factor=8", "model.rope.original_context=64"]  # Llama 3's, felt within 32 tokens
 TOLERANCE = 1e-4  # relative logits difference, fp32
 SMALL_SHARDS = 200_000  # bytes: the tiny models' weights (~0.5 MB) go into several files with an index
 
 
-def trained_run(compose_cfg, tmp_path: Path, world: int, *overrides: str, steps: int = 3
-                ) -> tuple[dict[str, Any], Path]:
+def trained_run(
+    compose_cfg, tmp_path: Path, world: int, *overrides: str, steps: int = 3
+) -> tuple[dict[str, Any], Path]:
     """A run of `steps` steps through the real per-task training function, with its config.yaml."""
-    cfg = config(compose_cfg, tmp_path, world, f"train.max_steps={steps}", *tiers(tmp_path, 100, 100, 100),
-                 *VOCAB, *overrides)
+    cfg = config(
+        compose_cfg, tmp_path, world, f"train.max_steps={steps}", *tiers(tmp_path, 100, 100, 100), *VOCAB, *overrides
+    )
     run_dir = tmp_path / "run"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
@@ -59,7 +74,7 @@ def hpctrain_logits(m: Any, state: dict[str, torch.Tensor]) -> torch.Tensor:
     """hpctrain's own model (model config `m`'s arch) holding `state` (vocabulary padded or not), on `tokens()`."""
     m = OmegaConf.merge(m, {"vocab_pad_multiple": 1})
     model = build_model(m, 0, torch.device("cpu")).eval()
-    model.load_state_dict({k: v[:m.vocab_size] if k in VOCAB_ROWS else v for k, v in state.items()})
+    model.load_state_dict({k: v[: m.vocab_size] if k in VOCAB_ROWS else v for k, v in state.items()})
     with torch.no_grad():
         return model(tokens())
 
@@ -113,13 +128,15 @@ def test_gpt2_export_from_tp2_with_the_tool(compose_cfg, tmp_path: Path) -> None
     """TP pads the vocabulary to 384 rows here: the tool's export holds the 300 real ones."""
     cfg, run_dir = trained_run(compose_cfg, tmp_path, 2, "parallel.tp=2")
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, str(TOOL), "export", str(run_dir), str(out), "--format", "hf"],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "export", str(run_dir), str(out), "--format", "hf"], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     exported_logits_match(cfg, run_dir, out, "gpt2 tp2 (tool)")
-    again = subprocess.run([sys.executable, str(TOOL), "export", str(run_dir), str(out), "--format", "hf"],
-                           capture_output=True, text=True)
+    again = subprocess.run(
+        [sys.executable, str(TOOL), "export", str(run_dir), str(out), "--format", "hf"], capture_output=True, text=True
+    )
     assert again.returncode == 2 and "not empty" in again.stderr
 
 
@@ -147,8 +164,9 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(compose_cfg, tm
         unscaled = tmp_path / "unscaled"
         shutil.copytree(out, unscaled)
         (unscaled / "config.json").write_text(json.dumps({**hf, "rope_scaling": None}))
-        plain = relative_difference(hpctrain_logits(loop.load_config(cfg).model, consolidated_model(find(run_dir))),
-                                    hf_logits(unscaled))
+        plain = relative_difference(
+            hpctrain_logits(loop.load_config(cfg).model, consolidated_model(find(run_dir))), hf_logits(unscaled)
+        )
         print(f"llama {case}: the same weights without the RoPE scaling differ by {plain:.2e}")
         assert plain > 10 * TOLERANCE
 
@@ -158,8 +176,9 @@ def test_llama_export_loads_in_transformers_with_the_same_logits(compose_cfg, tm
 def test_qwen3_export_loads_in_transformers_with_the_same_logits(compose_cfg, tmp_path: Path, case: str) -> None:
     """Qwen3ForCausalLM from a run trained with TP 2: each rank held one key/value group with its 2 query heads
     of 32 (Q 128 wide in a 64-wide model), and the per-head norms whole."""
-    cfg, run_dir = trained_run(compose_cfg, tmp_path, 2 if case == "tp2" else 1, *QWEN3,
-                               *(["parallel.tp=2"] if case == "tp2" else []))
+    cfg, run_dir = trained_run(
+        compose_cfg, tmp_path, 2 if case == "tp2" else 1, *QWEN3, *(["parallel.tp=2"] if case == "tp2" else [])
+    )
     out = tmp_path / "hf"
     export_hf(find(run_dir), run_model_config(run_dir), out)
     hf = json.loads((out / "config.json").read_text())
@@ -186,15 +205,17 @@ def _step0_weights(rank: int, world: int, config: dict[str, Any], run_dir: str) 
 
 def start_from(compose_cfg, tmp_path: Path, world: int, out: Path, *overrides: str) -> tuple[Any, dict]:
     """A new run's model config and its step-0 weights (merged over the ranks), started from `out`."""
-    cfg = config(compose_cfg, tmp_path, world, *tiers(tmp_path, 100, 100, 100), *VOCAB, f"model.init_from={out}",
-                 *overrides)
+    cfg = config(
+        compose_cfg, tmp_path, world, *tiers(tmp_path, 100, 100, 100), *VOCAB, f"model.init_from={out}", *overrides
+    )
     results = run_distributed(_step0_weights, world, cfg, str(tmp_path / "run"), timeout=120)
     assert all(step == 0 for step, _ in results)
     return loop.load_config(cfg).model, {k: v for _, w in results for k, v in w.items()}
 
 
-def assert_starts_from_the_export(compose_cfg, tmp_path: Path, run_dir: Path, out: Path, world: int,
-                                  *overrides: str) -> None:
+def assert_starts_from_the_export(
+    compose_cfg, tmp_path: Path, run_dir: Path, out: Path, world: int, *overrides: str
+) -> None:
     """Step-0 weights = those of the checkpoint `out` was exported from (padding rows zero); exported again, they
     are the same bytes as `out`."""
     m, weights = start_from(compose_cfg, tmp_path, world, out, *overrides)
@@ -217,8 +238,9 @@ INIT_LAYOUTS = {"pp2": (2, ["parallel.pp=2"]), "dp2-zero3": (2, ["zero=stage3"])
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", sorted(INIT_LAYOUTS))
-def test_gpt2_init_from_starts_from_the_export_in_any_layout(compose_cfg, tmp_path: Path, gpt_export,
-                                                             case: str) -> None:
+def test_gpt2_init_from_starts_from_the_export_in_any_layout(
+    compose_cfg, tmp_path: Path, gpt_export, case: str
+) -> None:
     world, layout = INIT_LAYOUTS[case]
     _, run_dir, out = gpt_export
     assert_starts_from_the_export(compose_cfg, tmp_path, run_dir, out, world, *layout)
@@ -242,8 +264,9 @@ def test_a_model_saved_by_transformers_starts_a_run_with_its_logits(compose_cfg,
     overrides = [*VOCAB, "parallel.pp=2", *family]
     m = loop.load_config(config(compose_cfg, tmp_path, 2, *overrides)).model
     fields = {k: v for k, v in hf_config(m).items() if k != "torch_dtype"}
-    hf_cfg = transformers.AutoConfig.for_model(**{**fields, "tie_word_embeddings": fields["tie_word_embeddings"]
-                                                  or "tied" in arch})
+    hf_cfg = transformers.AutoConfig.for_model(
+        **{**fields, "tie_word_embeddings": fields["tie_word_embeddings"] or "tied" in arch}
+    )
     torch.manual_seed(0)
     made = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
     made.save_pretrained(tmp_path / "made")
@@ -260,8 +283,9 @@ def test_a_model_saved_by_transformers_starts_a_run_with_its_logits(compose_cfg,
 def test_a_bare_gpt2model_directory_reads_as_the_hub_gpt2_does(compose_cfg, tmp_path: Path) -> None:
     """The hub's gpt2 holds GPT2Model's weights (h.0..., wte): the same tensors as the full model's."""
     m = loop.load_config(config(compose_cfg, tmp_path, 1, *VOCAB)).model
-    made = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-        **{k: v for k, v in hf_config(m).items() if k != "torch_dtype"}))
+    made = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**{k: v for k, v in hf_config(m).items() if k != "torch_dtype"})
+    )
     made.transformer.save_pretrained(tmp_path / "bare")
     weights, _ = open_hf(tmp_path / "bare", m)
     assert "transformer.h.0.attn.c_attn.weight" in weights
@@ -272,8 +296,16 @@ def test_a_bare_gpt2model_directory_reads_as_the_hub_gpt2_does(compose_cfg, tmp_
 
 def test_init_from_refuses_another_shape_with_the_keys_and_the_fix(compose_cfg, tmp_path: Path, gpt_export) -> None:
     out = gpt_export[2]
-    cfg = config(compose_cfg, tmp_path, 1, "train.max_steps=1", *tiers(tmp_path, 100, 100, 100), *VOCAB,
-                 "model.n_layers=3", f"model.init_from={out}")
+    cfg = config(
+        compose_cfg,
+        tmp_path,
+        1,
+        "train.max_steps=1",
+        *tiers(tmp_path, 100, 100, 100),
+        *VOCAB,
+        "model.n_layers=3",
+        f"model.init_from={out}",
+    )
     with pytest.raises(DistributedTestError) as failed:  # the real run fails at start-up, before any step
         train(1, cfg, tmp_path / "run", timeout=120)
     message = str(failed.value)
@@ -320,18 +352,37 @@ def test_pickled_weights_are_never_read(compose_cfg, tmp_path: Path, gpt_export)
 def test_llama3_8b_config_is_the_published_one(compose_cfg) -> None:
     """conf/model/llama3_8b.yaml <-> meta-llama/Llama-3.1-8B's config.json (the context is hpctrain's training
     length, not HF's 128k maximum, and is not compared)."""
-    published = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-                 "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
-                 "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "vocab_size": 128256,
-                 "max_position_embeddings": 131072, "tie_word_embeddings": False, "hidden_act": "silu",
-                 "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
-                 "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    published = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+    }
     m = compose_cfg("model=llama3_8b").model
     assert mismatches(m, published) == []
     ours = hf_config(m, torch.bfloat16)
-    assert {k: ours[k] for k in published if k != "max_position_embeddings"} == \
-        {k: v for k, v in published.items() if k != "max_position_embeddings"}
+    assert {k: ours[k] for k in published if k != "max_position_embeddings"} == {
+        k: v for k, v in published.items() if k != "max_position_embeddings"
+    }
     mismatched = mismatches(compose_cfg("model=llama3_8b", "model.rope.scaling_factor=0").model, published)
     assert ("model.rope.scaling_factor", 0.0, 8.0) in mismatched
 

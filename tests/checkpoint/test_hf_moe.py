@@ -39,11 +39,28 @@ transformers = pytest.importorskip("transformers")
 
 # 4 experts of 32 (the dense width would be 96), each token through 2; grouped-query attention, 2 heads a group
 EXPERTS = ["model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=32"]
-MIXTRAL = ["model=llama_tiny", "model.arch=mixtral", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
-           "model.n_kv_heads=2", "model.ffn_hidden=96", *EXPERTS]
-QWEN3_MOE = ["model=qwen3_tiny", "model.arch=qwen3_moe", "model.n_layers=2", "model.d_model=64", "model.n_heads=4",
-             "model.n_kv_heads=2", "model.head_dim=32", "model.ffn_hidden=96", *EXPERTS,
-             "model.moe.norm_topk_prob=false"]  # Qwen3-MoE's own default: the top_k weights as softmax gave them
+MIXTRAL = [
+    "model=llama_tiny",
+    "model.arch=mixtral",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_hidden=96",
+    *EXPERTS,
+]
+QWEN3_MOE = [
+    "model=qwen3_tiny",
+    "model.arch=qwen3_moe",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.head_dim=32",
+    "model.ffn_hidden=96",
+    *EXPERTS,
+    "model.moe.norm_topk_prob=false",
+]  # Qwen3-MoE's own default: the top_k weights as softmax gave them
 FAMILIES = {"mixtral": MIXTRAL, "qwen3_moe": QWEN3_MOE}
 CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -52,15 +69,18 @@ CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 def tiny(compose_cfg_module, tmp_path_factory) -> dict[str, Any]:
     """Each family's model config (composed once: composing takes most of a second)."""
     tmp = tmp_path_factory.mktemp("models")
-    return {arch: loop.load_config(config(compose_cfg_module, tmp, 1, *VOCAB, *family)).model
-            for arch, family in FAMILIES.items()}
+    return {
+        arch: loop.load_config(config(compose_cfg_module, tmp, 1, *VOCAB, *family)).model
+        for arch, family in FAMILIES.items()
+    }
 
 
 def saved_by_transformers(m: Any, out: Path) -> Any:
     """transformers' model of hpctrain's config.json (seeded weights), saved in `out` by save_pretrained."""
     torch.manual_seed(0)
-    made = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-        **{k: v for k, v in hf_config(m).items() if k != "torch_dtype"})).eval()
+    made = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**{k: v for k, v in hf_config(m).items() if k != "torch_dtype"})
+    ).eval()
     made.save_pretrained(out)
     return made
 
@@ -79,9 +99,18 @@ def test_config_json_round_trip_through_transformers(tiny: dict[str, Any], arch:
     theirs = transformers.AutoConfig.for_model(**{k: v for k, v in ours.items() if k != "torch_dtype"}).to_dict()
     assert mismatches(m, theirs) == []
     fields = model_fields(theirs)
-    assert fields["moe"] == {"n_experts": 4, "top_k": 2, "expert_hidden": 32, "n_shared_experts": 0,
-                             "router": "softmax", "norm_topk_prob": arch == "mixtral", "n_groups": 1,
-                             "topk_groups": 1, "route_scale": 1.0, "balance_coef": 0.0}
+    assert fields["moe"] == {
+        "n_experts": 4,
+        "top_k": 2,
+        "expert_hidden": 32,
+        "n_shared_experts": 0,
+        "router": "softmax",
+        "norm_topk_prob": arch == "mixtral",
+        "n_groups": 1,
+        "topk_groups": 1,
+        "route_scale": 1.0,
+        "balance_coef": 0.0,
+    }
     assert fields["ffn_hidden"] == 32  # an MoE model's MLP width is its experts'
     differ = mismatches(OmegaConf.merge(m, {"moe": {"top_k": 1, "expert_hidden": 16}}), theirs)
     assert ("model.moe.top_k", 1, 2) in differ and ("model.moe.expert_hidden", 16, 32) in differ
@@ -89,20 +118,58 @@ def test_config_json_round_trip_through_transformers(tiny: dict[str, Any], arch:
 
 # conf/model/<name>.yaml: its model's hub name, parameter count and config.json (the keys that decide the model)
 PUBLISHED = {
-    "mixtral_8x7b": ("mistralai/Mixtral-8x7B-v0.1", 46_702_792_704, {
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
-        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
-        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
-        "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
-        "tie_word_embeddings": False, "vocab_size": 32000}),
-    "qwen3_30b_a3b": ("Qwen/Qwen3-30B-A3B", 30_532_122_624, {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
-        "decoder_sparse_step": 1, "head_dim": 128, "hidden_size": 2048, "intermediate_size": 6144,
-        "max_position_embeddings": 40960, "mlp_only_layers": [], "moe_intermediate_size": 768,
-        "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-        "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
-        "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-        "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936}),
+    "mixtral_8x7b": (
+        "mistralai/Mixtral-8x7B-v0.1",
+        46_702_792_704,
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "num_attention_heads": 32,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.02,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "vocab_size": 32000,
+        },
+    ),
+    "qwen3_30b_a3b": (
+        "Qwen/Qwen3-30B-A3B",
+        30_532_122_624,
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "attention_bias": False,
+            "decoder_sparse_step": 1,
+            "head_dim": 128,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "max_position_embeddings": 40960,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "num_attention_heads": 32,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.001,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "vocab_size": 151936,
+        },
+    ),
 }
 
 
@@ -117,8 +184,9 @@ def test_a_published_config_reads_as_its_model(compose_cfg, name: str) -> None:
     assert mismatches(m, published) == []
     assert mismatches(compose_cfg(f"model={name}").model, published) == []
     ours = hf_config(m, torch.bfloat16)
-    same = {k: v for k, v in published.items()
-            if not (k == "intermediate_size" and "moe_intermediate_size" in published)}
+    same = {
+        k: v for k, v in published.items() if not (k == "intermediate_size" and "moe_intermediate_size" in published)
+    }
     assert {k: ours.get(k) for k in same} == same  # Qwen3-MoE's sliding_window (None) is not written
 
 
@@ -140,14 +208,18 @@ def test_a_config_json_hpctrain_cannot_represent_is_refused_by_name(tiny: dict[s
         model_fields(hf)
 
 
-@pytest.mark.parametrize("arch,change,message", [
-    ("mixtral", {"norm_topk_prob": False}, "norm_topk_prob=False .*MixtralForCausalLM has only True"),
-    ("qwen3_moe", {"n_shared_experts": 1}, "n_shared_experts=1"),
-    ("mixtral", {"route_scale": 2.5}, "route_scale=2.5"),
-    ("qwen3_moe", {"router": "sigmoid"}, "router='sigmoid'"),
-])
-def test_an_moe_the_hf_class_cannot_hold_is_not_exported(tiny: dict[str, Any], arch: str, change: dict[str, Any],
-                                                         message: str) -> None:
+@pytest.mark.parametrize(
+    "arch,change,message",
+    [
+        ("mixtral", {"norm_topk_prob": False}, "norm_topk_prob=False .*MixtralForCausalLM has only True"),
+        ("qwen3_moe", {"n_shared_experts": 1}, "n_shared_experts=1"),
+        ("mixtral", {"route_scale": 2.5}, "route_scale=2.5"),
+        ("qwen3_moe", {"router": "sigmoid"}, "router='sigmoid'"),
+    ],
+)
+def test_an_moe_the_hf_class_cannot_hold_is_not_exported(
+    tiny: dict[str, Any], arch: str, change: dict[str, Any], message: str
+) -> None:
     with pytest.raises(HFMismatch, match=f"cannot be written as {CLASSES[arch]}: .*{message}"):
         hf_config(OmegaConf.merge(tiny[arch], {"moe": change}))
 
@@ -168,8 +240,10 @@ def test_the_tensors_are_those_save_pretrained_writes(tiny: dict[str, Any], tmp_
     assert {k: tuple(v.shape) for k, v in saved.items()} == registry.family_of(m).hf.weight_shapes(Dims.of(m))
     ours = from_hf(saved, m)
     experts = made.model.layers[1].mlp.experts
-    assert torch.equal(torch.cat([ours["layers.1.mlp.experts.w_gate"], ours["layers.1.mlp.experts.w_up"]], dim=1),
-                       experts.gate_up_proj.detach())
+    assert torch.equal(
+        torch.cat([ours["layers.1.mlp.experts.w_gate"], ours["layers.1.mlp.experts.w_up"]], dim=1),
+        experts.gate_up_proj.detach(),
+    )
     assert torch.equal(ours["layers.1.mlp.experts.w_down"], experts.down_proj.detach())
     assert torch.equal(ours["layers.1.mlp.router.weight"], made.model.layers[1].mlp.gate.weight.detach())
     back = to_hf(ours, m)
@@ -212,8 +286,14 @@ def test_the_login_node_checks_a_directory_save_pretrained_wrote(compose_cfg, tm
     saved_by_transformers(m, tmp_path / "made")
     check_config(compose_cfg(*overrides, f"model.init_from={tmp_path / 'made'}"))
     with pytest.raises(ConfigError) as refused:
-        check_config(compose_cfg(*overrides, f"model.init_from={tmp_path / 'made'}", "model.moe.n_experts=8",
-                                 "model.moe.expert_hidden=16"))
+        check_config(
+            compose_cfg(
+                *overrides,
+                f"model.init_from={tmp_path / 'made'}",
+                "model.moe.n_experts=8",
+                "model.moe.expert_hidden=16",
+            )
+        )
     assert "model.moe.n_experts: 8 here, 4 in config.json" in str(refused.value)
     assert "model.moe.expert_hidden: 16 here, 32 in config.json" in str(refused.value)
 

@@ -11,8 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import crc32c
 import pytest
@@ -21,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from hpctrain.checkpoint import integrity, storage
-from hpctrain.checkpoint.storage import committed_in, partial_dir, step_dir, verify
 from hpctrain.checkpoint.reshard import load_state
+from hpctrain.checkpoint.storage import committed_in, partial_dir, step_dir, verify
 from tests.checkpoint.test_checkpoint import SMALL, model_weights
 from tests.checkpoint.training import consumed_samples, train
 
@@ -31,8 +32,9 @@ TIER = ["checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 3, 
 
 
 def config(compose_cfg, tmp_path: Path, max_steps: int) -> dict[str, Any]:
-    cfg = compose_cfg(*SMALL, "cluster.gpus_per_node=2", "run.id=test", f"run.root={tmp_path}",
-                      f"train.max_steps={max_steps}", *TIER)
+    cfg = compose_cfg(
+        *SMALL, "cluster.gpus_per_node=2", "run.id=test", f"run.root={tmp_path}", f"train.max_steps={max_steps}", *TIER
+    )
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
@@ -55,8 +57,11 @@ def runs(compose_cfg_module, tmp_path_factory) -> dict[str, Any]:
     train(2, cfg6, six)
     straight = base / "straight"
     train(2, config(compose_cfg_module, base, 8), straight)
-    return {"six": six, "cfg8": config(compose_cfg_module, base, 8),
-            "reference": model_weights(straight / "checkpoints" / "step_00000008")}
+    return {
+        "six": six,
+        "cfg8": config(compose_cfg_module, base, 8),
+        "reference": model_weights(straight / "checkpoints" / "step_00000008"),
+    }
 
 
 def test_every_file_and_record_of_a_real_two_rank_save_carries_its_checksum(runs) -> None:
@@ -76,7 +81,7 @@ def test_every_file_and_record_of_a_real_two_rank_save_carries_its_checksum(runs
         metadata = pickle.load(f)
     covered: dict[str, list[tuple[int, int]]] = {}
     for index, info in metadata.storage_data.items():
-        data = (ckpt / info.relative_path).read_bytes()[info.offset: info.offset + info.length]
+        data = (ckpt / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
         assert info.checksum == f"{crc32c.crc32c(data):08x}", index
         covered.setdefault(info.relative_path, []).append((info.offset, info.length))
     for name, ranges in covered.items():  # the records tile each file: no byte goes unchecked on load
@@ -104,22 +109,28 @@ def _largest_shard(ckpt: Path) -> Path:
 DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {  # what `verify` and the resume say (the reader names
     # the record a flipped bit hit: `test_a_flipped_bit_is_named_by_file_and_tensor`)
     "bit flip in a shard": (lambda c: flip(_largest_shard(c)), "mismatch"),
-    "truncated shard": (lambda c: os.truncate(_largest_shard(c), _largest_shard(c).stat().st_size // 2),
-                        "manifest says"),
+    "truncated shard": (
+        lambda c: os.truncate(_largest_shard(c), _largest_shard(c).stat().st_size // 2),
+        "manifest says",
+    ),
     "missing shard": (lambda c: _largest_shard(c).unlink(), "missing __"),
     "garbage manifest": (lambda c: (c / "manifest.json").write_bytes(os.urandom(200)), "manifest unreadable"),
     "manifest edited, its checksum not": (
-        lambda c: reseal_with(c, lambda m: m.update(consumed_samples=1), seal=False), "of its content"),
+        lambda c: reseal_with(c, lambda m: m.update(consumed_samples=1), seal=False),
+        "of its content",
+    ),
     "metadata not what the manifest sums": (
         lambda c: reseal_with(c, lambda m: m["crc32c"].update({".metadata": "00000000"}), seal=True),
-        ".metadata: crc32c mismatch"),
+        ".metadata: crc32c mismatch",
+    ),
 }
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_damaged_checkpoint_is_found_skipped_and_the_run_redoes_its_steps_exactly(runs, tmp_path: Path,
-                                                                                    damage: str) -> None:
+def test_a_damaged_checkpoint_is_found_skipped_and_the_run_redoes_its_steps_exactly(
+    runs, tmp_path: Path, damage: str
+) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(runs["six"], run_dir)
     newest = step_dir(run_dir / "checkpoints", 6)
@@ -173,14 +184,13 @@ def test_a_flipped_bit_is_named_by_file_and_tensor(runs, tmp_path: Path) -> None
     hit = [line for line in checked.stdout.splitlines() if "records hit" in line]
     assert hit and hit[0].count("bytes") == 1, hit  # that one record, no other
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-
     from torch.distributed.checkpoint.utils import CheckpointException
 
     from hpctrain.checkpoint.reader import CorruptCheckpoint, FastReader
 
     with pytest.raises(CheckpointException) as found:  # the same bytes on a resume: the reader names the record
         dcp.load({}, storage_reader=FastReader(str(ckpt)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    (error, _), = found.value.failures.values()
+    ((error, _),) = found.value.failures.values()
     assert isinstance(error, CorruptCheckpoint) and error.file == shard.name
     assert error.records == [name.split("@")[0]], error.records
 
@@ -192,8 +202,11 @@ def _save(tier: Path, step: int, value: float) -> Path:
     writer = integrity.SummingWriter(partial, thread_count=2)
     dcp.save({"w": torch.full((64, 64), value), "b": torch.arange(100) * step}, storage_writer=writer, no_dist=True)
     sums = writer.written()
-    return partial, {"step": step, "files": {n: s for n, (s, _) in sums.items()},
-                     "crc32c": {n: c for n, (_, c) in sums.items()}}
+    return partial, {
+        "step": step,
+        "files": {n: s for n, (s, _) in sums.items()},
+        "crc32c": {n: c for n, (_, c) in sums.items()},
+    }
 
 
 def _save_and_commit(tier: Path, step: int, value: float, kill_after: int | None) -> None:
@@ -221,13 +234,15 @@ def _loads(ckpt: storage.Committed) -> float:
     return float(state["w"][0, 0])
 
 
-POINTS = (["in the shard writes"] + [f"before: {name}" for name, _ in storage.commit_steps(Path("p"), Path("f"), {})]
-          + ["after the last step"])
+POINTS = (
+    ["in the shard writes"]
+    + [f"before: {name}" for name, _ in storage.commit_steps(Path("p"), Path("f"), {})]
+    + ["after the last step"]
+)
 
 
 @pytest.mark.parametrize("point", range(len(POINTS)), ids=POINTS)
-def test_a_commit_killed_at_any_point_leaves_the_old_or_the_new_checkpoint_complete(tmp_path: Path,
-                                                                                    point: int) -> None:
+def test_a_commit_killed_at_any_point_leaves_the_old_or_the_new_checkpoint_complete(tmp_path: Path, point: int) -> None:
     tier = tmp_path / "tier"
     tier.mkdir()
     partial, manifest = _save(tier, 1, 1.0)
@@ -271,8 +286,7 @@ def test_a_deletion_killed_half_way_never_leaves_a_manifest_beside_missing_files
     assert [p.name for p in storage.remove_debris(tier)] == ["step_00000001.deleting"]
 
 
-def test_the_commit_fsyncs_each_file_before_its_rename_and_the_directory_after(tmp_path: Path,
-                                                                               monkeypatch) -> None:
+def test_the_commit_fsyncs_each_file_before_its_rename_and_the_directory_after(tmp_path: Path, monkeypatch) -> None:
     """Durability cannot be seen without pulling the power; the order of the calls that make it can."""
     calls: list[tuple[str, str]] = []
     real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
@@ -299,8 +313,9 @@ def test_the_commit_fsyncs_each_file_before_its_rename_and_the_directory_after(t
     assert calls[4] == ("fsync", str(tier))  # the rename itself
 
 
-def test_a_one_thread_save_never_syncs_cuda_streams_on_the_save_thread(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_one_thread_save_never_syncs_cuda_streams_on_the_save_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With one write thread and a GPU, DCP's overlapping loader syncs CUDA streams on the save thread, whose
     current device is GPU 0: a stray context there from every rank. hpctrain's state is staged in host memory
     already, so its writer copies nothing ahead and DCP takes the serial loader."""
@@ -311,8 +326,11 @@ def test_a_one_thread_save_never_syncs_cuda_streams_on_the_save_thread(tmp_path:
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what DCP asks before it picks the loader
     monkeypatch.setattr(filesystem, "_OverlappingCpuLoader", overlapping)
-    dcp.save({"w": torch.arange(8.0)}, storage_writer=integrity.SummingWriter(tmp_path / "ckpt", thread_count=1),
-             no_dist=True)
+    dcp.save(
+        {"w": torch.arange(8.0)},
+        storage_writer=integrity.SummingWriter(tmp_path / "ckpt", thread_count=1),
+        no_dist=True,
+    )
     loaded = {"w": torch.zeros(8)}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert torch.equal(loaded["w"], torch.arange(8.0))

@@ -48,8 +48,14 @@ def test_an_attempt_that_lost_the_lease_stops_without_writing(compose_cfg, tmp_p
         return lease
 
     monkeypatch.setattr(training, "take_lease", take_and_wait)  # inherited by the forked ranks
-    cfg = config(compose_cfg, tmp_path, 2, "train.max_steps=8", f"run.lease_check_s={interval}",
-                 *tiers(tmp_path, ram=2, local=4, shared=8))
+    cfg = config(
+        compose_cfg,
+        tmp_path,
+        2,
+        "train.max_steps=8",
+        f"run.lease_check_s={interval}",
+        *tiers(tmp_path, ram=2, local=4, shared=8),
+    )
     run_dir = tmp_path / "run"
     results = train(2, cfg, run_dir, lease_taken_at=3)
     assert all("newer attempt" in r["stale"] for r in results)

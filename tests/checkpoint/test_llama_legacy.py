@@ -54,8 +54,11 @@ def old_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict
     cfg, engine = _engine(1)
     for s in range(STEPS):
         engine.step(rank_batches(s, cfg, 0, 1), cfg.optim.lr)
-    state = {k: {n: v.detach().clone() if isinstance(v, torch.Tensor) else v for n, v in part.items()}
-             for k, part in engine.state_dict().items() if k in ("model", "optim")}
+    state = {
+        k: {n: v.detach().clone() if isinstance(v, torch.Tensor) else v for n, v in part.items()}
+        for k, part in engine.state_dict().items()
+        if k in ("model", "optim")
+    }
     old = _old_layout(state)
     assert "layers.0.mlp.fc.weight" in old["model"] and "state.layers.0.mlp.fc.weight.exp_avg_sq" in old["optim"]
     path = tmp_path_factory.mktemp("old") / "step"
@@ -67,9 +70,11 @@ def old_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict
 
 def test_legacy_source_names_and_takes_every_other_row() -> None:
     fc = torch.arange(12.0).reshape(6, 2)  # rows: gate 0, up 0, gate 1, up 1, ...
-    for key, old, rows in [("layers.3.mlp.gate.weight", "layers.3.mlp.fc.weight", [0, 2, 4]),
-                           ("state.layers.3.mlp.up.weight.exp_avg", "state.layers.3.mlp.fc.weight.exp_avg", [1, 3, 5]),
-                           ("train.model.layers.0.mlp.up.weight", "train.model.layers.0.mlp.fc.weight", [1, 3, 5])]:
+    for key, old, rows in [
+        ("layers.3.mlp.gate.weight", "layers.3.mlp.fc.weight", [0, 2, 4]),
+        ("state.layers.3.mlp.up.weight.exp_avg", "state.layers.3.mlp.fc.weight.exp_avg", [1, 3, 5]),
+        ("train.model.layers.0.mlp.up.weight", "train.model.layers.0.mlp.fc.weight", [1, 3, 5]),
+    ]:
         found, take = legacy_source(key)
         assert found == old and torch.equal(take(fc), fc[rows]) and take(fc).is_contiguous()
     assert legacy_source("state.layers.0.mlp.gate.weight.step")[1](torch.tensor(2.0)) == 2
@@ -105,12 +110,15 @@ def _resume_split(rank: int, world: int, path: str, overrides: dict[str, Any]) -
     return {"loss": loss, "weights": {k: v.detach().clone() for k, v in full.items()}}
 
 
-@pytest.mark.parametrize("world, overrides", [
-    (2, {"parallel__tp": 2}),
-    (4, {"parallel__tp": 2, "zero__stage": 3}),  # FSDP2 over TP: the weights' dim 0 split twice (_StridedShard)
-], ids=["tp2", "zero3_dp2xtp2"])
-def test_an_old_checkpoint_resumes_split_by_tp_and_fsdp(old_checkpoint, world: int, overrides: dict[str, Any]
-                                                        ) -> None:
+@pytest.mark.parametrize(
+    "world, overrides",
+    [
+        (2, {"parallel__tp": 2}),
+        (4, {"parallel__tp": 2, "zero__stage": 3}),  # FSDP2 over TP: the weights' dim 0 split twice (_StridedShard)
+    ],
+    ids=["tp2", "zero3_dp2xtp2"],
+)
+def test_an_old_checkpoint_resumes_split_by_tp_and_fsdp(old_checkpoint, world: int, overrides: dict[str, Any]) -> None:
     """The gate and up shards each rank takes from the old tensor: the next step is the one-process run's."""
     path, _, after = old_checkpoint
     for got in run_distributed(_resume_split, world, str(path), overrides, timeout=180):
@@ -137,6 +145,7 @@ def test_an_old_checkpoint_exports_to_hugging_face(old_checkpoint, tmp_path: Pat
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     for i in range(cfg.model.n_layers):
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("proj", "down_proj")):
-            assert torch.equal(hf[f"model.layers.{i}.mlp.{theirs}.weight"],
-                               saved["model"][f"layers.{i}.mlp.{ours}.weight"])
+            assert torch.equal(
+                hf[f"model.layers.{i}.mlp.{theirs}.weight"], saved["model"][f"layers.{i}.mlp.{ours}.weight"]
+            )
     assert len(hf) == 2 + 9 * cfg.model.n_layers + 1  # embedding, head, final norm; 9 per layer

@@ -19,8 +19,16 @@ from tests.checkpoint.test_checkpoint import SMALL, config, model_weights, tiers
 from tests.checkpoint.training import consumed_samples, losses_by_step, metrics, train
 
 # A tiny Qwen3-MoE (4 experts, top 2) with both auxiliary losses on, in the checkpoint suite's SMALL run.
-MOE = ["model.arch=qwen3_moe", "model.n_kv_heads=1", "model.head_dim=32", "model.ffn_hidden=64",
-       "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.balance_coef=0.01", "model.moe.z_loss_coef=0.001"]
+MOE = [
+    "model.arch=qwen3_moe",
+    "model.n_kv_heads=1",
+    "model.head_dim=32",
+    "model.ffn_hidden=64",
+    "model.moe.n_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.balance_coef=0.01",
+    "model.moe.z_loss_coef=0.001",
+]
 
 
 @pytest.mark.timeout(400)
@@ -28,8 +36,11 @@ MOE = ["model.arch=qwen3_moe", "model.n_kv_heads=1", "model.head_dim=32", "model
 def test_an_expert_parallel_run_resumes_bit_identically(compose_cfg, tmp_path: Path) -> None:
     common = ["train.max_steps=6", "parallel.ep=2", "zero=stage1", *MOE]
     straight = tmp_path / "straight"
-    train(2, config(compose_cfg, tmp_path / "a", 2, *common, *tiers(tmp_path / "a", ram=3, local=100, shared=100)),
-          straight)
+    train(
+        2,
+        config(compose_cfg, tmp_path / "a", 2, *common, *tiers(tmp_path / "a", ram=3, local=100, shared=100)),
+        straight,
+    )
     stopped = tmp_path / "stopped"
     cfg = config(compose_cfg, tmp_path / "b", 2, *common, *tiers(tmp_path / "b", ram=3, local=100, shared=100))
     first = train(2, cfg, stopped, signal_at=4, signal_rank=1)
@@ -55,11 +66,12 @@ def test_experts_move_between_ep_degrees_and_training_continues(compose_cfg, tmp
     reference = tmp_path / "reference"
     train(1, config(compose_cfg, tmp_path / "r", 1, *steps), reference)
     run_dir = tmp_path / "run"
-    assert all("preempted" in r for r in train(2, config(compose_cfg, tmp_path, 2, *steps, "parallel.ep=2"),
-                                               run_dir, signal_at=1))
+    assert all(
+        "preempted" in r
+        for r in train(2, config(compose_cfg, tmp_path, 2, *steps, "parallel.ep=2"), run_dir, signal_at=1)
+    )
     assert all("preempted" in r for r in train(1, config(compose_cfg, tmp_path, 1, *steps), run_dir, signal_at=3))
-    train(4, config(compose_cfg, tmp_path, 4, *steps, "parallel.ep=4", "train.micro_batch=2", "zero=stage3"),
-          run_dir)
+    train(4, config(compose_cfg, tmp_path, 4, *steps, "parallel.ep=4", "train.micro_batch=2", "zero=stage3"), run_dir)
     a, b = losses_by_step(reference), losses_by_step(run_dir)
     assert list(b) == list(range(1, 7))
     for step in range(1, 7):
@@ -68,7 +80,8 @@ def test_experts_move_between_ep_degrees_and_training_continues(compose_cfg, tmp
 
 
 def test_a_resume_across_a_checkpoint_taken_at_a_router_bias_update_is_bit_identical(
-        compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """DeepSeek-V3's sigmoid router moves its bias (a buffer, updated in place) once a step. A save's copy of the
     state runs while the next step computes, and what changes the state waits for it (the engine's
     before_update): the bias update too, or the checkpoint of step 1 holds step 2's bias and a resume from it
@@ -79,14 +92,24 @@ def test_a_resume_across_a_checkpoint_taken_at_a_router_bias_update_is_bit_ident
     from hpctrain.parallel.engine import build_engine
     from hpctrain.records.fingerprint import fingerprint_of
 
-    cfg = compose_cfg(*SMALL, *MOE, "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01",
-                      "cluster.gpus_per_node=1", "train.global_batch=2", "run.id=bias",
-                      f"checkpoint.tiers=[{{name: disk, path: {tmp_path}/tier, interval_steps: 1, keep_last: 2}}]")
+    cfg = compose_cfg(
+        *SMALL,
+        *MOE,
+        "model.moe.router=sigmoid",
+        "model.moe.bias_update_rate=0.01",
+        "cluster.gpus_per_node=1",
+        "train.global_batch=2",
+        "run.id=bias",
+        f"checkpoint.tiers=[{{name: disk, path: {tmp_path}/tier, interval_steps: 1, keep_last: 2}}]",
+    )
 
     def start() -> tuple[Any, CheckpointManager]:
-        return (build_engine(cfg, resolve_layout(cfg), torch.device("cpu")),
-                CheckpointManager(cfg.checkpoint, 0.0, tmp_path, "bias", 0, 1,
-                                  fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()))
+        return (
+            build_engine(cfg, resolve_layout(cfg), torch.device("cpu")),
+            CheckpointManager(
+                cfg.checkpoint, 0.0, tmp_path, "bias", 0, 1, fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()
+            ),
+        )
 
     def state(engine: Any) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
@@ -128,5 +151,6 @@ def test_a_resume_across_a_checkpoint_taken_at_a_router_bias_update_is_bit_ident
     for batch in data[1:]:
         resumed.step(batch, 1e-3)
     after = state(resumed)
-    assert all(torch.equal(after[k], straight[k]) for k in straight), \
-        [k for k in straight if not torch.equal(after[k], straight[k])]
+    assert all(torch.equal(after[k], straight[k]) for k in straight), [
+        k for k in straight if not torch.equal(after[k], straight[k])
+    ]

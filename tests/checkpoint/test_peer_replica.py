@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.checkpoint.storage import Committed, verify
 from hpctrain.checkpoint.peers import (
     Nodes,
     Transfer,
@@ -20,6 +19,7 @@ from hpctrain.checkpoint.peers import (
     replica_transfers,
     run_transfers,
 )
+from hpctrain.checkpoint.storage import Committed, verify
 from tests.checkpoint.test_checkpoint import config, model_weights, steps_in
 from tests.checkpoint.training import consumed_samples, losses_by_step, train
 from tests.distributed_harness import DistributedTestError, run_distributed
@@ -34,8 +34,13 @@ def test_the_ring_sends_each_ranks_files_to_the_next_node_and_metadata_everywher
     assert nodes.groups == ((0, 1), (2, 3), (4, 5)) and not nodes.shared and nodes.leader(3) == 2
     files = [{"__0_0.distcp": 5, ".metadata": 2}, {"__1_0.distcp": 6}, {"__2_0.distcp": 7}, {}, {}, {"__5_0.distcp": 8}]
     assert replica_transfers(files, nodes) == [
-        Transfer(0, 2, ".metadata", 2), Transfer(0, 4, ".metadata", 2), Transfer(0, 2, "__0_0.distcp", 5),
-        Transfer(1, 3, "__1_0.distcp", 6), Transfer(2, 4, "__2_0.distcp", 7), Transfer(5, 1, "__5_0.distcp", 8)]
+        Transfer(0, 2, ".metadata", 2),
+        Transfer(0, 4, ".metadata", 2),
+        Transfer(0, 2, "__0_0.distcp", 5),
+        Transfer(1, 3, "__1_0.distcp", 6),
+        Transfer(2, 4, "__2_0.distcp", 7),
+        Transfer(5, 1, "__5_0.distcp", 8),
+    ]
 
 
 def test_a_node_fetches_only_what_it_reads_and_lacks_from_the_nearest_holder() -> None:
@@ -44,14 +49,22 @@ def test_a_node_fetches_only_what_it_reads_and_lacks_from_the_nearest_holder() -
     held = [{"a": 1, "c": 3}, {"b": 2, "a": 1}, {}]  # node 2 is a fresh spare
     assert missing_from(required, held) == []
     assert fetch_transfers(required, held, [{"a"}, {"a", "c"}, {"b", "c"}], nodes) == [
-        Transfer(0, 1, "c", 3), Transfer(1, 2, "b", 2), Transfer(0, 2, "c", 3)]
+        Transfer(0, 1, "c", 3),
+        Transfer(1, 2, "b", 2),
+        Transfer(0, 2, "c", 3),
+    ]
     assert missing_from(required, [{"a": 1}, {"b": 1}, {}]) == ["b", "c"]  # a torn copy does not count
 
 
 def _move_in_pieces(rank: int, world: int, root: str) -> dict[str, bytes]:
     here = Path(root) / f"node{rank}"
-    transfers = [Transfer(0, 1, "a", 23), Transfer(0, 2, "a", 23), Transfer(1, 2, "b", 7), Transfer(2, 0, "c", 0),
-                 Transfer(2, 1, "d", 5)]
+    transfers = [
+        Transfer(0, 1, "a", 23),
+        Transfer(0, 2, "a", 23),
+        Transfer(1, 2, "b", 7),
+        Transfer(2, 0, "c", 0),
+        Transfer(2, 1, "d", 5),
+    ]
     received = run_transfers(transfers, rank, here, here, None, piece_bytes=4)  # 6 pieces for "a"
     assert received == sum(t.size for t in transfers if t.dst == rank)
     assert not list(here.glob(".*.incoming"))
@@ -67,17 +80,30 @@ def test_files_move_between_nodes_in_pieces_whatever_their_sizes(tmp_path: Path)
         (tmp_path / f"node{rank}").mkdir(exist_ok=True)
         (tmp_path / f"node{rank}" / name).write_bytes(data[name])
     held = run_distributed(_move_in_pieces, 3, str(tmp_path), timeout=120)
-    assert held == [{"a": data["a"], "c": b""}, {"a": data["a"], "b": data["b"], "d": data["d"]},
-                    {"a": data["a"], "b": data["b"], "c": b"", "d": data["d"]}]
+    assert held == [
+        {"a": data["a"], "c": b""},
+        {"a": data["a"], "b": data["b"], "d": data["d"]},
+        {"a": data["a"], "b": data["b"], "c": b"", "d": data["d"]},
+    ]
 
 
 @pytest.mark.timeout(400)
 def test_a_lost_nodes_ram_comes_from_its_peer_and_the_run_continues_exactly(compose_cfg, tmp_path: Path) -> None:
     def cfg_for(root: Path, world: int, steps: int = 12, *extra: str) -> dict:
-        tiers = (f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: 4, keep_last: 2}},"
-                 f"{{name: shared, path: checkpoints, interval_steps: 100, keep_last: 1}}]")
-        return config(compose_cfg, root, world, f"train.max_steps={steps}", "train.global_batch=12",
-                      "train.micro_batch=1", tiers, *extra)
+        tiers = (
+            f"checkpoint.tiers=[{{name: ram, path: {root}/shm, interval_steps: 4, keep_last: 2}},"
+            f"{{name: shared, path: checkpoints, interval_steps: 100, keep_last: 1}}]"
+        )
+        return config(
+            compose_cfg,
+            root,
+            world,
+            f"train.max_steps={steps}",
+            "train.global_batch=12",
+            "train.micro_batch=1",
+            tiers,
+            *extra,
+        )
 
     local = {"node_local": ["ram"]}  # one rank per simulated node: 4 nodes
     straight = tmp_path / "a" / "run"
@@ -116,19 +142,22 @@ def test_a_lost_nodes_ram_comes_from_its_peer_and_the_run_continues_exactly(comp
 
 
 @pytest.mark.timeout(200)
-def test_two_neighbours_lost_make_the_tier_unusable_and_the_resume_says_why(compose_cfg, tmp_path: Path,
-                                                                             capfd) -> None:
-    tiers = (f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 1}},"
-             f"{{name: shared, path: checkpoints, interval_steps: 3, keep_last: 1}}]")
-    cfg = config(compose_cfg, tmp_path, 4, "train.max_steps=4", "checkpoint.save_final=false", "train.micro_batch=1",
-                 tiers)
+def test_two_neighbours_lost_make_the_tier_unusable_and_the_resume_says_why(compose_cfg, tmp_path: Path, capfd) -> None:
+    tiers = (
+        f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 1}},"
+        f"{{name: shared, path: checkpoints, interval_steps: 3, keep_last: 1}}]"
+    )
+    cfg = config(
+        compose_cfg, tmp_path, 4, "train.max_steps=4", "checkpoint.save_final=false", "train.micro_batch=1", tiers
+    )
     run_dir = tmp_path / "run"
     train(4, cfg, run_dir, node_local=["ram"])
     for n in (1, 2):
         shutil.rmtree(tmp_path / "shm" / f"node{n}")
     capfd.readouterr()
-    cfg = config(compose_cfg, tmp_path, 4, "train.max_steps=5", "checkpoint.save_final=false", "train.micro_batch=1",
-                 tiers)
+    cfg = config(
+        compose_cfg, tmp_path, 4, "train.max_steps=5", "checkpoint.save_final=false", "train.micro_batch=1", tiers
+    )
     train(4, cfg, run_dir, node_local=["ram"])
     logs = "".join(capfd.readouterr())
     assert "skipping tier ram step 4" in logs and "no node holds __1_0.distcp" in logs, logs[-3000:]
@@ -140,10 +169,13 @@ def test_two_neighbours_lost_make_the_tier_unusable_and_the_resume_says_why(comp
 def test_a_stop_saves_where_a_job_on_other_nodes_finds_it(compose_cfg, tmp_path: Path) -> None:
     """USR2 (time limit, preemption): the requeued job may start on other nodes, whose RAM holds nothing, so
     the stop saves to the fastest shared tier, not to the node-local RAM."""
-    tiers = (f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 1}},"
-             f"{{name: shared, path: checkpoints, interval_steps: 100, keep_last: 1}}]")
+    tiers = (
+        f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_steps: 2, keep_last: 1}},"
+        f"{{name: shared, path: checkpoints, interval_steps: 100, keep_last: 1}}]"
+    )
     run_dir = tmp_path / "run"
-    first = train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=6", tiers), run_dir, signal_at=2,
-                  node_local=["ram"])
+    first = train(
+        2, config(compose_cfg, tmp_path, 2, "train.max_steps=6", tiers), run_dir, signal_at=2, node_local=["ram"]
+    )
     assert all("preempted" in r and "step 3" in r["preempted"] for r in first), first
     assert steps_in(run_dir / "checkpoints") == [3] and steps_in(tmp_path / "shm" / "node0" / "test") == [2]

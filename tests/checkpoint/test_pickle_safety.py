@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from hpctrain.checkpoint import integrity, storage
 from hpctrain.checkpoint.inspect import consolidated_model, find
 from hpctrain.checkpoint.integrity import METADATA_CLASSES, TORCH_DTYPES, UnsafeCheckpoint, read_metadata
-from hpctrain.checkpoint.storage import step_dir
 from hpctrain.checkpoint.reader import FastReader
+from hpctrain.checkpoint.storage import step_dir
 from hpctrain.records.failures import read_failures
 from tests.checkpoint.test_checkpoint import SMALL
 from tests.checkpoint.training import train
@@ -41,8 +41,15 @@ FP16_ZERO3 = ["zero=stage3", "precision=fp16"]
 
 
 def config(compose_cfg, root: Path, max_steps: int, *overrides: str) -> dict[str, Any]:
-    cfg = compose_cfg(*SMALL, "cluster.gpus_per_node=2", "run.id=test", f"run.root={root}",
-                      f"train.max_steps={max_steps}", *TIER, *overrides)
+    cfg = compose_cfg(
+        *SMALL,
+        "cluster.gpus_per_node=2",
+        "run.id=test",
+        f"run.root={root}",
+        f"train.max_steps={max_steps}",
+        *TIER,
+        *overrides,
+    )
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
@@ -62,8 +69,12 @@ def run(compose_cfg_module, tmp_path_factory) -> Path:
 
 
 def tool(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True,
-                          preexec_fn=None if umask is None else lambda: os.umask(umask))
+    return subprocess.run(
+        [sys.executable, str(TOOL), *args],
+        capture_output=True,
+        text=True,
+        preexec_fn=None if umask is None else lambda: os.umask(umask),
+    )
 
 
 class Payload:
@@ -172,8 +183,9 @@ def test_a_crafted_metadata_does_not_run_on_export(run, tmp_path: Path, fmt: str
     exported = tool("export", str(run_dir), str(out), "--format", fmt)
     assert not marker.exists()
     assert exported.returncode == 2, exported.stderr
-    assert f"{ckpt / '.metadata'}: refused to load: its pickle asks for posix.system" in exported.stderr, \
+    assert f"{ckpt / '.metadata'}: refused to load: its pickle asks for posix.system" in exported.stderr, (
         exported.stderr
+    )
     assert "Traceback" not in exported.stderr and not out.exists()
 
 
@@ -200,8 +212,11 @@ def test_the_reader_names_the_file_and_the_class_and_dcp_never_unpickles_it(run,
     run_dir, ckpt = copy_of(run, tmp_path)
     marker = tmp_path / "pwned"
     craft_metadata(ckpt, marker)
-    for read in (lambda: read_metadata(ckpt / ".metadata"), lambda: FastReader(str(ckpt)).read_metadata(),
-                 lambda: consolidated_model(find(run_dir))):
+    for read in (
+        lambda: read_metadata(ckpt / ".metadata"),
+        lambda: FastReader(str(ckpt)).read_metadata(),
+        lambda: consolidated_model(find(run_dir)),
+    ):
         with pytest.raises(UnsafeCheckpoint) as refused:
             read()
         assert refused.value.file == str(ckpt / ".metadata") and refused.value.forbidden == "posix.system"
@@ -233,10 +248,11 @@ def test_dcp_never_unpickles_a_byte_record_without_the_restriction(run, tmp_path
     marker = tmp_path / "pwned"
     name = craft_byte_record(ckpt, marker)
     with pytest.raises(CheckpointException) as failed:
-        load({}, storage_reader=FastReader(str(ckpt), verify=verify), planner=_EmptyStateDictLoadPlanner(),
-             no_dist=True)
+        load(
+            {}, storage_reader=FastReader(str(ckpt), verify=verify), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
     assert not marker.exists()
-    (error, _), = failed.value.failures.values()
+    ((error, _),) = failed.value.failures.values()
     if verify:
         assert isinstance(error, UnsafeCheckpoint) and error.file == str(ckpt / name), error
         assert error.forbidden == "posix.system"
@@ -306,5 +322,4 @@ def test_exported_weights_get_the_mode_of_a_normal_file(run, tmp_path: Path, uma
     assert tool("export", str(run), str(tmp_path / "pt" / "model.pt"), umask=umask).returncode == 0
     files = [*out.iterdir(), *(tmp_path / "pt").iterdir()]
     assert any(f.suffix == ".safetensors" for f in out.iterdir()) and (tmp_path / "pt" / "model.safetensors").exists()
-    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
-        f.name: oct(0o666 & ~umask) for f in files}
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: oct(0o666 & ~umask) for f in files}

@@ -7,9 +7,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import crc32c
 import pytest
@@ -48,8 +49,11 @@ def bits(t: torch.Tensor) -> bytes:
 
 
 def saved_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"step": 17, "big": sample(torch.float32, BIG, 1),
-                             "big_bf16": sample(torch.bfloat16, BIG, 2)}
+    state: dict[str, Any] = {
+        "step": 17,
+        "big": sample(torch.float32, BIG, 1),
+        "big_bf16": sample(torch.bfloat16, BIG, 2),
+    }
     for i, dtype in enumerate(DTYPES):
         for j, shape in enumerate(SHAPES):
             state[f"{str(dtype)[6:]}_{j}"] = sample(dtype, shape, 10 * i + j)
@@ -98,7 +102,7 @@ def read_metadata(path: Path) -> Any:
 
 
 def record_bytes(path: Path, info: Any) -> bytes:
-    return (path / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    return (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
 
 
 def storage_info(path: Path, fqn: str) -> Any:
@@ -189,8 +193,13 @@ def test_torch_save_record_layout_is_the_one_the_parser_knows(tmp_path: Path, cr
     must take the fast path (else resumes silently fall back to torch.load's speed)."""
     base = sample(torch.float32, (64, 48), 0)
     tensors = [sample(dtype, shape, 7) for dtype in DTYPES for shape in SHAPES]
-    tensors += [sample(torch.float32, BIG, 3), sample(torch.bfloat16, BIG, 4),
-                base[16:40], base.t(), base[:, 5]]  # views: an offset into a larger storage, strides
+    tensors += [
+        sample(torch.float32, BIG, 3),
+        sample(torch.bfloat16, BIG, 4),
+        base[16:40],
+        base.t(),
+        base[:, 5],
+    ]  # views: an offset into a larger storage, strides
     was = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(crc)
     try:
@@ -205,9 +214,13 @@ def test_torch_save_record_layout_is_the_one_the_parser_knows(tmp_path: Path, cr
             stored = locate(record, found, len(record))
             assert stored is not None, (tensor.dtype, tensor.shape)
             storage = torch.empty(0, dtype=torch.uint8).set_(loaded.untyped_storage())
-            assert record[stored.start:stored.end] == bits(storage)
+            assert record[stored.start : stored.end] == bits(storage)
             assert (stored.dtype, stored.size, stored.stride, stored.storage_offset) == (
-                loaded.dtype, tuple(loaded.shape), loaded.stride(), loaded.storage_offset())
+                loaded.dtype,
+                tuple(loaded.shape),
+                loaded.stride(),
+                loaded.storage_offset(),
+            )
             assert stored.whole() == (tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.nbytes)
     finally:
         torch.serialization.set_crc32_options(was)
@@ -241,16 +254,28 @@ class RowsPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         size = self.metadata.state_dict_metadata["w"].size
         stored = MetadataIndex("w", torch.Size([0, 0]))
-        return LoadPlan([ReadItem(LoadItemType.TENSOR, MetadataIndex(name, torch.Size([0, 0])), torch.Size([0, 0]),
-                                  stored, torch.Size([start, 0]), torch.Size([16, size[1]]))
-                         for name, start in (("top", 8), ("bottom", 24))])
+        return LoadPlan(
+            [
+                ReadItem(
+                    LoadItemType.TENSOR,
+                    MetadataIndex(name, torch.Size([0, 0])),
+                    torch.Size([0, 0]),
+                    stored,
+                    torch.Size([start, 0]),
+                    torch.Size([16, size[1]]),
+                )
+                for name, start in (("top", 8), ("bottom", 24))
+            ]
+        )
 
 
 def test_a_resharded_read_gets_what_dcp_gives(tmp_path: Path) -> None:
     saved = sample(torch.float32, (64, 48), 5)
     path = save({"w": saved}, tmp_path / "ckpt")
-    fast, ours = {"top": torch.zeros(16, 48), "bottom": torch.zeros(16, 48)}, {"top": torch.zeros(16, 48),
-                                                                                "bottom": torch.zeros(16, 48)}
+    fast, ours = (
+        {"top": torch.zeros(16, 48), "bottom": torch.zeros(16, 48)},
+        {"top": torch.zeros(16, 48), "bottom": torch.zeros(16, 48)},
+    )
     dcp_load(ours, path, RowsPlanner())
     reader = load(fast, path, RowsPlanner())
     assert reader.stats == {"staged": 2}  # one read of the record for both
@@ -284,8 +309,11 @@ def test_a_record_layout_the_parser_does_not_know_goes_through_torch_load(tmp_pa
 # ---------------------------------------------------------------- damaged records
 @pytest.mark.parametrize("key", ["w", "big"], ids=["small-record", "large-record"])
 def test_a_flipped_bit_in_a_records_data_is_refused_by_name(tmp_path: Path, key: str) -> None:
-    state = {"w": sample(torch.float32, (64, 48), 1), "big": sample(torch.float32, BIG, 2),
-             "other": sample(torch.int64, (9,), 3)}
+    state = {
+        "w": sample(torch.float32, (64, 48), 1),
+        "big": sample(torch.float32, BIG, 2),
+        "other": sample(torch.int64, (9,), 3),
+    }
     path = save(state, tmp_path / "ckpt")
     info = storage_info(path, key)
     flip(path / info.relative_path, storage_offset_of(path, key, state[key]) + 1000)
@@ -293,8 +321,9 @@ def test_a_flipped_bit_in_a_records_data_is_refused_by_name(tmp_path: Path, key:
         load(zeros_like(state), path)
     error = corrupt(excinfo.value)
     assert error.file == info.relative_path and error.records == [key]
-    assert str(error) == (f"{info.relative_path}: checksum mismatch in {key} "
-                          f"(bytes {info.offset}..{info.offset + info.length})")
+    assert str(error) == (
+        f"{info.relative_path}: checksum mismatch in {key} (bytes {info.offset}..{info.offset + info.length})"
+    )
 
 
 def test_every_damaged_record_of_a_file_is_named_in_one_error(tmp_path: Path) -> None:
@@ -303,8 +332,9 @@ def test_every_damaged_record_of_a_file_is_named_in_one_error(tmp_path: Path) ->
     path = save(state, tmp_path / "ckpt")
     metadata = read_metadata(path)
     name = sorted(path.glob("*.distcp"))[0].name
-    records = sorted((info.offset, index.fqn) for index, info in metadata.storage_data.items()
-                     if info.relative_path == name)
+    records = sorted(
+        (info.offset, index.fqn) for index, info in metadata.storage_data.items() if info.relative_path == name
+    )
     hit = [records[0][1], records[-1][1]]
     for fqn in hit:
         flip(path / name, storage_offset_of(path, fqn, state[fqn]) + 4)
@@ -356,8 +386,9 @@ def test_a_cut_file_is_refused_naming_the_records_past_its_end(tmp_path: Path) -
     path = save(state, tmp_path / "ckpt")
     metadata = read_metadata(path)
     name = sorted(path.glob("*.distcp"))[0].name
-    records = sorted((info.offset, index.fqn) for index, info in metadata.storage_data.items()
-                     if info.relative_path == name)
+    records = sorted(
+        (info.offset, index.fqn) for index, info in metadata.storage_data.items() if info.relative_path == name
+    )
     cut_at = records[-2][0] + 10  # into the second-to-last record
     with open(path / name, "r+b") as f:
         f.truncate(cut_at)
@@ -402,7 +433,6 @@ def test_the_error_crosses_ranks_intact() -> None:
     """DCP pickles a rank's exception to gather it on every rank."""
     error = pickle.loads(pickle.dumps(CorruptCheckpoint("__1_0.distcp", ["a", "b"], ["x", "y"])))
     assert (error.file, error.records, str(error)) == ("__1_0.distcp", ["a", "b"], "__1_0.distcp: x; y")
-
 
 
 def test_one_reading_thread_per_core_the_process_may_use_at_most_four() -> None:

@@ -20,22 +20,41 @@ from hpctrain.checkpoint.reshard import SameChunkPlanner
 
 
 def _saved(tmp_path: Path) -> Metadata:
-    state = {"model": {"w": torch.randn(4, 3), "b": torch.randn(3)}, "optim": {"state.w.step": torch.tensor(2.0)},
-             "extra": {"rank1": torch.randn(2)}, "note": 5}
+    state = {
+        "model": {"w": torch.randn(4, 3), "b": torch.randn(3)},
+        "optim": {"state.w.step": torch.tensor(2.0)},
+        "extra": {"rank1": torch.randn(2)},
+        "note": 5,
+    }
     dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
     return FastReader(str(tmp_path)).read_metadata()
 
 
 def _target() -> dict[str, Any]:
-    return {"model": {"w": torch.empty(4, 3), "b": torch.empty(3)}, "optim": {"state.w.step": torch.tensor(0.0)},
-            "note": 0}
+    return {
+        "model": {"w": torch.empty(4, 3), "b": torch.empty(3)},
+        "optim": {"state.w.step": torch.tensor(0.0)},
+        "note": 0,
+    }
 
 
 def _plan(planner: LoadPlanner, state: dict[str, Any], metadata: Metadata) -> list[tuple[Any, ...]]:
     planner.set_up_planner(state, metadata, is_coordinator=False)
-    return [(i.type, i.dest_index.fqn, i.dest_index.offset, i.dest_index.index, i.dest_offsets,
-             i.storage_index.fqn, i.storage_index.offset, i.storage_index.index, i.storage_offsets, i.lengths)
-            for i in planner.create_local_plan().items]
+    return [
+        (
+            i.type,
+            i.dest_index.fqn,
+            i.dest_index.offset,
+            i.dest_index.index,
+            i.dest_offsets,
+            i.storage_index.fqn,
+            i.storage_index.offset,
+            i.storage_index.index,
+            i.storage_offsets,
+            i.lengths,
+        )
+        for i in planner.create_local_plan().items
+    ]
 
 
 def test_the_shortcut_makes_dcps_plan(tmp_path: Path) -> None:
@@ -51,8 +70,10 @@ def test_a_split_or_resized_tensor_goes_dcps_way(tmp_path: Path) -> None:
     metadata = _saved(tmp_path)
     w = metadata.state_dict_metadata["model.w"]
     assert isinstance(w, TensorStorageMetadata)
-    halves = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
-              ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3]))]
+    halves = [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3])),
+        ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 3])),
+    ]
     metadata.state_dict_metadata["model.w"] = dataclasses.replace(w, chunks=halves)  # saved by two ranks
     ours = _plan(SameChunkPlanner(), _target(), metadata)
     assert ours == _plan(DefaultLoadPlanner(), _target(), metadata)

@@ -28,8 +28,11 @@ from tests.conftest import run_hpctrain
 
 def tree_sums(root: Path) -> dict[str, str]:
     """sha256 of every file under `root` (links not followed), by relative path."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def no_traceback(proc: Any) -> None:
@@ -82,17 +85,23 @@ def test_a_run_linked_to_another_runs_checkpoints_is_refused_and_leaves_them_unt
 
 # ---------------------------------------------------------------- the checkpoint manager, in process
 def small(compose_cfg, run_id: str, *overrides: str) -> Any:
-    return compose_cfg(*SMALL, "cluster.gpus_per_node=1", "train.global_batch=2", f"run.id={run_id}",
-                       "checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 1, keep_last: 1}]",
-                       *overrides)
+    return compose_cfg(
+        *SMALL,
+        "cluster.gpus_per_node=1",
+        "train.global_batch=2",
+        f"run.id={run_id}",
+        "checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 1, keep_last: 1}]",
+        *overrides,
+    )
 
 
 def manager_of(cfg: Any, run_dir: Path) -> Any:
     from hpctrain.checkpoint.manager import CheckpointManager
     from hpctrain.records.fingerprint import fingerprint_of
 
-    return CheckpointManager(cfg.checkpoint, 0.0, run_dir, str(cfg.run.id), 0, 1,
-                             fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict())
+    return CheckpointManager(
+        cfg.checkpoint, 0.0, run_dir, str(cfg.run.id), 0, 1, fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()
+    )
 
 
 def engine_of(cfg: Any) -> Any:
@@ -136,8 +145,7 @@ def test_the_manager_refuses_a_tier_linked_to_another_runs(run_a: Path, compose_
     assert tree_sums(run_a) == before
 
 
-def test_the_manager_refuses_a_checkpoint_linked_in_from_another_run(run_a: Path, compose_cfg,
-                                                                     tmp_path: Path) -> None:
+def test_the_manager_refuses_a_checkpoint_linked_in_from_another_run(run_a: Path, compose_cfg, tmp_path: Path) -> None:
     from hpctrain.checkpoint.manager import CheckpointError
 
     before = tree_sums(run_a)
@@ -151,8 +159,7 @@ def test_the_manager_refuses_a_checkpoint_linked_in_from_another_run(run_a: Path
     assert tree_sums(run_a) == before  # retention passed the link by: A's step is whole
 
 
-def test_a_link_made_while_the_run_trains_is_refused_at_its_next_save(run_a: Path, compose_cfg,
-                                                                     tmp_path: Path) -> None:
+def test_a_link_made_while_the_run_trains_is_refused_at_its_next_save(run_a: Path, compose_cfg, tmp_path: Path) -> None:
     """The checks at start-up are not all: each save and each retention asks again, so a tier swapped for a link
     later is never written into nor pruned."""
     from hpctrain.checkpoint.manager import CheckpointError
@@ -185,8 +192,9 @@ def test_the_manager_refuses_a_checkpoint_of_another_run_id(run_a: Path, compose
     assert not [e for e in manager.events if e["event"] == "resume"]
 
 
-def test_a_checkpoint_from_before_manifests_named_their_run_still_resumes(run_a: Path, compose_cfg, tmp_path: Path,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_a_checkpoint_from_before_manifests_named_their_run_still_resumes(
+    run_a: Path, compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from hpctrain.checkpoint.integrity import seal
 
     run_dir = tmp_path / "A"

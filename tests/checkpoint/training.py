@@ -29,8 +29,9 @@ from tests.distributed_harness import run_distributed
 
 
 def _rank_main(rank: int, world: int, config: dict[str, Any], run_dir: str, faults: dict[str, Any]) -> Any:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True,
-                        format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, force=True, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s"
+    )
     for tier in config["checkpoint"]["tiers"]:  # each simulated node sees a directory of its own, as nodes do
         if tier["name"] in faults.get("node_local", ()):
             tier["path"] = f"{tier['path']}/node{rank // faults.get('ranks_per_node', 1)}"
@@ -43,8 +44,17 @@ def _rank_main(rank: int, world: int, config: dict[str, Any], run_dir: str, faul
         samples = step_samples(consumed, reader.global_batch, reader.dp, reader.dp_rank)
         batch = original(reader, consumed)
         with open(Path(run_dir) / f"samples.rank{rank}.jsonl", "a") as f:
-            f.write(json.dumps({"consumed": consumed, "dp_rank": reader.dp_rank, "samples": list(samples),
-                                "tokens": row_sums(batch)}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "consumed": consumed,
+                        "dp_rank": reader.dp_rank,
+                        "samples": list(samples),
+                        "tokens": row_sums(batch),
+                    }
+                )
+                + "\n"
+            )
         if faults.get("signal_at") == consumed // reader.global_batch and rank == faults.get("signal_rank", 0):
             os.kill(os.getpid(), faults.get("signum", signal.SIGUSR2))
         if faults.get("lease_taken_at") == consumed // reader.global_batch and rank == 0:  # a newer attempt starts
@@ -104,7 +114,9 @@ def consumed_tokens(run_dir: Path) -> dict[int, int]:
 
 def consumed_samples(run_dir: Path) -> list[int]:
     """Every sample id any rank consumed, in step order, from the recorded sample files."""
-    rows = [json.loads(line) for f in sorted(run_dir.glob("samples.rank*.jsonl")) for line in f.read_text().splitlines()]
+    rows = [
+        json.loads(line) for f in sorted(run_dir.glob("samples.rank*.jsonl")) for line in f.read_text().splitlines()
+    ]
     by_step: dict[int, set[int]] = {}
     for r in rows:
         by_step.setdefault(r["consumed"], set()).update(r["samples"])

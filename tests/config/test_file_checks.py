@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from hpctrain.plan.checks import check_config, run_checks
 from hpctrain.config.file_checks import (
     FileProblem,
     format_bytes,
@@ -35,6 +34,7 @@ from hpctrain.config.file_checks import (
 )
 from hpctrain.data.indexed import IndexedDatasetWriter
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
+from hpctrain.plan.checks import check_config, run_checks
 from tests.conftest import REPO, run_hpctrain
 from tests.gpu_rules import environment as rules_environment
 
@@ -71,8 +71,15 @@ def test_an_idx_from_another_dataset_beside_a_bin_is_refused(compose_cfg, capsys
     a = dataset(tmp_path / "data" / "a", [100 + i for i in range(200)])
     b = dataset(tmp_path / "data" / "b", [90 + i for i in range(150)])
     shutil.copy(f"{b}.idx", f"{a}.idx")  # b's index beside a's tokens
-    refused(compose_cfg, capsys, tmp_path / "runs", *INDEXED, f"data.blend={a}", key="data.blend",
-            words=[f"{a}.bin", f"{a}.idx", "not one dataset"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *INDEXED,
+        f"data.blend={a}",
+        key="data.blend",
+        words=[f"{a}.bin", f"{a}.idx", "not one dataset"],
+    )
 
 
 def test_a_valid_blend_dataset_is_checked_too(compose_cfg, capsys, tmp_path: Path) -> None:
@@ -80,16 +87,32 @@ def test_a_valid_blend_dataset_is_checked_too(compose_cfg, capsys, tmp_path: Pat
     v = dataset(tmp_path / "data" / "v", [100] * 20)
     with open(f"{v}.bin", "ab") as f:
         f.write(b"\0\0")  # one token more than the index describes
-    refused(compose_cfg, capsys, tmp_path / "runs", *INDEXED, f"data.blend={a}", f"data.valid_blend={v}",
-            "data.valid_fraction=0", key="data.valid_blend", words=[f"{v}.bin", "4,002 bytes"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *INDEXED,
+        f"data.blend={a}",
+        f"data.valid_blend={v}",
+        "data.valid_fraction=0",
+        key="data.valid_blend",
+        words=[f"{v}.bin", "4,002 bytes"],
+    )
 
 
 def test_a_damaged_index_header_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     a = dataset(tmp_path / "data" / "a", [100] * 200)
     with open(f"{a}.idx", "r+b") as f:
         f.write(b"NOTANIDX!")
-    refused(compose_cfg, capsys, tmp_path / "runs", *INDEXED, f"data.blend={a}", key="data.blend",
-            words=[f"{a}.idx", "not an indexed dataset index"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *INDEXED,
+        f"data.blend={a}",
+        key="data.blend",
+        words=[f"{a}.idx", "not an indexed dataset index"],
+    )
 
 
 def test_a_dataset_tokenizer_larger_than_data_vocab_size_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
@@ -104,22 +127,42 @@ def test_a_dataset_tokenizer_larger_than_data_vocab_size_is_refused(compose_cfg,
     prefix = tmp_path / "data" / "bpe"
     summary = prepare([corpus], prefix, vocab_size=400, progress=False)
     assert summary.vocab_size == 400
-    refused(compose_cfg, capsys, tmp_path / "runs", "data=indexed", "data.vocab_size=300", "model.vocab_size=300",
-            f"data.blend={prefix}", "data.valid_fraction=0", key="data.vocab_size",
-            words=[f"{prefix}.tokenizer.json", "400 tokens", "data.vocab_size=300", "set data.vocab_size=400"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        "data=indexed",
+        "data.vocab_size=300",
+        "model.vocab_size=300",
+        f"data.blend={prefix}",
+        "data.valid_fraction=0",
+        key="data.vocab_size",
+        words=[f"{prefix}.tokenizer.json", "400 tokens", "data.vocab_size=300", "set data.vocab_size=400"],
+    )
 
 
-def test_a_given_tokenizer_larger_than_data_vocab_size_is_refused_before_preparing(compose_cfg, capsys,
-                                                                                   tmp_path: Path) -> None:
+def test_a_given_tokenizer_larger_than_data_vocab_size_is_refused_before_preparing(
+    compose_cfg, capsys, tmp_path: Path
+) -> None:
     from tokenizers import Tokenizer, models
 
     tokenizer = tmp_path / "tokenizer.json"
     Tokenizer(models.WordLevel({f"t{i}": i for i in range(4096)}, unk_token="t0")).save(str(tokenizer))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("t1 t2 t3\n")
-    refused(compose_cfg, capsys, tmp_path / "runs", "data=indexed", "data.vocab_size=300", "model.vocab_size=300",
-            f"data.blend={tmp_path / 'data' / 'ds'}", f"data.prepare.inputs=[{corpus}]",
-            f"data.prepare.tokenizer={tokenizer}", key="data.vocab_size", words=[str(tokenizer), "4096 tokens"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        "data=indexed",
+        "data.vocab_size=300",
+        "model.vocab_size=300",
+        f"data.blend={tmp_path / 'data' / 'ds'}",
+        f"data.prepare.inputs=[{corpus}]",
+        f"data.prepare.tokenizer={tokenizer}",
+        key="data.vocab_size",
+        words=[str(tokenizer), "4096 tokens"],
+    )
     assert not (tmp_path / "data").exists(), "nothing prepared"
 
 
@@ -127,14 +170,28 @@ def test_one_document_with_the_default_validation_hold_out_is_refused(compose_cf
     """data=indexed holds out 1% of the documents by default: round(1 x 0.01) = 0 of one document."""
     one = dataset(tmp_path / "data" / "one", [5000])
     assert compose_cfg(*INDEXED, f"data.blend={one}").data.valid_fraction == 0.01
-    refused(compose_cfg, capsys, tmp_path / "runs", *INDEXED, f"data.blend={one}", key="data.valid_fraction",
-            words=[f"{one}.idx", "1 document(s)", "data.valid_fraction=0", "at least 51 documents"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *INDEXED,
+        f"data.blend={one}",
+        key="data.valid_fraction",
+        words=[f"{one}.idx", "1 document(s)", "data.valid_fraction=0", "at least 51 documents"],
+    )
 
 
 def test_a_dataset_smaller_than_one_sample_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     small = dataset(tmp_path / "data" / "small", [10] * 100)  # 990 training tokens, 10 held out: < 129
-    refused(compose_cfg, capsys, tmp_path / "runs", *INDEXED, f"data.blend={small}", key="data.valid_fraction",
-            words=["the validation data of", "10 token(s)", "train.seq_len=128"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *INDEXED,
+        f"data.blend={small}",
+        key="data.valid_fraction",
+        words=["the validation data of", "10 token(s)", "train.seq_len=128"],
+    )
 
 
 def test_an_odd_length_tokens_file_is_refused_naming_it(compose_cfg, capsys, tmp_path: Path) -> None:
@@ -144,14 +201,30 @@ def test_an_odd_length_tokens_file_is_refused_naming_it(compose_cfg, capsys, tmp
     np.arange(5001, dtype=np.uint16).tofile(path)
     with open(path, "ab") as f:
         f.write(b"\x01")
-    refused(compose_cfg, capsys, tmp_path / "runs", "data=tokens", "data.vocab_size=256", f"data.path={path}",
-            key="data.path", words=[str(path), "10,003 bytes", "uint16", "data.token_dtype"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        "data=tokens",
+        "data.vocab_size=256",
+        f"data.path={path}",
+        key="data.path",
+        words=[str(path), "10,003 bytes", "uint16", "data.token_dtype"],
+    )
 
 
 def test_a_tokens_directory_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
-    refused(compose_cfg, capsys, tmp_path / "runs", "data=tokens", "data.vocab_size=256",
-            f"data.path={tmp_path / 'data'}", key="data.path", words=["is not a file"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        "data=tokens",
+        "data.vocab_size=256",
+        f"data.path={tmp_path / 'data'}",
+        key="data.path",
+        words=["is not a file"],
+    )
 
 
 def test_sound_datasets_pass(compose_cfg, tmp_path: Path) -> None:
@@ -163,8 +236,8 @@ def test_sound_datasets_pass(compose_cfg, tmp_path: Path) -> None:
 
 
 def test_the_header_reader_agrees_with_the_job_reader(tmp_path: Path) -> None:
-    from hpctrain.data import indexed
     from hpctrain.config import file_checks
+    from hpctrain.data import indexed
 
     assert file_checks.INDEX_MAGIC == indexed.MAGIC and file_checks.INDEX_HEADER.format == indexed.HEADER.format
     assert {c: (dt.name, dt.itemsize) for c, dt in indexed.DTYPES.items()} == file_checks.INDEX_DTYPES
@@ -172,8 +245,11 @@ def test_the_header_reader_agrees_with_the_job_reader(tmp_path: Path) -> None:
         prefix = dataset(tmp_path / f"d{np.dtype(dtype).name}", [7, 0, 300, 12, 1])
         summary, job = open_index(str(prefix)), indexed.IndexedDataset(prefix)
         try:
-            assert (summary.tokens, summary.sequences, summary.documents) == (job.num_tokens, len(job),
-                                                                              len(job.document_indices) - 1)
+            assert (summary.tokens, summary.sequences, summary.documents) == (
+                job.num_tokens,
+                len(job),
+                len(job.document_indices) - 1,
+            )
             starts = [int(p) // job.dtype.itemsize for p in job.sequence_pointers]
             assert [summary.tokens_before(s) for s in range(6)] == [*starts, job.num_tokens]
         finally:
@@ -227,57 +303,119 @@ def test_a_matching_model_directory_passes(compose_cfg, tmp_path: Path) -> None:
 
 def test_a_config_json_that_does_not_match_the_model_names_each_field(compose_cfg, capsys, tmp_path: Path) -> None:
     path = hf_dir(compose_cfg, tmp_path / "hf", *LLAMA, "model.n_layers=2", "model.ffn_hidden=256")
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={path}", key="model.init_from",
-            words=[str(path / "config.json"), "model.n_layers: 4 here, 2 in config.json",
-                   "model.ffn_hidden: 352 here, 256 in config.json", "set model.n_layers=2 model.ffn_hidden=256"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={path}",
+        key="model.init_from",
+        words=[
+            str(path / "config.json"),
+            "model.n_layers: 4 here, 2 in config.json",
+            "model.ffn_hidden: 352 here, 256 in config.json",
+            "set model.n_layers=2 model.ffn_hidden=256",
+        ],
+    )
 
 
 def test_a_truncated_safetensors_file_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     path = hf_dir(compose_cfg, tmp_path / "hf", *LLAMA)
     weights = path / "model.safetensors"
     os.truncate(weights, weights.stat().st_size - 1000)  # a copy that did not finish
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={path}", key="model.init_from",
-            words=[str(weights), "cut short", "copy or download the file again"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={path}",
+        key="model.init_from",
+        words=[str(weights), "cut short", "copy or download the file again"],
+    )
 
 
 def test_an_invalid_config_json_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     path = hf_dir(compose_cfg, tmp_path / "hf", *LLAMA)
     (path / "config.json").write_text('{"model_type": "llama", "hidden_size": 128,')
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={path}", key="model.init_from",
-            words=[str(path / "config.json"), "is not valid JSON"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={path}",
+        key="model.init_from",
+        words=[str(path / "config.json"), "is not valid JSON"],
+    )
 
 
 def test_a_file_instead_of_a_directory_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     path = hf_dir(compose_cfg, tmp_path / "hf", *LLAMA)
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={path / 'model.safetensors'}",
-            key="model.init_from", words=["model.safetensors is a file, not a directory", f"model.init_from={path}"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={path / 'model.safetensors'}",
+        key="model.init_from",
+        words=["model.safetensors is a file, not a directory", f"model.init_from={path}"],
+    )
 
 
 def test_weights_that_disagree_with_their_config_json_are_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     path = hf_dir(compose_cfg, tmp_path / "hf", *LLAMA, "model.n_kv_heads=1")
     right = hf_dir(compose_cfg, tmp_path / "right", *LLAMA)
     shutil.copy(right / "config.json", path / "config.json")  # the run's shape claimed, other weights
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={path}", key="model.init_from",
-            words=["although config.json does", "k_proj.weight: shape [32, 128], the config wants [64, 128]"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={path}",
+        key="model.init_from",
+        words=["although config.json does", "k_proj.weight: shape [32, 128], the config wants [64, 128]"],
+    )
 
 
 def test_a_missing_shard_and_a_pickle_only_directory_are_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     path = hf_dir(compose_cfg, tmp_path / "hf", *LLAMA, max_shard_bytes=200_000)
     shard = sorted(path.glob("model-*.safetensors"))[-1]
     shard.unlink()
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={path}", key="model.init_from",
-            words=[f"names {shard.name}, which is not in {path}"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={path}",
+        key="model.init_from",
+        words=[f"names {shard.name}, which is not in {path}"],
+    )
     pickles = hf_dir(compose_cfg, tmp_path / "pickles", *LLAMA)
     (pickles / "model.safetensors").rename(pickles / "pytorch_model.bin")
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={pickles}", key="model.init_from",
-            words=["found pytorch_model.bin", "safe_serialization=True"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={pickles}",
+        key="model.init_from",
+        words=["found pytorch_model.bin", "safe_serialization=True"],
+    )
 
 
 def test_the_torch_free_model_checks_agree_with_the_job(compose_cfg) -> None:
     from hpctrain.models.hf import hf_config, hf_shapes, mismatches
 
-    models = [compose_cfg(*o).model for o in ([], LLAMA, [*LLAMA, "model.n_kv_heads=1"], ["model=gpt3_125m"],
-                                                ["model=llama3_8b"], [*LLAMA, "model.rope.scaling_factor=8"])]
+    models = [
+        compose_cfg(*o).model
+        for o in (
+            [],
+            LLAMA,
+            [*LLAMA, "model.n_kv_heads=1"],
+            ["model=gpt3_125m"],
+            ["model=llama3_8b"],
+            [*LLAMA, "model.rope.scaling_factor=8"],
+        )
+    ]
     for m in models:
         assert hf_weight_shapes(m) == hf_shapes(m)
         for other in models:
@@ -317,8 +455,14 @@ def hpctrain_with_mounts(mounts: list[tuple[str, Path]], *args: str, cwd: Path) 
     script = " && ".join(f"mount -t tmpfs -o {opts} tmpfs {shlex.quote(str(d))}" for opts, d in mounts)
     flags = ["--mount"] if os.geteuid() == 0 else ["--user", "--map-root-user", "--mount"]
     env = rules_environment({**os.environ, "WANDB_MODE": "offline"})
-    proc = subprocess.run([unshare, *flags, "sh", "-c", script + ' && exec "$@"', "sh", sys.executable, "-m",
-                           "hpctrain", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [unshare, *flags, "sh", "-c", script + ' && exec "$@"', "sh", sys.executable, "-m", "hpctrain", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     if "hpctrain" not in proc.stderr and proc.returncode:
         pytest.skip(f"no mount namespace here: {proc.stderr.strip()[-300:]}")
     return proc
@@ -327,8 +471,9 @@ def hpctrain_with_mounts(mounts: list[tuple[str, Path]], *args: str, cwd: Path) 
 def test_nvme_path_on_a_read_only_file_system_is_refused(tmp_path: Path) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    proc = hpctrain_with_mounts([("ro,size=64m", nvme)], *NVME, f"zero.nvme_path={nvme}",
-                                f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    proc = hpctrain_with_mounts(
+        [("ro,size=64m", nvme)], *NVME, f"zero.nvme_path={nvme}", f"run.root={tmp_path / 'runs'}", cwd=tmp_path
+    )
     assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-3000:]
     assert f"zero.nvme_path: {nvme} is on a read-only file system" in proc.stderr and "fix: " in proc.stderr
     assert not (tmp_path / "runs").exists()
@@ -339,8 +484,15 @@ def test_nvme_path_without_write_permission_is_refused(compose_cfg, capsys, tmp_
     nvme = tmp_path / "nvme"
     nvme.mkdir(mode=0o555)
     try:
-        refused(compose_cfg, capsys, tmp_path / "runs", *NVME, f"zero.nvme_path={nvme}", key="zero.nvme_path",
-                words=[f"{nvme} is not writable"])
+        refused(
+            compose_cfg,
+            capsys,
+            tmp_path / "runs",
+            *NVME,
+            f"zero.nvme_path={nvme}",
+            key="zero.nvme_path",
+            words=[f"{nvme} is not writable"],
+        )
     finally:
         nvme.chmod(0o755)
 
@@ -349,8 +501,9 @@ def test_nvme_path_too_small_says_how_much_in_a_readable_unit(tmp_path: Path) ->
     """The tiny model's moments take a few MiB per node: "0.00 GiB needed, 0.00 GiB free" said nothing."""
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    proc = hpctrain_with_mounts([("size=1m", nvme)], *NVME, f"zero.nvme_path={nvme}",
-                                f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
+    proc = hpctrain_with_mounts(
+        [("size=1m", nvme)], *NVME, f"zero.nvme_path={nvme}", f"run.root={tmp_path / 'runs'}", cwd=tmp_path
+    )
     assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-3000:]
     assert re.search(r"zero.nvme_path: Adam's moments need \d+\.\d\d MiB per node", proc.stderr), proc.stderr
     assert f"1.00 MiB free in {nvme}" in proc.stderr and "0.00 GiB" not in proc.stderr and "fix: " in proc.stderr
@@ -359,8 +512,15 @@ def test_nvme_path_too_small_says_how_much_in_a_readable_unit(tmp_path: Path) ->
 
 def test_nvme_path_that_is_a_file_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     (tmp_path / "nvme").write_text("")
-    refused(compose_cfg, capsys, tmp_path / "runs", *NVME, f"zero.nvme_path={tmp_path / 'nvme'}",
-            key="zero.nvme_path", words=["is not a directory"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *NVME,
+        f"zero.nvme_path={tmp_path / 'nvme'}",
+        key="zero.nvme_path",
+        words=["is not a directory"],
+    )
 
 
 def test_a_node_local_nvme_path_this_machine_does_not_have_is_left_to_the_job(compose_cfg, tmp_path: Path) -> None:
@@ -389,8 +549,14 @@ def test_a_run_root_on_a_read_only_file_system_is_refused(tmp_path: Path) -> Non
 
 def test_a_plan_chart_under_a_file_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     (tmp_path / "notes").write_text("")
-    refused(compose_cfg, capsys, tmp_path / "runs", f"plan.png={tmp_path / 'notes' / 'a' / 'p.png'}",
-            key="plan.png", words=[f"{tmp_path / 'notes'} is a file"])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        f"plan.png={tmp_path / 'notes' / 'a' / 'p.png'}",
+        key="plan.png",
+        words=[f"{tmp_path / 'notes'} is a file"],
+    )
     assert run_checks(compose_cfg(f"plan.png={tmp_path / 'new' / 'dir' / 'p.png'}")).errors == []  # made then
 
 
@@ -416,16 +582,23 @@ def committed_run(compose_cfg, root: Path, *overrides: str, steps: tuple[int, ..
         partial = partial_dir(run_dir / "checkpoints", step)
         partial.mkdir(parents=True)
         (partial / ".metadata").write_bytes(b"\0" * 16)
-        publish(partial, step_dir(run_dir / "checkpoints", step),
-                {"step": step, "world_size": 2, "shared": True, "files": {".metadata": 16},
-                 "fingerprint": fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()})
+        publish(
+            partial,
+            step_dir(run_dir / "checkpoints", step),
+            {
+                "step": step,
+                "world_size": 2,
+                "shared": True,
+                "files": {".metadata": 16},
+                "fingerprint": fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict(),
+            },
+        )
     return run_dir
 
 
 def test_a_resume_that_does_not_match_its_checkpoint_is_refused(compose_cfg, tmp_path: Path) -> None:
     run_dir = committed_run(compose_cfg, tmp_path / "runs")
-    cfg = compose_cfg(f"run.root={tmp_path / 'runs'}", f"run.resume={run_dir}", "model.n_layers=2",
-                      "train.seed=7")
+    cfg = compose_cfg(f"run.root={tmp_path / 'runs'}", f"run.resume={run_dir}", "model.n_layers=2", "train.seed=7")
     report = run_checks(cfg, run_dir)
     errors = {p.key: p for p in report.errors}
     where = str(run_dir / "checkpoints" / "step_00000200")
@@ -440,13 +613,19 @@ def test_a_resume_that_does_not_match_its_checkpoint_is_refused(compose_cfg, tmp
 
 def test_a_forced_resume_is_a_warning_but_never_another_model(compose_cfg, tmp_path: Path) -> None:
     run_dir = committed_run(compose_cfg, tmp_path / "runs")
-    cfg = compose_cfg(f"run.root={tmp_path / 'runs'}", f"run.resume={run_dir}", "train.global_batch=32",
-                      "checkpoint.force_resume=true")
+    cfg = compose_cfg(
+        f"run.root={tmp_path / 'runs'}",
+        f"run.resume={run_dir}",
+        "train.global_batch=32",
+        "checkpoint.force_resume=true",
+    )
     report = run_checks(cfg, run_dir)
     assert not report.errors and [w.key for w in report.warnings if "force_resume" in w.message] == [
-        "train.global_batch"]
-    cfg = compose_cfg(f"run.root={tmp_path / 'runs'}", f"run.resume={run_dir}", "model.d_model=256",
-                      "checkpoint.force_resume=true")
+        "train.global_batch"
+    ]
+    cfg = compose_cfg(
+        f"run.root={tmp_path / 'runs'}", f"run.resume={run_dir}", "model.d_model=256", "checkpoint.force_resume=true"
+    )
     assert "model.d_model" in {p.key for p in run_checks(cfg, run_dir).errors}
 
 
@@ -466,8 +645,7 @@ def test_the_checkpoint_a_resume_would_load_is_the_one_compared(compose_cfg, tmp
     assert "step_00000100" in next(p.message for p in run_checks(cfg, run_dir).errors if p.key == "train.seed")
 
 
-def test_a_rerun_of_a_run_id_that_does_not_match_its_checkpoint_is_refused(compose_cfg, capsys,
-                                                                          tmp_path: Path) -> None:
+def test_a_rerun_of_a_run_id_that_does_not_match_its_checkpoint_is_refused(compose_cfg, capsys, tmp_path: Path) -> None:
     """run.id of an existing run continues it (its checkpoint); another model shape was refused only by the job."""
     root = tmp_path / "runs"
     run_dir = committed_run(compose_cfg, root)
@@ -487,8 +665,9 @@ def test_a_real_checkpoint_is_compared_on_the_login_node(tmp_path: Path) -> None
     proc = run_hpctrain("train.max_steps=2", f"run.root={root}", "run.id=real", cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = (root / "smoke" / "real" / "config.yaml").read_text()
-    proc = run_hpctrain("train.max_steps=4", "model.n_heads=2", f"run.root={root}", "run.id=real", cwd=tmp_path,
-                        timeout=120)
+    proc = run_hpctrain(
+        "train.max_steps=4", "model.n_heads=2", f"run.root={root}", "run.id=real", cwd=tmp_path, timeout=120
+    )
     assert proc.returncode == EXIT_CONFIG_ERROR, proc.stderr[-3000:]
     assert "model.n_heads: 2 here, but the checkpoint this run resumes from" in proc.stderr
     assert "step_00000002" in proc.stderr
@@ -514,10 +693,18 @@ def test_the_manifest_seal_agrees_with_the_job(tmp_path: Path) -> None:
 def test_file_problems_come_with_the_config_problems_all_at_once(compose_cfg, capsys, tmp_path: Path) -> None:
     one = dataset(tmp_path / "data" / "one", [5000])
     path = hf_dir(compose_cfg, tmp_path / "hf", "model.n_layers=2")
-    err = refused(compose_cfg, capsys, tmp_path / "runs", *INDEXED, f"data.blend={one}", f"model.init_from={path}",
-                  "optim.lr=-1", "cluster.signal_delay_s=-1", key="optim.lr", words=["data.valid_fraction: ",
-                                                                                     "model.init_from: ",
-                                                                                     "cluster.signal_delay_s: "])
+    err = refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *INDEXED,
+        f"data.blend={one}",
+        f"model.init_from={path}",
+        "optim.lr=-1",
+        "cluster.signal_delay_s=-1",
+        key="optim.lr",
+        words=["data.valid_fraction: ", "model.init_from: ", "cluster.signal_delay_s: "],
+    )
     assert "4 config error(s)" in err
 
 
@@ -527,23 +714,25 @@ def test_the_login_node_reads_headers_not_data_and_imports_no_torch(tmp_path: Pa
     big = tmp_path / "big"
     with IndexedDatasetWriter(big, np.uint16) as writer:
         writer.add_documents(np.full(2_000, 10_000, np.int64), np.zeros(20_000_000, np.uint16))
-    probe = ("import json, sys\n"
-             "from hydra import compose, initialize_config_dir\n"
-             "from hpctrain.config.schema import register\n"
-             "from hpctrain.plan.checks import run_checks\n"
-             "register()\n"
-             "def rchar():\n"
-             "    return int(next(l for l in open('/proc/self/io') if l.startswith('rchar')).split()[1])\n"
-             f"with initialize_config_dir(version_base=None, config_dir={str(REPO / 'conf')!r}):\n"
-             "    plain = compose(config_name='config', overrides=['data=indexed', 'data.vocab_size=256', "
-             "'data.blend=/nonexistent/x', 'dry_run=true'])\n"
-             f"    cfg = compose(config_name='config', overrides=['data=indexed', 'data.vocab_size=256', "
-             f"'data.blend={big}'])\n"
-             "run_checks(plain)  # the imports the checks make, once\n"
-             "before = rchar()\n"
-             "report = run_checks(cfg)\n"
-             "print(json.dumps({'read': rchar() - before, 'errors': [p.key for p in report.errors],\n"
-             "                  'torch': 'torch' in sys.modules}))\n")
+    probe = (
+        "import json, sys\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from hpctrain.config.schema import register\n"
+        "from hpctrain.plan.checks import run_checks\n"
+        "register()\n"
+        "def rchar():\n"
+        "    return int(next(l for l in open('/proc/self/io') if l.startswith('rchar')).split()[1])\n"
+        f"with initialize_config_dir(version_base=None, config_dir={str(REPO / 'conf')!r}):\n"
+        "    plain = compose(config_name='config', overrides=['data=indexed', 'data.vocab_size=256', "
+        "'data.blend=/nonexistent/x', 'dry_run=true'])\n"
+        f"    cfg = compose(config_name='config', overrides=['data=indexed', 'data.vocab_size=256', "
+        f"'data.blend={big}'])\n"
+        "run_checks(plain)  # the imports the checks make, once\n"
+        "before = rchar()\n"
+        "report = run_checks(cfg)\n"
+        "print(json.dumps({'read': rchar() - before, 'errors': [p.key for p in report.errors],\n"
+        "                  'torch': 'torch' in sys.modules}))\n"
+    )
     if not Path("/proc/self/io").exists():
         pytest.skip("no /proc/self/io")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -44,8 +44,9 @@ def bad_file(path: Path, kind: str) -> Path:
     return path
 
 
-def refused(compose_cfg: Callable, capsys: pytest.CaptureFixture, root: Path, *overrides: str, key: str,
-            words: str) -> str:
+def refused(
+    compose_cfg: Callable, capsys: pytest.CaptureFixture, root: Path, *overrides: str, key: str, words: str
+) -> str:
     """In process, as `python -m hpctrain OVERRIDES`: exit 2 within a second, naming the key, the words and a fix,
     with nothing under the run root."""
     cfg = compose_cfg(*overrides, f"run.root={root}")
@@ -65,13 +66,17 @@ def test_a_deepspeed_config_that_is_not_a_small_text_file(compose_cfg, capsys, t
     refused(compose_cfg, capsys, tmp_path / "runs", f"+deepspeed={path}", key="deepspeed", words=KINDS[kind])
 
 
-@pytest.mark.parametrize("text, words", [
-    ('{"train_batch_size": NaN}', "holds NaN, which is not a number a setting can take"),
-    ('{"gradient_clipping": Infinity}', "holds Infinity"),
-    ('{"a": ' * 100_000 + "1" + "}" * 100_000, "is nested too deeply"),
-    ('{"train_batch_size": 1' + "0" * 5000 + "}", "holds Exceeds the limit"),  # Python's 4300-digit limit
-    ('[1, 2]', "holds a list, not an object"),
-], ids=["nan", "infinity", "nested", "digits", "list"])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('{"train_batch_size": NaN}', "holds NaN, which is not a number a setting can take"),
+        ('{"gradient_clipping": Infinity}', "holds Infinity"),
+        ('{"a": ' * 100_000 + "1" + "}" * 100_000, "is nested too deeply"),
+        ('{"train_batch_size": 1' + "0" * 5000 + "}", "holds Exceeds the limit"),  # Python's 4300-digit limit
+        ("[1, 2]", "holds a list, not an object"),
+    ],
+    ids=["nan", "infinity", "nested", "digits", "list"],
+)
 def test_deepspeed_json_that_no_deepspeed_reads(compose_cfg, capsys, tmp_path: Path, text: str, words: str) -> None:
     path = tmp_path / "ds.json"
     path.write_text(text)
@@ -97,28 +102,56 @@ def test_a_model_config_json_that_is_not_a_small_text_file(compose_cfg, capsys, 
     else:
         directory = tmp_path / "hf"
         bad_file(directory / "config.json", kind)
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={directory}", key="model.init_from",
-            words=KINDS[kind])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={directory}",
+        key="model.init_from",
+        words=KINDS[kind],
+    )
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "binary"])
 def test_a_safetensors_index_that_is_not_a_small_text_file(compose_cfg, capsys, tmp_path: Path, kind: str) -> None:
     directory = model_dir(compose_cfg, tmp_path / "hf")
     bad_file(directory / "model.safetensors.index.json", kind)
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={directory}", key="model.init_from",
-            words=KINDS[kind])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={directory}",
+        key="model.init_from",
+        words=KINDS[kind],
+    )
 
 
 def test_a_device_as_the_model_directory(compose_cfg, capsys, tmp_path: Path) -> None:
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, "model.init_from=/dev/zero", key="model.init_from",
-            words="/dev/zero is not a directory")
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        "model.init_from=/dev/zero",
+        key="model.init_from",
+        words="/dev/zero is not a directory",
+    )
 
 
 def test_a_fifo_as_the_safetensors_weights_is_not_opened(compose_cfg, capsys, tmp_path: Path) -> None:
     directory = model_dir(compose_cfg, tmp_path / "hf")
     os.mkfifo(directory / "model.safetensors")
-    refused(compose_cfg, capsys, tmp_path / "runs", *LLAMA, f"model.init_from={directory}", key="model.init_from",
-            words="no model.safetensors or model.safetensors.index.json")
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *LLAMA,
+        f"model.init_from={directory}",
+        key="model.init_from",
+        words="no model.safetensors or model.safetensors.index.json",
+    )
 
 
 PREPARE = ["data=indexed", "data.vocab_size=4096", "model.vocab_size=4096", "data.prepare.inputs=[stdlib]"]
@@ -127,18 +160,40 @@ PREPARE = ["data=indexed", "data.vocab_size=4096", "model.vocab_size=4096", "dat
 @pytest.mark.parametrize("kind", ["device", "fifo", "directory", "binary"])
 def test_a_tokenizer_to_prepare_with_that_is_not_a_text_file(compose_cfg, capsys, tmp_path: Path, kind: str) -> None:
     path = bad_file(tmp_path / "in" / "tokenizer.json", kind)
-    refused(compose_cfg, capsys, tmp_path / "runs", *PREPARE, f"data.blend={tmp_path / 'data' / 'd'}",
-            f"data.prepare.tokenizer={path}", key="data.prepare.tokenizer", words=KINDS[kind])
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        *PREPARE,
+        f"data.blend={tmp_path / 'data' / 'd'}",
+        f"data.prepare.tokenizer={path}",
+        key="data.prepare.tokenizer",
+        words=KINDS[kind],
+    )
 
 
-@pytest.mark.parametrize("kind, words", [("device", "/dev/zero is a character device, not a file or directory"),
-                                         ("fifo", "is a FIFO, not a file or directory")])
-def test_a_prepare_input_that_would_be_read_without_end(compose_cfg, capsys, tmp_path: Path, kind: str,
-                                                        words: str) -> None:
+@pytest.mark.parametrize(
+    "kind, words",
+    [
+        ("device", "/dev/zero is a character device, not a file or directory"),
+        ("fifo", "is a FIFO, not a file or directory"),
+    ],
+)
+def test_a_prepare_input_that_would_be_read_without_end(
+    compose_cfg, capsys, tmp_path: Path, kind: str, words: str
+) -> None:
     path = bad_file(tmp_path / "in" / "corpus.jsonl", kind)
-    refused(compose_cfg, capsys, tmp_path / "runs", "data=indexed", "data.vocab_size=256",
-            f"data.blend={tmp_path / 'data' / 'd'}", f"data.prepare.inputs=[{path}]", key="data.prepare.inputs",
-            words=words)
+    refused(
+        compose_cfg,
+        capsys,
+        tmp_path / "runs",
+        "data=indexed",
+        "data.vocab_size=256",
+        f"data.blend={tmp_path / 'data' / 'd'}",
+        f"data.prepare.inputs=[{path}]",
+        key="data.prepare.inputs",
+        words=words,
+    )
 
 
 def test_a_dataset_tokenizer_that_is_a_fifo_is_left_alone(compose_cfg, tmp_path: Path) -> None:
@@ -149,8 +204,9 @@ def test_a_dataset_tokenizer_that_is_a_fifo_is_left_alone(compose_cfg, tmp_path:
     prefix = dataset(tmp_path / "data" / "d", [300] * 20)
     os.mkfifo(f"{prefix}.tokenizer.json")
     started = time.monotonic()
-    report = run_checks(compose_cfg("data=indexed", "data.vocab_size=256", "data.valid_fraction=0",
-                                    f"data.blend={prefix}"))
+    report = run_checks(
+        compose_cfg("data=indexed", "data.vocab_size=256", "data.valid_fraction=0", f"data.blend={prefix}")
+    )
     assert time.monotonic() - started < 1.0 and not report.errors, report.errors
 
 

@@ -32,11 +32,21 @@ def refused(proc, tmp_path: Path, made: set[Path] = frozenset(), errors: int | N
 
 def test_every_hydra_error_at_once(tmp_path: Path) -> None:
     """Hydra stops at the first; hpctrain names all five, each with what is wrong and the fix."""
-    err = refused(run_hpctrain("model.n_layer=3", "parallel.tp=two", "model=gpt5", "plan.simulate_device=gpu",
-                               "precision.dtype=fp8", f"run.root={tmp_path / 'runs'}", cwd=tmp_path, timeout=120),
-                  tmp_path, errors=5)
-    assert ("  - model.n_layer: is not a key of hpctrain's config schema\n"
-            "    fix: did you mean model.n_layers?") in err
+    err = refused(
+        run_hpctrain(
+            "model.n_layer=3",
+            "parallel.tp=two",
+            "model=gpt5",
+            "plan.simulate_device=gpu",
+            "precision.dtype=fp8",
+            f"run.root={tmp_path / 'runs'}",
+            cwd=tmp_path,
+            timeout=120,
+        ),
+        tmp_path,
+        errors=5,
+    )
+    assert ("  - model.n_layer: is not a key of hpctrain's config schema\n    fix: did you mean model.n_layers?") in err
     assert "  - parallel.tp: takes an integer, got 'two' (str)\n    fix: give an integer, e.g. parallel.tp=1" in err
     assert "  - model: 'gpt5' is not an option of model: there is no model/gpt5.yaml in " in err
     assert "the options: gpt3_1.3b, gpt3_125m," in err and ", tiny\n" in err
@@ -44,18 +54,34 @@ def test_every_hydra_error_at_once(tmp_path: Path) -> None:
     assert "did you mean plan.simulate_device=cuda?" in err
     assert "  - precision.dtype: 'fp8' is not one of fp32, bf16, fp16\n    fix: " in err
     assert "precision.fp8=tensorwise" in err
-    order = [err.index(f"  - {key}: ") for key in ("model.n_layer", "parallel.tp", "model", "plan.simulate_device",
-                                                   "precision.dtype")]
+    order = [
+        err.index(f"  - {key}: ")
+        for key in ("model.n_layer", "parallel.tp", "model", "plan.simulate_device", "precision.dtype")
+    ]
     assert order == sorted(order), "in the command line's order"
 
 
 def test_other_mistakes_of_the_command_line_and_a_resume(tmp_path: Path) -> None:
     """Unreadable overrides, a sweep without -m, a group not in the defaults list, + on a key that is there,
     ~ on one that is not, a map's new entry without +: on a resume too (refused before it looks for the run)."""
-    err = refused(run_hpctrain("run.resume=20260101-000000-deadbeef", "optim.lr=[1", "optim.lr=1e-4,3e-4",
-                               "experiment=smoke", "+model.n_layers=3", "~model.n_layerz", "cluster.env.FOO=1",
-                               "parallel.compile=maybe", "model.rope=3", f"run.root={tmp_path / 'runs'}",
-                               cwd=tmp_path, timeout=120), tmp_path, errors=8)
+    err = refused(
+        run_hpctrain(
+            "run.resume=20260101-000000-deadbeef",
+            "optim.lr=[1",
+            "optim.lr=1e-4,3e-4",
+            "experiment=smoke",
+            "+model.n_layers=3",
+            "~model.n_layerz",
+            "cluster.env.FOO=1",
+            "parallel.compile=maybe",
+            "model.rope=3",
+            f"run.root={tmp_path / 'runs'}",
+            cwd=tmp_path,
+            timeout=120,
+        ),
+        tmp_path,
+        errors=8,
+    )
     assert "  - optim.lr: 'optim.lr=[1' is not an override Hydra can read" in err
     assert "  - optim.lr: 'optim.lr=1e-4,3e-4' is several values: a sweep, which needs -m" in err
     assert "fix: add -m for one run per value" in err
@@ -70,9 +96,20 @@ def test_other_mistakes_of_the_command_line_and_a_resume(tmp_path: Path) -> None
 def test_a_sweep_is_refused_whole_and_writes_nothing(tmp_path: Path) -> None:
     """-m: a typo beside the sweep, and a bad value inside one (not only the first value is checked); no
     multirun/ or sweeps/ directory, no point run."""
-    err = refused(run_hpctrain("-m", "optim.lr=1e-4,3e-4", "model.n_layer=3", "parallel.tp=1,two",
-                               "model=tiny,gpt5", f"run.root={tmp_path / 'runs'}", cwd=tmp_path, timeout=120),
-                  tmp_path, errors=3)
+    err = refused(
+        run_hpctrain(
+            "-m",
+            "optim.lr=1e-4,3e-4",
+            "model.n_layer=3",
+            "parallel.tp=1,two",
+            "model=tiny,gpt5",
+            f"run.root={tmp_path / 'runs'}",
+            cwd=tmp_path,
+            timeout=120,
+        ),
+        tmp_path,
+        errors=3,
+    )
     assert "  - model.n_layer: " in err and "did you mean model.n_layers?" in err
     assert "  - parallel.tp: takes an integer, got 'two'" in err
     assert "  - model: 'gpt5' is not an option of model" in err
@@ -97,21 +134,41 @@ def site(tmp_path: Path) -> Path:
 
 def test_bad_site_files_are_named_with_their_line(site: Path, tmp_path: Path) -> None:
     made = set(tmp_path.rglob("*"))
-    err = refused(run_hpctrain("cluster=broken", "model=typo", "parallel=wrong", "parallel.pp=two",
-                               f"run.root={tmp_path / 'runs'}", cwd=tmp_path, env={VARIABLE: str(site)},
-                               timeout=120), tmp_path, made, errors=4)
+    err = refused(
+        run_hpctrain(
+            "cluster=broken",
+            "model=typo",
+            "parallel=wrong",
+            "parallel.pp=two",
+            f"run.root={tmp_path / 'runs'}",
+            cwd=tmp_path,
+            env={VARIABLE: str(site)},
+            timeout=120,
+        ),
+        tmp_path,
+        made,
+        errors=4,
+    )
     assert f"  - cluster: {site}/cluster/broken.yaml, line 3, column 1: not valid YAML: " in err
     assert f"fix: correct {site}/cluster/broken.yaml at line 3" in err
-    assert (f"  - model.n_layer: is not a key of hpctrain's config schema (in {site}/model/typo.yaml, line 5)\n"
-            "    fix: did you mean model.n_layers?") in err
+    assert (
+        f"  - model.n_layer: is not a key of hpctrain's config schema (in {site}/model/typo.yaml, line 5)\n"
+        "    fix: did you mean model.n_layers?"
+    ) in err
     assert f"  - parallel.tp: takes an integer, got 'two' (str) (in {site}/parallel/wrong.yaml, line 2)" in err
     assert "  - parallel.pp: takes an integer, got 'two'" in err
 
 
 def test_an_unknown_site_option_lists_the_sites_options_too(site: Path, tmp_path: Path) -> None:
     made = set(tmp_path.rglob("*"))
-    err = refused(run_hpctrain("cluster=brokn", f"run.root={tmp_path / 'runs'}", cwd=tmp_path,
-                               env={VARIABLE: str(site)}, timeout=120), tmp_path, made, errors=1)
+    err = refused(
+        run_hpctrain(
+            "cluster=brokn", f"run.root={tmp_path / 'runs'}", cwd=tmp_path, env={VARIABLE: str(site)}, timeout=120
+        ),
+        tmp_path,
+        made,
+        errors=1,
+    )
     assert "  - cluster: 'brokn' is not an option of cluster: there is no cluster/brokn.yaml in " in err
     assert f"{CONF_DIR}, {site}; the options: broken, dev, local, slurm\n" in err
     assert "fix: did you mean cluster=broken?" in err
@@ -127,8 +184,18 @@ def test_a_loop_in_hpctrain_config_path_is_named(tmp_path: Path) -> None:
     site.mkdir()
     (site / "cluster").symlink_to(site / "cluster")
     made = set(tmp_path.rglob("*"))
-    err = refused(run_hpctrain("cluster=mysite", f"run.root={tmp_path / 'runs'}", cwd=tmp_path,
-                               env={VARIABLE: f"{loop}:{site}"}, timeout=120), tmp_path, made, errors=2)
+    err = refused(
+        run_hpctrain(
+            "cluster=mysite",
+            f"run.root={tmp_path / 'runs'}",
+            cwd=tmp_path,
+            env={VARIABLE: f"{loop}:{site}"},
+            timeout=120,
+        ),
+        tmp_path,
+        made,
+        errors=2,
+    )
     assert f"  - {VARIABLE}: {loop} cannot be resolved: a loop of symbolic links" in err
     assert f"  - {VARIABLE}: {site / 'cluster'} cannot be resolved: a loop of symbolic links" in err
 
@@ -149,7 +216,8 @@ def test_an_unreadable_site_directory_is_named(tmp_path: Path, monkeypatch: pyte
     problems = site_problems(f"{site}:{other}")
     assert [(p.key, p.message) for p in problems] == [
         (VARIABLE, f"{site / 'cluster'} cannot be read: Permission denied"),
-        (VARIABLE, f"{other} cannot be read: Permission denied")]
+        (VARIABLE, f"{other} cannot be read: Permission denied"),
+    ]
     assert all(p.fix for p in problems)
 
 

@@ -25,8 +25,9 @@ def test_the_args_parser_reads_what_hydra_main_reads() -> None:
 
 
 def test_overrides_apply_to_a_config_as_hydra_applies_them() -> None:
-    assert list(inspect.signature(ConfigLoaderImpl._apply_overrides_to_config).parameters) == ["overrides", "cfg"], \
+    assert list(inspect.signature(ConfigLoaderImpl._apply_overrides_to_config).parameters) == ["overrides", "cfg"], (
         WHERE
+    )
     cfg = OmegaConf.create({"optim": {"lr": 1.0}})
     ConfigLoaderImpl._apply_overrides_to_config(OverridesParser.create().parse_overrides(["optim.lr=3e-4"]), cfg)
     assert cfg.optim.lr == 3e-4, WHERE

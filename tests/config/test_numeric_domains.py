@@ -60,8 +60,12 @@ BASES = {
     "model.moe.": ["model=moe_tiny"],
     "model.rope.": ["model=llama_tiny"],
     "precision.": ["precision=fp16"],
-    "data.prepare.": ["data=indexed", "data.vocab_size=256", "data.blend=/nonexistent/d",
-                      "data.prepare.inputs=[stdlib]"],
+    "data.prepare.": [
+        "data=indexed",
+        "data.vocab_size=256",
+        "data.blend=/nonexistent/d",
+        "data.prepare.inputs=[stdlib]",
+    ],
 }
 
 
@@ -89,12 +93,19 @@ def bad_values(key: str, kind: type) -> list[Any]:
 CASES = [(key, value) for key, kind in LEAVES.items() for value in bad_values(key, kind)]
 # Through the whole command path (`run`: compose, every check, nothing on disk), about 0.3 s a case: the quick tier
 # takes one case of each config section, the full suite all of them (the table test covers every key quickly).
-_FIRST_OF_SECTION = {next(k for k, _ in CASES if k.split(".")[0] == section): None
-                     for section in dict.fromkeys(k.split(".")[0] for k, _ in CASES)}
-RUN_CASES = [pytest.param(key, value, id=f"{key}={value}",
-                          marks=() if key in _FIRST_OF_SECTION and value == bad_values(key, LEAVES[key])[0]
-                          else pytest.mark.slow)
-             for key, value in CASES]
+_FIRST_OF_SECTION = {
+    next(k for k, _ in CASES if k.split(".")[0] == section): None
+    for section in dict.fromkeys(k.split(".")[0] for k, _ in CASES)
+}
+RUN_CASES = [
+    pytest.param(
+        key,
+        value,
+        id=f"{key}={value}",
+        marks=() if key in _FIRST_OF_SECTION and value == bad_values(key, LEAVES[key])[0] else pytest.mark.slow,
+    )
+    for key, value in CASES
+]
 
 
 def test_every_number_of_the_schema_has_a_domain() -> None:
@@ -149,14 +160,18 @@ def test_a_number_outside_its_domain_is_refused(compose_cfg, capsys, tmp_path: P
 def test_the_negative_values_that_mean_something_are_accepted(compose_cfg) -> None:
     from hpctrain.plan.checks import run_checks
 
-    report = run_checks(compose_cfg("parallel.dp=-1", "train.grad_accum=-1", "cluster.nccl.ib_gid_index=-1",
-                                    "model.vocab_pad_multiple=-1"))
+    report = run_checks(
+        compose_cfg(
+            "parallel.dp=-1", "train.grad_accum=-1", "cluster.nccl.ib_gid_index=-1", "model.vocab_pad_multiple=-1"
+        )
+    )
     assert not report.errors, report.errors
 
 
 def test_a_negative_bias_update_rate_names_what_it_would_do(compose_cfg, capsys, tmp_path: Path) -> None:
-    cfg = compose_cfg("model=moe_tiny", "model.moe.router=sigmoid", "model.moe.bias_update_rate=-1",
-                      f"run.root={tmp_path}")
+    cfg = compose_cfg(
+        "model=moe_tiny", "model.moe.router=sigmoid", "model.moe.bias_update_rate=-1", f"run.root={tmp_path}"
+    )
     assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "model.moe.bias_update_rate: must be >= 0 (0: the router's bias stays), got -1.0" in err
@@ -164,8 +179,13 @@ def test_a_negative_bias_update_rate_names_what_it_would_do(compose_cfg, capsys,
 
 
 def test_llama3_rope_scaling_needs_high_above_low(compose_cfg, capsys, tmp_path: Path) -> None:
-    cfg = compose_cfg("model=llama_tiny", "model.rope.scaling_factor=8", "model.rope.low_freq_factor=4",
-                      "model.rope.high_freq_factor=4", f"run.root={tmp_path}")
+    cfg = compose_cfg(
+        "model=llama_tiny",
+        "model.rope.scaling_factor=8",
+        "model.rope.low_freq_factor=4",
+        "model.rope.high_freq_factor=4",
+        f"run.root={tmp_path}",
+    )
     assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "model.rope.high_freq_factor: 4 must be > model.rope.low_freq_factor=4" in err and "fix: " in err
@@ -175,30 +195,63 @@ def test_llama3_rope_scaling_needs_high_above_low(compose_cfg, capsys, tmp_path:
 
 ALLOCATION = [
     # (id, overrides, key, words)
-    ("a-billion-experts", ["model=moe_tiny", "model.moe.n_experts=1000000000"], "model.moe.n_experts",
-     "a layer's stacked experts weight is one tensor of 1,000,000,000 (experts / ep)"),
+    (
+        "a-billion-experts",
+        ["model=moe_tiny", "model.moe.n_experts=1000000000"],
+        "model.moe.n_experts",
+        "a layer's stacked experts weight is one tensor of 1,000,000,000 (experts / ep)",
+    ),
     ("huge-d-model", ["model.d_model=1048576"], "model.d_model", "cannot be allocated"),
     ("huge-vocab", ["model.vocab_size=2000000000"], "model.vocab_size", "logits (fp32)"),
-    ("huge-micro-batch", ["train.micro_batch=1000000000", "train.global_batch=2000000000"], "train.micro_batch",
-     "one micro-batch's hidden states"),
-    ("huge-sequence", ["model.context=2000000000", "train.seq_len=2000000000"], "train.seq_len",
-     "one micro-batch's hidden states"),
-    ("past-int64", ["model=moe_tiny", "model.moe.n_experts=2147483647", "model.moe.expert_hidden=2147483647"],
-     "model.moe.n_experts", "more than int64 counts"),
-    ("past-a-cpu-host", ["model.d_model=2147483647", "model.n_heads=1", "model.vocab_size=2147483647",
-                         "model.vocab_pad_multiple=1"], "model.vocab_size",
-     "more than the 2.00 TiB of host memory of the largest node hpctrain knows (gpu_type=cpu)"),
-    ("on-an-h100", ["cluster=dev", "cluster.gpu_type=h100_80gb", "cluster.gpus_per_node=2",
-                    "model.d_model=262144", "model.n_heads=1"], "model.d_model",
-     "more than the 80.00 GiB of a h100_80gb"),
-    ("thousand-times-a-cpu", ["model=moe_tiny", "model.moe.n_experts=10000000"], "parallel",
-     "times over: no machine holds that per process"),
+    (
+        "huge-micro-batch",
+        ["train.micro_batch=1000000000", "train.global_batch=2000000000"],
+        "train.micro_batch",
+        "one micro-batch's hidden states",
+    ),
+    (
+        "huge-sequence",
+        ["model.context=2000000000", "train.seq_len=2000000000"],
+        "train.seq_len",
+        "one micro-batch's hidden states",
+    ),
+    (
+        "past-int64",
+        ["model=moe_tiny", "model.moe.n_experts=2147483647", "model.moe.expert_hidden=2147483647"],
+        "model.moe.n_experts",
+        "more than int64 counts",
+    ),
+    (
+        "past-a-cpu-host",
+        ["model.d_model=2147483647", "model.n_heads=1", "model.vocab_size=2147483647", "model.vocab_pad_multiple=1"],
+        "model.vocab_size",
+        "more than the 2.00 TiB of host memory of the largest node hpctrain knows (gpu_type=cpu)",
+    ),
+    (
+        "on-an-h100",
+        [
+            "cluster=dev",
+            "cluster.gpu_type=h100_80gb",
+            "cluster.gpus_per_node=2",
+            "model.d_model=262144",
+            "model.n_heads=1",
+        ],
+        "model.d_model",
+        "more than the 80.00 GiB of a h100_80gb",
+    ),
+    (
+        "thousand-times-a-cpu",
+        ["model=moe_tiny", "model.moe.n_experts=10000000"],
+        "parallel",
+        "times over: no machine holds that per process",
+    ),
 ]
 
 
 @pytest.mark.parametrize("overrides, key, words", [c[1:] for c in ALLOCATION], ids=[c[0] for c in ALLOCATION])
-def test_what_cannot_be_allocated_is_an_error_even_on_cpu(compose_cfg, capsys, tmp_path: Path, overrides: list[str],
-                                                          key: str, words: str) -> None:
+def test_what_cannot_be_allocated_is_an_error_even_on_cpu(
+    compose_cfg, capsys, tmp_path: Path, overrides: list[str], key: str, words: str
+) -> None:
     cfg = compose_cfg(*overrides, f"run.root={tmp_path}")
     assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
@@ -218,9 +271,11 @@ def test_a_dry_run_of_what_cannot_be_allocated_plans_fast_and_exits_2(compose_cf
     assert "hpctrain plan" in out and "model.moe.n_experts: " in err
 
 
-@pytest.mark.parametrize("overrides", [["model=gpt3_13b"], ["model=gpt3_175b"],
-                                       ["model=moe_tiny", "model.moe.n_experts=100000"]],
-                         ids=["13b", "175b", "moe-100k-experts"])
+@pytest.mark.parametrize(
+    "overrides",
+    [["model=gpt3_13b"], ["model=gpt3_175b"], ["model=moe_tiny", "model.moe.n_experts=100000"]],
+    ids=["13b", "175b", "moe-100k-experts"],
+)
 def test_what_a_large_cpu_host_might_hold_stays_a_warning(compose_cfg, overrides: list[str]) -> None:
     """gpu_type=cpu's memory is a placeholder: a model up to CPU_BEYOND times over it only warns."""
     from hpctrain.plan.checks import run_checks

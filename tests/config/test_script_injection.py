@@ -30,13 +30,19 @@ from hpctrain.scheduler import container
 
 # The last two hold no blank (bash's brace expansion makes `touch MARKER` of {touch,MARKER}): what refuses blanks
 # (an image, a partition) lets them through to the script
-PAYLOADS = ["x; touch MARKER; true", "$(touch MARKER)", "`touch MARKER`", "'; touch MARKER; '", "x;{touch,MARKER};true",
-            "$({touch,MARKER})"]
+PAYLOADS = [
+    "x; touch MARKER; true",
+    "$(touch MARKER)",
+    "`touch MARKER`",
+    "'; touch MARKER; '",
+    "x;{touch,MARKER};true",
+    "$({touch,MARKER})",
+]
 PAYLOAD_IDS = ["semicolon", "dollar-paren", "backtick", "quote", "braces", "dollar-braces"]
 PYXIS = ["cluster=dev", "cluster.container.runtime=pyxis", "cluster.container.image='nvcr.io#nvidia/pytorch:24.05-py3'"]
 APPTAINER = ["cluster=dev", "cluster.container.runtime=apptainer", "cluster.container.image=/shared/pytorch.sif"]
 DEV = ["cluster=dev"]
-SRUN_SHIM = '''#!{python}
+SRUN_SHIM = """#!{python}
 import os, sys
 sys.path.insert(0, {repo!r})
 from hpctrain.scheduler.cli_options import parse_srun
@@ -45,7 +51,7 @@ with open(os.environ["SHIM_LOG"], "a") as log:
 words = sys.argv[1:]
 first = next(w.index for w in parse_srun(words) if w.kind == "positional")  # srun's command: its first non-option
 os.execvp(words[first], words[first:])
-'''
+"""
 RECORDER = """#!/bin/sh
 printf '%s\\037' "${0##*/}" "$@" >> "$SHIM_LOG"
 printf '\\036' >> "$SHIM_LOG"
@@ -159,10 +165,16 @@ def _run_script(text: str, tmp_path: Path, shims: Path) -> tuple[subprocess.Comp
     """The script under bash in tmp_path, the shims first on PATH; each program it started, with its arguments."""
     script, log = tmp_path / "job.sh", tmp_path / "shims.log"
     script.write_text(text)
-    env = {"PATH": f"{shims}{os.pathsep}/usr/bin{os.pathsep}/bin", "HOME": str(tmp_path), "SHIM_LOG": str(log),
-           "SLURM_JOB_ID": "4242", "HF_TOKEN": "t"}
-    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
-                          check=False)
+    env = {
+        "PATH": f"{shims}{os.pathsep}/usr/bin{os.pathsep}/bin",
+        "HOME": str(tmp_path),
+        "SHIM_LOG": str(log),
+        "SLURM_JOB_ID": "4242",
+        "HF_TOKEN": "t",
+    }
+    proc = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     calls = [record.split("\x1f")[:-1] for record in log.read_text().split("\x1e") if record] if log.exists() else []
     return proc, calls
 
@@ -177,8 +189,9 @@ def _refused(cfg, key: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> No
 
 @pytest.mark.parametrize("payload", PAYLOADS, ids=PAYLOAD_IDS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_a_hostile_value_is_refused_or_stays_one_word(composed, capsys, monkeypatch, tmp_path: Path, shims: Path,
-                                                      case: Case, payload: str) -> None:
+def test_a_hostile_value_is_refused_or_stays_one_word(
+    composed, capsys, monkeypatch, tmp_path: Path, shims: Path, case: Case, payload: str
+) -> None:
     _, overrides, key, make, expected, on_srun_line = case
     cfg = _compose(composed, tmp_path, overrides, key, make(payload))
     expected = expected(payload) if callable(expected) else expected
@@ -194,8 +207,9 @@ def test_a_hostile_value_is_refused_or_stays_one_word(composed, capsys, monkeypa
     assert proc.returncode == 0, proc.stderr
     assert not (tmp_path / "MARKER").exists(), f"{key}={make(payload)!r} ran as shell:\n{text}"
     programs = [call[0] for call in calls]
-    interpreter = {"pyxis": "python", "apptainer": "apptainer"}.get(container.runtime(cfg.cluster.container),
-                                                                   "host-python")
+    interpreter = {"pyxis": "python", "apptainer": "apptainer"}.get(
+        container.runtime(cfg.cluster.container), "host-python"
+    )
     assert programs == ["srun", interpreter, "host-python"], (calls, proc.stderr)
     assert calls[1][-4:] == ["-u", "-m", "submitit.core._submit", str(folder)]  # the task's command, unchanged
     assert calls[2][1:] == ["-m", "hpctrain.launch.supervise", str(folder.parent), "4242", "0"]  # the supervisor
@@ -204,8 +218,9 @@ def test_a_hostile_value_is_refused_or_stays_one_word(composed, capsys, monkeypa
 
 
 @pytest.mark.parametrize("unquote", ["interpreter", "srun-args"])
-def test_the_harness_catches_an_unquoted_value(compose_cfg, monkeypatch, tmp_path: Path, shims: Path,
-                                               unquote: str) -> None:
+def test_the_harness_catches_an_unquoted_value(
+    compose_cfg, monkeypatch, tmp_path: Path, shims: Path, unquote: str
+) -> None:
     """The positive control: the same render-and-run, with the quoting taken out where it was missing (pyxis'
     interpreter, issue 46) or where submitit does it (the srun options), creates MARKER."""
     import submitit.slurm.slurm as submitit_slurm
@@ -245,8 +260,13 @@ def _srun(*words: str) -> str:
     return f"cluster.srun_args={_hydra_list(words)}"
 
 
-GPU_APPTAINER = ["cluster=slurm", "+experiment=gpt3_1.3b_1node", "data=synthetic",
-                 "cluster.container.runtime=apptainer", "cluster.container.image=/shared/pytorch.sif"]
+GPU_APPTAINER = [
+    "cluster=slurm",
+    "+experiment=gpt3_1.3b_1node",
+    "data=synthetic",
+    "cluster.container.runtime=apptainer",
+    "cluster.container.image=/shared/pytorch.sif",
+]
 ARGS = "cluster.container.args"
 NO_ENV = "without the host's environment"
 NETWORK = "network namespace of their own"
@@ -266,20 +286,36 @@ MEANINGS = [
     ("apptainer-net", [*APPTAINER, _args("--net")], ARGS, NETWORK),
     ("apptainer-net-combined", [*APPTAINER, _args("-cn")], ARGS, "-cn (--net) runs the tasks in a " + NETWORK),
     ("apptainer-no-env", [*APPTAINER, _args("--no-env=SLURM_PROCID")], ARGS, "keeps SLURM_PROCID from the tasks"),
-    ("apptainer-no-env-list", [*APPTAINER, _args("--no-env", "PATH,SUBMITIT_EXECUTOR")], ARGS,
-     "keeps SUBMITIT_EXECUTOR from the tasks"),
-    ("apptainer-no-env-credential", [*APPTAINER, "+cluster.env.WANDB_API_KEY=abc", _args("--no-env=WANDB_API_KEY")],
-     ARGS, "keeps WANDB_API_KEY from the tasks"),
+    (
+        "apptainer-no-env-list",
+        [*APPTAINER, _args("--no-env", "PATH,SUBMITIT_EXECUTOR")],
+        ARGS,
+        "keeps SUBMITIT_EXECUTOR from the tasks",
+    ),
+    (
+        "apptainer-no-env-credential",
+        [*APPTAINER, "+cluster.env.WANDB_API_KEY=abc", _args("--no-env=WANDB_API_KEY")],
+        ARGS,
+        "keeps WANDB_API_KEY from the tasks",
+    ),
     ("apptainer-nv-false", [*GPU_APPTAINER, _args("--nv=false")], ARGS, "would not see the GPUs"),
     ("apptainer-missing-value", [*APPTAINER, _args("--bind")], ARGS, "apptainer would take the image as its value"),
     ("apptainer-missing-short", [*APPTAINER, _args("-cB")], ARGS, "takes a value and none follows"),
     ("apptainer-positional", [*APPTAINER, _args("/shared/other.sif")], ARGS, "would take it as the image"),
     ("apptainer-double-dash", [*APPTAINER, _args("--", "--nv")], ARGS, "is not an option"),
     ("apptainer-bad-bool", [*APPTAINER, _args("--cleanenv=yes")], ARGS, "'yes' is not a boolean"),
-    ("pyxis-image-twice", [*PYXIS, _args("--container-image=nvcr.io#nvidia/other:1")], ARGS,
-     "pyxis refuses a second, different one"),
-    ("pyxis-workdir-twice", [*PYXIS, "cluster.container.workdir=/w", _args("--container-workdir=/other")], ARGS,
-     "pyxis refuses a second, different one"),
+    (
+        "pyxis-image-twice",
+        [*PYXIS, _args("--container-image=nvcr.io#nvidia/other:1")],
+        ARGS,
+        "pyxis refuses a second, different one",
+    ),
+    (
+        "pyxis-workdir-twice",
+        [*PYXIS, "cluster.container.workdir=/w", _args("--container-workdir=/other")],
+        ARGS,
+        "pyxis refuses a second, different one",
+    ),
     ("pyxis-unshare-net", [*PYXIS, _args("--container-unshare=net")], ARGS, NETWORK),
     ("pyxis-unshare-ipc-net", [*PYXIS, _args("--container-unshare=ipc,net")], ARGS, NETWORK),
     ("pyxis-export-none", [*PYXIS, _args("--export=NONE")], ARGS, "Slurm's variables only"),
@@ -291,23 +327,36 @@ MEANINGS = [
     ("pyxis-ambiguous", [*PYXIS, _args("--cont=x")], ARGS, "ambiguous"),
     ("pyxis-positional", [*PYXIS, _args("python3")], ARGS, "would take it as the command to run"),
     ("srun-export-none", [*DEV, _srun("--export=NONE")], "cluster.srun_args", "Slurm's variables only"),
-    ("srun-image-outside-container", [*DEV, _srun("--container-image=/images/pt.sqsh")], "cluster.srun_args",
-     "an image hpctrain knows nothing of"),
-    ("srun-image-twice", [*PYXIS, _srun("--container-image=/images/pt.sqsh")], "cluster.srun_args",
-     "pyxis refuses a second"),
+    (
+        "srun-image-outside-container",
+        [*DEV, _srun("--container-image=/images/pt.sqsh")],
+        "cluster.srun_args",
+        "an image hpctrain knows nothing of",
+    ),
+    (
+        "srun-image-twice",
+        [*PYXIS, _srun("--container-image=/images/pt.sqsh")],
+        "cluster.srun_args",
+        "pyxis refuses a second",
+    ),
     ("srun-nodes", [*DEV, _srun("-N", "1")], "cluster.srun_args", "-N 1 (--nodes) changes the tasks"),
     ("srun-tasks-per-node", [*DEV, _srun("--tasks-per-node=1")], "cluster.srun_args", "(--ntasks-per-node)"),
     ("srun-positional", [*DEV, _srun("hostname")], "cluster.srun_args", "would take it as the command to run"),
-    ("sbatch-export-none", [*DEV, "+cluster.sbatch_extra.export=NONE"], "cluster.sbatch_extra.export",
-     "its srun step inherits the setting"),
+    (
+        "sbatch-export-none",
+        [*DEV, "+cluster.sbatch_extra.export=NONE"],
+        "cluster.sbatch_extra.export",
+        "its srun step inherits the setting",
+    ),
     ("run-dir-colon", [*PYXIS, "run.name=a:b"], "run.name", "the runtimes split mounts"),
     ("run-dir-percent", [*DEV, "run.name=a%jb"], "run.name", "filename pattern"),
 ]
 
 
 @pytest.mark.parametrize("overrides,key,words", [m[1:] for m in MEANINGS], ids=[m[0] for m in MEANINGS])
-def test_an_option_is_judged_by_its_meaning(compose_cfg, capsys, tmp_path: Path, overrides: list[str], key: str,
-                                            words: str) -> None:
+def test_an_option_is_judged_by_its_meaning(
+    compose_cfg, capsys, tmp_path: Path, overrides: list[str], key: str, words: str
+) -> None:
     cfg = compose_cfg(*overrides, f"run.root={tmp_path / 'root'}")
     assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
@@ -317,11 +366,17 @@ def test_an_option_is_judged_by_its_meaning(compose_cfg, capsys, tmp_path: Path,
 
 
 ACCEPTED = [
-    [*APPTAINER, _args("--cleanenv=false")], [*APPTAINER, _args("-e=false")], [*APPTAINER, _args("--containall=0")],
-    [*APPTAINER, _args("--cleanenv", "--cleanenv=false")], [*APPTAINER, _args("-c")], [*APPTAINER, _args("--no-home")],
-    [*APPTAINER, _args("--writable-tmpfs", "-B", "/a:/a", "--bind=/b:/b,/c:/c")], [*APPTAINER, _args("--net=false")],
+    [*APPTAINER, _args("--cleanenv=false")],
+    [*APPTAINER, _args("-e=false")],
+    [*APPTAINER, _args("--containall=0")],
+    [*APPTAINER, _args("--cleanenv", "--cleanenv=false")],
+    [*APPTAINER, _args("-c")],
+    [*APPTAINER, _args("--no-home")],
+    [*APPTAINER, _args("--writable-tmpfs", "-B", "/a:/a", "--bind=/b:/b,/c:/c")],
+    [*APPTAINER, _args("--net=false")],
     [*APPTAINER, _args("--nv=false")],  # a CPU job (cluster=dev): no --nv to undo
-    [*GPU_APPTAINER, _args("--nv=false", "--nvccli")], [*APPTAINER, _args("--no-env=LD_PRELOAD")],
+    [*GPU_APPTAINER, _args("--nv=false", "--nvccli")],
+    [*APPTAINER, _args("--no-env=LD_PRELOAD")],
     [*PYXIS, _args("--container-remap-root", "--no-container-mount-home", "--container-unshare=ipc,uts")],
     [*PYXIS, _args("--export=ALL,FOO=1", "--container-writable", "--container-mounts=/a:/a")],
     [*PYXIS, _args("--container-workdir=/w")],

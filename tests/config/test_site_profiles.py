@@ -37,8 +37,11 @@ def site(tmp_path: Path) -> Path:
 
 def test_site_dirs_are_absolute_and_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert site_dirs(f"/a::rel:{Path('~').expanduser()}/b:") == [Path("/a"), tmp_path / "rel",
-                                                                   Path("~").expanduser() / "b"]
+    assert site_dirs(f"/a::rel:{Path('~').expanduser()}/b:") == [
+        Path("/a"),
+        tmp_path / "rel",
+        Path("~").expanduser() / "b",
+    ]
     assert site_dirs(None) == [] and site_dirs("") == []
 
 
@@ -63,16 +66,24 @@ def test_hpctrain_config_path_on_the_command_line(site: Path, tmp_path: Path) ->
 
 
 def test_hydra_searchpath_does_the_same_for_one_command(site: Path, tmp_path: Path) -> None:
-    proc = run_hpctrain("cluster=mysite", "dry_run=true", f"run.root={tmp_path / 'runs'}",
-                        f"hydra.searchpath=[file://{site}]", cwd=tmp_path, env={VARIABLE: ""}, timeout=120)
+    proc = run_hpctrain(
+        "cluster=mysite",
+        "dry_run=true",
+        f"run.root={tmp_path / 'runs'}",
+        f"hydra.searchpath=[file://{site}]",
+        cwd=tmp_path,
+        env={VARIABLE: ""},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "#SBATCH --partition=site_gpu\n" in proc.stdout
 
 
 def test_a_directory_that_is_not_there_is_named(site: Path, tmp_path: Path) -> None:
     missing = tmp_path / "typo" / "conf"
-    proc = run_hpctrain("cluster=mysite", "dry_run=true", cwd=tmp_path, env={VARIABLE: f"{site}:{missing}"},
-                        timeout=120)
+    proc = run_hpctrain(
+        "cluster=mysite", "dry_run=true", cwd=tmp_path, env={VARIABLE: f"{site}:{missing}"}, timeout=120
+    )
     assert proc.returncode == EXIT_CONFIG_ERROR
     assert f"{VARIABLE}: {missing} is not a directory" in proc.stderr and "fix: " in proc.stderr
     assert not (tmp_path / "outputs").exists()
@@ -84,8 +95,9 @@ def _yaml_blocks(page: str) -> list[str]:
 
 
 def _srun_and_setup(script: str) -> list[str]:
-    return [line for line in script.split("# command")[0].split("# setup")[1].splitlines() if line] + \
-        [line for line in script.splitlines() if line.startswith("srun ")]
+    return [line for line in script.split("# command")[0].split("# setup")[1].splitlines() if line] + [
+        line for line in script.splitlines() if line.startswith("srun ")
+    ]
 
 
 def test_the_docs_cluster_files_work_as_site_profiles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,8 +119,9 @@ def test_the_docs_cluster_files_work_as_site_profiles(tmp_path: Path, monkeypatc
     monkeypatch.setenv(VARIABLE, str(conf.parent))
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
         for name in names:
-            cfg = compose(config_name="config", overrides=["+experiment=gpt3_1.3b_1node", f"cluster={name}",
-                                                           "dry_run=true"])
+            cfg = compose(
+                config_name="config", overrides=["+experiment=gpt3_1.3b_1node", f"cluster={name}", "dry_run=true"]
+            )
             assert cfg.cluster.name == name and cfg.cluster.partition == "gpu"
             layout = check_config(cfg).layout
             runtime = name.partition("_")[2]

@@ -104,8 +104,12 @@ class _Counting:
 def blended_config(tmp_path: Path, valid_fraction: float = 0.1) -> DataConfig:
     write_dataset(tmp_path / "a", lengths(80, 2), base=0)
     write_dataset(tmp_path / "b", lengths(30, 3), base=500)
-    return DataConfig(kind=DataKind.indexed, blend=f"0.7 {tmp_path}/a 0.3 {tmp_path}/b",
-                      valid_fraction=valid_fraction, vocab_size=10**6)
+    return DataConfig(
+        kind=DataKind.indexed,
+        blend=f"0.7 {tmp_path}/a 0.3 {tmp_path}/b",
+        valid_fraction=valid_fraction,
+        vocab_size=10**6,
+    )
 
 
 def test_validation_documents_are_never_trained_on(tmp_path: Path) -> None:
@@ -182,8 +186,10 @@ def test_separate_validation_prefixes(tmp_path: Path) -> None:
     assert {int(t) // 1000 for s in range(500) for t in data.train.sample(s)} == set(range(80)) | set(range(500, 530))
 
 
-@pytest.mark.parametrize("text, message", [("0.3 a 0.7", "weight/prefix pairs"), ("x a 0.5 b", "'x' is not a weight"),
-                                            ("0 a 1 b", "must be > 0")])
+@pytest.mark.parametrize(
+    "text, message",
+    [("0.3 a 0.7", "weight/prefix pairs"), ("x a 0.5 b", "'x' is not a weight"), ("0 a 1 b", "must be > 0")],
+)
 def test_bad_blends_are_named(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_blend(text)

@@ -7,9 +7,9 @@ import pickle
 import re
 import struct
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -51,7 +51,7 @@ def write(prefix: Path, docs: list[np.ndarray], dtype: np.dtype) -> None:
         for doc in docs[:10]:
             writer.add_document(doc.tolist())
         for start in range(10, len(docs), 7):
-            chunk = docs[start: start + 7]
+            chunk = docs[start : start + 7]
             writer.add_documents(np.array([d.size for d in chunk]), np.concatenate(chunk))
 
 
@@ -150,26 +150,35 @@ def test_a_prepared_corpus_is_read_by_megatron(tmp_path: Path) -> None:
 
 def patch(path: Path, offset: int, data: bytes) -> None:
     content = path.read_bytes()
-    path.write_bytes(content[:offset] + data + content[offset + len(data):])
+    path.write_bytes(content[:offset] + data + content[offset + len(data) :])
 
 
-@pytest.mark.parametrize("damage, problem", [
-    (lambda idx, bin_: idx.write_bytes(b"NOTMMIDX\x00" + idx.read_bytes()[9:]), "not an indexed dataset"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]),
-     "version 2"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:17] + b"\x09" + idx.read_bytes()[18:]), "dtype code 9"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:20]), "shorter than the 34-byte header"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-8]), "its header .* makes it"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes() + bytes(5)), "multimodal"),
-    (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]), "but .* describes 23 tokens"),
-    (lambda idx, bin_: patch(idx, 34 + 2 * 4, struct.pack("<i", -1)), "negative length of sequence 2"),
-    (lambda idx, bin_: patch(idx, 34 + 5 * 4 + 3 * 8, struct.pack("<q", 26)), "sequence 3 starts at byte 26, .* 24"),
-    (lambda idx, bin_: patch(idx, 34 + 5 * 12 + 2 * 8, struct.pack("<q", 0)), "document indices must rise"),
-    (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-8] + struct.pack("<q", 4)), "document indices"),
-    (lambda idx, bin_: idx.unlink(), "no such file"),
-])
-def test_damage_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: Callable[[Path, Path], None],
-                         problem: str) -> None:
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda idx, bin_: idx.write_bytes(b"NOTMMIDX\x00" + idx.read_bytes()[9:]), "not an indexed dataset"),
+        (
+            lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]),
+            "version 2",
+        ),
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:17] + b"\x09" + idx.read_bytes()[18:]), "dtype code 9"),
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:20]), "shorter than the 34-byte header"),
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-8]), "its header .* makes it"),
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes() + bytes(5)), "multimodal"),
+        (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]), "but .* describes 23 tokens"),
+        (lambda idx, bin_: patch(idx, 34 + 2 * 4, struct.pack("<i", -1)), "negative length of sequence 2"),
+        (
+            lambda idx, bin_: patch(idx, 34 + 5 * 4 + 3 * 8, struct.pack("<q", 26)),
+            "sequence 3 starts at byte 26, .* 24",
+        ),
+        (lambda idx, bin_: patch(idx, 34 + 5 * 12 + 2 * 8, struct.pack("<q", 0)), "document indices must rise"),
+        (lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:-8] + struct.pack("<q", 4)), "document indices"),
+        (lambda idx, bin_: idx.unlink(), "no such file"),
+    ],
+)
+def test_damage_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: Callable[[Path, Path], None], problem: str
+) -> None:
     """The index is checked two entries at a time here: the checks' block boundaries are crossed too."""
     monkeypatch.setattr(indexed, "CHECK_BLOCK", 2)
     prefix = tmp_path / "ds"

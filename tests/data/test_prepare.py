@@ -34,8 +34,12 @@ def eos_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "<unk>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "<unk>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(TEXTS * 3, trainer)
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     tokenizer.save(str(path))
@@ -80,15 +84,24 @@ def test_text_files_with_a_trained_bpe(tmp_path: Path) -> None:
     assert Path(summary.tokenizer) == tmp_path / "out" / "deeper" / "ds.tokenizer.json"
     assert documents_of(prefix, summary.tokenizer, "<|endoftext|>") == TEXTS  # the empty file left out
     data = IndexedDataset(prefix)
-    assert (summary.documents, summary.tokens, summary.dtype, summary.prefix) == (4, data.num_tokens, "uint16",
-                                                                                str(prefix))
+    assert (summary.documents, summary.tokens, summary.dtype, summary.prefix) == (
+        4,
+        data.num_tokens,
+        "uint16",
+        str(prefix),
+    )
     assert summary.vocab_size == Tokenizer.from_file(summary.tokenizer).get_vocab_size() <= 320
     assert sorted(p.name for p in prefix.parent.iterdir()) == ["ds.bin", "ds.idx", "ds.tokenizer.json"]
 
 
 def test_json_lines_with_a_field_name_and_a_given_tokenizer(tmp_path: Path, eos_tokenizer: Path) -> None:
-    inputs = write_files(tmp_path, {"a.jsonl": jsonl(TEXTS[:2], "body") + "\n   \n",  # blank lines skipped
-                                    "b.jsonl.gz": jsonl(TEXTS[2:], "body")})
+    inputs = write_files(
+        tmp_path,
+        {
+            "a.jsonl": jsonl(TEXTS[:2], "body") + "\n   \n",  # blank lines skipped
+            "b.jsonl.gz": jsonl(TEXTS[2:], "body"),
+        },
+    )
     summary = prepare(inputs, tmp_path / "ds", tokenizer=eos_tokenizer, text_key="body", progress=False)
     assert summary.tokenizer == str(eos_tokenizer)
     assert summary.vocab_size == Tokenizer.from_file(str(eos_tokenizer)).get_vocab_size() > 256
@@ -97,8 +110,16 @@ def test_json_lines_with_a_field_name_and_a_given_tokenizer(tmp_path: Path, eos_
 
 
 def test_a_directory_is_read_in_sorted_order(tmp_path: Path, eos_tokenizer: Path) -> None:
-    write_files(tmp_path / "corpus", {"b.txt": TEXTS[2], "a/x.jsonl": jsonl(TEXTS[:2]), "c.txt.gz": TEXTS[3],
-                                      ".hidden.txt": "left out", ".git/config": "left out"})
+    write_files(
+        tmp_path / "corpus",
+        {
+            "b.txt": TEXTS[2],
+            "a/x.jsonl": jsonl(TEXTS[:2]),
+            "c.txt.gz": TEXTS[3],
+            ".hidden.txt": "left out",
+            ".git/config": "left out",
+        },
+    )
     prepare([tmp_path / "corpus"], tmp_path / "ds", tokenizer=eos_tokenizer, progress=False)
     assert documents_of(tmp_path / "ds", eos_tokenizer, "</s>") == TEXTS
 
@@ -153,25 +174,39 @@ def test_a_large_vocabulary_gets_int32_and_refuses_uint16(tmp_path: Path) -> Non
     tokenizer.save(str(tmp_path / "big.json"))
     corpus = write_files(tmp_path, {"c.txt": "w1 w69999 w65536 w7"})
     summary = prepare(corpus, tmp_path / "ds", tokenizer=tmp_path / "big.json", progress=False)
-    assert summary.dtype == "int32" and IndexedDataset(tmp_path / "ds").tokens.tolist() == [1, 69999, 65536, 7,
-                                                                                             70000]
+    assert summary.dtype == "int32" and IndexedDataset(tmp_path / "ds").tokens.tolist() == [1, 69999, 65536, 7, 70000]
     with pytest.raises(PrepareError, match=r"big\.json: ids up to 70000 do not fit --dtype uint16"):
         prepare(corpus, tmp_path / "out" / "ds", tokenizer=tmp_path / "big.json", dtype="uint16")
 
 
 BAD_INPUTS = {
     "missing input": ({}, ["nowhere.txt"], r"input .*nowhere\.txt: no such file or directory"),
-    "field missing": ({"bad.jsonl": jsonl(TEXTS[:1]) + '{"body": "x"}\n'}, ["bad.jsonl"],
-                      r"bad\.jsonl:2: no field 'text' \(it has: 'body'\); choose the field with --text-key"),
+    "field missing": (
+        {"bad.jsonl": jsonl(TEXTS[:1]) + '{"body": "x"}\n'},
+        ["bad.jsonl"],
+        r"bad\.jsonl:2: no field 'text' \(it has: 'body'\); choose the field with --text-key",
+    ),
     "field not text": ({"bad.jsonl": '{"text": 3}\n'}, ["bad.jsonl"], r"bad\.jsonl:1: field 'text' is int, not text"),
-    "invalid JSON": ({"bad.jsonl": jsonl(TEXTS[:2]) + '{"text": "x"\n'}, ["bad.jsonl"],
-                     r"bad\.jsonl:3: invalid JSON: Expecting ',' delimiter: column 13"),
-    "lone surrogate": ({"bad.jsonl": '{"text": "ok"}\n{"text": "a\\ud800b"}\n'}, ["bad.jsonl"],
-                       r"bad\.jsonl:2: field 'text' is not valid Unicode: '\\ud800' at character 1"),
-    "not UTF-8": ({"latin1.txt": "café".encode("latin-1")}, ["latin1.txt"],
-                  r"latin1\.txt: not UTF-8 \(byte offset 3\)"),
-    "not UTF-8 in JSON lines": ({"bad.jsonl": jsonl(["ok"]).encode() + b'{"text": "\xe9"}\n'}, ["bad.jsonl"],
-                                r"bad\.jsonl: not UTF-8 \(line 2, byte offset 34\)"),
+    "invalid JSON": (
+        {"bad.jsonl": jsonl(TEXTS[:2]) + '{"text": "x"\n'},
+        ["bad.jsonl"],
+        r"bad\.jsonl:3: invalid JSON: Expecting ',' delimiter: column 13",
+    ),
+    "lone surrogate": (
+        {"bad.jsonl": '{"text": "ok"}\n{"text": "a\\ud800b"}\n'},
+        ["bad.jsonl"],
+        r"bad\.jsonl:2: field 'text' is not valid Unicode: '\\ud800' at character 1",
+    ),
+    "not UTF-8": (
+        {"latin1.txt": "café".encode("latin-1")},
+        ["latin1.txt"],
+        r"latin1\.txt: not UTF-8 \(byte offset 3\)",
+    ),
+    "not UTF-8 in JSON lines": (
+        {"bad.jsonl": jsonl(["ok"]).encode() + b'{"text": "\xe9"}\n'},
+        ["bad.jsonl"],
+        r"bad\.jsonl: not UTF-8 \(line 2, byte offset 34\)",
+    ),
     "no documents": ({"empty": "", "e.jsonl": "\n"}, ["empty", "e.jsonl"], "no text in the input"),
     "broken gzip": ({"b.txt.gz": b"\x1f\x8b not really"}, ["b.txt.gz"], "cannot read the input"),
     "no input": ({}, [], "no input given"),
@@ -180,24 +215,29 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("given", [None, "eos"], ids=["trained BPE", "given tokenizer"])
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_named_and_leaves_nothing(tmp_path: Path, eos_tokenizer: Path, case: str,
-                                               given: str | None) -> None:
+def test_bad_input_is_named_and_leaves_nothing(
+    tmp_path: Path, eos_tokenizer: Path, case: str, given: str | None
+) -> None:
     files, inputs, problem = BAD_INPUTS[case]
     write_files(tmp_path, files)
     with pytest.raises(PrepareError, match=problem):
-        prepare([tmp_path / i for i in inputs], tmp_path / "out" / "ds", progress=False,
-                tokenizer=eos_tokenizer if given else None)
+        prepare(
+            [tmp_path / i for i in inputs],
+            tmp_path / "out" / "ds",
+            progress=False,
+            tokenizer=eos_tokenizer if given else None,
+        )
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
-def test_a_failure_half_way_leaves_nothing(tmp_path: Path, eos_tokenizer: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_half_way_leaves_nothing(
+    tmp_path: Path, eos_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Tiny chunks: dozens are written before the bad line is reached."""
     monkeypatch.setattr(prepare_module, "CHUNK_CHARS", 50)
     write_files(tmp_path, {"c.jsonl": jsonl(TEXTS * 50) + "{oops\n"})
     with pytest.raises(PrepareError, match=r"c\.jsonl:201: invalid JSON"):
-        prepare([tmp_path / "c.jsonl"], tmp_path / "out" / "ds", tokenizer=eos_tokenizer, workers=2,
-                progress=False)
+        prepare([tmp_path / "c.jsonl"], tmp_path / "out" / "ds", tokenizer=eos_tokenizer, workers=2, progress=False)
     assert list((tmp_path / "out").iterdir()) == []
 
 
@@ -221,14 +261,43 @@ def test_output_problems(tmp_path: Path, eos_tokenizer: Path) -> None:
 
 def test_command_line(tmp_path: Path, eos_tokenizer: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corpus = write_files(tmp_path, {"c.jsonl": jsonl(TEXTS, "body")})
-    assert main(["--input", str(corpus[0]), "--output", str(tmp_path / "ds"), "--tokenizer", str(eos_tokenizer),
-                 "--text-key", "body", "--workers", "1", "--dtype", "int32"]) == 0
+    assert (
+        main(
+            [
+                "--input",
+                str(corpus[0]),
+                "--output",
+                str(tmp_path / "ds"),
+                "--tokenizer",
+                str(eos_tokenizer),
+                "--text-key",
+                "body",
+                "--workers",
+                "1",
+                "--dtype",
+                "int32",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith(f"{tmp_path / 'ds'}: 4 documents, ")
     assert IndexedDataset(tmp_path / "ds").dtype == np.int32
-    failed = subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), "--input",
-                             str(tmp_path / "c.jsonl"), "--output", str(tmp_path / "out" / "ds")],
-                            capture_output=True, text=True, timeout=120)
+    failed = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "prepare_data.py"),
+            "--input",
+            str(tmp_path / "c.jsonl"),
+            "--output",
+            str(tmp_path / "out" / "ds"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert failed.returncode == 2 and failed.stdout == ""
-    assert failed.stderr == f"prepare_data: {tmp_path / 'c.jsonl'}:1: no field 'text' (it has: 'id', 'body'); " \
-                            "choose the field with --text-key\n"
+    assert (
+        failed.stderr == f"prepare_data: {tmp_path / 'c.jsonl'}:1: no field 'text' (it has: 'id', 'body'); "
+        "choose the field with --text-key\n"
+    )
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []

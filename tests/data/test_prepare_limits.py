@@ -11,8 +11,9 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -36,12 +37,14 @@ def listing(directory: Path) -> list[str]:
 def words_text(characters: int, seed: int = 29) -> str:
     """Text of made-up words separated by spaces, about `characters` long (deterministic)."""
     rng = random.Random(seed)
-    vocabulary = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-                  for _ in range(2000)]
+    vocabulary = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(2000)
+    ]
     return " ".join(rng.choice(vocabulary) for _ in range(characters // 6))
 
 
 # -- an output that cannot be written: a PrepareError at once, exit 2, nothing left
+
 
 def unwritable_outputs(tmp: Path) -> dict[str, Path]:
     (tmp / "a_file").write_text("not a directory\n")
@@ -68,9 +71,11 @@ def test_an_unwritable_output_is_refused_at_once_naming_it(tmp_path: Path) -> No
         done = run_tool("--input", str(corpus), "--output", str(output), "--workers", "1", cwd=tmp_path)
         assert done.returncode == 2, (case, done.stderr)
         assert "Traceback" not in done.stderr and done.stdout == "", (case, done.stderr)
-        line, = done.stderr.splitlines()
-        assert line.startswith(f"prepare_data: output {output}: ") and "give --output a prefix in a directory you " \
-            "can write" in line, (case, line)
+        (line,) = done.stderr.splitlines()
+        assert (
+            line.startswith(f"prepare_data: output {output}: ")
+            and "give --output a prefix in a directory you can write" in line
+        ), (case, line)
         assert listing(tmp_path) == before, case  # nothing left: no directory, no probe, no dataset
         assert time.monotonic() - started < 60, case  # before any tokenizer training
 
@@ -91,11 +96,24 @@ def test_a_file_of_nul_bytes_is_skipped_with_a_warning_in_seconds(tmp_path: Path
     (tmp_path / "zeros.bin").write_bytes(b"\0" * NUL_BYTES)
     (tmp_path / "text.txt").write_text("A document of real text.\n")
     (tmp_path / "utf16.txt").write_bytes("Text saved as UTF-16, every other byte NUL.".encode("utf-16-le"))
-    (tmp_path / "lines.jsonl").write_text(json.dumps({"text": "fine"}) + "\n"
-                                          + json.dumps({"text": "\0" * 1000 + "x"}) + "\n")
+    (tmp_path / "lines.jsonl").write_text(
+        json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "\0" * 1000 + "x"}) + "\n"
+    )
     started = time.monotonic()
-    done = run_tool("--input", "zeros.bin", "text.txt", "utf16.txt", "lines.jsonl", "--output", "out/ds",
-                    "--workers", "1", "--vocab-size", "300", cwd=tmp_path)
+    done = run_tool(
+        "--input",
+        "zeros.bin",
+        "text.txt",
+        "utf16.txt",
+        "lines.jsonl",
+        "--output",
+        "out/ds",
+        "--workers",
+        "1",
+        "--vocab-size",
+        "300",
+        cwd=tmp_path,
+    )
     seconds = time.monotonic() - started
     assert done.returncode == 0, done.stderr
     assert seconds < 30, seconds  # 200 KB of NULs trained a BPE for 135 s (21 s on a fast core)
@@ -116,8 +134,10 @@ def test_input_that_is_only_nul_bytes_is_refused(tmp_path: Path) -> None:
     done = run_tool("--input", "zeros.bin", "--output", "out/ds", "--workers", "1", cwd=tmp_path)
     assert time.monotonic() - started < 30
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert done.stderr.splitlines()[-1] == ("prepare_data: no text in the input (zeros.bin); 1 document(s) skipped "
-                                            "as not text (NUL or control characters): zeros.bin")
+    assert done.stderr.splitlines()[-1] == (
+        "prepare_data: no text in the input (zeros.bin); 1 document(s) skipped "
+        "as not text (NUL or control characters): zeros.bin"
+    )
     assert not (tmp_path / "out").exists() or listing(tmp_path / "out") == []
 
 
@@ -189,17 +209,34 @@ def test_one_huge_line_keeps_memory_flat(tmp_path: Path) -> None:
     worker (tokenising) bounded by a piece, not the document (a 15.5 MB line: 1.26 GB and 2.3 GB before)."""
     (tmp_path / "peak.py").write_text(PEAK)
     (tmp_path / "huge.jsonl").write_text(json.dumps({"text": words_text(2_500_000)}) + "\n")
-    done = subprocess.run([sys.executable, str(tmp_path / "peak.py"), "--input", "huge.jsonl", "--output", "out/ds",
-                           "--workers", "1", "--vocab-size", "300", "--quiet"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(tmp_path / "peak.py"),
+            "--input",
+            "huge.jsonl",
+            "--output",
+            "out/ds",
+            "--workers",
+            "1",
+            "--vocab-size",
+            "300",
+            "--quiet",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
     peak = json.loads(done.stderr.splitlines()[-1])
     assert peak["code"] == 0, done.stderr
     assert peak["parent_mib"] < 160 and peak["workers_mib"] < 160, peak
     assert len(IndexedDataset(tmp_path / "out" / "ds")) == 1  # one document, in pieces
 
 
-def test_a_long_document_in_pieces_has_the_tokens_of_the_whole(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_long_document_in_pieces_has_the_tokens_of_the_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of 2,000 characters, cut before a space: the dataset holds exactly the tokens of the whole
     document, with one end of document, whatever the number of workers; the trained tokenizer is the one the
     whole document trains."""
@@ -208,8 +245,13 @@ def test_a_long_document_in_pieces_has_the_tokens_of_the_whole(tmp_path: Path,
     (tmp_path / "short.txt").write_text("a short one")
     monkeypatch.setattr(prepare_module, "PIECE_CHARS", 2_000)
     for workers in (1, 2):
-        summary = prepare([tmp_path / "long.txt", tmp_path / "short.txt"], tmp_path / f"w{workers}" / "ds",
-                          vocab_size=400, workers=workers, progress=False)
+        summary = prepare(
+            [tmp_path / "long.txt", tmp_path / "short.txt"],
+            tmp_path / f"w{workers}" / "ds",
+            vocab_size=400,
+            workers=workers,
+            progress=False,
+        )
         tok = Tokenizer.from_file(summary.tokenizer)
         data = IndexedDataset(tmp_path / f"w{workers}" / "ds")
         eod = tok.token_to_id("<|endoftext|>")
@@ -236,14 +278,17 @@ def sentencepiece_like(sample: list[str]) -> Tokenizer:
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
     tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    tok.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
-                                                        show_progress=False))
+    tok.train_from_iterator(
+        sample, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"], show_progress=False)
+    )
     tok.pre_tokenizer = None
     return tok
 
 
-@pytest.mark.parametrize("kind, mode", [("byte-level", "space"), ("metaspace", "space"), ("whitespace", "space"),
-                                        ("no pre-tokenizer", "inexact")])
+@pytest.mark.parametrize(
+    "kind, mode",
+    [("byte-level", "space"), ("metaspace", "space"), ("whitespace", "space"), ("no pre-tokenizer", "inexact")],
+)
 def test_how_each_kind_of_tokenizer_is_cut(kind: str, mode: str) -> None:
     sample = [words_text(3_000, seed) for seed in range(5)] + ["x = f(1); end. Next 4096 42 naïve café"] * 5
     if kind == "byte-level":
@@ -261,21 +306,28 @@ def test_how_each_kind_of_tokenizer_is_cut(kind: str, mode: str) -> None:
     else:
         tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
         alphabet = []
-    trainer = (trainers.WordLevelTrainer(special_tokens=["<unk>"]) if isinstance(tok.model, models.WordLevel) else
-               trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>"], initial_alphabet=alphabet,
-                                   show_progress=False))
+    trainer = (
+        trainers.WordLevelTrainer(special_tokens=["<unk>"])
+        if isinstance(tok.model, models.WordLevel)
+        else trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<unk>"], initial_alphabet=alphabet, show_progress=False
+        )
+    )
     tok.train_from_iterator(sample, trainer)
     assert prepare_module._split_mode(tok) == mode
     if mode == "space":
         text = sample[0] * 3
         pieces = list(prepare_module._pieces(text, 500))
         assert len(pieces) > 10 and "".join(pieces) == text
-        assert sum((tok.encode(p, add_special_tokens=False).ids for p in pieces), []) == tok.encode(
-            text, add_special_tokens=False).ids
+        assert (
+            sum((tok.encode(p, add_special_tokens=False).ids for p in pieces), [])
+            == tok.encode(text, add_special_tokens=False).ids
+        )
 
 
-def test_a_tokenizer_that_adds_a_space_gets_the_cuts_space_dropped(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tokenizer_that_adds_a_space_gets_the_cuts_space_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sample = [words_text(3_000, seed) for seed in range(5)]
     tok = sentencepiece_like(sample)
     assert prepare_module._split_mode(tok) == "drop"
@@ -288,8 +340,9 @@ def test_a_tokenizer_that_adds_a_space_gets_the_cuts_space_dropped(tmp_path: Pat
     assert got == tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("</s>")]
 
 
-def test_an_inexact_tokenizer_is_warned_when_a_document_is_cut(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              capfd: pytest.CaptureFixture[str]) -> None:
+def test_an_inexact_tokenizer_is_warned_when_a_document_is_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1, "</s>": 2}, unk_token="[UNK]")).save(str(tmp_path / "t.json"))
     (tmp_path / "long.txt").write_text("a " * 2_000)
     monkeypatch.setattr(prepare_module, "PIECE_CHARS", 1_000)
@@ -300,15 +353,29 @@ def test_an_inexact_tokenizer_is_warned_when_a_document_is_cut(tmp_path: Path, m
 
 # -- progress without a terminal
 
+
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
     """A log file, `tee`, nohup: the bar is not shown, lines are: the training, then the tokenising, each with
     documents and inputs done."""
-    done = run_tool("--input", "stdlib", "--max-documents", "30", "--output", "out/ds", "--vocab-size", "300",
-                    "--workers", "1", cwd=tmp_path)
+    done = run_tool(
+        "--input",
+        "stdlib",
+        "--max-documents",
+        "30",
+        "--output",
+        "out/ds",
+        "--vocab-size",
+        "300",
+        "--workers",
+        "1",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
-    assert any(line.startswith("ds: training the tokenizer: 30 documents read (") and "computing the merges" in line
-               for line in lines), lines
+    assert any(
+        line.startswith("ds: training the tokenizer: 30 documents read (") and "computing the merges" in line
+        for line in lines
+    ), lines
     assert any(line.startswith("ds: training the tokenizer: ") and "done, vocabulary 300" in line for line in lines)
     final = [line for line in lines if line.startswith("ds: tokenising: 30 documents, ")]
     assert final and final[-1].endswith("; done"), lines
@@ -325,16 +392,23 @@ def test_progress_lines_come_every_few_seconds(tmp_path: Path, capfd: pytest.Cap
     assert len([line for line in lines if "tokenising" in line]) >= 2, lines
 
 
-def test_the_login_node_preparation_shows_progress(tmp_path: Path, compose_cfg: Callable[..., Any],
-                                                  capfd: pytest.CaptureFixture[str]) -> None:
+def test_the_login_node_preparation_shows_progress(
+    tmp_path: Path, compose_cfg: Callable[..., Any], capfd: pytest.CaptureFixture[str]
+) -> None:
     """`data.prepare` (what `+experiment=stdlib_bpe` runs on the login node for about a minute): lines as it
     goes, then what was prepared."""
     from hpctrain.launch.data import prepare_data
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(words_text(50_000))
-    cfg = compose_cfg("data=indexed", f"data.blend={tmp_path / 'data' / 'ds'}", f"data.prepare.inputs=[{corpus}]",
-                      "data.prepare.vocab_size=300", "data.prepare.workers=1", "data.vocab_size=300")
+    cfg = compose_cfg(
+        "data=indexed",
+        f"data.blend={tmp_path / 'data' / 'ds'}",
+        f"data.prepare.inputs=[{corpus}]",
+        "data.prepare.vocab_size=300",
+        "data.prepare.workers=1",
+        "data.vocab_size=300",
+    )
     prepare_data(cfg.data)
     out, err = capfd.readouterr()
     assert f"data: preparing {tmp_path / 'data' / 'ds'} from {corpus}" in out

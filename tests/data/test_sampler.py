@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hpctrain.data.loader import batch_of
 from hpctrain.data.sampler import (
     AffinePermutation,
     SampleIndex,
     micro_batches,
     step_samples,
 )
-from hpctrain.data.loader import batch_of
 from hpctrain.data.sources import build_text_bytes, stdlib_sources
 
 

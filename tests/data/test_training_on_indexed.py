@@ -32,15 +32,26 @@ def corpus(tmp_path_factory) -> list[str]:
                 writer.add_document(np.append((start + stride * np.arange(n)) % 250, 255))  # learnable
             writer.finalize()
     blend = f"0.7 {root}/a 0.3 {root}/b"
-    return ["data=indexed", f"data.blend='{blend}'", "data.vocab_size=256", "data.valid_fraction=0.1",
-            "train.eval_every=4", "train.eval_batches=2"]
+    return [
+        "data=indexed",
+        f"data.blend='{blend}'",
+        "data.vocab_size=256",
+        "data.valid_fraction=0.1",
+        "train.eval_every=4",
+        "train.eval_batches=2",
+    ]
 
 
 def expected_tokens(cfg: dict[str, Any], samples: int) -> dict[int, int]:
     """Sample id -> CRC32 of its tokens, read in this process from the same config."""
     d = cfg["data"]
-    data = open_datasets(DataConfig(kind=DataKind.indexed, blend=d["blend"], valid_fraction=d["valid_fraction"],
-                                    vocab_size=d["vocab_size"]), cfg["train"]["seq_len"], cfg["train"]["seed"])
+    data = open_datasets(
+        DataConfig(
+            kind=DataKind.indexed, blend=d["blend"], valid_fraction=d["valid_fraction"], vocab_size=d["vocab_size"]
+        ),
+        cfg["train"]["seq_len"],
+        cfg["train"]["seed"],
+    )
     return dict(enumerate(row_sums(batch_of(data.train, range(samples), 1))))
 
 
@@ -75,8 +86,9 @@ def test_resume_on_blended_data_is_bit_identical(compose_cfg, tmp_path: Path, co
 def test_dp2_to_dp1_on_blended_data_reads_the_same_tokens(compose_cfg, tmp_path: Path, corpus: list[str]) -> None:
     run_dir = tmp_path / "run"
     train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=4", *corpus, *tiers(tmp_path, 2, 100, 100)), run_dir)
-    cfg = config(compose_cfg, tmp_path, 1, "train.max_steps=7", "train.micro_batch=4", *corpus,
-                 *tiers(tmp_path, 2, 100, 100))
+    cfg = config(
+        compose_cfg, tmp_path, 1, "train.max_steps=7", "train.micro_batch=4", *corpus, *tiers(tmp_path, 2, 100, 100)
+    )
     train(1, cfg, run_dir)
     assert consumed_samples(run_dir) == list(range(7 * 8))
     assert consumed_tokens(run_dir) == expected_tokens(cfg, 7 * 8)

@@ -19,10 +19,16 @@ STEPS = 30
 
 
 def _common(tmp_path: Path, run_id: str) -> list[str]:
-    return [f"run.root={tmp_path}", f"run.id={run_id}", f"train.max_steps={STEPS}", "optim.warmup_steps=2",
-            "train.log_every=1000", "checkpoint.when_busy=wait",
-            f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm/{run_id}, interval_steps: 10, keep_last: 1}},"
-            "{name: shared, path: checkpoints, interval_steps: 1000, keep_last: 1}]"]
+    return [
+        f"run.root={tmp_path}",
+        f"run.id={run_id}",
+        f"train.max_steps={STEPS}",
+        "optim.warmup_steps=2",
+        "train.log_every=1000",
+        "checkpoint.when_busy=wait",
+        f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm/{run_id}, interval_steps: 10, keep_last: 1}},"
+        "{name: shared, path: checkpoints, interval_steps: 1000, keep_last: 1}]",
+    ]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -45,10 +51,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fault", ["kill:step=15:rank=0:once"])  # a raise: tests/slurm
 def test_a_failed_rank_is_restarted_in_the_allocation_and_ends_bit_identical(
-        reference: Path, tmp_path: Path, fault: str) -> None:
+    reference: Path, tmp_path: Path, fault: str
+) -> None:
     kind = fault.split(":")[0]
-    proc = run_hpctrain(*_common(tmp_path, kind), f"+cluster.env.HPCTRAIN_INJECT_FAULT='{fault}'", "tracking=wandb",
-                        "tracking.mode=offline", cwd=tmp_path, timeout=300)
+    proc = run_hpctrain(
+        *_common(tmp_path, kind),
+        f"+cluster.env.HPCTRAIN_INJECT_FAULT='{fault}'",
+        "tracking=wandb",
+        "tracking.mode=offline",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "smoke" / kind
     jobs = (run_dir / "jobs.jsonl").read_text().splitlines()
@@ -73,8 +86,9 @@ def assert_ledger(run_dir: Path, job: str, cwd: Path) -> None:
     shown = run_hpctrain(str(run_dir), module="hpctrain.status", cwd=cwd, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert "restart in the allocation" in shown.stdout and "the run is complete" in shown.stdout
-    as_json = run_hpctrain("--json", run_dir.name, "--root", str(run_dir.parents[1]), module="hpctrain.status",
-                           cwd=cwd, timeout=60)
+    as_json = run_hpctrain(
+        "--json", run_dir.name, "--root", str(run_dir.parents[1]), module="hpctrain.status", cwd=cwd, timeout=60
+    )
     ledger = json.loads(as_json.stdout)
     assert [j["job_id"] for j in ledger["jobs"]] == [job] and ledger["jobs"][0]["ended"] == "finished the run"
     assert ledger["queue_s"] is None and ledger["accounting"] is False
@@ -96,8 +110,14 @@ def assert_ledger(run_dir: Path, job: str, cwd: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_same_failure_twice_stops_the_run_inside_the_allocation(tmp_path: Path) -> None:
-    proc = run_hpctrain(*_common(tmp_path, "broken"), "train.max_steps=6", "launcher.max_restarts=5",
-                        "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=4:rank=1'", cwd=tmp_path, timeout=300)
+    proc = run_hpctrain(
+        *_common(tmp_path, "broken"),
+        "train.max_steps=6",
+        "launcher.max_restarts=5",
+        "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=4:rank=1'",
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert proc.returncode == 1
     run_dir = tmp_path / "smoke" / "broken"
     report = json.loads((run_dir / "FAILED.json").read_text())

@@ -68,14 +68,26 @@ def test_a_second_attempt_of_a_live_run_takes_it_over(tmp_path: Path) -> None:
     import sys
     import time
 
-    common = [f"run.root={tmp_path}", "optim.warmup_steps=2", "checkpoint.tiers.0.interval_steps=10", "run.id=twice",
-              "train.max_steps=150", "train.log_every=1000"]
+    common = [
+        f"run.root={tmp_path}",
+        "optim.warmup_steps=2",
+        "checkpoint.tiers.0.interval_steps=10",
+        "run.id=twice",
+        "train.max_steps=150",
+        "train.log_every=1000",
+    ]
     env = {**__import__("os").environ, "WANDB_MODE": "offline"}
     # The first attempt straggles at step 30 for longer than the second needs to start and take the lease: on a
     # fast machine it would otherwise finish all 150 steps first (seen once in CI).
     stall = "+cluster.env.HPCTRAIN_INJECT_FAULT='stall:step=30:rank=0:seconds=60:once'"
-    first = subprocess.Popen([sys.executable, "-m", "hpctrain", *common, stall], cwd=tmp_path, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hpctrain", *common, stall],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run_dir = tmp_path / "smoke" / "twice"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (run_dir / "metrics.jsonl").exists() or len(_metrics(run_dir)) < 25:
@@ -129,11 +141,23 @@ def test_nvme_offload_trains_and_resumes_as_cpu_offload_does(tmp_path: Path) -> 
     common = [f"run.root={tmp_path}", "+experiment=smoke", "train.log_every=1", "checkpoint.tiers.0.interval_steps=4"]
     cpu = run_hpctrain(*common, "zero=stage3_offload", "run.id=cpu", "train.max_steps=8", cwd=tmp_path)
     assert cpu.returncode == 0, cpu.stderr[-3000:]
-    first = run_hpctrain(*common, "zero=stage3_nvme", f"zero.nvme_path={tmp_path}/nvme1", "run.id=nvme",
-                         "train.max_steps=4", cwd=tmp_path)
+    first = run_hpctrain(
+        *common,
+        "zero=stage3_nvme",
+        f"zero.nvme_path={tmp_path}/nvme1",
+        "run.id=nvme",
+        "train.max_steps=4",
+        cwd=tmp_path,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_hpctrain(*common, "zero=stage3_nvme", f"zero.nvme_path={tmp_path}/nvme2", "run.resume=nvme",
-                          "train.max_steps=8", cwd=tmp_path)
+    second = run_hpctrain(
+        *common,
+        "zero=stage3_nvme",
+        f"zero.nvme_path={tmp_path}/nvme2",
+        "run.resume=nvme",
+        "train.max_steps=8",
+        cwd=tmp_path,
+    )
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming at step 4" in second.stdout
     nvme_dir = _run_dir(second.stdout)

@@ -27,9 +27,16 @@ def test_a_resume_trains_on_with_the_runs_own_hyperparameters(tmp_path: Path) ->
     """A run with optim.lr=7e-4, resumed with only run.resume=DIR train.max_steps=6, trains on at the run's lr
     (not the default 2e-3); config.yaml gets the new length and keeps the older one beside it. A second resume
     that changes nothing leaves config.yaml alone; one that changes the model is refused with nothing written."""
-    first = run_hpctrain(f"run.root={tmp_path}", "run.id=lr", "optim.lr=7e-4", "optim.warmup_steps=2",
-                         "train.max_steps=4", "train.log_every=1", "checkpoint.tiers.0.interval_steps=2",
-                         cwd=tmp_path)
+    first = run_hpctrain(
+        f"run.root={tmp_path}",
+        "run.id=lr",
+        "optim.lr=7e-4",
+        "optim.warmup_steps=2",
+        "train.max_steps=4",
+        "train.log_every=1",
+        "checkpoint.tiers.0.interval_steps=2",
+        cwd=tmp_path,
+    )
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     run_dir = tmp_path / "smoke" / "lr"
     second = run_hpctrain(f"run.resume={run_dir}", "train.max_steps=6", cwd=tmp_path)

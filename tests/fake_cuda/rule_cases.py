@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def cases() -> dict[str, Callable[[], Any]]:
@@ -82,6 +83,7 @@ def cases() -> dict[str, Callable[[], Any]]:
                 dist.all_reduce(tensor)
             except BaseException as exc:  # noqa: BLE001 (handed to the main thread)
                 failure.append(exc)
+
         worker = threading.Thread(target=run, name="background")
         worker.start()
         worker.join()
@@ -94,10 +96,28 @@ def cases() -> dict[str, Callable[[], Any]]:
         (w * 2).sum().backward()
 
     del runtime
-    return {f.__name__: f for f in (mixed, scalar_on_host, cpu_on_nccl, device_on_nccl, early_read,
-                                     early_read_of_view, read_after_sync, read_after_event, copy_back_to_device,
-                                     nonzero, boolean_index, masked_select, unique, integer_index, host_reads, other_thread,
-                                     backward_thread)}
+    return {
+        f.__name__: f
+        for f in (
+            mixed,
+            scalar_on_host,
+            cpu_on_nccl,
+            device_on_nccl,
+            early_read,
+            early_read_of_view,
+            read_after_sync,
+            read_after_event,
+            copy_back_to_device,
+            nonzero,
+            boolean_index,
+            masked_select,
+            unique,
+            integer_index,
+            host_reads,
+            other_thread,
+            backward_thread,
+        )
+    }
 
 
 def main() -> None:

@@ -64,7 +64,8 @@ def _argmax(f, lo: float, hi: float) -> float:
 def test_intervals_minimise_the_waste(c: float, m: float) -> None:
     # Young minimises the first-order waste, Daly the exact one (closer than Young as C/M grows)
     assert _argmax(lambda t: goodput_first_order(t, c, m, 300), 1, 10 * m) == pytest.approx(
-        young_interval(c, m), rel=1e-3)
+        young_interval(c, m), rel=1e-3
+    )
     best = _argmax(lambda t: goodput_exact(t, c, m, 300), 1, 10 * m)
     assert daly_interval(c, m) == pytest.approx(best, rel=2e-3)
     assert abs(daly_interval(c, m) - best) < abs(young_interval(c, m) - best)
@@ -79,8 +80,9 @@ def test_effective_interval_skips_busy_saves() -> None:
 def test_two_tier_closed_form_matches_numeric_minimum() -> None:
     slow, fast, f = TierCost(30.0), TierCost(2.0), Failures(1e5, 0.3, 0.0)
     taus = np.geomspace(100, 20000, 300)
-    _, tau_f, tau_s = min((loss_split(CheckpointPolicy(slow, ts, fast, tf), f).total, tf, ts)
-                          for tf in taus for ts in taus)
+    _, tau_f, tau_s = min(
+        (loss_split(CheckpointPolicy(slow, ts, fast, tf), f).total, tf, ts) for tf in taus for ts in taus
+    )
     policy = optimal_policy(slow, f, fast, young_interval)
     assert policy.tau_fast_s == pytest.approx(math.sqrt(2 * 2.0 * 1e5 / 0.3))  # Young with M_f = M / p
     assert policy.tau_slow_s == pytest.approx(math.sqrt(2 * 30.0 * 1e5 / 0.7))  # Young with M_s = M / (1 - p)

@@ -72,8 +72,7 @@ def test_fast_tier_helps_in_simulation() -> None:
     assert sim_both.goodput == pytest.approx(loss_split(both, f).goodput, abs=0.005)
     # node-losing failures only: the RAM tier never restores, so it is pure cost
     g = Failures(M, 0.0, 300.0)
-    assert simulate(both, g, HORIZON, reps=100, seed=4).goodput < simulate(alone, g, HORIZON, reps=100,
-                                                                          seed=4).goodput
+    assert simulate(both, g, HORIZON, reps=100, seed=4).goodput < simulate(alone, g, HORIZON, reps=100, seed=4).goodput
 
 
 def test_skipped_saves_follow_the_effective_interval() -> None:

@@ -22,9 +22,11 @@ TOOL = Path(__file__).resolve().parents[2] / "tools" / "goodput.py"
 MEASURED = {
     "schema": "hpctrain.goodput.costs/1",
     "state_bytes_per_node": 2e9,
-    "tiers": {"ram": {"blocked_s": 0.5, "write_s": 0.2},
-              "local": {"blocked_s": 0.5, "write_s": 2.0, "load_s": 1.0},
-              "shared": {"blocked_s": 0.5, "write_s": 10.0, "load_s": 8.0}},
+    "tiers": {
+        "ram": {"blocked_s": 0.5, "write_s": 0.2},
+        "local": {"blocked_s": 0.5, "write_s": 2.0, "load_s": 1.0},
+        "shared": {"blocked_s": 0.5, "write_s": 10.0, "load_s": 8.0},
+    },
     "restart_s": 240,
     "p_fast": 0.4,
 }
@@ -75,8 +77,9 @@ def test_tool_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     costs = tmp_path / "costs.json"
     costs.write_text(json.dumps(MEASURED))
     png = tmp_path / "goodput.png"
-    rc = _tool().main(["--costs", str(costs), "--gpus", "64,4096,16384", "--reps", "20", "--days", "20",
-                       "--json", "--png", str(png)])
+    rc = _tool().main(
+        ["--costs", str(costs), "--gpus", "64,4096,16384", "--reps", "20", "--days", "20", "--json", "--png", str(png)]
+    )
     assert rc == 0 and png.stat().st_size > 10_000
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["gpus"] for r in rows] == [64, 4096, 16384]

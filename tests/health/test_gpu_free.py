@@ -43,8 +43,11 @@ def test_only_this_runs_workers_of_an_earlier_restart_on_this_gpu_count() -> Non
 
 def test_a_stuck_worker_condemns_the_node_and_one_that_leaves_does_not() -> None:
     restart_of = lambda pid, run: RESTARTS.get(pid)  # noqa: E731
-    with pytest.raises(UnhealthyNodes, match=r"n7: GPU .*03 is still held by worker\(s\) \[48214\] of an earlier "
-                                             r"restart after 0 s") as caught:
+    with pytest.raises(
+        UnhealthyNodes,
+        match=r"n7: GPU .*03 is still held by worker\(s\) \[48214\] of an earlier "
+        r"restart after 0 s",
+    ) as caught:
         wait_for_earlier_workers(GPU3, "77", 1, "n7", 0.0, apps, restart_of)
     assert caught.value.hosts == ["n7"]
     polls = iter([apps(), [a for a in apps() if a.pid != 48214]])
@@ -54,8 +57,12 @@ def test_a_stuck_worker_condemns_the_node_and_one_that_leaves_does_not() -> None
 
 def test_a_workers_run_and_restart_are_read_from_its_environment() -> None:
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "77", "TORCHELASTIC_RESTART_COUNT": "2"}
-    child = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"], env=env,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert child.stdout.readline() == "up\n"  # its own environment now, not the one it was forked with
         assert worker_restart(child.pid, "77") == 2

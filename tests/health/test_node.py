@@ -27,9 +27,15 @@ def read(name: str) -> str:
 
 # ------------------------------------------------------------------------------------------ GPU
 
+
 def test_real_a100_mig_capture_parses() -> None:
     gpu = parse_nvidia_smi_xml(read("nvidia_smi_q_x_a100_80gb_mig.xml"))
-    assert (gpu["driver_version"], gpu["cuda_version"], gpu["count"], gpu["attached_gpus"]) == ("535.54.03", "12.2", 1, 4)
+    assert (gpu["driver_version"], gpu["cuda_version"], gpu["count"], gpu["attached_gpus"]) == (
+        "535.54.03",
+        "12.2",
+        1,
+        4,
+    )
     g = gpu["gpus"][0]
     assert g["uuid"] == "GPU-513536b6-7d19-9063-b049-1e69664bb298"
     assert g["pci_bus_id"] == "00000000:01:00.0"
@@ -69,9 +75,11 @@ def test_count_and_model_mismatch_against_the_request() -> None:
 
 
 def test_pre_ampere_pending_retirement_and_double_bit_counts() -> None:
-    text = read("nvidia_smi_q_x_a100_80gb_mig.xml").replace(
-        "<pending_retirement>N/A</pending_retirement>", "<pending_retirement>Yes</pending_retirement>").replace(
-        "<volatile>", "<volatile><double_bit><total>1</total></double_bit>", 1)
+    text = (
+        read("nvidia_smi_q_x_a100_80gb_mig.xml")
+        .replace("<pending_retirement>N/A</pending_retirement>", "<pending_retirement>Yes</pending_retirement>")
+        .replace("<volatile>", "<volatile><double_bit><total>1</total></double_bit>", 1)
+    )
     gpu = parse_nvidia_smi_xml(text)
     assert gpu["gpus"][0]["ecc_uncorrectable"]["volatile"]["double_bit"] == 1
     assert gpu_problems(gpu, 1, None) == [
@@ -81,7 +89,9 @@ def test_pre_ampere_pending_retirement_and_double_bit_counts() -> None:
 
 
 def test_low_idle_sm_clock_is_not_a_problem() -> None:
-    text = read("nvidia_smi_q_x_a100_80gb_mig.xml").replace("<sm_clock>1275 MHz</sm_clock>", "<sm_clock>210 MHz</sm_clock>")
+    text = read("nvidia_smi_q_x_a100_80gb_mig.xml").replace(
+        "<sm_clock>1275 MHz</sm_clock>", "<sm_clock>210 MHz</sm_clock>"
+    )
     gpu = parse_nvidia_smi_xml(text)
     assert gpu["gpus"][0]["sm_clock_mhz"] == 210 and gpu_problems(gpu, 1, "A100") == []
 
@@ -89,16 +99,29 @@ def test_low_idle_sm_clock_is_not_a_problem() -> None:
 def test_xid_lines() -> None:
     xids = parse_xid_lines(read("dmesg_xid.txt"))
     assert [(e["pci"], e["xid"]) for e in xids] == [
-        ("0000:cb:00", 13), ("0000:cb:00", 13), ("0000:cb:00", 13), ("0000:cb:00", 109),
-        ("0000:dc:00", 45), ("0000:ed:00", 45), ("0000:44:00", 79), ("0000:01:00", 32)]
-    assert xids[3] == {"pci": "0000:cb:00", "xid": 109, "pid": "1797828", "name": "pt_main_thread",
-                        "message": "Ch 00000008, errorString CTX SWITCH TIMEOUT, Info 0x58005"}
+        ("0000:cb:00", 13),
+        ("0000:cb:00", 13),
+        ("0000:cb:00", 13),
+        ("0000:cb:00", 109),
+        ("0000:dc:00", 45),
+        ("0000:ed:00", 45),
+        ("0000:44:00", 79),
+        ("0000:01:00", 32),
+    ]
+    assert xids[3] == {
+        "pci": "0000:cb:00",
+        "xid": 109,
+        "pid": "1797828",
+        "name": "pt_main_thread",
+        "message": "Ch 00000008, errorString CTX SWITCH TIMEOUT, Info 0x58005",
+    }
     assert xids[0]["pid"] == "<unknown>"
     assert xids[6]["pid"] is None and xids[6]["message"] == "GPU has fallen off the bus"
     assert xid_problems(xids) == ["GPU 0000:44:00: Xid 79 in the kernel log (1x)"]
 
 
 # --------------------------------------------------------------------------------------- NVLink
+
 
 def test_nvlink_inactive_links_are_named() -> None:
     nvlink = parse_nvlink_status(read("nvlink_s_v100_two_inactive.txt"))
@@ -115,11 +138,16 @@ def test_nvlink_all_inactive_means_no_nvlink_not_a_fault() -> None:
 
 # ------------------------------------------------------------------------------------- topology
 
+
 def test_topology_dgx_a100_nearest_nics() -> None:
     topo = parse_topo_matrix(read("topo_m_dgx_a100_ucx.txt"))
     assert topo["nics"] == [f"mlx5_{i}" for i in range(12)]
-    assert topo["gpus"]["GPU0"] == {"nearest_nics": ["mlx5_0", "mlx5_1"], "nic_path": "PXB",
-                                    "cpu_affinity": "112-127,240-255", "numa_affinity": "6-7"}
+    assert topo["gpus"]["GPU0"] == {
+        "nearest_nics": ["mlx5_0", "mlx5_1"],
+        "nic_path": "PXB",
+        "cpu_affinity": "112-127,240-255",
+        "numa_affinity": "6-7",
+    }
     assert topo["gpus"]["GPU7"]["nearest_nics"] == ["mlx5_8", "mlx5_9"]
 
 
@@ -133,21 +161,31 @@ def test_topology_pix_preferred_over_pxb_and_node() -> None:
 def test_topology_nic_columns_and_legend() -> None:
     text = read("topo_m_dgx_a100_nccl1505.txt")
     topo = parse_topo_matrix(text)
-    assert topo["gpus"]["GPU2"] == {"nearest_nics": ["NIC2", "NIC3"], "nic_path": "PXB",
-                                    "cpu_affinity": "16-31,144-159", "numa_affinity": "1"}
+    assert topo["gpus"]["GPU2"] == {
+        "nearest_nics": ["NIC2", "NIC3"],
+        "nic_path": "PXB",
+        "cpu_affinity": "16-31,144-159",
+        "numa_affinity": "1",
+    }
     legend = "\nNIC Legend:\n\n" + "".join(f"  NIC{i}: mlx5_{i}\n" for i in range(12))
     assert parse_topo_matrix(text + legend)["gpus"]["GPU2"]["nearest_nics"] == ["mlx5_2", "mlx5_3"]
 
 
 # ----------------------------------------------------------------------------------- InfiniBand
 
+
 def test_ib_sysfs_healthy() -> None:
     ib = ib_report(FIX / "sysfs_ib_healthy")
     assert sorted(ib["devices"]) == ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]
     dev = ib["devices"]["mlx5_0"]
     assert (dev["hca_type"], dev["fw_ver"], dev["board_id"]) == ("MT4129", "28.41.1000", "MT_0000000838")
-    assert dev["ports"]["1"] == {"state": "4: ACTIVE", "phys_state": "5: LinkUp", "rate": "400 Gb/sec (4X NDR)",
-                                 "rate_gbps": 400.0, "link_layer": "InfiniBand"}
+    assert dev["ports"]["1"] == {
+        "state": "4: ACTIVE",
+        "phys_state": "5: LinkUp",
+        "rate": "400 Gb/sec (4X NDR)",
+        "rate_gbps": 400.0,
+        "link_layer": "InfiniBand",
+    }
     assert ib_problems(ib) == []
 
 
@@ -164,8 +202,20 @@ def test_ib_missing_directory_is_not_present(tmp_path: Path) -> None:
 
 def test_ibstat_roce_with_a_disabled_port() -> None:
     ib = parse_ibstat(read("ibstat_roce_one_down.txt"))
-    assert ib["devices"]["mlx5_0"] == {"hca_type": "MT4129", "fw_ver": "28.39.1002", "board_id": None, "ports": {
-        "1": {"state": "Active", "phys_state": "LinkUp", "rate": "200", "rate_gbps": 200.0, "link_layer": "Ethernet"}}}
+    assert ib["devices"]["mlx5_0"] == {
+        "hca_type": "MT4129",
+        "fw_ver": "28.39.1002",
+        "board_id": None,
+        "ports": {
+            "1": {
+                "state": "Active",
+                "phys_state": "LinkUp",
+                "rate": "200",
+                "rate_gbps": 200.0,
+                "link_layer": "Ethernet",
+            }
+        },
+    }
     assert ib["devices"]["mlx5_10"]["ports"]["1"]["state"] == "Down"
     # MT4125 is not compared with the MT4129 ports: only the Down port is a problem.
     assert ib_problems(ib) == ["mlx5_10 port 1: state Down (Disabled), not ACTIVE"]
@@ -180,9 +230,12 @@ def test_ibstat_ib_port_down_with_link_up() -> None:
 
 # ------------------------------------------------------------------------------ the whole node
 
+
 def test_node_report_on_this_machine_says_not_present(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(node, "_run", lambda cmd: None)  # as on a machine without nvidia-smi
-    monkeypatch.setattr(node, "ib_report", lambda root="/sys/class/infiniband": {"status": "not present", "devices": {}})
+    monkeypatch.setattr(
+        node, "ib_report", lambda root="/sys/class/infiniband": {"status": "not present", "devices": {}}
+    )
     report = node.node_report(0, None)
     assert report["gpu"]["status"] == report["nvlink"]["status"] == report["topology"]["status"] == "not present"
     assert report["ib"]["status"] == "not present"
@@ -202,17 +255,22 @@ def test_node_report_for_real_here() -> None:
 
 # ---------------------------------------------------------------------------------- across nodes
 
+
 def _report(fw: str | Path, gpu_fixture: str = "nvidia_smi_q_x_a100x8_healthy.xml", torch: str = "2.6.0") -> dict:
     gpu = parse_nvidia_smi_xml(read(gpu_fixture))
-    return {"gpu": gpu, "ib": ib_report(FIX / fw),
-            "software": {"driver": gpu["driver_version"], "cuda": "12.4", "nccl": "2.21.5", "torch": torch}}
+    return {
+        "gpu": gpu,
+        "ib": ib_report(FIX / fw),
+        "software": {"driver": gpu["driver_version"], "cuda": "12.4", "nccl": "2.21.5", "torch": torch},
+    }
 
 
 def test_compare_nodes_names_the_node_with_other_ib_firmware() -> None:
     reports = {f"n{i}": _report("sysfs_ib_healthy") for i in range(16)}
     reports["n7"] = _report("sysfs_ib_old_fw")
     assert compare_nodes(reports) == [
-        f"IB firmware of mlx5_{i} differs: n7 has 28.39.2048, 15 others have 28.41.1000" for i in range(4)]
+        f"IB firmware of mlx5_{i} differs: n7 has 28.39.2048, 15 others have 28.41.1000" for i in range(4)
+    ]
 
 
 def test_compare_nodes_gpu_count_model_and_torch() -> None:

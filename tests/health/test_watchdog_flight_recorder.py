@@ -13,19 +13,18 @@ import sys
 import textwrap
 from pathlib import Path
 
-from hpctrain.health.watchdog import (EXIT_HANG, TRACE_SUFFIX, Watchdog, decide, merge_traces,
-                                      pending_collectives)
+from hpctrain.health.watchdog import EXIT_HANG, TRACE_SUFFIX, Watchdog, decide, merge_traces, pending_collectives
 
 FIXTURES = Path(__file__).parent / "fixtures" / "flight_recorder"
 NOW_NS = 1796038000_000000000 + 612_000_000_000  # 612 s after the NCCL fixtures' first entry
 
 # The main thread of a rank waiting for a peer under NCCL: blocked in .item(), no torch.distributed frame.
-ITEM_STACK = ('  File "hpctrain/train/loop.py", line 171, in _train\n    loss_value = loss.item()\n')
+ITEM_STACK = '  File "hpctrain/train/loop.py", line 171, in _train\n    loss_value = loss.item()\n'
 SLEEP_STACK = '  File "hpctrain/data/loader.py", line 88, in next_batch\n    time.sleep(1)\n'
-C10D_STACK = ('  File "torch/distributed/distributed_c10d.py", line 4820, in _store_based_barrier\n'
-              '    time.sleep(0.01)\n')
-DCP_STACK = ('  File "torch/distributed/checkpoint/filesystem.py", line 412, in write_data\n'
-             '    stream.write(data)\n')
+C10D_STACK = (
+    '  File "torch/distributed/distributed_c10d.py", line 4820, in _store_based_barrier\n    time.sleep(0.01)\n'
+)
+DCP_STACK = '  File "torch/distributed/checkpoint/filesystem.py", line 412, in write_data\n    stream.write(data)\n'
 GLOO_STACK = '  File "torch/distributed/distributed_c10d.py", line 2901, in all_reduce\n    work.wait()\n'
 
 
@@ -118,8 +117,16 @@ def _free_port() -> str:
 
 def test_a_real_gloo_hang_blames_the_stuck_rank_not_the_waiting_one(tmp_path: Path) -> None:
     port, env = _free_port(), {**os.environ, "TORCH_FR_BUFFER_SIZE": "2000"}
-    procs = [subprocess.Popen([sys.executable, "-c", RANKS, str(r), port, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANKS, str(r), port, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == EXIT_HANG, err
@@ -134,13 +141,17 @@ def test_a_real_gloo_hang_blames_the_stuck_rank_not_the_waiting_one(tmp_path: Pa
 def test_a_forked_workers_outer_torch_frames_do_not_make_it_a_peer() -> None:
     """An elastic agent's worker has torch/distributed/elastic frames below the training code: only the frames
     the training code called say whether the rank waits in a collective."""
-    outer = ('  File "/usr/lib/python3.11/multiprocessing/process.py", line 108, in run\n'
-             '  File "/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 611, in _wrap\n'
-             '  File "/work/hpctrain/train/worker.py", line 27, in run_worker\n'
-             '  File "/work/hpctrain/train/loop.py", line 190, in _train\n')
+    outer = (
+        '  File "/usr/lib/python3.11/multiprocessing/process.py", line 108, in run\n'
+        '  File "/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 611, in _wrap\n'
+        '  File "/work/hpctrain/train/worker.py", line 27, in run_worker\n'
+        '  File "/work/hpctrain/train/loop.py", line 190, in _train\n'
+    )
     asleep = outer + '  File "/work/hpctrain/train/faults.py", line 70, in maybe_fire\n'
-    waiting = outer + ('  File "/work/hpctrain/parallel/engine.py", line 329, in _reduce\n'
-                       '  File "/site-packages/torch/distributed/c10d_logger.py", line 81, in wrapper\n'
-                       '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2900, in all_reduce\n')
+    waiting = outer + (
+        '  File "/work/hpctrain/parallel/engine.py", line 329, in _reduce\n'
+        '  File "/site-packages/torch/distributed/c10d_logger.py", line 81, in wrapper\n'
+        '  File "/site-packages/torch/distributed/distributed_c10d.py", line 2900, in all_reduce\n'
+    )
     assert not decide(None, asleep, "gloo", 0).peer
     assert decide(None, waiting, "gloo", 0).peer

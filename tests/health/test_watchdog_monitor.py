@@ -102,8 +102,15 @@ def test_a_rank_told_to_stop_that_cannot_reach_the_step_boundary_leaves_at_once(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, "-c", SIGNALLED, str(r), port, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SIGNALLED, str(r), port, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     # the signal in a healthy step ended nothing: the rank reached the boundary (else it printed nothing)
     assert procs[0].stdout.readline().strip() == "boundary reached"
     time.sleep(1)
@@ -141,9 +148,13 @@ def test_flat_memory_is_not_a_leak(monkeypatch) -> None:
 
 def test_a_persistently_slow_rank_is_a_straggler() -> None:
     mon = RunMonitor(cfg(straggler_patience=2, straggler_factor=1.3).health, 0, torch.device("cpu"))
+
     def probes(slow: float) -> list[dict]:
-        return [{"rank": r, "host": f"n{r // 2}", "probe_s": 0.010 + 0.0002 * r + (slow if r == 5 else 0),
-                 "step_s": 0.1} for r in range(8)]
+        return [
+            {"rank": r, "host": f"n{r // 2}", "probe_s": 0.010 + 0.0002 * r + (slow if r == 5 else 0), "step_s": 0.1}
+            for r in range(8)
+        ]
+
     _, first = mon._judge(probes(0.02), 10)
     metrics, second = mon._judge(probes(0.02), 20)
     assert first == [] and [e["rank"] for e in second] == [5] and second[0]["host"] == "n2"

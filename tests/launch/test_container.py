@@ -46,8 +46,12 @@ def test_the_run_directory_is_mounted_unless_a_mount_shows_it_writable() -> None
 def test_pyxis_puts_its_flags_on_srun_and_runs_the_images_python() -> None:
     c = _pyxis(mounts=["/data:/data"], workdir="/w", env=["A", "B"], args=["--container-remap-root"])
     assert container.srun_args(c, RUN) == [
-        "--container-image=nvcr.io#nvidia/pytorch:24.05-py3", f"--container-mounts=/data:/data,{RUN}:{RUN}",
-        "--container-workdir=/w", "--container-env=A,B", "--container-remap-root"]
+        "--container-image=nvcr.io#nvidia/pytorch:24.05-py3",
+        f"--container-mounts=/data:/data,{RUN}:{RUN}",
+        "--container-workdir=/w",
+        "--container-env=A,B",
+        "--container-remap-root",
+    ]
     assert container.python_command(c, RUN, gpus=True) == "python"
     assert container.setup_lines(c) == []
 
@@ -55,8 +59,18 @@ def test_pyxis_puts_its_flags_on_srun_and_runs_the_images_python() -> None:
 def test_apptainer_wraps_the_interpreter() -> None:
     c = _apptainer(mounts=["/data:/data:ro"], workdir="/w", args=["--writable-tmpfs"], python="/opt/venv/bin/python")
     words = shlex.split(container.python_command(c, RUN, gpus=True))
-    assert words == ["apptainer", "exec", "--nv", "--bind", f"/data:/data:ro,{RUN}:{RUN}", "--pwd", "/w",
-                     "--writable-tmpfs", "/images/pt.sif", "/opt/venv/bin/python"]
+    assert words == [
+        "apptainer",
+        "exec",
+        "--nv",
+        "--bind",
+        f"/data:/data:ro,{RUN}:{RUN}",
+        "--pwd",
+        "/w",
+        "--writable-tmpfs",
+        "/images/pt.sif",
+        "/opt/venv/bin/python",
+    ]
     assert "--nv" not in shlex.split(container.python_command(c, RUN, gpus=False))  # a CPU job: no driver to bind
     assert container.srun_args(c, RUN) == []
 
@@ -86,8 +100,17 @@ def test_apptainer_passes_only_the_variables_the_host_has() -> None:
     assert out.splitlines() == ["APPTAINERENV_EMPTY=", "APPTAINERENV_TOKEN=a,b c"]
 
 
-@pytest.mark.parametrize("spec,words", [("/a", "is not host_path"), ("a:/b", "relative"), ("/a:b", "relative"),
-                                        ("/a:/b:ro:x", "is not host_path"), ("/a,/b:/c", "comma"), (":/b", "not")])
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        ("/a", "is not host_path"),
+        ("a:/b", "relative"),
+        ("/a:b", "relative"),
+        ("/a:/b:ro:x", "is not host_path"),
+        ("/a,/b:/c", "comma"),
+        (":/b", "not"),
+    ],
+)
 def test_a_mount_must_be_two_absolute_paths(spec: str, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         container.parse_mount(spec)
@@ -95,32 +118,62 @@ def test_a_mount_must_be_two_absolute_paths(spec: str, words: str) -> None:
 
 def test_a_dry_run_prints_a_bad_mount_and_the_error(compose_cfg, capsys, tmp_path: Path) -> None:
     """The plan renders the script before the errors are printed: a mount the checks refuse must not crash it."""
-    cfg = compose_cfg("cluster=dev", "cluster.container.runtime=pyxis", "cluster.container.image=/i.sqsh",
-                      "cluster.container.mounts=[data]", "dry_run=true", f"run.root={tmp_path}")
+    cfg = compose_cfg(
+        "cluster=dev",
+        "cluster.container.runtime=pyxis",
+        "cluster.container.image=/i.sqsh",
+        "cluster.container.mounts=[data]",
+        "dry_run=true",
+        f"run.root={tmp_path}",
+    )
     assert run(cfg).code == EXIT_CONFIG_ERROR
     out, err = capsys.readouterr()
     assert "--container-mounts=data," in out and "cluster.container.mounts[0]: " in err
 
 
-@pytest.mark.parametrize("mounts,warned", [("[]", True), ("[/shared:/shared:ro]", False),
-                                           ("[/shared/datasets:/data]", True), ("[/shared/data:/shared/data]", True)])
+@pytest.mark.parametrize(
+    "mounts,warned",
+    [
+        ("[]", True),
+        ("[/shared:/shared:ro]", False),
+        ("[/shared/datasets:/data]", True),
+        ("[/shared/data:/shared/data]", True),
+    ],
+)
 def test_a_data_path_no_mount_shows_at_its_own_path_is_a_warning(compose_cfg, mounts: str, warned: bool) -> None:
     """The 1.3B experiment reads data.path=/shared/datasets/pile/train.bin: the login node's path, used as written."""
-    cfg = compose_cfg("+experiment=gpt3_1.3b_1node", "cluster.container.runtime=pyxis",
-                      "cluster.container.image=/i.sqsh", f"cluster.container.mounts={mounts}", "dry_run=true")
+    cfg = compose_cfg(
+        "+experiment=gpt3_1.3b_1node",
+        "cluster.container.runtime=pyxis",
+        "cluster.container.image=/i.sqsh",
+        f"cluster.container.mounts={mounts}",
+        "dry_run=true",
+    )
     report = check_config(cfg)
-    assert [w.key for w in report.warnings if "no cluster.container.mounts entry" in w.message] == \
-        (["data.path"] if warned else [])
+    assert [w.key for w in report.warnings if "no cluster.container.mounts entry" in w.message] == (
+        ["data.path"] if warned else []
+    )
     assert not report.errors
 
 
-@pytest.mark.parametrize("runtime,args", [("apptainer", "[-B,/shared:/shared]"), ("apptainer", "['-B/shared']"),
-                                          ("pyxis", "['--container-mounts=/shared:/shared:ro']")])
+@pytest.mark.parametrize(
+    "runtime,args",
+    [
+        ("apptainer", "[-B,/shared:/shared]"),
+        ("apptainer", "['-B/shared']"),
+        ("pyxis", "['--container-mounts=/shared:/shared:ro']"),
+    ],
+)
 def test_a_bind_in_args_shows_a_path_at_its_own_path(compose_cfg, runtime: str, args: str) -> None:
     """`cluster.container.args` read as the runtime reads them: its binds count for the paths' warning too."""
     image = "/i.sif" if runtime == "apptainer" else "/i.sqsh"
-    cfg = compose_cfg("+experiment=gpt3_1.3b_1node", f"cluster.container.runtime={runtime}",
-                      f"cluster.container.image={image}", f"cluster.container.args={args}", "dry_run=true")
+    cfg = compose_cfg(
+        "+experiment=gpt3_1.3b_1node",
+        f"cluster.container.runtime={runtime}",
+        f"cluster.container.image={image}",
+        f"cluster.container.args={args}",
+        "dry_run=true",
+    )
     report = check_config(cfg)
     assert not [w for w in report.warnings if "no cluster.container.mounts entry" in w.message]
 
@@ -137,8 +190,13 @@ def test_the_supervisor_runs_on_the_host(name: str) -> None:
 @pytest.mark.usefixtures("fake_sbatch")
 def test_the_submitted_script_is_the_preview(compose_cfg, tmp_path: Path) -> None:
     """SlurmExecutor gets the container's interpreter too (its `python`), not only the preview."""
-    cfg = compose_cfg("+experiment=gpt3_1.3b_1node", "cluster.container.runtime=apptainer",
-                      "cluster.container.image=/images/pt.sif", "cluster.container.env=[HF_TOKEN]", "dry_run=true")
+    cfg = compose_cfg(
+        "+experiment=gpt3_1.3b_1node",
+        "cluster.container.runtime=apptainer",
+        "cluster.container.image=/images/pt.sif",
+        "cluster.container.env=[HF_TOKEN]",
+        "dry_run=true",
+    )
     layout = check_config(cfg).layout
     folder = tmp_path / "run" / "submitit"
     build_executor(cfg, layout, "RUNID", folder).submit(print, "never runs")

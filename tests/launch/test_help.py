@@ -24,16 +24,32 @@ def test_help_lists_experiments_groups_keys_and_examples(tmp_path: Path) -> None
         assert f"{group}: {', '.join(options)}" in page, group
     keys = page.split("== Main keys", 1)[1].split("== Examples", 1)[0]
     named = set(re.findall(r"\b((?:dry_run)|(?:[a-z]+\.[a-z0-9_.]*[a-z0-9_]))\b", keys))
-    assert {"dry_run", "cluster.nodes", "parallel.tp", "zero.stage", "optim.lr", "train.max_steps",
-            "run.resume"} <= named
+    assert {
+        "dry_run",
+        "cluster.nodes",
+        "parallel.tp",
+        "zero.stage",
+        "optim.lr",
+        "train.max_steps",
+        "run.resume",
+    } <= named
     # MoE, context parallelism, FP8, compiled blocks, containers (issue 46)
-    assert {"model.moe.n_experts", "model.moe.top_k", "parallel.ep", "parallel.cp", "precision.fp8",
-            "parallel.compile", "cluster.container.runtime", "cluster.container.image",
-            "cluster.container.mounts"} <= named, sorted(named)
+    assert {
+        "model.moe.n_experts",
+        "model.moe.top_k",
+        "parallel.ep",
+        "parallel.cp",
+        "precision.fp8",
+        "parallel.compile",
+        "cluster.container.runtime",
+        "cluster.container.image",
+        "cluster.container.mounts",
+    } <= named, sorted(named)
     schema = OmegaConf.structured(Config)
     for key in named:
         parent, _, name = key.rpartition(".")
         node = OmegaConf.select(schema, parent) if parent else schema
         assert OmegaConf.is_dict(node) and name in node.keys(), (  # noqa: SIM118 (`in node` is False for a MISSING key)
-            f"--help names {key}: not in the schema")
+            f"--help names {key}: not in the schema"
+        )
     assert "python -m hpctrain +experiment=175b dry_run=true" in page.split("== Examples", 1)[1]

@@ -24,11 +24,16 @@ def test_a_layout_error_does_not_hide_the_other_problems(tmp_path: Path) -> None
 
 
 def test_an_unknown_key_does_not_hide_the_other_problems(tmp_path: Path) -> None:
-    proc = run_hpctrain("+train.lr=1e-3", "parallel.dp=3", "optim.warmup_steps=-1", f"run.root={tmp_path}",
-                        cwd=tmp_path)
+    proc = run_hpctrain(
+        "+train.lr=1e-3", "parallel.dp=3", "optim.warmup_steps=-1", f"run.root={tmp_path}", cwd=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
-    for words in ("  - train.lr: is not a key", "did you mean optim.lr?", "  - parallel.dp: dp x tp x pp",
-                  "  - optim.warmup_steps: must be >= 0"):
+    for words in (
+        "  - train.lr: is not a key",
+        "did you mean optim.lr?",
+        "  - parallel.dp: dp x tp x pp",
+        "  - optim.warmup_steps: must be >= 0",
+    ):
         assert words in proc.stderr, (words, proc.stderr[-3000:])
     assert "3 config error(s)" in proc.stderr
 
@@ -39,10 +44,12 @@ def fake_slurm(tmp_path: Path, refuse_if: str = "") -> dict[str, str]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     test = f'grep -q "{refuse_if}" "$1"' if refuse_if else "true"
-    scripts = {"sbatch": f"#!/bin/sh\nif {test}; then\n"
-                         "  echo 'sbatch: error: Invalid generic resource (gres) specification' >&2\n  exit 1\nfi\n"
-                         "echo 'Submitted batch job 4242'\n",
-               "srun": "#!/bin/sh\nexit 0\n"}
+    scripts = {
+        "sbatch": f"#!/bin/sh\nif {test}; then\n"
+        "  echo 'sbatch: error: Invalid generic resource (gres) specification' >&2\n  exit 1\nfi\n"
+        "echo 'Submitted batch job 4242'\n",
+        "srun": "#!/bin/sh\nexit 0\n",
+    }
     for name, text in scripts.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
@@ -54,10 +61,13 @@ def fake_slurm(tmp_path: Path, refuse_if: str = "") -> dict[str, str]:
 SLURM = ["cluster=slurm", "train.global_batch=32"]
 
 
-@pytest.mark.parametrize("extra, key", [([], "cluster.gpus_per_node"),
-                                        (["+cluster.sbatch_extra.gres=gpu:bogus:8"], "cluster.sbatch_extra.gres")])
-def test_a_job_the_scheduler_refuses_is_a_clear_error_that_leaves_nothing(tmp_path: Path, extra: list[str],
-                                                                         key: str) -> None:
+@pytest.mark.parametrize(
+    "extra, key",
+    [([], "cluster.gpus_per_node"), (["+cluster.sbatch_extra.gres=gpu:bogus:8"], "cluster.sbatch_extra.gres")],
+)
+def test_a_job_the_scheduler_refuses_is_a_clear_error_that_leaves_nothing(
+    tmp_path: Path, extra: list[str], key: str
+) -> None:
     root = tmp_path / "runs"
     proc = run_hpctrain(*SLURM, *extra, f"run.root={root}", cwd=tmp_path, env=fake_slurm(tmp_path))
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -68,25 +78,35 @@ def test_a_job_the_scheduler_refuses_is_a_clear_error_that_leaves_nothing(tmp_pa
     assert not root.exists()  # the run directory (and run.root/run.name) this submission created: gone
 
 
-@pytest.mark.parametrize("said, key", [
-    ("sbatch: error: Batch job submission failed: Invalid partition name specified", "cluster.partition"),
-    ("sbatch: error: invalid partition specified: gpu", "cluster.partition"),
-    ("sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified",
-     "cluster.account"),
-    ("sbatch: error: Batch job submission failed: Requested time limit is invalid (missing or exceeds some limit)",
-     "cluster.time_min"),
-    ("sbatch: error: Batch job submission failed: Requested node configuration is not available", "cluster.nodes"),
-    ("sbatch: error: Invalid generic resource (gres) specification", "cluster.gpus_per_node"),
-    ("sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)",
-     "cluster.executor"),
-])
+@pytest.mark.parametrize(
+    "said, key",
+    [
+        ("sbatch: error: Batch job submission failed: Invalid partition name specified", "cluster.partition"),
+        ("sbatch: error: invalid partition specified: gpu", "cluster.partition"),
+        (
+            "sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified",
+            "cluster.account",
+        ),
+        (
+            "sbatch: error: Batch job submission failed: Requested time limit is invalid (missing or exceeds some limit)",
+            "cluster.time_min",
+        ),
+        ("sbatch: error: Batch job submission failed: Requested node configuration is not available", "cluster.nodes"),
+        ("sbatch: error: Invalid generic resource (gres) specification", "cluster.gpus_per_node"),
+        (
+            "sbatch: error: Batch job submission failed: Unable to contact slurm controller (connect failure)",
+            "cluster.executor",
+        ),
+    ],
+)
 def test_the_schedulers_refusal_names_the_key_that_sets_what_it_refused(compose_cfg, said: str, key: str) -> None:
     import submitit
 
     from hpctrain.launch.submit import refused_submission
 
-    problem = refused_submission(compose_cfg("cluster=slurm", "cluster.partition=gpu"),
-                                 submitit.core.utils.FailedJobError(said))
+    problem = refused_submission(
+        compose_cfg("cluster=slurm", "cluster.partition=gpu"), submitit.core.utils.FailedJobError(said)
+    )
     assert problem.key == key and said in problem.message, problem
 
 
@@ -99,8 +119,9 @@ def test_a_refused_resume_puts_the_run_directory_back(tmp_path: Path, compose_cf
     create_run_dir(cfg, run)
     (run.path / "plan.json").write_text("{}")
     before = {str(p): p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
-    proc = run_hpctrain(f"run.root={root}", "run.resume=r1", "train.max_steps=50", cwd=tmp_path,
-                        env=fake_slurm(tmp_path))
+    proc = run_hpctrain(
+        f"run.root={root}", "run.resume=r1", "train.max_steps=50", cwd=tmp_path, env=fake_slurm(tmp_path)
+    )
     assert proc.returncode == 2 and "the scheduler refused the job" in proc.stderr, proc.stderr[-3000:]
     assert {str(p): p.read_bytes() for p in run.path.rglob("*") if p.is_file()} == before
 

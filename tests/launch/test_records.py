@@ -26,12 +26,22 @@ from hpctrain.records.paths import RunPaths
 def test_the_run_directory_keeps_its_names(tmp_path: Path) -> None:
     """The on-disk contract (tests/slurm and users' scripts read these names literally)."""
     files = RunPaths(tmp_path)
-    named = {files.config: "config.yaml", files.submitit: "submitit", files.plan: "plan.json",
-             files.jobs: "jobs.jsonl", files.attempts: "attempts.jsonl", files.failed: "FAILED.json",
-             files.metrics: "metrics.jsonl", files.events: "events.jsonl", files.faults: "faults",
-             files.failures("7"): "failures/7", files.hosts("7"): "failures/7/hosts.json",
-             files.hangs("7"): "hangs/7", files.preflight("7"): "health/7/preflight.json",
-             files.archived_config("20260101-000000"): "config.20260101-000000.yaml"}
+    named = {
+        files.config: "config.yaml",
+        files.submitit: "submitit",
+        files.plan: "plan.json",
+        files.jobs: "jobs.jsonl",
+        files.attempts: "attempts.jsonl",
+        files.failed: "FAILED.json",
+        files.metrics: "metrics.jsonl",
+        files.events: "events.jsonl",
+        files.faults: "faults",
+        files.failures("7"): "failures/7",
+        files.hosts("7"): "failures/7/hosts.json",
+        files.hangs("7"): "hangs/7",
+        files.preflight("7"): "health/7/preflight.json",
+        files.archived_config("20260101-000000"): "config.20260101-000000.yaml",
+    }
     assert {str(p.relative_to(tmp_path)): name for p, name in named.items()} == {v: v for v in named.values()}
 
 
@@ -49,16 +59,26 @@ def test_the_job_history_appends_and_reads_back(tmp_path: Path) -> None:
 def legacy(cfg) -> dict:
     """The fingerprint as manifests held it before its fields had names (positional lists)."""
     m, d, t = cfg.model, cfg.data, cfg.train
-    return {"model": [m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.context, m.ffn_mult],
-            "global_batch": t.global_batch, "seq_len": t.seq_len, "seed": t.seed,
-            "data": [d.kind.value, d.max_bytes]}
+    return {
+        "model": [m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.context, m.ffn_mult],
+        "global_batch": t.global_batch,
+        "seq_len": t.seq_len,
+        "seed": t.seed,
+        "data": [d.kind.value, d.max_bytes],
+    }
 
 
 def test_the_fingerprint_has_names_and_reads_old_manifests(compose_cfg) -> None:
     cfg = compose_cfg()
     fp = fingerprint_of(cfg.model, cfg.train, cfg.data)
-    assert fp.model == ModelShape(cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.vocab_size,
-                                  cfg.model.context, cfg.model.ffn_mult)
+    assert fp.model == ModelShape(
+        cfg.model.n_layers,
+        cfg.model.d_model,
+        cfg.model.n_heads,
+        cfg.model.vocab_size,
+        cfg.model.context,
+        cfg.model.ffn_mult,
+    )
     saved = json.loads(json.dumps(fp.to_dict()))  # as a manifest holds it
     assert saved["model"]["n_layers"] == cfg.model.n_layers and saved["data"]["kind"] == "text_bytes"
     assert Fingerprint.from_dict(saved) == fp == Fingerprint.from_dict(legacy(cfg))
@@ -81,8 +101,9 @@ def as_legacy_manifests(root: Path) -> int:
         manifest = json.loads(path.read_text())
         fp = manifest["fingerprint"]
         if isinstance(fp["model"], dict):
-            fp["model"] = [fp["model"][k] for k in ("n_layers", "d_model", "n_heads", "vocab_size", "context",
-                                                     "ffn_mult")]
+            fp["model"] = [
+                fp["model"][k] for k in ("n_layers", "d_model", "n_heads", "vocab_size", "context", "ffn_mult")
+            ]
             fp["data"] = [fp["data"]["kind"], fp["data"]["source"]]
         for key in ("crc32c", "manifest_crc32c"):
             manifest.pop(key, None)
@@ -99,8 +120,9 @@ def test_a_checkpoint_of_an_older_version_resumes_and_still_refuses_a_change(com
     run_dir = tmp_path / "run"
     train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=4", *tiers(tmp_path, 2, 100, 100)), run_dir)
     assert as_legacy_manifests(tmp_path)
-    changed = config(compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16",
-                     *tiers(tmp_path, 2, 100, 100))
+    changed = config(
+        compose_cfg, tmp_path, 2, "train.max_steps=6", "train.global_batch=16", *tiers(tmp_path, 2, 100, 100)
+    )
     with pytest.raises(DistributedTestError, match="global_batch: 8 -> 16"):
         train(2, changed, run_dir, timeout=60)
     train(2, config(compose_cfg, tmp_path, 2, "train.max_steps=6", *tiers(tmp_path, 2, 100, 100)), run_dir)
@@ -112,13 +134,14 @@ def test_a_checkpoint_of_an_older_version_resumes_and_still_refuses_a_change(com
 def long_message() -> str:
     """A 600-character error whose key and fix come last, as the config and data checks write them."""
     tail = " data.vocab_size: the tokenizer file says 4096 tokens, the config 300. fix: set data.vocab_size=4096"
-    head = ("while opening the dataset for rank 0 the loader read the index, the sizes, the document boundaries "
-            "and the tokenizer file beside the tokens file; ") * 5
-    return head[:600 - len(tail)] + tail
+    head = (
+        "while opening the dataset for rank 0 the loader read the index, the sizes, the document boundaries "
+        "and the tokenizer file beside the tokens file; "
+    ) * 5
+    return head[: 600 - len(tail)] + tail
 
 
-def test_a_long_message_is_whole_in_the_records_the_report_the_log_and_the_console(tmp_path: Path,
-                                                                                   capsys) -> None:
+def test_a_long_message_is_whole_in_the_records_the_report_the_log_and_the_console(tmp_path: Path, capsys) -> None:
     """FAILED.json, the failure records, the workers' stop and the supervisor's console line carry the whole
     message: the key and the fix are at its end (issue 29: they were cut at 200 characters)."""
     from types import SimpleNamespace

@@ -36,8 +36,9 @@ def test_resume_alone_plans_the_runs_saved_config(compose_cfg, tmp_path: Path) -
     default smoke config (256)."""
     run_dir = saved_run(compose_cfg, tmp_path, "bpe", "+experiment=stdlib_bpe", "optim.lr=7e-4")
     before = files_of(run_dir)
-    plan = plan_of(run_hpctrain(f"run.root={tmp_path}", "run.resume=bpe", "dry_run=true", "plan.format=json",
-                                cwd=tmp_path))
+    plan = plan_of(
+        run_hpctrain(f"run.root={tmp_path}", "run.resume=bpe", "dry_run=true", "plan.format=json", cwd=tmp_path)
+    )
     assert plan["model"]["vocab_size"] == 4096 and plan["run"]["name"] == "stdlib_bpe"
     assert plan["run"]["directory"] == str(run_dir) and plan["run"]["resumed"]
     assert files_of(run_dir) == before  # a dry run writes nothing
@@ -45,22 +46,35 @@ def test_resume_alone_plans_the_runs_saved_config(compose_cfg, tmp_path: Path) -
 
 def test_a_resume_by_path_keeps_the_runs_values_and_takes_the_allowed_ones(compose_cfg, tmp_path: Path) -> None:
     run_dir = saved_run(compose_cfg, tmp_path, "r1", "optim.lr=7e-4", "train.global_batch=32")
-    plan = plan_of(run_hpctrain(f"run.resume={run_dir}", "train.max_steps=14", "parallel.dp=1",
-                                "cluster.gpus_per_node=1", "train.micro_batch=8", "dry_run=true", "plan.format=json",
-                                cwd=tmp_path))
+    plan = plan_of(
+        run_hpctrain(
+            f"run.resume={run_dir}",
+            "train.max_steps=14",
+            "parallel.dp=1",
+            "cluster.gpus_per_node=1",
+            "train.micro_batch=8",
+            "dry_run=true",
+            "plan.format=json",
+            cwd=tmp_path,
+        )
+    )
     assert plan["world_size"] == 1 and plan["layout"]["dp"] == 1  # the layout may change: DCP reshards
     assert plan["layout"]["global_batch"] == 32  # the run's own batch (8 x 4 x 1), not the default 16
 
 
-@pytest.mark.parametrize("overrides, key, saved, new", [
-    (["model.n_layers=2"], "model.n_layers", "4", "2"),
-    (["optim.lr=0.001"], "optim.lr", "0.0007", "0.001"),
-    (["train.global_batch=32"], "train.global_batch", "16", "32"),
-    (["model=gpt3_125m"], "model.n_layers", "4", "12"),
-    (["checkpoint.tiers.0.path=elsewhere"], "checkpoint.tiers.shared.path", "'checkpoints'", "'elsewhere'"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, saved, new",
+    [
+        (["model.n_layers=2"], "model.n_layers", "4", "2"),
+        (["optim.lr=0.001"], "optim.lr", "0.0007", "0.001"),
+        (["train.global_batch=32"], "train.global_batch", "16", "32"),
+        (["model=gpt3_125m"], "model.n_layers", "4", "12"),
+        (["checkpoint.tiers.0.path=elsewhere"], "checkpoint.tiers.shared.path", "'checkpoints'", "'elsewhere'"),
+    ],
+)
 def test_a_change_a_resume_may_not_make_is_refused_before_anything_is_written(
-        compose_cfg, tmp_path: Path, overrides: list[str], key: str, saved: str, new: str) -> None:
+    compose_cfg, tmp_path: Path, overrides: list[str], key: str, saved: str, new: str
+) -> None:
     run_dir = saved_run(compose_cfg, tmp_path, "r1", "optim.lr=7e-4")
     before = files_of(run_dir)
     proc = run_hpctrain(f"run.root={tmp_path}", "run.resume=r1", *overrides, "train.max_steps=2", cwd=tmp_path)
@@ -83,8 +97,10 @@ def test_force_resume_lets_a_hyperparameter_change_but_never_the_models_shape(co
 
 def test_a_new_tier_may_be_added_on_a_resume(compose_cfg, tmp_path: Path) -> None:
     saved_run(compose_cfg, tmp_path, "r1")
-    tiers = "checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 50, keep_last: 3}, " \
-            "{name: ram, path: ram, interval_steps: 5}]"
+    tiers = (
+        "checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 50, keep_last: 3}, "
+        "{name: ram, path: ram, interval_steps: 5}]"
+    )
     proc = run_hpctrain(f"run.root={tmp_path}", "run.resume=r1", tiers, "dry_run=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -92,12 +108,34 @@ def test_a_new_tier_may_be_added_on_a_resume(compose_cfg, tmp_path: Path) -> Non
 def test_the_resumable_keys() -> None:
     from hpctrain.launch.resume import MODEL_SHAPE, RESUMABLE, allowed
 
-    for key in ("train.max_steps", "cluster.nodes", "cluster.env.NCCL_DEBUG", "parallel.tp", "zero.stage",
-                "launcher.max_restarts", "health.hang_timeout_s", "tracking.mode", "run.resume", "dry_run",
-                "plan.format", "checkpoint.tiers.shared.interval_steps", "checkpoint.force_resume"):
+    for key in (
+        "train.max_steps",
+        "cluster.nodes",
+        "cluster.env.NCCL_DEBUG",
+        "parallel.tp",
+        "zero.stage",
+        "launcher.max_restarts",
+        "health.hang_timeout_s",
+        "tracking.mode",
+        "run.resume",
+        "dry_run",
+        "plan.format",
+        "checkpoint.tiers.shared.interval_steps",
+        "checkpoint.force_resume",
+    ):
         assert allowed(key, force=False), key
-    for key in ("optim.lr", "train.global_batch", "train.seq_len", "train.seed", "data.blend", "precision.dtype",
-                "model.dropout", "checkpoint.tiers.shared.path", "checkpoint.enabled", *MODEL_SHAPE):
+    for key in (
+        "optim.lr",
+        "train.global_batch",
+        "train.seq_len",
+        "train.seed",
+        "data.blend",
+        "precision.dtype",
+        "model.dropout",
+        "checkpoint.tiers.shared.path",
+        "checkpoint.enabled",
+        *MODEL_SHAPE,
+    ):
         assert not allowed(key, force=False), key
     assert allowed("optim.lr", force=True) and allowed("data.blend", force=True)
     assert not any(allowed(k, force=True) for k in (*MODEL_SHAPE, "run.name", "run.id"))

@@ -20,8 +20,14 @@ from hpctrain.launch.rundir import create_run_dir, resolve_run_dir
 from hpctrain.records.jobs import write_completed
 from tests.conftest import run_hpctrain
 
-MOE = ["model.arch=qwen3_moe", "model.n_kv_heads=1", "model.head_dim=32", "model.ffn_hidden=64", "model.moe.top_k=2",
-       "model.moe.n_experts=8"]
+MOE = [
+    "model.arch=qwen3_moe",
+    "model.n_kv_heads=1",
+    "model.head_dim=32",
+    "model.ffn_hidden=64",
+    "model.moe.top_k=2",
+    "model.moe.n_experts=8",
+]
 
 
 def saved_run(compose_cfg, root: Path, run_id: str, *overrides: str) -> Path:
@@ -56,15 +62,19 @@ def problem_lines(err: str, key: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- the model's shape, even when forced
-@pytest.mark.parametrize("change, key", [
-    ("model.moe.n_experts=4", "model.moe.n_experts"),
-    ("model.moe.expert_hidden=32", "model.moe.expert_hidden"),
-    ("model.moe.n_shared_experts=1", "model.moe.n_shared_experts"),
-    ("model.n_layers=2", "model.n_layers"),
-    ("model.head_dim=16", "model.head_dim"),
-])
-def test_force_resume_never_changes_a_parameters_shape(compose_cfg, capsys, tmp_path: Path, change: str,
-                                                       key: str) -> None:
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ("model.moe.n_experts=4", "model.moe.n_experts"),
+        ("model.moe.expert_hidden=32", "model.moe.expert_hidden"),
+        ("model.moe.n_shared_experts=1", "model.moe.n_shared_experts"),
+        ("model.n_layers=2", "model.n_layers"),
+        ("model.head_dim=16", "model.head_dim"),
+    ],
+)
+def test_force_resume_never_changes_a_parameters_shape(
+    compose_cfg, capsys, tmp_path: Path, change: str, key: str
+) -> None:
     run_dir = saved_run(compose_cfg, tmp_path, "moe", *MOE)
     before = files_of(run_dir)
     code, _ = resumed(compose_cfg, tmp_path, "moe", *MOE, change, "checkpoint.force_resume=true")
@@ -81,8 +91,17 @@ def test_force_resume_still_lets_a_shapeless_model_key_change(compose_cfg, capsy
     (a dry run: the plan, nothing written)."""
     run_dir = saved_run(compose_cfg, tmp_path, "moe", *MOE)
     before = files_of(run_dir)
-    code, _ = resumed(compose_cfg, tmp_path, "moe", *MOE, "model.moe.top_k=1", "model.rope.theta=5000",
-                      "model.norm_eps=1e-6", "checkpoint.force_resume=true", "dry_run=true")
+    code, _ = resumed(
+        compose_cfg,
+        tmp_path,
+        "moe",
+        *MOE,
+        "model.moe.top_k=1",
+        "model.rope.theta=5000",
+        "model.norm_eps=1e-6",
+        "checkpoint.force_resume=true",
+        "dry_run=true",
+    )
     assert code == 0, capsys.readouterr().err[-3000:]
     assert files_of(run_dir) == before
 
@@ -105,8 +124,9 @@ def test_the_shape_keys_are_derived_from_the_families_shapes(compose_cfg) -> Non
                 found = reshaping_keys(model, other, [f"model.{section}{k}"])
                 changed |= found
         assert {"model.n_layers", "model.d_model", "model.vocab_size"} <= changed, (name, changed)
-        assert name != "moe" or {"model.moe.n_experts", "model.moe.expert_hidden",
-                                 "model.moe.n_shared_experts"} <= changed, changed
+        assert (
+            name != "moe" or {"model.moe.n_experts", "model.moe.expert_hidden", "model.moe.n_shared_experts"} <= changed
+        ), changed
         assert changed <= set(MODEL_SHAPE), (name, changed - set(MODEL_SHAPE))
     moe = OmegaConf.to_container(compose_cfg(*MOE).model, resolve=True)
     fewer = {**moe, "moe": {**moe["moe"], "n_experts": 4}}
@@ -189,7 +209,8 @@ def test_a_checkpoint_linked_in_from_another_run_is_refused(compose_cfg, capsys,
 
 
 def test_an_absolute_tier_may_be_under_a_link_but_its_run_subdirectory_may_not_lead_out(
-        compose_cfg, capsys, tmp_path: Path) -> None:
+    compose_cfg, capsys, tmp_path: Path
+) -> None:
     scratch = tmp_path / "scratch"
     (tmp_path / "lustre" / "a").mkdir(parents=True)
     scratch.symlink_to(tmp_path / "lustre")
@@ -213,8 +234,16 @@ def test_a_checkpoint_another_run_wrote_is_refused_before_a_job_would_be(compose
     step = run_b / "checkpoints" / "step_00000004"
     step.mkdir(parents=True)
     cfg = compose_cfg()
-    (step / "manifest.json").write_text(json.dumps({"step": 4, "run_id": "a", "files": {}, "fingerprint":
-                                                    fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()}))
+    (step / "manifest.json").write_text(
+        json.dumps(
+            {
+                "step": 4,
+                "run_id": "a",
+                "files": {},
+                "fingerprint": fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict(),
+            }
+        )
+    )
     before = files_of(run_b)
     assert resumed(compose_cfg, tmp_path, "b", "train.max_steps=10")[0] == EXIT_CONFIG_ERROR
     line, fix = problem_lines(capsys.readouterr().err, "run.resume")
@@ -248,8 +277,7 @@ def test_a_resume_of_a_complete_run_submits_nothing(compose_cfg, capsys, tmp_pat
     assert files_of(run_dir) == before
 
 
-def test_a_run_whose_newest_checkpoint_is_past_max_steps_submits_nothing(compose_cfg, capsys,
-                                                                         tmp_path: Path) -> None:
+def test_a_run_whose_newest_checkpoint_is_past_max_steps_submits_nothing(compose_cfg, capsys, tmp_path: Path) -> None:
     """No COMPLETED.json (the job was stopped after its last save), the newest checkpoint at step 12, the resume
     shortens the run to 8: nothing to train."""
     from hpctrain.records.fingerprint import fingerprint_of
@@ -259,8 +287,9 @@ def test_a_run_whose_newest_checkpoint_is_past_max_steps_submits_nothing(compose
     step.mkdir(parents=True)
     cfg = compose_cfg()
     fingerprint = fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict()
-    (step / "manifest.json").write_text(json.dumps({"step": 12, "run_id": "past", "files": {},
-                                                    "fingerprint": fingerprint}))
+    (step / "manifest.json").write_text(
+        json.dumps({"step": 12, "run_id": "past", "files": {}, "fingerprint": fingerprint})
+    )
     before = files_of(run_dir)
     assert resumed(compose_cfg, tmp_path, "past", "train.max_steps=8")[0] == 0
     assert "run past is at step 12, past train.max_steps=8; nothing was submitted" in capsys.readouterr().out
@@ -278,6 +307,7 @@ def test_a_complete_run_with_more_steps_goes_on_and_a_dry_run_says_it(compose_cf
     before = files_of(run_dir)
     assert resumed(compose_cfg, tmp_path, "done", "dry_run=true")[0] == 0
     captured = capsys.readouterr()
-    assert "note: run done is complete at step 10" in captured.err and "without dry_run nothing would be" \
-        in captured.err
+    assert (
+        "note: run done is complete at step 10" in captured.err and "without dry_run nothing would be" in captured.err
+    )
     assert files_of(run_dir) == before

@@ -18,8 +18,15 @@ from hpctrain.scheduler import scheduler_for
 from hpctrain.scheduler.local import LocalScheduler
 from hpctrain.scheduler.slurm import SlurmScheduler
 
-SLURM_VARIABLES = ("SUBMITIT_EXECUTOR", "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
-                   "SLURM_RESTART_COUNT", "SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES")
+SLURM_VARIABLES = (
+    "SUBMITIT_EXECUTOR",
+    "SLURM_JOB_ID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_RESTART_COUNT",
+    "SLURM_JOB_NODELIST",
+    "SLURM_JOB_NUM_NODES",
+)
 
 
 @pytest.fixture
@@ -80,8 +87,13 @@ def test_slurm_lists_a_partitions_nodes(slurm_commands) -> None:
     assert SlurmScheduler().partition_nodes(None) == ["n1", "n2"]
     assert SlurmScheduler().partition_nodes("urgent") == ["n1", "n2"]
     assert SlurmScheduler().partition_nodes("gone") == []
-    assert slurm_commands.calls() == ["sinfo -h -o %P|%N", "scontrol show hostnames n[1-2]",
-                                      "sinfo -h -o %P|%N", "scontrol show hostnames n[1-4]", "sinfo -h -o %P|%N"]
+    assert slurm_commands.calls() == [
+        "sinfo -h -o %P|%N",
+        "scontrol show hostnames n[1-2]",
+        "sinfo -h -o %P|%N",
+        "scontrol show hostnames n[1-4]",
+        "sinfo -h -o %P|%N",
+    ]
 
 
 def test_slurm_resubmits_the_same_script_and_pickle(slurm_commands, tmp_path: Path) -> None:
@@ -93,8 +105,10 @@ def test_slurm_resubmits_the_same_script_and_pickle(slurm_commands, tmp_path: Pa
     slurm_commands("scontrol")
     assert SlurmScheduler().resubmit(folder, "5", ["n2", "n4"]) == "6"
     assert (folder / "6_submitted.pkl").read_bytes() == b"pickle" and (folder / "6_submission.sh").exists()
-    assert slurm_commands.calls() == [f"sbatch --hold --parsable --exclude=n2,n4 {folder}/5_submission.sh",
-                                      "scontrol release 6"]
+    assert slurm_commands.calls() == [
+        f"sbatch --hold --parsable --exclude=n2,n4 {folder}/5_submission.sh",
+        "scontrol release 6",
+    ]
 
 
 def test_the_job_context_comes_from_the_scheduler(slurm_commands, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,8 +116,7 @@ def test_the_job_context_comes_from_the_scheduler(slurm_commands, monkeypatch: p
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
-    assert SlurmScheduler().job_context() == {"job_id": "9", "restart_count": 2, "nodelist": "n[1-2]",
-                                              "num_nodes": "2"}
+    assert SlurmScheduler().job_context() == {"job_id": "9", "restart_count": 2, "nodelist": "n[1-2]", "num_nodes": "2"}
     assert LocalScheduler().job_context()["num_nodes"] == 1
 
 
@@ -117,8 +130,10 @@ def test_the_local_executor_has_no_queue_and_no_nodes(slurm_commands, tmp_path: 
 
 def test_the_seam_and_the_records_import_neither_torch_nor_the_launcher() -> None:
     """The tasks reach the scheduler and the records without the login side, the login side without torch."""
-    code = ("import sys, hpctrain.scheduler, hpctrain.records.failures, hpctrain.records.jobs, "
-            "hpctrain.records.fingerprint; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('hpctrain.launch')))")
+    code = (
+        "import sys, hpctrain.scheduler, hpctrain.records.failures, hpctrain.records.jobs, "
+        "hpctrain.records.fingerprint; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('hpctrain.launch')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

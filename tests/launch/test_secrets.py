@@ -18,15 +18,33 @@ FAKE = "fake-wandb-key-5b1d0c7e9a"
 def test_which_names_look_like_credentials() -> None:
     from hpctrain.launch.secrets import looks_secret
 
-    assert all(map(looks_secret, ("WANDB_API_KEY", "HF_TOKEN", "aws_secret", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD",
-                                  "passwordfile", "my_api_key")))
+    assert all(
+        map(
+            looks_secret,
+            (
+                "WANDB_API_KEY",
+                "HF_TOKEN",
+                "aws_secret",
+                "AWS_SECRET_ACCESS_KEY",
+                "DB_PASSWORD",
+                "passwordfile",
+                "my_api_key",
+            ),
+        )
+    )
     assert not any(map(looks_secret, ("NCCL_DEBUG", "HPCTRAIN_INJECT_FAULT", "KEYBOARD", "TOKENIZERS_PARALLELISM")))
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
 def test_the_plan_never_shows_a_credential_and_says_how_to_pass_it(tmp_path: Path, fmt: str) -> None:
-    proc = run_hpctrain(f"+cluster.env.WANDB_API_KEY={FAKE}", "+cluster.env.NCCL_DEBUG=INFO", "dry_run=true",
-                        f"plan.format={fmt}", f"run.root={tmp_path}", cwd=tmp_path)
+    proc = run_hpctrain(
+        f"+cluster.env.WANDB_API_KEY={FAKE}",
+        "+cluster.env.NCCL_DEBUG=INFO",
+        "dry_run=true",
+        f"plan.format={fmt}",
+        f"run.root={tmp_path}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert FAKE not in proc.stdout + proc.stderr
     if fmt == "json":
@@ -38,13 +56,13 @@ def test_the_plan_never_shows_a_credential_and_says_how_to_pass_it(tmp_path: Pat
         assert "WANDB_API_KEY=<redacted>" in proc.stdout and "export WANDB_API_KEY=" in proc.stdout
 
 
-PROBE = '''
+PROBE = """
 import hashlib, os
 if os.environ.get("SUBMITIT_EXECUTOR") and os.environ.get("SECRETS_PROBE_DIR"):
     value = os.environ.get("WANDB_API_KEY", "")
     with open(os.path.join(os.environ["SECRETS_PROBE_DIR"], f"{os.getpid()}.sha256"), "w") as f:
         f.write(hashlib.sha256(value.encode()).hexdigest())
-'''
+"""
 
 
 @pytest.mark.slow
@@ -58,8 +76,9 @@ def test_a_credential_reaches_the_job_and_no_file_of_the_run(tmp_path: Path) -> 
     (probe / "usercustomize.py").write_text(PROBE)
     env = {"PYTHONPATH": str(probe), "SECRETS_PROBE_DIR": str(probe)}
     root = tmp_path / "runs"
-    proc = run_hpctrain(f"+cluster.env.WANDB_API_KEY={FAKE}", "train.max_steps=2", "run.id=s", f"run.root={root}",
-                        cwd=tmp_path, env=env)
+    proc = run_hpctrain(
+        f"+cluster.env.WANDB_API_KEY={FAKE}", "train.max_steps=2", "run.id=s", f"run.root={root}", cwd=tmp_path, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert FAKE not in proc.stdout + proc.stderr
     assert "warning: cluster.env.WANDB_API_KEY: looks like a credential" in proc.stderr
@@ -78,12 +97,47 @@ def test_a_credential_reaches_the_job_and_no_file_of_the_run(tmp_path: Path) -> 
 
 
 # Issue 46: names outside the first pattern, and values that are credentials whatever their name
-SECRET_NAMES = ["TOKEN", "PASSWD", "MY_API_KEY", "DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "WANDB_API_KEY",
-                "GITHUB_PAT", "GOOGLE_APPLICATION_CREDENTIALS", "SSH_PRIVATE_KEY", "SSH_KEY", "AUTH", "SESSION",
-                "COOKIE", "NGROK_AUTHTOKEN", "DB_PASS", "apiKey", "AWS_SESSION_TOKEN", "HUGGING_FACE_HUB_TOKEN"]
-PLAIN_NAMES = ["NCCL_DEBUG", "HPCTRAIN_INJECT_FAULT", "KEYBOARD", "TOKENIZERS_PARALLELISM", "PATH", "PWD", "HOME",
-               "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "NCCL_IB_HCA", "WANDB_PROJECT", "HF_HOME", "MASTER_ADDR",
-               "NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHONPATH", "PASSTHROUGH", "MONKEY_PATCH"]
+SECRET_NAMES = [
+    "TOKEN",
+    "PASSWD",
+    "MY_API_KEY",
+    "DB_PASSWORD",
+    "AWS_SECRET_ACCESS_KEY",
+    "HF_TOKEN",
+    "WANDB_API_KEY",
+    "GITHUB_PAT",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "SSH_PRIVATE_KEY",
+    "SSH_KEY",
+    "AUTH",
+    "SESSION",
+    "COOKIE",
+    "NGROK_AUTHTOKEN",
+    "DB_PASS",
+    "apiKey",
+    "AWS_SESSION_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+]
+PLAIN_NAMES = [
+    "NCCL_DEBUG",
+    "HPCTRAIN_INJECT_FAULT",
+    "KEYBOARD",
+    "TOKENIZERS_PARALLELISM",
+    "PATH",
+    "PWD",
+    "HOME",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "NCCL_IB_HCA",
+    "WANDB_PROJECT",
+    "HF_HOME",
+    "MASTER_ADDR",
+    "NCCL_SOCKET_IFNAME",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "PYTHONPATH",
+    "PASSTHROUGH",
+    "MONKEY_PATCH",
+]
 # Fakes in each service's format (none is a real credential)
 TOKENS = {
     "hugging-face": "hf_" + "Ab1" * 12,
@@ -114,8 +168,18 @@ def test_a_value_that_is_a_token_is_a_credential_whatever_its_name(kind: str) ->
     assert redact_text(f"cluster.partition={value}") == "cluster.partition=<redacted>"
 
 
-@pytest.mark.parametrize("value", ["INFO", "mlx5_0,mlx5_1", "/usr/lib/x86_64-linux-gnu", "http://proxy:3128",
-                                   "0123456789abcdef0123456789abcdef01234567", "sk-short", "hf_transfer"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "INFO",
+        "mlx5_0,mlx5_1",
+        "/usr/lib/x86_64-linux-gnu",
+        "http://proxy:3128",
+        "0123456789abcdef0123456789abcdef01234567",
+        "sk-short",
+        "hf_transfer",
+    ],
+)
 def test_plain_values_are_not_tokens(value: str) -> None:
     from hpctrain.launch.secrets import secret_value
 
@@ -123,14 +187,19 @@ def test_plain_values_are_not_tokens(value: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])
-def test_the_plan_says_which_values_were_redacted_and_shows_none(compose_cfg, capsys, tmp_path: Path,
-                                                                 fmt: str) -> None:
+def test_the_plan_says_which_values_were_redacted_and_shows_none(compose_cfg, capsys, tmp_path: Path, fmt: str) -> None:
     from hpctrain.launch.cli import run
 
-    env = {"TOKEN": FAKE, "GITHUB_PAT": "ghp_" + "x9Y" * 12, "MY_SETTING": TOKENS["hugging-face"],
-           "DATABASE_URL": TOKENS["url-with-password"], "NCCL_DEBUG": "INFO"}
-    cfg = compose_cfg(*(f"+cluster.env.{k}={v}" for k, v in env.items()), "dry_run=true", f"plan.format={fmt}",
-                      f"run.root={tmp_path}")
+    env = {
+        "TOKEN": FAKE,
+        "GITHUB_PAT": "ghp_" + "x9Y" * 12,
+        "MY_SETTING": TOKENS["hugging-face"],
+        "DATABASE_URL": TOKENS["url-with-password"],
+        "NCCL_DEBUG": "INFO",
+    }
+    cfg = compose_cfg(
+        *(f"+cluster.env.{k}={v}" for k, v in env.items()), "dry_run=true", f"plan.format={fmt}", f"run.root={tmp_path}"
+    )
     assert run(cfg).code == 0
     out, err = capsys.readouterr()
     for name, value in env.items():
@@ -141,12 +210,15 @@ def test_the_plan_says_which_values_were_redacted_and_shows_none(compose_cfg, ca
         plan = json.loads(out)
         assert plan["redacted"] == redacted and plan["environment"]["NCCL_DEBUG"] == "INFO"
         assert {w["key"] for w in plan["warnings"]} >= set(redacted)
-        assert "looks like a Hugging Face token" in next(w["message"] for w in plan["warnings"]
-                                                         if w["key"] == "cluster.env.MY_SETTING")
+        assert "looks like a Hugging Face token" in next(
+            w["message"] for w in plan["warnings"] if w["key"] == "cluster.env.MY_SETTING"
+        )
     else:
         for key in redacted:
-            assert f"  {key}: redacted (passed to the job through the environment of the submission, not written " \
-                   "to the plan, config.yaml or plan.json)" in out
+            assert (
+                f"  {key}: redacted (passed to the job through the environment of the submission, not written "
+                "to the plan, config.yaml or plan.json)" in out
+            )
         assert "cluster.env.NCCL_DEBUG: redacted" not in out and "NCCL_DEBUG=INFO" in out
     assert not any(tmp_path.iterdir())
 

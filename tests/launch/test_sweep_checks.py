@@ -33,8 +33,14 @@ def test_a_point_that_fails_later_does_not_stop_the_others_and_its_error_is_in_t
     """Both points pass the checks; the scheduler refuses the second one's job: the first is submitted, the
     table holds both with the second's error, and the sweep exits 2."""
     root = tmp_path / "runs"
-    proc = run_hpctrain("-m", *SLURM, "+cluster.sbatch_extra.gres=gpu:8,gpu:bogus:8", f"run.root={root}",
-                        cwd=tmp_path, env=fake_slurm(tmp_path, refuse_if="bogus"))
+    proc = run_hpctrain(
+        "-m",
+        *SLURM,
+        "+cluster.sbatch_extra.gres=gpu:8,gpu:bogus:8",
+        f"run.root={root}",
+        cwd=tmp_path,
+        env=fake_slurm(tmp_path, refuse_if="bogus"),
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     table = _table(root)
     assert [r["job_id"] for r in table] == ["4242", "-"]

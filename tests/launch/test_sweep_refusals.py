@@ -16,8 +16,9 @@ def _sweep(tmp_path: Path, *args: str):
     goes) in tmp_path."""
     scratch = tmp_path / "tmp"
     scratch.mkdir(exist_ok=True)
-    proc = run_hpctrain("-m", *args, f"run.root={tmp_path / 'runs'}", cwd=tmp_path, timeout=300,
-                        env={"TMPDIR": str(scratch)})
+    proc = run_hpctrain(
+        "-m", *args, f"run.root={tmp_path / 'runs'}", cwd=tmp_path, timeout=300, env={"TMPDIR": str(scratch)}
+    )
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
@@ -69,6 +70,7 @@ def test_a_dry_run_sweep_writes_nothing_and_a_swept_run_id_is_fine(tmp_path: Pat
 def test_shared_run_dirs_in_process(compose_cfg) -> None:
     """Only points whose run directory is the same one collide: another run.name, another run.root, a fresh id
     (run.id unset) or distinct ids do not."""
+
     def check(*points: list[str]):
         return shared_run_dirs([list(p) for p in points], [compose_cfg(*p) for p in points])
 
@@ -76,6 +78,7 @@ def test_shared_run_dirs_in_process(compose_cfg) -> None:
     assert check(["optim.lr=1e-4"], ["optim.lr=3e-4"]) is None
     assert check(["run.id=x", "run.name=one"], ["run.id=x", "run.name=two"]) is None
     shared = check(["run.id=x", "optim.lr=1e-4"], ["run.id=y"], ["run.id=x", "optim.lr=3e-4"])
-    assert shared is not None and shared.key == "run.id" and "sweep points 0 (run.id=x optim.lr=1e-4), 2" in \
-        shared.message, shared
+    assert (
+        shared is not None and shared.key == "run.id" and "sweep points 0 (run.id=x optim.lr=1e-4), 2" in shared.message
+    ), shared
     assert OmegaConf.is_config(compose_cfg())  # the fixture composes as the sweep does

@@ -8,9 +8,10 @@ that every ```python block of the guide appears here verbatim, so the two cannot
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -50,8 +51,9 @@ def build(m: Any, tp: int = 1) -> GPTRelu:
 def shape_problems(m: Any) -> list[ShapeProblem]:
     out = gpt_spec.shape_problems(m)
     if m.dropout:
-        out.append(("model.dropout", f"model.arch=gpt_relu trains without dropout, got {m.dropout}",
-                    "set model.dropout=0"))
+        out.append(
+            ("model.dropout", f"model.arch=gpt_relu trains without dropout, got {m.dropout}", "set model.dropout=0")
+        )
     return out
 
 

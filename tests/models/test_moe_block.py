@@ -34,17 +34,18 @@ def reference_route(m: MoE, logits: torch.Tensor) -> tuple[list[int], torch.Tens
     a = m.args
     if a.router == "softmax":
         p = logits.softmax(-1)
-        chosen = sorted(range(a.n_experts), key=lambda e: -p[e].item())[:a.top_k]
+        chosen = sorted(range(a.n_experts), key=lambda e: -p[e].item())[: a.top_k]
         w = torch.stack([p[e] for e in chosen])
     else:
         s = logits.sigmoid()
         biased = [(s[e] + m.expert_bias[e]).item() for e in range(a.n_experts)]
         size = a.n_experts // a.n_groups
-        group_score = [sum(sorted(biased[g * size:(g + 1) * size])[-2:]) if a.n_groups > 1 else 0.0
-                       for g in range(a.n_groups)]
-        groups = sorted(range(a.n_groups), key=lambda g: -group_score[g])[:a.topk_groups]
+        group_score = [
+            sum(sorted(biased[g * size : (g + 1) * size])[-2:]) if a.n_groups > 1 else 0.0 for g in range(a.n_groups)
+        ]
+        groups = sorted(range(a.n_groups), key=lambda g: -group_score[g])[: a.topk_groups]
         allowed = [e for e in range(a.n_experts) if e // size in groups]
-        chosen = sorted(allowed, key=lambda e: -biased[e])[:a.top_k]
+        chosen = sorted(allowed, key=lambda e: -biased[e])[: a.top_k]
         w = torch.stack([s[e] for e in chosen])
     if a.norm_topk_prob:
         w = w / w.sum()
@@ -68,8 +69,9 @@ def reference(m: MoE, x: torch.Tensor, capacity: int | None = None) -> tuple[tor
             kept -= set(mine[capacity:])
     rows = []
     for t, (chosen, w) in enumerate(routes):
-        row = sum((w[j] * expert(m, e, h[t]) for j, e in enumerate(chosen) if (t, j) in kept),
-                  torch.zeros(D, dtype=x.dtype))
+        row = sum(
+            (w[j] * expert(m, e, h[t]) for j, e in enumerate(chosen) if (t, j) in kept), torch.zeros(D, dtype=x.dtype)
+        )
         if m.shared is not None:
             row = row + m.shared(h[t])
         rows.append(row)
@@ -80,8 +82,13 @@ def reference(m: MoE, x: torch.Tensor, capacity: int | None = None) -> tuple[tor
 ROUTERS = {
     "softmax-top2": {},
     "softmax-unnormalised": {"norm_topk_prob": False, "top_k": 3},
-    "sigmoid-grouped-shared": {"router": "sigmoid", "n_groups": 4, "topk_groups": 2, "route_scale": 2.5,
-                               "n_shared_experts": 2},
+    "sigmoid-grouped-shared": {
+        "router": "sigmoid",
+        "n_groups": 4,
+        "topk_groups": 2,
+        "route_scale": 2.5,
+        "n_shared_experts": 2,
+    },
 }
 
 
@@ -128,8 +135,9 @@ def check_against_hf(hf: torch.nn.Module, m: MoE) -> None:
     torch.testing.assert_close(logits, hf_logits, atol=1e-5, rtol=0)
     weights, experts, _ = m.route(logits)
     assert torch.equal(experts.sort(-1).values, hf_experts.sort(-1).values)
-    torch.testing.assert_close(weights.gather(-1, experts.argsort(-1)), hf_weights.gather(-1, hf_experts.argsort(-1)),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        weights.gather(-1, experts.argsort(-1)), hf_weights.gather(-1, hf_experts.argsort(-1)), atol=1e-6, rtol=0
+    )
 
 
 def test_equals_transformers_mixtral() -> None:
@@ -137,8 +145,9 @@ def test_equals_transformers_mixtral() -> None:
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     m = block(torch.float32)
-    hf = MixtralSparseMoeBlock(MixtralConfig(hidden_size=D, intermediate_size=H, num_local_experts=8,
-                                             num_experts_per_tok=2)).eval()
+    hf = MixtralSparseMoeBlock(
+        MixtralConfig(hidden_size=D, intermediate_size=H, num_local_experts=8, num_experts_per_tok=2)
+    ).eval()
     load_hf(hf, m)
     check_against_hf(hf, m)
 
@@ -149,8 +158,11 @@ def test_equals_transformers_qwen3_moe(norm: bool) -> None:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     m = block(torch.float32, norm_topk_prob=norm)
-    hf = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=H, num_experts=8,
-                                               num_experts_per_tok=2, norm_topk_prob=norm)).eval()
+    hf = Qwen3MoeSparseMoeBlock(
+        Qwen3MoeConfig(
+            hidden_size=D, moe_intermediate_size=H, num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm
+        )
+    ).eval()
     load_hf(hf, m)
     check_against_hf(hf, m)
 
@@ -161,9 +173,19 @@ def test_equals_transformers_deepseek_v3() -> None:
 
     m = block(torch.float32, router="sigmoid", n_groups=4, topk_groups=2, route_scale=2.5, n_shared_experts=1)
     m.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(3)) * 0.1)
-    hf = DeepseekV3MoE(DeepseekV3Config(hidden_size=D, moe_intermediate_size=H, n_routed_experts=8,
-                                        num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-                                        n_shared_experts=1, norm_topk_prob=True)).eval()
+    hf = DeepseekV3MoE(
+        DeepseekV3Config(
+            hidden_size=D,
+            moe_intermediate_size=H,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            norm_topk_prob=True,
+        )
+    ).eval()
     load_hf(hf, m)
     with torch.no_grad():
         hf.gate.e_score_correction_bias.copy_(m.expert_bias)
@@ -350,9 +372,11 @@ def test_grouped_mm_serves_only_bf16_aligned_on_sm90_and_sm100(monkeypatch: pyte
     capability = [(9, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     with FakeTensorMode():
+
         def serves(dtype: torch.dtype = torch.bfloat16, d: int = D, h: int = H) -> bool:
-            return grouped_mm_serves(torch.empty(4, d, dtype=dtype, device="cuda"),
-                                     torch.empty(8, h, d, dtype=dtype, device="cuda"))
+            return grouped_mm_serves(
+                torch.empty(4, d, dtype=dtype, device="cuda"), torch.empty(8, h, d, dtype=dtype, device="cuda")
+            )
 
         assert serves()
         assert not serves(torch.float32) and not serves(d=12) and not serves(h=20)
@@ -375,8 +399,11 @@ def test_grouped_gemm_path_equals_the_loop() -> None:
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([5, 0, 17, 8, 0, 1])  # empty experts too (padded to a group of zero rows)
     x = torch.randn(31, D, generator=gen).requires_grad_()
-    ws = [torch.randn(6, H, D, generator=gen).requires_grad_(), torch.randn(6, H, D, generator=gen).requires_grad_(),
-          torch.randn(6, D, H, generator=gen).requires_grad_()]
+    ws = [
+        torch.randn(6, H, D, generator=gen).requires_grad_(),
+        torch.randn(6, H, D, generator=gen).requires_grad_(),
+        torch.randn(6, D, H, generator=gen).requires_grad_(),
+    ]
     g = torch.randn(31, D, generator=gen)
     results = []
     for grouped in (True, False):
@@ -385,8 +412,12 @@ def test_grouped_gemm_path_equals_the_loop() -> None:
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
     x16, ws16 = x.detach().bfloat16(), [w.detach().bfloat16() for w in ws]
-    torch.testing.assert_close(run_experts(x16, counts, *ws16, grouped=True),
-                               run_experts(x16, counts, *ws16, grouped=False), atol=0.0625, rtol=0.0078)
+    torch.testing.assert_close(
+        run_experts(x16, counts, *ws16, grouped=True),
+        run_experts(x16, counts, *ws16, grouped=False),
+        atol=0.0625,
+        rtol=0.0078,
+    )
 
 
 @pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="this torch has no CPU torch._grouped_mm")

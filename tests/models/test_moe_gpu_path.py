@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -23,8 +24,15 @@ from tests.models.test_moe_block import D, block, grouped_mm_runs_on_cpu, tokens
 
 aten = torch.ops.aten
 # Ops whose output the host must wait for on a GPU: a value read, or a shape that depends on values.
-SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-            aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten._unique.default}
+SYNC_OPS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten._unique.default,
+}
 MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
 
 
@@ -42,7 +50,8 @@ class Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.counts[str(func)] += 1
         masked = func is aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+        )
         if func in SYNC_OPS or masked:
             self.syncs.append(str(func))
         out = func(*args, **(kwargs or {}))
@@ -149,7 +158,7 @@ def _ep_split_size_reads(rank: int, world: int, n_layers: int) -> dict[str, Any]
             layer = MoE(MoEArgs(d_model=D, expert_hidden=24, n_experts=4, top_k=2, balance_coef=0.01))
             layer.init_weights(0.5, seed=0, prefix=f"layers.{i}.mlp.")
             for name, param in list(layer.experts.named_parameters(recurse=False)):
-                local = param.detach()[rank * 4 // world:(rank + 1) * 4 // world].clone()
+                local = param.detach()[rank * 4 // world : (rank + 1) * 4 // world].clone()
                 layer.experts.register_parameter(name, nn.Parameter(local))
             layer.experts.ep_group = dist.group.WORLD
             layers.append(layer)
@@ -162,8 +171,11 @@ def _ep_split_size_reads(rank: int, world: int, n_layers: int) -> dict[str, Any]
             out.square().sum().backward()
         for layer in layers:
             layer.take_routing()
-        results[mode] = {"reads": len([r for r in reads if r.endswith("in _dispatch")]), "out": out.detach(),
-                         "grads": [x.grad, *(p.grad for p in model.parameters())]}
+        results[mode] = {
+            "reads": len([r for r in reads if r.endswith("in _dispatch")]),
+            "out": out.detach(),
+            "grads": [x.grad, *(p.grad for p in model.parameters())],
+        }
     return results
 
 

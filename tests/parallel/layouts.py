@@ -49,7 +49,7 @@ def rank_batches(step: int, cfg: Any, dp_rank: int, dp: int) -> torch.Tensor:
     [2 (inputs, targets), microbatches, micro_batch, seq]."""
     x, y = global_batch(step, cfg)
     per = cfg.train.global_batch // dp
-    x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+    x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
     return torch.stack([x, y]).reshape(2, -1, cfg.train.micro_batch, SEQ)
 
 
@@ -75,10 +75,17 @@ def run_engine(rank: int, world: int, overrides: dict[str, Any], steps: int) -> 
     for part in engine.model_parts:
         sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         weights.update({k: v.detach().clone() for k, v in sd.items()})
-    return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats],
-            "skipped": [s.skipped for s in stats], "loss_scale": [s.loss_scale for s in stats], "val_loss": val_loss,
-            "weights": weights, "modules": model_classes(engine.stage_models), "dp": (engine.dp_rank, engine.dp_size),
-            "local_numel": sum(_local_numel(p) for m in engine.stage_models for p in m.parameters())}
+    return {
+        "loss": [s.loss for s in stats],
+        "grad_norm": [s.grad_norm for s in stats],
+        "skipped": [s.skipped for s in stats],
+        "loss_scale": [s.loss_scale for s in stats],
+        "val_loss": val_loss,
+        "weights": weights,
+        "modules": model_classes(engine.stage_models),
+        "dp": (engine.dp_rank, engine.dp_size),
+        "local_numel": sum(_local_numel(p) for m in engine.stage_models for p in m.parameters()),
+    }
 
 
 def _local_numel(p: torch.Tensor) -> int:
@@ -92,8 +99,9 @@ def model_classes(models: list[Any]) -> dict[str, str]:
     out = {}
     for model in models:
         for name, module in model.named_modules():
-            own = next(c for c in type(module).__mro__
-                       if c.__module__.startswith(("hpctrain.models", "torch.nn.modules")))
+            own = next(
+                c for c in type(module).__mro__ if c.__module__.startswith(("hpctrain.models", "torch.nn.modules"))
+            )
             out[name] = f"{own.__module__}.{own.__qualname__}"
     return out
 
@@ -118,7 +126,16 @@ def reference(overrides: dict[str, Any], steps: int, world: int = 1) -> dict[str
         losses.append(loss.item())
         if s in EVAL_AFTER or s == steps - 1:
             with torch.no_grad():
-                val_loss.append(sum(token_loss(model(x), y, cfg.model.vocab_size).item()
-                                    for x, y in (global_batch(VALIDATION + b, cfg) for b in range(2))) / 2)
-    return {"loss": losses, "grad_norm": norms, "val_loss": val_loss,
-            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+                val_loss.append(
+                    sum(
+                        token_loss(model(x), y, cfg.model.vocab_size).item()
+                        for x, y in (global_batch(VALIDATION + b, cfg) for b in range(2))
+                    )
+                    / 2
+                )
+    return {
+        "loss": losses,
+        "grad_norm": norms,
+        "val_loss": val_loss,
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }

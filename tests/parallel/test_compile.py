@@ -77,17 +77,22 @@ def _check(results: list[dict], ref: dict) -> None:
         weights.update(x["weights"])
     assert set(weights) == set(ref["weights"])
     for key, expected in ref["weights"].items():
-        torch.testing.assert_close(weights[key][: expected.shape[0]], expected, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(
+            weights[key][: expected.shape[0]], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}"
+        )
 
 
 # id -> (processes, overrides): together they cover TP+SP, FSDP2, PP and both recomputations
 COMPILED = {
     # attention and MLP compiled each (compiled_units)
-    "tp2_sp_selective": (2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
-                             "parallel__recompute": "selective"}),
-    "llama_zero3_dp2xtp2_sp": (4, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True,
-                                   "zero__stage": 3, "train__micro_batch": 2}),
+    "tp2_sp_selective": (
+        2,
+        {"parallel__tp": 2, "parallel__sequence_parallel": True, "parallel__recompute": "selective"},
+    ),
+    "llama_zero3_dp2xtp2_sp": (
+        4,
+        {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True, "zero__stage": 3, "train__micro_batch": 2},
+    ),
     "zero3_dp2xpp2_full": (4, {"parallel__pp": 2, "zero__stage": 3, "parallel__recompute": "full", **PP}),
     "zero3_dp2_selective": (2, {"zero__stage": 3, "parallel__recompute": "selective"}),
     "dp2_selective": (2, {"parallel__recompute": "selective"}),
@@ -127,11 +132,26 @@ def test_a_restart_compiles_from_the_node_local_cache(tmp_path: Path) -> None:
     """Two processes in sequence on one node, as a restart inside the allocation: the second loads every graph
     from the cache the first left in the node's scratch directory, and compiles in less time. The step after
     the first compiles nothing (CompileClock reports nothing)."""
-    env = {**os.environ, **compile_cache_environment(str(tmp_path), "test", gpu=False),
-           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", _RESTART], env=env, cwd=ROOT, check=True,
-                                      capture_output=True, text=True, timeout=600).stdout.splitlines()[-1])
-            for _ in range(2)]
+    env = {
+        **os.environ,
+        **compile_cache_environment(str(tmp_path), "test", gpu=False),
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", _RESTART],
+                env=env,
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            ).stdout.splitlines()[-1]
+        )
+        for _ in range(2)
+    ]
     cold, warm = runs
     print(f"compile: cold {cold['compile_s']:.1f} s, from the cache {warm['compile_s']:.1f} s")
     assert cold["fxgraph_cache_miss"] > 0 and cold.get("fxgraph_cache_hit", 0) == 0
@@ -157,8 +177,10 @@ def test_the_compile_caches_go_to_the_nodes_scratch_directory() -> None:
     assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/local/job42/hpctrain-compile-")
     assert "TRITON_CACHE_DIR" not in env  # a CPU run: no Triton
     gpu = compile_cache_environment("/tmp", "ann", gpu=True)
-    assert gpu == {"TORCHINDUCTOR_CACHE_DIR": "/tmp/hpctrain-compile-ann",
-                   "TRITON_CACHE_DIR": "/tmp/hpctrain-compile-ann/triton"}
+    assert gpu == {
+        "TORCHINDUCTOR_CACHE_DIR": "/tmp/hpctrain-compile-ann",
+        "TRITON_CACHE_DIR": "/tmp/hpctrain-compile-ann/triton",
+    }
     assert "TORCHINDUCTOR_CACHE_DIR" not in task_environment(make_cfg(2), node_tmp="/tmp")
     mine = OmegaConf.merge(cfg, {"cluster": {"env": {"TORCHINDUCTOR_CACHE_DIR": "/scratch/cache"}}})
     assert task_environment(mine, node_tmp="/tmp")["TORCHINDUCTOR_CACHE_DIR"] == "/scratch/cache"

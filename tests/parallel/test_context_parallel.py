@@ -54,8 +54,11 @@ def _attention_matches(rank: int, world: int, hq: int, hkv: int, seq_len: int, r
     return max(float(d) for d in diffs)
 
 
-@pytest.mark.parametrize("world,hq,hkv,repeat", [(2, 4, 4, False), (2, 4, 2, False), (2, 4, 2, True), (4, 4, 1, False)],
-                         ids=["mha-cp2", "gqa-cp2", "gqa-cp2-repeated", "mqa-cp4"])
+@pytest.mark.parametrize(
+    "world,hq,hkv,repeat",
+    [(2, 4, 4, False), (2, 4, 2, False), (2, 4, 2, True), (4, 4, 1, False)],
+    ids=["mha-cp2", "gqa-cp2", "gqa-cp2-repeated", "mqa-cp4"],
+)
 def test_cp_attention_equals_full_causal_attention(world: int, hq: int, hkv: int, repeat: bool) -> None:
     diffs = run_distributed(_attention_matches, world, hq, hkv, 16, repeat, timeout=120)
     assert max(diffs) < 1e-5, diffs
@@ -92,8 +95,10 @@ def _model_matches(rank: int, world: int, family: str) -> float:
     loss.backward()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
-    diffs = [(logits.detach() - cpmod.shard_sequence(ref.detach(), world, rank)).abs().max(),
-             (mean_loss / world - ref_loss.detach()).abs()]
+    diffs = [
+        (logits.detach() - cpmod.shard_sequence(ref.detach(), world, rank)).abs().max(),
+        (mean_loss / world - ref_loss.detach()).abs(),
+    ]
     for p, ref_p in zip(model.parameters(), ref_model.parameters()):
         dist.all_reduce(p.grad)
         diffs.append((p.grad / world - ref_p.grad).abs().max())
@@ -127,8 +132,9 @@ def _gathers_in_backward(rank: int, world: int, mode: str) -> tuple[int, int]:
     model = _model("llama")
     cpmod.apply_context_parallel(model, dist.group.WORLD)
     apply_recompute(model, mode)
-    tokens = cpmod.shard_sequence(torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1)), world,
-                                  rank)
+    tokens = cpmod.shard_sequence(
+        torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1)), world, rank
+    )
     loss = model(tokens).float().mean()
     with Count() as count:
         loss.backward()
@@ -153,21 +159,25 @@ def _index_builds(rank: int, world: int, family: str) -> tuple[list[int], bool]:
         def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             counts[name] += 1
             return originals[name](*args, **kwargs)
+
         return call
 
     from hpctrain.models.gpt import GPT, GPTArgs
     from hpctrain.models.llama import Llama, LlamaArgs
 
     def model() -> torch.nn.Module:
-        m = (GPT(GPTArgs(n_layers=3, d_model=32, n_heads=4, vocab_size=50, seq_len=16, ffn_hidden=64))
-             if family == "gpt" else
-             Llama(LlamaArgs(n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=50, ffn_hidden=64)))
+        m = (
+            GPT(GPTArgs(n_layers=3, d_model=32, n_heads=4, vocab_size=50, seq_len=16, ffn_hidden=64))
+            if family == "gpt"
+            else Llama(LlamaArgs(n_layers=3, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=50, ffn_hidden=64))
+        )
         m.init_weights(seed=0)
         cpmod.apply_context_parallel(m, dist.group.WORLD)
         return m
 
-    tokens = cpmod.shard_sequence(torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1)), world,
-                                  rank)
+    tokens = cpmod.shard_sequence(
+        torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1)), world, rank
+    )
     cached, uncached = model(), model()
     for name in counts:
         setattr(cpmod, name, counted(name))
@@ -182,8 +192,9 @@ def _index_builds(rank: int, world: int, family: str) -> tuple[list[int], bool]:
         setattr(cpmod, name, original)
     if not hasattr(cpmod, "build_indices"):  # the code before the cache: nothing to compare with
         return per_forward, True
-    for layer_core in [m for m in uncached.modules() if isinstance(getattr(m, "attention", None),
-                                                                  cpmod.ContextParallelAttention)]:
+    for layer_core in [
+        m for m in uncached.modules() if isinstance(getattr(m, "attention", None), cpmod.ContextParallelAttention)
+    ]:
         layer_core.attention.indices = cpmod.build_indices  # type: ignore[assignment]  # build per call
     return per_forward, torch.equal(logits, uncached(tokens))
 

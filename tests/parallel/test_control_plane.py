@@ -22,9 +22,20 @@ from hpctrain.distributed.environment import process_group_backend
 from tests.checkpoint.test_checkpoint import SMALL
 from tests.distributed_harness import DistributedTestError, run_distributed
 
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
-               "reduce_scatter_tensor", "all_gather_into_tensor", "gather_object", "reduce", "all_to_all",
-               "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "gather_object",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+)
 
 
 def _count_collectives(rank: int, world: int, config: dict[str, Any], run_dir: str) -> dict[int, list[tuple]]:
@@ -36,14 +47,22 @@ def _count_collectives(rank: int, world: int, config: dict[str, Any], run_dir: s
     window = [1]
     calls: dict[int, list[tuple]] = {}
     for name in COLLECTIVES:
+
         def wrapped(*args: Any, __orig: Any = getattr(dist, name), __name: str = name, **kwargs: Any) -> Any:
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller.startswith("hpctrain."):
                 tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
                 group = kwargs.get("group", args[2] if __name == "all_reduce" and len(args) > 2 else None)
                 calls.setdefault(window[0], []).append(
-                    (__name, caller, group in (None, dist.group.WORLD), tensor.device.type if tensor is not None else None))
+                    (
+                        __name,
+                        caller,
+                        group in (None, dist.group.WORLD),
+                        tensor.device.type if tensor is not None else None,
+                    )
+                )
             return __orig(*args, **kwargs)
+
         setattr(dist, name, wrapped)
     beat = watchdog.Watchdog.beat
 
@@ -57,22 +76,35 @@ def _count_collectives(rank: int, world: int, config: dict[str, Any], run_dir: s
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world,layout", [
-    (2, []),  # DDP
-    (4, ["parallel.tp=2", "zero=stage3"]),  # FSDP2 x TP: the gradient norm's groups used to cost 6 more
-    (2, ["parallel.cp=2", "zero=stage2"]),  # CP: its gathers are functional collectives on the CP group, not these
-], ids=["ddp2", "fsdp2xtp2", "cp2_zero2"])
-def test_one_collective_per_step_on_the_default_group(compose_cfg, tmp_path: Path, world: int,
-                                                      layout: list[str]) -> None:
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, []),  # DDP
+        (4, ["parallel.tp=2", "zero=stage3"]),  # FSDP2 x TP: the gradient norm's groups used to cost 6 more
+        (2, ["parallel.cp=2", "zero=stage2"]),  # CP: its gathers are functional collectives on the CP group, not these
+    ],
+    ids=["ddp2", "fsdp2xtp2", "cp2_zero2"],
+)
+def test_one_collective_per_step_on_the_default_group(
+    compose_cfg, tmp_path: Path, world: int, layout: list[str]
+) -> None:
     """A clock-timed checkpoint tier, straggler probes every 2 steps and the stop flag all ride on the loss
     reduction. Before this change a steady step issued 3 of hpctrain's own collectives with DDP (the stop flag's
     CPU tensor on the default group, the loss, the checkpoint agreement over gloo on every rank) plus an
     all_gather_object of the straggler probes every 2 steps; FSDP2 x TP added 6 for the gradient norm (measured
     on the previous code: 4 and 10 on probe steps)."""
-    cfg = compose_cfg(*SMALL, f"cluster.gpus_per_node={world}", "run.id=test", f"run.root={tmp_path}",
-                      "train.max_steps=8", "health.straggler_every=2", "health.preflight=off", *layout,
-                      f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_minutes: 600, keep_last: 1}}]",
-                      "checkpoint.save_final=false")
+    cfg = compose_cfg(
+        *SMALL,
+        f"cluster.gpus_per_node={world}",
+        "run.id=test",
+        f"run.root={tmp_path}",
+        "train.max_steps=8",
+        "health.straggler_every=2",
+        "health.preflight=off",
+        *layout,
+        f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_minutes: 600, keep_last: 1}}]",
+        "checkpoint.save_final=false",
+    )
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     results = run_distributed(_count_collectives, world, config, str(tmp_path / "run"), timeout=240)
     for calls in results:
@@ -88,10 +120,18 @@ def test_expert_parallelism_adds_only_its_dispatch(compose_cfg, tmp_path: Path) 
     micro-batches."""
     from tests.checkpoint.test_moe_resume import MOE
 
-    cfg = compose_cfg(*SMALL, "cluster.gpus_per_node=2", "run.id=test", f"run.root={tmp_path}", *MOE,
-                      "parallel.ep=2", "train.max_steps=4", "health.preflight=off",
-                      f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_minutes: 600, keep_last: 1}}]",
-                      "checkpoint.save_final=false")
+    cfg = compose_cfg(
+        *SMALL,
+        "cluster.gpus_per_node=2",
+        "run.id=test",
+        f"run.root={tmp_path}",
+        *MOE,
+        "parallel.ep=2",
+        "train.max_steps=4",
+        "health.preflight=off",
+        f"checkpoint.tiers=[{{name: ram, path: {tmp_path}/shm, interval_minutes: 600, keep_last: 1}}]",
+        "checkpoint.save_final=false",
+    )
     config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     for calls in run_distributed(_count_collectives, 2, config, str(tmp_path / "run"), timeout=240):
         for step in range(2, 4):

@@ -18,19 +18,23 @@ from tests.distributed_harness import run_distributed
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim,kernel", [
-    (BF16, 16, 1, 128, "flash"),       # Llama 3 405B at TP 8: one KV head a rank, grouped heads kept
-    (BF16, 4, 2, 16, "flash"),         # the layout suite's tiny Llama (fake CUDA's cp2)
-    (FP16, 8, 8, 64, "flash"),
-    (BF16, 32, 8, 36, "flash"),        # CausalBias pads the head to a multiple of 8 itself
-    (FP32, 4, 2, 16, "efficient"),     # heads repeated by grouped_kv, then the kernel's lower-right variant
-    (FP32, 8, 8, 64, "efficient"),
-    (BF16, 8, 2, 512, "efficient"),    # past flash's 256: repeated, then efficient
-    (FP32, 8, 8, 6, "math"),           # fp32 efficient needs head_dim % 4 == 0
-    (torch.float64, 8, 2, 64, "math"),
-])
-def test_cp_chunks_run_a_fused_kernel_on_gpus(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                                              kernel: str) -> None:
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,head_dim,kernel",
+    [
+        (BF16, 16, 1, 128, "flash"),  # Llama 3 405B at TP 8: one KV head a rank, grouped heads kept
+        (BF16, 4, 2, 16, "flash"),  # the layout suite's tiny Llama (fake CUDA's cp2)
+        (FP16, 8, 8, 64, "flash"),
+        (BF16, 32, 8, 36, "flash"),  # CausalBias pads the head to a multiple of 8 itself
+        (FP32, 4, 2, 16, "efficient"),  # heads repeated by grouped_kv, then the kernel's lower-right variant
+        (FP32, 8, 8, 64, "efficient"),
+        (BF16, 8, 2, 512, "efficient"),  # past flash's 256: repeated, then efficient
+        (FP32, 8, 8, 6, "math"),  # fp32 efficient needs head_dim % 4 == 0
+        (torch.float64, 8, 2, 64, "math"),
+    ],
+)
+def test_cp_chunks_run_a_fused_kernel_on_gpus(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, kernel: str
+) -> None:
     assert cpmod.gpu_chunk_kernel(dtype, heads, kv_heads, head_dim) == kernel
 
 
@@ -54,19 +58,60 @@ def _reference_efficient(calls: list[str]) -> torch.library.Library:
         mask = _lower_right_mask(s.shape[-2], s.shape[-1], mask_type)
         return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
-    def forward(query, key, value, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type,  # noqa: ANN001, ANN202
-                compute_log_sumexp=False, *, scale=None, seqlen_k=None, window_size=None):
+    def forward(
+        query,
+        key,
+        value,
+        bias,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p,
+        mask_type,  # noqa: ANN001, ANN202
+        compute_log_sumexp=False,
+        *,
+        scale=None,
+        seqlen_k=None,
+        window_size=None,
+    ):
         calls.append("forward")
         s = scores(query, key, mask_type, scale)
         out = torch.softmax(s, -1) @ value.double().transpose(1, 2)
         lse = torch.logsumexp(s, -1)
         zero = torch.zeros((), dtype=torch.int64)
-        return (out.transpose(1, 2).to(query.dtype).contiguous(), lse.float(), zero, zero.clone(),
-                query.shape[1], key.shape[1])
+        return (
+            out.transpose(1, 2).to(query.dtype).contiguous(),
+            lse.float(),
+            zero,
+            zero.clone(),
+            query.shape[1],
+            key.shape[1],
+        )
 
-    def backward(grad_out, query, key, value, bias, out, cu_q, cu_k, max_q, max_k, lse,  # noqa: ANN001, ANN202
-                 dropout_p, seed, offset, mask_type, bias_requires_grad, *, scale=None, num_splits_key=None,
-                 window_size=None, shared_storage_dqdkdv=False):
+    def backward(
+        grad_out,
+        query,
+        key,
+        value,
+        bias,
+        out,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        lse,  # noqa: ANN001, ANN202
+        dropout_p,
+        seed,
+        offset,
+        mask_type,
+        bias_requires_grad,
+        *,
+        scale=None,
+        num_splits_key=None,
+        window_size=None,
+        shared_storage_dqdkdv=False,
+    ):
         calls.append("backward")
         scale = scale if scale is not None else 1 / math.sqrt(query.shape[-1])
         p = torch.softmax(scores(query, key, mask_type, scale), -1)
@@ -113,8 +158,9 @@ def _attention_calls(rank: int, world: int, mode: str) -> tuple[dict[str, int], 
     from hpctrain.models.llama import Llama, LlamaArgs
     from hpctrain.parallel.recompute import apply_recompute
 
-    tokens = cpmod.shard_sequence(torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1)), world,
-                                  rank)
+    tokens = cpmod.shard_sequence(
+        torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1)), world, rank
+    )
 
     def cp_model(recompute: str) -> torch.nn.Module:
         model = Llama(LlamaArgs(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=50, ffn_hidden=64))
@@ -141,8 +187,10 @@ def _attention_calls(rank: int, world: int, mode: str) -> tuple[dict[str, int], 
         results.append((forward.counts, backward.counts, loss.detach(), [p.grad for p in model.parameters()]))
     assert "backward" in calls  # the registered kernels ran, backward included
     (_, _, ref_loss, ref_grads), (forward_counts, backward_counts, loss, grads) = results
-    diff = max([float((loss - ref_loss).abs()), float((ref_loss - cpu_loss).abs())]
-               + [float((g - r).abs().max()) for g, r in zip(grads, ref_grads)])
+    diff = max(
+        [float((loss - ref_loss).abs()), float((ref_loss - cpu_loss).abs())]
+        + [float((g - r).abs().max()) for g, r in zip(grads, ref_grads)]
+    )
     return forward_counts, backward_counts, diff
 
 
@@ -156,8 +204,7 @@ def test_selective_recomputation_keeps_cp_fp32_attention(mode: str) -> None:
     layers, efficient, square = 2, "_efficient_attention_forward", "_scaled_dot_product_flash_attention_for_cpu"
     for rank, (forward, backward, diff) in enumerate(out):
         chunks = cpmod.chunk_ids(2, rank)
-        expected = {efficient: layers * sum(c > 0 for c in chunks)} | (
-            {square: layers} if 0 in chunks else {})
+        expected = {efficient: layers * sum(c > 0 for c in chunks)} | ({square: layers} if 0 in chunks else {})
         assert forward == expected, (rank, forward)
         assert backward == ({} if mode == "selective" else expected), (rank, backward)
         assert diff < 1e-6, (rank, diff)

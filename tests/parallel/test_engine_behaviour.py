@@ -12,7 +12,7 @@ import torch
 
 from hpctrain.config.layout import resolve_layout
 from hpctrain.parallel.dims import ParallelDims, ParallelDimsError
-from tests.distributed_harness import DistributedTestError, CrashedRankRetried, run_distributed
+from tests.distributed_harness import CrashedRankRetried, DistributedTestError, run_distributed
 from tests.parallel.layouts import LLAMA, make_cfg, rank_batches, reference
 
 PP = {"train__micro_batch": 2}
@@ -27,6 +27,7 @@ def _engine(world: int, overrides: dict[str, Any]) -> Any:
 
 # ---- fp16 loss scaling -------------------------------------------------------------------------------------
 
+
 def _overflow_run(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any]:
     from hpctrain.parallel.engine import _local
 
@@ -38,14 +39,23 @@ def _overflow_run(rank: int, world: int, overrides: dict[str, Any]) -> dict[str,
     return {"first": first, "unchanged": unchanged, "rest": rest}
 
 
-@pytest.mark.parametrize("world,overrides", [
-    (2, {"parallel__tp": 2}),  # each rank holds different gradients: the overflow must be agreed on
-    (2, {"parallel__pp": 2, **PP}),
-    (2, {"zero__stage": 3}),
-], ids=["tp2", "pp2", "zero3"])
+@pytest.mark.parametrize(
+    "world,overrides",
+    [
+        (2, {"parallel__tp": 2}),  # each rank holds different gradients: the overflow must be agreed on
+        (2, {"parallel__pp": 2, **PP}),
+        (2, {"zero__stage": 3}),
+    ],
+    ids=["tp2", "pp2", "zero3"],
+)
 def test_fp16_overflow_skips_step_and_halves_scale(world: int, overrides: dict[str, Any]) -> None:
-    scaling = {"precision__dtype": "fp16", "precision__loss_scaling": True, "precision__initial_scale": 2.0**40,
-               "precision__loss_scale_window": 3, "precision__min_scale": 2.0**36}
+    scaling = {
+        "precision__dtype": "fp16",
+        "precision__loss_scaling": True,
+        "precision__initial_scale": 2.0**40,
+        "precision__loss_scale_window": 3,
+        "precision__min_scale": 2.0**36,
+    }
     results = run_distributed(_overflow_run, world, {**overrides, **scaling}, timeout=120)
     for r in results:
         assert r["first"].skipped and r["first"].loss_scale == 2.0**40
@@ -60,16 +70,30 @@ def test_fp16_overflow_skips_step_and_halves_scale(world: int, overrides: dict[s
 def test_fp16_scale_grows_after_window() -> None:
     from hpctrain.parallel.precision import LossScaler
 
-    cfg = make_cfg(1, precision__dtype="fp16", precision__loss_scaling=True, precision__initial_scale=8.0,
-                   precision__loss_scale_window=2, precision__min_scale=4.0)
+    cfg = make_cfg(
+        1,
+        precision__dtype="fp16",
+        precision__loss_scaling=True,
+        precision__initial_scale=8.0,
+        precision__loss_scale_window=2,
+        precision__min_scale=4.0,
+    )
     scaler = LossScaler(cfg.precision)
-    for overflow, expected in [(False, 8.0), (False, 16.0), (True, 8.0), (True, 4.0), (True, 4.0), (False, 4.0),
-                               (False, 8.0)]:
+    for overflow, expected in [
+        (False, 8.0),
+        (False, 16.0),
+        (True, 8.0),
+        (True, 4.0),
+        (True, 4.0),
+        (False, 4.0),
+        (False, 8.0),
+    ]:
         scaler.update(overflow)
         assert scaler.scale == expected
 
 
 # ---- divergence ----------------------------------------------------------------------------------------------
+
 
 def _diverge(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any]:
     from hpctrain.parallel.engine import TrainingDiverged
@@ -83,8 +107,9 @@ def _diverge(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any]
     return {"step": None}
 
 
-@pytest.mark.parametrize("world,overrides", [(2, {}), (2, {"parallel__tp": 2}), (2, {"parallel__pp": 2, **PP})],
-                         ids=["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize(
+    "world,overrides", [(2, {}), (2, {"parallel__tp": 2}), (2, {"parallel__pp": 2, **PP})], ids=["dp2", "tp2", "pp2"]
+)
 def test_nan_loss_raises_on_every_rank(world: int, overrides: dict[str, Any]) -> None:
     results = run_distributed(_diverge, world, {**overrides, "optim__grad_clip": 0.0}, timeout=120)
     for r in results:
@@ -93,6 +118,7 @@ def test_nan_loss_raises_on_every_rank(world: int, overrides: dict[str, Any]) ->
 
 
 # ---- clipping ------------------------------------------------------------------------------------------------
+
 
 def _clipped_norm(rank: int, world: int, overrides: dict[str, Any]) -> tuple[float, float]:
     from hpctrain.parallel.clipping import clip_grads_
@@ -110,12 +136,16 @@ def _clipped_norm(rank: int, world: int, overrides: dict[str, Any]) -> tuple[flo
     return engine._stats(values, 0)[1], engine._stats(engine._reduce(zero, []), 0)[1]
 
 
-@pytest.mark.parametrize("world,overrides", [
-    (2, {"parallel__tp": 2}),  # stock clip_grad_norm_ fails here (plain and DTensor gradients)
-    (4, {"parallel__tp": 2, "zero__stage": 3}),  # and here (DTensors on different meshes)
-    (4, {"parallel__tp": 2, "parallel__pp": 2, **PP}),
-    (8, {"parallel__tp": 2, "parallel__pp": 2, "zero__stage": 2, **PP}),
-], ids=["tp2", "zero3_dp2xtp2", "tp2xpp2", "dp2xtp2xpp2"])
+@pytest.mark.parametrize(
+    "world,overrides",
+    [
+        (2, {"parallel__tp": 2}),  # stock clip_grad_norm_ fails here (plain and DTensor gradients)
+        (4, {"parallel__tp": 2, "zero__stage": 3}),  # and here (DTensors on different meshes)
+        (4, {"parallel__tp": 2, "parallel__pp": 2, **PP}),
+        (8, {"parallel__tp": 2, "parallel__pp": 2, "zero__stage": 2, **PP}),
+    ],
+    ids=["tp2", "zero3_dp2xtp2", "tp2xpp2", "dp2xtp2xpp2"],
+)
 def test_clipped_global_norm_equals_reference(world: int, overrides: dict[str, Any]) -> None:
     overrides = {**overrides, "optim__grad_clip": 0.25}
     ref = reference(overrides, 1, world)["grad_norm"][0]
@@ -126,6 +156,7 @@ def test_clipped_global_norm_equals_reference(world: int, overrides: dict[str, A
 
 
 # ---- checkpoints: layout-independent state ---------------------------------------------------------------
+
 
 def _train_and_save(rank: int, world: int, overrides: dict[str, Any], path: str) -> list[str]:
     import torch.distributed.checkpoint as dcp
@@ -138,16 +169,32 @@ def _train_and_save(rank: int, world: int, overrides: dict[str, Any], path: str)
     return sorted(state["model"])
 
 
-@pytest.mark.parametrize("world,overrides", [
-    (2, {"zero__stage": 1}),
-    (2, {"zero__stage": 3}),
-    (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),
-    (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
-    (8, {"parallel__pp": 2, "parallel__tp": 2, "zero__stage": 0, "parallel__schedule": "zbv",
-         "parallel__virtual_stages": 2, **PP}),
-    (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True}),
-    (2, {**LLAMA, "parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
-], ids=["zero1", "zero3", "tp2_sp", "pp2_interleaved", "3d_zbv", "llama_tp2_sp", "llama_pp2_interleaved"])
+@pytest.mark.parametrize(
+    "world,overrides",
+    [
+        (2, {"zero__stage": 1}),
+        (2, {"zero__stage": 3}),
+        (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),
+        (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
+        (
+            8,
+            {
+                "parallel__pp": 2,
+                "parallel__tp": 2,
+                "zero__stage": 0,
+                "parallel__schedule": "zbv",
+                "parallel__virtual_stages": 2,
+                **PP,
+            },
+        ),
+        (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True}),
+        (
+            2,
+            {**LLAMA, "parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP},
+        ),
+    ],
+    ids=["zero1", "zero3", "tp2_sp", "pp2_interleaved", "3d_zbv", "llama_tp2_sp", "llama_pp2_interleaved"],
+)
 def test_checkpoint_resumes_in_a_single_process(world: int, overrides: dict[str, Any], tmp_path: Any) -> None:
     """Save after 2 steps in a layout, load into a plain single process (DCP reshards), take step 3: model
     and optimizer state must both have survived for the loss and the weights to match an unbroken run."""
@@ -177,8 +224,10 @@ def test_a_checkpoint_holds_no_hyperparameters_and_a_load_keeps_the_runs_own() -
         trained.step(rank_batches(s, cfg, 0, 1), cfg.optim.lr)
     state = trained.state_dict()
     assert state["optim"] and not [k for k in state["optim"] if k.startswith("param_groups.")]
-    older = get_optimizer_state_dict(trained.model_parts[0], trained.optimizers[0],
-                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+    older = get_optimizer_state_dict(
+        trained.model_parts[0], trained.optimizers[0], options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+
     def copy(v: Any) -> Any:  # what a load from disk gives: tensors of their own
         return v.clone() if isinstance(v, torch.Tensor) else v
 
@@ -205,12 +254,16 @@ def _in_place(rank: int, world: int, overrides: dict[str, Any]) -> tuple[bool, b
     return whole, _loaded_in_place(state, engine.model_parts, engine.optimizers)
 
 
-@pytest.mark.parametrize("world,overrides", [
-    (1, {}),
-    (2, {"zero__stage": 3}),
-    (2, {**LLAMA, "parallel__tp": 2}),
-    (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
-], ids=["one_process", "zero3", "llama_tp2", "pp2_interleaved"])
+@pytest.mark.parametrize(
+    "world,overrides",
+    [
+        (1, {}),
+        (2, {"zero__stage": 3}),
+        (2, {**LLAMA, "parallel__tp": 2}),
+        (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP}),
+    ],
+    ids=["one_process", "zero3", "llama_tp2", "pp2_interleaved"],
+)
 def test_a_state_loaded_in_place_is_not_set_again(world: int, overrides: dict[str, Any]) -> None:
     """`state_dict()`'s tensors are the rank's parameters and optimizer states themselves (FSDP2's shards, TP's
     DTensors, every virtual stage's): a checkpoint loaded into them needs no setter, which a resume skips; a
@@ -222,13 +275,19 @@ def test_a_state_loaded_in_place_is_not_set_again(world: int, overrides: dict[st
 
 # ---- pipeline stage sizes (the plan's numbers) ----------------------------------------------------------------
 
+
 def test_stage_param_counts_tiny_model_matches_engine() -> None:
     """The plan's closed-form counts (no torch) are what the engine's ranks hold."""
     from hpctrain.models.params import padded_vocab, param_count
     from hpctrain.plan.report import stage_counts
 
-    overrides = {"parallel__pp": 2, "parallel__tp": 2, "parallel__schedule": "interleaved_1f1b",
-                 "parallel__virtual_stages": 2, **PP}
+    overrides = {
+        "parallel__pp": 2,
+        "parallel__tp": 2,
+        "parallel__schedule": "interleaved_1f1b",
+        "parallel__virtual_stages": 2,
+        **PP,
+    }
     cfg = make_cfg(4, **overrides)
     layout = resolve_layout(cfg)
     plan = stage_counts(cfg.model, layout)
@@ -251,10 +310,22 @@ def test_stage_param_counts_175b_on_meta() -> None:
     from hpctrain.parallel.stages import meta_stage_counts
     from hpctrain.plan.report import stage_counts
 
-    cfg = make_cfg(4096, model__n_layers=96, model__d_model=12288, model__n_heads=96, model__vocab_size=50257,
-                   model__context=2048, parallel__tp=8, parallel__pp=8, parallel__dp=64,
-                   cluster__nodes=512, cluster__gpus_per_node=8, train__global_batch=3072, train__micro_batch=4,
-                   data__vocab_size=50257)
+    cfg = make_cfg(
+        4096,
+        model__n_layers=96,
+        model__d_model=12288,
+        model__n_heads=96,
+        model__vocab_size=50257,
+        model__context=2048,
+        parallel__tp=8,
+        parallel__pp=8,
+        parallel__dp=64,
+        cluster__nodes=512,
+        cluster__gpus_per_node=8,
+        train__global_batch=3072,
+        train__micro_batch=4,
+        data__vocab_size=50257,
+    )
     layout = resolve_layout(cfg)
     started = time.perf_counter()
     plan = stage_counts(cfg.model, layout)
@@ -272,6 +343,7 @@ def test_stage_param_counts_175b_on_meta() -> None:
 
 
 # ---- dims and harness ----------------------------------------------------------------------------------------
+
 
 def test_parallel_dims_errors_say_what_to_change() -> None:
     """The layout's own rules live in hpctrain.config.layout; ParallelDims checks it against the processes."""
@@ -342,7 +414,6 @@ def _build(rank: int, world: int, overrides: dict[str, Any]) -> None:
 
 
 def test_zero_bubble_with_sharded_dp_is_refused_with_a_fix() -> None:
-    overrides = {"parallel__pp": 2, "zero__stage": 3, "parallel__schedule": "zbv", "parallel__virtual_stages": 2,
-                 **PP}
+    overrides = {"parallel__pp": 2, "zero__stage": 3, "parallel__schedule": "zbv", "parallel__virtual_stages": 2, **PP}
     with pytest.raises(DistributedTestError, match="Use zero.stage=0"):
         run_distributed(_build, 4, overrides, timeout=60)

@@ -34,8 +34,11 @@ LAYOUTS = {
     "zero1_dp2": (2, {"zero__stage": 1, "train__micro_batch": 2}, 2),
     "zero2_dp2": (2, {"zero__stage": 2, "train__micro_batch": 2}, 2),
     "zero3_dp2": (2, {"zero__stage": 3, "train__micro_batch": 2}, 2),
-    "zero3_dp2_accumulate_unsharded": (2, {"zero__stage": 3, "zero__accumulate_unsharded": True,
-                                           "train__micro_batch": 2}, 2),
+    "zero3_dp2_accumulate_unsharded": (
+        2,
+        {"zero__stage": 3, "zero__accumulate_unsharded": True, "train__micro_batch": 2},
+        2,
+    ),
     "hsdp_2x2": (4, {"zero__stage": 3, "parallel__dp_replicate": 2, "train__micro_batch": 2}, 4),
     "zero3_offload": (2, {"zero__stage": 3, "zero__offload_optimizer": True, "zero__offload_params": True}, 2),
     "zero2_offload": (2, {"zero__stage": 2, "zero__offload_optimizer": True}, 2),
@@ -45,36 +48,83 @@ LAYOUTS = {
     "pp2_1f1b": (2, {"parallel__pp": 2, "parallel__schedule": "1f1b", **PP}, 1),
     # uneven stages: 3 + 5 layers; interleaved, 1 + 3 + 3 + 1 (the first and last chunk lighter)
     "pp2_uneven": (2, {"model__n_layers": 8, "parallel__pp": 2, "parallel__first_stage_layers": 3, **PP}, 1),
-    "pp2_interleaved_uneven": (2, {"model__n_layers": 8, "parallel__pp": 2, "parallel__schedule": "interleaved_1f1b",
-                                   "parallel__virtual_stages": 2, "parallel__first_stage_layers": 1,
-                                   "parallel__last_stage_layers": 1, **PP}, 1),
-    "pp2_interleaved": (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b",
-                            "parallel__virtual_stages": 2, **PP}, 1),
-    "pp2_looped_bfs": (2, {"parallel__pp": 2, "parallel__schedule": "looped_bfs", "parallel__virtual_stages": 2,
-                           **PP}, 1),
-    "pp2_zero_bubble": (2, {"parallel__pp": 2, "parallel__schedule": "interleaved_zero_bubble",
-                            "parallel__virtual_stages": 2, **PP}, 1),
+    "pp2_interleaved_uneven": (
+        2,
+        {
+            "model__n_layers": 8,
+            "parallel__pp": 2,
+            "parallel__schedule": "interleaved_1f1b",
+            "parallel__virtual_stages": 2,
+            "parallel__first_stage_layers": 1,
+            "parallel__last_stage_layers": 1,
+            **PP,
+        },
+        1,
+    ),
+    "pp2_interleaved": (
+        2,
+        {"parallel__pp": 2, "parallel__schedule": "interleaved_1f1b", "parallel__virtual_stages": 2, **PP},
+        1,
+    ),
+    "pp2_looped_bfs": (
+        2,
+        {"parallel__pp": 2, "parallel__schedule": "looped_bfs", "parallel__virtual_stages": 2, **PP},
+        1,
+    ),
+    "pp2_zero_bubble": (
+        2,
+        {"parallel__pp": 2, "parallel__schedule": "interleaved_zero_bubble", "parallel__virtual_stages": 2, **PP},
+        1,
+    ),
     "pp2_zbv": (2, {"parallel__pp": 2, "parallel__schedule": "zbv", "parallel__virtual_stages": 2, **PP}, 1),
-    "pp2_dualpipev": (2, {"parallel__pp": 2, "parallel__schedule": "dualpipev", "parallel__virtual_stages": 2,
-                          **PP}, 1),
+    "pp2_dualpipev": (
+        2,
+        {"parallel__pp": 2, "parallel__schedule": "dualpipev", "parallel__virtual_stages": 2, **PP},
+        1,
+    ),
     "pp4_1f1b": (4, {"parallel__pp": 4, **PP}, 1),  # tied embedding summed between pipeline ranks 0 and 3
     "dp2xtp2": (4, {"parallel__tp": 2}, 2),
     "zero1_dp2xtp2": (4, {"parallel__tp": 2, "zero__stage": 1}, 2),
     "zero3_dp2xtp2_sp": (4, {"parallel__tp": 2, "zero__stage": 3, "parallel__sequence_parallel": True}, 2),
     "dp2xpp2": (4, {"parallel__pp": 2, **PP}, 2),
-    "zero3_dp2xpp2_interleaved": (4, {"parallel__pp": 2, "zero__stage": 3, "parallel__schedule": "interleaved_1f1b",
-                                      "parallel__virtual_stages": 2, **PP}, 2),
+    "zero3_dp2xpp2_interleaved": (
+        4,
+        {
+            "parallel__pp": 2,
+            "zero__stage": 3,
+            "parallel__schedule": "interleaved_1f1b",
+            "parallel__virtual_stages": 2,
+            **PP,
+        },
+        2,
+    ),
     "dp2xpp2_zbv": (4, {"parallel__pp": 2, "parallel__schedule": "zbv", "parallel__virtual_stages": 2, **PP}, 2),
     "tp2xpp2": (4, {"parallel__pp": 2, "parallel__tp": 2, **PP}, 1),
-    "tp2xpp2_sp_zbv": (4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__sequence_parallel": True,
-                           "parallel__schedule": "zbv", "parallel__virtual_stages": 2, **PP}, 1),
+    "tp2xpp2_sp_zbv": (
+        4,
+        {
+            "parallel__pp": 2,
+            "parallel__tp": 2,
+            "parallel__sequence_parallel": True,
+            "parallel__schedule": "zbv",
+            "parallel__virtual_stages": 2,
+            **PP,
+        },
+        1,
+    ),
     "dp2xtp2xpp2": (8, {"parallel__pp": 2, "parallel__tp": 2, **PP}, 2),
-    "zero3_dp2xtp2xpp2_sp": (8, {"parallel__pp": 2, "parallel__tp": 2, "zero__stage": 3,
-                                 "parallel__sequence_parallel": True, **PP}, 2),
+    "zero3_dp2xtp2xpp2_sp": (
+        8,
+        {"parallel__pp": 2, "parallel__tp": 2, "zero__stage": 3, "parallel__sequence_parallel": True, **PP},
+        2,
+    ),
     "recompute_full_dp2": (2, {"parallel__recompute": "full"}, 2),
     "recompute_selective_zero3": (2, {"parallel__recompute": "selective", "zero__stage": 3}, 2),
-    "recompute_selective_tp2_sp": (2, {"parallel__recompute": "selective", "parallel__tp": 2,
-                                       "parallel__sequence_parallel": True}, 1),
+    "recompute_selective_tp2_sp": (
+        2,
+        {"parallel__recompute": "selective", "parallel__tp": 2, "parallel__sequence_parallel": True},
+        1,
+    ),
     "recompute_full_tp2xpp2": (4, {"parallel__recompute": "full", "parallel__tp": 2, "parallel__pp": 2, **PP}, 1),
     # context parallelism: each sequence in 2 x cp chunks, keys and values gathered over the CP group
     "cp2": (2, {"parallel__cp": 2}, 1),
@@ -88,20 +138,46 @@ LAYOUTS = {
 }
 # The Llama family through the same layouts: grouped-query attention split over TP (one key/value head per rank),
 # the untied head split by vocabulary like the embedding, and held by the last pipeline stage alone.
-LLAMA_LAYOUTS = ["single", "dp2", "zero1_dp2", "zero2_dp2", "zero3_dp2", "zero3_offload", "tp2", "tp2_sp", "pp2_1f1b",
-                 "pp2_uneven", "pp2_interleaved", "pp2_zbv", "dp2xtp2", "dp2xpp2", "tp2xpp2", "zero3_dp2xtp2xpp2_sp",
-                 "recompute_full_dp2", "recompute_selective_tp2_sp", "cp2", "zero3_dp2xcp2", "cp2xtp2_sp", "cp2xpp2"]
-LAYOUTS.update({f"llama_{name}": (LAYOUTS[name][0], {**LLAMA, **LAYOUTS[name][1]}, LAYOUTS[name][2])
-                for name in LLAMA_LAYOUTS})
+LLAMA_LAYOUTS = [
+    "single",
+    "dp2",
+    "zero1_dp2",
+    "zero2_dp2",
+    "zero3_dp2",
+    "zero3_offload",
+    "tp2",
+    "tp2_sp",
+    "pp2_1f1b",
+    "pp2_uneven",
+    "pp2_interleaved",
+    "pp2_zbv",
+    "dp2xtp2",
+    "dp2xpp2",
+    "tp2xpp2",
+    "zero3_dp2xtp2xpp2_sp",
+    "recompute_full_dp2",
+    "recompute_selective_tp2_sp",
+    "cp2",
+    "zero3_dp2xcp2",
+    "cp2xtp2_sp",
+    "cp2xpp2",
+]
+LAYOUTS.update(
+    {f"llama_{name}": (LAYOUTS[name][0], {**LLAMA, **LAYOUTS[name][1]}, LAYOUTS[name][2]) for name in LLAMA_LAYOUTS}
+)
 # Qwen3: heads wider than d_model / n_heads split over TP (QKV and the projection's input are 2 x 128 wide), the
 # per-head norms replicated, under SP and in a pipeline.
 QWEN3_LAYOUTS = ["single", "tp2_sp", "zero3_dp2", "tp2xpp2"]
-LAYOUTS.update({f"qwen3_{name}": (LAYOUTS[name][0], {**QWEN3, **LAYOUTS[name][1]}, LAYOUTS[name][2])
-                for name in QWEN3_LAYOUTS})
+LAYOUTS.update(
+    {f"qwen3_{name}": (LAYOUTS[name][0], {**QWEN3, **LAYOUTS[name][1]}, LAYOUTS[name][2]) for name in QWEN3_LAYOUTS}
+)
 
 # uneven stages: the layers of each pipeline rank (interleaved: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3)
-UNEVEN = {"pp2_uneven": [[0, 1, 2], [3, 4, 5, 6, 7]], "llama_pp2_uneven": [[0, 1, 2], [3, 4, 5, 6, 7]],
-          "pp2_interleaved_uneven": [[0, 4, 5, 6], [1, 2, 3, 7]]}
+UNEVEN = {
+    "pp2_uneven": [[0, 1, 2], [3, 4, 5, 6, 7]],
+    "llama_pp2_uneven": [[0, 1, 2], [3, 4, 5, 6, 7]],
+    "pp2_interleaved_uneven": [[0, 4, 5, 6], [1, 2, 3, 7]],
+}
 _REFERENCES: dict[tuple, dict] = {}
 
 
@@ -158,7 +234,7 @@ def test_layout_matches_single_process(name: str) -> None:
     for key, expected in ref["weights"].items():
         got = weights[key]
         if got.shape != expected.shape:  # TP pads the vocabulary to 64 x tp rows: the padding stays zero
-            assert key in ("tok_emb.weight", "output.weight") and not got[expected.shape[0]:].any(), key
+            assert key in ("tok_emb.weight", "output.weight") and not got[expected.shape[0] :].any(), key
             got = got[: expected.shape[0]]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
@@ -173,25 +249,48 @@ MIXED = {
     # id -> (processes, overrides, loss bound, norm bound)
     "bf16_dp2_autocast": (2, {"precision__dtype": "bf16"}, 2e-3, 2e-2),
     "bf16_zero3_mp_policy": (2, {"precision__dtype": "bf16", "zero__stage": 3}, 2e-3, 2e-2),
-    "bf16_tp2_sp": (2, {"precision__dtype": "bf16", "parallel__tp": 2, "parallel__sequence_parallel": True},
-                    2e-3, 2e-2),
-    "llama_bf16_tp2_sp": (2, {**LLAMA, "precision__dtype": "bf16", "parallel__tp": 2,
-                              "parallel__sequence_parallel": True}, 2e-3, 2e-2),
+    "bf16_tp2_sp": (
+        2,
+        {"precision__dtype": "bf16", "parallel__tp": 2, "parallel__sequence_parallel": True},
+        2e-3,
+        2e-2,
+    ),
+    "llama_bf16_tp2_sp": (
+        2,
+        {**LLAMA, "precision__dtype": "bf16", "parallel__tp": 2, "parallel__sequence_parallel": True},
+        2e-3,
+        2e-2,
+    ),
     "llama_bf16_zero3_mp_policy": (2, {**LLAMA, "precision__dtype": "bf16", "zero__stage": 3}, 2e-3, 2e-2),
     # 4 micro-batches a rank: ZeRO-1's fp32 gradient buffer filled as each gradient is made (grad_buffer), the
     # tied head's gradient through a leaf of its own
     "bf16_zero1_buffer": (2, {"precision__dtype": "bf16", "zero__stage": 1, "train__micro_batch": 1}, 2e-3, 2e-2),
-    "llama_bf16_zero1_buffer": (2, {**LLAMA, "precision__dtype": "bf16", "zero__stage": 1, "train__micro_batch": 1},
-                                2e-3, 2e-2),
-    "bf16_zero3_accumulate_unsharded_buffer": (2, {"precision__dtype": "bf16", "zero__stage": 3,
-                                                   "zero__accumulate_unsharded": True, "train__micro_batch": 1},
-                                               2e-3, 2e-2),
-    "bf16_zero1_tp2_buffer": (4, {"precision__dtype": "bf16", "zero__stage": 1, "parallel__tp": 2,
-                                  "train__micro_batch": 1}, 2e-3, 2e-2),
+    "llama_bf16_zero1_buffer": (
+        2,
+        {**LLAMA, "precision__dtype": "bf16", "zero__stage": 1, "train__micro_batch": 1},
+        2e-3,
+        2e-2,
+    ),
+    "bf16_zero3_accumulate_unsharded_buffer": (
+        2,
+        {"precision__dtype": "bf16", "zero__stage": 3, "zero__accumulate_unsharded": True, "train__micro_batch": 1},
+        2e-3,
+        2e-2,
+    ),
+    "bf16_zero1_tp2_buffer": (
+        4,
+        {"precision__dtype": "bf16", "zero__stage": 1, "parallel__tp": 2, "train__micro_batch": 1},
+        2e-3,
+        2e-2,
+    ),
     "fp16_dp2": (2, {"precision__dtype": "fp16", "precision__loss_scaling": True}, 5e-4, 5e-3),
     "fp16_zero3": (2, {"precision__dtype": "fp16", "precision__loss_scaling": True, "zero__stage": 3}, 5e-4, 5e-3),
-    "fp16_tp2xpp2": (4, {"precision__dtype": "fp16", "precision__loss_scaling": True, "parallel__tp": 2,
-                         "parallel__pp": 2, **PP}, 5e-4, 5e-3),
+    "fp16_tp2xpp2": (
+        4,
+        {"precision__dtype": "fp16", "precision__loss_scaling": True, "parallel__tp": 2, "parallel__pp": 2, **PP},
+        5e-4,
+        5e-3,
+    ),
 }
 
 

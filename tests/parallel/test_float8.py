@@ -122,7 +122,7 @@ def test_tensorwise_blocks_take_torchaos_float8_tp_styles(sequence_parallel: boo
     assert rowwise is plain  # rowwise scaling: torch's own styles (torchtitan does the same)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bf16(arch: str) -> list[float]:
     """The bf16 reference losses of one process (computed once per arch for the whole module)."""
     return run_engine(0, 1, {**ARCHS[arch], "precision__fp8": "none"}, STEPS)["loss"]
@@ -154,8 +154,9 @@ def _fsdp_fp8(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any
 
     cfg = make_cfg(world, **overrides)
     engine = build_engine(cfg, resolve_layout(cfg), torch.device("cpu"))
-    losses = [engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr).loss
-              for s in range(STEPS)]
+    losses = [
+        engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr).loss for s in range(STEPS)
+    ]
     linears = float8_linears(engine.model_parts[0])
     wrapped = [isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor) for m in linears]
     scales = []
@@ -164,12 +165,18 @@ def _fsdp_fp8(rank: int, world: int, overrides: dict[str, Any]) -> dict[str, Any
         expected = torch.finfo(torch.float8_e4m3fn).max / full.abs().max().double().clamp(min=1e-12)
         scales.append((float(m.weight._local_tensor._precomputed_scale), float(expected)))
     model_state = engine.state_dict()["model"]  # what a checkpoint saves: the same names as without FP8
-    return {"loss": losses, "wrapped": wrapped, "scales": scales, "state_keys": sorted(model_state),
-            "names": sorted(n for n, _ in engine.model_parts[0].named_parameters())}
+    return {
+        "loss": losses,
+        "wrapped": wrapped,
+        "scales": scales,
+        "state_keys": sorted(model_state),
+        "names": sorted(n for n, _ in engine.model_parts[0].named_parameters()),
+    }
 
 
-@pytest.mark.parametrize("zero", [{"zero__stage": 3}, {"zero__stage": 1, "train__micro_batch": 1}],
-                         ids=["zero3", "zero1_buffer"])
+@pytest.mark.parametrize(
+    "zero", [{"zero__stage": 3}, {"zero__stage": 1, "train__micro_batch": 1}], ids=["zero3", "zero1_buffer"]
+)
 def test_fsdp2_float8_all_gather_follows_bf16(zero: dict[str, Any]) -> None:
     """ZeRO-3, and ZeRO-1 over 2 micro-batches a rank, whose fp32 gradient buffer is filled through hooks on
     torchao's float8 weight wrappers (hpctrain/parallel/grad_buffer.py)."""

@@ -5,7 +5,8 @@ itself holds only the dims > 1 (issue 45): each mesh dim is such a split too, si
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -27,8 +28,12 @@ def world_175b(compose_cfg) -> Any:
     dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4096)
     try:
         grid = torch.arange(4096).reshape(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
-        last = next(r for r in range(layout.pp) if layout.pp * layout.virtual_stages - 1 in
-                    schedules.get(layout.schedule).stage_ids(r, layout.pp, layout.virtual_stages))
+        last = next(
+            r
+            for r in range(layout.pp)
+            if layout.pp * layout.virtual_stages - 1
+            in schedules.get(layout.schedule).stage_ids(r, layout.pp, layout.virtual_stages)
+        )
         yield grid, last
     finally:
         dist.destroy_process_group()
@@ -41,6 +46,7 @@ def _count(monkeypatch: pytest.MonkeyPatch, name: str, result: Any = None) -> li
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append((args, kwargs))
         return result if result is not None else original(*args, **kwargs)
+
     monkeypatch.setattr(dist, name, counted)
     return calls
 
@@ -49,7 +55,9 @@ def test_175b_tied_embedding_groups_take_one_call(world_175b, monkeypatch: pytes
     grid, last = world_175b
     pairs = groups.tied_embedding_pairs(grid.tolist(), last)
     assert len(pairs) == 512 and pairs[3] == [3, 7 * 512 + 3]  # one pair per (DP, TP) coordinate
-    assert sorted(r for pair in pairs for r in pair) == sorted(grid[0].flatten().tolist() + grid[last].flatten().tolist())
+    assert sorted(r for pair in pairs for r in pair) == sorted(
+        grid[0].flatten().tolist() + grid[last].flatten().tolist()
+    )
 
     new, split = _count(monkeypatch, "new_group"), _count(monkeypatch, "split_group", result="split")
     group = groups.own_group(pairs)  # gloo (no bound device): the members alone make their group
@@ -67,8 +75,8 @@ def test_a_rank_outside_every_pair_makes_no_group(world_175b, monkeypatch: pytes
     assert groups.own_group([[0, 1], [8, 9]]) is None and not new  # rank 3 in neither
 
 
-
 # ---- the mesh: only dims > 1 make groups (issue 45) -----------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _counting_mesh_groups(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
@@ -84,7 +92,9 @@ def _counting_mesh_groups(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str,
         def call(*args: Any, **kwargs: Any) -> Any:
             counts["calls"] += 1
             return original(*args, **kwargs)
+
         return call
+
     for module in (dist, device_mesh):  # the mesh calls them through its own module's names
         for name in ("new_group", "split_group"):
             monkeypatch.setattr(module, name, counted(getattr(module, name)))
@@ -94,17 +104,22 @@ def _counting_mesh_groups(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str,
         name = one(*args, **kwargs)
         counts["splits"] += name != dist.distributed_c10d._get_default_group().group_name
         return name
+
     monkeypatch.setattr(DeviceMesh, "_init_one_process_group", staticmethod(made))
     yield counts
 
 
-@pytest.mark.parametrize("experiment, before, after", [
-    # PP 8 x DP 64 x TP 8 on 4,096 ranks: dp_replicate (1) and the DP flattening (dp_replicate x dp_shard) gone
-    ("175b", (5, 5248, 6), (3, 1088, 4)),
-    ("llama3_8b_4node", (5, 84, 6), (2, 18, 3)),  # DP 16 x TP 2 on 32 ranks: pp and dp_replicate gone too
-])
-def test_a_layout_with_size_1_dims_makes_fewer_groups(experiment: str, before: tuple, after: tuple, compose_cfg,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "experiment, before, after",
+    [
+        # PP 8 x DP 64 x TP 8 on 4,096 ranks: dp_replicate (1) and the DP flattening (dp_replicate x dp_shard) gone
+        ("175b", (5, 5248, 6), (3, 1088, 4)),
+        ("llama3_8b_4node", (5, 84, 6), (2, 18, 3)),  # DP 16 x TP 2 on 32 ranks: pp and dp_replicate gone too
+    ],
+)
+def test_a_layout_with_size_1_dims_makes_fewer_groups(
+    experiment: str, before: tuple, after: tuple, compose_cfg, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """(splits, calls, groups held) of rank 3's mesh and the slices the engine reads, against a mesh of every dim
     as ParallelDims built it before (size-1 dims too, cp only when > 1, and the DP dims flattened)."""
     layout = resolve_layout(compose_cfg(f"+experiment={experiment}"))
@@ -147,8 +162,11 @@ def test_hsdp_over_one_rank_shards_keeps_its_2d_mesh() -> None:
     """dp_replicate = dp: FSDP2's mesh is still (replicate 4, shard 1), its shard group this rank alone."""
     with fake_world(Layout(dp=4, tp=1, pp=1, dp_replicate=4, zero_stage=3), 2) as dims:
         mesh = dims.fsdp_mesh
-        assert (mesh.mesh_dim_names, mesh.shape, mesh.mesh.tolist()) == (("dp_replicate", "dp_shard"), (4, 1),
-                                                                         [[0], [1], [2], [3]])
+        assert (mesh.mesh_dim_names, mesh.shape, mesh.mesh.tolist()) == (
+            ("dp_replicate", "dp_shard"),
+            (4, 1),
+            [[0], [1], [2], [3]],
+        )
         assert [dist.get_process_group_ranks(g) for g in mesh.get_all_groups()] == [[0, 1, 2, 3], [2]]
         assert mesh.get_coordinate() == (2, 0) and dims.dp_rank == 2
 

@@ -38,9 +38,11 @@ def _events_per_step(rank: int, world: int, overrides: dict[str, Any]) -> list[l
 
     engine._read = recorded_read
     for opt in engine.optimizers:
+
         def recorded_step(*args: Any, __step: Any = opt.step, **kwargs: Any) -> Any:
             events.append("optimizer.step")
             return __step(*args, **kwargs)
+
         opt.step = recorded_step
     steps = []
     for s in range(STEPS):
@@ -52,13 +54,17 @@ def _events_per_step(rank: int, world: int, overrides: dict[str, Any]) -> list[l
     return steps
 
 
-@pytest.mark.parametrize("world,overrides", [
-    (2, {}),  # DDP
-    (2, {"zero__stage": 3}),  # FSDP2
-    (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),  # TP (+ the partial gradients' reduction)
-    (2, {"parallel__pp": 2, "parallel__schedule": "1f1b", **PP}),  # PP (+ the tied embedding's reduction)
-    (2, {"parallel__cp": 2}),  # CP: the chunks cut on the device, positions and gathers' order made there
-], ids=["ddp2", "fsdp2", "tp2_sp", "pp2", "cp2"])
+@pytest.mark.parametrize(
+    "world,overrides",
+    [
+        (2, {}),  # DDP
+        (2, {"zero__stage": 3}),  # FSDP2
+        (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),  # TP (+ the partial gradients' reduction)
+        (2, {"parallel__pp": 2, "parallel__schedule": "1f1b", **PP}),  # PP (+ the tied embedding's reduction)
+        (2, {"parallel__cp": 2}),  # CP: the chunks cut on the device, positions and gathers' order made there
+    ],
+    ids=["ddp2", "fsdp2", "tp2_sp", "pp2", "cp2"],
+)
 def test_one_host_sync_per_step_after_the_optimizer_step(world: int, overrides: dict[str, Any]) -> None:
     """Every step, the first included; under PP torch's schedule adds its stages' one-time start-up to the
     first step (shapes exchanged as pickled objects: `recv_object_list` reads their sizes), none of it ours."""
@@ -72,11 +78,13 @@ def test_one_host_sync_per_step_after_the_optimizer_step(world: int, overrides: 
             assert len(reads) == 1 and "Tensor.tolist at hpctrain.parallel.engine" in reads[0], (rank, step, events)
             assert events[-2:] == ["Engine._read", reads[0]], (rank, step, events)
             assert "optimizer.step" in events and events.index("Engine._read") > max(
-                i for i, e in enumerate(events) if e == "optimizer.step"), (rank, step, events)
+                i for i, e in enumerate(events) if e == "optimizer.step"
+            ), (rank, step, events)
 
 
-@pytest.mark.parametrize("overrides", [{"parallel__ep": 2}, {"parallel__ep": 2, "parallel__recompute": "full"}],
-                         ids=["ep2", "ep2_recompute"])
+@pytest.mark.parametrize(
+    "overrides", [{"parallel__ep": 2}, {"parallel__ep": 2, "parallel__recompute": "full"}], ids=["ep2", "ep2_recompute"]
+)
 def test_an_moe_layer_reads_its_routing_sizes_once_per_forward(overrides: dict[str, Any]) -> None:
     """Besides the step's control read, each MoE layer forward reads its split sizes once (expert parallelism's
     all-to-all takes host lists) and, off the grouped-GEMM path (CPU here; not H100/B200 in bf16), its per-expert

@@ -24,9 +24,17 @@ pytestmark = pytest.mark.usefixtures("gpu_rules")
 
 STEPS = 5
 # A tiny Qwen3-MoE: per-head q/k norms, 4 experts of hidden 32, top 2, both auxiliary losses on.
-MOE = {"model__arch": "qwen3_moe", "model__n_kv_heads": 2, "model__head_dim": 32, "model__ffn_hidden": 32,
-       "model__rope__theta": 500000.0, "model__moe__n_experts": 4, "model__moe__top_k": 2,
-       "model__moe__balance_coef": 0.01, "model__moe__z_loss_coef": 0.001}
+MOE = {
+    "model__arch": "qwen3_moe",
+    "model__n_kv_heads": 2,
+    "model__head_dim": 32,
+    "model__ffn_hidden": 32,
+    "model__rope__theta": 500000.0,
+    "model__moe__n_experts": 4,
+    "model__moe__top_k": 2,
+    "model__moe__balance_coef": 0.01,
+    "model__moe__z_loss_coef": 0.001,
+}
 MIXTRAL = {**MOE, "model__arch": "mixtral", "model__head_dim": 0}
 PP = {"train__micro_batch": 2}
 
@@ -39,7 +47,10 @@ CASES = {
     "ep2_accum": (2, {"parallel__ep": 2, "train__micro_batch": 2}),
     "ep2_zero3": (2, {"parallel__ep": 2, "zero__stage": 3, "train__micro_batch": 2}),
     "ep2_zero1": (2, {"parallel__ep": 2, "zero__stage": 1, "train__micro_batch": 2}),
-    "ep2_fsdp4": (4, {"parallel__ep": 2, "zero__stage": 3, "train__micro_batch": 2}),  # experts sharded by FSDP over the 2 ranks EP leaves
+    "ep2_fsdp4": (
+        4,
+        {"parallel__ep": 2, "zero__stage": 3, "train__micro_batch": 2},
+    ),  # experts sharded by FSDP over the 2 ranks EP leaves
     "ep4": (4, {"parallel__ep": 4, "zero__stage": 2, "train__micro_batch": 2}),
     # experts that do not divide over the ranks sharding them: FSDP2 shards their rows (dim 1), not dim 0
     "ep2_fsdp4_dim1": (4, {"parallel__ep": 2, "model__moe__n_experts": 6, "zero__stage": 3, "train__micro_batch": 2}),
@@ -52,8 +63,10 @@ CASES = {
     "ep2_recompute_full": (2, {"parallel__ep": 2, "parallel__recompute": "full"}),
     # the selective policy reruns the all-to-alls (and waits on them), takes TP's collectives from its cache
     "ep2_recompute_selective": (2, {"parallel__ep": 2, "parallel__recompute": "selective"}),
-    "tp2_sp_recompute_selective": (2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
-                                       "parallel__recompute": "selective"}),
+    "tp2_sp_recompute_selective": (
+        2,
+        {"parallel__tp": 2, "parallel__sequence_parallel": True, "parallel__recompute": "selective"},
+    ),
     "mixtral_ep2": (2, {**MIXTRAL, "parallel__ep": 2}),
 }
 
@@ -85,10 +98,20 @@ def moe_reference(overrides: dict[str, Any], steps: int) -> dict[str, Any]:
         routing.append([layer.take_routing()[:-ROUTING_FIELDS].tolist() for layer in layers.values()])
         if s in EVAL_AFTER or s == steps - 1:
             with torch.no_grad():
-                val_loss.append(sum(token_loss(model(x), y, cfg.model.vocab_size).item()
-                                    for x, y in (global_batch(VALIDATION + b, cfg) for b in range(2))) / 2)
-    return {"loss": losses, "grad_norm": norms, "val_loss": val_loss, "routing": routing,
-            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+                val_loss.append(
+                    sum(
+                        token_loss(model(x), y, cfg.model.vocab_size).item()
+                        for x, y in (global_batch(VALIDATION + b, cfg) for b in range(2))
+                    )
+                    / 2
+                )
+    return {
+        "loss": losses,
+        "grad_norm": norms,
+        "val_loss": val_loss,
+        "routing": routing,
+        "weights": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def run_moe_engine(rank: int, world: int, overrides: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -105,16 +128,25 @@ def run_moe_engine(rank: int, world: int, overrides: dict[str, Any], steps: int)
         stats.append(engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr))
         if s in EVAL_AFTER or s == steps - 1:
             val_loss.append(engine.evaluate(validation))
-    experts = {name: (str(p.placements), p.to_local().numel(), p.numel())
-               for part in engine.model_parts for name, p in part.named_parameters()
-               if ".experts." in name and isinstance(p, DTensor)}
+    experts = {
+        name: (str(p.placements), p.to_local().numel(), p.numel())
+        for part in engine.model_parts
+        for name, p in part.named_parameters()
+        if ".experts." in name and isinstance(p, DTensor)
+    }
     weights: dict[str, torch.Tensor] = {}
     for part in engine.model_parts:
         sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
         weights.update({k: v.detach().clone() for k, v in sd.items()})
-    return {"loss": [s.loss for s in stats], "grad_norm": [s.grad_norm for s in stats], "val_loss": val_loss,
-            "routing": [s.moe.tokens_per_expert for s in stats], "balance": [s.moe.balance_loss for s in stats],
-            "weights": weights, "experts": experts}
+    return {
+        "loss": [s.loss for s in stats],
+        "grad_norm": [s.grad_norm for s in stats],
+        "val_loss": val_loss,
+        "routing": [s.moe.tokens_per_expert for s in stats],
+        "balance": [s.moe.balance_loss for s in stats],
+        "weights": weights,
+        "experts": experts,
+    }
 
 
 _REFERENCES: dict[tuple, dict] = {}
@@ -153,7 +185,7 @@ def test_moe_layout_matches_single_process(name: str) -> None:
     for key, expected in ref["weights"].items():
         got = weights[key]
         if got.shape != expected.shape:
-            assert key in ("tok_emb.weight", "output.weight") and not got[expected.shape[0]:].any(), key
+            assert key in ("tok_emb.weight", "output.weight") and not got[expected.shape[0] :].any(), key
             got = got[: expected.shape[0]]
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     if name.endswith("_dim1"):  # each rank holds 1/world of every expert weight, no padding

@@ -9,8 +9,9 @@ from hpctrain.parallel.moe_stats import IdleExperts, LayerLoad, MoEStepStats
 
 
 def routed(*layers: list[float], dropped: float = 0.0) -> MoEStepStats:
-    return MoEStepStats(tokens_per_expert=[list(layer) for layer in layers], balance_loss=1.02, z_loss=0.5,
-                        dropped=dropped)
+    return MoEStepStats(
+        tokens_per_expert=[list(layer) for layer in layers], balance_loss=1.02, z_loss=0.5, dropped=dropped
+    )
 
 
 def test_per_layer_load_worst_layer_and_dropped_fraction() -> None:
@@ -20,10 +21,18 @@ def test_per_layer_load_worst_layer_and_dropped_fraction() -> None:
     assert stats.worst_layer() == 1
     assert stats.dropped_fraction() == 3 / 32
     assert stats.metrics() == {
-        "moe/balance_loss": 1.02, "moe/z_loss": 0.5, "moe/dropped_fraction": 3 / 32, "moe/imbalance_max": 2.0,
+        "moe/balance_loss": 1.02,
+        "moe/z_loss": 0.5,
+        "moe/dropped_fraction": 3 / 32,
+        "moe/imbalance_max": 2.0,
         "moe/idle_experts": 1,
-        "moe/layer0/tokens_min": 4, "moe/layer0/tokens_max": 4, "moe/layer0/imbalance": 1.0,
-        "moe/layer1/tokens_min": 0, "moe/layer1/tokens_max": 8, "moe/layer1/imbalance": 2.0}
+        "moe/layer0/tokens_min": 4,
+        "moe/layer0/tokens_max": 4,
+        "moe/layer0/imbalance": 1.0,
+        "moe/layer1/tokens_min": 0,
+        "moe/layer1/tokens_max": 8,
+        "moe/layer1/imbalance": 2.0,
+    }
 
 
 def test_imbalance_bounds() -> None:

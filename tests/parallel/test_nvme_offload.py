@@ -87,8 +87,9 @@ def test_a_path_that_cannot_hold_the_moments_is_named_with_its_key(tmp_path: Pat
     assert os.fstat(opt.file.fd).st_blocks * 512 >= opt.file.nbytes  # reserved at the start, not sparse
 
 
-def _train(rank: int, world: int, overrides: dict[str, Any], steps: int, save: str = "", load: str = ""
-           ) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, overrides: dict[str, Any], steps: int, save: str = "", load: str = ""
+) -> dict[str, Any]:
     """`steps` steps (after loading `load` if given), then save to `save` if given; the full weights back."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -105,24 +106,36 @@ def _train(rank: int, world: int, overrides: dict[str, Any], steps: int, save: s
         engine.load_state_dict(state)
         first = 2
     # a warm-up: each step's lr differs (a load replaces the optimizer's groups, and the new ones get it)
-    losses = [engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr * (s + 1) / 8).loss
-              for s in range(first, first + steps)]
+    losses = [
+        engine.step(rank_batches(s, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr * (s + 1) / 8).loss
+        for s in range(first, first + steps)
+    ]
     if save:
         dcp.save(engine.state_dict(), checkpoint_id=save)
     opt = engine.optimizers[0]
     facts: dict[str, Any] = {"kind": type(opt).__name__}
     if isinstance(opt, NvmeAdamW):
-        facts.update(file_bytes=os.fstat(opt.file.fd).st_size, planned=opt.chunks[-1].offset + opt.chunks[-1].nbytes,
-                     chunks=len(opt.chunks), direct=opt.file.direct, read=opt.io.read_bytes,
-                     in_memory=[k for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)
-                                and k != "step"])
+        facts.update(
+            file_bytes=os.fstat(opt.file.fd).st_size,
+            planned=opt.chunks[-1].offset + opt.chunks[-1].nbytes,
+            chunks=len(opt.chunks),
+            direct=opt.file.direct,
+            read=opt.io.read_bytes,
+            in_memory=[
+                k for st in opt.state.values() for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"
+            ],
+        )
     weights = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True))
     return {"loss": losses, "weights": {k: v.detach().clone() for k, v in weights.items()}, **facts}
 
 
 def _nvme(path: Path) -> dict[str, Any]:
-    return {**CPU_OFFLOAD, "zero__offload_optimizer_device": "nvme", "zero__nvme_path": str(path),
-            "zero__nvme_chunk_mb": 0.05}  # 12,288 elements per chunk: each rank streams several chunks
+    return {
+        **CPU_OFFLOAD,
+        "zero__offload_optimizer_device": "nvme",
+        "zero__nvme_path": str(path),
+        "zero__nvme_chunk_mb": 0.05,
+    }  # 12,288 elements per chunk: each rank streams several chunks
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -132,10 +145,14 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert not different, f"not bitwise equal: {different}"
 
 
-@pytest.mark.parametrize("world,layout", [(2, {}), (4, {"parallel__tp": 2, "parallel__sequence_parallel": True})],
-                         ids=["zero3_dp2", "zero3_dp2xtp2_sp"])  # 1-D and 2-D meshes (TP's DTensors inside FSDP2's)
-def test_nvme_offload_gives_cpu_offloads_weights_bit_for_bit_on_real_ranks(world: int, layout: dict[str, Any],
-                                                                           tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "world,layout",
+    [(2, {}), (4, {"parallel__tp": 2, "parallel__sequence_parallel": True})],
+    ids=["zero3_dp2", "zero3_dp2xtp2_sp"],
+)  # 1-D and 2-D meshes (TP's DTensors inside FSDP2's)
+def test_nvme_offload_gives_cpu_offloads_weights_bit_for_bit_on_real_ranks(
+    world: int, layout: dict[str, Any], tmp_path: Path
+) -> None:
     cpu = run_distributed(_train, world, {**CPU_OFFLOAD, **layout}, STEPS, timeout=240)
     nvme = run_distributed(_train, world, {**_nvme(tmp_path / "nvme"), **layout}, STEPS, timeout=240)
     for c, n in zip(cpu, nvme):

@@ -45,5 +45,10 @@ def test_ring_attention_equals_full_causal_sdpa(cp: int, kv_heads: int, design: 
     expected = [out.detach(), q.grad, k.grad, v.grad]
     for rank, got in enumerate(run_distributed(_ring_rank, cp, kv_heads, design, timeout=60)):
         for name, g, e in zip(("out", "dq", "dk", "dv"), got, expected):
-            torch.testing.assert_close(g, shard_sequence(e, cp, rank, dim=2), atol=1e-5, rtol=1e-5,
-                                       msg=lambda m, n=name, r=rank: f"{design} cp {cp} rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                g,
+                shard_sequence(e, cp, rank, dim=2),
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, n=name, r=rank: f"{design} cp {cp} rank {r} {n}: {m}",
+            )

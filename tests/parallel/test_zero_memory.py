@@ -40,9 +40,15 @@ pytestmark = pytest.mark.usefixtures("gpu_rules")
 
 TOLERANCE = 0.05
 STATES = ("params", "grads", "optimizer")
-BASE = {"precision__dtype": "bf16", "precision__reduce_dtype": "fp32", "train__global_batch": 16,
-        "train__micro_batch": 2,
-        "model__n_layers": 4, "model__d_model": 128, "model__n_heads": 4}
+BASE = {
+    "precision__dtype": "bf16",
+    "precision__reduce_dtype": "fp32",
+    "train__global_batch": 16,
+    "train__micro_batch": 2,
+    "model__n_layers": 4,
+    "model__d_model": 128,
+    "model__n_heads": 4,
+}
 FILLED = {"zero1", "zero3_accumulate_unsharded"}  # the fp32 buffer filled as gradients are made (grad_buffer)
 CASES = {
     "zero1": {"zero__stage": 1},
@@ -68,8 +74,11 @@ def _measured(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> dict[s
         with tracker:
             engine.step(rank_batches(1, cfg, engine.dp_rank, engine.dp_size), cfg.optim.lr)
         staging = category_peaks(tracker)
-        out[name] = {**column_peaks(tracker), "all_gather": staging.get("All Gather", 0),
-                     "reduce_scatter": staging.get("Reduce Scatter", 0)}
+        out[name] = {
+            **column_peaks(tracker),
+            "all_gather": staging.get("All Gather", 0),
+            "reduce_scatter": staging.get("Reduce Scatter", 0),
+        }
     return out
 
 
@@ -77,9 +86,10 @@ def _planned(overrides: dict[str, Any], world: int) -> dict[str, float]:
     cfg = make_cfg(world, **overrides)
     layout = resolve_layout(cfg)
     mem = memory_per_gpu(model_shape(cfg.model, cfg.train.seq_len), layout, cluster_hardware(cfg.cluster))
-    staged = {name: sum(p.bytes for p in mem.parts if p.kind == "buffers" and p.on_gpu and key in p.name)
-              for name, key in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"),
-                                ("fresh", "fresh"))}
+    staged = {
+        name: sum(p.bytes for p in mem.parts if p.kind == "buffers" and p.on_gpu and key in p.name)
+        for name, key in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"), ("fresh", "fresh"))
+    }
     return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "buffers": mem.buffers, **staged}
 
 
@@ -102,7 +112,8 @@ def test_each_rank_holds_what_the_planner_counts(name: str, measured: dict[str, 
 
 
 def test_sharding_gradients_across_micro_batches_saves_their_unsharded_buffer(
-        measured: dict[str, list[dict[str, int]]]) -> None:
+    measured: dict[str, list[dict[str, int]]],
+) -> None:
     """ZeRO-2/3 keep gradient shards between micro-batches; ZeRO-1 and the option keep them whole (fp32)."""
     grads = {name: max(r["grads"] for r in ranks) for name, ranks in measured.items()}
     params = {name: max(r["params"] for r in ranks) for name, ranks in measured.items()}
@@ -122,7 +133,8 @@ def test_the_gradient_buffer_is_all_the_gradients_held(name: str, measured: dict
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_collective_buffers_are_counted_apart_as_torch_names_them(
-        name: str, measured: dict[str, list[dict[str, int]]]) -> None:
+    name: str, measured: dict[str, list[dict[str, int]]]
+) -> None:
     """The buffers column is staging (one unit's all-gather output, one unit's reduce-scatter input) and, where the
     buffer is filled as gradients are made, one parameter's fresh bf16 gradient (torch counts it a temporary);
     the reduce-scatter input is torch's reduce-scatter peak; torch's all-gather peak is one unit and its

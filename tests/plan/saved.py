@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,9 +20,13 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
 
 
-def saved_bytes(block: nn.Module, x: torch.Tensor, recompute: str = "none",
-                parallelize: Callable[[nn.Module], None] | None = None,
-                backward_mode: TorchDispatchMode | None = None) -> int:
+def saved_bytes(
+    block: nn.Module,
+    x: torch.Tensor,
+    recompute: str = "none",
+    parallelize: Callable[[nn.Module], None] | None = None,
+    backward_mode: TorchDispatchMode | None = None,
+) -> int:
     """Bytes `block` keeps for backward after its forward on `x` (on this rank: DTensors count their local shard;
     storages counted once, parameters left out): what autograd saves ("none"), or under the composable checkpoint
     its input and, for "selective", the op outputs hpctrain.parallel.recompute's policy caches. `parallelize`
@@ -51,7 +56,7 @@ def saved_bytes(block: nn.Module, x: torch.Tensor, recompute: str = "none",
         count(x)  # the checkpoint keeps the block's input for its recomputation
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (count(t), t)[1], lambda t: t):
         y = block(x)
-    for per_op in (caches[0].values() if caches else []):
+    for per_op in caches[0].values() if caches else []:
         for out in per_op.values():
             for wrapped in torch.utils._pytree.tree_leaves(out):
                 count(getattr(wrapped, "val", None))

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from hpctrain.plan.checks import run_checks
 from hpctrain.config.problems import ConfigError
 from hpctrain.config.schema import CheckpointConfig, TierConfig
 from hpctrain.hardware import KNOWN_HARDWARE
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
+from hpctrain.plan.checks import run_checks
 from hpctrain.plan.memory import memory_per_gpu
 from hpctrain.plan.offload import offload_costs, pinned_block, shard_elements
 from hpctrain.plan.step_time import estimate_step
@@ -22,9 +22,22 @@ from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
 MODEL = ModelShape(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=128)
 N_PARAMS = 110_336
 # 4 GPUs per node; round figures so every number below is exact.
-HW = Hardware("test", gpus_per_node=4, gpu_mem_bytes=80 * GiB, peak_flops=1e12, intra_node_bw=100e9,
-              inter_node_bw=10e9, host_mem_bytes=64 * GiB, pcie_bw=1e6, nvme_bytes=1e12, nvme_read_bw=1e6,
-              nvme_write_bw=5e5, cpu_cores=8, cpu_adam_rate=1e5, cpu_adam_core_rate=1e4)
+HW = Hardware(
+    "test",
+    gpus_per_node=4,
+    gpu_mem_bytes=80 * GiB,
+    peak_flops=1e12,
+    intra_node_bw=100e9,
+    inter_node_bw=10e9,
+    host_mem_bytes=64 * GiB,
+    pcie_bw=1e6,
+    nvme_bytes=1e12,
+    nvme_read_bw=1e6,
+    nvme_write_bw=5e5,
+    cpu_cores=8,
+    cpu_adam_rate=1e5,
+    cpu_adam_core_rate=1e4,
+)
 CPU = Layout(dp=4, tp=1, pp=1, zero_stage=3, grad_accum=2, offload_optimizer=True, offload_params=True)
 NVME = replace(CPU, offload_device="nvme")
 PLAIN = replace(CPU, offload_optimizer=False, offload_params=False)
@@ -183,6 +196,7 @@ def test_hardware_keeps_its_old_constructor_and_has_host_figures():
 
 # ---------------------------------------------------------------- the checks
 
+
 def _report(compose_cfg, *overrides: str):
     return run_checks(compose_cfg("+experiment=175b", "dry_run=true", "cluster.gpu_type=h100_80gb", *overrides))
 
@@ -287,9 +301,15 @@ def test_one_thread_per_rank_warns(compose_cfg):
 
 # ---------------------------------------------------------------- the plan and the article's case
 
+
 def test_plan_shows_host_memory_nvme_and_offload_time(compose_cfg, capsys):
-    overrides = ("+experiment=175b", "cluster.gpu_type=h100_80gb", "zero=stage3_nvme", "zero.nvme_path=/raid/x",
-                 "dry_run=true")
+    overrides = (
+        "+experiment=175b",
+        "cluster.gpu_type=h100_80gb",
+        "zero=stage3_nvme",
+        "zero.nvme_path=/raid/x",
+        "dry_run=true",
+    )
     assert run(compose_cfg(*overrides, "plan.format=json")).code == 0
     plan = json.loads(capsys.readouterr().out)
     off = plan["offload"]
@@ -298,18 +318,30 @@ def test_plan_shows_host_memory_nvme_and_offload_time(compose_cfg, capsys):
     assert host["offloaded_shards"] == pytest.approx(off["nvme_bytes_per_node"])  # 8 bytes per parameter each
     assert host["checkpoint_tiers"] == 3 and host["pinned"] and host["pinned_rounding"] > 0
     assert off["host_bytes_per_node"] == pytest.approx(
-        host["offloaded_shards"] + host["pinned_rounding"] + 3 * host["checkpoint_staging_per_tier"]
-        + host["nvme_save_readback"])
+        host["offloaded_shards"]
+        + host["pinned_rounding"]
+        + 3 * host["checkpoint_staging_per_tier"]
+        + host["nvme_save_readback"]
+    )
     assert off["nvme_read_bytes_per_step"] == off["nvme_write_bytes_per_step"] == off["nvme_bytes_per_node"]
     assert plan["step_time_split_s"]["offload"] == pytest.approx(off["time_s"]["exposed"])
     assert plan["memory_per_gpu_bytes"]["nvme"] > 0
     assert any(p["nvme"] for p in plan["memory_parts_bytes"])
     assert run(compose_cfg(*overrides)).code == 0
     text = capsys.readouterr().out
-    for words in ("host memory per node", "pinned rounding", "checkpoint staging", "x 3 tiers",
-                  "moments read back from NVMe during a save", "NVMe per node", "+ offload",
-                  "slower than without offload", "GB read +", "the drives bound the optimizer step",
-                  "Adam's moments on NVMe"):
+    for words in (
+        "host memory per node",
+        "pinned rounding",
+        "checkpoint staging",
+        "x 3 tiers",
+        "moments read back from NVMe during a save",
+        "NVMe per node",
+        "+ offload",
+        "slower than without offload",
+        "GB read +",
+        "the drives bound the optimizer step",
+        "Adam's moments on NVMe",
+    ):
         assert words in text, words
     assert run(compose_cfg("+experiment=175b", "dry_run=true", "plan.format=json")).code == 0
     assert json.loads(capsys.readouterr().out)["offload"] is None
@@ -330,8 +362,10 @@ def test_the_articles_175b_case(compose_cfg):
     assert (o.cpu_adam_s, o.pcie_s) == (pytest.approx(0.1037, abs=1e-4), pytest.approx(0.0882, abs=1e-4))
     assert cpu.offload_slowdown == pytest.approx(0.0228, abs=1e-4)
     n = nvme.offload
-    assert n.nvme_bound and (n.nvme_read_s, n.nvme_write_s) == (pytest.approx(0.1008, abs=1e-4),
-                                                                pytest.approx(0.1764, abs=1e-4))
+    assert n.nvme_bound and (n.nvme_read_s, n.nvme_write_s) == (
+        pytest.approx(0.1008, abs=1e-4),
+        pytest.approx(0.1764, abs=1e-4),
+    )
     assert n.host.shards == pytest.approx(o.host.shards / 2)
     assert n.host_bytes_per_node == pytest.approx(o.host_bytes_per_node)  # a save reads the moments back
     assert nvme.offload_slowdown == pytest.approx(0.0434, abs=1e-4)

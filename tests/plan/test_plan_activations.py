@@ -55,7 +55,8 @@ def test_flash_attention_drops_the_attention_matrix():
     flash = activation_bytes_per_layer(S, 1, H, A, dropout=True)
     assert flash == pytest.approx(sbh * (34 + 4 * A / H))  # log-sum-exp instead of 5 a s / h = 40
     assert activation_bytes_per_layer(S, 1, H, A, dropout=True, flash_attention=False) == pytest.approx(
-        korthikanti_bytes_per_layer(S, 1, H, A))
+        korthikanti_bytes_per_layer(S, 1, H, A)
+    )
     # without dropout the materialised matrix is only the softmax output: 2 a s / h
     assert activation_bytes_per_layer(S, 1, H, A, flash_attention=False) == pytest.approx(sbh * (32 + 2 * A * S / H))
 
@@ -68,8 +69,9 @@ def test_dropout_masks_only_when_dropout_is_on():
     lay = Layout(dp=1, tp=1, pp=1)
     with_dropout = stage_activation_parts(ModelShape(2, 64, 4, 32, 100, dropout=0.1), lay, 0)
     assert any(p.name == "embedding dropout mask" for p in with_dropout)
-    assert not any(p.name == "embedding dropout mask" for p in stage_activation_parts(
-        ModelShape(2, 64, 4, 32, 100), lay, 0))
+    assert not any(
+        p.name == "embedding dropout mask" for p in stage_activation_parts(ModelShape(2, 64, 4, 32, 100), lay, 0)
+    )
 
 
 def test_dtensor_sequence_parallel_keeps_the_gathered_matmul_inputs():
@@ -97,8 +99,9 @@ def test_autocast_keeps_the_residual_stream_in_fp32():
     """Without FSDP2 (no DP, or DDP) forward runs under autocast: LayerNorm runs in fp32 and saves fp32 inputs.
     Measured on CPU: 36 sbh instead of 32."""
     sbh = S * H
-    assert activation_bytes_per_layer(S, 1, H, A, fp32_residual=True) - activation_bytes_per_layer(
-        S, 1, H, A) == 4 * sbh
+    assert (
+        activation_bytes_per_layer(S, 1, H, A, fp32_residual=True) - activation_bytes_per_layer(S, 1, H, A) == 4 * sbh
+    )
     ddp = Layout(dp=8, tp=1, pp=1, zero_stage=0, micro_batch=B)
     fsdp = Layout(dp=8, tp=1, pp=1, zero_stage=2, micro_batch=B)
     gap = stage_activation_parts(GPT3_1_3B, ddp, 0)[0].bytes - stage_activation_parts(GPT3_1_3B, fsdp, 0)[0].bytes

@@ -12,8 +12,9 @@ from hpctrain.plan.comm import (
 from hpctrain.plan.memory import stage_params_per_gpu
 from hpctrain.plan.types import Hardware, Layout, ModelShape
 
-HW = Hardware("test", gpus_per_node=8, gpu_mem_bytes=80 * 2**30, peak_flops=312e12,
-              intra_node_bw=300e9, inter_node_bw=25e9)
+HW = Hardware(
+    "test", gpus_per_node=8, gpu_mem_bytes=80 * 2**30, peak_flops=312e12, intra_node_bw=300e9, inter_node_bw=25e9
+)
 MODEL = ModelShape(n_layers=4, d_model=64, n_heads=4, seq_len=32, vocab_size=100)
 SBH_BYTES = 32 * 2 * 64 * 2  # s * micro_batch * h * 2 bytes (bf16)
 
@@ -56,8 +57,9 @@ def test_sequence_parallel_moves_the_same_bytes():
 
 def test_interleaving_multiplies_p2p():
     one = comm_per_step(MODEL, Layout(dp=4, tp=1, pp=2, grad_accum=4), HW).pp_bytes
-    two = comm_per_step(MODEL, Layout(dp=4, tp=1, pp=2, grad_accum=4, virtual_stages=2,
-                                      schedule="interleaved_1f1b"), HW).pp_bytes
+    two = comm_per_step(
+        MODEL, Layout(dp=4, tp=1, pp=2, grad_accum=4, virtual_stages=2, schedule="interleaved_1f1b"), HW
+    ).pp_bytes
     assert two == 2 * one
 
 

@@ -28,8 +28,7 @@ from tests.plan.saved import saved_bytes
 from tests.plan.test_plan_llama import LLAMA_405B
 
 D, A, G, F, S, B = 256, 8, 2, 704, 512, 2
-BLOCKS = {"gpt": ("model=tiny", {}),
-          "llama": ("model=llama_tiny", {"ffn_hidden": F, "arch": "llama", "n_kv_heads": G})}
+BLOCKS = {"gpt": ("model=tiny", {}), "llama": ("model=llama_tiny", {"ffn_hidden": F, "arch": "llama", "n_kv_heads": G})}
 H100 = hardware("h100_80gb")
 LLAMA_8B = ModelShape(32, 4096, 32, 8192, 128256, ffn_hidden=14336, arch="llama", n_kv_heads=8)
 
@@ -83,8 +82,11 @@ def test_cp_block_keeps_what_the_formula_counts(compose_cfg: Any, arch: str) -> 
         assert got["none"] == formula + _extras(arch, rank, 2)
         selective = activation_bytes_per_layer(local, B, D, A, recompute="selective", cp=2, **BLOCKS[arch][1])
         assert got["selective"] == selective < formula
-        assert got["full"] == activation_bytes_per_layer(local, B, D, A, recompute="full", cp=2,
-                                                         **BLOCKS[arch][1]) == 2 * local * B * D
+        assert (
+            got["full"]
+            == activation_bytes_per_layer(local, B, D, A, recompute="full", cp=2, **BLOCKS[arch][1])
+            == 2 * local * B * D
+        )
         assert formula != activation_bytes_per_layer(local, B, D, A, **BLOCKS[arch][1])
 
 
@@ -102,20 +104,45 @@ def test_cp_activations_are_per_local_token_plus_the_gathered_keys_and_values() 
         was = (2 * q + 4 * kv) + 2 * (q + kv)  # the QKV output (V's view) and the rotated Q and K
         now = 2 * q + 4 * kv * cp + 2 * q
         assert got - base == pytest.approx(sbh * (now - was) / t)
-    lay = Layout(dp=8, tp=8, pp=16, cp=16, grad_accum=16, zero_stage=1, sequence_parallel=True, recompute="full",
-                 gpus_per_node=8, first_stage_layers=7, last_stage_layers=7)
+    lay = Layout(
+        dp=8,
+        tp=8,
+        pp=16,
+        cp=16,
+        grad_accum=16,
+        zero_stage=1,
+        sequence_parallel=True,
+        recompute="full",
+        gpus_per_node=8,
+        first_stage_layers=7,
+        last_stage_layers=7,
+    )
     long = replace(LLAMA_405B, seq_len=131072)
     assert layer_activation_bytes(long, lay) == 2 * 131072 // 16 * 16384 / 8
     head = [p.bytes for p in stage_activation_parts(long, lay, 15) if p.name.startswith("output head")]
-    head1 = [p.bytes for p in stage_activation_parts(replace(long, seq_len=8192), replace(lay, cp=1), 15)
-             if p.name.startswith("output head")]
+    head1 = [
+        p.bytes
+        for p in stage_activation_parts(replace(long, seq_len=8192), replace(lay, cp=1), 15)
+        if p.name.startswith("output head")
+    ]
     assert head == head1  # 131072 / 16 = 8192 tokens per rank: the 8K stage's head
 
 
 def test_zero_shards_over_dp_and_cp() -> None:
     """ZeRO/FSDP shards over dp_shard x cp ranks (Layout.zero_shard); the gradient traffic runs over that group."""
-    lay = Layout(dp=8, tp=8, pp=16, cp=16, grad_accum=16, zero_stage=1, sequence_parallel=True, recompute="full",
-                 gpus_per_node=8, first_stage_layers=7, last_stage_layers=7)
+    lay = Layout(
+        dp=8,
+        tp=8,
+        pp=16,
+        cp=16,
+        grad_accum=16,
+        zero_stage=1,
+        sequence_parallel=True,
+        recompute="full",
+        gpus_per_node=8,
+        first_stage_layers=7,
+        last_stage_layers=7,
+    )
     long = replace(LLAMA_405B, seq_len=131072)
     plain = replace(lay, cp=1, dp=128)
     assert shard_params_per_gpu(long, lay, 0) == shard_params_per_gpu(long, plain, 0)
@@ -130,8 +157,9 @@ def test_cp_traffic_is_the_keys_and_values_gathered_and_their_gradients_reduced(
     model = replace(LLAMA_8B, seq_len=65536)
     k = model.kv_dim
     for tp, cp, rc, link in ((2, 4, "none", NVLINK), (8, 4, "full", NETWORK)):
-        lay = Layout(dp=2, tp=tp, pp=1, cp=cp, grad_accum=3, zero_stage=1, sequence_parallel=True, recompute=rc,
-                     gpus_per_node=8)
+        lay = Layout(
+            dp=2, tp=tp, pp=1, cp=cp, grad_accum=3, zero_stage=1, sequence_parallel=True, recompute=rc, gpus_per_node=8
+        )
         (item,) = [i for i in comm_per_step(model, lay, H100).items if i.kind == "cp"]
         collectives = 3 if rc == "full" else 2
         assert item.bytes == 32 * 3 * collectives * (cp - 1) / cp * 2 * 65536 * k / tp * 2
@@ -144,8 +172,9 @@ def test_compute_per_rank_is_a_cp_th_of_the_sequence() -> None:
     attention included (causal load balancing gives every rank the same share); TP's and PP's bytes are per local
     token, and the CP time is on the critical path."""
     model = replace(LLAMA_8B, seq_len=65536)
-    base = Layout(dp=2, tp=8, pp=2, grad_accum=4, zero_stage=1, sequence_parallel=True, recompute="full",
-                  gpus_per_node=8)
+    base = Layout(
+        dp=2, tp=8, pp=2, grad_accum=4, zero_stage=1, sequence_parallel=True, recompute="full", gpus_per_node=8
+    )
     split = replace(base, cp=4)
     one, four = estimate_step(model, base, H100), estimate_step(model, split, H100)
     assert four.compute_s == pytest.approx(one.compute_s / 4)
@@ -167,17 +196,32 @@ def test_search_tries_cp_only_for_long_sequences_or_when_nothing_fits() -> None:
     small = hardware("h100_80gb")
     found = search_layouts(tight, 8, replace(small, gpu_mem_bytes=30 * GiB), 1, zero_stages=(3,), max_micro_batch=1)
     assert found and all(c.layout.cp > 1 for c in found)
-    assert not search_layouts(tight, 8, replace(small, gpu_mem_bytes=30 * GiB), 1, zero_stages=(3,),
-                              max_micro_batch=1, max_context_parallel=1)
+    assert not search_layouts(
+        tight, 8, replace(small, gpu_mem_bytes=30 * GiB), 1, zero_stages=(3,), max_micro_batch=1, max_context_parallel=1
+    )
 
 
 def test_the_check_names_the_cp_degree_that_fits(compose_cfg: Any) -> None:
     """Llama 3 8B at 65,536 tokens on 4 nodes, TP 8, ZeRO-3, full recomputation: the activations do not fit at
     cp=1; the warning names the smallest CP degree that does (its GPUs taken from DP), under parallel.cp."""
-    cfg = compose_cfg("model=llama3_8b", "cluster=slurm", "cluster.nodes=4", "cluster.gpus_per_node=8",
-                      "cluster.gpu_type=h100_80gb", "precision=bf16", "data=synthetic", "data.vocab_size=128256",
-                      "model.context=65536", "train.seq_len=65536", "train.global_batch=4", "train.micro_batch=1",
-                      "parallel.tp=8", "parallel.sequence_parallel=true", "parallel.recompute=full", "zero=stage3")
+    cfg = compose_cfg(
+        "model=llama3_8b",
+        "cluster=slurm",
+        "cluster.nodes=4",
+        "cluster.gpus_per_node=8",
+        "cluster.gpu_type=h100_80gb",
+        "precision=bf16",
+        "data=synthetic",
+        "data.vocab_size=128256",
+        "model.context=65536",
+        "train.seq_len=65536",
+        "train.global_batch=4",
+        "train.micro_batch=1",
+        "parallel.tp=8",
+        "parallel.sequence_parallel=true",
+        "parallel.recompute=full",
+        "zero=stage3",
+    )
     report = run_checks(cfg)
     (warning,) = [w for w in report.warnings if w.key == "parallel.cp"]
     wider, mem = context_for_fit(report.estimates.model, report.layout, report.estimates.hw)
@@ -191,8 +235,7 @@ def test_the_check_names_the_cp_degree_that_fits(compose_cfg: Any) -> None:
 # Llama 3 405B's long-context row (Table 4: 16,384 GPUs, TP 8 x CP 16 x PP 16 x DP 8, 131,072 tokens, 16M tokens a
 # step, 380 TFLOP/s per GPU). The planner's TFLOP/s per GPU (MFU x 989) per schedule and recomputation, as
 # docs/planner.md's table: (virtual stages, recompute) -> band.
-LONG_BANDS = {(1, "full"): (180, 230), (4, "full"): (290, 350), (4, "selective"): (390, 450),
-              (4, "none"): (395, 455)}
+LONG_BANDS = {(1, "full"): (180, 230), (4, "full"): (290, 350), (4, "selective"): (390, 450), (4, "none"): (395, 455)}
 
 
 def test_the_papers_long_context_plan(compose_cfg: Any) -> None:
@@ -205,8 +248,14 @@ def test_the_papers_long_context_plan(compose_cfg: Any) -> None:
     assert est.model.seq_len == 131072 and lay.n_gpus == 16384 and est.memory.fits
     for (v, rc), (low, high) in LONG_BANDS.items():
         ends = lighter_ends(126, 16 * v)
-        trial = replace(lay, recompute=rc, virtual_stages=v, schedule="interleaved_1f1b" if v > 1 else "1f1b",
-                        first_stage_layers=ends, last_stage_layers=ends)
+        trial = replace(
+            lay,
+            recompute=rc,
+            virtual_stages=v,
+            schedule="interleaved_1f1b" if v > 1 else "1f1b",
+            first_stage_layers=ends,
+            last_stage_layers=ends,
+        )
         tflops = estimate_step(est.model, trial, est.hw).mfu * est.hw.peak_flops / 1e12
         assert low <= tflops <= high, (v, rc, tflops)
         assert memory_per_gpu(est.model, trial, est.hw).fits == (rc == "full")

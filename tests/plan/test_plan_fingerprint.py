@@ -23,7 +23,10 @@ def test_a_gpt_run_matches_manifests_written_before_the_arch(compose_cfg) -> Non
     cfg = compose_cfg()
     saved = _saved(cfg)
     assert {k: saved["model"][k] for k in ("arch", "n_kv_heads", "ffn_hidden")} == {
-        "arch": "gpt", "n_kv_heads": cfg.model.n_heads, "ffn_hidden": 4 * cfg.model.d_model}
+        "arch": "gpt",
+        "n_kv_heads": cfg.model.n_heads,
+        "ffn_hidden": 4 * cfg.model.d_model,
+    }
     named = {**saved, "model": {k: saved["model"][k] for k in OLD_FIELDS}}  # named, without the new fields
     positional = {**saved, "model": [saved["model"][k] for k in OLD_FIELDS]}
     assert upgrade_fingerprint(named) == upgrade_fingerprint(positional) == upgrade_fingerprint(saved) == saved
@@ -38,6 +41,8 @@ def test_the_archs_and_their_shapes_differ(compose_cfg) -> None:
     for override in ("model.n_kv_heads=4", "model.ffn_hidden=384"):
         assert _saved(compose_cfg("model=llama_tiny", override))["model"] != tiny["model"], override
     # the same weights spelled two ways: one fingerprint
-    assert _saved(compose_cfg("model=llama_tiny", "model.n_kv_heads=0", "model.n_heads=4"))["model"] == \
-        _saved(compose_cfg("model=llama_tiny", "model.n_kv_heads=4"))["model"]
+    assert (
+        _saved(compose_cfg("model=llama_tiny", "model.n_kv_heads=0", "model.n_heads=4"))["model"]
+        == _saved(compose_cfg("model=llama_tiny", "model.n_kv_heads=4"))["model"]
+    )
     assert Fingerprint.from_dict(tiny).model == ModelShape(4, 128, 4, 256, 256, 4, "llama", 2, 352)

@@ -48,7 +48,8 @@ def test_component_flops_equal_eq_3(row):
     """Our layer-by-layer count with full recomputation is the paper's closed form."""
     model, batch = _model(row), row[7]
     assert flops_per_iteration(model, batch, "full") == pytest.approx(
-        narayanan_flops(batch, SEQ, model.n_layers, model.d_model, V), rel=1e-12)
+        narayanan_flops(batch, SEQ, model.n_layers, model.d_model, V), rel=1e-12
+    )
 
 
 def test_flops_hand_computation_1_7b_row():
@@ -133,6 +134,7 @@ def test_logit_flops_use_the_padded_vocabulary_and_mfu_the_model_count():
 
 
 # ---- FP8 (precision.fp8, docs/fp8.md): the blocks' Linears at the FP8 peak, attention and logits at bf16 ----
+
 
 def test_fp8_peaks_are_the_datasheets_dense_figures():
     """H100/H200 SXM: 3958 TFLOP/s FP8 with sparsity = 1979 dense, twice the bf16 989; A100 has none."""

@@ -40,12 +40,23 @@ from tests.conftest import run_hpctrain
 PUBLISHED = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800}
 # The Llama 3 paper's 405B pre-training: 15.6T tokens, "3.8 x 10^25 FLOPs"; Table 4: 16,384 H100s as TP 8 x PP 16
 # x DP 128, sequences of 8192, 16 per DP rank (global batch 2048 = 16M tokens), BF16 MFU 38-43%.
-LLAMA_405B = ModelShape(126, 16384, 128, 8192, 128256, ffn_hidden=53248, vocab_pad_multiple=64,
-                        arch="llama", n_kv_heads=8)
+LLAMA_405B = ModelShape(
+    126, 16384, 128, 8192, 128256, ffn_hidden=53248, vocab_pad_multiple=64, arch="llama", n_kv_heads=8
+)
 H100 = hardware("h100_80gb")
-GPUS_405B = ["model=llama3_405b", "cluster=slurm", "cluster.nodes=2048", "cluster.gpus_per_node=8",
-             "cluster.gpu_type=h100_80gb", "precision=bf16", "data=synthetic", "data.vocab_size=128256",
-             "train.seq_len=8192", "train.global_batch=2048", "train.micro_batch=1"]
+GPUS_405B = [
+    "model=llama3_405b",
+    "cluster=slurm",
+    "cluster.nodes=2048",
+    "cluster.gpus_per_node=8",
+    "cluster.gpu_type=h100_80gb",
+    "precision=bf16",
+    "data=synthetic",
+    "data.vocab_size=128256",
+    "train.seq_len=8192",
+    "train.global_batch=2048",
+    "train.micro_batch=1",
+]
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -64,10 +75,19 @@ def test_llama_shapes_are_the_models() -> None:
     """The names and shapes hpctrain.models.llama builds (no biases; gate and up separate), and GPT's unchanged."""
     d, f, k = 48, 128, 24
     assert block_shapes(d, f, "llama", k) == {
-        "norm1.weight": (d,), "attn.qkv.weight": (d + 2 * k, d), "attn.proj.weight": (d, d), "norm2.weight": (d,),
-        "mlp.gate.weight": (f, d), "mlp.up.weight": (f, d), "mlp.proj.weight": (d, f)}
+        "norm1.weight": (d,),
+        "attn.qkv.weight": (d + 2 * k, d),
+        "attn.proj.weight": (d, d),
+        "norm2.weight": (d,),
+        "mlp.gate.weight": (f, d),
+        "mlp.up.weight": (f, d),
+        "mlp.proj.weight": (d, f),
+    }
     assert top_shapes(d, 256, 40, "llama") == {
-        "tok_emb.weight": (256, d), "norm_f.weight": (d,), "output.weight": (256, d)}
+        "tok_emb.weight": (256, d),
+        "norm_f.weight": (d,),
+        "output.weight": (256, d),
+    }
     assert param_count(2, d, 256, 40, 4 * d) == 2 * (12 * d * d + 13 * d) + (256 + 40) * d + 2 * d
 
 
@@ -117,14 +137,19 @@ def test_llama_matmul_flops_are_six_times_the_matrices() -> None:
     token, the MFU numerator less the embedding lookup and the norms."""
     m = replace(LLAMA_405B, vocab_pad_multiple=1)
     h, k, f, s, l, v = 16384, 1024, 53248, 8192, 126, 128256
-    assert layer_forward_flops(s, s, h, f, k, gated=True) == 2 * s * (h * (h + 2 * k) + h * h + 3 * h * f) + 4 * s * s * h
+    assert (
+        layer_forward_flops(s, s, h, f, k, gated=True) == 2 * s * (h * (h + 2 * k) + h * h + 3 * h * f) + 4 * s * s * h
+    )
     assert 4 * h * h + 4 * h * k + 6 * h * f == 23.75 * h * h  # "24 h^2" of a GPT layer with f = 4h
     tokens = 2048 * s
     matrices = m.params - v * h - (2 * l + 1) * h
     assert flops_per_iteration(m, 2048, "none") == pytest.approx(tokens * (6 * matrices + 12 * l * s * h), rel=1e-12)
     gpt = ModelShape(4, 64, 4, 32, 100)  # kv_dim = h, not gated: the GPT count
-    assert layer_forward_flops(32, 32, 64, 256, 64) == layer_forward_flops(32, 32, 64, 256) == 24 * 32 * 64 * 64 \
-        + 4 * 32 * 32 * 64  # Narayanan's 24 B s h^2 + 4 B s^2 h
+    assert (
+        layer_forward_flops(32, 32, 64, 256, 64)
+        == layer_forward_flops(32, 32, 64, 256)
+        == 24 * 32 * 64 * 64 + 4 * 32 * 32 * 64
+    )  # Narayanan's 24 B s h^2 + 4 B s^2 h
     assert gpt.kv_dim == 64 and not gpt.gated
 
 
@@ -142,7 +167,8 @@ def test_llama_block_activations() -> None:
     assert activation_bytes_per_layer(s, 1, h, a, recompute="full", **llama) == 2 * sbh
     # TP 4 + SP: the norms split by SP, the gathered QKV/MLP-in inputs whole, the rest split by TP
     assert activation_bytes_per_layer(s, 1, h, a, 4, True, **llama) == pytest.approx(
-        sbh * (12 / 4 + 4 + (3 + 2.5 + 2 + 28 + lse) / 4))
+        sbh * (12 / 4 + 4 + (3 + 2.5 + 2 + 28 + lse) / 4)
+    )
     # grouped-query attention: the QKV output 4 x 3/4 and the rotated K 2 x 3/4 smaller than multi-head's
     mha = activation_bytes_per_layer(s, 1, h, a, ffn_hidden=14336, arch="llama")
     assert mha - activation_bytes_per_layer(s, 1, h, a, **llama) == pytest.approx(4.5 * sbh)
@@ -154,8 +180,14 @@ def test_llama_block_saves_what_the_formula_counts(compose_cfg) -> None:
     from tests.plan.saved import block_saved_bytes
 
     d, a, g, f, s, b = 256, 8, 2, 704, 512, 2
-    cfg = compose_cfg("model=llama_tiny", f"model.d_model={d}", f"model.n_heads={a}", f"model.n_kv_heads={g}",
-                      f"model.ffn_hidden={f}", "model.n_layers=1")
+    cfg = compose_cfg(
+        "model=llama_tiny",
+        f"model.d_model={d}",
+        f"model.n_heads={a}",
+        f"model.n_kv_heads={g}",
+        f"model.ffn_hidden={f}",
+        "model.n_layers=1",
+    )
     rope_tables, inv_rms = 2 * s * (d // a) * 2, 2 * b * s * 4  # one cached bf16 cos/sin pair for q and k
     formula = activation_bytes_per_layer(s, b, d, a, ffn_hidden=f, arch="llama", n_kv_heads=g)
     assert block_saved_bytes(cfg.model, b, s) == formula + rope_tables + inv_rms
@@ -168,8 +200,10 @@ def test_llama_weights_per_tp_rank() -> None:
     assert layer_params_per_gpu(LLAMA_405B, 8) == block / 8 + 2 * h
     rows = LLAMA_405B.vocab_rows(8)
     assert stage_params_per_gpu(LLAMA_405B, Layout(dp=1, tp=8, pp=2), 1) == 63 * (block / 8 + 2 * h) + rows * h / 8 + h
-    assert stage_params_per_gpu(LLAMA_405B, Layout(dp=1, tp=8, pp=1), 0) == \
-        126 * (block / 8 + 2 * h) + 2 * rows * h / 8 + h
+    assert (
+        stage_params_per_gpu(LLAMA_405B, Layout(dp=1, tp=8, pp=1), 0)
+        == 126 * (block / 8 + 2 * h) + 2 * rows * h / 8 + h
+    )
 
 
 def test_the_papers_405b_layout_estimate() -> None:
@@ -180,13 +214,30 @@ def test_the_papers_405b_layout_estimate() -> None:
     average). Without recomputation 1F1B idles 15/31 of the pipeline (27%); interleaving brings the estimate to
     the paper's figure (4 chunks: 41%). hpctrain's own stack would not fit that (DTensor SP's gathered inputs, 16
     microbatches in flight): only full recomputation does, at 20-31%. docs/planner.md has the table."""
-    base = Layout(dp=128, tp=8, pp=16, micro_batch=1, grad_accum=16, zero_stage=1, sequence_parallel=True,
-                  recompute="none", reduce_dtype="fp32", first_stage_layers=7, last_stage_layers=7)
+    base = Layout(
+        dp=128,
+        tp=8,
+        pp=16,
+        micro_batch=1,
+        grad_accum=16,
+        zero_stage=1,
+        sequence_parallel=True,
+        recompute="none",
+        reduce_dtype="fp32",
+        first_stage_layers=7,
+        last_stage_layers=7,
+    )
 
     def at(v: int, recompute: str = "none") -> Layout:
         ends = lighter_ends(126, 16 * v)
-        return replace(base, virtual_stages=v, schedule="interleaved_1f1b" if v > 1 else "1f1b", recompute=recompute,
-                       first_stage_layers=ends, last_stage_layers=ends)
+        return replace(
+            base,
+            virtual_stages=v,
+            schedule="interleaved_1f1b" if v > 1 else "1f1b",
+            recompute=recompute,
+            first_stage_layers=ends,
+            last_stage_layers=ends,
+        )
 
     assert [at(v).layer_split(126)[:2] for v in (1, 2, 4)] == [(7, 8), (3, 4), (1, 2)]
     assert lighter_ends(126, 128) is None
@@ -202,13 +253,29 @@ def test_the_papers_405b_layout_estimate() -> None:
 
 def test_405b_dry_run_prints_the_plan(tmp_path: Path) -> None:
     """The command line on 2048 nodes of 8 H100s, with the layout parallel=auto finds (below)."""
-    proc = run_hpctrain(*GPUS_405B, "parallel.tp=8", "parallel.sequence_parallel=true", "parallel.recompute=full",
-                        "zero=stage3", "dry_run=true", f"run.root={tmp_path}", cwd=tmp_path)
+    proc = run_hpctrain(
+        *GPUS_405B,
+        "parallel.tp=8",
+        "parallel.sequence_parallel=true",
+        "parallel.recompute=full",
+        "zero=stage3",
+        "dry_run=true",
+        f"run.root={tmp_path}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for words in ("llama3_405b (llama)", "128 heads (8 key/value)", "MLP 53248", "405,853,388,800 (405.85B)",
-                  "128256 -> 128512 rows (multiple of 64 x TP 8): +8,388,608 params", "the output head on the last",
-                  "DP 2048 x TP 8 x PP 1", "per-GPU memory", "MFU"):
+    for words in (
+        "llama3_405b (llama)",
+        "128 heads (8 key/value)",
+        "MLP 53248",
+        "405,853,388,800 (405.85B)",
+        "128256 -> 128512 rows (multiple of 64 x TP 8): +8,388,608 params",
+        "the output head on the last",
+        "DP 2048 x TP 8 x PP 1",
+        "per-GPU memory",
+        "MFU",
+    ):
         assert words in out, words
 
 
@@ -242,8 +309,9 @@ def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
     assert round(est.memory.total / 2**30, 1) == 70.3 and est.memory.fits
     best = search_layouts(est.model, 32, est.hw, 512, top_k=1)[0]
     assert est.step.tokens_per_s > best.tokens_per_s / 1.02
-    fsdp = cheapest_fitting(est.model, replace(lay, dp=32, tp=1, grad_accum=16, zero_stage=3,
-                                                sequence_parallel=False), est.hw)
+    fsdp = cheapest_fitting(
+        est.model, replace(lay, dp=32, tp=1, grad_accum=16, zero_stage=3, sequence_parallel=False), est.hw
+    )
     assert fsdp is not None and fsdp.layout.recompute == "selective"
     assert round(est.step.tokens_per_s / fsdp.tokens_per_s, 1) == 1.7
 

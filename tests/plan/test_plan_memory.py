@@ -90,11 +90,13 @@ def test_korthikanti_full_recompute():
 
 def test_activations_scale_with_micro_batch_and_ffn():
     assert korthikanti_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(4 * 14.25 * SBH)
-    assert activation_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(4 * activation_bytes_per_layer(
-        S, 1, H, A, T, True))
+    assert activation_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(
+        4 * activation_bytes_per_layer(S, 1, H, A, T, True)
+    )
     # MLP width f = 2h: "34" becomes 18 + 4 f/h = 26
     assert korthikanti_bytes_per_layer(128, 1, 64, 4, ffn_hidden=128) == pytest.approx(
-        128 * 64 * (26 + 5 * 4 * 128 / 64))
+        128 * 64 * (26 + 5 * 4 * 128 / 64)
+    )
 
 
 def test_inflight_microbatches():
@@ -122,12 +124,22 @@ def test_first_stage_holds_whole_model_of_activations():
     embedding_dropout = SBH * 8  # s b h p, one byte each: the embedding sum stays replicated over TP
     # rows x h x (reduce dtype + compute dtype): no reduce_dtype, so bf16 + bf16 (vocab_pad_multiple 1: 50257 rows)
     embedding_backward = 50257 * H * (2 + 2)
-    assert stage_activation_bytes(model, lay, 0) == pytest.approx(96 * per_layer + embedding_dropout
-                                                                  + embedding_backward)
-    inter = Layout(dp=2, tp=8, pp=8, virtual_stages=2, micro_batch=1, grad_accum=16, sequence_parallel=True,
-                   schedule="interleaved_1f1b")
+    assert stage_activation_bytes(model, lay, 0) == pytest.approx(
+        96 * per_layer + embedding_dropout + embedding_backward
+    )
+    inter = Layout(
+        dp=2,
+        tp=8,
+        pp=8,
+        virtual_stages=2,
+        micro_batch=1,
+        grad_accum=16,
+        sequence_parallel=True,
+        schedule="interleaved_1f1b",
+    )
     assert stage_activation_bytes(model, inter, 0) == pytest.approx(
-        96 * per_layer * (1 + 7 / 16) + embedding_dropout * (1 + 7 / 16) + embedding_backward)
+        96 * per_layer * (1 + 7 / 16) + embedding_dropout * (1 + 7 / 16) + embedding_backward
+    )
 
 
 def test_last_stage_adds_the_head_and_full_logits():
@@ -154,8 +166,9 @@ def test_recompute_adds_one_layer_transient():
     # s b h x 2 bytes (FSDP2's bf16, no autocast) x (1 - 1/t), for the 8 micro-batches in flight on stage 0
     first_block_input = SBH * 2 * (1 - 1 / 8) * 8
     embedding_backward = 50257 * H * (2 + 2)  # rows x h x (reduce dtype + compute dtype), bf16 + bf16 here
-    assert stage_activation_bytes(model, full, 0) == pytest.approx(stored + one_layer + first_block_input
-                                                                   + embedding_backward)
+    assert stage_activation_bytes(model, full, 0) == pytest.approx(
+        stored + one_layer + first_block_input + embedding_backward
+    )
     assert layer_activation_bytes(model, full) == pytest.approx(2 * SBH / 8)
 
 
@@ -193,8 +206,9 @@ HW = Hardware("test", 8, 80 * GiB, 312e12, 300e9, 25e9)
 
 def test_memory_per_gpu_columns_add_up_and_most_loaded_gpu():
     model = ModelShape(96, H, A, S, 50257)
-    lay = Layout(dp=64, tp=8, pp=8, micro_batch=1, grad_accum=12, zero_stage=1, sequence_parallel=True,
-                 recompute="full")
+    lay = Layout(
+        dp=64, tp=8, pp=8, micro_batch=1, grad_accum=12, zero_stage=1, sequence_parallel=True, recompute="full"
+    )
     mem = memory_per_gpu(model, lay, HW)
     assert mem.total == pytest.approx(mem.params + mem.grads + mem.optimizer + mem.buffers + mem.activations)
     assert mem.total == pytest.approx(sum(p.bytes for p in mem.parts if not p.cpu))

@@ -32,8 +32,9 @@ QWEN3_235B = (235_093_634_560, 22_190_763_520)
 H100 = hardware("h100_80gb")
 
 
-def _moe_counts(l: int, h: int, heads: int, kv: int, hd: int, e: int, k: int, f: int, v: int,
-                qk_norm: bool) -> tuple[int, int]:
+def _moe_counts(
+    l: int, h: int, heads: int, kv: int, hd: int, e: int, k: int, f: int, v: int, qk_norm: bool
+) -> tuple[int, int]:
     """Per layer: QKV h x (q + 2 kv), the projection q x h, two RMSNorms, Qwen3's per-head q/k norms, the router
     E x h and E SwiGLU experts 3 h f; embedding and untied head V x h; the final norm. Active: top_k experts."""
     q, kvd = heads * hd, kv * hd
@@ -43,9 +44,11 @@ def _moe_counts(l: int, h: int, heads: int, kv: int, hd: int, e: int, k: int, f:
 
 
 def test_published_totals_and_active_parameters(compose_cfg) -> None:
-    counts = {"mixtral_8x7b": _moe_counts(32, 4096, 32, 8, 128, 8, 2, 14336, 32000, False),
-              "qwen3_30b_a3b": _moe_counts(48, 2048, 32, 4, 128, 128, 8, 768, 151936, True),
-              "qwen3_235b_a22b": _moe_counts(94, 4096, 64, 4, 128, 128, 8, 1536, 151936, True)}
+    counts = {
+        "mixtral_8x7b": _moe_counts(32, 4096, 32, 8, 128, 8, 2, 14336, 32000, False),
+        "qwen3_30b_a3b": _moe_counts(48, 2048, 32, 4, 128, 128, 8, 768, 151936, True),
+        "qwen3_235b_a22b": _moe_counts(94, 4096, 64, 4, 128, 128, 8, 1536, 151936, True),
+    }
     assert counts == {**PUBLISHED, "qwen3_235b_a22b": QWEN3_235B}
     for name, (total, active) in counts.items():
         m = compose_cfg(f"model={name}").model
@@ -84,9 +87,11 @@ def test_flops_run_the_router_and_top_k_experts_on_every_tp_rank(compose_cfg) ->
     assert fp8_flops_per_iteration(shape, b, "full", "tensorwise") == l * 4 * 2 * tokens * attn
 
 
-@pytest.mark.parametrize("arch,head_dim,shared", [("qwen3_moe", 0, 0), ("qwen3_moe", 64, 0), ("mixtral", 0, 0),
-                                                  ("qwen3_moe", 0, 1)],
-                         ids=["qwen3_moe", "wider_heads", "mixtral", "shared_expert"])
+@pytest.mark.parametrize(
+    "arch,head_dim,shared",
+    [("qwen3_moe", 0, 0), ("qwen3_moe", 64, 0), ("mixtral", 0, 0), ("qwen3_moe", 0, 1)],
+    ids=["qwen3_moe", "wider_heads", "mixtral", "shared_expert"],
+)
 def test_moe_block_saves_what_the_formula_counts(compose_cfg, arch: str, head_dim: int, shared: int) -> None:
     """The tensors autograd saves for an MoE family's block in bf16 on CPU (storages counted once, parameters left
     out): the attention as the dense family's, the MoE layer's router, routing, experts and combine
@@ -94,14 +99,25 @@ def test_moe_block_saves_what_the_formula_counts(compose_cfg, arch: str, head_di
     from tests.plan.saved import block_saved_bytes
 
     d, a, g, f, e, k, s, b = 256, 8, 2, 704, 8, 2, 512, 2
-    cfg = compose_cfg("model=moe_tiny", f"model.arch={arch}", f"model.d_model={d}", f"model.n_heads={a}",
-                      f"model.n_kv_heads={g}", f"model.ffn_hidden={f}", f"model.moe.expert_hidden={f}",
-                      f"model.moe.n_experts={e}", f"model.moe.top_k={k}", f"model.moe.n_shared_experts={shared}",
-                      f"model.head_dim={head_dim}", "model.n_layers=1")
+    cfg = compose_cfg(
+        "model=moe_tiny",
+        f"model.arch={arch}",
+        f"model.d_model={d}",
+        f"model.n_heads={a}",
+        f"model.n_kv_heads={g}",
+        f"model.ffn_hidden={f}",
+        f"model.moe.expert_hidden={f}",
+        f"model.moe.n_experts={e}",
+        f"model.moe.top_k={k}",
+        f"model.moe.n_shared_experts={shared}",
+        f"model.head_dim={head_dim}",
+        "model.n_layers=1",
+    )
     hd = head_dim or d // a
     rope_tables, inv_rms = 2 * s * hd * 2, 2 * b * s * 4
-    formula = activation_bytes_per_layer(s, b, d, a, ffn_hidden=f, arch=arch, n_kv_heads=g, head_dim=head_dim or None,
-                                         moe=MoELayer(e, k, f, shared * f))
+    formula = activation_bytes_per_layer(
+        s, b, d, a, ffn_hidden=f, arch=arch, n_kv_heads=g, head_dim=head_dim or None, moe=MoELayer(e, k, f, shared * f)
+    )
     assert block_saved_bytes(cfg.model, b, s) == formula + rope_tables + inv_rms
 
 
@@ -139,16 +155,23 @@ def test_per_ep_rank_counts_are_the_engines(compose_cfg, ep: int) -> None:
         with torch.device("meta"):
             model = create_model(cfg.model)
         whole = sum(p.numel() for p in model.parameters())
-        experts = {f"{name}.{p}" for name, mod in model.named_modules() if isinstance(mod, GroupedExperts)
-                   for p, _ in mod.named_parameters()}
+        experts = {
+            f"{name}.{p}"
+            for name, mod in model.named_modules()
+            if isinstance(mod, GroupedExperts)
+            for p, _ in mod.named_parameters()
+        }
         if ep > 1:
             apply_ep(model, dims.ep_mesh)
         local = {name: (p.to_local() if hasattr(p, "to_local") else p).numel() for name, p in model.named_parameters()}
     shape = model_shape(cfg.model, 128)
     assert whole == model_param_count(cfg.model) + 2 * (shape.vocab_rows() - 256) * 64
     assert {n for n in local if shape.family.expert_dim(n) is not None} == experts  # the spec's ep_dims
-    assert sum(local.values()) == stage_param_counts(cfg.model, (cfg.model.n_layers,), 1, per_gpu=True, ep=ep)[0] \
+    assert (
+        sum(local.values())
+        == stage_param_counts(cfg.model, (cfg.model.n_layers,), 1, per_gpu=True, ep=ep)[0]
         == stage_params_per_gpu(shape, Layout(dp=ep, tp=1, pp=1, ep=ep, zero_stage=1), 0)
+    )
     assert whole - sum(local.values()) == 4 * shape.expert_layer_params * (ep - 1) // ep
 
 
@@ -159,8 +182,9 @@ def test_expert_states_are_split_over_ep_and_sharded_over_what_it_leaves(compose
     shape = model_shape(compose_cfg("model=qwen3_30b_a3b").model, 4096)
     n, experts = stage_params_per_gpu(shape, Layout(dp=1, tp=1, pp=1), 0), 48 * shape.expert_layer_params
     for ep in (1, 2, 8, 16):
-        lay = Layout(dp=16, tp=1, pp=1, zero_stage=1, micro_batch=1, grad_accum=4, recompute="full",
-                     reduce_dtype="fp32", ep=ep)
+        lay = Layout(
+            dp=16, tp=1, pp=1, zero_stage=1, micro_batch=1, grad_accum=4, recompute="full", reduce_dtype="fp32", ep=ep
+        )
         assert shard_params_per_gpu(shape, lay, 0) == pytest.approx(n / 16)
         local = n - experts * (ep - 1) / ep
         parts = {p.name: p.bytes for p in memory_per_gpu(shape, lay, H100).parts}
@@ -175,8 +199,18 @@ def test_expert_states_are_split_over_ep_and_sharded_over_what_it_leaves(compose
 
 def test_offload_steps_the_ranks_shards_with_ep(compose_cfg) -> None:
     shape = model_shape(compose_cfg("model=qwen3_30b_a3b").model, 4096)
-    lay = Layout(dp=16, tp=1, pp=1, zero_stage=3, micro_batch=1, grad_accum=1, recompute="full", ep=8,
-                 offload_optimizer=True, offload_params=True)
+    lay = Layout(
+        dp=16,
+        tp=1,
+        pp=1,
+        zero_stage=3,
+        micro_batch=1,
+        grad_accum=1,
+        recompute="full",
+        ep=8,
+        offload_optimizer=True,
+        offload_params=True,
+    )
     o = offload_costs(shape, lay, H100)
     assert o.shard_params == pytest.approx(shard_params_per_gpu(shape, lay, 0))
     assert sum(n * k for n, k in rank_shards(shape, lay, 0)) == pytest.approx(o.shard_params)  # 16 experts / 2
@@ -209,13 +243,17 @@ def test_dp_traffic_of_the_experts_runs_over_the_ranks_holding_them(compose_cfg)
 
 def test_step_estimate_adds_the_all_to_alls_and_the_wait_for_the_busiest_rank(compose_cfg) -> None:
     shape = model_shape(compose_cfg("model=qwen3_235b_a22b").model, 4096)
-    lay = Layout(dp=256, tp=1, pp=1, zero_stage=3, micro_batch=2, grad_accum=4, recompute="full", ep=8,
-                 reduce_dtype="fp32")
+    lay = Layout(
+        dp=256, tp=1, pp=1, zero_stage=3, micro_batch=2, grad_accum=4, recompute="full", ep=8, reduce_dtype="fp32"
+    )
     even, skewed = estimate_step(shape, lay, H100, imbalance=1.0), estimate_step(shape, lay, H100, imbalance=2.0)
     assert even.imbalance_s == 0 and skewed.imbalance_s > 0 and skewed.ep_s == pytest.approx(2 * even.ep_s)
     assert even.step_time_s == pytest.approx(even.compute_s + even.ep_s + even.dp_exposed_s)
-    assert [a.name for a in step_range(shape, lay, H100).assumptions] == \
-        ["matmul_efficiency", "dp_exposed_share", "expert_imbalance"]
+    assert [a.name for a in step_range(shape, lay, H100).assumptions] == [
+        "matmul_efficiency",
+        "dp_exposed_share",
+        "expert_imbalance",
+    ]
     assert len(step_range(shape, replace(lay, ep=1), H100).assumptions) == 2
     assert estimate_step(shape, replace(lay, ep=1), H100).ep_s == 0
 
@@ -246,8 +284,14 @@ def test_parallel_auto_can_only_pick_an_ep_the_checks_accept(compose_cfg) -> Non
     from hpctrain.plan.checks import check_config
 
     base = compose_cfg("+experiment=qwen3_235b_a22b", "dry_run=true")
-    candidates = search_layouts(model_shape(base.model, base.train.seq_len), 256, cluster_hardware(base.cluster),
-                                base.train.global_batch, dtype="bf16", reduce_dtype="fp32")
+    candidates = search_layouts(
+        model_shape(base.model, base.train.seq_len),
+        256,
+        cluster_hardware(base.cluster),
+        base.train.global_batch,
+        dtype="bf16",
+        reduce_dtype="fp32",
+    )
     fastest, with_ep = candidates[0], next(c for c in candidates if c.layout.ep > 1)
     assert (fastest.layout.pp, fastest.layout.first_stage_layers, fastest.layout.last_stage_layers) == (32, 2, 2)
     for chosen in (fastest, with_ep):
@@ -270,15 +314,21 @@ def test_the_qwen3_235b_experiment_plans_on_h100_nodes(compose_cfg, capsys) -> N
     assert (lay["dp"], lay["tp"], lay["pp"], lay["ep"], lay["zero_stage"]) == (256, 1, 1, 8, 3)
     mem = plan["memory_per_gpu_bytes"]
     assert mem["fits"] and mem["total"] / GiB == pytest.approx(49.13, abs=0.01)
-    assert plan["params_per_gpu_before_zero"] == [model_param_count(compose_cfg("model=qwen3_235b_a22b").model)
-                                                  - 94 * 7 * 3 * 16 * 4096 * 1536]
+    assert plan["params_per_gpu_before_zero"] == [
+        model_param_count(compose_cfg("model=qwen3_235b_a22b").model) - 94 * 7 * 3 * 16 * 4096 * 1536
+    ]
     assert plan["step_time_split_s"]["ep"] > 0 and plan["step_time_split_s"]["expert_imbalance"] > 0
     assert [a["name"] for a in plan["assumptions"]][-1] == "expert_imbalance"
     assert run(compose_cfg("+experiment=qwen3_235b_a22b", "dry_run=true")).code == 0
     text = capsys.readouterr().out
-    for words in ("22,190,763,520 (22.19B) active per token", "MoE: 128 experts of 1536, top 8 per token",
-                  "EP 8 (experts split over 8 of the DP ranks)", "EP all-to-all x6/layer", "expert_imbalance 1.25",
-                  "per GPU after TP and EP"):
+    for words in (
+        "22,190,763,520 (22.19B) active per token",
+        "MoE: 128 experts of 1536, top 8 per token",
+        "EP 8 (experts split over 8 of the DP ranks)",
+        "EP all-to-all x6/layer",
+        "expert_imbalance 1.25",
+        "per GPU after TP and EP",
+    ):
         assert words in text, words
 
 
@@ -298,6 +348,8 @@ def test_moe_keys_on_a_dense_model_and_compile_are_refused(compose_cfg) -> None:
     fp8 = check_config(compose_cfg("+experiment=qwen3_235b_a22b", "precision.fp8=tensorwise", "dry_run=true"))
     shape, lay = fp8.estimates.model, fp8.layout
     attention = shape.block_matmul_params - shape.whole_matmul_params
-    assert fp8_flops_per_iteration(shape, lay.global_batch, "full", "tensorwise") \
+    assert (
+        fp8_flops_per_iteration(shape, lay.global_batch, "full", "tensorwise")
         == 94 * 4 * 2 * lay.global_batch * 4096 * attention
+    )
     assert attention == 4096 * (64 * 128 + 2 * 4 * 128) + 64 * 128 * 4096

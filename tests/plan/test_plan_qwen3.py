@@ -47,12 +47,20 @@ def test_qwen3_block_saves_what_the_formula_counts(compose_cfg, head_dim: int) -
     the formula (Llama's at the query width, plus the per-head norms: 6 bytes per element of Q and K and an fp32
     1/rms per head and token), plus RoPE's cos/sin tables and the two block RMSNorms' per-token fp32 1/rms."""
     d, a, g, f, s, b = 256, 8, 2, 704, 512, 2
-    cfg = compose_cfg("model=qwen3_tiny", f"model.d_model={d}", f"model.n_heads={a}", f"model.n_kv_heads={g}",
-                      f"model.ffn_hidden={f}", f"model.head_dim={head_dim}", "model.n_layers=1")
+    cfg = compose_cfg(
+        "model=qwen3_tiny",
+        f"model.d_model={d}",
+        f"model.n_heads={a}",
+        f"model.n_kv_heads={g}",
+        f"model.ffn_hidden={f}",
+        f"model.head_dim={head_dim}",
+        "model.n_layers=1",
+    )
     hd = head_dim or d // a
     rope_tables, inv_rms = 2 * s * hd * 2, 2 * b * s * 4
-    formula = activation_bytes_per_layer(s, b, d, a, ffn_hidden=f, arch="qwen3", n_kv_heads=g,
-                                         head_dim=head_dim or None)
+    formula = activation_bytes_per_layer(
+        s, b, d, a, ffn_hidden=f, arch="qwen3", n_kv_heads=g, head_dim=head_dim or None
+    )
     assert block_saved_bytes(cfg.model, b, s) == formula + rope_tables + inv_rms
 
 

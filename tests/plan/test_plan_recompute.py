@@ -23,8 +23,7 @@ _c10d = torch.ops._c10d_functional
 _COLLECTIVES = {_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default}
 D, A, G, F, S, B = 256, 8, 2, 704, 512, 2
 SBH = S * B * D
-BLOCKS = {"gpt": ("model=tiny", {}),
-          "llama": ("model=llama_tiny", {"ffn_hidden": F, "arch": "llama", "n_kv_heads": G})}
+BLOCKS = {"gpt": ("model=tiny", {}), "llama": ("model=llama_tiny", {"ffn_hidden": F, "arch": "llama", "n_kv_heads": G})}
 
 
 def _cfg(compose_cfg: Any, arch: str) -> Any:
@@ -75,8 +74,9 @@ def _tp_block(rank: int, world: int, model_cfg: Any, sp: bool) -> dict[str, Any]
         block = create_model(model_cfg).to(torch.bfloat16).layers["0"]
         x = torch.randn(B, S // world if sp else S, D, dtype=torch.bfloat16, requires_grad=True)
         counter = _OpCounter()
-        kept = saved_bytes(block, x, mode, lambda m: parallelize_module(m, mesh, block_plan(sp, model_cfg.arch)),
-                           backward_mode=counter)
+        kept = saved_bytes(
+            block, x, mode, lambda m: parallelize_module(m, mesh, block_plan(sp, model_cfg.arch)), backward_mode=counter
+        )
         out[mode] = (kept, counter.matmuls, counter.collectives)
     return out
 
@@ -105,9 +105,18 @@ def test_selective_moe_block_keeps_what_the_formula_counts(compose_cfg: Any, arc
     """The MoE layer under the policy: the router's fp32 logits and each routed row's gate, up and down outputs
     (moe_bytes_per_token); the router weight's fp32 copy and the balance loss's fractions are recomputed."""
     e, k = 8, 2
-    model = compose_cfg("model=moe_tiny", f"model.arch={arch}", f"model.d_model={D}", f"model.n_heads={A}",
-                        f"model.n_kv_heads={G}", f"model.ffn_hidden={F}", f"model.moe.expert_hidden={F}",
-                        f"model.moe.n_experts={e}", f"model.moe.top_k={k}", "model.n_layers=1").model
+    model = compose_cfg(
+        "model=moe_tiny",
+        f"model.arch={arch}",
+        f"model.d_model={D}",
+        f"model.n_heads={A}",
+        f"model.n_kv_heads={G}",
+        f"model.ffn_hidden={F}",
+        f"model.moe.expert_hidden={F}",
+        f"model.moe.n_experts={e}",
+        f"model.moe.top_k={k}",
+        "model.n_layers=1",
+    ).model
     kw = {"ffn_hidden": F, "arch": arch, "n_kv_heads": G, "moe": MoELayer(e, k, F)}
     selective = block_saved_bytes(model, B, S, "selective")
     assert selective == activation_bytes_per_layer(S, B, D, A, recompute="selective", **kw)

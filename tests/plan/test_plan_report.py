@@ -11,8 +11,18 @@ import pytest
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
 from tests.conftest import run_hpctrain
 
-JSON_KEYS = {"params_total", "world_size", "layout", "memory_per_gpu_bytes", "flops_per_iteration",
-             "est_step_time_s", "est_mfu", "bubble_fraction", "comm_bytes_per_gpu_per_step", "warnings"}
+JSON_KEYS = {
+    "params_total",
+    "world_size",
+    "layout",
+    "memory_per_gpu_bytes",
+    "flops_per_iteration",
+    "est_step_time_s",
+    "est_mfu",
+    "bubble_fraction",
+    "comm_bytes_per_gpu_per_step",
+    "warnings",
+}
 
 
 def _plan(compose_cfg, capsys, *overrides: str) -> dict:
@@ -24,8 +34,20 @@ def test_175b_text_plan_has_memory_table_step_estimate_and_warnings(tmp_path: Pa
     proc = run_hpctrain("+experiment=175b", "dry_run=true", f"run.root={tmp_path}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for words in ("per-GPU memory", "parameters", "optimizer", "buffers", "activations", "step estimate",
-                  "FLOPs per iteration", "MFU", "pipeline bubble", "36.8%", "communication", "warnings ("):
+    for words in (
+        "per-GPU memory",
+        "parameters",
+        "optimizer",
+        "buffers",
+        "activations",
+        "step estimate",
+        "FLOPs per iteration",
+        "MFU",
+        "pipeline bubble",
+        "36.8%",
+        "communication",
+        "warnings (",
+    ):
         assert words in out, words
 
 
@@ -34,8 +56,9 @@ def test_json_plan_has_the_documented_keys(compose_cfg, capsys) -> None:
     assert JSON_KEYS <= set(plan)
     assert {"dp", "tp", "pp", "virtual_stages", "zero_stage", "micro_batch", "grad_accum"} <= set(plan["layout"])
     mem = plan["memory_per_gpu_bytes"]
-    assert mem["total"] == pytest.approx(mem["params"] + mem["grads"] + mem["optimizer"] + mem["buffers"]
-                                         + mem["activations"])
+    assert mem["total"] == pytest.approx(
+        mem["params"] + mem["grads"] + mem["optimizer"] + mem["buffers"] + mem["activations"]
+    )
     assert plan["bubble_fraction"] == pytest.approx(7 / 19)
     # The design article's reported 120 samples/s on 4096 A100 is ~20.7% MFU: the estimate explains it.
     assert 0.15 < plan["est_mfu"] < 0.30
@@ -64,8 +87,15 @@ def test_parallel_auto_never_picks_what_the_checks_refuse(compose_cfg, capsys) -
     """The layout rules have one owner (config.layout.model_fit_problems) that the checks report and the search
     obeys: Llama 3 70B with an MLP of 2 x 14335 on 128 GPUs, which TP 4 and 8 cannot split; auto used to pick
     TP 8 and the checks refused it."""
-    plan = _plan(compose_cfg, capsys, "+experiment=llama3_8b_4node", "model=llama3_70b", "model.ffn_hidden=28670",
-                 "cluster.nodes=16", "parallel=auto")
+    plan = _plan(
+        compose_cfg,
+        capsys,
+        "+experiment=llama3_8b_4node",
+        "model=llama3_70b",
+        "model.ffn_hidden=28670",
+        "cluster.nodes=16",
+        "parallel=auto",
+    )
     assert plan["layout"]["tp"] in (1, 2) and plan["memory_per_gpu_bytes"]["fits"]
 
 
@@ -73,16 +103,23 @@ def test_parallel_auto_says_when_no_legal_layout_fits(compose_cfg, capsys) -> No
     """Llama 3 70B with an odd MLP on 8 GPUs: TP 1 is the only legal degree and nothing fits, not even with its
     sequences split over CP ranks (ZeRO-3's 16 bytes a parameter over 8 GPUs alone pass 80 GB); auto says so rather
     than choosing TP 2, which the checks refused with an error about the MLP. (On 32 GPUs CP 2 x ZeRO-3 fits.)"""
-    cfg = compose_cfg("+experiment=llama3_8b_4node", "model=llama3_70b", "model.ffn_hidden=28671", "parallel=auto",
-                      "cluster.nodes=1", "dry_run=true")
+    cfg = compose_cfg(
+        "+experiment=llama3_8b_4node",
+        "model=llama3_70b",
+        "model.ffn_hidden=28671",
+        "parallel=auto",
+        "cluster.nodes=1",
+        "dry_run=true",
+    )
     assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "parallel.auto: no layout of llama3_70b" in err and "not divisible by tp" not in err
 
 
 def test_a_layout_that_cannot_fit_is_an_error_with_fixes(compose_cfg, capsys, tmp_path: Path) -> None:
-    cfg = compose_cfg("+experiment=175b", "zero=stage0", "parallel.recompute=none", "data=synthetic",
-                      f"run.root={tmp_path}")
+    cfg = compose_cfg(
+        "+experiment=175b", "zero=stage0", "parallel.recompute=none", "data=synthetic", f"run.root={tmp_path}"
+    )
     assert run(cfg).code == EXIT_CONFIG_ERROR
     err = capsys.readouterr().err
     assert "GiB per GPU" in err and "exceeds" in err and "parallel.recompute=selective" in err
@@ -108,8 +145,14 @@ def test_plan_reports_the_model_count_and_the_vocabulary_padding_apart(compose_c
 
     plan = _plan(compose_cfg, capsys, "+experiment=175b")
     assert plan["params_total"] == 174_604_259_328
-    assert plan["vocab_padding"] == {"vocab_size": 50257, "embedding_rows": 50688, "multiple": 64, "tp": 8,
-                                     "extra_rows": 431, "extra_params": 431 * 12288}
+    assert plan["vocab_padding"] == {
+        "vocab_size": 50257,
+        "embedding_rows": 50688,
+        "multiple": 64,
+        "tp": 8,
+        "extra_rows": 431,
+        "extra_params": 431 * 12288,
+    }
     text = render_text(plan)
     assert "parameters      174,604,259,328 (174.60B)" in text
     assert "embedding padded 50257 -> 50688 rows (multiple of 64 x TP 8): +5,296,128 params" in text
@@ -138,8 +181,9 @@ def test_gpt3_1_3b_without_recompute_fits(compose_cfg, capsys) -> None:
 
 def test_a_dry_run_that_does_not_fit_prints_the_plan_then_the_errors(compose_cfg, capsys, tmp_path: Path) -> None:
     """The memory table shows what does not fit; the errors follow on stderr and the exit code is 2."""
-    cfg = compose_cfg("+experiment=175b", "zero=stage0", "parallel.recompute=none", "dry_run=true",
-                      f"run.root={tmp_path}")
+    cfg = compose_cfg(
+        "+experiment=175b", "zero=stage0", "parallel.recompute=none", "dry_run=true", f"run.root={tmp_path}"
+    )
     assert run(cfg).code == EXIT_CONFIG_ERROR
     out, err = capsys.readouterr()
     assert "per-GPU memory" in out and "DOES NOT FIT" in out and "step estimate" in out
@@ -148,8 +192,9 @@ def test_a_dry_run_that_does_not_fit_prints_the_plan_then_the_errors(compose_cfg
 
 
 def test_a_dry_run_with_errors_in_json_lists_them(compose_cfg, capsys, tmp_path: Path) -> None:
-    cfg = compose_cfg("+experiment=175b", "parallel.recompute=selective", "dry_run=true", "plan.format=json",
-                      f"run.root={tmp_path}")
+    cfg = compose_cfg(
+        "+experiment=175b", "parallel.recompute=selective", "dry_run=true", "plan.format=json", f"run.root={tmp_path}"
+    )
     assert run(cfg).code == EXIT_CONFIG_ERROR
     plan = json.loads(capsys.readouterr().out)
     assert not plan["memory_per_gpu_bytes"]["fits"]
@@ -186,8 +231,9 @@ def test_175b_experiment_uses_the_recomputation_the_planner_needs(compose_cfg) -
     est = check_config(compose_cfg("+experiment=175b", "dry_run=true")).estimates
     best = cheapest_fitting(est.model, est.layout, est.hw)
     assert best is not None and best.layout.recompute == est.layout.recompute == "full"
-    mem = {rc: memory_per_gpu(est.model, replace(est.layout, recompute=rc), est.hw)
-           for rc in ("none", "selective", "full")}
+    mem = {
+        rc: memory_per_gpu(est.model, replace(est.layout, recompute=rc), est.hw) for rc in ("none", "selective", "full")
+    }
     gib = {rc: m.total / 2**30 for rc, m in mem.items()}
     assert round(gib["none"], 1) == 90.7 and round(gib["selective"], 1) == 84.0 and round(gib["full"], 1) == 27.4
     assert {m.stage for m in mem.values()} == {0}
@@ -203,8 +249,17 @@ def test_microbatch_advice_must_improve_the_estimate() -> None:
 
     model = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257, vocab_pad_multiple=64)
     hw = hardware("a100_80gb")
-    article = Layout(dp=64, tp=8, pp=8, zero_stage=3, micro_batch=4, grad_accum=12, sequence_parallel=True,
-                     recompute="full", reduce_dtype="fp32")
+    article = Layout(
+        dp=64,
+        tp=8,
+        pp=8,
+        zero_stage=3,
+        micro_batch=4,
+        grad_accum=12,
+        sequence_parallel=True,
+        recompute="full",
+        reduce_dtype="fp32",
+    )
     step = estimate_step(model, article, hw).step_time_s
     assert estimate_step(model, replace(article, micro_batch=1, grad_accum=48), hw).step_time_s > step
     tip3 = better_microbatches(model, article, hw)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 from omegaconf import OmegaConf
 
@@ -15,25 +14,41 @@ from hpctrain.plan.report import stage_counts
 def _cfg(tp: int, pad_multiple: int = 8, vocab: int = 250, arch: str = "gpt") -> object:
     """A small GPT or Llama with 8 layers (room for pp x virtual stages up to 8); vocab 250 with no padding splits
     unevenly. The Llama has grouped-query attention (8 query heads, 4 key/value heads) and a SwiGLU MLP of 80."""
-    model = {"name": "t", "n_layers": 8, "d_model": 48, "n_heads": 4, "vocab_size": vocab, "context": 40,
-             "vocab_pad_multiple": pad_multiple}
+    model = {
+        "name": "t",
+        "n_layers": 8,
+        "d_model": 48,
+        "n_heads": 4,
+        "vocab_size": vocab,
+        "context": 40,
+        "vocab_pad_multiple": pad_multiple,
+    }
     if arch == "llama":
         model.update(arch="llama", n_heads=8, n_kv_heads=4, ffn_hidden=80)
     return OmegaConf.merge(OmegaConf.structured(Config), {"model": model, "parallel": {"tp": tp}})
 
 
 LAYOUTS = [  # tp, pp, virtual stages, schedule
-    (1, 1, 1, "1f1b"), (2, 1, 1, "1f1b"), (4, 1, 1, "1f1b"), (1, 2, 1, "1f1b"), (2, 2, 1, "gpipe"),
-    (4, 4, 1, "1f1b"), (2, 2, 2, "interleaved_1f1b"), (1, 4, 2, "interleaved_1f1b"), (4, 2, 4, "looped_bfs"),
-    (2, 2, 2, "zbv"), (1, 4, 2, "zbv"),
+    (1, 1, 1, "1f1b"),
+    (2, 1, 1, "1f1b"),
+    (4, 1, 1, "1f1b"),
+    (1, 2, 1, "1f1b"),
+    (2, 2, 1, "gpipe"),
+    (4, 4, 1, "1f1b"),
+    (2, 2, 2, "interleaved_1f1b"),
+    (1, 4, 2, "interleaved_1f1b"),
+    (4, 2, 4, "looped_bfs"),
+    (2, 2, 2, "zbv"),
+    (1, 4, 2, "zbv"),
 ]
 
 
 @pytest.mark.parametrize("tp,pp,v,schedule", LAYOUTS)
 @pytest.mark.parametrize("pad", [8, 1])
 @pytest.mark.parametrize("arch", ["gpt", "llama"])
-def test_closed_form_matches_the_meta_device_model(tp: int, pp: int, v: int, schedule: str, pad: int,
-                                                   arch: str) -> None:
+def test_closed_form_matches_the_meta_device_model(
+    tp: int, pp: int, v: int, schedule: str, pad: int, arch: str
+) -> None:
     from hpctrain.parallel.stages import meta_stage_counts
 
     cfg = _cfg(tp, pad, arch=arch)
@@ -87,17 +102,21 @@ def test_uneven_stages_split_as_set() -> None:
     assert ends == [7, 2, None, None]
 
 
-@pytest.mark.parametrize("tp,pp,v,first,last,schedule", [
-    (2, 2, 1, 3, 0, "1f1b"), (1, 2, 2, 1, 1, "interleaved_1f1b"), (2, 3, 1, 2, 2, "1f1b"), (1, 2, 2, 1, 1, "zbv")])
-def test_uneven_closed_form_matches_the_meta_device_model(tp: int, pp: int, v: int, first: int, last: int,
-                                                         schedule: str) -> None:
+@pytest.mark.parametrize(
+    "tp,pp,v,first,last,schedule",
+    [(2, 2, 1, 3, 0, "1f1b"), (1, 2, 2, 1, 1, "interleaved_1f1b"), (2, 3, 1, 2, 2, "1f1b"), (1, 2, 2, 1, 1, "zbv")],
+)
+def test_uneven_closed_form_matches_the_meta_device_model(
+    tp: int, pp: int, v: int, first: int, last: int, schedule: str
+) -> None:
     """The planner's per-stage and per-rank counts of an uneven cut equal the meta-device model cut the same way;
     each rank's layers are its chunks' (zbv: rank 0 holds the first and the last chunk)."""
     from hpctrain.parallel.stages import meta_stage_counts
 
     cfg = _cfg(tp, arch="llama")
-    lay = Layout(dp=1, tp=tp, pp=pp, virtual_stages=v, schedule=schedule, first_stage_layers=first,
-                 last_stage_layers=last)
+    lay = Layout(
+        dp=1, tp=tp, pp=pp, virtual_stages=v, schedule=schedule, first_stage_layers=first, last_stage_layers=last
+    )
     split = lay.layer_split(8)
     whole, shard = meta_stage_counts(cfg, split, tp)
     assert stage_param_counts(cfg.model, split, tp) == whole

@@ -152,8 +152,9 @@ def test_zero3_gathers_a_block_at_a_time_and_keeps_gradients_sharded():
     assert mem.params == pytest.approx(4 * n / 8 + 2 * (root + layer))
     assert mem.grads == pytest.approx(4 * n / 8 + 2 * root + 2 * mlp)
     assert mem.buffers == pytest.approx(2 * mlp + 4 * mlp)
-    acc = memory_per_gpu(MODEL, Layout(dp=8, tp=1, pp=1, zero_stage=3, grad_accum=8, reduce_dtype="fp32",
-                                       accumulate_unsharded=True), HW)
+    acc = memory_per_gpu(
+        MODEL, Layout(dp=8, tp=1, pp=1, zero_stage=3, grad_accum=8, reduce_dtype="fp32", accumulate_unsharded=True), HW
+    )
     assert acc.grads == pytest.approx(4 * n)  # the buffer filled as gradients are made
     assert acc.buffers == pytest.approx(2 * mlp + 2 * largest_param_per_gpu(MODEL, lay) + 4 * mlp)
 
@@ -192,8 +193,20 @@ def test_cpu_offload_moves_the_fp32_shards_and_adam():
     assert mem.grads == pytest.approx(2 * root + 2 * mlp)  # bf16 reduction: c = r = 2
     assert mem.buffers == pytest.approx(2 * mlp + 2 * mlp)
     assert mem.cpu_offload_bytes == pytest.approx((4 + 4 + 8) * n / 4)
-    accum = memory_per_gpu(MODEL, Layout(dp=4, tp=1, pp=1, zero_stage=2, offload_optimizer=True, grad_accum=4,
-                                         reduce_dtype="fp32", accumulate_unsharded=True), HW)
+    accum = memory_per_gpu(
+        MODEL,
+        Layout(
+            dp=4,
+            tp=1,
+            pp=1,
+            zero_stage=2,
+            offload_optimizer=True,
+            grad_accum=4,
+            reduce_dtype="fp32",
+            accumulate_unsharded=True,
+        ),
+        HW,
+    )
     assert accum.grads == pytest.approx(4 * n)  # the unsharded buffer stays on the GPU
     assert accum.cpu_offload_bytes == pytest.approx(16 * n / 4)
 
@@ -224,8 +237,11 @@ def test_the_search_prices_unsharded_accumulation_against_per_micro_batch_reduce
     from hpctrain.plan.search import search_layouts
 
     candidates = {c.layout: c for c in search_layouts(MODEL, 16, HW, 64, zero_stages=(2, 3))}
-    pairs = [(candidates[replace(lay, accumulate_unsharded=False)], c) for lay, c in candidates.items()
-             if lay.accumulate_unsharded and replace(lay, accumulate_unsharded=False) in candidates]
+    pairs = [
+        (candidates[replace(lay, accumulate_unsharded=False)], c)
+        for lay, c in candidates.items()
+        if lay.accumulate_unsharded and replace(lay, accumulate_unsharded=False) in candidates
+    ]
     assert pairs
     for per_micro_batch, once in pairs:
         assert once.layout.pp == 1 and once.layout.microbatches > 1 and once.layout.zero_stage >= 2
@@ -239,8 +255,17 @@ def test_gpt3_6_7b_on_64_gpus_meets_zeros_bytes(capsys, compose_cfg, stage: int,
     """Issue 31's table through the dry run's JSON: model states per parameter the GPU holds as built, ZeRO-1 at
     Megatron's 6 + 12/N, ZeRO-2 within 1.1 x the paper's 2 + 16/N (with fp32 gradient shards: 2 + 4/N + 12/N),
     ZeRO-3 within 2 x 16/N."""
-    cfg = compose_cfg("+experiment=175b", "model=gpt3_6.7b", "cluster.nodes=8", "parallel.dp=64", "parallel.tp=1",
-                      "parallel.pp=1", f"zero.stage={stage}", "dry_run=true", "plan.format=json")
+    cfg = compose_cfg(
+        "+experiment=175b",
+        "model=gpt3_6.7b",
+        "cluster.nodes=8",
+        "parallel.dp=64",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        f"zero.stage={stage}",
+        "dry_run=true",
+        "plan.format=json",
+    )
     assert run(cfg).code == 0
     plan = json.loads(capsys.readouterr().out)
     per_param = plan["model_states_bytes_per_param"]

@@ -38,8 +38,10 @@ def test_without_a_compiler_the_simulation_runs_on_the_cpu_and_says_so(tmp_path:
     env = {"CXX": str(tmp_path / "no-such-g++"), "HPCTRAIN_CACHE_DIR": str(tmp_path / "cache")}
     proc = run_hpctrain(*SMALL, f"run.root={tmp_path}", cwd=REPO, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "one training step on fake tensors on the CPU (no C++ compiler (g++) to build the fake-CUDA library: " \
-           "apt-get install g++)" in proc.stdout
+    assert (
+        "one training step on fake tensors on the CPU (no C++ compiler (g++) to build the fake-CUDA library: "
+        "apt-get install g++)" in proc.stdout
+    )
     assert not (tmp_path / "cache" / "fake_cuda").exists() or not any((tmp_path / "cache" / "fake_cuda").rglob("*.so"))
 
 
@@ -50,8 +52,9 @@ def test_plan_simulate_device_cpu_keeps_the_cpu(tmp_path: Path) -> None:
 
 def test_asking_for_fake_cuda_where_it_cannot_run_is_an_error_with_the_fix(tmp_path: Path) -> None:
     env = {"CXX": str(tmp_path / "no-such-g++"), "HPCTRAIN_CACHE_DIR": str(tmp_path / "cache")}
-    proc = run_hpctrain(*SMALL, "plan.simulate_device=cuda", f"run.root={tmp_path / 'runs'}", cwd=REPO, timeout=300,
-                        env=env)
+    proc = run_hpctrain(
+        *SMALL, "plan.simulate_device=cuda", f"run.root={tmp_path / 'runs'}", cwd=REPO, timeout=300, env=env
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "plan.simulate_device=cuda: fake CUDA cannot run this here: no C++ compiler (g++)" in proc.stderr
     assert "fix: plan.simulate_device=auto" in proc.stderr

@@ -10,7 +10,7 @@ Activations are reported, not held to the planner (docs/simulate.md says why).""
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -44,8 +44,14 @@ def simulated(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple
     def simulate(experiment: str) -> tuple[dict, str]:
         if experiment not in done:
             root = tmp_path_factory.mktemp(experiment)
-            proc = run_hpctrain(f"+experiment={experiment}", "dry_run=simulate", "plan.format=json",
-                                f"run.root={root}", cwd=REPO, timeout=900)
+            proc = run_hpctrain(
+                f"+experiment={experiment}",
+                "dry_run=simulate",
+                "plan.format=json",
+                f"run.root={root}",
+                cwd=REPO,
+                timeout=900,
+            )
             assert proc.returncode == 0, proc.stderr[-3000:]
             done[experiment] = json.loads(proc.stdout), proc.stderr
         return done[experiment]
@@ -74,13 +80,16 @@ def test_the_planner_holds_against_torch_on_the_most_loaded_rank(experiment: str
     # (FSDP's own are over every rank too where the data-parallel mesh is the world)
     assert (sim["groups_held"], sim["group_calls"]) == (groups, calls)
     assert sim["collectives"][f"allreduce_ over {world} ranks"] == 1
-    fsdp_on_world = sum(sim["collectives"].get(f"{op} over {world} ranks", 0)
-                        for op in ("_allgather_base_", "_reduce_scatter_base_"))
+    fsdp_on_world = sum(
+        sim["collectives"].get(f"{op} over {world} ranks", 0) for op in ("_allgather_base_", "_reduce_scatter_base_")
+    )
     assert sim["world_collectives"] == 1 + fsdp_on_world
     if experiment in ALL_TO_ALLS:
         counts, rows = ALL_TO_ALLS[experiment]
-        assert (sim["collectives"]["alltoall_base_ over 8 ranks"],
-                sim["collectives"]["all_to_all_single over 8 ranks"]) == (counts, rows)
+        assert (
+            sim["collectives"]["alltoall_base_ over 8 ranks"],
+            sim["collectives"]["all_to_all_single over 8 ranks"],
+        ) == (counts, rows)
     assert sum(n for name, n in sim["collectives"].items() if name.startswith("send ")) == sends
     assert set(sim["unseen"]) >= {"kernel speed", "NCCL's own buffers"}
     # on fake CUDA (g++ builds it here): the attention kernel an H100 runs, so a GPU's activations

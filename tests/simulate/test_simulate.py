@@ -34,19 +34,45 @@ pytestmark = pytest.mark.usefixtures("gpu_rules")
 # and collective buffer's own peak stays exact and the peak within PEAK_TOLERANCE (docs/simulate.md).
 PEAK_TOLERANCE = 0.10
 LAYOUTS = {
-    "zero3_dp2xpp2": (4, {"parallel__pp": 2, "zero__stage": 3, "train__micro_batch": 2,
-                          "parallel__recompute": "full"}, True),
+    "zero3_dp2xpp2": (
+        4,
+        {"parallel__pp": 2, "zero__stage": 3, "train__micro_batch": 2, "parallel__recompute": "full"},
+        True,
+    ),
     "single_accum4": (1, {"train__micro_batch": 2}, True),
-    "zero3_dp2xtp2_sp": (4, {"parallel__tp": 2, "zero__stage": 3, "parallel__sequence_parallel": True,
-                             "train__micro_batch": 2}, False),
-    "tp2xpp2_interleaved": (4, {"parallel__pp": 2, "parallel__tp": 2, "parallel__schedule": "interleaved_1f1b",
-                                "parallel__virtual_stages": 2, "train__micro_batch": 1}, False),
+    "zero3_dp2xtp2_sp": (
+        4,
+        {"parallel__tp": 2, "zero__stage": 3, "parallel__sequence_parallel": True, "train__micro_batch": 2},
+        False,
+    ),
+    "tp2xpp2_interleaved": (
+        4,
+        {
+            "parallel__pp": 2,
+            "parallel__tp": 2,
+            "parallel__schedule": "interleaved_1f1b",
+            "parallel__virtual_stages": 2,
+            "train__micro_batch": 1,
+        },
+        False,
+    ),
     # MoE with EP 2 under ZeRO-3: fake tensors route evenly (hpctrain.models.moe.balanced), the real router does
     # not, so the routed rows' temporaries differ; the model states cannot
     "moe_ep2_zero3": (2, {**MOE, "parallel__ep": 2, "zero__stage": 3, "train__micro_batch": 2}, False),
 }
-STATES = ("Sharded Param", "Unsharded Param", "Sharded Grad", "Unsharded Grad", "OptState", "Parameter", "Gradient",
-          "Optstate", "Buffer", "All Gather", "Reduce Scatter")
+STATES = (
+    "Sharded Param",
+    "Unsharded Param",
+    "Sharded Grad",
+    "Unsharded Grad",
+    "OptState",
+    "Parameter",
+    "Gradient",
+    "Optstate",
+    "Buffer",
+    "All Gather",
+    "Reduce Scatter",
+)
 
 
 def _measured_step(rank: int, world: int, overrides: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
@@ -68,8 +94,11 @@ def _measured_step(rank: int, world: int, overrides: dict[str, Any]) -> tuple[di
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_simulated_rank_measures_what_the_real_rank_measures(name: str) -> None:
     world, overrides, exact = LAYOUTS[name]
-    real = run_distributed(_measured_step, world, overrides, timeout=300) if world > 1 \
+    real = (
+        run_distributed(_measured_step, world, overrides, timeout=300)
+        if world > 1
         else [_measured_step(0, 1, overrides)]
+    )
     cfg = make_cfg(world, **overrides)
     layout = resolve_layout(cfg)
     for rank in sorted({0, world - 1}):  # the first and the last pipeline stage where there is a pipeline
@@ -77,15 +106,20 @@ def test_a_simulated_rank_measures_what_the_real_rank_measures(name: str) -> Non
         if exact:
             assert sim.categories == mine, (rank, sim.categories, mine)
         else:  # the peak moment may move between two near-equal candidates: each state's own peak is exact
-            assert {k: v for k, v in sim.category_peaks.items() if k in STATES} == \
-                {k: v for k, v in own_peaks.items() if k in STATES}, (rank, sim.category_peaks, own_peaks)
+            assert {k: v for k, v in sim.category_peaks.items() if k in STATES} == {
+                k: v for k, v in own_peaks.items() if k in STATES
+            }, (rank, sim.category_peaks, own_peaks)
             assert sim.peak == pytest.approx(sum(mine.values()), rel=PEAK_TOLERANCE), (rank, sim.categories, mine)
         # the step's one control all-reduce; over every rank besides it, only FSDP2's and expert parallelism's
         # own, where their mesh is the world
         counts = _counts(sim)
         assert counts.get(("allreduce_", world), 0) == (1 if world > 1 else 0)
         assert {op for op, size in counts if size == world and op != "allreduce_"} <= {
-            "_allgather_base_", "_reduce_scatter_base_", "alltoall_base_", "all_to_all_single"}, counts
+            "_allgather_base_",
+            "_reduce_scatter_base_",
+            "alltoall_base_",
+            "all_to_all_single",
+        }, counts
     assert not dist.is_initialized()  # the fake world lived in a process of its own
 
 
@@ -192,24 +226,47 @@ def test_a_simulation_that_fails_says_why_with_its_traceback() -> None:
 @pytest.mark.slow  # a simulation from the command line, in a process of its own
 def test_a_moe_model_is_simulated_from_the_command_line(tmp_path: Path) -> None:
     """The tiny MoE family with EP 2 under ZeRO-3, as a user asks for it: the planner's model states hold."""
-    proc = run_hpctrain("model=moe_tiny", "zero=stage3", "cluster.gpus_per_node=2", "parallel.ep=2",
-                        "dry_run=simulate", "plan.format=json", f"run.root={tmp_path}", cwd=REPO, timeout=300)
+    proc = run_hpctrain(
+        "model=moe_tiny",
+        "zero=stage3",
+        "cluster.gpus_per_node=2",
+        "parallel.ep=2",
+        "dry_run=simulate",
+        "plan.format=json",
+        f"run.root={tmp_path}",
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sim = json.loads(proc.stdout)["simulation"]
     assert sim["world_size"] == 2 and sim["model_states"]["within"], sim["model_states"]
     assert sim["collectives"]["all_to_all_single over 2 ranks"] > 0
 
 
-@pytest.mark.parametrize("overrides,key,message", [
-    (["+experiment=175b", "dry_run=maybe"], "dry_run", "must be true, false or simulate"),
-    (["+experiment=175b", "dry_run=simulate", "plan.simulate_rank=4096"], "plan.simulate_rank",
-     "is not a rank of this 4096-rank job"),
-    (["+experiment=175b", "dry_run=simulate", "zero=stage3_nvme", "zero.nvme_path=/tmp"], "dry_run",
-     "simulate cannot run Adam's moments on NVMe"),
-    (["+experiment=gpt3_1.3b_1node", "dry_run=simulate", "zero=stage0"], "dry_run", "simulate builds FSDP2 layouts"),
-])
-def test_what_cannot_be_simulated_is_refused_naming_the_key(overrides: list[str], key: str, message: str,
-                                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "overrides,key,message",
+    [
+        (["+experiment=175b", "dry_run=maybe"], "dry_run", "must be true, false or simulate"),
+        (
+            ["+experiment=175b", "dry_run=simulate", "plan.simulate_rank=4096"],
+            "plan.simulate_rank",
+            "is not a rank of this 4096-rank job",
+        ),
+        (
+            ["+experiment=175b", "dry_run=simulate", "zero=stage3_nvme", "zero.nvme_path=/tmp"],
+            "dry_run",
+            "simulate cannot run Adam's moments on NVMe",
+        ),
+        (
+            ["+experiment=gpt3_1.3b_1node", "dry_run=simulate", "zero=stage0"],
+            "dry_run",
+            "simulate builds FSDP2 layouts",
+        ),
+    ],
+)
+def test_what_cannot_be_simulated_is_refused_naming_the_key(
+    overrides: list[str], key: str, message: str, tmp_path: Path
+) -> None:
     proc = run_hpctrain(*overrides, f"run.root={tmp_path}", cwd=REPO, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert key in proc.stderr and message in proc.stderr, proc.stderr[-2000:]

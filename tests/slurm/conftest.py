@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -39,8 +39,7 @@ class SlurmCluster:
 
     def run(self, *cmd: str, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess:
         """Run a Slurm client command against this cluster."""
-        return subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=timeout,
-                              check=check)
+        return subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=timeout, check=check)
 
 
 def _in_ci() -> bool:

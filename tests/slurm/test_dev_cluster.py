@@ -78,8 +78,14 @@ def test_cluster_shape(slurm_cluster):
 def test_submitit_gloo_allreduce_2x2(slurm_cluster, tmp_path):
     ex = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
     # timeout_min > 10: below that submitit classes every signal as a timeout
-    ex.update_parameters(nodes=2, tasks_per_node=2, cpus_per_task=1, timeout_min=30, slurm_partition="debug",
-                         name="hpctrain-dev-allreduce")
+    ex.update_parameters(
+        nodes=2,
+        tasks_per_node=2,
+        cpus_per_task=1,
+        timeout_min=30,
+        slurm_partition="debug",
+        name="hpctrain-dev-allreduce",
+    )
     t0 = time.monotonic()
     job = ex.submit(_allreduce_task)
     _wait_done(job, timeout_s=180)
@@ -113,8 +119,11 @@ def test_submitit_gloo_allreduce_2x2(slurm_cluster, tmp_path):
 @pytest.mark.timeout(90, func_only=True)  # cluster start-up is bounded by the fixture
 def test_accounting_sees_cancelled_job(slurm_cluster):
     """Without slurmdbd every state is UNKNOWN and a cancelled job never counts as done for submitit."""
-    jid = slurm_cluster.run("sbatch", "--parsable", "-N1", "-n1", "-t", "5", "-o", "/dev/null",
-                            "--wrap", "sleep 120").stdout.strip().split(";")[0]
+    jid = (
+        slurm_cluster.run("sbatch", "--parsable", "-N1", "-n1", "-t", "5", "-o", "/dev/null", "--wrap", "sleep 120")
+        .stdout.strip()
+        .split(";")[0]
+    )
     try:
         deadline = time.monotonic() + 30
         while slurm_cluster.run("squeue", "-h", "-j", jid, "-o", "%T").stdout.strip() != "RUNNING":

@@ -28,10 +28,20 @@ def jobs(run_dir: Path) -> list[str]:
 
 @pytest.mark.timeout(400)
 def test_preflight_names_a_slow_node_and_the_job_runs_without_it(slurm_cluster: Any, tmp_path: Path) -> None:
-    job, run_dir = submit(slurm_cluster, tmp_path, "preflight", *THREE_NODES, "health.preflight=exclude",
-                          "+cluster.env.HPCTRAIN_TEST_SLOW_HOST=n2")
-    states = wait_for("the resubmission to finish",
-                      lambda: len(jobs(run_dir)) == 2 and wait_done(slurm_cluster, run_dir), 300, every=2)
+    job, run_dir = submit(
+        slurm_cluster,
+        tmp_path,
+        "preflight",
+        *THREE_NODES,
+        "health.preflight=exclude",
+        "+cluster.env.HPCTRAIN_TEST_SLOW_HOST=n2",
+    )
+    states = wait_for(
+        "the resubmission to finish",
+        lambda: len(jobs(run_dir)) == 2 and wait_done(slurm_cluster, run_dir),
+        300,
+        every=2,
+    )
     first, second = jobs(run_dir)
     assert states == {first: "FAILED", second: "COMPLETED"}, states
     assert "n2" in hostnames(slurm_cluster, first) and "n2" not in hostnames(slurm_cluster, second)
@@ -52,8 +62,16 @@ def test_preflight_names_a_slow_node_and_the_job_runs_without_it(slurm_cluster: 
 @pytest.mark.timeout(300)
 def test_no_resubmission_is_made_that_could_never_start(slurm_cluster: Any, tmp_path: Path) -> None:
     """All four nodes, one of them slow: without it the job could only pend forever, so the supervisor stops."""
-    job, run_dir = submit(slurm_cluster, tmp_path, "nofit", "cluster.nodes=4", "train.global_batch=32",
-                          "train.max_steps=60", "health.preflight=exclude", "+cluster.env.HPCTRAIN_TEST_SLOW_HOST=n2")
+    job, run_dir = submit(
+        slurm_cluster,
+        tmp_path,
+        "nofit",
+        "cluster.nodes=4",
+        "train.global_batch=32",
+        "train.max_steps=60",
+        "health.preflight=exclude",
+        "+cluster.env.HPCTRAIN_TEST_SLOW_HOST=n2",
+    )
     assert wait_done(slurm_cluster, run_dir, 200) == {job: "FAILED"}
     assert jobs(run_dir) == [job]
     report = json.loads((run_dir / "FAILED.json").read_text())
@@ -65,15 +83,22 @@ def test_no_resubmission_is_made_that_could_never_start(slurm_cluster: Any, tmp_
 def test_a_hung_rank_is_detected_and_restarted_inside_the_allocation(slurm_cluster: Any, tmp_path: Path) -> None:
     """The watchdog ends the hung rank with its stack and a record; the agents restart every rank in the same
     job (a hang is a process failure: the nodes stay)."""
-    job, run_dir = submit(slurm_cluster, tmp_path, "hang", "train.max_steps=40",
-                          "+cluster.env.HPCTRAIN_INJECT_FAULT='hang:step=25:rank=3:once'",
-                          "health.hang_timeout_s=15")
+    job, run_dir = submit(
+        slurm_cluster,
+        tmp_path,
+        "hang",
+        "train.max_steps=40",
+        "+cluster.env.HPCTRAIN_INJECT_FAULT='hang:step=25:rank=3:once'",
+        "health.hang_timeout_s=15",
+    )
     assert wait_done(slurm_cluster, run_dir, 300) == {job: "COMPLETED"}
     assert jobs(run_dir) == [job] and not (run_dir / "attempts.jsonl").exists()
     dump = (run_dir / "hangs" / job / "rank3.txt").read_text()
     assert "no step completed" in dump and "faults.py" in dump  # the stack shows where it hung
-    records = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())
-               for p in (run_dir / "failures" / job).glob("rank*.json")}
+    records = {
+        json.loads(p.read_text())["rank"]: json.loads(p.read_text())
+        for p in (run_dir / "failures" / job).glob("rank*.json")
+    }
     assert records[3]["type"] == "Hang" and not records[3]["peer"]
     assert all(r["peer"] for rank, r in records.items() if rank != 3)  # the others only waited for rank 3
     logs = (run_dir / "submitit" / f"{job}_0_log.out").read_text()
@@ -83,8 +108,15 @@ def test_a_hung_rank_is_detected_and_restarted_inside_the_allocation(slurm_clust
 
 @pytest.mark.timeout(400)
 def test_a_slow_node_is_reported_as_straggler(slurm_cluster: Any, tmp_path: Path) -> None:
-    job, run_dir = submit(slurm_cluster, tmp_path, "straggler", *THREE_NODES, "health.straggler_every=10",
-                          "health.straggler_patience=2", "+cluster.env.HPCTRAIN_TEST_SLOW_HOST=n2")
+    job, run_dir = submit(
+        slurm_cluster,
+        tmp_path,
+        "straggler",
+        *THREE_NODES,
+        "health.straggler_every=10",
+        "health.straggler_patience=2",
+        "+cluster.env.HPCTRAIN_TEST_SLOW_HOST=n2",
+    )
     assert wait_done(slurm_cluster, run_dir) == {job: "COMPLETED"}
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     stragglers = [e for e in events if e["event"] == "straggler"]

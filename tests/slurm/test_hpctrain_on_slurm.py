@@ -13,22 +13,29 @@ import re
 import secrets
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
 from hpctrain.checkpoint.inspect import export_model, find
-from hpctrain.tracking.wandb_file import run_info
 from hpctrain.records.history import ATTEMPT_MARKS
+from hpctrain.tracking.wandb_file import run_info
 from tests.conftest import run_hpctrain
 
 pytestmark = [pytest.mark.slurm]
 
 STEPS = 100
-COMMON = ["+experiment=smoke", "cluster=dev", f"train.max_steps={STEPS}", "optim.warmup_steps=5",
-          "train.log_every=10", "checkpoint.when_busy=wait"]
+COMMON = [
+    "+experiment=smoke",
+    "cluster=dev",
+    f"train.max_steps={STEPS}",
+    "optim.warmup_steps=5",
+    "train.log_every=10",
+    "checkpoint.when_busy=wait",
+]
 
 
 # Each dev-cluster node's own RAM (a tmpfs per node): node-local, replicated to a peer node by hpctrain. A fresh
@@ -37,17 +44,27 @@ RAM = f"/dev/shm/hpctrain-tests-{secrets.token_hex(4)}"
 
 
 def tiers(root: Path, shared_every: int) -> str:
-    return (f"checkpoint.tiers=[{{name: ram, path: {RAM}/{root.parent.name}, interval_steps: 10, keep_last: 2}},"
-            f"{{name: shared, path: checkpoints, interval_steps: {shared_every}, keep_last: 1}}]")
+    return (
+        f"checkpoint.tiers=[{{name: ram, path: {RAM}/{root.parent.name}, interval_steps: 10, keep_last: 2}},"
+        f"{{name: shared, path: checkpoints, interval_steps: {shared_every}, keep_last: 1}}]"
+    )
 
 
-def submit(slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str, shared_every: int = 1000
-           ) -> tuple[str, Path]:
+def submit(
+    slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str, shared_every: int = 1000
+) -> tuple[str, Path]:
     """A run whose RAM tier saves every 10 steps; one that leaves the allocation (resubmission) lands on other
     nodes, whose RAM holds nothing of it: it resumes from the shared tier, so those tests save there too."""
-    proc = run_hpctrain(*COMMON, f"run.root={tmp_path}", f"run.id={run_id}", tiers(tmp_path / run_id, shared_every),
-                        *overrides,
-                        cwd=tmp_path, timeout=60, env=slurm_cluster.env())
+    proc = run_hpctrain(
+        *COMMON,
+        f"run.root={tmp_path}",
+        f"run.id={run_id}",
+        tiers(tmp_path / run_id, shared_every),
+        *overrides,
+        cwd=tmp_path,
+        timeout=60,
+        env=slurm_cluster.env(),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)
     run_dir = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run directory: "))
@@ -84,8 +101,9 @@ def finished(slurm_cluster: Any, run_dir: Path) -> bool:
     if len(states) < len((run_dir / "jobs.jsonl").read_text().splitlines()):
         return False  # accounting has not seen a resubmission yet
     # NODE_FAIL and PREEMPTED are not final here: the job is requeued (sacct shows the latest attempt's state).
-    return bool(states) and all(s in ("COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY") or s.startswith("CANCELLED")
-                                for s in states.values())
+    return bool(states) and all(
+        s in ("COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY") or s.startswith("CANCELLED") for s in states.values()
+    )
 
 
 def wait_done(slurm_cluster: Any, run_dir: Path, timeout: float = 300) -> dict[str, str]:
@@ -129,7 +147,9 @@ def test_two_nodes_two_tasks_train_to_completion(reference: Path) -> None:
 
 def assert_exact_continuation(run_dir: Path, reference: Path) -> None:
     a, b = losses(reference), losses(run_dir)
-    assert all(a[s] == b[s] for s in range(1, STEPS + 1)), [(s, a[s], b[s]) for s in range(1, STEPS + 1) if a[s] != b[s]][:5]
+    assert all(a[s] == b[s] for s in range(1, STEPS + 1)), [
+        (s, a[s], b[s]) for s in range(1, STEPS + 1) if a[s] != b[s]
+    ][:5]
     wa, wb = final_weights(reference), final_weights(run_dir)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -155,17 +175,38 @@ def test_usr2_saves_requeues_and_resumes_exactly(slurm_cluster: Any, reference: 
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     # each attempt says when it trained again ("attempt"); the stop saved where a requeue on other nodes finds it
     # and each attempt's end, with the goodput ledger as it stood (issue 18)
-    assert [e["event"] for e in events] == ["attempt", "ledger", "stop", "attempt_end", "ledger", "resume", "attempt",
-                                            "ledger", "attempt_end", "ledger"] and events[5]["step"] == saved
+    assert [e["event"] for e in events] == [
+        "attempt",
+        "ledger",
+        "stop",
+        "attempt_end",
+        "ledger",
+        "resume",
+        "attempt",
+        "ledger",
+        "attempt_end",
+        "ledger",
+    ] and events[5]["step"] == saved
 
 
 @pytest.mark.timeout(400)
-def test_partition_preemption_requeues_and_resumes_exactly(slurm_cluster: Any, reference: Path,
-                                                           tmp_path: Path) -> None:
+def test_partition_preemption_requeues_and_resumes_exactly(slurm_cluster: Any, reference: Path, tmp_path: Path) -> None:
     job, run_dir = submit(slurm_cluster, tmp_path, "preempted")
     wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
-    urgent = slurm_cluster.run("sbatch", "--parsable", "-p", "urgent", "-N", "4", "--exclusive", "-t", "5",
-                               f"--output={tmp_path}/urgent.out", "--wrap", "sleep 5").stdout.strip()
+    urgent = slurm_cluster.run(
+        "sbatch",
+        "--parsable",
+        "-p",
+        "urgent",
+        "-N",
+        "4",
+        "--exclusive",
+        "-t",
+        "5",
+        f"--output={tmp_path}/urgent.out",
+        "--wrap",
+        "sleep 5",
+    ).stdout.strip()
     states = wait_done(slurm_cluster, run_dir)
     assert states == {job: "COMPLETED"}, states
     urgent_state = slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "State", "-j", urgent).stdout.strip()
@@ -175,8 +216,9 @@ def test_partition_preemption_requeues_and_resumes_exactly(slurm_cluster: Any, r
     assert_exact_continuation(run_dir, reference)
 
 
-def running_with_victim(slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str, shared_every: int = 1000
-                        ) -> tuple[str, Path, str, int]:
+def running_with_victim(
+    slurm_cluster: Any, tmp_path: Path, run_id: str, *overrides: str, shared_every: int = 1000
+) -> tuple[str, Path, str, int]:
     """A run that has trained 20 steps, the last node of its job (to fail) and the step it reached."""
     job, run_dir = submit(slurm_cluster, tmp_path, run_id, *overrides, shared_every=shared_every)
     wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
@@ -186,13 +228,19 @@ def running_with_victim(slurm_cluster: Any, tmp_path: Path, run_id: str, *overri
 
 
 @pytest.mark.timeout(400)
-def test_a_crashed_rank_is_restarted_inside_the_allocation_exactly(slurm_cluster: Any, reference: Path,
-                                                                   tmp_path: Path) -> None:
+def test_a_crashed_rank_is_restarted_inside_the_allocation_exactly(
+    slurm_cluster: Any, reference: Path, tmp_path: Path
+) -> None:
     """Rank 3 (second node) raises at step 15: the agents restart all four workers in the same job (no
     sbatch, no requeue), from the RAM tier's step 10, and the run ends as the uninterrupted one. The job's
     hot spare stays out (every node is alive) and leaves when the run ends."""
-    job, run_dir = submit(slurm_cluster, tmp_path, "crash", "cluster.spare_nodes=1",
-                          "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3:once'")
+    job, run_dir = submit(
+        slurm_cluster,
+        tmp_path,
+        "crash",
+        "cluster.spare_nodes=1",
+        "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3:once'",
+    )
     states = wait_done(slurm_cluster, run_dir)
     assert states == {job: "COMPLETED"} and restarts(slurm_cluster, job) == 0, states
     logs = (run_dir / "submitit" / f"{job}_0_log.out").read_text()
@@ -212,8 +260,15 @@ def test_a_crashed_rank_is_restarted_inside_the_allocation_exactly(slurm_cluster
 def test_a_deterministic_failure_is_retried_once_then_reported(slurm_cluster: Any, tmp_path: Path) -> None:
     """One task per rank (launcher.in_allocation=false): the supervisor resubmits without the failed node,
     once; the same error at the same step again stops the run (inside the allocation: tests/e2e)."""
-    job, run_dir = submit(slurm_cluster, tmp_path, "broken", "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3'",
-                          "launcher.max_restarts=3", "launcher.in_allocation=false", shared_every=10)
+    job, run_dir = submit(
+        slurm_cluster,
+        tmp_path,
+        "broken",
+        "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3'",
+        "launcher.max_restarts=3",
+        "launcher.in_allocation=false",
+        shared_every=10,
+    )
     report = wait_for("the failure report", lambda: (run_dir / "FAILED.json").exists(), 300, every=2)
     assert report
     states = wait_done(slurm_cluster, run_dir)
@@ -233,9 +288,20 @@ def test_a_deterministic_failure_is_retried_once_then_reported(slurm_cluster: An
 @pytest.mark.timeout(400)
 def test_a_sweep_submits_one_job_per_point_and_returns(slurm_cluster: Any, tmp_path: Path) -> None:
     started = time.monotonic()
-    proc = run_hpctrain("-m", "+experiment=smoke", "cluster=dev", "train.max_steps=20", "optim.warmup_steps=2",
-                        "tracking=wandb", "tracking.mode=offline", "optim.lr=1e-3,2e-3,3e-3", f"run.root={tmp_path}",
-                        cwd=tmp_path, timeout=120, env=slurm_cluster.env())
+    proc = run_hpctrain(
+        "-m",
+        "+experiment=smoke",
+        "cluster=dev",
+        "train.max_steps=20",
+        "optim.warmup_steps=2",
+        "tracking=wandb",
+        "tracking.mode=offline",
+        "optim.lr=1e-3,2e-3,3e-3",
+        f"run.root={tmp_path}",
+        cwd=tmp_path,
+        timeout=120,
+        env=slurm_cluster.env(),
+    )
     returned = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sweep: 3 points" in proc.stdout and returned < 30  # submits and returns; never waits for the jobs
@@ -248,17 +314,26 @@ def test_a_sweep_submits_one_job_per_point_and_returns(slurm_cluster: Any, tmp_p
     assert len({i["run_id"] for i in infos}) == 3 and len({i["group"] for i in infos}) == 1
 
 
-def kill_node_until_done(slurm_cluster: Any, run_dir: Path, job: str, victim: str, silent: bool = False
-                         ) -> tuple[dict[str, str], int]:
+def kill_node_until_done(
+    slurm_cluster: Any, run_dir: Path, job: str, victim: str, silent: bool = False
+) -> tuple[dict[str, str], int]:
     """Kill a whole node (slurmd and every process in its namespace; `silent`: its link down first, as in a
     power loss), wait for the run to finish, bring the node back; the run's job states and how often Slurm
     requeued `job`."""
-    subprocess.run(["bash", str(slurm_cluster.script), "kill-node", victim, *(["--silent"] if silent else [])],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["bash", str(slurm_cluster.script), "kill-node", victim, *(["--silent"] if silent else [])],
+        check=True,
+        capture_output=True,
+    )
     try:
-        states = wait_for(f"the run to finish without {victim}",
-                          lambda: last_step(run_dir) == STEPS and finished(slurm_cluster, run_dir)
-                          and job_states(slurm_cluster, run_dir), 400, every=2)
+        states = wait_for(
+            f"the run to finish without {victim}",
+            lambda: (
+                last_step(run_dir) == STEPS and finished(slurm_cluster, run_dir) and job_states(slurm_cluster, run_dir)
+            ),
+            400,
+            every=2,
+        )
         return states, restarts(slurm_cluster, job)
     finally:
         subprocess.run(["bash", str(slurm_cluster.script), "revive-node", victim], capture_output=True)
@@ -270,16 +345,24 @@ def test_a_node_that_dies_is_left_out_and_the_run_finishes_once(slurm_cluster: A
     resubmits the job without the node and first turns Slurm's own requeue off, or leaves the job to Slurm
     when slurmctld requeued it first (NODE_FAIL: the path agents without a spare take too, bench_restart.py's
     node-requeue). Either way exactly one attempt trains at a time (issue 14: both did), and the run finishes."""
-    job, run_dir, victim, before = running_with_victim(slurm_cluster, tmp_path, "nodedeath",
-                                                       "launcher.in_allocation=false", shared_every=10)
+    job, run_dir, victim, before = running_with_victim(
+        slurm_cluster, tmp_path, "nodedeath", "launcher.in_allocation=false", shared_every=10
+    )
     states, requeued = kill_node_until_done(slurm_cluster, run_dir, job, victim)
     last_job = list(states)[-1]
     assert states[last_job] == "COMPLETED", states
     # whoever is first: the supervisor (it turns Slurm's requeue off) or slurmctld (the supervisor sees it)
     resubmitted = len(states) == 2 and requeued == 0
     assert resubmitted or (list(states) == [job] and requeued == 1), (states, requeued)
-    assert victim not in slurm_cluster.run("scontrol", "show", "hostnames", slurm_cluster.run(
-        "sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", last_job).stdout.strip()).stdout.split()
+    assert (
+        victim
+        not in slurm_cluster.run(
+            "scontrol",
+            "show",
+            "hostnames",
+            slurm_cluster.run("sacct", "-n", "-X", "-P", "-o", "NodeList", "-j", last_job).stdout.strip(),
+        ).stdout.split()
+    )
     steps = [m["step"] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
     # One attempt after the other: the first ran to where the node died, the second from a checkpoint on.
     second = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
@@ -289,8 +372,9 @@ def test_a_node_that_dies_is_left_out_and_the_run_finishes_once(slurm_cluster: A
 
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("silent", [False, True], ids=["dies", "loses-power"])
-def test_without_a_spare_the_run_shrinks_to_min_nodes_with_the_same_batch(slurm_cluster: Any, reference: Path,
-                                                                           tmp_path: Path, silent: bool) -> None:
+def test_without_a_spare_the_run_shrinks_to_min_nodes_with_the_same_batch(
+    slurm_cluster: Any, reference: Path, tmp_path: Path, silent: bool
+) -> None:
     """elastic.min_nodes=1: a node dies and the agent left goes on alone in the same job (sbatch and srun
     --no-kill): DP 4 -> 2, gradient accumulation 1 -> 2, so every step still trains on the same 16 samples.
     A node that loses power leaves its peers blocked, not failed: the agent left sees its beats stop and
@@ -316,8 +400,9 @@ def test_without_a_spare_the_run_shrinks_to_min_nodes_with_the_same_batch(slurm_
 
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("victim_index", [1, 0], ids=["node1", "node0-store-and-batch-host"])
-def test_a_hot_spare_takes_a_dead_nodes_place_in_the_same_job(slurm_cluster: Any, reference: Path,
-                                                              tmp_path: Path, victim_index: int) -> None:
+def test_a_hot_spare_takes_a_dead_nodes_place_in_the_same_job(
+    slurm_cluster: Any, reference: Path, tmp_path: Path, victim_index: int
+) -> None:
     """cluster.spare_nodes=1: the job has 3 nodes, 2 train. One dies (slurmd and every process): the spare
     claims its slot, joins the rendezvous, and the run goes on at the same size in the same job, its RAM state
     from the peers' replicas, ending bit-identical to the uninterrupted run. Node 0 is also the rendezvous
@@ -325,8 +410,9 @@ def test_a_hot_spare_takes_a_dead_nodes_place_in_the_same_job(slurm_cluster: Any
     ends the job once the run is over, so Slurm shows it CANCELLED; the run itself has COMPLETED.json)."""
     job, run_dir = submit(slurm_cluster, tmp_path, "spare", "cluster.spare_nodes=1")
     wait_for("step 20", lambda: last_step(run_dir) >= 20, 200, every=0.5)
-    nodes = slurm_cluster.run("scontrol", "show", "hostnames", slurm_cluster.run(
-        "squeue", "-h", "-j", job, "-o", "%N").stdout.strip()).stdout.split()
+    nodes = slurm_cluster.run(
+        "scontrol", "show", "hostnames", slurm_cluster.run("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
+    ).stdout.split()
     victim, spare = nodes[victim_index], nodes[2]
     killed = time.time()
     states, requeued = kill_node_until_done(slurm_cluster, run_dir, job, victim)

@@ -39,38 +39,59 @@ def current_job(run_dir: Path) -> str:
 
 def held_node_s(slurm_cluster: Any, jobs: list[str]) -> float:
     """Node-seconds every run of every job held, from sacct directly."""
-    out = subprocess.run(["sacct", "-X", "-D", "-P", "-n", "-o", "Start,End,NNodes", "-j", ",".join(jobs)],
-                         capture_output=True, text=True, check=True,
-                         env={**slurm_cluster.env(), "SLURM_TIME_FORMAT": "%s"}).stdout
-    return sum((int(end) - int(start)) * int(nodes) for start, end, nodes in (line.split("|") for line in out.split())
-               if start.isdigit() and end.isdigit())
+    out = subprocess.run(
+        ["sacct", "-X", "-D", "-P", "-n", "-o", "Start,End,NNodes", "-j", ",".join(jobs)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**slurm_cluster.env(), "SLURM_TIME_FORMAT": "%s"},
+    ).stdout
+    return sum(
+        (int(end) - int(start)) * int(nodes)
+        for start, end, nodes in (line.split("|") for line in out.split())
+        if start.isdigit() and end.isdigit()
+    )
 
 
 @pytest.mark.timeout(600)
-def test_the_ledger_of_a_run_through_a_restart_a_requeue_a_crash_and_a_node_death(slurm_cluster: Any,
-                                                                                 tmp_path: Path) -> None:
-    job, run_dir = submit(slurm_cluster, tmp_path, "ledger", "launcher.max_restarts=10",
-                          "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3:once'", shared_every=10)
+def test_the_ledger_of_a_run_through_a_restart_a_requeue_a_crash_and_a_node_death(
+    slurm_cluster: Any, tmp_path: Path
+) -> None:
+    job, run_dir = submit(
+        slurm_cluster,
+        tmp_path,
+        "ledger",
+        "launcher.max_restarts=10",
+        "+cluster.env.HPCTRAIN_INJECT_FAULT='raise:step=15:rank=3:once'",
+        shared_every=10,
+    )
     wait_for("step 30", lambda: last_step(run_dir) >= 30, 300, every=0.5)
     slurm_cluster.run("scancel", "--signal=USR2", job)  # saves, requeues itself
     wait_for("step 50 after the requeue", lambda: last_step(run_dir) >= 50, 300, every=0.5)
     subprocess.run(["bash", str(slurm_cluster.script), "kill-job", job], check=True, capture_output=True)
-    wait_for("the resubmission to train", lambda: current_job(run_dir) != job and last_step(run_dir) >= 70, 300,
-             every=0.5)
+    wait_for(
+        "the resubmission to train", lambda: current_job(run_dir) != job and last_step(run_dir) >= 70, 300, every=0.5
+    )
     second = current_job(run_dir)
-    nodes = slurm_cluster.run("scontrol", "show", "hostnames", slurm_cluster.run(
-        "squeue", "-h", "-j", second, "-o", "%N").stdout.strip()).stdout.split()
+    nodes = slurm_cluster.run(
+        "scontrol", "show", "hostnames", slurm_cluster.run("squeue", "-h", "-j", second, "-o", "%N").stdout.strip()
+    ).stdout.split()
     subprocess.run(["bash", str(slurm_cluster.script), "kill-node", nodes[-1]], check=True, capture_output=True)
     try:  # Slurm requeues the job (NODE_FAIL); the node comes back for it, the crash excluded others
-        wait_for("the requeue", lambda: "PENDING" in slurm_cluster.run("squeue", "-h", "-j", second, "-o", "%T",
-                                                                       check=False).stdout, 120, every=0.5)
+        wait_for(
+            "the requeue",
+            lambda: "PENDING" in slurm_cluster.run("squeue", "-h", "-j", second, "-o", "%T", check=False).stdout,
+            120,
+            every=0.5,
+        )
     finally:
         subprocess.run(["bash", str(slurm_cluster.script), "revive-node", nodes[-1]], check=False, capture_output=True)
     states = wait_done(slurm_cluster, run_dir, timeout=400)
     assert states[second] == "COMPLETED", states
 
-    shown = run_hpctrain(str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path, timeout=60,
-                         env=slurm_cluster.env())
+    shown = run_hpctrain(
+        str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path, timeout=60, env=slurm_cluster.env()
+    )
     assert shown.returncode == 0, shown.stderr
     ledger = json.loads(shown.stdout)
     kinds = [i["kind"] for i in ledger["incidents"]]
@@ -111,15 +132,19 @@ def task_processes(job: str, task: int) -> list[int]:
             environ = (proc / "environ").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if f"SLURM_JOB_ID={job}".encode() in environ and f"SLURM_PROCID={task}".encode() in environ \
-                and b"SLURM_STEP_ID=0" in environ:
+        if (
+            f"SLURM_JOB_ID={job}".encode() in environ
+            and f"SLURM_PROCID={task}".encode() in environ
+            and b"SLURM_STEP_ID=0" in environ
+        ):
             found.append(int(proc.name))
     return found
 
 
 @pytest.mark.timeout(600)
 def test_a_suspended_job_keeps_one_holder_per_slot_and_its_ledger_counts_the_suspension(
-        slurm_cluster: Any, reference: Path, tmp_path: Path) -> None:
+    slurm_cluster: Any, reference: Path, tmp_path: Path
+) -> None:
     """Issue 29: `scontrol suspend` of a job with a hot spare for 30 s, then `scontrol resume`. Every process
     of the job was stopped, and they continue in no set order: the spare must not take a slot whose holder
     continues a moment after it (two holders, no spare left), the run goes on in its one attempt and ends
@@ -147,15 +172,20 @@ def test_a_suspended_job_keeps_one_holder_per_slot_and_its_ledger_counts_the_sus
     assert len(set(json.loads((run_dir / "failures" / job / "hosts.json").read_text()))) == 2  # 2 nodes trained
     assert_exact_continuation(run_dir, reference)
 
-    out = subprocess.run(["sacct", "-X", "-D", "-P", "-n", "-o", "Start,End,NNodes,Suspended", "-j", job],
-                         capture_output=True, text=True, check=True,
-                         env={**slurm_cluster.env(), "SLURM_TIME_FORMAT": "%s"}).stdout.split()
+    out = subprocess.run(
+        ["sacct", "-X", "-D", "-P", "-n", "-o", "Start,End,NNodes,Suspended", "-j", job],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**slurm_cluster.env(), "SLURM_TIME_FORMAT": "%s"},
+    ).stdout.split()
     start, end, nodes, suspended_text = out[0].split("|")  # Suspended as sacct prints it: 00:00:31
     suspended = parse_sacct(f"{job}|COMPLETED|{start}|{start}|{start}|{end}|{nodes}|n|0:0|None|{suspended_text}")[0]
     assert int(nodes) == 3 and suspended.suspended_s >= SUSPEND_S - 1, out
 
-    shown = run_hpctrain(str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path, timeout=60,
-                         env=slurm_cluster.env())
+    shown = run_hpctrain(
+        str(run_dir), "--json", module="hpctrain.status", cwd=tmp_path, timeout=60, env=slurm_cluster.env()
+    )
     assert shown.returncode == 0, shown.stderr
     ledger = json.loads(shown.stdout)
     held = held_node_s(slurm_cluster, [job])

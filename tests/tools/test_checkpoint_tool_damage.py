@@ -38,8 +38,13 @@ def _tool_module() -> Any:
 def trained(compose_cfg_module, tmp_path_factory) -> Path:
     """A one-rank run of 2 steps with one committed checkpoint (step 2, in the run directory)."""
     base = tmp_path_factory.mktemp("damage")
-    cfg = config(compose_cfg_module, base, 1, "train.max_steps=2",
-                 "checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 2, keep_last: 1}]")
+    cfg = config(
+        compose_cfg_module,
+        base,
+        1,
+        "train.max_steps=2",
+        "checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 2, keep_last: 1}]",
+    )
     run_dir = base / "run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
@@ -55,8 +60,9 @@ def run(trained: Path, tmp_path: Path) -> Path:
 
 
 def tool(*args: str, **kwargs: Any) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=300,
-                          check=False, **kwargs)
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), *map(str, args)], capture_output=True, text=True, timeout=300, check=False, **kwargs
+    )
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
     return proc
 
@@ -70,6 +76,7 @@ def in_process(*args: Any) -> tuple[int, str]:
 
 
 # ---------------------------------------------------------------- a damaged checkpoint
+
 
 def test_an_empty_metadata_is_named(run: Path, tmp_path: Path) -> None:
     (run / STEP / ".metadata").write_bytes(b"")
@@ -99,13 +106,19 @@ def test_a_shard_cut_short_is_named(run: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("case", ["missing", "a file", "no config", "binary config", "not a run config"])
 def test_what_is_not_a_run_directory(run: Path, tmp_path: Path, case: str) -> None:
     target = {"missing": tmp_path / "nope", "a file": run / "config.yaml", "no config": run / "checkpoints"}.get(
-        case, run)
+        case, run
+    )
     if case == "binary config":
         (run / "config.yaml").write_bytes(b"\x00\xff\xfe")
     if case == "not a run config":
         (run / "config.yaml").write_text("a: 1\n")
-    words = {"missing": "does not exist", "a file": "is not a directory", "no config": "has no config.yaml",
-             "binary config": "is not a text file", "not a run config": "is not an hpctrain run config"}[case]
+    words = {
+        "missing": "does not exist",
+        "a file": "is not a directory",
+        "no config": "has no config.yaml",
+        "binary config": "is not a text file",
+        "not a run config": "is not an hpctrain run config",
+    }[case]
     for command in (["export", target, tmp_path / "out.pt"], ["list", target], ["verify", target]):
         code, said = in_process(*command)
         assert code == 2 and said.startswith("checkpoint: ") and words in said, (command, said)
@@ -124,14 +137,20 @@ def test_where_an_export_cannot_go(run: Path, tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- a full disk
 
+
 @contextlib.contextmanager
 def small_disk(where: Path) -> Iterator[str]:
     """A 256 KiB tmpfs at `where` (root, and mount allowed): writes fail with ENOSPC. Yields "tmpfs"; "fsize"
     where no tmpfs can be mounted but a file size limit can be set (writes fail with EFBIG); skips otherwise."""
     where.mkdir()
-    mounted = os.geteuid() == 0 and shutil.which("mount") and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True, check=False
-    ).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and shutil.which("mount")
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
     if mounted:
         try:
             yield "tmpfs"

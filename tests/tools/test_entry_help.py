@@ -41,8 +41,15 @@ def _help(command: list[str]) -> subprocess.CompletedProcess:
 
 def test_every_entry_point_says_what_it_does_first() -> None:
     entries = entry_points()
-    assert {"tools/checkpoint.py", "bench/bench_engine.py", "hpctrain", "hpctrain.status",
-            "hpctrain.launch.supervise", "hpctrain.health.node", "hpctrain.data.prepare"} <= set(entries)
+    assert {
+        "tools/checkpoint.py",
+        "bench/bench_engine.py",
+        "hpctrain",
+        "hpctrain.status",
+        "hpctrain.launch.supervise",
+        "hpctrain.health.node",
+        "hpctrain.data.prepare",
+    } <= set(entries)
     with ThreadPoolExecutor(2) as pool:
         results = dict(zip(entries, pool.map(_help, entries.values())))
     for name, proc in results.items():

@@ -32,7 +32,7 @@ def _rows(stdout: str) -> dict[str, str]:
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split()[:3] == ["check", "what", "result"])
     rows = {}
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("all ") or line.split()[1:2] == ["of"]:
             break
         rows[line.split()[0]] = line
@@ -44,9 +44,14 @@ def _rows(stdout: str) -> dict[str, str]:
 def test_cpu_run_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(TOOL), "--cpu", "--json", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=620,  # the --cpu budget (540 s) and start-up
-                          env={**os.environ, "WANDB_MODE": "disabled"})
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--cpu", "--json", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=620,  # the --cpu budget (540 s) and start-up
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     seconds = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "hpctrain GPU check (cpu mode)" in proc.stdout
@@ -147,10 +152,17 @@ def test_a_failing_dying_or_hanging_check_is_a_fail_row(tmp_path: Path, monkeypa
     def hangs(ctx):
         time.sleep(120)
 
-    monkeypatch.setattr(tool, "CHECKS", [
-        tool.Check("p", "passes", passes, 30, 30), tool.Check("r", "raises", raises, 30, 30),
-        tool.Check("m", "misses its goal", misses_goal, 30, 30), tool.Check("x", "exits 3", dies, 30, 30),
-        tool.Check("h", "hangs", hangs, 2, 2)])
+    monkeypatch.setattr(
+        tool,
+        "CHECKS",
+        [
+            tool.Check("p", "passes", passes, 30, 30),
+            tool.Check("r", "raises", raises, 30, 30),
+            tool.Check("m", "misses its goal", misses_goal, 30, 30),
+            tool.Check("x", "exits 3", dies, 30, 30),
+            tool.Check("h", "hangs", hangs, 2, 2),
+        ],
+    )
     out = tmp_path / "r.json"
     started = time.monotonic()
     code = tool.main(["--cpu", "--json", str(out), "--workdir", str(tmp_path)])
@@ -190,9 +202,15 @@ def test_quick_runs_the_first_block_alone_under_its_budget(tmp_path: Path, monke
     def limit(ctx):  # the check's time limit: its own, cut to what is left of the run's budget
         return tool.Outcome(True, f"limit {ctx.timeout_s:.0f}")
 
-    monkeypatch.setattr(tool, "CHECKS", [tool.Check("q1", "first", limit, 900, 900, quick=True),
-                                         tool.Check("q2", "second", limit, 900, 900, quick=True),
-                                         tool.Check("s", "slow", limit, 900, 900)])
+    monkeypatch.setattr(
+        tool,
+        "CHECKS",
+        [
+            tool.Check("q1", "first", limit, 900, 900, quick=True),
+            tool.Check("q2", "second", limit, 900, 900, quick=True),
+            tool.Check("s", "slow", limit, 900, 900),
+        ],
+    )
     assert tool.main(["--cpu", "--quick", "--workdir", str(tmp_path)]) == 0
     stdout = capsys.readouterr().out
     rows = _rows(stdout)
@@ -219,17 +237,19 @@ def test_the_command_check_names_the_workers_error_from_the_task_logs(tmp_path: 
     run_dir = tmp_path / "run"
     (run_dir / "submitit").mkdir(parents=True)
     (run_dir / "submitit" / "7_0_log.err").write_text(
-        "Traceback (most recent call last):\n  File \"/x/hpctrain/train/loop.py\", line 1, in train\n"
+        'Traceback (most recent call last):\n  File "/x/hpctrain/train/loop.py", line 1, in train\n'
         "RuntimeError: Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must "
         "use the 'spawn' start method\n"
         "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1\n"
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
-        "hpctrain.train.task.RunStopped: run stopped: deterministic failure\n")
+        "hpctrain.train.task.RunStopped: run stopped: deterministic failure\n"
+    )
     (tmp_path / "cmd_first.err").write_text("")
     assert first_fault(run_dir, tmp_path / "cmd_first").startswith("RuntimeError: Cannot re-initialize CUDA")
     (run_dir / "submitit" / "7_0_log.err").write_text(
         "hpctrain.train.faults.InjectedFault: injected fault at step 1 on rank 0\n"
-        "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1\n")
+        "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with exit code 1\n"
+    )
     assert first_fault(run_dir, tmp_path / "cmd_first").startswith("hpctrain.train.faults.InjectedFault")
     monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     monkeypatch.setenv("RANK", "3")
@@ -242,10 +262,14 @@ def test_the_command_check_names_the_workers_error_from_the_task_logs(tmp_path: 
 def test_a_worker_dying_under_the_agent_fails_the_command_check(tmp_path: Path) -> None:
     """The real command with a worker that raises at step 1 (hpctrain's fault injection, through the agent):
     a FAIL row with the exit code and the worker's own error from the task logs."""
-    proc = subprocess.run([sys.executable, str(TOOL), "--cpu", "--only", "cmd", "--workdir", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=280,
-                          env={**os.environ, "WANDB_MODE": "disabled",
-                               "HPCTRAIN_INJECT_FAULT": "raise:step=1:rank=0"})
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), "--cpu", "--only", "cmd", "--workdir", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "WANDB_MODE": "disabled", "HPCTRAIN_INJECT_FAULT": "raise:step=1:rank=0"},
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     row = _rows(proc.stdout)["cmd"]
     assert " FAIL " in row and "(first run) exited with 1" in row, proc.stdout

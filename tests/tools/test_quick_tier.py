@@ -25,8 +25,12 @@ REPORT = """\
 def test_a_report_gives_the_slow_list(tmp_path: Path) -> None:
     log, out = tmp_path / "run.log", tmp_path / "slow.txt"
     log.write_text(REPORT)
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "quick_tier.py"), str(log), "--out", str(out)],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "quick_tier.py"), str(log), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     listed = [line for line in out.read_text().splitlines() if not line.startswith("#")]
     assert listed == [
         "tests/checkpoint/test_integrity.py::test_a_flipped_bit_is_named_by_file_and_tensor",  # 0.5 + 0.4 s
@@ -38,9 +42,16 @@ def test_a_report_gives_the_slow_list(tmp_path: Path) -> None:
 @pytest.mark.slow  # a whole collection: 20 s
 def test_every_listed_test_exists() -> None:
     """A renamed test would silently fall back into the quick tier: the list names only collected tests."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
-                          cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     collected = {line.strip() for line in proc.stdout.splitlines() if "::" in line}
-    listed = [line.strip() for line in (REPO / "tests" / "slow_tests.txt").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
+    listed = [
+        line.strip()
+        for line in (REPO / "tests" / "slow_tests.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert collected and not [node for node in listed if node not in collected]

@@ -60,18 +60,28 @@ def test_the_progress_line_metrics_jsonl_and_wandb_carry_the_routing(tmp_path: P
         printed = pool.apply(log_one_routed_step, (str(tmp_path),))
     assert " | moe balance 1.020, imbalance 2.00 (layer 1), dropped 9.38%" in printed
     [row] = rows(tmp_path / "metrics.jsonl")
-    expected = {"moe/balance_loss": 1.02, "moe/z_loss": 0.5, "moe/dropped_fraction": 3 / 32, "moe/imbalance_max": 2.0,
-                "moe/idle_experts": 1,
-                "moe/layer0/tokens_min": 4, "moe/layer0/tokens_max": 4, "moe/layer0/imbalance": 1.0,
-                "moe/layer1/tokens_min": 0, "moe/layer1/tokens_max": 8, "moe/layer1/imbalance": 2.0}
+    expected = {
+        "moe/balance_loss": 1.02,
+        "moe/z_loss": 0.5,
+        "moe/dropped_fraction": 3 / 32,
+        "moe/imbalance_max": 2.0,
+        "moe/idle_experts": 1,
+        "moe/layer0/tokens_min": 4,
+        "moe/layer0/tokens_max": 4,
+        "moe/layer0/imbalance": 1.0,
+        "moe/layer1/tokens_min": 0,
+        "moe/layer1/tokens_max": 8,
+        "moe/layer1/imbalance": 2.0,
+    }
     assert {k: v for k, v in row.items() if k.startswith("moe/")} == expected
     [run] = [run_info(p) for p in tmp_path.glob("wandb/offline-run-*/run-*.wandb")]
     [history] = [h for h in run["history"] if "loss" in h]
     assert {k: history[k] for k in expected} == expected
 
 
-def test_without_a_capacity_the_line_leaves_dropped_out(compose_cfg, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_a_capacity_the_line_leaves_dropped_out(
+    compose_cfg, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg = compose_cfg("tracking.mode=disabled", f"run.root={tmp_path}")
     tracker = Tracker(cfg, tmp_path, "dropless", {})
     report(cfg, tracker, [step_stats(BALANCED)])
@@ -90,7 +100,8 @@ def test_an_idle_expert_is_warned_about_once(compose_cfg, tmp_path: Path, caplog
     tracker.close()
     events = rows(tmp_path / "events.jsonl")
     assert [(e["event"], e["step"], e["layer"], e["experts"], e["steps"]) for e in events] == [
-        ("expert_idle", IDLE_WARN_STEPS, 1, [1], IDLE_WARN_STEPS)]
+        ("expert_idle", IDLE_WARN_STEPS, 1, [1], IDLE_WARN_STEPS)
+    ]
     warnings = [r.getMessage() for r in caplog.records if "no token" in r.getMessage()]
     assert len(warnings) == 1 and "layer 1: 1" in warnings[0]
 

@@ -22,8 +22,7 @@ def wandb_runs(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_offline_wandb_matches_the_jsonl_and_holds_no_api_key(tmp_path: Path) -> None:
-    proc = run_hpctrain(*SHORT, f"run.root={tmp_path}", "run.id=tracked", cwd=tmp_path,
-                        env={"WANDB_API_KEY": FAKE_KEY})
+    proc = run_hpctrain(*SHORT, f"run.root={tmp_path}", "run.id=tracked", cwd=tmp_path, env={"WANDB_API_KEY": FAKE_KEY})
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "smoke" / "tracked"
     runs = wandb_runs(run_dir)
@@ -68,22 +67,48 @@ def test_a_signal_lead_shorter_than_a_measured_stop_is_reported_once(compose_cfg
     reporter = StepReporter(cfg, 1024, 4, torch.device("cpu"), 0, stop_tier="shared")
     stats = StepStats(loss=1.0, grad_norm=1.0)
     for step, tier, total in ((1, "ram", 50.0), (2, "shared", 12.0), (3, "shared", 40.0), (4, "shared", 40.0)):
-        reporter.step(tracker, step, step * 8, stats, 1e-3, 2.0, [{"event": "save_committed", "tier": tier,
-                      "step": step, "bytes": 1, "blocked_s": 0.1, "total_s": total}], ({}, []))
+        reporter.step(
+            tracker,
+            step,
+            step * 8,
+            stats,
+            1e-3,
+            2.0,
+            [{"event": "save_committed", "tier": tier, "step": step, "bytes": 1, "blocked_s": 0.1, "total_s": total}],
+            ({}, []),
+        )
     ok = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert ok == []  # the stop's tier measured 12 s + a 2 s step: inside 30 s; checked once, at its first save
     reporter = StepReporter(cfg, 1024, 4, torch.device("cpu"), 0, stop_tier="shared")
     for step in (5, 6):
-        reporter.step(tracker, step, step * 8, stats, 1e-3, 2.0, [{"event": "save_committed", "tier": "shared",
-                      "step": step, "bytes": 1, "blocked_s": 0.1, "total_s": 40.0}], ({}, []))
+        reporter.step(
+            tracker,
+            step,
+            step * 8,
+            stats,
+            1e-3,
+            2.0,
+            [
+                {
+                    "event": "save_committed",
+                    "tier": "shared",
+                    "step": step,
+                    "bytes": 1,
+                    "blocked_s": 0.1,
+                    "total_s": 40.0,
+                }
+            ],
+            ({}, []),
+        )
     tracker.close()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["key"] for e in events] == ["cluster.signal_delay_s"] and events[0]["needed_s"] == 42.0
     assert "set cluster.signal_delay_s>=84" in events[0]["message"]
 
 
-def test_the_ledger_at_an_attempts_start_is_made_off_the_training_thread(compose_cfg, tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_ledger_at_an_attempts_start_is_made_off_the_training_thread(
+    compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Parsing a long run's rows takes seconds: at an attempt's start rank 0 hands it to a thread (a ledger that
     cannot finish until released is asked for, and the call returns), publishes it at a later step's poll, and
     an attempt's end (made at once) comes after it, in order."""

@@ -5,8 +5,9 @@ run's only if the RNG streams were restored."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .common import (
     Ctx,
@@ -63,7 +64,6 @@ def differences(saved: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
     return [k for k in keys if k not in saved or k not in loaded or not bitwise_equal(saved[k], loaded[k])]
 
 
-
 def check_c(ctx: Ctx) -> Outcome:
     """Through the real loop: run A trains 3 steps and saves (the engine's state is copied to the CPU inside
     the save's own state_dict() call); run B resumes A's run directory into a fresh engine (weights from the
@@ -86,42 +86,68 @@ def check_c(ctx: Ctx) -> Outcome:
     resumed = read_metrics(run_dir)
     uninterrupted = {m["step"]: m for m in read_metrics(ctx.workdir / "c_uninterrupted")}
     last = resumed[-1]
-    expect(last["step"] == STEPS and last["consumed_samples"] == uninterrupted[STEPS]["consumed_samples"],
-           f"the resumed run ended at step {last['step']} with {last['consumed_samples']} samples consumed")
-    expect(last["loss"] == uninterrupted[STEPS]["loss"],
-           f"step {STEPS} loss {last['loss']!r} after the resume != {uninterrupted[STEPS]['loss']!r} without one")
-    numbers = {"saved_step": SAVE_AT, "entries": len(saved), "tensors": len(tensors),
-               "optimizer_tensors": optim_tensors,
-               "bytes": n_bytes, "weights_changed_by_training": changed_by_training, "step4_loss": last["loss"]}
-    return Outcome(True, f"step {SAVE_AT}: {len(tensors)} tensors ({optim_tensors} optimizer, {n_bytes / 1e6:.1f} MB)"
-                         f" bitwise equal after resume; step {STEPS} loss = uninterrupted run's ({last['loss']:.4f})",
-                   numbers)
+    expect(
+        last["step"] == STEPS and last["consumed_samples"] == uninterrupted[STEPS]["consumed_samples"],
+        f"the resumed run ended at step {last['step']} with {last['consumed_samples']} samples consumed",
+    )
+    expect(
+        last["loss"] == uninterrupted[STEPS]["loss"],
+        f"step {STEPS} loss {last['loss']!r} after the resume != {uninterrupted[STEPS]['loss']!r} without one",
+    )
+    numbers = {
+        "saved_step": SAVE_AT,
+        "entries": len(saved),
+        "tensors": len(tensors),
+        "optimizer_tensors": optim_tensors,
+        "bytes": n_bytes,
+        "weights_changed_by_training": changed_by_training,
+        "step4_loss": last["loss"],
+    }
+    return Outcome(
+        True,
+        f"step {SAVE_AT}: {len(tensors)} tensors ({optim_tensors} optimizer, {n_bytes / 1e6:.1f} MB)"
+        f" bitwise equal after resume; step {STEPS} loss = uninterrupted run's ({last['loss']:.4f})",
+        numbers,
+    )
 
 
 def _run_observed(ctx: Ctx, run_dir: Path) -> dict[str, Any]:
     """Runs A, B (both in run_dir) and C with the loop's build_engine observed; what it saw, as `_observed` keeps it."""
     from hpctrain.train import loop
 
-    tier = (f"checkpoint.tiers=[{{name: fast, path: {ctx.workdir / 'c_tier'}, interval_steps: {SAVE_AT}, "
-            "keep_last: 2}]")
+    tier = f"checkpoint.tiers=[{{name: fast, path: {ctx.workdir / 'c_tier'}, interval_steps: {SAVE_AT}, keep_last: 2}}]"
 
     def config(name: str, max_steps: int) -> dict[str, Any]:
         # A constant lr: the 3-step run A and the 4-step runs B and C take the same first 3 steps. Dropout:
         # step 4's masks come from the generator the checkpoint restored (the CUDA one on a GPU).
-        return compose(ctx, [*small_overrides(ctx, name, 1, max_steps), "checkpoint=default", tier,
-                             "checkpoint.save_final=false", "optim.decay=constant", "model.dropout=0.1"])
+        return compose(
+            ctx,
+            [
+                *small_overrides(ctx, name, 1, max_steps),
+                "checkpoint=default",
+                tier,
+                "checkpoint.save_final=false",
+                "optim.decay=constant",
+                "model.dropout=0.1",
+            ],
+        )
 
     seen: dict[str, Any] = {"saved": [], "before_load": None, "after_load": None, "fresh": None}
     original = loop.build_engine
     loop.build_engine = _observed(original, seen)
     try:
-        for name, max_steps, where in (("c_checkpoint", SAVE_AT, run_dir), ("c_checkpoint", STEPS, run_dir),
-                                       ("c_uninterrupted", STEPS, ctx.workdir / "c_uninterrupted")):
+        for name, max_steps, where in (
+            ("c_checkpoint", SAVE_AT, run_dir),
+            ("c_checkpoint", STEPS, run_dir),
+            ("c_uninterrupted", STEPS, ctx.workdir / "c_uninterrupted"),
+        ):
             init_world(ctx, 0, 1, free_port(), one_rank_backend(ctx))
             run_train(config(name, max_steps), where)
             if max_steps == SAVE_AT:
-                expect(len(seen["saved"]) == 1, f"run A called state_dict() {len(seen['saved'])} times, expected "
-                                                "once (its save at step 3)")
+                expect(
+                    len(seen["saved"]) == 1,
+                    f"run A called state_dict() {len(seen['saved'])} times, expected once (its save at step 3)",
+                )
                 seen["before_load"] = False  # from here on, state_dict() calls are not saves
     finally:
         loop.build_engine = original
@@ -138,8 +164,11 @@ def _observed(original: Callable[..., Any], seen: dict[str, Any]) -> Callable[..
         if seen["before_load"] is not None:  # runs B and C: the weights from the seed, read from the parameters:
             # engine.state_dict() on a fresh engine would initialise AdamW's state (torch runs a zero-lr step, so
             # the step count starts at 1 and the run changes), and DCP loads in place into its tensors.
-            seen["fresh"] = {f"model/{name.removeprefix('module.')}": p.detach().to("cpu", copy=True)
-                             for part in getattr(engine, "model_parts", []) for name, p in part.named_parameters()}
+            seen["fresh"] = {
+                f"model/{name.removeprefix('module.')}": p.detach().to("cpu", copy=True)
+                for part in getattr(engine, "model_parts", [])
+                for name, p in part.named_parameters()
+            }
 
         def saving_state_dict() -> dict[str, Any]:
             state = state_dict()

@@ -28,7 +28,6 @@ from .common import (
 )
 from .runner import run_ranks
 
-
 # ---------------------------------------------------------------------------------------------------------
 # a. one-rank world through train()
 
@@ -36,8 +35,16 @@ from .runner import run_ranks
 def check_a(ctx: Ctx) -> Outcome:
     steps = 4 if ctx.cpu else 6
     tier = "checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 2, keep_last: 2}]"
-    config = compose(ctx, [*small_overrides(ctx, "a_one_rank", 1, steps), "checkpoint=default", tier,
-                           "health.straggler_every=2", "health.preflight=warn"])
+    config = compose(
+        ctx,
+        [
+            *small_overrides(ctx, "a_one_rank", 1, steps),
+            "checkpoint=default",
+            tier,
+            "health.straggler_every=2",
+            "health.preflight=warn",
+        ],
+    )
     run_dir = ctx.workdir / "a_one_rank"
     backend = one_rank_backend(ctx)
     init_world(ctx, 0, 1, free_port(), backend)
@@ -51,10 +58,20 @@ def check_a(ctx: Ctx) -> Outcome:
     expect([m["step"] for m in metrics] == list(range(1, steps + 1)), f"metrics steps {[m['step'] for m in metrics]}")
     expect(saved and saved[-1] == steps, f"committed checkpoints at steps {saved}, expected the last at {steps}")
     s_per_step = statistics.median(m["step_time_s"] for m in metrics[1:]) if len(metrics) > 1 else 0.0
-    numbers = {"backend": backend, "steps": steps, "first_loss": losses[0], "final_loss": losses[-1],
-               "checkpoint_steps": saved, "step_time_s": s_per_step}
-    return Outcome(True, f"{backend}, {steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                         f"checkpoints at {saved}, {s_per_step * 1e3:.0f} ms/step", numbers)
+    numbers = {
+        "backend": backend,
+        "steps": steps,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "checkpoint_steps": saved,
+        "step_time_s": s_per_step,
+    }
+    return Outcome(
+        True,
+        f"{backend}, {steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        f"checkpoints at {saved}, {s_per_step * 1e3:.0f} ms/step",
+        numbers,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -74,10 +91,19 @@ def check_b(ctx: Ctx, recompute: str) -> Outcome:
         overrides = [*small_overrides(ctx, name, 1, steps)]
     else:
         steps, mb = ctx.steps, ctx.micro_batch
-        overrides = [*common_overrides(ctx, name, 1), "model=gpt3_1.3b", "data=synthetic", "precision=bf16",
-                     "train.seq_len=2048", f"train.micro_batch={mb}", f"train.global_batch={2 * mb}",
-                     f"train.max_steps={steps}", "optim.lr=3e-4", "optim.warmup_steps=5",
-                     "health.straggler_every=0"]
+        overrides = [
+            *common_overrides(ctx, name, 1),
+            "model=gpt3_1.3b",
+            "data=synthetic",
+            "precision=bf16",
+            "train.seq_len=2048",
+            f"train.micro_batch={mb}",
+            f"train.global_batch={2 * mb}",
+            f"train.max_steps={steps}",
+            "optim.lr=3e-4",
+            "optim.warmup_steps=5",
+            "health.straggler_every=0",
+        ]
     overrides += ["checkpoint=none", f"parallel.recompute={recompute}", "health.preflight=off"]
     config = compose(ctx, overrides)
     cfg = load_config(config)  # the typed config, composed as the loop does from the same dict
@@ -96,18 +122,32 @@ def check_b(ctx: Ctx, recompute: str) -> Outcome:
     measured = max(m["peak_mem_gb"] for m in metrics)  # GiB: CUDA max allocated (max RSS on CPU)
     planned_gib = planned.total / 2**30
     tokens = cfg.train.global_batch * cfg.train.seq_len
-    numbers = {"model": cfg.model.name, "recompute": recompute, "micro_batch": cfg.train.micro_batch,
-               "global_batch": cfg.train.global_batch, "seq_len": cfg.train.seq_len, "steps": steps,
-               "gpu_type": cfg.cluster.gpu_type, "mfu_median": mfu, "mfu_goal": None if ctx.cpu else ctx.mfu_goal,
-               "step_time_s": step_s, "tokens_per_s": tokens / step_s, "final_loss": result.get("final_loss"),
-               "peak_mem_gib_measured": measured, "peak_mem_gib_torch": torch_peak,
-               "peak_mem_gib_planned": planned_gib, "planned_usable_gib": planned.usable / 2**30,
-               "measured_over_planned": measured / planned_gib if planned_gib else None}
+    numbers = {
+        "model": cfg.model.name,
+        "recompute": recompute,
+        "micro_batch": cfg.train.micro_batch,
+        "global_batch": cfg.train.global_batch,
+        "seq_len": cfg.train.seq_len,
+        "steps": steps,
+        "gpu_type": cfg.cluster.gpu_type,
+        "mfu_median": mfu,
+        "mfu_goal": None if ctx.cpu else ctx.mfu_goal,
+        "step_time_s": step_s,
+        "tokens_per_s": tokens / step_s,
+        "final_loss": result.get("final_loss"),
+        "peak_mem_gib_measured": measured,
+        "peak_mem_gib_torch": torch_peak,
+        "peak_mem_gib_planned": planned_gib,
+        "planned_usable_gib": planned.usable / 2**30,
+        "measured_over_planned": measured / planned_gib if planned_gib else None,
+    }
     ok = ctx.cpu or mfu >= ctx.mfu_goal
-    summary = (f"{cfg.model.name} {cfg.train.micro_batch}x{cfg.train.seq_len}: MFU {mfu:.1%}"
-               + ("" if ctx.cpu else f" (goal {ctx.mfu_goal:.0%})")
-               + f", {tokens / step_s:,.0f} tok/s, peak {measured:.2f} GiB measured / {planned_gib:.2f} GiB "
-               f"planned = {measured / planned_gib:.2f}")
+    summary = (
+        f"{cfg.model.name} {cfg.train.micro_batch}x{cfg.train.seq_len}: MFU {mfu:.1%}"
+        + ("" if ctx.cpu else f" (goal {ctx.mfu_goal:.0%})")
+        + f", {tokens / step_s:,.0f} tok/s, peak {measured:.2f} GiB measured / {planned_gib:.2f} GiB "
+        f"planned = {measured / planned_gib:.2f}"
+    )
     if ctx.cpu:
         summary += " (CPU: max RSS)"
     return Outcome(ok, summary, numbers)
@@ -167,8 +207,11 @@ def _offload_steps(ctx: Ctx, cfg: Any, mesh: Any, max_norm: float) -> dict[str, 
         logits = gpt(x)
         loss = F.cross_entropy(logits[..., :vocab].reshape(-1, vocab).float(), y.reshape(-1))
         loss.backward()
-        grad_devices |= {(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).device.type
-                         for p in params if p.grad is not None}
+        grad_devices |= {
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).device.type
+            for p in params
+            if p.grad is not None
+        }
         norm = grad_norm_and_clip(params, max_norm, device)
         after.append(grad_norm_and_clip(params, 0.0, device))  # max_norm 0: measures, does not clip
         optimizer.step()
@@ -176,9 +219,16 @@ def _offload_steps(ctx: Ctx, cfg: Any, mesh: Any, max_norm: float) -> dict[str, 
         losses.append(loss.item())
         norms.append(norm)
     direct = getattr(getattr(optimizer, "file", None), "direct", None)
-    return {"losses": losses, "norms": norms, "after": after, "where": where, "grad_devices": grad_devices,
-            "weights": [p.to_local().detach().clone() for p in params], "optimizer": type(optimizer).__name__,
-            "o_direct": direct}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "after": after,
+        "where": where,
+        "grad_devices": grad_devices,
+        "weights": [p.to_local().detach().clone() for p in params],
+        "optimizer": type(optimizer).__name__,
+        "o_direct": direct,
+    }
 
 
 def check_d(ctx: Ctx) -> Outcome:
@@ -191,8 +241,17 @@ def check_d(ctx: Ctx) -> Outcome:
     base = [*small_overrides(ctx, "d_tp_fsdp_offload", 1, 3), f"optim.grad_clip={max_norm}"]
     cfg = load_config(compose(ctx, [*base, "zero=stage2_offload"]))
     expect(bool(cfg.zero.offload_optimizer), "zero.offload_optimizer is not set")
-    nvme_cfg = load_config(compose(ctx, [*base, "zero=stage2_offload", "zero.offload_optimizer_device=nvme",
-                                         f"zero.nvme_path={ctx.workdir / 'nvme'}"]))
+    nvme_cfg = load_config(
+        compose(
+            ctx,
+            [
+                *base,
+                "zero=stage2_offload",
+                "zero.offload_optimizer_device=nvme",
+                f"zero.nvme_path={ctx.workdir / 'nvme'}",
+            ],
+        )
+    )
     init_world(ctx, 0, 1, free_port(), one_rank_backend(ctx))
     device = ctx.device
     mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp_shard", "tp"))
@@ -208,13 +267,26 @@ def check_d(ctx: Ctx) -> Outcome:
     same = nvme["losses"] == losses and all(torch.equal(a, b) for a, b in zip(cpu["weights"], nvme["weights"]))
     expect(same, f"NVMe offload differs from CPU offload: losses {nvme['losses']} vs {losses}")
     decreased = losses[-1] < losses[0]
-    numbers = {"losses": losses, "grad_norms": norms, "clipped_norms": after, "max_norm": max_norm,
-               "loss_decreased": decreased, "param_device": cpu["where"], "grad_devices": sorted(grad_devices),
-               "mesh_device": device.type, "nvme_bitwise_equal": same, "nvme_o_direct": nvme["o_direct"]}
-    return Outcome(True, f"3 steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
-                         f"{'' if decreased else ' (did not decrease)'}, grad norm {norms[0]:.3g} clipped to "
-                         f"{after[0]:.3g} on {'/'.join(sorted(grad_devices))} gradients; NVMe offload bitwise equal"
-                         f" ({'O_DIRECT' if nvme['o_direct'] else 'buffered'})", numbers)
+    numbers = {
+        "losses": losses,
+        "grad_norms": norms,
+        "clipped_norms": after,
+        "max_norm": max_norm,
+        "loss_decreased": decreased,
+        "param_device": cpu["where"],
+        "grad_devices": sorted(grad_devices),
+        "mesh_device": device.type,
+        "nvme_bitwise_equal": same,
+        "nvme_o_direct": nvme["o_direct"],
+    }
+    return Outcome(
+        True,
+        f"3 steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        f"{'' if decreased else ' (did not decrease)'}, grad norm {norms[0]:.3g} clipped to "
+        f"{after[0]:.3g} on {'/'.join(sorted(grad_devices))} gradients; NVMe offload bitwise equal"
+        f" ({'O_DIRECT' if nvme['o_direct'] else 'buffered'})",
+        numbers,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,23 +317,42 @@ def check_e(ctx: Ctx) -> Outcome:
     steps = 4
     # gpu_type=cpu: the local executor's check (one task per GPU) forbids 2 tasks on 1 GPU, which is the point
     # here; train() takes the GPU whatever gpu_type says (it only sets the MFU peak, unused here).
-    configs = {stage: compose(ctx, [*small_overrides(ctx, f"e_zero{stage}", 2, steps, "cpu"), f"zero=stage{stage}",
-                                    "checkpoint=none", "health.straggler_every=2"])
-               for stage in (0, 1)}
+    configs = {
+        stage: compose(
+            ctx,
+            [
+                *small_overrides(ctx, f"e_zero{stage}", 2, steps, "cpu"),
+                f"zero=stage{stage}",
+                "checkpoint=none",
+                "health.straggler_every=2",
+            ],
+        )
+        for stage in (0, 1)
+    }
     ports = {0: free_port(), 1: free_port()}
     while ports[1] == ports[0]:
         ports[1] = free_port()
     records = run_ranks(ctx, "e", lambda r, out: _e_worker(ctx, r, configs, ports, out))
     losses = {int(k): v for k, v in records[0]["final_loss"].items()}
     expect(all(finite(v) for v in losses.values()), f"final losses {losses}")
-    expect(records[1]["final_loss"] == records[0]["final_loss"],
-           f"ranks disagree on the final loss: {records[0]['final_loss']} vs {records[1]['final_loss']}")
+    expect(
+        records[1]["final_loss"] == records[0]["final_loss"],
+        f"ranks disagree on the final loss: {records[0]['final_loss']} vs {records[1]['final_loss']}",
+    )
     gap = abs(losses[0] - losses[1])
     expect(gap <= 1e-3, f"DDP final loss {losses[0]:.6f} vs ZeRO-1 {losses[1]:.6f}: differ by {gap:.2e} > 1e-3")
     backend = "gloo" if ctx.cpu else "cpu:gloo,cuda:gloo"
     ctx.device_name = records[0].get("device", ctx.device_name)
-    numbers = {"backend": backend, "device": ctx.device_name, "steps": steps, "final_loss_ddp": losses[0],
-               "final_loss_zero1": losses[1],
-               "difference": gap}
-    return Outcome(True, f"2 ranks, {backend}, {steps} steps: DDP loss {losses[0]:.5f}, ZeRO-1 {losses[1]:.5f}, "
-                         f"|diff| {gap:.1e}", numbers)
+    numbers = {
+        "backend": backend,
+        "device": ctx.device_name,
+        "steps": steps,
+        "final_loss_ddp": losses[0],
+        "final_loss_zero1": losses[1],
+        "difference": gap,
+    }
+    return Outcome(
+        True,
+        f"2 ranks, {backend}, {steps} steps: DDP loss {losses[0]:.5f}, ZeRO-1 {losses[1]:.5f}, |diff| {gap:.1e}",
+        numbers,
+    )

@@ -29,26 +29,58 @@ FIRST_STEPS, SAVE_AT, RESUMED_STEPS = 3, 3, 5
 # Not passed on to the command: a user's shell has none of them. PYTORCH_NVML_BASED_CUDA_CHECK above all: this
 # tool sets it for itself, and with it torch.cuda.is_available() does not initialise CUDA, which would hide
 # exactly the fault this check is for.
-STRIPPED = ("PYTORCH_NVML_BASED_CUDA_CHECK", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+STRIPPED = (
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 STRIPPED_PREFIXES = ("TORCHELASTIC_", "SUBMITIT_")
 # How the task logs show why a worker died: a CUDA or NCCL error first ("Cannot re-initialize CUDA in forked
 # subprocess" when the agent initialised CUDA before it forked), else the first exception that is not one of
 # the wrappers the agent, submitit and the task raise around it.
 CUDA_FAULT = re.compile(r"(Cannot re-initialize CUDA|CUDA error|NCCL error|CUDA out of memory|cudaError|ncclError)")
 EXCEPTION = re.compile(r"^([\w.]+\.)?\w*(Error|Exception|Fault|Failed|Exit)\w*: \S")
-WRAPPERS = ("ProcessExitedException", "ChildFailedError", "RunStopped", "FailedJobError", "UncompletedJobError",
-            "LeaveAllocation", "CheckFailed")
+WRAPPERS = (
+    "ProcessExitedException",
+    "ChildFailedError",
+    "RunStopped",
+    "FailedJobError",
+    "UncompletedJobError",
+    "LeaveAllocation",
+    "CheckFailed",
+)
 
 
 def command_overrides(ctx: Ctx, root: Path) -> list[str]:
     """The command line a user types on a one-GPU machine (the local executor, the default launch mode: no
     launcher.in_allocation here), with the tiny GPT on synthetic tokens and a checkpoint at step 3."""
-    return [f"run.root={root}", "run.name=gpu_check", "cluster=local", "cluster.nodes=1", "cluster.gpus_per_node=1",
-            f"cluster.gpu_type={ctx.gpu_type}", "model=tiny", "data=synthetic", "data.vocab_size=256",
-            f"precision={precision(ctx)}", "train.seq_len=128", "train.global_batch=8", "train.micro_batch=4",
-            "train.log_every=1", "optim.lr=2e-3", "optim.warmup_steps=1", "checkpoint=default",
-            f"checkpoint.tiers.0.interval_steps={SAVE_AT}", "tracking=disabled"]
+    return [
+        f"run.root={root}",
+        "run.name=gpu_check",
+        "cluster=local",
+        "cluster.nodes=1",
+        "cluster.gpus_per_node=1",
+        f"cluster.gpu_type={ctx.gpu_type}",
+        "model=tiny",
+        "data=synthetic",
+        "data.vocab_size=256",
+        f"precision={precision(ctx)}",
+        "train.seq_len=128",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "train.log_every=1",
+        "optim.lr=2e-3",
+        "optim.warmup_steps=1",
+        "checkpoint=default",
+        f"checkpoint.tiers.0.interval_steps={SAVE_AT}",
+        "tracking=disabled",
+    ]
 
 
 def command_environment() -> dict[str, str]:
@@ -64,8 +96,7 @@ def run_command(args: list[str], cwd: Path, log_stem: Path, timeout_s: float) ->
     cmd = [sys.executable, "-m", "hpctrain", *args]
     print("$ " + " ".join(cmd), flush=True)
     with open(log_stem.with_suffix(".out"), "w") as out, open(log_stem.with_suffix(".err"), "w") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=command_environment(), stdout=out, stderr=err,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=command_environment(), stdout=out, stderr=err, start_new_session=True)
         try:
             code: int | None = proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
@@ -104,9 +135,12 @@ def first_fault(run_dir: Path, stem: Path) -> str:
             continue
     lines = [s for text in texts for s in text]
     exceptions = [s for s in lines if EXCEPTION.match(s)]
-    chosen = next((s for s in lines if CUDA_FAULT.search(s)), None) \
-        or next((s for s in exceptions if not any(w in s.split(":")[0] for w in WRAPPERS)), None) \
-        or next(iter(exceptions), None) or (texts[-1][-1] if texts and texts[-1] else "")
+    chosen = (
+        next((s for s in lines if CUDA_FAULT.search(s)), None)
+        or next((s for s in exceptions if not any(w in s.split(":")[0] for w in WRAPPERS)), None)
+        or next(iter(exceptions), None)
+        or (texts[-1][-1] if texts and texts[-1] else "")
+    )
     return chosen[:300]
 
 
@@ -125,8 +159,10 @@ def check_cmd(ctx: Ctx) -> Outcome:
     deadline = time.monotonic() + ctx.timeout_s - 5
     codes: list[int | None] = []
     seconds: list[float] = []
-    invocations = [("first", [*base, f"run.id={RUN_ID}", f"train.max_steps={FIRST_STEPS}"], 0.55),
-                   ("resume", [*base, f"run.resume={RUN_ID}", f"train.max_steps={RESUMED_STEPS}"], 1.0)]
+    invocations = [
+        ("first", [*base, f"run.id={RUN_ID}", f"train.max_steps={FIRST_STEPS}"], 0.55),
+        ("resume", [*base, f"run.resume={RUN_ID}", f"train.max_steps={RESUMED_STEPS}"], 1.0),
+    ]
     for name, args, share in invocations:
         stem = ctx.workdir / f"cmd_{name}"
         started = time.monotonic()
@@ -142,20 +178,26 @@ def check_cmd(ctx: Ctx) -> Outcome:
             where = f"task log: {fault}" if fault else f"see {stem}.err and {RunPaths(run_dir).submitit}"
             raise CheckFailed(f"`python -m hpctrain` ({name} run) {what} after {seconds[-1]:.0f} s; {where}")
         last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-        expect(last == f"run directory: {run_dir}", f"the {name} run ended with {last!r}, expected "
-                                                    f"'run directory: {run_dir}'")
+        expect(
+            last == f"run directory: {run_dir}",
+            f"the {name} run ended with {last!r}, expected 'run directory: {run_dir}'",
+        )
         if name == "first":
             in_allocation = _check_first(ctx, run_dir)
     # The resumed invocation: steps 4 and 5 after a resume from step 3, through the agent again.
     metrics = read_metrics(run_dir)
     steps = [m["step"] for m in metrics]
-    expect(steps == list(range(1, RESUMED_STEPS + 1)), f"metrics.jsonl steps {steps}, expected 1..{RESUMED_STEPS} "
-                                                       f"(steps 4, 5 after the resume from step {SAVE_AT})")
+    expect(
+        steps == list(range(1, RESUMED_STEPS + 1)),
+        f"metrics.jsonl steps {steps}, expected 1..{RESUMED_STEPS} (steps 4, 5 after the resume from step {SAVE_AT})",
+    )
     events = _events(run_dir)
     resumes = [e for e in events if e.get("event") == "resume"]
     attempts = [e.get("from_step") for e in events if e.get("event") == "attempt"]
-    expect(len(resumes) == 1 and resumes[0].get("step") == SAVE_AT,
-           f"resume events {resumes}, expected one from step {SAVE_AT}")
+    expect(
+        len(resumes) == 1 and resumes[0].get("step") == SAVE_AT,
+        f"resume events {resumes}, expected one from step {SAVE_AT}",
+    )
     expect(attempts == [0, SAVE_AT], f"attempts started from steps {attempts}, expected [0, {SAVE_AT}]")
     losses = [m["loss"] for m in metrics]
     expect(all(finite(v) for v in losses), f"losses {losses}")
@@ -164,15 +206,30 @@ def check_cmd(ctx: Ctx) -> Outcome:
     agents = _agent_lines(run_dir)
     expect(len(agents) == 2, f"{len(agents)} elastic agent start lines in the task logs, expected one per invocation")
     streams = committed_in(run_dir / "checkpoints")[-1].manifest.get("rng_streams", [])
-    expect(ctx.cpu or "cuda" in streams, f"the resumed run's checkpoint has RNG streams {streams}: it trained on "
-                                         "the CPU, not the GPU")
-    numbers = {"exit_codes": codes, "seconds": seconds, "steps": steps, "losses": losses,
-               "resumed_from": resumes[0].get("step"), "checkpoint_steps": saved, "rng_streams": streams,
-               "gpu_type": ctx.gpu_type, "in_allocation": in_allocation, "run_dir": str(run_dir)}
+    expect(
+        ctx.cpu or "cuda" in streams,
+        f"the resumed run's checkpoint has RNG streams {streams}: it trained on the CPU, not the GPU",
+    )
+    numbers = {
+        "exit_codes": codes,
+        "seconds": seconds,
+        "steps": steps,
+        "losses": losses,
+        "resumed_from": resumes[0].get("step"),
+        "checkpoint_steps": saved,
+        "rng_streams": streams,
+        "gpu_type": ctx.gpu_type,
+        "in_allocation": in_allocation,
+        "run_dir": str(run_dir),
+    }
     device = "GPU" if "cuda" in streams else "CPU"
-    return Outcome(True, f"agent + forked worker on the {device}: exit {codes[0]}, {codes[1]}; steps 1-{SAVE_AT}, "
-                         f"resumed from {SAVE_AT} to {RESUMED_STEPS}, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-                         f"({seconds[0]:.0f} + {seconds[1]:.0f} s)", numbers)
+    return Outcome(
+        True,
+        f"agent + forked worker on the {device}: exit {codes[0]}, {codes[1]}; steps 1-{SAVE_AT}, "
+        f"resumed from {SAVE_AT} to {RESUMED_STEPS}, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+        f"({seconds[0]:.0f} + {seconds[1]:.0f} s)",
+        numbers,
+    )
 
 
 def _agent_lines(run_dir: Path) -> list[str]:
@@ -192,17 +249,27 @@ def _check_first(ctx: Ctx, run_dir: Path) -> bool:
     from hpctrain.checkpoint.storage import committed_in
 
     config = yaml.safe_load(RunPaths(run_dir).config.read_text())
-    expect(config["launcher"]["in_allocation"] is True,
-           f"launcher.in_allocation={config['launcher']['in_allocation']}: not the default launch mode")
-    expect(len(_agent_lines(run_dir)) == 1, "no elastic agent started (no 'agent for 1 worker(s)' in "
-                                            f"{RunPaths(run_dir).submitit}): the run did not take the default path")
+    expect(
+        config["launcher"]["in_allocation"] is True,
+        f"launcher.in_allocation={config['launcher']['in_allocation']}: not the default launch mode",
+    )
+    expect(
+        len(_agent_lines(run_dir)) == 1,
+        "no elastic agent started (no 'agent for 1 worker(s)' in "
+        f"{RunPaths(run_dir).submitit}): the run did not take the default path",
+    )
     steps = [m["step"] for m in read_metrics(run_dir)]
     expect(steps == list(range(1, FIRST_STEPS + 1)), f"metrics.jsonl steps {steps}, expected 1..{FIRST_STEPS}")
     saved = committed_in(run_dir / "checkpoints")
-    expect([c.step for c in saved] == [SAVE_AT], f"committed checkpoints at {[c.step for c in saved]}, "
-                                                 f"expected [{SAVE_AT}]")
+    expect(
+        [c.step for c in saved] == [SAVE_AT],
+        f"committed checkpoints at {[c.step for c in saved]}, expected [{SAVE_AT}]",
+    )
     streams = saved[-1].manifest.get("rng_streams", [])
     if not ctx.cpu:
-        expect("cuda" in streams, f"the checkpoint's RNG streams are {streams}: the worker trained on the CPU, "
-                                  f"not the GPU (cluster.gpu_type={ctx.gpu_type})")
+        expect(
+            "cuda" in streams,
+            f"the checkpoint's RNG streams are {streams}: the worker trained on the CPU, "
+            f"not the GPU (cluster.gpu_type={ctx.gpu_type})",
+        )
     return bool(config["launcher"]["in_allocation"])

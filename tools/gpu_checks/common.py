@@ -81,8 +81,8 @@ def compose(ctx: Ctx, overrides: list[str]) -> dict[str, Any]:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
-    from hpctrain.plan.checks import check_config
     from hpctrain.config.schema import register
+    from hpctrain.plan.checks import check_config
 
     register()
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):
@@ -93,20 +93,46 @@ def compose(ctx: Ctx, overrides: list[str]) -> dict[str, Any]:
 
 def common_overrides(ctx: Ctx, name: str, world: int, gpu_type: str | None = None) -> list[str]:
     startup = max(30, int(ctx.timeout_s) - 20)  # a hang dumps its stacks (hangs/ in the run dir) before the kill
-    return [f"run.root={ctx.workdir}", "run.name=gpu_check", f"run.id={name}", "cluster=local", "cluster.nodes=1",
-            f"cluster.gpus_per_node={world}", f"cluster.gpu_type={gpu_type or ctx.gpu_type}", "tracking=disabled",
-            "health.hang_timeout_s=60", f"health.startup_timeout_s={startup}", "train.log_every=1"]
+    return [
+        f"run.root={ctx.workdir}",
+        "run.name=gpu_check",
+        f"run.id={name}",
+        "cluster=local",
+        "cluster.nodes=1",
+        f"cluster.gpus_per_node={world}",
+        f"cluster.gpu_type={gpu_type or ctx.gpu_type}",
+        "tracking=disabled",
+        "health.hang_timeout_s=60",
+        f"health.startup_timeout_s={startup}",
+        "train.log_every=1",
+    ]
 
 
-def small_overrides(ctx: Ctx, name: str, world: int, steps: int, gpu_type: str | None = None, model: str = "tiny",
-                    precision_name: str | None = None) -> list[str]:
+def small_overrides(
+    ctx: Ctx,
+    name: str,
+    world: int,
+    steps: int,
+    gpu_type: str | None = None,
+    model: str = "tiny",
+    precision_name: str | None = None,
+) -> list[str]:
     """The tiny GPT (4 layers, d 128; or `model`, e.g. llama_tiny) on synthetic tokens: the plumbing, not the
     speed. `precision_name`: conf/precision (default: bf16 on GPUs, fp32 with --cpu)."""
-    return [*common_overrides(ctx, name, world, gpu_type), f"model={model}", "data=synthetic", "data.vocab_size=256",
-            f"precision={precision_name or precision(ctx)}", "train.seq_len=128", "train.global_batch=8",
-            f"train.micro_batch={4 // world}",
-            f"train.max_steps={steps}", "optim.lr=2e-3", "optim.warmup_steps=1",
-            f"health.allreduce_mb={1 if ctx.cpu else 16}"]
+    return [
+        *common_overrides(ctx, name, world, gpu_type),
+        f"model={model}",
+        "data=synthetic",
+        "data.vocab_size=256",
+        f"precision={precision_name or precision(ctx)}",
+        "train.seq_len=128",
+        "train.global_batch=8",
+        f"train.micro_batch={4 // world}",
+        f"train.max_steps={steps}",
+        "optim.lr=2e-3",
+        "optim.warmup_steps=1",
+        f"health.allreduce_mb={1 if ctx.cpu else 16}",
+    ]
 
 
 def precision(ctx: Ctx) -> str:
@@ -127,16 +153,28 @@ def init_world(ctx: Ctx, rank: int, world: int, port: int, backend: str) -> None
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     kwargs: dict[str, Any] = {}
     if not ctx.cpu:
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         if "nccl" in backend:
             kwargs["device_id"] = device  # NCCL communicators start now, as hpctrain's init_distributed does
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=max(60.0, ctx.timeout_s)), **kwargs)
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=max(60.0, ctx.timeout_s)),
+        **kwargs,
+    )
 
 
 def one_rank_backend(ctx: Ctx) -> str:
@@ -165,4 +203,3 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
-

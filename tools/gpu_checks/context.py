@@ -47,17 +47,29 @@ def check_cp(ctx: Ctx) -> Outcome:
     only_flash = contextlib.nullcontext() if ctx.cpu else sdpa_kernel([SDPBackend.FLASH_ATTENTION])
     with torch.no_grad(), only_flash:
         full, full_s = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), sync)
-        parts, chunks_s = _timed(lambda: [chunk_attention(shard_sequence(q, CP, r, dim=2), k, v, CP, r)
-                                          for r in range(CP)], sync)
+        parts, chunks_s = _timed(
+            lambda: [chunk_attention(shard_sequence(q, CP, r, dim=2), k, v, CP, r) for r in range(CP)], sync
+        )
     error = max(float((part - shard_sequence(full, CP, r, dim=2)).abs().max()) for r, part in enumerate(parts))
     bound = 1e-5 if ctx.cpu else 2e-2  # bf16: the kernels' block order differs between the calls
     expect(error <= bound, f"CP {CP} chunks differ from full causal attention by {error:.2e} (bound {bound:g})")
     ratio = chunks_s / full_s
-    numbers = {"cp": CP, "seq": s, "heads": hq, "kv_heads": hkv, "dtype": str(dtype), "max_abs_error": error,
-               "chunks_over_full_time": ratio}
+    numbers = {
+        "cp": CP,
+        "seq": s,
+        "heads": hq,
+        "kv_heads": hkv,
+        "dtype": str(dtype),
+        "max_abs_error": error,
+        "chunks_over_full_time": ratio,
+    }
     kernel = "flash only" if not ctx.cpu else "CPU SDPA"
-    return Outcome(True, f"CP {CP}, seq {s}, GQA {hq}/{hkv}, {kernel}: max error {error:.1e}; the {2 * CP} chunks "
-                         f"take {ratio:.2f}x one full causal call", numbers)
+    return Outcome(
+        True,
+        f"CP {CP}, seq {s}, GQA {hq}/{hkv}, {kernel}: max error {error:.1e}; the {2 * CP} chunks "
+        f"take {ratio:.2f}x one full causal call",
+        numbers,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -112,30 +124,49 @@ def check_cp_backward(ctx: Ctx) -> Outcome:
 
     with sdpa_kernel([SDPBackend.MATH]):  # the reference: math in higher precision
         ref = _attention_grads(full, *(t.to(ref_dtype) for t in (q, k, v, g)))
-    fused = contextlib.nullcontext() if ctx.cpu else sdpa_kernel(
-        [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    fused = (
+        contextlib.nullcontext()
+        if ctx.cpu
+        else sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    )
     with fused:
-        runs = {name: _attention_grads(fn, q, k, v, g) for name, fn in
-                (("full", full), ("cp4", cp_chunks), ("cp_attention", one_rank))}
+        runs = {
+            name: _attention_grads(fn, q, k, v, g)
+            for name, fn in (("full", full), ("cp4", cp_chunks), ("cp_attention", one_rank))
+        }
     names = ("out", "dq", "dk", "dv")
     errors = {name: {n: max_rel_error(t, r) for n, t, r in zip(names, got, ref)} for name, got in runs.items()}
     floor = 1e-6 if ctx.cpu else 1e-3
     for name in ("cp4", "cp_attention"):
         for n in names:
             bound = 2 * errors["full"][n] + floor
-            expect(errors[name][n] <= bound, f"{name}: {n} off the {str(ref_dtype).removeprefix('torch.')} reference "
-                   f"by {errors[name][n]:.2e} (relative), full causal SDPA by {errors['full'][n]:.2e}: bound "
-                   f"{bound:.2e}")
+            expect(
+                errors[name][n] <= bound,
+                f"{name}: {n} off the {str(ref_dtype).removeprefix('torch.')} reference "
+                f"by {errors[name][n]:.2e} (relative), full causal SDPA by {errors['full'][n]:.2e}: bound "
+                f"{bound:.2e}",
+            )
     if device.type == "cuda":
         torch.cuda.synchronize()
     worst = {name: max(e.values()) for name, e in errors.items()}
-    numbers = {"backend": backend, "cp": CP, "seq": s, "heads": hq, "kv_heads": hkv, "dtype": str(dtype),
-               "errors": errors}
+    numbers = {
+        "backend": backend,
+        "cp": CP,
+        "seq": s,
+        "heads": hq,
+        "kv_heads": hkv,
+        "dtype": str(dtype),
+        "errors": errors,
+    }
     group = backend.split(",")[-1]
-    return Outcome(True, f"seq {s}, GQA {hq}/{hkv}, {str(dtype).removeprefix('torch.')}: worst relative error of "
-                         f"out/dq/dk/dv vs {str(ref_dtype).removeprefix('torch.')}: CP {CP} chunks "
-                         f"{worst['cp4']:.1e}, cp_attention on a 1-rank {group} group {worst['cp_attention']:.1e}, "
-                         f"full SDPA {worst['full']:.1e}", numbers)
+    return Outcome(
+        True,
+        f"seq {s}, GQA {hq}/{hkv}, {str(dtype).removeprefix('torch.')}: worst relative error of "
+        f"out/dq/dk/dv vs {str(ref_dtype).removeprefix('torch.')}: CP {CP} chunks "
+        f"{worst['cp4']:.1e}, cp_attention on a 1-rank {group} group {worst['cp_attention']:.1e}, "
+        f"full SDPA {worst['full']:.1e}",
+        numbers,
+    )
 
 
 def _positions(seq_len: int, rank: int, device: Any) -> Any:

@@ -7,8 +7,9 @@ import os
 import pickle
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .common import (
     CheckFailed,
@@ -52,7 +53,7 @@ class CollectiveSpy:
         self.calls: list[dict[str, Any]] = []
         self._original: Callable[..., Any] | None = None
 
-    def __enter__(self) -> "CollectiveSpy":
+    def __enter__(self) -> CollectiveSpy:
         import torch.distributed as dist
 
         self._original = original = dist.all_reduce
@@ -80,9 +81,14 @@ def describe_collective(tensor: Any, group: Any) -> dict[str, Any]:
         backend = type(pg._get_backend(tensor.device)).__name__
     except Exception as exc:  # noqa: BLE001 - recorded, judged by the check
         backend = f"none ({first_line(exc)})"
-    return {"device": tensor.device.type, "dtype": str(tensor.dtype).removeprefix("torch."),
-            "numel": tensor.numel(), "default_group": group is None or pg is c10d._get_default_group(),
-            "group_backend": str(dist.get_backend(pg)), "backend": backend}
+    return {
+        "device": tensor.device.type,
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "numel": tensor.numel(),
+        "default_group": group is None or pg is c10d._get_default_group(),
+        "group_backend": str(dist.get_backend(pg)),
+        "backend": backend,
+    }
 
 
 def expected_backend(ctx: Ctx) -> str:
@@ -116,22 +122,41 @@ def check_ctl(ctx: Ctx) -> Outcome:
         expect(finite(stats.loss) and finite(stats.grad_norm), f"step {i}: loss {stats.loss}, norm {stats.grad_norm}")
         width = 2 + len(control)
         carrying = [c for c in spy.calls if c["numel"] == width and c["dtype"] == "float64"]
-        expect(bool(spy.calls), f"step {i}: no all-reduce ran: a one-rank world skipped the step's control "
-                                "all-reduce (hpctrain/parallel/engine.py Engine._reduce)")
-        expect(len(carrying) == 1, f"step {i}: {len(carrying)} all-reduces of the {width} control values "
-                                   f"(float64), expected 1; saw {spy.calls}")
+        expect(
+            bool(spy.calls),
+            f"step {i}: no all-reduce ran: a one-rank world skipped the step's control "
+            "all-reduce (hpctrain/parallel/engine.py Engine._reduce)",
+        )
+        expect(
+            len(carrying) == 1,
+            f"step {i}: {len(carrying)} all-reduces of the {width} control values "
+            f"(float64), expected 1; saw {spy.calls}",
+        )
         call = carrying[0]
-        expect(call["device"] == ctx.device.type, f"step {i}: the control tensor was on {call['device']}, expected "
-                                                  f"the engine's device {ctx.device.type}")
+        expect(
+            call["device"] == ctx.device.type,
+            f"step {i}: the control tensor was on {call['device']}, expected the engine's device {ctx.device.type}",
+        )
         expect(call["default_group"], f"step {i}: the control all-reduce ran on a subgroup, not the default group")
-        expect(call["backend"] == expected_backend(ctx), f"step {i}: the control all-reduce ran on "
-                                                         f"{call['backend']}, expected {expected_backend(ctx)}")
+        expect(
+            call["backend"] == expected_backend(ctx),
+            f"step {i}: the control all-reduce ran on {call['backend']}, expected {expected_backend(ctx)}",
+        )
     call = per_step[-1][0]
     counts = [len(c) for c in per_step]
-    numbers = {"backend": backend, "steps": steps, "all_reduces_per_step": counts, "control_tensor": call,
-               "losses": losses}
-    return Outcome(True, f"{backend}: {steps} steps, all-reduces per step {counts}, control {call['numel']} x "
-                         f"{call['dtype']} on {call['device']} via {call['backend']}, summed back exactly", numbers)
+    numbers = {
+        "backend": backend,
+        "steps": steps,
+        "all_reduces_per_step": counts,
+        "control_tensor": call,
+        "losses": losses,
+    }
+    return Outcome(
+        True,
+        f"{backend}: {steps} steps, all-reduces per step {counts}, control {call['numel']} x "
+        f"{call['dtype']} on {call['device']} via {call['backend']}, summed back exactly",
+        numbers,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,8 +215,10 @@ def check_fr(ctx: Ctx) -> Outcome:
     if not record.get("ok"):
         raise CheckFailed(f"the rank failed before the watchdog: {record.get('error') or describe_exit(status, log)}")
     ctx.device_name = record.get("device", ctx.device_name)
-    expect(status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_HANG,
-           f"the watchdog did not end the rank with exit code {EXIT_HANG}: {describe_exit(status, log)}")
+    expect(
+        status is not None and os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_HANG,
+        f"the watchdog did not end the rank with exit code {EXIT_HANG}: {describe_exit(status, log)}",
+    )
     hangs = RunPaths(run_dir).hangs(FR_JOB)
     stacks = hangs / "rank0.txt"
     expect(stacks.is_file(), f"no stack dump {stacks}")
@@ -206,20 +233,37 @@ def check_fr(ctx: Ctx) -> Outcome:
         path = hangs / f"{kind}{TRACE_SUFFIX}0"
         expect(path.is_file(), f"no {kind} flight-recorder dump {path.name} in {hangs}")
         trace = pickle.loads(path.read_bytes())  # torch's own pickle of builtins, written by this check's rank
-        ours = [e for e in trace.get("entries") or [] if "all_reduce" in str(e.get("profiling_name"))
-                and [FR_ELEMENTS] in (e.get("input_sizes") or [])]
-        expect(bool(ours), f"the {kind} dump holds {len(trace.get('entries') or [])} entries, none of this check's "
-                           f"all-reduces of {FR_ELEMENTS} elements")
-        found[kind] = {"entries": len(trace.get("entries") or []), "all_reduces": len(ours),
-                       "states": sorted({str(e.get("state")) for e in ours}),
-                       "with_stacks": any(e.get("frames") for e in ours)}
+        ours = [
+            e
+            for e in trace.get("entries") or []
+            if "all_reduce" in str(e.get("profiling_name")) and [FR_ELEMENTS] in (e.get("input_sizes") or [])
+        ]
+        expect(
+            bool(ours),
+            f"the {kind} dump holds {len(trace.get('entries') or [])} entries, none of this check's "
+            f"all-reduces of {FR_ELEMENTS} elements",
+        )
+        found[kind] = {
+            "entries": len(trace.get("entries") or []),
+            "all_reduces": len(ours),
+            "states": sorted({str(e.get("state")) for e in ours}),
+            "with_stacks": any(e.get("frames") for e in ours),
+        }
     if not ctx.cpu:
-        expect(found["nccl"]["all_reduces"] >= 2, f"the NCCL dump holds {found['nccl']['all_reduces']} of the 2 "
-                                                  "device all-reduces")
+        expect(
+            found["nccl"]["all_reduces"] >= 2,
+            f"the NCCL dump holds {found['nccl']['all_reduces']} of the 2 device all-reduces",
+        )
     failures = read_failures(run_dir, FR_JOB)
-    expect(len(failures) == 1 and failures[0].get("type") == "Hang" and not failures[0].get("peer"),
-           f"failure records {[(f.get('type'), f.get('peer')) for f in failures]}, expected one Hang, not a peer's")
+    expect(
+        len(failures) == 1 and failures[0].get("type") == "Hang" and not failures[0].get("peer"),
+        f"failure records {[(f.get('type'), f.get('peer')) for f in failures]}, expected one Hang, not a peer's",
+    )
     numbers = {"backend": record.get("backend"), "exit_code": EXIT_HANG, "verdict": verdict, "dumps": found}
     dumps = ", ".join(f"{k} {v['all_reduces']}/{v['entries']} ({'/'.join(v['states'])})" for k, v in found.items())
-    return Outcome(True, f"{record.get('backend')}: watchdog fired, exit {EXIT_HANG}, stacks + failure record; "
-                         f"flight-recorder dumps (our all-reduces/entries): {dumps}", numbers)
+    return Outcome(
+        True,
+        f"{record.get('backend')}: watchdog fired, exit {EXIT_HANG}, stacks + failure record; "
+        f"flight-recorder dumps (our all-reduces/entries): {dumps}",
+        numbers,
+    )

@@ -56,8 +56,9 @@ def check_sync(ctx: Ctx) -> Outcome:
 
     backend = one_rank_backend(ctx)
     init_world(ctx, 0, 1, free_port(), backend)
-    cfg, layout, engine = _engine(ctx, [*small_overrides(ctx, "sync", 1, SYNC_STEPS), "checkpoint=none",
-                                        "health.preflight=off"])
+    cfg, layout, engine = _engine(
+        ctx, [*small_overrides(ctx, "sync", 1, SYNC_STEPS), "checkpoint=none", "health.preflight=off"]
+    )
     batches = synthetic_batches(cfg, layout, cfg.train.seed, SYNC_STEPS)
     if not ctx.cpu:
         torch.cuda.synchronize()
@@ -77,13 +78,20 @@ def check_sync(ctx: Ctx) -> Outcome:
         torch.cuda.synchronize()
     counted = reads_per_step if ctx.cpu else warnings_per_step
     over = [i + 1 for i, n in enumerate(counted) if n > SYNCS_PER_STEP]
-    numbers = {"backend": backend, "steps": SYNC_STEPS, "budget": SYNCS_PER_STEP,
-               "cuda_sync_warnings_per_step": None if ctx.cpu else warnings_per_step,
-               "host_reads_per_step": reads_per_step, "host_reads": seen}
+    numbers = {
+        "backend": backend,
+        "steps": SYNC_STEPS,
+        "budget": SYNCS_PER_STEP,
+        "cuda_sync_warnings_per_step": None if ctx.cpu else warnings_per_step,
+        "host_reads_per_step": reads_per_step,
+        "host_reads": seen,
+    }
     what = "host reads (dispatch mode; CPU: no sync debug mode)" if ctx.cpu else "sync warnings"
-    summary = (f"{what} per step {counted} (budget {SYNCS_PER_STEP})"
-               + ("" if ctx.cpu else f"; dispatch-mode host reads {reads_per_step}")
-               + f": {'; '.join(seen) or 'none'}")
+    summary = (
+        f"{what} per step {counted} (budget {SYNCS_PER_STEP})"
+        + ("" if ctx.cpu else f"; dispatch-mode host reads {reads_per_step}")
+        + f": {'; '.join(seen) or 'none'}"
+    )
     if over:
         return Outcome(False, f"steps {over} above the budget; " + summary, numbers)
     return Outcome(True, summary, numbers)
@@ -106,28 +114,40 @@ def check_comp(ctx: Ctx) -> Outcome:
     init_world(ctx, 0, 1, free_port(), backend)
     runs: dict[str, Any] = {}
     for name, extra in (("eager", []), ("compiled", ["parallel.compile=true"])):
-        cfg, layout, engine = _engine(ctx, [*small_overrides(ctx, f"comp_{name}", 1, COMP_STEPS), "checkpoint=none",
-                                            "health.preflight=off", *extra])
+        cfg, layout, engine = _engine(
+            ctx,
+            [*small_overrides(ctx, f"comp_{name}", 1, COMP_STEPS), "checkpoint=none", "health.preflight=off", *extra],
+        )
         batches = synthetic_batches(cfg, layout, cfg.train.seed, 2)
         started = compile_seconds()
         stats = [engine.step(batches[i % 2], cfg.optim.lr) for i in range(COMP_STEPS)]
-        runs[name] = {"losses": [s.loss for s in stats], "norms": [s.grad_norm for s in stats],
-                      "compile_s": compile_seconds() - started}
+        runs[name] = {
+            "losses": [s.loss for s in stats],
+            "norms": [s.grad_norm for s in stats],
+            "compile_s": compile_seconds() - started,
+        }
         del engine
     eager, compiled = runs["eager"], runs["compiled"]
-    expect(all(finite(v) for v in eager["losses"] + compiled["losses"]), f"losses {eager['losses']} / "
-                                                                         f"{compiled['losses']}")
+    expect(
+        all(finite(v) for v in eager["losses"] + compiled["losses"]), f"losses {eager['losses']} / {compiled['losses']}"
+    )
     expect(compiled["compile_s"] > 0, "parallel.compile=true: torch.compile compiled nothing")
     expect(eager["compile_s"] == 0, f"the eager run compiled for {eager['compile_s']:.1f} s")
     bound = COMP_GAP["cpu" if ctx.cpu else "gpu"]
     gap = max(abs(a - b) / abs(b) for a, b in zip(compiled["losses"], eager["losses"]))
     norm_gap = max(abs(a - b) / abs(b) for a, b in zip(compiled["norms"], eager["norms"]))
-    expect(gap <= bound, f"compiled losses {compiled['losses']} vs eager {eager['losses']} (relative {gap:.2e} > "
-                         f"{bound:g})")
+    expect(
+        gap <= bound,
+        f"compiled losses {compiled['losses']} vs eager {eager['losses']} (relative {gap:.2e} > {bound:g})",
+    )
     numbers = {"backend": backend, "steps": COMP_STEPS, **runs, "loss_gap": gap, "norm_gap": norm_gap}
-    return Outcome(True, f"tiny GPT, {COMP_STEPS} steps: eager {' '.join(f'{v:.4f}' for v in eager['losses'])}, "
-                         f"compiled {' '.join(f'{v:.4f}' for v in compiled['losses'])} (loss {gap:.1e}, grad norm "
-                         f"{norm_gap:.1e} relative; {compiled['compile_s']:.0f} s compiling)", numbers)
+    return Outcome(
+        True,
+        f"tiny GPT, {COMP_STEPS} steps: eager {' '.join(f'{v:.4f}' for v in eager['losses'])}, "
+        f"compiled {' '.join(f'{v:.4f}' for v in compiled['losses'])} (loss {gap:.1e}, grad norm "
+        f"{norm_gap:.1e} relative; {compiled['compile_s']:.0f} s compiling)",
+        numbers,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -141,10 +161,21 @@ def mem_overrides(ctx: Ctx) -> list[str]:
     GPT with --cpu (only planned)."""
     if ctx.cpu:
         return [*small_overrides(ctx, "mem", 1, MEM_STEPS), "checkpoint=none", "health.preflight=off"]
-    return [*common_overrides(ctx, "mem", 1), "model=gpt3_125m", "data=synthetic", "precision=bf16",
-            "train.seq_len=2048", "train.micro_batch=4", "train.global_batch=8", f"train.max_steps={MEM_STEPS}",
-            "optim.lr=3e-4", "optim.warmup_steps=2", "checkpoint=none", "health.preflight=off",
-            "health.straggler_every=0"]
+    return [
+        *common_overrides(ctx, "mem", 1),
+        "model=gpt3_125m",
+        "data=synthetic",
+        "precision=bf16",
+        "train.seq_len=2048",
+        "train.micro_batch=4",
+        "train.global_batch=8",
+        f"train.max_steps={MEM_STEPS}",
+        "optim.lr=3e-4",
+        "optim.warmup_steps=2",
+        "checkpoint=none",
+        "health.preflight=off",
+        "health.straggler_every=0",
+    ]
 
 
 def check_mem(ctx: Ctx) -> Outcome:
@@ -163,33 +194,48 @@ def check_mem(ctx: Ctx) -> Outcome:
     cfg = load_config(config)
     planned = estimate(cfg, resolve_layout(cfg)).memory
     gib = 2.0**30
-    plan = {"planned_gib": planned.total / gib, "usable_gib": planned.usable / gib,
-            "activations_gib": planned.activations / gib}
+    plan = {
+        "planned_gib": planned.total / gib,
+        "usable_gib": planned.usable / gib,
+        "activations_gib": planned.activations / gib,
+    }
     if ctx.cpu:
-        return Outcome(True, f"{cfg.model.name} {cfg.train.micro_batch}x{cfg.train.seq_len}: planned "
-                             f"{plan['planned_gib']:.3f} GiB per GPU (activations {plan['activations_gib']:.3f}), "
-                             f"usable {plan['usable_gib']:.0f} GiB ({cfg.cluster.gpu_type}); no allocator on CPU",
-                       {"model": cfg.model.name, **plan})
+        return Outcome(
+            True,
+            f"{cfg.model.name} {cfg.train.micro_batch}x{cfg.train.seq_len}: planned "
+            f"{plan['planned_gib']:.3f} GiB per GPU (activations {plan['activations_gib']:.3f}), "
+            f"usable {plan['usable_gib']:.0f} GiB ({cfg.cluster.gpu_type}); no allocator on CPU",
+            {"model": cfg.model.name, **plan},
+        )
     init_world(ctx, 0, 1, free_port(), one_rank_backend(ctx))
     torch.cuda.reset_peak_memory_stats(ctx.device)
     result = run_train(config, ctx.workdir / "mem")
     stats = torch.cuda.memory_stats(ctx.device)
     steps = [m["step"] for m in read_metrics(ctx.workdir / "mem")]
-    expect(steps == list(range(1, MEM_STEPS + 1)) and finite(result.get("final_loss")),
-           f"the run recorded steps {steps}, final loss {result.get('final_loss')}")
-    measured = {"max_allocated_gib": torch.cuda.max_memory_allocated(ctx.device) / gib,
-                "max_reserved_gib": torch.cuda.max_memory_reserved(ctx.device) / gib,
-                "reserved_gib": torch.cuda.memory_reserved(ctx.device) / gib,
-                "num_alloc_retries": int(stats.get("num_alloc_retries", 0)), "num_ooms": int(stats.get("num_ooms", 0)),
-                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""}
-    ratios = {"allocated_over_planned": measured["max_allocated_gib"] / plan["planned_gib"],
-              "reserved_over_planned": measured["max_reserved_gib"] / plan["planned_gib"]}
+    expect(
+        steps == list(range(1, MEM_STEPS + 1)) and finite(result.get("final_loss")),
+        f"the run recorded steps {steps}, final loss {result.get('final_loss')}",
+    )
+    measured = {
+        "max_allocated_gib": torch.cuda.max_memory_allocated(ctx.device) / gib,
+        "max_reserved_gib": torch.cuda.max_memory_reserved(ctx.device) / gib,
+        "reserved_gib": torch.cuda.memory_reserved(ctx.device) / gib,
+        "num_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+        "num_ooms": int(stats.get("num_ooms", 0)),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or "",
+    }
+    ratios = {
+        "allocated_over_planned": measured["max_allocated_gib"] / plan["planned_gib"],
+        "reserved_over_planned": measured["max_reserved_gib"] / plan["planned_gib"],
+    }
     numbers = {"model": cfg.model.name, **plan, **measured, **ratios}
-    summary = (f"{cfg.model.name} {cfg.train.micro_batch}x{cfg.train.seq_len} bf16: peak allocated "
-               f"{measured['max_allocated_gib']:.2f} / reserved {measured['max_reserved_gib']:.2f} GiB vs planned "
-               f"{plan['planned_gib']:.2f} GiB ({ratios['allocated_over_planned']:.2f}x / "
-               f"{ratios['reserved_over_planned']:.2f}x), allocator retries {measured['num_alloc_retries']}, OOMs "
-               f"{measured['num_ooms']}, alloc conf '{measured['alloc_conf'] or 'default'}'")
+    summary = (
+        f"{cfg.model.name} {cfg.train.micro_batch}x{cfg.train.seq_len} bf16: peak allocated "
+        f"{measured['max_allocated_gib']:.2f} / reserved {measured['max_reserved_gib']:.2f} GiB vs planned "
+        f"{plan['planned_gib']:.2f} GiB ({ratios['allocated_over_planned']:.2f}x / "
+        f"{ratios['reserved_over_planned']:.2f}x), allocator retries {measured['num_alloc_retries']}, OOMs "
+        f"{measured['num_ooms']}, alloc conf '{measured['alloc_conf'] or 'default'}'"
+    )
     problems = []
     if measured["num_alloc_retries"] or measured["num_ooms"]:
         problems.append("the caching allocator retried or ran out of memory")

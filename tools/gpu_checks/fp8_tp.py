@@ -24,8 +24,12 @@ from .control import synthetic_batches
 from .probes import one_rank_mesh
 
 STEPS = 4
-RUNS = (("bf16", "none", False), ("tensorwise", "tensorwise", False), ("rowwise", "rowwise", False),
-        ("tensorwise compiled", "tensorwise", True))
+RUNS = (
+    ("bf16", "none", False),
+    ("tensorwise", "tensorwise", False),
+    ("rowwise", "rowwise", False),
+    ("tensorwise compiled", "tensorwise", True),
+)
 FP8_LOSS_GAP = 0.05  # an FP8 run's mean loss against bf16's (relative), as check f8
 COMPILED_GAP = {"gpu": 2e-2, "cpu": 1e-3}  # compiled against eager FP8, each step (relative)
 
@@ -44,9 +48,19 @@ def _run(ctx: Ctx, recipe: str, compiled: bool, mesh: Any) -> dict[str, Any]:
     from hpctrain.train.loop import load_config
 
     name = f"fp8x_{recipe}{'_compiled' if compiled else ''}"
-    cfg = load_config(compose(ctx, [*small_overrides(ctx, name, 1, STEPS, model="llama_tiny", precision_name="bf16"),
-                                    f"precision.fp8={recipe}", "zero=stage2", "train.seq_len=64", "checkpoint=none",
-                                    "health.preflight=off"]))
+    cfg = load_config(
+        compose(
+            ctx,
+            [
+                *small_overrides(ctx, name, 1, STEPS, model="llama_tiny", precision_name="bf16"),
+                f"precision.fp8={recipe}",
+                "zero=stage2",
+                "train.seq_len=64",
+                "checkpoint=none",
+                "health.preflight=off",
+            ],
+        )
+    )
     layout = resolve_layout(cfg)
     with torch.device("meta"):
         model = create_model(cfg.model, 1)
@@ -73,8 +87,12 @@ def _run(ctx: Ctx, recipe: str, compiled: bool, mesh: Any) -> dict[str, Any]:
     expect(all(finite(v) for v in losses), f"{name}: losses {losses}")
     compile_s = compile_seconds() - compile_started
     expect(compile_s > 0 or not compiled, f"{name}: torch.compile compiled nothing")
-    return {"losses": losses, "float8_linears": len(fp8), "compile_s": compile_s,
-            "fp8_all_gather": any(m.config.enable_fsdp_float8_all_gather for m in fp8)}
+    return {
+        "losses": losses,
+        "float8_linears": len(fp8),
+        "compile_s": compile_s,
+        "fp8_all_gather": any(m.config.enable_fsdp_float8_all_gather for m in fp8),
+    }
 
 
 def check_fp8x(ctx: Ctx) -> Outcome:
@@ -90,18 +108,31 @@ def check_fp8x(ctx: Ctx) -> Outcome:
             continue
         expect(r["float8_linears"] > 0, f"{label}: no Linear was converted to Float8Linear")
         gap = abs(sum(r["losses"]) / STEPS - mean) / mean
-        expect(gap <= FP8_LOSS_GAP, f"{label}: mean loss {sum(r['losses']) / STEPS:.4f} vs bf16 {mean:.4f} "
-                                    f"(relative {gap:.3f} > {FP8_LOSS_GAP})")
+        expect(
+            gap <= FP8_LOSS_GAP,
+            f"{label}: mean loss {sum(r['losses']) / STEPS:.4f} vs bf16 {mean:.4f} "
+            f"(relative {gap:.3f} > {FP8_LOSS_GAP})",
+        )
         r["loss_gap"] = gap
     expect(runs["tensorwise"]["fp8_all_gather"], "tensorwise with FSDP2: the FP8 all-gather of the weights is off")
     eager, compiled = runs["tensorwise"]["losses"], runs["tensorwise compiled"]["losses"]
     bound = COMPILED_GAP["cpu" if ctx.cpu else "gpu"]
     worst = max(abs(a - b) / abs(b) for a, b in zip(compiled, eager))
-    expect(worst <= bound, f"tensorwise compiled vs eager: losses {compiled} vs {eager} (relative {worst:.2e} > "
-                           f"{bound:g})")
-    numbers = {"backend": backend, "steps": STEPS, "compile_backend": "aot_eager" if ctx.cpu else "inductor",
-               "compiled_vs_eager": worst, **runs}
+    expect(
+        worst <= bound, f"tensorwise compiled vs eager: losses {compiled} vs {eager} (relative {worst:.2e} > {bound:g})"
+    )
+    numbers = {
+        "backend": backend,
+        "steps": STEPS,
+        "compile_backend": "aot_eager" if ctx.cpu else "inductor",
+        "compiled_vs_eager": worst,
+        **runs,
+    }
     how = "emulated FP8; compiled with aot_eager, not Inductor, on the CPU" if ctx.cpu else "Inductor"
     parts = "; ".join(f"{label} {' '.join(f'{v:.3f}' for v in r['losses'])}" for label, r in runs.items())
-    return Outcome(True, f"(dp_shard 1, tp 1) mesh, TP+SP+FSDP2 ZeRO-2, FP8 all-gather: {parts}; compiled vs eager "
-                         f"{worst:.1e} ({how}, compiling {runs['tensorwise compiled']['compile_s']:.0f} s)", numbers)
+    return Outcome(
+        True,
+        f"(dp_shard 1, tp 1) mesh, TP+SP+FSDP2 ZeRO-2, FP8 all-gather: {parts}; compiled vs eager "
+        f"{worst:.1e} ({how}, compiling {runs['tensorwise compiled']['compile_s']:.0f} s)",
+        numbers,
+    )

@@ -35,8 +35,11 @@ NO_KERNEL = ("No available kernel", "No viable backend")  # torch's words, CUDA 
 def fused_backends() -> dict[str, Any]:
     from torch.nn.attention import SDPBackend
 
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
 
 
 def _qualifies(engine: Any, batch: Any, backend: Any) -> bool:
@@ -62,8 +65,17 @@ def _llama_in(ctx: Ctx, precision_name: str) -> dict[str, Any]:
     from hpctrain.parallel.engine import build_engine
     from hpctrain.train.loop import load_config
 
-    cfg = load_config(compose(ctx, [*small_overrides(ctx, f"llama_{precision_name}", 1, 3, model="llama_tiny",
-                                                     precision_name=precision_name), "checkpoint=none"]))
+    cfg = load_config(
+        compose(
+            ctx,
+            [
+                *small_overrides(
+                    ctx, f"llama_{precision_name}", 1, 3, model="llama_tiny", precision_name=precision_name
+                ),
+                "checkpoint=none",
+            ],
+        )
+    )
     layout = resolve_layout(cfg)
     engine = build_engine(cfg, layout, ctx.device)
     batches = synthetic_batches(cfg, layout, cfg.train.seed, 2)
@@ -76,23 +88,36 @@ def _llama_in(ctx: Ctx, precision_name: str) -> dict[str, Any]:
             after = engine.evaluate(batches)
     except RuntimeError as exc:
         if any(m in str(exc) for m in NO_KERNEL):
-            raise CheckFailed(f"{precision_name}: no fused SDPA kernel ({', '.join(backends)}) runs the Llama's "
-                              "attention: only the math kernel qualifies") from exc
+            raise CheckFailed(
+                f"{precision_name}: no fused SDPA kernel ({', '.join(backends)}) runs the Llama's "
+                "attention: only the math kernel qualifies"
+            ) from exc
         raise
     losses = [s.loss for s in stats]
     norms = [s.grad_norm for s in stats]
-    expect(all(finite(v) for v in [before, after, *losses, *norms]),
-           f"{precision_name}: evaluate {before} / {after}, losses {losses}, norms {norms}")
+    expect(
+        all(finite(v) for v in [before, after, *losses, *norms]),
+        f"{precision_name}: evaluate {before} / {after}, losses {losses}, norms {norms}",
+    )
     expect(all(n > 0 for n in norms), f"{precision_name}: gradient norms {norms}: no gradient reached the weights")
     gap = abs(losses[0] - before) / abs(before)
-    expect(gap <= EVAL_TOLERANCE[precision_name],
-           f"{precision_name}: Engine.evaluate {before:.6f} vs the step's loss {losses[0]:.6f} on the same batch "
-           f"(relative {gap:.1e} > {EVAL_TOLERANCE[precision_name]:.0e})")
+    expect(
+        gap <= EVAL_TOLERANCE[precision_name],
+        f"{precision_name}: Engine.evaluate {before:.6f} vs the step's loss {losses[0]:.6f} on the same batch "
+        f"(relative {gap:.1e} > {EVAL_TOLERANCE[precision_name]:.0e})",
+    )
     del engine
     if not ctx.cpu:
         torch.cuda.empty_cache()
-    return {"kernels_alone": alone, "eval_before": before, "eval_after": after, "losses": losses,
-            "grad_norms": norms, "eval_vs_step": gap, "loss_fell": after < before}
+    return {
+        "kernels_alone": alone,
+        "eval_before": before,
+        "eval_after": after,
+        "losses": losses,
+        "grad_norms": norms,
+        "eval_vs_step": gap,
+        "loss_fell": after < before,
+    }
 
 
 def check_llama(ctx: Ctx) -> Outcome:
@@ -100,8 +125,11 @@ def check_llama(ctx: Ctx) -> Outcome:
     results = {p: _llama_in(ctx, p) for p in ("bf16", "fp32")}
     numbers: dict[str, Any] = {f"{p}_{k}": v for p, r in results.items() for k, v in r.items()}
     numbers["device"] = ctx.device.type
-    parts = [f"{p}: kernels {'/'.join(r['kernels_alone']) or 'none alone'}, eval {r['eval_before']:.3f} -> "
-             f"{r['eval_after']:.3f}" for p, r in results.items()]
+    parts = [
+        f"{p}: kernels {'/'.join(r['kernels_alone']) or 'none alone'}, eval {r['eval_before']:.3f} -> "
+        f"{r['eval_after']:.3f}"
+        for p, r in results.items()
+    ]
     note = " (CPU: flash is torch's CPU kernel; cuDNN and memory-efficient exist on GPUs only)" if ctx.cpu else ""
     return Outcome(True, "; ".join(parts) + note, numbers)
 
@@ -125,8 +153,14 @@ def check_hf(ctx: Ctx) -> Outcome:
     from tools.checkpoint import main as checkpoint_tool
 
     source_dir, started_dir, out = ctx.workdir / "hf_source", ctx.workdir / "hf_init_from", ctx.workdir / "hf_export"
-    source = compose(ctx, [*small_overrides(ctx, "hf_source", 1, 3, model="llama_tiny"), "checkpoint=default",
-                           "checkpoint.tiers.0.interval_steps=3"])
+    source = compose(
+        ctx,
+        [
+            *small_overrides(ctx, "hf_source", 1, 3, model="llama_tiny"),
+            "checkpoint=default",
+            "checkpoint.tiers.0.interval_steps=3",
+        ],
+    )
     init_world(ctx, 0, 1, free_port(), one_rank_backend(ctx))
     run_train(source, source_dir)
     RunPaths(source_dir).config.write_text(OmegaConf.to_yaml(OmegaConf.create(source)))  # as the launcher does
@@ -152,8 +186,10 @@ def check_hf(ctx: Ctx) -> Outcome:
         original(parts, path, m)
         loaded.append(weights_of(parts))
 
-    started = compose(ctx, [*small_overrides(ctx, "hf_init_from", 1, 2, model="llama_tiny"), "checkpoint=none",
-                            f"model.init_from={out}"])
+    started = compose(
+        ctx,
+        [*small_overrides(ctx, "hf_init_from", 1, 2, model="llama_tiny"), "checkpoint=none", f"model.init_from={out}"],
+    )
     loop.load_hf = observed_load_hf
     try:
         init_world(ctx, 0, 1, free_port(), one_rank_backend(ctx))
@@ -162,31 +198,47 @@ def check_hf(ctx: Ctx) -> Outcome:
         loop.load_hf = original
     expect(len(loaded) == 1, f"the loop loaded the HF directory {len(loaded)} times, expected once")
     weights = loaded[0]
-    expect(sorted(weights) == sorted(exported), f"the run's weights {sorted(set(weights) ^ set(exported))[:4]} "
-                                                "differ in name from the checkpoint's")
+    expect(
+        sorted(weights) == sorted(exported),
+        f"the run's weights {sorted(set(weights) ^ set(exported))[:4]} differ in name from the checkpoint's",
+    )
     differ = []
     for name, value in weights.items():
         rows = exported[name].shape[0]
-        same = value.dtype == exported[name].dtype and torch.equal(value[:rows], exported[name]) \
-            and not value[rows:].any()  # the layout's vocabulary padding rows start at zero
+        same = (
+            value.dtype == exported[name].dtype and torch.equal(value[:rows], exported[name]) and not value[rows:].any()
+        )  # the layout's vocabulary padding rows start at zero
         if not same:
             differ.append(name)
-    expect(not differ, f"{len(differ)} of {len(weights)} tensors differ from the exported checkpoint, "
-                       f"e.g. {differ[:3]}")
-    changed = sum(1 for k, v in fresh[0].items() if k in exported and not torch.equal(v[:exported[k].shape[0]],
-                                                                                      exported[k]))
+    expect(
+        not differ, f"{len(differ)} of {len(weights)} tensors differ from the exported checkpoint, e.g. {differ[:3]}"
+    )
+    changed = sum(
+        1 for k, v in fresh[0].items() if k in exported and not torch.equal(v[: exported[k].shape[0]], exported[k])
+    )
     expect(changed > 0, "the run's fresh weights already equal the checkpoint's: the comparison would prove nothing")
     metrics = read_metrics(started_dir)
     losses = [m["loss"] for m in metrics]
-    expect([m["step"] for m in metrics] == [1, 2] and all(finite(v) for v in losses),
-           f"the run from the HF directory: steps {[m['step'] for m in metrics]}, losses {losses}")
+    expect(
+        [m["step"] for m in metrics] == [1, 2] and all(finite(v) for v in losses),
+        f"the run from the HF directory: steps {[m['step'] for m in metrics]}, losses {losses}",
+    )
     expect(finite(result.get("final_loss")), f"final loss {result.get('final_loss')}")
     source_losses = [m["loss"] for m in read_metrics(source_dir)]
     n_bytes = sum(v.numel() * v.element_size() for v in weights.values())
-    numbers = {"files": files, "tensors": len(weights), "bytes": n_bytes, "source_losses": source_losses,
-               "init_from_losses": losses, "bitwise_equal": True, "changed_by_training": changed}
-    return Outcome(True, f"3-step Llama checkpoint exported ({', '.join(files)}); model.init_from run loaded "
-                         f"{len(weights)} tensors ({n_bytes / 1e6:.1f} MB) bitwise, steps 1-2 loss "
-                         f"{losses[0]:.3f} -> {losses[-1]:.3f} (source run ended at {source_losses[-1]:.3f})",
-                   numbers)
-
+    numbers = {
+        "files": files,
+        "tensors": len(weights),
+        "bytes": n_bytes,
+        "source_losses": source_losses,
+        "init_from_losses": losses,
+        "bitwise_equal": True,
+        "changed_by_training": changed,
+    }
+    return Outcome(
+        True,
+        f"3-step Llama checkpoint exported ({', '.join(files)}); model.init_from run loaded "
+        f"{len(weights)} tensors ({n_bytes / 1e6:.1f} MB) bitwise, steps 1-2 loss "
+        f"{losses[0]:.3f} -> {losses[-1]:.3f} (source run ended at {source_losses[-1]:.3f})",
+        numbers,
+    )

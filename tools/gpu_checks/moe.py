@@ -39,8 +39,17 @@ EP_TOLERANCE = {"logits": 1e-6, "grads_float32": 1e-6, "grads_bfloat16": 2e-2}
 def _config(ctx: Ctx, name: str, extra: list[str] = ()) -> Any:
     from hpctrain.train.loop import load_config
 
-    return load_config(compose(ctx, [*small_overrides(ctx, name, 1, STEPS, model=MODEL, precision_name="bf16"),
-                                     "checkpoint=none", "health.preflight=off", *extra]))
+    return load_config(
+        compose(
+            ctx,
+            [
+                *small_overrides(ctx, name, 1, STEPS, model=MODEL, precision_name="bf16"),
+                "checkpoint=none",
+                "health.preflight=off",
+                *extra,
+            ],
+        )
+    )
 
 
 def _built(cfg: Any, device: Any, layout_fn: Any = None) -> Any:
@@ -69,7 +78,6 @@ def grouped_expected(ctx: Ctx, cfg: Any) -> bool:
     return grouped_mm_serves(rows, torch.empty(e, h, d, dtype=torch.bfloat16, device=ctx.device))
 
 
-
 def _bf16_fsdp(ctx: Ctx, cfg: Any, x: Any, y: Any, expect_grouped: bool) -> dict[str, Any]:
     """FSDP2's bf16 mixed precision on a one-rank mesh: forward and backward under op logs, the loss against an
     fp32 forward of the same weights."""
@@ -86,19 +94,26 @@ def _bf16_fsdp(ctx: Ctx, cfg: Any, x: Any, y: Any, expect_grouped: bool) -> dict
         loss.backward()
     grads = grads_of(model)
     expert_grads = [g for n, g in grads.items() if ".experts." in n]
-    expect(bool(expert_grads) and all(g is not None and float(g.abs().sum()) > 0 for g in expert_grads),
-           "bf16 (FSDP2): an expert weight got no gradient")
+    expect(
+        bool(expert_grads) and all(g is not None and float(g.abs().sum()) > 0 for g in expert_grads),
+        "bf16 (FSDP2): an expert weight got no gradient",
+    )
     reference = _built(cfg, ctx.device)  # fp32, no layout: the same weights (drawn by name)
     with torch.no_grad():
         ref_loss = float(token_loss(reference(x), y, cfg.model.vocab_size))
     value = float(loss)
     gap = abs(value - ref_loss) / abs(ref_loss)
-    expect(finite(value) and gap <= LOSS_GAP, f"bf16 (FSDP2): loss {value:.5f} vs fp32 {ref_loss:.5f} on the same "
-                                              f"weights (relative {gap:.3g} > {LOSS_GAP})")
+    expect(
+        finite(value) and gap <= LOSS_GAP,
+        f"bf16 (FSDP2): loss {value:.5f} vs fp32 {ref_loss:.5f} on the same weights (relative {gap:.3g} > {LOSS_GAP})",
+    )
     ran = {"forward": forward.count("_grouped_mm"), "backward": backward.count("_grouped_mm")}
     if expect_grouped:
-        expect(ran["forward"] > 0, "bf16 (FSDP2): torch._grouped_mm did not run in the forward although "
-                                   "grouped_mm_serves says it serves (the experts ran a per-expert loop)")
+        expect(
+            ran["forward"] > 0,
+            "bf16 (FSDP2): torch._grouped_mm did not run in the forward although "
+            "grouped_mm_serves says it serves (the experts ran a per-expert loop)",
+        )
         expect(ran["backward"] > 0, "bf16 (FSDP2): torch._grouped_mm did not run in the backward")
     return {"loss": value, "fp32_loss": ref_loss, "gap": gap, "grouped_mm_calls": ran}
 
@@ -116,13 +131,16 @@ def _engine_steps(ctx: Ctx, cfg: Any, steps: int, log: OpLog | None = None) -> t
     engine = build_engine(cfg, layout, ctx.device)
     layers = moe_layers(engine.model_parts[0])
     batches = synthetic_batches(cfg, layout, cfg.train.seed, steps)
-    stats, biases = [], [{i: None if m.expert_bias is None else m.expert_bias.detach().double().cpu()
-                          for i, m in layers.items()}]
+    stats, biases = (
+        [],
+        [{i: None if m.expert_bias is None else m.expert_bias.detach().double().cpu() for i, m in layers.items()}],
+    )
     for batch in batches:
         with log if log is not None else contextlib.nullcontext():
             stats.append(engine.step(batch, cfg.optim.lr))
-        biases.append({i: None if m.expert_bias is None else m.expert_bias.detach().double().cpu()
-                       for i, m in layers.items()})
+        biases.append(
+            {i: None if m.expert_bias is None else m.expert_bias.detach().double().cpu() for i, m in layers.items()}
+        )
     for s in stats:
         expect(finite(s.loss) and finite(s.grad_norm), f"engine step: loss {s.loss}, gradient norm {s.grad_norm}")
         expect(s.moe is not None, "the engine reported no routing statistics for an MoE model")
@@ -162,8 +180,10 @@ def _ep_against_plain(ctx: Ctx, cfg: Any, x: Any, y: Any) -> dict[str, Any]:
         model = _built(cfg, ctx.device, layout_fn).to(dtype)
         if name == "ep":
             groups = {id(layer.experts.ep_group) for layer in moe_layers(model).values()}
-            expect(len(groups) == 1 and None not in {layer.experts.ep_group for layer in moe_layers(model).values()},
-                   "apply_ep left an MoE layer without its EP group")
+            expect(
+                len(groups) == 1 and None not in {layer.experts.ep_group for layer in moe_layers(model).values()},
+                "apply_ep left an MoE layer without its EP group",
+            )
         with OpLog() as log:
             logits = model(x)
             token_loss(logits, y, cfg.model.vocab_size).backward()
@@ -174,9 +194,11 @@ def _ep_against_plain(ctx: Ctx, cfg: Any, x: Any, y: Any) -> dict[str, Any]:
     grad_error = max(max_rel_error(ep_grads[n], g) for n, g in plain_grads.items() if g is not None)
     expect(sorted(ep_grads) == sorted(plain_grads), "EP: the parameters' names changed")
     grad_bound = EP_TOLERANCE[f"grads_{str(dtype).removeprefix('torch.')}"]
-    expect(logits_error <= EP_TOLERANCE["logits"] and grad_error <= grad_bound,
-           f"EP over one rank differs from no EP: logits {logits_error:.2e} (bound {EP_TOLERANCE['logits']:g}), "
-           f"gradients {grad_error:.2e} (bound {grad_bound:g}), relative")
+    expect(
+        logits_error <= EP_TOLERANCE["logits"] and grad_error <= grad_bound,
+        f"EP over one rank differs from no EP: logits {logits_error:.2e} (bound {EP_TOLERANCE['logits']:g}), "
+        f"gradients {grad_error:.2e} (bound {grad_bound:g}), relative",
+    )
     return {"dtype": str(dtype).removeprefix("torch."), "logits_error": logits_error, "grad_error": grad_error}
 
 
@@ -198,8 +220,11 @@ def check_moe(ctx: Ctx) -> Outcome:
     _, stats, _ = _engine_steps(ctx, cfg, 1, log)
     auto = {"loss": stats[0].loss, "grouped_mm_calls": log.count("_grouped_mm")}
     if grouped:
-        expect(auto["grouped_mm_calls"] > 0, "autocast (engine, precision=bf16, fp32 weights): the experts ran a "
-                                             "per-expert loop, not torch._grouped_mm (issue 45 S1)")
+        expect(
+            auto["grouped_mm_calls"] > 0,
+            "autocast (engine, precision=bf16, fp32 weights): the experts ran a "
+            "per-expert loop, not torch._grouped_mm (issue 45 S1)",
+        )
 
     _, capacity_stats, _ = _engine_steps(ctx, _config(ctx, "moe_capacity", ["model.moe.capacity_factor=0.5"]), STEPS)
     dropped = [s.moe.dropped for s in capacity_stats]
@@ -210,20 +235,35 @@ def check_moe(ctx: Ctx) -> Outcome:
     moved = max(float(b.abs().max()) for b in biases[-1].values())
     expect(moved > 0, "router=sigmoid: expert_bias did not move after the steps")
     bias_error = _bias_replay(sigmoid, bias_stats, biases)
-    expect(bias_error <= BIAS_TOLERANCE, f"router=sigmoid: expert_bias differs from the fp64 replay of the update "
-                                         f"rule by {bias_error:.2e} (bound {BIAS_TOLERANCE:g})")
+    expect(
+        bias_error <= BIAS_TOLERANCE,
+        f"router=sigmoid: expert_bias differs from the fp64 replay of the update "
+        f"rule by {bias_error:.2e} (bound {BIAS_TOLERANCE:g})",
+    )
 
     ep = _ep_against_plain(ctx, cfg, x, y)
     if not ctx.cpu:
         torch.cuda.synchronize()
     where = "grouped GEMM" if grouped else "per-expert loop (grouped_mm_serves: no)"
-    numbers = {"backend": backend, "grouped_mm_serves": grouped, "bf16_fsdp": bf16, "autocast": auto,
-               "capacity_dropped": dropped, "capacity_losses": [s.loss for s in capacity_stats],
-               "bias_max": moved, "bias_error": bias_error, "ep": ep}
+    numbers = {
+        "backend": backend,
+        "grouped_mm_serves": grouped,
+        "bf16_fsdp": bf16,
+        "autocast": auto,
+        "capacity_dropped": dropped,
+        "capacity_losses": [s.loss for s in capacity_stats],
+        "bias_max": moved,
+        "bias_error": bias_error,
+        "ep": ep,
+    }
     g = bf16["grouped_mm_calls"]
-    return Outcome(True, f"bf16 {where}: _grouped_mm fwd {g['forward']} / bwd {g['backward']}, loss "
-                         f"{bf16['loss']:.4f} vs fp32 {bf16['fp32_loss']:.4f}; autocast _grouped_mm "
-                         f"{auto['grouped_mm_calls']}, loss {auto['loss']:.4f}; capacity 0.5 dropped "
-                         f"{'/'.join(f'{d:.0f}' for d in dropped)}; sigmoid bias |max| {moved:.0e}, replay error "
-                         f"{bias_error:.0e}; EP on 1-rank {backend.split(',')[-1]} ({ep['dtype']}) vs none: "
-                         f"logits {ep['logits_error']:.0e}, grads {ep['grad_error']:.0e}", numbers)
+    return Outcome(
+        True,
+        f"bf16 {where}: _grouped_mm fwd {g['forward']} / bwd {g['backward']}, loss "
+        f"{bf16['loss']:.4f} vs fp32 {bf16['fp32_loss']:.4f}; autocast _grouped_mm "
+        f"{auto['grouped_mm_calls']}, loss {auto['loss']:.4f}; capacity 0.5 dropped "
+        f"{'/'.join(f'{d:.0f}' for d in dropped)}; sigmoid bias |max| {moved:.0e}, replay error "
+        f"{bias_error:.0e}; EP on 1-rank {backend.split(',')[-1]} ({ep['dtype']}) vs none: "
+        f"logits {ep['logits_error']:.0e}, grads {ep['grad_error']:.0e}",
+        numbers,
+    )

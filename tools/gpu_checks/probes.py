@@ -8,13 +8,23 @@ import contextlib
 import functools
 import sys
 import warnings
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # aten ops whose result the host must wait for: a value read (`item`, `float()`, `if t:`) or an output whose size
 # depends on the values (nonzero, boolean indexing, masked_select, unique). On a GPU each is a full stop of the
 # launch queue, which CUDA's sync debug mode reports; on the CPU this list stands in for it.
-SYNCING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
-               "unique_consecutive", "unique_dim_consecutive", "repeat_interleave")
+SYNCING_OPS = (
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+    "repeat_interleave",
+)
 SYNC_WARNING = "synchronizing CUDA operation"  # torch's warning text under set_sync_debug_mode("warn")
 
 
@@ -27,7 +37,7 @@ class OpLog:
         self.ops: dict[str, int] = {}
         self._mode: Any = None
 
-    def __enter__(self) -> "OpLog":
+    def __enter__(self) -> OpLog:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         ops = self.ops
@@ -55,8 +65,11 @@ class OpLog:
 
 def _is_bool_index(args: Any) -> bool:
     indices = args[1] if len(args) > 1 else ()
-    return any(getattr(i, "dtype", None) is not None and str(i.dtype) in ("torch.bool", "torch.uint8")
-               for i in (indices or ()) if i is not None)
+    return any(
+        getattr(i, "dtype", None) is not None and str(i.dtype) in ("torch.bool", "torch.uint8")
+        for i in (indices or ())
+        if i is not None
+    )
 
 
 @contextlib.contextmanager
@@ -70,8 +83,10 @@ def host_reads(events: list[str]) -> Iterator[None]:
 
     def where() -> str:
         frame = sys._getframe(2)
-        while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_globals.get(
-                "__name__", "").startswith(("torch.", "contextlib"))):
+        while frame is not None and (
+            frame.f_code.co_filename == __file__
+            or frame.f_globals.get("__name__", "").startswith(("torch.", "contextlib"))
+        ):
             frame = frame.f_back
         return f"{frame.f_globals.get('__name__', '?')}:{frame.f_lineno}" if frame is not None else "?"
 
@@ -91,6 +106,7 @@ def host_reads(events: list[str]) -> Iterator[None]:
         def read(self: Any, *args: Any, **kwargs: Any) -> Any:
             events.append(f"Tensor.{name} at {where()}")
             return original(self, *args, **kwargs)
+
         return read
 
     for name, original in originals.items():

@@ -77,9 +77,14 @@ def check_gfree(ctx: Ctx) -> Outcome:
     run_dir = root / "gpu_check" / RUN_ID
     folder, log, real = _shim(ctx)
     os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"  # this check process: its command
-    args = [*command_overrides(ctx, root), f"run.id={RUN_ID}", f"train.max_steps={STEPS}",
-            f"checkpoint.tiers.0.interval_steps={SAVE_EVERY}", "health.preflight=off",
-            f"+cluster.env.HPCTRAIN_INJECT_FAULT='kill:step={KILL_AT}:rank=0:once'"]
+    args = [
+        *command_overrides(ctx, root),
+        f"run.id={RUN_ID}",
+        f"train.max_steps={STEPS}",
+        f"checkpoint.tiers.0.interval_steps={SAVE_EVERY}",
+        "health.preflight=off",
+        f"+cluster.env.HPCTRAIN_INJECT_FAULT='kill:step={KILL_AT}:rank=0:once'",
+    ]
     stem = ctx.workdir / "gfree_run"
     started = time.monotonic()
     code, stdout = run_command(args, ctx.workdir, stem, ctx.timeout_s - 10)
@@ -87,8 +92,10 @@ def check_gfree(ctx: Ctx) -> Outcome:
     if code != 0:
         print(f"task logs:\n{log_tail(run_dir)}", flush=True)
         what = "timed out" if code is None else f"exited with {code}"
-        raise CheckFailed(f"`python -m hpctrain` with a worker killed at step {KILL_AT} {what} after {seconds:.0f} s; "
-                          f"task log: {first_fault(run_dir, stem)}")
+        raise CheckFailed(
+            f"`python -m hpctrain` with a worker killed at step {KILL_AT} {what} after {seconds:.0f} s; "
+            f"task log: {first_fault(run_dir, stem)}"
+        )
     jobs = RunPaths(run_dir).jobs.read_text().splitlines() if RunPaths(run_dir).jobs.is_file() else []
     events = [json.loads(s) for s in RunPaths(run_dir).events.read_text().splitlines() if s.strip()]
     attempts = [e.get("from_step") for e in events if e.get("event") == "attempt"]
@@ -98,29 +105,52 @@ def check_gfree(ctx: Ctx) -> Outcome:
     expect(len(jobs) == 1, f"{len(jobs)} jobs in jobs.jsonl: the restart was not inside the allocation")
     # The restart resumes from the newest checkpoint whose asynchronous save committed before the kill (step 4 or
     # 2; or none: from the start): either way restart 1 ran, which is what this check is for.
-    expect(restarts == [0, 1] and attempts[0] == 0 and attempts[1] in range(0, KILL_AT, SAVE_EVERY),
-           f"attempts of restarts {restarts} from steps {attempts}, expected restarts [0, 1] (the worker killed at "
-           f"step {KILL_AT}, restarted in the allocation)")
-    expect(steps and steps[-1] == STEPS and all(finite(m["loss"]) for m in metrics),
-           f"metrics.jsonl steps {steps}: the restarted worker did not train to step {STEPS}")
+    expect(
+        restarts == [0, 1] and attempts[0] == 0 and attempts[1] in range(0, KILL_AT, SAVE_EVERY),
+        f"attempts of restarts {restarts} from steps {attempts}, expected restarts [0, 1] (the worker killed at "
+        f"step {KILL_AT}, restarted in the allocation)",
+    )
+    expect(
+        steps and steps[-1] == STEPS and all(finite(m["loss"]) for m in metrics),
+        f"metrics.jsonl steps {steps}: the restarted worker did not train to step {STEPS}",
+    )
     calls = _calls(log)
     queries = [c for c in calls if QUERY in c["args"]]
     resumed = f"from step {attempts[1]}" if attempts[1] else "from the start (no save had committed)"
-    numbers = {"seconds": seconds, "attempts": attempts, "restarts": restarts, "steps": steps, "nvidia_smi": real,
-               "compute_app_queries": queries, "nvidia_smi_calls": len(calls)}
+    numbers = {
+        "seconds": seconds,
+        "attempts": attempts,
+        "restarts": restarts,
+        "steps": steps,
+        "nvidia_smi": real,
+        "compute_app_queries": queries,
+        "nvidia_smi_calls": len(calls),
+    }
     if ctx.cpu:
         expect(not queries, f"a CPU worker queried nvidia-smi's compute apps: {queries}")
-        return Outcome(True, f"worker killed at step {KILL_AT}, restart 1 in the same job {resumed} to step "
-                             f"{STEPS} ({seconds:.0f} s); CPU: gpu_free returns at once for a CPU device (no "
-                             "nvidia-smi query, as expected)", numbers)
+        return Outcome(
+            True,
+            f"worker killed at step {KILL_AT}, restart 1 in the same job {resumed} to step "
+            f"{STEPS} ({seconds:.0f} s); CPU: gpu_free returns at once for a CPU device (no "
+            "nvidia-smi query, as expected)",
+            numbers,
+        )
     by_restart = sorted({c.get("restart") for c in queries})
-    expect(any(c.get("restart") == "1" for c in queries),
-           f"the restarted worker did not ask nvidia-smi which processes hold its GPU (queries by restart "
-           f"{by_restart}, {len(calls)} nvidia-smi calls): hpctrain.health.gpu_free.wait_for_free_gpu did not run")
-    expect(all(c.get("restart") != "0" for c in queries), "the first attempt's worker queried nvidia-smi: "
-                                                          "wait_for_free_gpu should return at once on restart 0")
+    expect(
+        any(c.get("restart") == "1" for c in queries),
+        f"the restarted worker did not ask nvidia-smi which processes hold its GPU (queries by restart "
+        f"{by_restart}, {len(calls)} nvidia-smi calls): hpctrain.health.gpu_free.wait_for_free_gpu did not run",
+    )
+    expect(
+        all(c.get("restart") != "0" for c in queries),
+        "the first attempt's worker queried nvidia-smi: wait_for_free_gpu should return at once on restart 0",
+    )
     failed = [c for c in queries if c["exit"] != 0]
     expect(not failed, f"nvidia-smi {QUERY} exited {[c['exit'] for c in failed]} (real: {real})")
-    return Outcome(True, f"worker killed at step {KILL_AT}, restart 1 in the same job {resumed} to step "
-                         f"{STEPS} ({seconds:.0f} s); gpu_free queried nvidia-smi {len(queries)}x on restart 1 "
-                         "(exit 0), no earlier worker held the GPU", numbers)
+    return Outcome(
+        True,
+        f"worker killed at step {KILL_AT}, restart 1 in the same job {resumed} to step "
+        f"{STEPS} ({seconds:.0f} s); gpu_free queried nvidia-smi {len(queries)}x on restart 1 "
+        "(exit 0), no earlier worker held the GPU",
+        numbers,
+    )

@@ -9,9 +9,10 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .common import CheckFailed, Ctx, Outcome, destroy_world, first_line, read_json, write_json
 
@@ -156,16 +157,16 @@ def resolve_gpu_type(ctx: Ctx) -> None:
             ctx.gpu_type = "a100_80gb" if props.total_memory > 50 * 2**30 else "a100_40gb"
         else:
             ctx.gpu_type = "h200"
-            print(f"unknown GPU {props.name!r}: MFU is computed against the H200's peak (use --gpu-type)",
-                  flush=True)
+            print(f"unknown GPU {props.name!r}: MFU is computed against the H200's peak (use --gpu-type)", flush=True)
 
 
 def _child(check: Check, ctx: Ctx, result_path: Path) -> None:
     """Inside the forked process: run one check, write its result."""
     import logging
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stdout, force=True, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     record: dict[str, Any] = {"ok": False, "summary": "", "numbers": {}, "error": None}
     try:
         if ctx.cpu:
@@ -200,8 +201,16 @@ def run_check(check: Check, ctx: Ctx, deadline: float) -> dict[str, Any]:
     remaining = deadline - started
     limit = min(check.timeout_cpu_s if ctx.cpu else check.timeout_gpu_s, remaining)
     log_path = ctx.workdir / f"{check.key}.log"
-    row: dict[str, Any] = {"check": check.key, "title": check.title_for(ctx.cpu), "result": "FAIL", "seconds": 0.0,
-                           "summary": "", "numbers": {}, "error": None, "log": str(log_path)}
+    row: dict[str, Any] = {
+        "check": check.key,
+        "title": check.title_for(ctx.cpu),
+        "result": "FAIL",
+        "seconds": 0.0,
+        "summary": "",
+        "numbers": {},
+        "error": None,
+        "log": str(log_path),
+    }
     if remaining < 5:
         row["error"] = "skipped: the time budget (--budget) is spent"
         return row
@@ -216,9 +225,13 @@ def run_check(check: Check, ctx: Ctx, deadline: float) -> dict[str, Any]:
     if record is None:
         row["error"] = describe_exit(status, log_path)
         return row
-    row.update(result="PASS" if record["ok"] and not record.get("error") else "FAIL",
-               summary=record.get("summary", ""), numbers=record.get("numbers", {}), error=record.get("error"),
-               device=record.get("device"))
+    row.update(
+        result="PASS" if record["ok"] and not record.get("error") else "FAIL",
+        summary=record.get("summary", ""),
+        numbers=record.get("numbers", {}),
+        error=record.get("error"),
+        device=record.get("device"),
+    )
     if record.get("traceback"):
         row["traceback"] = record["traceback"]
     return row

@@ -52,9 +52,11 @@ def _op(ctx: Ctx, mesh: Any, dtype: Any) -> dict[str, float]:
     def leaves(dt: Any, dtensor: bool) -> tuple[Any, Any, Any]:
         if not dtensor:
             return x.to(dt).requires_grad_(), w.to(dt).requires_grad_(), g.to(dt)
-        return (distribute_tensor(x.to(dt), mesh, [Shard(2)]).requires_grad_(),
-                distribute_tensor(w.to(dt), mesh, [Replicate()]).requires_grad_(),
-                distribute_tensor(g.to(dt), mesh, [Shard(2)]))
+        return (
+            distribute_tensor(x.to(dt), mesh, [Shard(2)]).requires_grad_(),
+            distribute_tensor(w.to(dt), mesh, [Replicate()]).requires_grad_(),
+            distribute_tensor(g.to(dt), mesh, [Shard(2)]),
+        )
 
     ref = _norm_and_grads(*leaves(torch.float64, False))
     plain = _norm_and_grads(*leaves(dtype, False))
@@ -63,8 +65,11 @@ def _op(ctx: Ctx, mesh: Any, dtype: Any) -> dict[str, float]:
     out = {}
     for name, a, b, r in zip(("out", "dx", "dw"), dt, plain, ref):
         error, own = max_rel_error(a, r), max_rel_error(b, r)
-        expect(error <= 2 * own + floor, f"F.rms_norm on DTensors ({str(dtype).removeprefix('torch.')}): {name} off "
-                                         f"fp64 by {error:.2e}, plain tensors by {own:.2e}")
+        expect(
+            error <= 2 * own + floor,
+            f"F.rms_norm on DTensors ({str(dtype).removeprefix('torch.')}): {name} off "
+            f"fp64 by {error:.2e}, plain tensors by {own:.2e}",
+        )
         out[name] = error
     return out
 
@@ -96,16 +101,24 @@ def _model(ctx: Ctx, mesh: Any) -> dict[str, Any]:
         grads = grads_of(model)
         results[name] = (logits.detach(), {n: g for n, g in grads.items() if ".norm_q." in n or ".norm_k." in n})
     (plain, plain_grads), (tp, tp_grads) = results["plain"], results["tp"]
-    expect(bool(plain_grads) and sorted(plain_grads) == sorted(tp_grads), "qwen3_tiny: no per-head norm weights, "
-                                                                          "or their names differ under TP")
+    expect(
+        bool(plain_grads) and sorted(plain_grads) == sorted(tp_grads),
+        "qwen3_tiny: no per-head norm weights, or their names differ under TP",
+    )
     logits_error = max_rel_error(tp, plain)
     grad_error = max(max_rel_error(tp_grads[n], g) for n, g in plain_grads.items())
     bound = MODEL_BOUND[str(dtype).removeprefix("torch.")]
-    expect(logits_error <= bound and grad_error <= bound,
-           f"qwen3_tiny with TP on one rank vs plain ({str(dtype).removeprefix('torch.')}): logits {logits_error:.2e},"
-           f" q/k norm weight gradients {grad_error:.2e} (relative, bound {bound:g})")
-    return {"dtype": str(dtype).removeprefix("torch."), "logits_error": logits_error, "norm_grad_error": grad_error,
-            "norms": len(plain_grads)}
+    expect(
+        logits_error <= bound and grad_error <= bound,
+        f"qwen3_tiny with TP on one rank vs plain ({str(dtype).removeprefix('torch.')}): logits {logits_error:.2e},"
+        f" q/k norm weight gradients {grad_error:.2e} (relative, bound {bound:g})",
+    )
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "logits_error": logits_error,
+        "norm_grad_error": grad_error,
+        "norms": len(plain_grads),
+    }
 
 
 def check_rms(ctx: Ctx) -> Outcome:
@@ -120,6 +133,10 @@ def check_rms(ctx: Ctx) -> Outcome:
         torch.cuda.synchronize()
     numbers = {"backend": backend, "op_errors_vs_fp64": ops, "model": model}
     op_text = ", ".join(f"{dt} {max(e.values()):.1e}" for dt, e in ops.items())
-    return Outcome(True, f"weight * F.rms_norm(x Shard(2)) on a 1-rank tp mesh, out/dx/dw vs fp64: {op_text}; "
-                         f"qwen3_tiny TP vs plain ({model['dtype']}): logits {model['logits_error']:.0e}, "
-                         f"{model['norms']} q/k norm grads {model['norm_grad_error']:.0e}", numbers)
+    return Outcome(
+        True,
+        f"weight * F.rms_norm(x Shard(2)) on a 1-rank tp mesh, out/dx/dw vs fp64: {op_text}; "
+        f"qwen3_tiny TP vs plain ({model['dtype']}): logits {model['logits_error']:.0e}, "
+        f"{model['norms']} q/k norm grads {model['norm_grad_error']:.0e}",
+        numbers,
+    )

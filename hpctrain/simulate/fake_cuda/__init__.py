@@ -23,8 +23,8 @@ import ctypes
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from hpctrain.simulate.fake_cuda.build import Unavailable, build
 
@@ -55,8 +55,10 @@ def loaded() -> bool:
     return bool(_LOADED)
 
 
-BOOT = ("import sys; from hpctrain.simulate import fake_cuda; fake_cuda.load(); import importlib; "
-        "sys.argv = sys.argv[1:]; importlib.import_module(sys.argv[0]).main()")
+BOOT = (
+    "import sys; from hpctrain.simulate import fake_cuda; fake_cuda.load(); import importlib; "
+    "sys.argv = sys.argv[1:]; importlib.import_module(sys.argv[0]).main()"
+)
 
 
 def command(module: str, args: Sequence[str] = ()) -> list[str]:
@@ -64,8 +66,9 @@ def command(module: str, args: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-c", BOOT, module, *args]
 
 
-def run_module(module: str, args: Sequence[str] = (), timeout: float | None = None,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_module(
+    module: str, args: Sequence[str] = (), timeout: float | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `module.main()` (argv: `args`) under fake CUDA in a process of its own, from this checkout."""
     build()
     root = str(Path(__file__).resolve().parents[3])

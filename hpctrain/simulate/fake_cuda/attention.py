@@ -28,7 +28,7 @@ aten = torch.ops.aten
 
 
 def gpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any, enable_gqa: bool) -> str:
-    """"flash", "efficient" or "math": what SDPA runs on an H100 for these inputs."""
+    """ "flash", "efficient" or "math": what SDPA runs on an H100 for these inputs."""
     d = q.shape[-1]
     same_dims = k.shape[-1] == d and v.shape[-1] == d
     if q.dtype in SIXTEEN_BIT and same_dims and d <= 256 and d % 8 == 0 and attn_mask is None:
@@ -58,32 +58,50 @@ class GpuAttention:
     def __exit__(self, *exc: object) -> None:
         F.scaled_dot_product_attention = self._original
 
-    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> torch.Tensor:
+    def _sdpa(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
         if query.device.type != "cuda":
-            return self._original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                  enable_gqa=enable_gqa)
+            return self._original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
         if isinstance(attn_mask, CausalBias):  # torch's CausalBias._dispatch, not SDPA's rules for a mask
             return self._causal_bias(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
         kernel = gpu_kernel(query, key, value, attn_mask, enable_gqa)
         self.kernels[kernel] += 1
         if kernel == "flash":
-            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
-                                                            scale=scale)[0]
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
         if kernel == "efficient":
-            return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
-                                                                is_causal, scale=scale)[0]
+            return aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+            )[0]
         # math, through torch's own function
         F.scaled_dot_product_attention = self._original
         try:
-            return self._original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                  enable_gqa=enable_gqa)
+            return self._original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
         finally:
             F.scaled_dot_product_attention = self._sdpa
 
-    def _causal_bias(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: CausalBias,
-                     dropout_p: float, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    def _causal_bias(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        bias: CausalBias,
+        dropout_p: float,
+        scale: float | None,
+        enable_gqa: bool,
+    ) -> torch.Tensor:
         """What `CausalBias._dispatch` (torch/nn/attention/bias.py) runs on a GPU: a square or top-left mask is
         SDPA's is_causal without a mask; a bottom-right one the kernel context parallelism's own rule names
         (`gpu_chunk_kernel`): flash with is_causal=True (bottom-right for that kernel), memory-efficient
@@ -97,8 +115,20 @@ class GpuAttention:
         if kernel == "efficient":
             self.kernels["efficient"] += 1
             return aten._efficient_attention_forward(
-                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, None, None, None,
-                dropout_p, int(bias.variant), True, scale=scale)[0].transpose(1, 2)
+                query.transpose(1, 2),
+                key.transpose(1, 2),
+                value.transpose(1, 2),
+                None,
+                None,
+                None,
+                None,
+                None,
+                dropout_p,
+                int(bias.variant),
+                True,
+                scale=scale,
+            )[0].transpose(1, 2)
         # math: the materialised mask through SDPA (counted there)
-        return self._sdpa(query, key, value, bias._materialize(query.device), dropout_p, False, scale=scale,
-                          enable_gqa=enable_gqa)
+        return self._sdpa(
+            query, key, value, bias._materialize(query.device), dropout_p, False, scale=scale, enable_gqa=enable_gqa
+        )

@@ -64,9 +64,23 @@ def build() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / LIBRARY
-        command = [cxx, "-O1", "-std=c++17", "-shared", "-fPIC", f"-I{torch / 'include'}",
-                   f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi(torch)}", str(SOURCE), "-o", str(out),
-                   f"-L{torch / 'lib'}", "-Wl,--no-as-needed", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch / 'lib'}"]
+        command = [
+            cxx,
+            "-O1",
+            "-std=c++17",
+            "-shared",
+            "-fPIC",
+            f"-I{torch / 'include'}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={_cxx11_abi(torch)}",
+            str(SOURCE),
+            "-o",
+            str(out),
+            f"-L{torch / 'lib'}",
+            "-Wl,--no-as-needed",
+            "-lc10",
+            "-ltorch_cpu",
+            f"-Wl,-rpath,{torch / 'lib'}",
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise Unavailable(f"building the fake-CUDA library failed ({' '.join(command)}):\n{done.stderr[-2000:]}")

@@ -64,5 +64,9 @@ def run(mode: str, config: dict[str, Any], layout: Any, rank: int, microbatches:
 
     sim = simulate_here(cfg, layout, rank, microbatches, device="cuda", step_modes=step_modes)
     (rules,) = modes
-    return Checked(host_syncs=tuple(rules.syncs), cuda_calls=dict(Counter(runtime.CALLS)),
-                   collectives=dict(rules.collectives), attention=sim.attention)
+    return Checked(
+        host_syncs=tuple(rules.syncs),
+        cuda_calls=dict(Counter(runtime.CALLS)),
+        collectives=dict(rules.collectives),
+        attention=sim.attention,
+    )

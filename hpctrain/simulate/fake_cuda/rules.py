@@ -35,21 +35,49 @@ from hpctrain.simulate.fake_cuda import runtime
 aten = torch.ops.aten
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 COPIES = (aten._to_copy.default, aten.copy_.default)
-PYTHON_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
-                      "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "reduce",
-                      "reduce_scatter", "reduce_scatter_tensor")
-METADATA = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
-            aten.is_pinned.default, aten._pin_memory.default)
+PYTHON_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+)
+METADATA = (
+    aten.sym_size.int,
+    aten.sym_stride.int,
+    aten.sym_numel.default,
+    aten.sym_storage_offset.default,
+    aten.is_pinned.default,
+    aten._pin_memory.default,
+)
 
 
 class GpuRuleViolation(RuntimeError):
     """What a GPU would do wrong with this step: the rule, the op, where it was issued and the fix."""
 
 
-PLUMBING = ("/simulate/fake_cuda/", "/simulate/memory.py", "/simulate/collectives.py", "/torch/_ops.py", "/torch/_compile.py",
-            "/torch/_dynamo/", "/torch/utils/_python_dispatch.py", "/torch/autograd/profiler.py",
-            "/torch/distributed/_tools/", "/torch/_subclasses/", "/torch/utils/_stats.py", "/torch/_tensor.py",
-            "/contextlib.py")
+PLUMBING = (
+    "/simulate/fake_cuda/",
+    "/simulate/memory.py",
+    "/simulate/collectives.py",
+    "/torch/_ops.py",
+    "/torch/_compile.py",
+    "/torch/_dynamo/",
+    "/torch/utils/_python_dispatch.py",
+    "/torch/autograd/profiler.py",
+    "/torch/distributed/_tools/",
+    "/torch/_subclasses/",
+    "/torch/utils/_stats.py",
+    "/torch/_tensor.py",
+    "/contextlib.py",
+)
 
 
 def where(frames: int = 6) -> str:
@@ -104,6 +132,7 @@ class GpuRules(TorchDispatchMode):
             if thread not in ("main", "autograd") and _group_name((group,)) not in self.gloo_groups:
                 raise GpuRuleViolation(_other_thread(name, group, thread))
             return original(*args, **kwargs)
+
         return collective
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -121,13 +150,15 @@ class GpuRules(TorchDispatchMode):
                 raise GpuRuleViolation(
                     f"GPU rule (host sync): {func} has a data-dependent output shape, so the host waits for the "
                     f"GPU to learn it, every call, at {where()}. Fix: keep shapes static (sort and pad, or pass "
-                    "output_size), as the MoE's capacity path does")
+                    "output_size), as the MoE's capacity path does"
+                )
         try:
             out = func(*args, **kwargs)
         except FakeTensorDeviceMismatchError as exc:
             raise GpuRuleViolation(
                 f"GPU rule (one device per op): {func} mixes CPU and CUDA tensors at {where()}: {exc}. Fix: move "
-                "the CPU tensor to the device first (or keep the work on one side)") from None
+                "the CPU tensor to the device first (or keep the work on one side)"
+            ) from None
         if func in COPIES:
             with self._lock:
                 self._copy(func, args, kwargs, out)
@@ -141,7 +172,7 @@ class GpuRules(TorchDispatchMode):
     # ---- the rules --------------------------------------------------------------------------------------
 
     def _cuda_syncs(self) -> None:
-        new = runtime.CALLS[self._calls_seen:]
+        new = runtime.CALLS[self._calls_seen :]
         self._calls_seen = len(runtime.CALLS)
         for call in new:
             if call in runtime.SYNCS:
@@ -163,7 +194,8 @@ class GpuRules(TorchDispatchMode):
                 f"GPU rule (asynchronous copy read too early): {func} at {where()} reads the result of a "
                 f"non_blocking device-to-host copy ({entry[1]}) before any synchronisation: on a GPU the copy may "
                 "not have landed, and the host reads stale memory. Fix: read the value after the step's host sync "
-                "(or copy with non_blocking=False)")
+                "(or copy with non_blocking=False)"
+            )
 
     def _copy(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         source = args[1] if func is aten.copy_.default else args[0]
@@ -190,14 +222,17 @@ class GpuRules(TorchDispatchMode):
             raise GpuRuleViolation(
                 f"GPU rule (CPU tensor on an NCCL group): {op} on group {group} gets a CPU tensor "
                 f"{tuple(cpu[0].shape)} {cpu[0].dtype} at {where()}; NCCL takes device tensors only. Fix: move it "
-                "to the device first, or use a group made with backend='gloo'")
+                "to the device first, or use a group made with backend='gloo'"
+            )
 
 
 def _other_thread(op: str, group: Any, thread: str) -> str:
-    return (f"GPU rule (one thread per device group): {op} on group {group} from thread {thread!r} at {where()}. "
-            "NCCL needs a communicator's collectives in one order on every rank; only the main thread and "
-            "autograd's device thread (backward) issue them. Fix: give background work a group made with "
-            "backend='gloo'")
+    return (
+        f"GPU rule (one thread per device group): {op} on group {group} from thread {thread!r} at {where()}. "
+        "NCCL needs a communicator's collectives in one order on every rank; only the main thread and "
+        "autograd's device thread (backward) issue them. Fix: give background work a group made with "
+        "backend='gloo'"
+    )
 
 
 def _group_name(args: tuple) -> str | None:

@@ -11,7 +11,8 @@ import contextlib
 import functools
 import types
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -78,6 +79,7 @@ def _recorded(name: str, value: Any = None) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
         CALLS.append(name)
         return value
+
     return call
 
 
@@ -90,8 +92,14 @@ def _rng_state(name: str) -> torch.Tensor:
 def install(capability: tuple[int, int] = (9, 0), devices: int = 8) -> None:
     """torch.cuda's stream, event and device functions as recorded no-ops; an H100 (compute capability 9.0)."""
     cuda = torch.cuda
-    properties = types.SimpleNamespace(name="fake CUDA (H100)", major=capability[0], minor=capability[1],
-                                       total_memory=TOTAL_MEMORY, multi_processor_count=132, uuid="fake")
+    properties = types.SimpleNamespace(
+        name="fake CUDA (H100)",
+        major=capability[0],
+        minor=capability[1],
+        total_memory=TOTAL_MEMORY,
+        multi_processor_count=132,
+        uuid="fake",
+    )
     cuda._lazy_init = _recorded("_lazy_init")
     cuda.init = _recorded("init")
     cuda.is_initialized = lambda: True
@@ -146,6 +154,7 @@ def _mesh_outside_fake_mode() -> None:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         with unset_fake_temporarily():
             init(self, *args, **kwargs)
+
     __init__.__fake_cuda__ = True  # type: ignore[attr-defined]
     DeviceMesh.__init__ = __init__  # type: ignore[method-assign]
 
@@ -199,8 +208,8 @@ def _fake_host_buffers() -> None:
             nbytes = self.numel() * self.element_size()
             raw = np.zeros(nbytes + 4096, dtype=np.uint8)  # 4 KiB-aligned: O_DIRECT's rule for user buffers
             pad = (-raw.ctypes.data) % 4096
-            return raw[pad:pad + nbytes].view(f"u{self.element_size()}").reshape(tuple(self.shape))
+            return raw[pad : pad + nbytes].view(f"u{self.element_size()}").reshape(tuple(self.shape))
         return original(self, *args, **kwargs)
+
     numpy.__fake_cuda__ = True  # type: ignore[attr-defined]
     torch.Tensor.numpy = numpy  # type: ignore[method-assign]
-
