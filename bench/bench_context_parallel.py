@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.ring_attention import allgather_flash_attention, ring_attention  # noqa: E402
 from hpctrain.entry import EntryParser
-from hpctrain.models.attention import CausalAttention  # noqa: E402
+from hpctrain.models.common.attention import CausalAttention  # noqa: E402
 from hpctrain.parallel.context_parallel import cp_attention  # noqa: E402
 from tests.distributed_harness import run_distributed  # noqa: E402
 

@@ -161,7 +161,7 @@ class PlainBlock(nn.Module):
 def block_loops(cfg: Any) -> tuple[Callable[[int], None], Callable[[int], None], float]:
     """Forward and backward through the model's blocks, hpctrain's and the plain ones with the same weights;
     and the two outputs' largest relative difference (they compute the same function)."""
-    from hpctrain.models.llama import rope_cos_sin
+    from hpctrain.models.llama.model import rope_cos_sin
     from hpctrain.parallel.engine import build_model
 
     model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))

@@ -10,7 +10,7 @@ vocabulary 2000 padded to 2048; fp32. It runs on 2 gloo ranks forked from this p
 (tests/distributed_harness.py: one thread each, this machine's 2 cores), dp 2, each rank a micro-batch of 4
 sequences of 128 random tokens a step, through hpctrain's engine:
   (a)  ep2     parallel.ep=2: each rank holds 4 experts of each layer and sends every token to the rank holding
-               its experts and back (hpctrain.models.moe.GroupedExperts._dispatch: all-to-alls of the counts,
+               its experts and back (hpctrain.models.common.moe.GroupedExperts._dispatch: all-to-alls of the counts,
                the rows and the results forward, two backward);
   (b)  ep1     the same model with parallel.ep=1: each rank holds all 8 experts, whose gradients are all-reduced
                with the rest;

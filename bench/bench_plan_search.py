@@ -10,13 +10,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hpctrain.entry import EntryParser  # noqa: E402
+from hpctrain.models import registry  # noqa: E402
+from hpctrain.models.family import Dims  # noqa: E402
 from hpctrain.plan.search import evaluate, explain, rank_of, search_layouts  # noqa: E402
 from hpctrain.plan.step_time import step_range  # noqa: E402
 from hpctrain.plan.types import Layout, ModelShape, hardware  # noqa: E402
 
 EntryParser(description=__doc__).parse_args()  # --help says what this is; it takes no options
 
-model = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257, vocab_pad_multiple=64)
+GPT3_175B = Dims(
+    n_layers=96, d_model=12288, n_heads=96, kv_heads=96, ffn_hidden=4 * 12288, vocab_size=50257, context=2048
+)
+model = ModelShape(registry.get("gpt"), GPT3_175B, seq_len=2048, vocab_pad_multiple=64)
 hw = hardware("a100_80gb")
 start = time.perf_counter()
 cands = search_layouts(model, 4096, hw, global_batch=3072)

@@ -32,8 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hpctrain.entry import EntryParser
+from hpctrain.entry import EntryParser  # noqa: E402
 from hpctrain.models import create_model  # noqa: E402
+from hpctrain.models.params import built_dims  # noqa: E402
 from hpctrain.parallel.recompute import apply_recompute  # noqa: E402
 from hpctrain.plan.activations import activation_bytes_per_layer  # noqa: E402
 from tests.conftest import _compose  # noqa: E402
@@ -42,18 +43,14 @@ from tests.plan.saved import saved_bytes  # noqa: E402
 MODES = ("none", "selective", "full")
 D, HEADS, KV_HEADS, LLAMA_FFN, MICRO_BATCH = 256, 8, 2, 704, 2
 BLOCKS = {
-    "gpt": (["model=tiny"], {}),
-    "llama": (
-        ["model=llama_tiny", f"model.n_kv_heads={KV_HEADS}", f"model.ffn_hidden={LLAMA_FFN}"],
-        {"ffn_hidden": LLAMA_FFN, "arch": "llama", "n_kv_heads": KV_HEADS},
-    ),
+    "gpt": ["model=tiny"],
+    "llama": ["model=llama_tiny", f"model.n_kv_heads={KV_HEADS}", f"model.ffn_hidden={LLAMA_FFN}"],
 }
 
 
 def model_cfg(family: str, layers: int) -> Any:
-    overrides, _ = BLOCKS[family]
     return _compose(
-        *overrides, f"model.d_model={D}", f"model.n_heads={HEADS}", f"model.n_layers={layers}", "model.dropout=0.0"
+        *BLOCKS[family], f"model.d_model={D}", f"model.n_heads={HEADS}", f"model.n_layers={layers}", "model.dropout=0.0"
     ).model
 
 
@@ -71,11 +68,10 @@ def layer_bytes(cfg: Any, seq: int) -> dict[str, dict[str, float]]:
         x = torch.randn(MICRO_BATCH, seq, D, dtype=torch.bfloat16, requires_grad=True)
         block = create_model(cfg).to(torch.bfloat16).layers["0"]
         measured = saved_bytes(block, x, mode)
-        family = BLOCKS["llama" if cfg.arch == "llama" else "gpt"][1]
         out[mode] = {
             "bytes": measured,
             "sbh": measured / (seq * MICRO_BATCH * D),
-            "formula_bytes": activation_bytes_per_layer(seq, MICRO_BATCH, D, HEADS, recompute=mode, **family),
+            "formula_bytes": activation_bytes_per_layer(*built_dims(cfg), seq, MICRO_BATCH, recompute=mode),
         }
     return out
 

@@ -3,12 +3,12 @@
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
-from omegaconf import DictConfig
 
 from hpctrain.config.problems import ConfigError, Problem
-from hpctrain.config.schema import register
+from hpctrain.config.schema import Config, register
 from hpctrain.config.site import VARIABLE, register_site_path, site_problems
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -18,7 +18,7 @@ register_site_path()  # HPCTRAIN_CONFIG_PATH: site profiles outside the checkout
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name=CONFIG_NAME)
-def main(cfg: DictConfig) -> dict:
+def main(cfg: Config) -> dict[str, Any]:  # a DictConfig of the schema: read as the dataclass (Hydra's pattern)
     from hpctrain.launch.cli import exit_on_failure, run
 
     return exit_on_failure(run(cfg))

@@ -8,6 +8,7 @@ must not import each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 GB = 10**9  # decimal gigabyte, used by the ZeRO paper and by network/NVLink datasheets
 GiB = 2**30  # binary gibibyte: what nvidia-smi and torch.cuda report as "GB" of device memory
@@ -135,8 +136,26 @@ class Hardware:
 #        parameters on a DGX-2 host (0.7e9/s) and DeepSpeed's fused CPU-Adam ~6x faster. Each rank reaches its
 #        share only with enough threads (train.threads_per_rank; Hardware.adam_rate_per_gpu).
 #  cpu:  placeholders: 16 GiB host memory, 2 cores at the measured per-thread rate, a 100 GB disk.
-_DGX_A100_HOST = dict(pcie_bw=25 * GB, cpu_cores=128, cpu_adam_rate=2.3e9, cpu_adam_core_rate=0.12e9)
-_DGX_H100_HOST = dict(
+class _HostCpu(TypedDict):
+    """Host-side fields of Hardware that the entries of one node model share: PCIe and the CPU's Adam."""
+
+    pcie_bw: float
+    cpu_cores: int
+    cpu_adam_rate: float
+    cpu_adam_core_rate: float
+
+
+class _Host(_HostCpu):
+    """All the host-side fields of Hardware, for a node model whose GPU types share its memory and NVMe too."""
+
+    host_mem_bytes: float
+    nvme_bytes: float
+    nvme_read_bw: float
+    nvme_write_bw: float
+
+
+_DGX_A100_HOST = _HostCpu(pcie_bw=25 * GB, cpu_cores=128, cpu_adam_rate=2.3e9, cpu_adam_core_rate=0.12e9)
+_DGX_H100_HOST = _Host(
     host_mem_bytes=2 * 2**40,
     pcie_bw=50 * GB,
     nvme_bytes=8 * 3.84e12,
@@ -191,3 +210,11 @@ def hardware(name: str) -> Hardware:
         return KNOWN_HARDWARE[name]
     except KeyError:
         raise ValueError(f"unknown gpu type {name!r}; known: {sorted(KNOWN_HARDWARE)}") from None
+
+
+def format_bytes(n: float) -> str:
+    """A size in the largest binary unit that keeps it >= 1 (bytes, KiB, MiB, GiB, TiB): 0.00 GiB never shows."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} bytes"

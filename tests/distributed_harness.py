@@ -135,7 +135,9 @@ def run_distributed(
     except DistributedTestError as err:
         if not err.crashed:
             raise
-        warnings.warn(CrashedRankRetried(f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks: {err}"))
+        warnings.warn(
+            CrashedRankRetried(f"{getattr(fn, '__qualname__', fn)} on {world_size} ranks: {err}"), stacklevel=2
+        )
     return _run_once(fn, world_size, args, timeout, backend)
 
 
@@ -200,7 +202,7 @@ def _collect(
                     + _failures(collected)
                     + _logs(store_dir, world_size),
                     crashed=any(c in CRASHES for c in codes),
-                )
+                ) from None
     failed = _failures(collected)
     if failed:
         raise DistributedTestError(failed + _logs(store_dir, world_size))

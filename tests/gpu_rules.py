@@ -268,9 +268,9 @@ def _engine_step_frame(frame: Any) -> Any:
 # all-to-all split sizes (host lists), and the per-expert loop where no grouped GEMM serves (CPU; not on H100/B200
 # in bf16). A GPU run pays them as torchtitan's does; tests/parallel/test_host_syncs.py pins their number.
 ROUTING_SYNCS = {
-    ("hpctrain.models.moe", "_dispatch"),
-    ("hpctrain.models.moe", "run_experts"),
-    ("hpctrain.models.moe", "_fake_host_read"),
+    ("hpctrain.models.common.moe", "_dispatch"),
+    ("hpctrain.models.common.moe", "run_experts"),
+    ("hpctrain.models.common.moe", "_fake_host_read"),
 }  # the same reads, made on fake tensors (simulate)
 
 

@@ -1,37 +1,44 @@
-"""A model family is one entry (hpctrain.models.registry): its spec must describe its torch module exactly, and
-nothing outside the families may branch on an architecture's name."""
+"""A model family is one family entry (hpctrain.models.registry) in a folder of its own: the entry must describe
+its torch module exactly, and nothing outside the family folders may branch on an architecture's name."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hpctrain.config.checks import check_schema
+from hpctrain.checks.config import check_schema
 from hpctrain.config.problems import ConfigError
 from hpctrain.config.schema import Config, ModelConfig
 from hpctrain.models import registry
-from hpctrain.models.family import Dims, Family
+from hpctrain.models.family import Dims, Family, FamilyModule
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hpctrain"
 
 
 def _family_files() -> set[Path]:
-    """The registry, the Family class, the HF recipe pieces they share, and each family's entry: the modules of its
-    spec, its torch module, its Hugging Face mapping and weight tables."""
-    own = {"models/registry.py", "models/family.py", "models/hf_recipes.py"}
-    for family in registry.FAMILIES.values():
-        for module in (
-            family.block_shapes.__module__,
-            family.builder.split(":")[0],
-            family.hf.fields.__module__,
-            family.hf.recipes.split(":")[0],
-        ):
-            own.add(module.removeprefix("hpctrain.").replace(".", "/") + ".py")
-    return {PACKAGE / name for name in own}
+    """The registry, the Family class, and each of hpctrain's families' folders (hpctrain/models/<name>/). The
+    blocks the families share (hpctrain/models/common/) name none of them."""
+    own = {PACKAGE / "models" / "registry.py", PACKAGE / "models" / "family.py"}
+    for name in registry.BUILT_IN:
+        own |= set((PACKAGE / "models" / name).rglob("*.py"))
+    return own
+
+
+@pytest.mark.parametrize("family", sorted(registry.BUILT_IN))
+def test_each_family_is_its_own_folder(family: str) -> None:
+    """The family entry, its torch module and its Hugging Face table are in hpctrain/models/<name>/ (a family
+    built on another, as Qwen3 on Llama, imports that one's pieces, and inherits its entry's other fields)."""
+    entry = registry.get(family)
+    package = f"hpctrain.models.{family}."
+    assert [e for e in registry.ENTRIES if e.startswith(package)] == [f"{package}entry:{family.upper()}_FAMILY"]
+    assert entry.builder.startswith(package) and entry.hf.recipes.startswith(package)
+    assert entry.block_shapes.__module__.startswith(package) and entry.hf.fields.__module__.startswith(package)
 
 
 def _names() -> set[str]:
@@ -72,7 +79,7 @@ def test_no_module_outside_the_families_branches_on_an_architecture_name() -> No
         if path not in own
         if (hits := architecture_branches(path.read_text(), names))
     }
-    assert not offenders, f"branch on an architecture name outside its family's entry: {offenders}"
+    assert not offenders, f"branch on an architecture name outside the family folders: {offenders}"
 
 
 def test_the_scan_finds_what_it_looks_for() -> None:
@@ -104,46 +111,61 @@ def _tiny(family: str, **over: object) -> ModelConfig:
     return m
 
 
-def _heads(spec: Family) -> dict[str, int]:
+def _heads(entry: Family) -> dict[str, int]:
     """Grouped-query attention where the family has it, with heads wider than d_model / n_heads (64 / 4)."""
-    return {"n_kv_heads": 2, "head_dim": 32} if spec.grouped_query else {}
+    return {"n_kv_heads": 2, "head_dim": 32} if entry.grouped_query else {}
 
 
 @pytest.mark.parametrize("family", sorted(registry.FAMILIES))
-def test_the_spec_names_every_parameter_of_the_torch_module(family: str) -> None:
-    spec = registry.get(family)
-    m = _tiny(family, **_heads(spec))
+def test_the_entry_names_every_parameter_of_the_torch_module(family: str) -> None:
+    entry = registry.get(family)
+    m = _tiny(family, **_heads(entry))
     with torch.device("meta"):
-        model = spec.build(m, 1)
+        model = entry.build(m, 1)
     built = {name: tuple(p.shape) for name, p in model.named_parameters()}
     dims = Dims.of(m)
-    want = spec.top_shapes(dims, model.tok_emb.weight.shape[0])
+    want = entry.top_shapes(dims, model.tok_emb.weight.shape[0])
     for i in range(m.n_layers):
-        want.update({f"layers.{i}.{k}": v for k, v in spec.block_shapes(dims).items()})
-    if spec.tied_embeddings:
+        want.update({f"layers.{i}.{k}": v for k, v in entry.block_shapes(dims).items()})
+    if entry.tied_embeddings:
         assert "output.weight" not in want
     assert built == want
-    assert model.family == family and model.tied_embeddings == spec.tied_embeddings
+    assert isinstance(model, FamilyModule)
+    assert model.family == family and model.tied_embeddings == entry.tied_embeddings
     names = {name.split(".", 2)[-1] if name.startswith("layers.") else name for name in built}
-    assert set(spec.tp_dims) <= names and set(spec.ep_dims) <= names
-    for module in spec.stage_modules:
+    assert set(entry.tp_dims) <= names and set(entry.ep_dims) <= names
+    for module in entry.stage_modules:
         assert hasattr(model, module)
 
 
 @pytest.mark.parametrize("family", sorted(registry.FAMILIES))
-def test_the_spec_names_every_hf_tensor(family: str) -> None:
+def test_the_entry_names_every_hf_tensor(family: str) -> None:
     """The torch-free HF tensor table (what the login node checks a model directory against) is what the
     converter makes of the model's weights."""
     from hpctrain.models.hf import hf_shapes
 
-    spec = registry.get(family)
-    m = _tiny(family, **_heads(spec))
-    assert spec.hf.weight_shapes(Dims.of(m)) == hf_shapes(m)
-    assert registry.for_hf(spec.hf.model_type) is spec
-    config = spec.hf.config(m, "float32")
-    assert config["model_type"] == spec.hf.model_type and config["architectures"] == [spec.hf.class_name]
-    fields = spec.hf.fields(config)
+    entry = registry.get(family)
+    m = _tiny(family, **_heads(entry))
+    assert entry.hf.weight_shapes(Dims.of(m)) == hf_shapes(m)
+    assert registry.for_hf(entry.hf.model_type) is entry
+    config = entry.hf.config(m, "float32")
+    assert config["model_type"] == entry.hf.model_type and config["architectures"] == [entry.hf.class_name]
+    fields = entry.hf.fields(config)
     assert fields["arch"] == family and (fields["n_layers"], fields["d_model"]) == (2, 64)
+
+
+def test_the_family_entries_import_no_torch() -> None:
+    """The registry resolves its family entries by name (ENTRIES), which the import contracts do not follow: the
+    login node plans with them, so a fresh interpreter importing the registry, and every entry, imports no torch."""
+    probe = "import sys, hpctrain.models.registry; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=PACKAGE.parent, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_schemas_default_arch_is_a_family() -> None:
+    """hpctrain.config imports no models (models read config: the import-linter "config" contract), so the schema's
+    default model.arch is a plain name: it must be one of hpctrain's own families."""
+    assert OmegaConf.structured(ModelConfig).arch in registry.BUILT_IN
 
 
 def test_an_unknown_family_is_named_with_the_known_ones() -> None:

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from hpctrain.config.cluster_checks import _local_gpus, visible_gpus
+from hpctrain.checks.cluster import _local_gpus, visible_gpus
+from hpctrain.checks.report import CheckReport
 from hpctrain.config.layout import resolve_layout
-from hpctrain.config.problems import CheckReport
 from hpctrain.distributed.environment import task_device
 from hpctrain.launch.executor import build_executor
 from hpctrain.parallel.engine import build_engine

@@ -46,6 +46,7 @@ def test_the_agent_forks_its_workers_without_initialising_cuda(
     import torch.distributed.launcher.api as launcher
 
     from hpctrain.distributed import elastic
+    from hpctrain.train.worker import run_worker  # as the task imports it, before its agent forks
 
     seen: dict[str, Any] = {}
 
@@ -69,7 +70,7 @@ def test_the_agent_forks_its_workers_without_initialising_cuda(
         job_id="cuda-spy", node=0, nodes=1, workers=2, hosts=("127.0.0.1",), max_restarts=0, join_timeout_s=30
     )
     try:
-        assert elastic.run_agent(agent, types.SimpleNamespace(run_dir=str(tmp_path))) == {0: "trained"}
+        assert elastic.run_agent(agent, types.SimpleNamespace(run_dir=str(tmp_path)), run_worker) == {0: "trained"}
     finally:
         signal.signal(signal.SIGUSR2, usr2)
     assert seen == {"cuda": None, "workers": 2}, seen["cuda"]

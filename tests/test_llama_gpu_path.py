@@ -1,7 +1,7 @@
 """The Llama's GPU path, checked on CPU: RMSNorm through torch's F.rms_norm with Hugging Face's numerics, RoPE's
 cos/sin built once per (length, device, dtype), not per layer, micro-batch or recomputation, and the rule
 deciding whether grouped-query attention repeats its key/value heads so that a fused SDPA kernel accepts it
-(hpctrain.models.llama).
+(hpctrain.models.llama.model).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hpctrain.models import attention, llama
-from hpctrain.models.attention import sdpa_expands_kv
-from hpctrain.models.llama import Llama, LlamaArgs, RMSNorm
+from hpctrain.models.common import attention
+from hpctrain.models.common.attention import sdpa_expands_kv
+from hpctrain.models.llama import model as llama
+from hpctrain.models.llama.model import Llama, LlamaArgs, RMSNorm
 
 ARGS = LlamaArgs(
     n_layers=4,

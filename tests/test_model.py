@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpctrain.models import create_model
-from hpctrain.models.gpt import GPT, GPTArgs
-from hpctrain.models.llama import Llama, LlamaArgs, apply_rope, rope_cos_sin, rope_frequencies
+from hpctrain.models import create_model, registry
+from hpctrain.models.family import Dims
+from hpctrain.models.gpt.model import GPT, GPTArgs
+from hpctrain.models.llama.model import Llama, LlamaArgs, apply_rope, rope_cos_sin, rope_frequencies
 from hpctrain.models.params import param_count
 
 
@@ -21,11 +22,12 @@ from hpctrain.models.params import param_count
 def test_module_parameter_count_matches_formula(layers: int, d: int, heads: int, vocab: int, ctx: int) -> None:
     with torch.device("meta"):
         model = GPT(GPTArgs(layers, d, heads, vocab, ctx, 4 * d))
-    assert sum(p.numel() for p in model.parameters()) == param_count(layers, d, vocab, ctx)
+    dims = Dims(layers, d, heads, heads, 4 * d, vocab, ctx)
+    assert sum(p.numel() for p in model.parameters()) == param_count(registry.get("gpt"), dims)
 
 
 def test_175b_formula() -> None:
-    assert param_count(96, 12288, 50257, 2048) == 174_604_259_328
+    assert param_count(registry.get("gpt"), Dims(96, 12288, 96, 96, 4 * 12288, 50257, 2048)) == 174_604_259_328
 
 
 def test_init_is_deterministic_and_scaled() -> None:

@@ -174,6 +174,20 @@ def test_ci_installs_and_tests_as_the_readme_says() -> None:
     assert "test = [" in (REPO / "pyproject.toml").read_text()
 
 
+def test_ci_runs_the_checks_the_readme_names() -> None:
+    """The README's lint, format, type and import checks are each run by .ci/run, whose failure is recorded and
+    fails the run after the tests; the test extra installs the tools."""
+    readme, ci = README.read_text(), (REPO / ".ci" / "run").read_text()
+    paragraph = next(p for p in readme.split("\n\n") if p.startswith("CI (`.ci/run`)"))
+    checks = re.findall(r"`((?:ruff|mypy|lint-imports)[^`]*)`", paragraph)
+    assert len(checks) == 4, paragraph
+    for check in checks:
+        assert re.search(rf"^(python3 -m )?{re.escape(check)} \|\| failed\+=", ci, re.M), check
+    assert re.search(r"^if \(\( \$\{#failed\[@\]\} \)\); then$", ci, re.M) and "    exit 1" in ci
+    extra = (REPO / "pyproject.toml").read_text().split("test = [", 1)[1].split("]\n", 1)[0]
+    assert all(f'"{tool}>=' in extra for tool in ("ruff", "mypy", "import-linter")), extra
+
+
 def test_readme_is_short_and_its_docs_links_exist() -> None:
     readme = README.read_text()
     assert len(readme.splitlines()) < MAX_LINES

@@ -43,7 +43,7 @@ def test_dualpipev_costs() -> None:
 
 
 def test_dualpipev_needs_two_microbatches_per_rank(compose_cfg) -> None:
-    from hpctrain.plan.checks import run_checks
+    from hpctrain.checks.runner import run_checks
 
     cfg = compose_cfg(
         "cluster.gpus_per_node=2",

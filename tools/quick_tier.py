@@ -7,7 +7,8 @@
 Every test whose setup + call + teardown took at least --over seconds in that run is written to
 tests/slow_tests.txt (one pytest node id a line, parametrised cases apart); tests/conftest.py gives those the
 `slow` marker, so `pytest -m "not slow and not slurm"` (the quick tier, under 5 minutes on a 2-core machine)
-leaves them out, but for a few REPRESENTATIVES of the real multi-process paths. Tests marked slow or slurm in their own files stay so; the full suite runs everything.
+leaves them out, but for a few REPRESENTATIVES of the real multi-process paths. Tests marked slow or slurm in their
+own files stay so; the full suite runs everything.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -30,9 +30,9 @@ from hpctrain.checkpoint.inspect import (
 )
 from hpctrain.checkpoint.reshard import legacy_source, load_state
 from hpctrain.checkpoint.storage import Committed
+from hpctrain.models.family import HFMismatch
 from hpctrain.models.hf import (
     VOCAB_ROWS,
-    HFMismatch,
     canonical_name,
     check_hf_shapes,
     hf_config,
@@ -62,7 +62,8 @@ def run_model_config(run_dir: Path) -> ModelConfig:
 
     path = RunPaths(run_dir).config
     try:
-        return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(read_text(path)).model)
+        typed = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(read_text(path)).model)
+        return cast(ModelConfig, typed)  # a DictConfig of the ModelConfig schema reads as one
     except Unreadable as err:
         raise CheckpointError(f"the run's config cannot be read: {err}") from None
     except Exception as exc:  # noqa: BLE001  (not YAML, no model section, a model this version does not know)
@@ -297,7 +298,7 @@ def load_hf(parts: Sequence[nn.Module], path: str | Path, m: ModelConfig) -> Non
     weights, tied = open_hf(path, m)
     known = recipes(m)
     for part in parts:
-        own = get_model_state_dict(part)  # this rank's shards, by the model's own names (wrappers left out)
+        own: dict[str, Any] = get_model_state_dict(part)  # this rank's shards, by the model's own names (no wrappers)
         unknown = [k for k in own if k not in known]
         if unknown:
             raise HFMismatch(

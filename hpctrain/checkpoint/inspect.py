@@ -30,7 +30,7 @@ from hpctrain.checkpoint.storage import (
     tier_path,
     verify,
 )
-from hpctrain.records.fingerprint import ModelShape
+from hpctrain.records.fingerprint import ModelFingerprint
 from hpctrain.records.paths import RunPaths
 
 
@@ -159,7 +159,7 @@ def model_tensors(c: Committed) -> dict[str, Any]:
     from hpctrain.models.hf import VOCAB_ROWS
 
     try:
-        vocab = ModelShape.from_value(c.manifest["fingerprint"]["model"]).vocab_size
+        vocab = ModelFingerprint.from_value(c.manifest["fingerprint"]["model"]).dims.vocab_size
     except (KeyError, TypeError, ValueError) as exc:
         raise DamagedCheckpoint(
             f"{c.path / 'manifest.json'} has no usable model fingerprint ({type(exc).__name__}: {exc})"

@@ -198,7 +198,7 @@ class SummingWriter(dcp.FileSystemWriter):
         # whose current device is GPU 0 (a stray context there from every rank); what hpctrain saves is staged
         # in host memory already, so there is nothing to copy ahead.
         super().__init__(path, thread_count=thread_count, per_thread_copy_ahead=0)
-        self.fs = SummingFileSystem()
+        self.fs: SummingFileSystem = SummingFileSystem()
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)  # synchronous: every file is written and fsynced

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.utils import CheckpointException
@@ -74,8 +75,7 @@ from hpctrain.checkpoint.storage import (
 from hpctrain.config.schema import CheckpointConfig
 from hpctrain.goodput.model import daly_interval, mtbf_s
 from hpctrain.models import registry
-from hpctrain.models.family import Dims
-from hpctrain.records.fingerprint import upgrade_fingerprint
+from hpctrain.records.fingerprint import ModelFingerprint, upgrade_fingerprint
 from hpctrain.records.paths import escape, tier_directory
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class ReusingStager(BlockingAsyncStager):
         self._copier = copier
         self._stream: Any = None  # the staging thread's CUDA stream, made there on first use
 
-    def stage(self, state_dict: Any) -> Future:
+    def stage(self, state_dict: Any) -> Future:  # type: ignore[override]  # DCP's async_save takes a Future too
         keys = frozenset(_flat_keys(state_dict))
         if self.state_dict_cache is None or keys != self._keys:  # first save, or the state's shape changed
             self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=self._device.type == "cuda")
@@ -147,14 +147,16 @@ class ReusingStager(BlockingAsyncStager):
 
     def _copy(self, state_dict: Any, queued: Any) -> Any:
         torch.set_num_threads(1)  # this thread's own OpenMP team: training's keeps its count
+        cache = self.state_dict_cache
+        assert cache is not None  # made by `stage`, which queued this copy
         if queued is None:
-            return _copy_state_dict(state_dict, self.state_dict_cache)
+            return _copy_state_dict(state_dict, cache)
         torch.cuda.set_device(self._device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self._device)
         self._stream.wait_event(queued)
         with torch.cuda.stream(self._stream):
-            staged = _copy_state_dict(state_dict, self.state_dict_cache, non_blocking=True)
+            staged = _copy_state_dict(state_dict, cache, non_blocking=True)
         self._stream.synchronize()
         return staged
 
@@ -192,7 +194,7 @@ class CheckpointManager:
         rank: int,
         world_size: int,
         fingerprint: dict[str, Any],
-        device: torch.device = torch.device("cpu"),
+        device: torch.device | None = None,  # the RNG streams saved and restored: CPU's, and this GPU's
     ) -> None:
         self.enabled = bool(config.enabled)
         self.save_final = bool(config.save_final)
@@ -201,7 +203,7 @@ class CheckpointManager:
         self.write_threads = config.write_threads
         self.verify_on_load = bool(config.verify_on_load)
         self.rank, self.world_size = rank, world_size
-        self.device = device
+        self.device = device if device is not None else torch.device("cpu")
         self.run_id = run_id
         self.fingerprint = upgrade_fingerprint(fingerprint)
         self.distributed = dist.is_initialized()
@@ -218,7 +220,7 @@ class CheckpointManager:
         self.save_groups = {t.name: dist.new_group(backend="gloo") if self.distributed else None for t in self.tiers}
         # One staging thread: a tier's copy to host memory runs there while training goes on (`ReusingStager`).
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpctrain-stage")
-        self.stagers = {t.name: ReusingStager(device, self._copier) for t in self.tiers}
+        self.stagers = {t.name: ReusingStager(self.device, self._copier) for t in self.tiers}
         # A save's future: DCP's write, then (node-local tiers) the copy to the next node, on the tier's group.
         self._writers = ThreadPoolExecutor(max_workers=max(1, len(self.tiers)), thread_name_prefix="hpctrain-save")
         self.in_flight: dict[str, InFlight] = {}
@@ -313,7 +315,7 @@ class CheckpointManager:
                 if source is not None:
                     renamed.add(fqn[: len(fqn) - len(key)] + source[0])
                 continue
-            if not isinstance(value, torch.Tensor) or not hasattr(meta, "size"):
+            if not isinstance(value, torch.Tensor) or not isinstance(meta, TensorStorageMetadata):
                 continue
             have, want = tuple(meta.size), tuple(value.shape)
             if have == want:
@@ -450,7 +452,7 @@ class CheckpointManager:
         self._barrier()
 
     def _check_fingerprint(self, ckpt: Committed) -> None:
-        saved = upgrade_fingerprint(ckpt.manifest.get("fingerprint", {}))
+        saved = upgrade_fingerprint(ckpt.manifest.get("fingerprint", {}), self.fingerprint)
         if saved.get("model") != self.fingerprint["model"]:
             raise CheckpointError(
                 f"checkpoint {ckpt.path} holds model {saved.get('model')}, this run builds "
@@ -488,7 +490,8 @@ class CheckpointManager:
 
     def _fetch_missing(self, tier: Tier, ckpt: Committed, files: set[str]) -> int:
         """Bring the files each node's ranks will read from the nodes that hold them; each node then holds a
-        committed copy of its own. Returns the bytes moved between nodes, job-wide (every rank has the list of transfers)."""
+        committed copy of its own. Returns the bytes moved between nodes, job-wide (every rank has the list of
+        transfers)."""
         required: dict[str, int] = ckpt.manifest["files"]
         needed = self._all_gather(sorted(files))
         per_node = [set().union(*(needed[r] for r in group)) for group in tier.nodes.groups]
@@ -792,17 +795,8 @@ def _vocab_weights(model: Any) -> list[str]:
     """The family's weights whose rows are the (padded) vocabulary: the embedding and an untied head, asked of
     its shapes with a row count no other dimension has. None when the fingerprint names no known family."""
     try:
-        family = registry.get(str(model["arch"]))
-        dims = Dims(
-            int(model["n_layers"]),
-            int(model["d_model"]),
-            int(model["n_heads"]),
-            int(model.get("n_kv_heads") or model["n_heads"]),
-            int(model.get("ffn_hidden") or 1),
-            int(model["vocab_size"]),
-            int(model["context"]),
-            int(model.get("head_dim") or 0),
-        )
+        shape = ModelFingerprint.from_value(model)
+        family, dims = registry.get(shape.arch), shape.dims
         rows = 1 + max(dims.d_model, dims.vocab_size, dims.context, dims.ffn_hidden, dims.q_dim) * 7919
         return [name for name, shape in family.top_shapes(dims, rows).items() if shape and shape[0] == rows]
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError):

@@ -106,7 +106,7 @@ def own_files(directory: Path, rank: int) -> dict[str, int]:
     }
 
 
-def replicate(directory: Path, nodes: Nodes, rank: int, world_size: int, group: dist.ProcessGroup) -> int:
+def replicate(directory: Path, nodes: Nodes, rank: int, world_size: int, group: dist.ProcessGroup | None) -> int:
     """After this rank's DCP write: copy it to the next node. Returns the bytes this rank received."""
     everyone = all_gather(own_files(directory, rank), world_size, group)
     return run_transfers(replica_transfers(everyone, nodes), rank, directory, directory, group)
@@ -164,13 +164,14 @@ def run_transfers(
             tag: files.enter_context(open(dst_dir / f".{t.name}.incoming", "wb")) for tag, t in mine if t.dst == rank
         }
         for start in range(0, max((t.size for _, t in mine), default=0), piece_bytes):
-            works, landed = [], []
+            works: list[Any] = []  # torch types a send's or receive's Work as optional (None off the group)
+            landed = []
             for tag, t in mine:
                 if start >= t.size:
                     continue
                 piece = torch.empty(min(piece_bytes, t.size - start), dtype=torch.uint8)
                 if tag in sources:
-                    sources[tag].readinto(piece.numpy())
+                    sources[tag].readinto(piece.numpy().data)
                     works.append(dist.isend(piece, dst=t.dst, group=group, tag=tag))
                 else:
                     works.append(dist.irecv(piece, src=t.src, group=group, tag=tag))
@@ -182,7 +183,7 @@ def run_transfers(
         for sink in sinks.values():  # a copy is as durable as the original before it takes the name
             sink.flush()
             os.fsync(sink.fileno())
-    for tag, t in mine:
+    for _, t in mine:
         if t.dst == rank:
             os.replace(dst_dir / f".{t.name}.incoming", dst_dir / t.name)
     if any(t.dst == rank for _, t in mine):

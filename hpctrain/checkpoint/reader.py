@@ -310,7 +310,7 @@ def _check(value: int, checksum: str | None) -> None:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The memory of a contiguous CPU tensor, writable (as uint8 first: numpy has no bfloat16)."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def reading_threads() -> int:
@@ -356,9 +356,10 @@ class FastReader(dcp.FileSystemReader):
         metadata = self._metadata.get(path)
         if metadata is None:
             metadata = self._metadata[path] = read_metadata(path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage = getattr(metadata, "storage_meta", None)
+        if storage is None:
+            storage = metadata.storage_meta = StorageMeta()
+        storage.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from hpctrain.checkpoint.integrity import UnsafeCheckpoint
 from hpctrain.checkpoint.reader import FastReader
-from hpctrain.models import llama
+from hpctrain.models.llama import model as llama
 
 # Per model family: a state-dict key -> (the key an older checkpoint holds it under, how to take it from that).
 LEGACY_SOURCES: tuple[Callable[[str], tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None], ...] = (
@@ -58,7 +58,7 @@ def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, dict[
             yield f"{prefix}{key}", tree, key
 
 
-def _rows_differ(saved: Any, target: Any) -> bool:
+def _rows_differ(saved: Any, target: Any) -> TypeGuard[TensorStorageMetadata]:
     if not (isinstance(saved, TensorStorageMetadata) and isinstance(target, torch.Tensor)):
         return False
     size, shape = tuple(saved.size), tuple(target.shape)

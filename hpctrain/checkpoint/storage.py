@@ -1,8 +1,8 @@
 """Where checkpoints live on disk, and what makes one complete and durable.
 
 A tier directory holds `step_<N>/` directories. A save writes into `step_<N>.partial/` (DCP fsyncs every file it
-writes); it is published by the steps of `commit_steps`: the manifest (step, parallel layout, world size, every file with
-its size and CRC32C, sealed with a CRC32C of its own) is written to a temporary name and fsynced, renamed into
+writes); it is published by the steps of `commit_steps`: the manifest (step, parallel layout, world size, every file
+with its size and CRC32C, sealed with a CRC32C of its own) is written to a temporary name and fsynced, renamed into
 place, the directory fsynced (its entries: the shards, `.metadata`, the manifest), renamed to `step_<N>/`, and
 the tier directory fsynced (the rename). Without the fsyncs a node that crashes or loses power right after a
 commit can come back with a `step_<N>/` whose manifest or files never reached the disk. A crash between any two

@@ -126,23 +126,23 @@ def find_problems(
     composed: DictConfig | None = None
     for _ in range(len(items) + 1):
         active = [i for i in range(len(items)) if i not in bad]
-        composed, exc = _attempt(compose, [items[i].values[0] for i in active])
-        if exc is None:
+        composed, error = _attempt(compose, [items[i].values[0] for i in active])
+        if error is None:
             break
-        culprit = _culprit(exc, items, active)
+        culprit = _culprit(error, items, active)
         if culprit is None:
-            culprit, exc = _first_failing(compose, items, active)
+            culprit, error = _first_failing(compose, items, active)
         if culprit is None:  # fails without any override (a broken file of conf/), or cannot be pinned down
-            problems[-1] = _problem(exc, None, "", dirs)
+            problems[-1] = _problem(error, None, "", dirs)
             break
-        bad[culprit] = _problem(exc, items[culprit].key, items[culprit].values[0], dirs)
+        bad[culprit] = _problem(error, items[culprit].key, items[culprit].values[0], dirs)
     if composed is not None:  # the other values of each sweep, each in the place of its first
         for i, item in enumerate(items):
             scratch = copy.deepcopy(composed) if len(item.values) > 1 else composed
             for value in item.values[1:]:
-                exc = _check_value(compose, scratch, items, bad, i, value)
-                if exc is not None:
-                    bad.setdefault(i, _problem(exc, item.key, value, dirs))
+                error = _check_value(compose, scratch, items, bad, i, value)
+                if error is not None:
+                    bad.setdefault(i, _problem(error, item.key, value, dirs))
     problems.update({places[i]: problem for i, problem in bad.items()})
     return [problems[place] for place in sorted(problems)]
 
@@ -306,7 +306,7 @@ def _schema_keys() -> list[str]:
 
     def walk(node: DictConfig, prefix: str) -> None:
         for k in node.keys():  # noqa: SIM118 (the keys, MISSING ones included)
-            path = f"{prefix}{k}"
+            path = f"{prefix}{k!s}"  # a schema's keys are field names: str
             found.append(path)
             child = node._get_node(k)
             if isinstance(child, DictConfig) and OmegaConf.get_type(child) is not dict:
@@ -362,7 +362,8 @@ def _example(key: str, default: Any) -> str:
 
 
 def _schema() -> DictConfig:
-    return OmegaConf.structured(Config)
+    schema: DictConfig = OmegaConf.structured(Config)
+    return schema
 
 
 def _schema_node(key: str) -> Any:
@@ -378,7 +379,9 @@ def _schema_kind(key: str) -> Any:
     node = _schema_node(parent) if parent else _schema()
     if not OmegaConf.is_dict(node) or name not in node.keys():  # noqa: SIM118 (`in` is False for MISSING)
         return None
-    ref = node._get_node(name)._metadata.ref_type
+    child = node._get_node(name)
+    assert child is not None  # `name in node.keys()` above
+    ref = child._metadata.ref_type
     origin = getattr(ref, "__origin__", None)
     if origin in (list, dict):
         return origin
@@ -394,6 +397,7 @@ def _schema_default(key: str) -> Any:
     if not OmegaConf.is_dict(node) or name not in node.keys():  # noqa: SIM118 (`in` is False for MISSING)
         return None
     child = node._get_node(name)
+    assert child is not None  # `name in node.keys()` above
     return None if OmegaConf.is_config(child) or child._is_missing() else child._value()
 
 

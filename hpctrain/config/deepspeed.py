@@ -22,13 +22,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.bounded import Unreadable, read_text
 from hpctrain.config.problems import ConfigError, Problem
 
+if TYPE_CHECKING:
+    from hpctrain.config.schema import Config
+
 AUTO = "auto"
-MAX_BATCH = 2**31 - 1  # hpctrain.config.checks.MAX_COUNT: the batch keys' bound there too
+MAX_BATCH = 2**31 - 1  # hpctrain.checks.config.MAX_COUNT: the batch keys' bound there too
 FP32_MAX_EXPONENT = 127  # a loss scale is an fp32 number: 2^127 is its largest power of two
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # What a DeepSpeed dtype name is in hpctrain (communication_data_type and friends).
@@ -114,7 +117,7 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name}, which is not a number a setting can take")
 
 
-def translate(ds: dict[str, Any], cfg: Any) -> Translation:
+def translate(ds: dict[str, Any], cfg: Config) -> Translation:
     """The hpctrain settings of a DeepSpeed config, given the composed hpctrain config (`cfg`)."""
     t = _Import(ds, cfg)
     for section, step in (
@@ -163,8 +166,9 @@ def _hydra_value(value: Any) -> str:
 
 
 class _Import:
-    def __init__(self, ds: dict[str, Any], cfg: Any) -> None:
-        self.ds, self.cfg, self.out, self.seen = ds, cfg, Translation(), set()
+    def __init__(self, ds: dict[str, Any], cfg: Config) -> None:
+        self.ds, self.cfg, self.out = ds, cfg, Translation()
+        self.seen: set[str] = set()
 
     # -- bookkeeping: every DeepSpeed key read goes to exactly one list
     def get(self, path: str, default: Any = None) -> Any:
@@ -273,7 +277,8 @@ class _Import:
                     [
                         Problem(
                             "deepspeed.train_batch_size",
-                            f"{tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {gas} x {where}",
+                            f"{tb} != train_micro_batch_size_per_gpu {mb} x gradient_accumulation_steps {gas} "
+                            f"x {where}",
                             "make the three agree (DeepSpeed refuses this file too), or give two of them",
                         )
                     ]

@@ -9,10 +9,25 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from hpctrain import schedules
 from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.config.rules import (
+    Finding,
+    Workload,
+    context_rules,
+    expert_rules,
+    fp8_rules,
+    key_of,
+    layer_split,
+    microbatch_rules,
+    moe_context_rule,
+    schedule_rules,
+    stage_rules,
+    tensor_rules,
+    zero_rules,
+)
 from hpctrain.config.schema import Config
 
 RECOMPUTE = ("none", "selective", "full")
@@ -67,7 +82,7 @@ class Layout:
     def __post_init__(self) -> None:
         problems = layout_problems(self)
         if problems:
-            raise ValueError("; ".join(f"parallel.{key}: {message}" for key, message, _ in problems))
+            raise ValueError("; ".join(f"{key}: {message}" for key, message, _ in problems))
 
     @property
     def world_size(self) -> int:
@@ -79,7 +94,7 @@ class Layout:
         return self.pp * self.virtual_stages
 
     def layer_split(self, n_layers: int) -> tuple[int, ...]:
-        """Layers of each stage, first to last (model_fit_problems holds that the split exists)."""
+        """Layers of each stage, first to last (config.rules.stage_rules holds that the split exists)."""
         split = layer_split(n_layers, self.n_stages, self.first_stage_layers, self.last_stage_layers)
         if split is None:
             raise ValueError(
@@ -160,22 +175,6 @@ def lighter_ends(n_layers: int, pp: int) -> int | None:
     return ends if ends >= 1 else None
 
 
-def layer_split(n_layers: int, n_stages: int, first: int = 0, last: int = 0) -> tuple[int, ...] | None:
-    """Layers of each of `n_stages` stages: `first` on the first and `last` on the last where set (> 0), the rest
-    evenly over the stages not set; None where that is not a split into stages of at least one layer."""
-    fixed = {0: first} if first else {}
-    if last:
-        fixed[n_stages - 1] = last
-    if n_stages == 1:
-        return (n_layers,) if not fixed or fixed == {0: n_layers} else None
-    rest, free = n_layers - sum(fixed.values()), n_stages - len(fixed)
-    if free == 0:
-        return tuple(fixed[s] for s in range(n_stages)) if rest == 0 else None
-    if rest < free or rest % free:
-        return None
-    return tuple(fixed.get(s, rest // free) for s in range(n_stages))
-
-
 def data_parallel_kind(layout: Layout) -> str:
     """The wrapper hpctrain's engine uses: "none", "ddp", "fsdp" or "replicate" (engine.py, data_parallel.uses_fsdp:
     DDP holds no DTensor parameter, TP's or EP's). CP ranks average their gradients as DP ranks do."""
@@ -200,9 +199,10 @@ def fills_buffer(layout: Layout) -> bool:
     )
 
 
-def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
-    """(parallel.* key, what is wrong, the fix) for every rule a layout breaks, checked in this one place."""
-    out: list[tuple[str, str, str]] = []
+def layout_problems(lay: Any) -> list[Finding]:
+    """(config key, what is wrong, the fix) for every rule a layout breaks on its own, without a model (those
+    against the model, the cluster and the sequence: hpctrain.config.rules, all of them `layout_rules`)."""
+    out: list[Finding] = []
     for name in (
         "dp",
         "tp",
@@ -216,12 +216,12 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
         "cp",
     ):
         if getattr(lay, name, 1) < 1:
-            out.append((name, f"must be >= 1, got {getattr(lay, name)}", "set it to a positive integer"))
+            out.append((key_of(name), f"must be >= 1, got {getattr(lay, name)}", "set it to a positive integer"))
     for name in ("first_stage_layers", "last_stage_layers"):
         if getattr(lay, name, 0) < 0:
             out.append(
                 (
-                    name,
+                    key_of(name),
                     f"must be >= 0 (0: as the other stages), got {getattr(lay, name)}",
                     "set it to the stage's number of layers, or 0",
                 )
@@ -231,27 +231,31 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     if lay.zero_stage not in (0, 1, 2, 3):
         out.append(
             (
-                "zero_stage",
+                key_of("zero_stage"),
                 f"must be 0, 1, 2 or 3, got {lay.zero_stage}",
                 "pick zero=stage0|stage1|stage2|stage3 (or their _offload variants)",
             )
         )
     if lay.recompute not in RECOMPUTE:
-        out.append(("recompute", f"must be one of {RECOMPUTE}, got {lay.recompute!r}", "set parallel.recompute=none"))
+        out.append(
+            (key_of("recompute"), f"must be one of {RECOMPUTE}, got {lay.recompute!r}", "set parallel.recompute=none")
+        )
     for name in ("dtype", "reduce_dtype"):
         value = getattr(lay, name)
         if value is not None and value not in DTYPES:
-            out.append((name, f"unknown dtype {value!r}; expected one of {DTYPES}", "use bf16, fp16 or fp32"))
+            out.append((key_of(name), f"unknown dtype {value!r}; expected one of {DTYPES}", "use bf16, fp16 or fp32"))
     if lay.schedule not in schedules.SCHEDULES and lay.schedule not in schedules.ALIASES:
-        out.append(("schedule", f"unknown schedule {lay.schedule!r}", f"use one of {', '.join(schedules.RUNNABLE)}"))
+        out.append(
+            (key_of("schedule"), f"unknown schedule {lay.schedule!r}", f"use one of {', '.join(schedules.RUNNABLE)}")
+        )
     else:
         chunk = schedules.get(lay.schedule).chunk_problem(lay.pp, lay.virtual_stages)
         if chunk:
-            out.append(chunk)
+            out.append((key_of(chunk[0]), chunk[1], chunk[2]))
     if lay.dp % lay.dp_replicate:
         out.append(
             (
-                "dp_replicate",
+                key_of("dp_replicate"),
                 f"dp={lay.dp} is not divisible by dp_replicate={lay.dp_replicate}",
                 f"use a dp_replicate that divides {lay.dp}",
             )
@@ -260,7 +264,7 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
         shard = lay.dp // lay.dp_replicate
         out.append(
             (
-                "ep",
+                key_of("ep"),
                 f"ep={lay.ep} does not divide the {shard} data-parallel ranks a ZeRO/FSDP shard group has "
                 f"(dp / dp_replicate = {lay.dp} / {lay.dp_replicate}): an EP group is made of DP ranks that "
                 "exchange tokens",
@@ -271,7 +275,7 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     if lay.offload_params and lay.zero_stage != 3:
         out.append(
             (
-                "offload_params",
+                key_of("offload_params"),
                 f"parameter offload needs ZeRO stage 3 (parameters sharded), got stage {lay.zero_stage}",
                 "set zero.stage=3, or zero=stage3_offload",
             )
@@ -279,7 +283,7 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     if lay.offload_device not in OFFLOAD_DEVICES:
         out.append(
             (
-                "offload_device",
+                key_of("offload_device"),
                 f"must be one of {OFFLOAD_DEVICES}, got {lay.offload_device!r}",
                 "set zero.offload_optimizer_device=cpu (host memory) or nvme (with zero.nvme_path)",
             )
@@ -287,24 +291,16 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     elif lay.offload_device == "nvme" and not lay.offload_optimizer:
         out.append(
             (
-                "offload_device",
+                key_of("offload_device"),
                 "NVMe holds offloaded optimizer state, but zero.offload_optimizer=false",
                 "set zero.offload_optimizer=true (or zero=stage3_nvme)",
             )
         )
-    if getattr(lay, "cp", 1) > 1 and lay.ep > 1:
-        out.append(
-            (
-                "cp",
-                f"context parallelism (cp={lay.cp}) with expert parallelism (ep={lay.ep}) is not supported "
-                "yet: an EP group is made of DP ranks, and CP ranks would route the same sequences' tokens",
-                "set parallel.cp=1 for an MoE model with parallel.ep>1, or parallel.ep=1",
-            )
-        )
+    out += moe_context_rule(getattr(lay, "cp", 1), lay.ep, moe=lay.ep > 1)  # experts to split: an MoE model
     if lay.sequence_parallel and lay.tp == 1:
         out.append(
             (
-                "sequence_parallel",
+                key_of("sequence_parallel"),
                 "sequence parallelism shards along the TP group, but tp=1",
                 "set parallel.tp>1 or parallel.sequence_parallel=false",
             )
@@ -312,142 +308,19 @@ def layout_problems(lay: Any) -> list[tuple[str, str, str]]:
     return out
 
 
-def model_fit_problems(
-    lay: Any, n_layers: int, n_heads: int, kv_heads: int, ffn_hidden: int, n_experts: int = 0
-) -> list[tuple[str, str, str]]:
-    """(config key, what is wrong, the fix) for every rule a layout (its tp, pp, virtual_stages, ep,
-    gpus_per_node) breaks against a model's shape: the one owner of these rules, which the checks report and
-    the layout search (so `parallel=auto`) obeys, so auto can never pick what the checks refuse."""
-    out: list[tuple[str, str, str]] = []
-    ep = getattr(lay, "ep", 1)
-    if ep > 1 and not n_experts:
-        out.append(
-            (
-                "parallel.ep",
-                f"ep={ep} splits a Mixture-of-Experts layer's experts, but this model is dense (model.moe.n_experts=0)",
-                "set parallel.ep=1, or pick an MoE model (model=mixtral_8x7b, ...)",
-            )
-        )
-    elif n_experts % ep:
-        out.append(
-            (
-                "parallel.ep",
-                f"model.moe.n_experts={n_experts} is not divisible by ep={ep}: each EP rank "
-                "must hold the same number of whole experts",
-                f"use an ep that divides {n_experts}",
-            )
-        )
-    tp = lay.tp
-    if n_heads % tp:
-        out.append(
-            (
-                "parallel.tp",
-                f"model.n_heads={n_heads} is not divisible by tp={tp}: each TP rank must own whole attention heads",
-                f"use a tp that divides {n_heads}",
-            )
-        )
-    if kv_heads != n_heads and kv_heads % tp:
-        out.append(
-            (
-                "parallel.tp",
-                f"model.n_kv_heads={kv_heads} is not divisible by tp={tp}: each TP rank must "
-                "own whole key/value heads (grouped-query attention)",
-                f"use a tp that divides {kv_heads}, or more key/value heads (model.n_kv_heads)",
-            )
-        )
-    if ffn_hidden % tp:
-        out.append(
-            (
-                "parallel.tp",
-                f"the MLP hidden size {ffn_hidden} is not divisible by tp={tp}",
-                "use a tp that divides the MLP hidden size (model.ffn_hidden)",
-            )
-        )
-    if tp > lay.gpus_per_node:
-        out.append(
-            (
-                "parallel.tp",
-                f"tp={tp} is larger than cluster.gpus_per_node={lay.gpus_per_node}: TP's "
-                "per-layer all-reduces would cross the network instead of NVLink",
-                f"use tp <= {lay.gpus_per_node} and add pipeline stages (parallel.pp) to split the model further",
-            )
-        )
-    elif lay.gpus_per_node % tp:
-        out.append(
-            (
-                "parallel.tp",
-                f"tp={tp} does not divide cluster.gpus_per_node={lay.gpus_per_node}: some TP "
-                "groups would straddle two nodes",
-                f"use a tp that divides {lay.gpus_per_node}",
-            )
-        )
-    chunks = lay.pp * lay.virtual_stages
-    first, last = getattr(lay, "first_stage_layers", 0), getattr(lay, "last_stage_layers", 0)
-    if (first or last) and chunks == 1:
-        out.append(
-            (
-                "parallel.first_stage_layers" if first else "parallel.last_stage_layers",
-                "sets the layers of a pipeline stage, but there is one stage (pp x virtual_stages = 1)",
-                "leave first_stage_layers and last_stage_layers at 0, or add pipeline stages (parallel.pp)",
-            )
-        )
-    elif first or last:
-        if layer_split(n_layers, chunks, first, last) is None:
-            free = chunks - bool(first) - bool(last)
-            rest = n_layers - first - last
-            out.append(
-                (
-                    "parallel.first_stage_layers" if first else "parallel.last_stage_layers",
-                    f"first_stage_layers={first} and last_stage_layers={last} leave {rest} of model.n_layers="
-                    f"{n_layers} layers for the other {free} of the {chunks} stages, which cannot take them in "
-                    "equal whole parts of at least one layer",
-                    f"choose them so that n_layers - first - last is a positive multiple of {free}"
-                    if free
-                    else "make first_stage_layers + last_stage_layers equal model.n_layers",
-                )
-            )
-    elif n_layers % chunks:
-        out.append(
-            (
-                "parallel.pp",
-                f"model.n_layers={n_layers} is not divisible by pp x virtual_stages = "
-                f"{lay.pp} x {lay.virtual_stages} = {chunks}: stages would be unbalanced",
-                "choose pp and virtual_stages whose product divides the number of layers, or set "
-                "parallel.first_stage_layers / last_stage_layers (the stages holding the embedding and the "
-                "head may take fewer)",
-            )
-        )
-    return out
-
-
-def sequence_problems(lay: Any, seq_len: int, dropout: float) -> list[tuple[str, str, str]]:
-    """(config key, what is wrong, the fix) for the rules context parallelism puts on the sequence: the one owner,
-    which the checks report and the layout search obeys."""
-    cp = getattr(lay, "cp", 1)
-    if cp == 1:
-        return []
-    out: list[tuple[str, str, str]] = []
-    if seq_len % (2 * cp):
-        out.append(
-            (
-                "train.seq_len",
-                f"{seq_len} tokens cannot be cut into 2 x cp = {2 * cp} equal chunks: context "
-                "parallelism gives each CP rank two chunks (one from each end, so the causal mask leaves no rank "
-                "idle)",
-                f"use a train.seq_len that is a multiple of {2 * cp}, or a parallel.cp that divides "
-                f"{seq_len // 2 if seq_len % 2 == 0 else seq_len}",
-            )
-        )
-    if dropout > 0:
-        out.append(
-            (
-                "model.dropout",
-                f"{dropout} with cp={cp}: the CP attention computes each rank's chunks against "
-                "keys gathered from the whole sequence and draws no attention-dropout masks",
-                "set model.dropout=0 (long-context pre-training uses none), or parallel.cp=1",
-            )
-        )
-    return out
+def layout_rules(lay: Layout, w: Workload) -> list[Finding]:
+    """Every rule of hpctrain.config.rules that `lay` breaks for `w` (errors; a Layout has passed its own,
+    layout_problems, when built): what the layout search holds each layout it returns to, and the checks report."""
+    return [
+        *expert_rules(lay.ep, w),
+        *tensor_rules(lay.tp, w),
+        *stage_rules(lay.pp, lay.virtual_stages, lay.first_stage_layers, lay.last_stage_layers, w),
+        *context_rules(lay.cp, lay.ep, w),
+        *schedule_rules(lay.schedule, lay.pp, lay.dp, lay.zero_stage),
+        *microbatch_rules(lay.schedule, lay.pp, lay.virtual_stages, lay.microbatches),
+        *zero_rules(lay.zero_stage, lay.dp_replicate, lay.offload_optimizer),
+        *fp8_rules(lay.tp, lay.fp8, w),
+    ]
 
 
 def resolve_layout(cfg: Config) -> Layout:
@@ -456,7 +329,7 @@ def resolve_layout(cfg: Config) -> Layout:
     _require_positive(cfg)
     dp = _infer_dp(c.nodes, c.gpus_per_node, p.dp, p.tp, p.pp, p.cp, lambda dp: _job_size_for(cfg, dp))
     grad_accum = _infer_grad_accum(cfg, dp)
-    values = dict(
+    values: dict[str, Any] = dict(
         dp=dp,
         tp=p.tp,
         pp=p.pp,
@@ -484,9 +357,7 @@ def resolve_layout(cfg: Config) -> Layout:
     )
     broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
     if broken:
-        raise ConfigError(
-            [Problem(CONFIG_KEYS.get(key, f"parallel.{key}"), message, fix) for key, message, fix in broken]
-        )
+        raise ConfigError([Problem(key, message, fix) for key, message, fix in broken])
     return Layout(**values)
 
 
@@ -504,7 +375,7 @@ def layouts_on_nodes(cfg: Config, counts: Iterable[int]) -> Iterator[tuple[int, 
     check of every count a run may shrink to walks thousands on a large job)."""
     from omegaconf import OmegaConf
 
-    smaller = OmegaConf.merge(cfg, {"parallel": {"dp": -1}, "train": {"grad_accum": -1}})
+    smaller = cast(Config, OmegaConf.merge(cfg, {"parallel": {"dp": -1}, "train": {"grad_accum": -1}}))
     for nodes in counts:
         smaller.cluster.nodes = nodes
         try:
@@ -518,12 +389,7 @@ def _require_positive(cfg: Config) -> None:
     positive = {
         "cluster.nodes": c.nodes,
         "cluster.gpus_per_node": c.gpus_per_node,
-        "parallel.tp": p.tp,
-        "parallel.pp": p.pp,
-        "parallel.ep": p.ep,
-        "parallel.cp": p.cp,
-        "parallel.dp_replicate": p.dp_replicate,
-        "parallel.virtual_stages": p.virtual_stages,
+        **{key_of(f): getattr(p, f) for f in ("tp", "pp", "ep", "cp", "dp_replicate", "virtual_stages")},
         "train.micro_batch": t.micro_batch,
         "train.global_batch": t.global_batch,
     }
@@ -615,8 +481,8 @@ def _infer_grad_accum(cfg: Config, dp: int) -> int:
                 [
                     Problem(
                         "train.global_batch",
-                        f"{t.global_batch} is not divisible by train.micro_batch x dp = {t.micro_batch} x {dp} = {per_step}, "
-                        "so gradient accumulation cannot be inferred",
+                        f"{t.global_batch} is not divisible by train.micro_batch x dp = {t.micro_batch} x {dp} = "
+                        f"{per_step}, so gradient accumulation cannot be inferred",
                         f"use a multiple of {per_step} (e.g. {max(1, round(t.global_batch / per_step)) * per_step}) "
                         "or change train.micro_batch",
                     )
@@ -656,20 +522,6 @@ def _infer_grad_accum(cfg: Config, dp: int) -> int:
             ]
         )
     return grad_accum
-
-
-# Layout field -> the config key that sets it, for error messages (the rest are parallel.<field>).
-CONFIG_KEYS = {
-    "zero_stage": "zero.stage",
-    "micro_batch": "train.micro_batch",
-    "grad_accum": "train.grad_accum",
-    "gpus_per_node": "cluster.gpus_per_node",
-    "dtype": "precision.dtype",
-    "reduce_dtype": "precision.reduce_dtype",
-    "offload_params": "zero.offload_params",
-    "offload_device": "zero.offload_optimizer_device",
-    "accumulate_unsharded": "zero.accumulate_unsharded",
-}
 
 
 def _value(v: Any) -> str:

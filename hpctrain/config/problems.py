@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from hpctrain.config.layout import Layout
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -27,19 +23,3 @@ class ConfigError(Exception):
         lines = [f"{len(problems)} config error(s); nothing was submitted:"]
         lines += [f"  - {p}" for p in problems]
         super().__init__("\n".join(lines))
-
-
-@dataclass
-class CheckReport:
-    """All the checks found: errors and warnings, each naming its key and fix."""
-
-    layout: Layout
-    estimates: Any = None  # hpctrain.plan.estimate.Estimates once the layout is valid
-    errors: list[Problem] = field(default_factory=list)
-    warnings: list[Problem] = field(default_factory=list)
-
-    def error(self, key: str, message: str, fix: str) -> None:
-        self.errors.append(Problem(key, message, fix))
-
-    def warn(self, key: str, message: str, fix: str) -> None:
-        self.warnings.append(Problem(key, message, fix))

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from hpctrain.models.registry import DEFAULT as DEFAULT_FAMILY
 from hpctrain.schedules import RUNNABLE
 
 
@@ -76,7 +75,7 @@ class RopeConfig:
 
 @dataclass
 class MoEConfig:
-    """Mixture-of-Experts feed-forward (hpctrain.models.moe): every block's MLP becomes n_experts SwiGLU experts
+    """Mixture-of-Experts feed-forward (hpctrain.models.common.moe): every block's MLP becomes n_experts SwiGLU experts
     and a router; 0 experts is a dense model. Only the MoE families read it (model.arch=mixtral, qwen3_moe)."""
 
     n_experts: int = 0  # routed experts per layer (0: dense)
@@ -97,7 +96,9 @@ class MoEConfig:
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    arch: str = DEFAULT_FAMILY  # a family of hpctrain.models.registry (`check_schema` names the known ones)
+    # a family of hpctrain.models.registry, which config does not import (models reads config): `check_schema`
+    # refuses a name it does not hold, naming the known ones; tests/test_families.py holds this default to it
+    arch: str = "gpt"
     n_layers: int = MISSING
     d_model: int = MISSING
     n_heads: int = MISSING
@@ -437,9 +438,33 @@ SIMULATE = "simulate"
 DRY_RUNS = (False, True, SIMULATE)
 
 
-def simulating(cfg: Any) -> bool:
+def simulating(cfg: Config) -> bool:
     """dry_run=simulate: the plan, and one rank of the job built and stepped on fake tensors (hpctrain.simulate)."""
-    return cfg.dry_run == SIMULATE
+    return bool(cfg.dry_run == SIMULATE)
+
+
+def as_config(node: DictConfig | ListConfig) -> Config:
+    """A config node made from this schema (Hydra's composition, `OmegaConf.structured(Config)`, a merge onto it)
+    as the schema's type: it reads like the dataclass, which is how the code types a config (Hydra's structured
+    configs). Said to the type checker here, in one place; a node that is no mapping at all is a TypeError."""
+    if not isinstance(node, DictConfig):
+        raise TypeError(f"a config is a mapping of sections, not {type(node).__name__}")
+    return cast(Config, node)
+
+
+def as_node(cfg: Config) -> DictConfig:
+    """The OmegaConf node a config is at run time, for OmegaConf's own functions (`open_dict`, `OmegaConf.update`,
+    `in`); the reverse of `as_config`. A plain Config dataclass has no such node: TypeError."""
+    if not isinstance(cfg, DictConfig):
+        raise TypeError(f"a composed config (an OmegaConf DictConfig) is needed here, not {type(cfg).__name__}")
+    return cfg
+
+
+def to_plain(cfg: Config) -> dict[str, Any]:
+    """The config as plain data, interpolations resolved: what a task rebuilds its config from, what W&B records."""
+    plain = OmegaConf.to_container(as_node(cfg), resolve=True)
+    assert isinstance(plain, dict)  # a DictConfig's container
+    return cast(dict[str, Any], plain)
 
 
 def register() -> None:

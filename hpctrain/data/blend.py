@@ -19,6 +19,7 @@ as an array of every sample of the run).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,7 +121,7 @@ def _tree(parts: list[int], weights: list[int]) -> _Node:
 class BlendedSamples:
     """Several datasets' samples interleaved by weight (module docstring); a sample's source comes from its id."""
 
-    def __init__(self, parts: list[Samples], weights: list[float]) -> None:
+    def __init__(self, parts: Sequence[Samples], weights: list[float]) -> None:
         if len(parts) != len(weights) or not parts:
             raise ValueError(f"{len(parts)} datasets and {len(weights)} weights")
         self.parts, self.weights = parts, weights
@@ -137,12 +138,13 @@ class BlendedSamples:
         """(dataset, that dataset's own sample id) of global sample `sample`."""
         node, g = self._root, sample
         while node.left is not None and node.right is not None:
-            a, s = node.left.weight, node.weight
+            left, right = node.left, node.right
+            a, s = left.weight, node.weight
             before = (g * a + s // 2) // s  # left subtree's samples among this node's first g
             if ((g + 1) * a + s // 2) // s > before:
-                node, g = node.left, before
+                node, g = left, before
             else:
-                node, g = node.right, g - before
+                node, g = right, g - before
         return node.part, g
 
     def sample(self, sample: int) -> np.ndarray:

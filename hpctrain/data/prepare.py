@@ -63,7 +63,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.pool import AsyncResult, Pool
 from pathlib import Path
-from typing import IO
+from typing import BinaryIO
 
 import numpy as np
 import tqdm
@@ -146,7 +146,7 @@ def _decode(data: bytes, path: Path, line: int | None = None, offset: int = 0) -
         raise PrepareError(f"{path}: not UTF-8 ({where}byte offset {offset + err.start})") from None
 
 
-def _open(path: Path) -> IO[bytes]:
+def _open(path: Path) -> gzip.GzipFile | BinaryIO:
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
@@ -374,7 +374,7 @@ def _cut(text: str, start: int, size: int) -> tuple[int, bool]:
     end = start + size
     for low in (end - 1024, start + size * 3 // 4):
         last = None
-        for last in _CLEAN_CUT.finditer(text, max(low, start + 1), end):
+        for last in _CLEAN_CUT.finditer(text, max(low, start + 1), end):  # noqa: B007 (the loop keeps the last)
             pass
         if last is not None:
             return last.start(), True
@@ -395,7 +395,7 @@ def _pieces(text: str, size: int, drop: bool = False) -> Iterator[str]:
 def _training_texts(documents: Iterable[Document]) -> Iterator[str]:
     """What the BPE trainer reads: each document in pieces, runs of non-space characters longer than WORD_CHARS
     cut into words of that size (a run of 200,000 NULs trained for minutes and made one token)."""
-    long_run = re.compile(r"(?<!\S)\S{%d,}" % (WORD_CHARS + 1))
+    long_run = re.compile(rf"(?<!\S)\S{{{WORD_CHARS + 1},}}")
     for text, _ in documents:
         for piece in _pieces(text, PIECE_CHARS):
             if max(map(len, piece.split()), default=0) <= WORD_CHARS:  # 3x faster than the regex's search
@@ -437,8 +437,9 @@ def _load_tokenizer(path: Path) -> Tokenizer:
 
 def _eod_id(tokenizer: Tokenizer, eod_token: str | None, path: Path) -> int:
     for token in [eod_token] if eod_token else EOD_TOKENS:
-        if tokenizer.token_to_id(token) is not None:
-            return tokenizer.token_to_id(token)
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
     if eod_token:
         raise PrepareError(f"tokenizer {path}: no token {eod_token!r}")
     raise PrepareError(

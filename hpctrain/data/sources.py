@@ -66,4 +66,5 @@ def open_tokens(data_cfg: DataConfig) -> np.ndarray | None:
     if data_cfg.kind == DataKind.text_bytes:
         path = build_text_bytes(data_cfg.max_bytes, Path(data_cfg.path) if data_cfg.path else None)
         return np.memmap(path, dtype=np.uint8, mode="r")
+    assert data_cfg.path is not None  # data=tokens without a path is refused before submission (hpctrain.checks)
     return np.memmap(data_cfg.path, dtype=np.dtype(data_cfg.token_dtype), mode="r")

@@ -44,6 +44,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -133,8 +134,8 @@ class NodeAgent:
             max_restarts=max_restarts,
             monitor_interval=MONITOR_INTERVAL_S,
             start_method="fork",
-            numa_options=NO_NUMA_QUERY,
-        )  # type: ignore[arg-type]
+            numa_options=NO_NUMA_QUERY,  # type: ignore[arg-type]
+        )
         # Given no NUMA options, torch would ask torch.cuda.is_available() here (to pick default options, which
         # are None outside Meta anyway): CUDA initialised in the agent, every forked worker poisoned. NVML's
         # count (the agent's PYTORCH_NVML_BASED_CUDA_CHECK) falls back to cudaGetDeviceCount where NVML fails
@@ -163,10 +164,12 @@ def agent_from_submitit(
     )
 
 
-def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
+def run_agent(agent: NodeAgent, task: Any, worker: Callable[[Any], Any]) -> dict[int, Any]:
     """Run this node's workers until they finish, restarting all of them on any failure (every node alike).
 
-    `task` (config, run directory, layout) goes to every worker. Returns the workers' results by local rank;
+    `worker(task)` is what each forked worker runs (hpctrain.train.worker.run_worker: the caller imports it, torch
+    and the training stack with it, once, before the fork; this module stays below the training loop). `task`
+    (config, run directory, layout) goes to every worker. Returns the workers' results by local rank;
     raises torch's ChildFailedError once `max_restarts` restarts are spent. When the rendezvous store's host
     dies, the store moves to the next live node and the agents go on there.
     """
@@ -189,7 +192,7 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
         base = last_restart(Path(task.run_dir), _run_key(agent.job_id)) + 1 if agent.generation else 0
         os.environ["HPCTRAIN_RESTART_BASE"] = str(base)
         try:
-            results, slot = _launch(agent, task, slot, agent.max_restarts - base)
+            results, slot = _launch(agent, task, worker, slot, agent.max_restarts - base)
         except ChildFailedError:
             if agent.generation and server is not None:
                 _end_job_after_run()
@@ -215,14 +218,12 @@ def run_agent(agent: NodeAgent, task: Any) -> dict[int, Any]:
         return results
 
 
-def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) -> tuple[dict[int, Any], int | None]:
+def _launch(
+    agent: NodeAgent, task: Any, worker: Callable[[Any], Any], slot: int | None, max_restarts: int
+) -> tuple[dict[int, Any], int | None]:
     """One launch of torch's agent against the current store: (the workers' results, the slot this node held)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
-
-    from hpctrain.train.worker import (
-        run_worker,  # torch and the training stack, imported once, before forking
-    )
 
     # What the agent holds now (torch, the training stack: 300k objects) is never garbage: out of the
     # collector's sight, a worker's full collections stop scanning it (0.19 s each, several in a resume) and
@@ -239,7 +240,7 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
             agent.endpoint,
             max_restarts,
         )
-        return elastic_launch(agent.launch_config(max_restarts), run_worker)(task), slot
+        return elastic_launch(agent.launch_config(max_restarts), worker)(task), slot
     store = spares.connect(agent.store_host, agent.port, agent.join_timeout_s)
     if slot is not None and not spares.hold(store, agent.job_id, slot, agent.node):
         log.info("node %d: slot %d was taken while the store moved; this node is a spare now", agent.node, slot)
@@ -275,7 +276,7 @@ def _launch(agent: NodeAgent, task: Any, slot: int | None, max_restarts: int) ->
             lambda _: _stop(own_workers()),
         ).start()
     try:
-        results = elastic_launch(agent.launch_config(max_restarts), run_worker)(task)
+        results = elastic_launch(agent.launch_config(max_restarts), worker)(task)
         _announce_end(agent)  # before the beat stops: a watching peer must not take the end for a silence
     except ChildFailedError:  # the run is over, failed: the spares leave (a lost store is no end: no word)
         _announce_end(agent)
@@ -321,7 +322,7 @@ def _announce_end(agent: NodeAgent) -> None:
 
 def _run_completed(task: Any, job_id: str) -> bool:
     completed = read_completed(Path(task.run_dir))
-    return bool(completed) and completed.get("job_id") == job_id
+    return completed is not None and completed.get("job_id") == job_id
 
 
 def next_store(agent: NodeAgent, wait_s: float = NEXT_HOST_WAIT_S) -> NodeAgent:
@@ -368,10 +369,10 @@ def _poll_rendezvous_every(poll_s: float) -> None:
             if self._judge.may_judge(time.monotonic()):
                 super()._sanitize()
             else:
-                self._dead_nodes = []
+                self._dead_nodes: list[Any] = []
 
     polled.__wrapped__ = delay  # type: ignore[attr-defined]
-    rdzv._delay, rdzv._BackendRendezvousStateHolder = polled, FreshStateHolder
+    rdzv._delay, rdzv._BackendRendezvousStateHolder = polled, FreshStateHolder  # type: ignore[misc]  # torch's
 
 
 class HeartbeatJudge:
@@ -426,7 +427,7 @@ def _bound_rendezvous_store_calls(seconds: float) -> None:
             raise RendezvousConnectionError(f"The C10d store did not answer a {store_op} in {seconds:.0f} s.") from exc
 
     bounded.__wrapped__ = call  # type: ignore[attr-defined]
-    c10d.C10dRendezvousBackend._call_store = bounded
+    c10d.C10dRendezvousBackend._call_store = bounded  # type: ignore[method-assign, assignment]  # torch's own
 
 
 def _host_store(agent: NodeAgent) -> Any:

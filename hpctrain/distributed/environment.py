@@ -116,7 +116,7 @@ def first_node_address(je: submitit.JobEnvironment) -> str:
 def node_addresses(je: submitit.JobEnvironment) -> tuple[str, ...]:
     """Every node of the job as the others reach it, by node index (the agents' rendezvous store starts on
     the first and moves along them when its host dies)."""
-    if os.environ.get("SUBMITIT_EXECUTOR") == "local":
+    if not scheduler_for().capabilities.multi_node:  # the job's one node is this machine
         return ("127.0.0.1",)
     return tuple(_host_address(h) for h in je.hostnames)
 
@@ -124,7 +124,7 @@ def node_addresses(je: submitit.JobEnvironment) -> tuple[str, ...]:
 def _host_address(host: str) -> str:
     """Resolve a node's name the way the other nodes can reach it (never 127.0.0.1)."""
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None, socket.AF_INET)}  # AF_INET: a str
     except socket.gaierror:
         return host
     routable = sorted(a for a in addresses if not a.startswith("127."))

@@ -28,7 +28,10 @@ Values the user set (cluster.nccl, cluster.env, or the job's environment) are ne
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import NcclConfig
 
 ROCE_V2_GID_INDEX = "3"
 
@@ -106,7 +109,7 @@ def selects(spec: str, port: Port) -> bool:
 
 
 def nccl_environment(
-    nccl_cfg: Any, local_rank: int, topology: dict[str, Any] | None, ib: dict[str, Any] | None
+    nccl_cfg: NcclConfig, local_rank: int, topology: dict[str, Any] | None, ib: dict[str, Any] | None
 ) -> dict[str, str]:
     """The NCCL variables for this task (only those it has reason to set)."""
     env: dict[str, str] = {}

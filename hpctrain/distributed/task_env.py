@@ -12,9 +12,12 @@ from __future__ import annotations
 import getpass
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpctrain.distributed.nccl_env import nccl_environment
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import Config
 
 # Collectives each process keeps in torch's flight recorder (NCCL and gloo): the hang watchdog reads it to
 # tell a rank waiting for a peer from a stuck one, and a post-mortem needs the last ones of every rank.
@@ -68,7 +71,7 @@ def allocator_environment(gpu: bool, user_env: Mapping[str, Any]) -> dict[str, s
     return {ALLOC_CONF[0]: "expandable_segments:True"}
 
 
-def task_environment(cfg: Any, node_tmp: str | None = None) -> dict[str, str]:
+def task_environment(cfg: Config, node_tmp: str | None = None) -> dict[str, str]:
     """`node_tmp`: the node's scratch directory (default: `node_local_tmp()` of this process)."""
     threads = str(cfg.train.threads_per_rank)
     env = {

@@ -44,7 +44,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -160,7 +160,7 @@ class JobRun:
     node_list: str
     submit: float | None
     eligible: float | None
-    start: float | None
+    start: float  # only allocations that started are runs (`_job_runs`)
     end: float | None  # None: still running (the ledger counts it up to `now`)
     # (start, end, nodes) of each stretch at one node count: one, unless the job shrank after a lost node
     pieces: list[tuple[float, float | None, int]] = field(default_factory=list)
@@ -329,9 +329,9 @@ def build_ledger(
     parts = {p: sum(r.parts.get(p, 0.0) for r in counted) for p in PARTS}
     allocated = sum(r.node_s for r in counted)
     productive = parts["productive"]
-    between = [r for r in counted[1:] if r.queue_s is not None]
-    queue = sum(r.queue_s for r in between) if accounting else None
-    waited = sum(r.queue_s * r.nodes for r in between)
+    between = [(r.queue_s, r.nodes) for r in counted[1:] if r.queue_s is not None]  # (seconds, nodes)
+    queue = sum(s for s, _ in between) if accounting else None
+    waited = sum(s * nodes for s, nodes in between)
     rate = _rate(recent)
     left = max(0, max_steps - steps_done)
     eta = left / rate if rate else None
@@ -704,6 +704,7 @@ def _incidents(
     trained = [a for a in attempts if a.last_row is not None]
     for a, nxt in itertools.zip_longest(trained, trained[1:]):
         run = run_of.get(id(a))
+        assert a.last_row is not None  # `trained`
         if a.last_row.step >= max_steps or (run is not None and _finished(a, run, None)):
             continue
         if nxt is None and (run is None or run.end is None and a.stop is None):
@@ -722,6 +723,7 @@ def _incident(
 ) -> Incident:
     run, next_run = run_of.get(id(a)), run_of.get(id(nxt)) if nxt else None
     last = a.last_row
+    assert last is not None  # only attempts that trained have incidents (`_incidents`)
     until = nxt.marks["process_started"] if nxt is not None else float("inf")  # a requeued job reuses its keys
     records = [r for r in failures(a.key) if last.time - SLACK_S <= r["time"] <= until]
     own = [r for r in records if not r.get("peer")]
@@ -749,6 +751,7 @@ def _incident(
         parts["queue"] = next_run.queue_s if next_run is not None else None
         parts["restart"] = (nxt.marks["process_started"] - next_run.start) if nxt and next_run else None
     else:
+        assert nxt is not None  # `leaves` otherwise
         parts["teardown, rendezvous, spawn"] = nxt.marks["process_started"] - after
     load = {}
     if nxt is not None:
@@ -784,7 +787,7 @@ def _cause(
     hosts: Callable[[str], list[str]],
     nxt: Attempt | None,
     leaves: bool,
-    silent: list[tuple[int, str]] = (),
+    silent: Sequence[tuple[int, str]] = (),
 ) -> str:
     """In words: the signal, the root error, or what the batch system saw; and the nodes left out after it.
     `silent`: (rank, host) of the ranks that left no record when every record is a peer's (they died, the

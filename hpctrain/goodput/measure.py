@@ -39,7 +39,8 @@ class RowCache:
         self.offset = 0
 
     def read(self, run_dir: Path) -> list[Row]:
-        for record, self.offset in lines_from(RunPaths(run_dir).metrics, self.offset):
+        for record, offset in lines_from(RunPaths(run_dir).metrics, self.offset):
+            self.offset = offset
             self.rows.append(Row.of(record))
         return self.rows
 

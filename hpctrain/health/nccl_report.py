@@ -135,7 +135,7 @@ def derive_findings(
         per_host = ", ".join(f"{h}={'/'.join(sorted(vs))}" for h, vs in sorted(versions.items()))
         out.append(Finding(ERROR, "version-mismatch", f"NCCL versions differ across hosts: {per_host}"))
 
-    for host, net in sorted(networks.items()):
+    for net_host, net in sorted(networks.items()):
         if "Socket" in net.networks:
             why = "; ".join(net.reasons) or "no reason logged"
             scope = "a multi-node job" if multi_node else "a single-node job"
@@ -144,9 +144,9 @@ def derive_findings(
                 Finding(
                     severity,
                     "socket-fallback",
-                    f"{host}: NCCL uses TCP sockets ({', '.join(net.socket_devices) or '?'}) "
+                    f"{net_host}: NCCL uses TCP sockets ({', '.join(net.socket_devices) or '?'}) "
                     f"instead of IB/RoCE on {scope}; reason: {why}",
-                    host=host,
+                    host=net_host,
                 )
             )
 

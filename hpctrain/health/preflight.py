@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from hpctrain.health.node import inconsistencies, node_report
 from hpctrain.health.outliers import robust_outliers
 from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import scheduler_for
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import Config, HealthConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +137,9 @@ def use_device(device: torch.device, cuda: Any = torch.cuda) -> None:
         cuda.set_device(device)
 
 
-def run_preflight(cfg: Any, rank: int, local_rank: int, job_id: str, run_dir: Path, device: torch.device) -> Preflight:
+def run_preflight(
+    cfg: Config, rank: int, local_rank: int, job_id: str, run_dir: Path, device: torch.device
+) -> Preflight:
     hc = cfg.health
     if hc.preflight == "off":
         return Preflight({}, None)
@@ -213,7 +218,7 @@ def _slowest_per_host(timings: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _judge(
-    everyone: list[dict[str, Any]], hc: Any, again: list[dict[str, Any]] | None = None
+    everyone: list[dict[str, Any]], hc: HealthConfig, again: list[dict[str, Any]] | None = None
 ) -> tuple[dict[str, list[str]], dict[str, Any]]:
     """The bad nodes and the report. With `again` (the confirming round), a node is slow only when it is an
     outlier in both rounds; its reason gives both timings."""

@@ -26,6 +26,7 @@ the loop calls `stand_down()` first, so the watchdog cannot fire half-way and ca
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import pickle
@@ -239,7 +240,9 @@ class Watchdog:
         with open(dump, "w") as f:
             f.write(f"rank {self.rank}: no step completed for {waited:.0f} s after step {self.step} ({self._why()})\n")
             faulthandler.dump_traceback(file=f, all_threads=True)
-        main_stack = "".join(traceback.format_stack(sys._current_frames()[self._main.ident]))
+        main = self._main.ident
+        assert main is not None  # the main thread has started
+        main_stack = "".join(traceback.format_stack(sys._current_frames()[main]))
         backend = _backend()
         active = _bounded(lambda: _active_trace(backend), self._device)
         verdict = decide(active, main_stack, backend, time.time_ns())
@@ -299,7 +302,7 @@ def _active_trace(backend: str | None) -> dict[str, Any] | None:
 
 def _save_full_traces(directory: Path, rank: int, backend: str | None, device: int | None) -> None:
     for kind in _kinds(backend):
-        full = _bounded(lambda kind=kind: _flight_recorder(kind, full=True), device)
+        full = _bounded(functools.partial(_flight_recorder, kind, full=True), device)
         if full:
             (directory / f"{kind}{TRACE_SUFFIX}{rank}").write_bytes(full)
 

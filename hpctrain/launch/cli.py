@@ -14,14 +14,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hpctrain.config.problems import CheckReport, ConfigError, Problem
-from hpctrain.config.schema import simulating
+from hpctrain.checks.report import CheckReport
+from hpctrain.checks.runner import run_checks
+from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.config.schema import Config, as_node, simulating
 from hpctrain.launch.data import prepare_data
 from hpctrain.launch.plan_view import build_plan, render
 from hpctrain.launch.resume import finished, resume_config
 from hpctrain.launch.rundir import RunDir, owner_problems, resolve_run_dir, tier_problems
 from hpctrain.launch.secrets import redact
-from hpctrain.plan.checks import run_checks
 
 EXIT_CONFIG_ERROR = 2
 
@@ -43,13 +44,13 @@ class Prepared:
     """A checked config, ready to plan: the config (for a resume, the run's own with the allowed changes), the
     checks' report, the run directory, and the credentials taken out of cluster.env (hpctrain.launch.secrets)."""
 
-    cfg: DictConfig
+    cfg: Config
     report: CheckReport
     run_dir: RunDir
     secrets: dict[str, str] = field(default_factory=dict)
 
 
-def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
+def run(cfg: Config, overrides: list[str] | None = None) -> Outcome:
     """A dry run prints the plan, then any errors (exit 2); otherwise errors stop it before anything is created.
 
     `overrides`: the command line's (Hydra's task overrides by default); a resume takes only the keys they name
@@ -108,7 +109,7 @@ def run(cfg: DictConfig, overrides: list[str] | None = None) -> Outcome:
 
 
 def prepare(
-    cfg: DictConfig, overrides: list[str] | None, compose: Callable[[list[str]], DictConfig] | None = None
+    cfg: Config, overrides: list[str] | None, compose: Callable[[list[str]], DictConfig] | None = None
 ) -> Prepared:
     """Everything before the plan, with no side effect: the resume's config, DeepSpeed's settings, parallel=auto,
     every check (all problems at once) and the run directory it will use. Raises ConfigError when the run must
@@ -116,16 +117,16 @@ def prepare(
     resume = None
     run_dir = None
     if cfg.run.resume:
-        run_dir = resolve_run_dir(cfg)  # by today's run.root; the run's own config says the rest
-        resume = resume_config(cfg, overrides, run_dir.path, compose or _hydra_compose())
+        run_dir = resolve_run_dir(cfg.run)  # by today's run.root; the run's own config says the rest
+        resume = resume_config(as_node(cfg), overrides, run_dir.path, compose or _hydra_compose())
         cfg = resume.cfg
-    if "deepspeed" in cfg:
+    if "deepspeed" in as_node(cfg):
         apply_deepspeed(cfg, _explicit_keys(overrides))
     if cfg.parallel.auto:
         apply_auto(cfg)
     refused = resume.problems(cfg) if resume else []
     if run_dir is not None:  # a resume: its tiers and checkpoints must be its own (issue 46), said first
-        refused += tier_problems(cfg, run_dir) or owner_problems(cfg, run_dir)
+        refused += tier_problems(cfg.checkpoint, run_dir) or owner_problems(cfg, run_dir)
     try:
         report = check_all(cfg, run_dir.path if run_dir else None)
     except ConfigError as err:
@@ -135,19 +136,19 @@ def prepare(
     if report.errors and not cfg.dry_run:
         raise ConfigError(report.errors)
     if run_dir is None:
-        run_dir = resolve_run_dir(cfg)
-        escaping = tier_problems(cfg, run_dir)  # a new run (or run.id of one): no tier may lead out of it either
+        run_dir = resolve_run_dir(cfg.run)
+        escaping = tier_problems(cfg.checkpoint, run_dir)  # a new run (or run.id of one): none may lead out of it
         if escaping:
             report.errors[:0] = escaping
             if not cfg.dry_run:
                 raise ConfigError(report.errors)
-    secrets = redact(cfg, report)
+    secrets = redact(cfg.cluster, report)
     if resume is not None:
         run_dir = replace(run_dir, config_changed=resume.config_changed(cfg))
     return Prepared(cfg, report, run_dir, secrets)
 
 
-def check_all(cfg: DictConfig, run_dir: Path | None = None) -> CheckReport:
+def check_all(cfg: Config, run_dir: Path | None = None) -> CheckReport:
     """Every check, all problems at once. The checks need the resolved layout: when the schema or the layout
     fails first, the checks that do not need it still run (on a neutral layout of one rank, which adds none of
     the layout's own problems), so that `zero.stage=4 optim.lr=-1` reports both; then ConfigError with all."""
@@ -155,9 +156,9 @@ def check_all(cfg: DictConfig, run_dir: Path | None = None) -> CheckReport:
         return run_checks(cfg, run_dir) if run_dir is not None else run_checks(cfg)
     except ConfigError as err:
         first = list(err.problems)
-    from hpctrain.config.checks import check_schema
+    from hpctrain.checks.config import check_schema
+    from hpctrain.checks.runner import CHECKS
     from hpctrain.config.layout import Layout, resolve_layout
-    from hpctrain.plan.checks import CHECKS
 
     problems: list[Problem] = []
     for step in (check_schema, resolve_layout):
@@ -201,27 +202,28 @@ def _hydra_compose() -> Callable[[list[str]], DictConfig] | None:
     return lambda overrides: compose(config_name="config", overrides=overrides)
 
 
-def apply_deepspeed(cfg: DictConfig, explicit: set[str]) -> None:
+def apply_deepspeed(cfg: Config, explicit: set[str]) -> None:
     """`+deepspeed=PATH`: the DeepSpeed config's settings (hpctrain.config.deepspeed) onto the composed config,
     except where the command line set a key itself (or chose its group: `zero=stage3` keeps every zero.* key);
     what has no equivalent is listed, never dropped. The `deepspeed` key itself goes: the tasks never see it."""
     from hpctrain.config.deepspeed import load, translate
 
-    path = str(cfg.deepspeed)
-    with open_dict(cfg):  # Hydra added the key to a struct config: only open, it can go again
-        del cfg["deepspeed"]
+    node = as_node(cfg)
+    path = str(node.deepspeed)
+    with open_dict(node):  # Hydra added the key to a struct config: only open, it can go again
+        del node["deepspeed"]
     translation = translate(load(path), cfg)
     kept = []
     for key, value in translation.overrides.items():
         if any(key == k or key.startswith(k + ".") for k in explicit):
             kept.append(key)
             continue
-        OmegaConf.update(cfg, key, value, merge=False)
+        OmegaConf.update(node, key, value, merge=False)
     print(
         f"deepspeed: {path}\n"
         + "\n".join(f"  {line}" for line in translation.report().splitlines())
         + "".join(
-            f"\n  (the command line's {key}={OmegaConf.select(cfg, key)} kept over the file's "
+            f"\n  (the command line's {key}={OmegaConf.select(node, key)} kept over the file's "
             f"{translation.overrides[key]})"
             for key in kept
         ),
@@ -238,26 +240,18 @@ def _explicit_keys(overrides: list[str] | None) -> set[str]:
     }
 
 
-def apply_auto(cfg: DictConfig) -> None:
+def apply_auto(cfg: Config) -> None:
     """`parallel=auto`: set the layout keys to the planner's fastest layout that fits (hpctrain.plan.auto)."""
-    from hpctrain.config.checks import model_shape_checks
-    from hpctrain.plan.auto import layout_overrides
-    from hpctrain.plan.estimate import cluster_hardware, model_shape
-    from hpctrain.plan.search import search_layouts
+    from hpctrain.checks.config import model_shape_checks
+    from hpctrain.config.layout import Layout
+    from hpctrain.plan.auto import auto_candidates, layout_overrides
 
-    shape = CheckReport(layout=None)
+    shape = CheckReport(Layout(dp=1, tp=1, pp=1, dtype="fp32"))  # a neutral layout: the model's checks need none
     model_shape_checks(cfg, shape)  # a model the search cannot even describe: its keys, not a traceback
     if shape.errors:
         raise ConfigError(shape.errors)
     c = cfg.cluster
-    candidates = search_layouts(
-        model_shape(cfg.model, cfg.train.seq_len),
-        c.nodes * c.gpus_per_node,
-        cluster_hardware(c),
-        cfg.train.global_batch,
-        dtype=cfg.precision.dtype.value,
-        reduce_dtype=cfg.precision.reduce_dtype.value,
-    )
+    candidates = auto_candidates(cfg)  # each obeys the layout rules the checks report (hpctrain.config.rules)
     if not candidates:
         raise ConfigError(
             [
@@ -265,16 +259,17 @@ def apply_auto(cfg: DictConfig) -> None:
                     "parallel.auto",
                     f"no layout of {cfg.model.name} on {c.nodes} x {c.gpus_per_node} {c.gpu_type} with "
                     f"global batch {cfg.train.global_batch} fits in memory",
-                    "add nodes, change train.global_batch, or use offload (zero=stage3_offload) with an explicit layout",
+                    "add nodes, change train.global_batch, or use offload (zero=stage3_offload) with an explicit "
+                    "layout",
                 )
             ]
         )
     for key, value in layout_overrides(candidates[0].layout).items():
-        OmegaConf.update(cfg, key, value)
+        OmegaConf.update(as_node(cfg), key, value)
     print(f"parallel=auto chose: {candidates[0].why}", file=sys.stderr)
 
 
-def _join_sweep(cfg: DictConfig) -> None:
+def _join_sweep(cfg: Config) -> None:
     """In a Hydra multirun, the points share a W&B group (the sweep) and carry their overrides as tags."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

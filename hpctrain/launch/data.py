@@ -15,6 +15,7 @@ def prepare_data(data: DataConfig) -> None:
     from hpctrain.data.indexed import exists
     from hpctrain.data.prepare import PrepareError, prepare
 
+    assert data.blend is not None  # data=indexed without a blend is refused before (hpctrain.checks.config)
     ((_, prefix),) = parse_blend(data.blend)
     if exists(prefix):
         return

@@ -1,26 +1,27 @@
 """The run's job, in the terms every scheduler backend takes (`JobSpec`), and its executor and script preview.
 
-The backend (hpctrain/scheduler/) turns the same JobSpec and `cluster` section both into the real executor
-and into the dry-run preview, so the preview is the script that would be submitted.
+The run's backend (hpctrain/scheduler/, by `cluster.executor`) turns the same JobSpec and `cluster` section both
+into the real executor and into the dry-run preview, so the preview is the script that would be submitted.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from hpctrain.config.layout import Layout
 from hpctrain.scheduler import JobSpec, scheduler_for
-from hpctrain.scheduler.slurm import SlurmScheduler
 
 if TYPE_CHECKING:
     import submitit
 
+    from hpctrain.config.schema import Config
+
 SUPERVISOR = "hpctrain.launch.supervise"  # runs after the tasks: resubmit a failed job or stop with a report
 
 
-def job_spec(cfg: Any, run_id: str, layout: Layout, folder: Path) -> JobSpec:
+def job_spec(cfg: Config, run_id: str, layout: Layout, folder: Path) -> JobSpec:
     """The job for a run; `folder` is the run's submitit folder (its parent is the run directory).
 
     With `launcher.in_allocation` a node runs one task, its elastic agent, which starts the node's ranks
@@ -41,10 +42,11 @@ def job_spec(cfg: Any, run_id: str, layout: Layout, folder: Path) -> JobSpec:
     )
 
 
-def sbatch_preview(cfg: Any, layout: Layout, run_id: str, folder: Path) -> str:
-    """The sbatch script Slurm would get for this run (whatever cluster.executor says)."""
-    return SlurmScheduler().script(cfg.cluster, job_spec(cfg, run_id, layout, folder))
+def sbatch_preview(cfg: Config, layout: Layout, run_id: str, folder: Path) -> str | None:
+    """The batch script the run's backend submits for this run (Slurm's sbatch script); None where the backend
+    submits none (the local executor)."""
+    return scheduler_for(cfg.cluster.executor).script(cfg.cluster, job_spec(cfg, run_id, layout, folder))
 
 
-def build_executor(cfg: Any, layout: Layout, run_id: str, folder: Path) -> submitit.Executor:
+def build_executor(cfg: Config, layout: Layout, run_id: str, folder: Path) -> submitit.Executor:
     return scheduler_for(cfg.cluster.executor).executor(cfg.cluster, job_spec(cfg, run_id, layout, folder))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpctrain.hardware import GiB
 from hpctrain.plan.estimate import Estimates
 from hpctrain.plan.search import Candidate, explain
-from hpctrain.plan.types import GiB
 
 
 def stage_lines(counts: dict[str, Any], tp: int, ep: int = 1) -> list[str]:
@@ -116,11 +116,13 @@ def offload_step_lines(est: Estimates) -> list[str]:
     lines = [
         f"  offload              {st.offload_s:.3f} s exposed = optimizer step on the CPU {o.optimizer_s:.3f} + "
         f"PCIe {o.pcie_s:.3f}: {st.offload_slowdown:.1%} slower than without offload",
-        f"    PCIe per GPU       {o.pcie_bytes / 1e9:.3f} GB per step ({o.all_gathers} x {o.h2d_bytes / max(o.all_gathers, 1) / 1e9:.3f} "
-        f"GB of parameter shard to the GPU, {o.d2h_bytes / 1e9:.3f} GB of gradient shard back) at "
+        f"    PCIe per GPU       {o.pcie_bytes / 1e9:.3f} GB per step ({o.all_gathers} x "
+        f"{o.h2d_bytes / max(o.all_gathers, 1) / 1e9:.3f} GB of parameter shard to the GPU, "
+        f"{o.d2h_bytes / 1e9:.3f} GB of gradient shard back) at "
         f"{hw.pcie_bw / 1e9:.0f} GB/s",
-        f"    CPU Adam           {o.shard_params / 1e6:,.1f}M parameters per rank at {hw.adam_rate_per_gpu() / 1e9:.2f}e9 "
-        f"per second (the node's {hw.cpu_adam_rate / 1e9:.1f}e9 shared by {o.gpus_per_node} ranks): "
+        f"    CPU Adam           {o.shard_params / 1e6:,.1f}M parameters per rank at "
+        f"{hw.adam_rate_per_gpu() / 1e9:.2f}e9 per second (the node's {hw.cpu_adam_rate / 1e9:.1f}e9 shared by "
+        f"{o.gpus_per_node} ranks): "
         f"{o.cpu_adam_s:.3f} s",
     ]
     if o.device == "nvme":

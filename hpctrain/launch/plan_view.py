@@ -1,8 +1,8 @@
 """The dry-run plan on the login node: what would run, where, and with what, before anything is queued.
 
 `build_plan` gathers the planner's data (hpctrain.plan: pure), the run, the task environment, the checks'
-warnings and errors, and the sbatch script into one JSON-ready dict; `render` prints it as text or JSON. A
-launched run stores the same dict as plan.json.
+warnings and errors, and the batch script (rendered by the run's backend as it submits it) into one JSON-ready
+dict; `render` prints it as text or JSON. A launched run stores the same dict as plan.json.
 """
 
 from __future__ import annotations
@@ -10,24 +10,23 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.config.problems import CheckReport
-from hpctrain.config.schema import Executor
+from hpctrain.checks.report import CheckReport
 from hpctrain.distributed.task_env import task_environment
 from hpctrain.launch.executor import sbatch_preview
 from hpctrain.launch.plan_tables import memory_lines, search_lines, stage_lines, step_lines
 from hpctrain.launch.rundir import RunDir
 from hpctrain.launch.secrets import redacted_keys
-from hpctrain.plan.auto import search_summary
+from hpctrain.plan.auto import auto_candidates, search_summary
 from hpctrain.plan.estimate import Estimates, as_json
 from hpctrain.plan.report import active_params, model_params, model_summary, stage_counts, vocab_padding
-from hpctrain.plan.search import evaluate, search_layouts
+from hpctrain.plan.search import evaluate
 
 if TYPE_CHECKING:
     from hpctrain.config.layout import Layout
-    from hpctrain.config.schema import ClusterConfig, ParallelConfig, ZeroConfig
+    from hpctrain.config.schema import Config, ParallelConfig, ZeroConfig
 
 
-def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
+def build_plan(cfg: Config, report: CheckReport, run: RunDir) -> dict[str, Any]:
     """The whole plan; with errors in the report, as much of it as the config allows (and the errors)."""
     lay = report.layout
     plan: dict[str, Any] = {
@@ -41,7 +40,7 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
         "executor": cfg.cluster.executor.value,
         "recovery": recovery_summary(cfg),
         "environment": task_environment(cfg),
-        "redacted": redacted_keys(cfg),
+        "redacted": redacted_keys(cfg.cluster),
         "warnings": [{"key": w.key, "message": w.message, "fix": w.fix} for w in report.warnings],
     }
     active = active_params(cfg.model)
@@ -59,12 +58,13 @@ def build_plan(cfg: Any, report: CheckReport, run: RunDir) -> dict[str, Any]:
         plan.update(as_json(est))
         sections.append({"title": "estimates", "lines": memory_lines(est) + [""] + step_lines(est)})
         if cfg.plan.search > 0:
-            plan["layout_search"], lines = _search(est, cfg.cluster, cfg.train.global_batch, cfg.plan.search)
+            plan["layout_search"], lines = _search(cfg, est, cfg.plan.search)
             sections.append({"title": "layout search", "lines": lines})
     if sections:
         plan["sections"] = sections
-    if cfg.cluster.executor == Executor.slurm:
-        plan["sbatch"] = sbatch_preview(cfg, lay, run.run_id, run.submitit_folder)
+    script = sbatch_preview(cfg, lay, run.run_id, run.submitit_folder)
+    if script is not None:
+        plan["batch_script"] = script
     return plan
 
 
@@ -74,7 +74,7 @@ REDACTION = (
 )
 
 
-def recovery_summary(cfg: Any) -> str:
+def recovery_summary(cfg: Config) -> str:
     """How a failure is recovered: inside the allocation (agents, spares, shrinking) or by resubmission."""
     launcher, restarts = cfg.launcher, cfg.launcher.max_restarts
     if not launcher.in_allocation:
@@ -114,12 +114,12 @@ def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_
     }
 
 
-def _search(est: Estimates, cluster: ClusterConfig, global_batch: int, top_k: int) -> tuple[dict[str, Any], list[str]]:
-    """The layout search's data and its text lines: the top layouts, and where the configured one ranks."""
+def _search(cfg: Config, est: Estimates, top_k: int) -> tuple[dict[str, Any], list[str]]:
+    """The layout search's data and its text lines: the top layouts (those `parallel=auto` would choose from: the
+    run's precision, FP8, compile and offload settings), and where the configured one ranks."""
+    cluster = cfg.cluster
     n_gpus = cluster.nodes * cluster.gpus_per_node
-    candidates = search_layouts(
-        est.model, n_gpus, est.hw, global_batch, dtype=est.layout.dtype, reduce_dtype=est.layout.reduce_dtype
-    )
+    candidates = auto_candidates(cfg)
     mine = evaluate(est.model, est.layout, est.hw)
     data = search_summary(candidates, mine, top_k)
     return data, search_lines(candidates, mine, data["configured_rank"], top_k, f"{n_gpus} x {cluster.gpu_type}")
@@ -181,8 +181,8 @@ def render_text(plan: dict[str, Any]) -> str:
     out += ["", "task environment", *(f"  {k}={v}" for k, v in plan["environment"].items())]
     out += [f"  {key}: redacted ({REDACTION})" for key in plan.get("redacted", [])]
     out += _problem_lines("warnings", plan["warnings"])
-    if "sbatch" in plan:
-        out += ["", "sbatch script (as submitit would write it)", plan["sbatch"].rstrip()]
+    if "batch_script" in plan:
+        out += ["", f"batch script ({plan['executor']}, as submitit would write it)", plan["batch_script"].rstrip()]
     return "\n".join(out)
 
 

@@ -32,8 +32,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hpctrain.bounded import Unreadable, read_text
 from hpctrain.config.problems import ConfigError, Problem
-from hpctrain.config.schema import Config
+from hpctrain.config.schema import Config, as_config
 from hpctrain.launch.secrets import REDACTED, is_secret
+from hpctrain.records.fingerprint import DIMS, config_key
 
 # What a resume may change, and why it is safe (README "Resume"). A key matches an entry equal to it or below it.
 RESUMABLE: dict[str, str] = {
@@ -64,24 +65,11 @@ RESUMABLE: dict[str, str] = {
     "checkpoint.save_final": "whether the last step is saved",
     "checkpoint.force_resume": "the escape hatch itself",
 }
-# Never, even with checkpoint.force_resume=true: the weights' shape (hpctrain.records.fingerprint.ModelShape, and
-# the Mixture-of-Experts' sizes, hpctrain.models.family.Dims). Any other model.* key whose change gives the family
-# other parameter shapes is refused as these are (`reshaping_keys`).
-MODEL_SHAPE = (
-    "model.n_layers",
-    "model.d_model",
-    "model.n_heads",
-    "model.n_kv_heads",
-    "model.head_dim",
-    "model.vocab_size",
-    "model.context",
-    "model.ffn_mult",
-    "model.ffn_hidden",
-    "model.arch",
-    "model.moe.n_experts",
-    "model.moe.expert_hidden",
-    "model.moe.n_shared_experts",
-)
+# Never, even with checkpoint.force_resume=true: the model's shape, the keys that set its family and a field of its
+# hpctrain.models.family.Dims (what the checkpoint's fingerprint holds, hpctrain.records.fingerprint: a field Dims
+# gains is here without a line), and ffn_mult, which sets ffn_hidden. Any other model.* key whose change gives the
+# family other parameter shapes is refused as these are (`reshaping_keys`).
+MODEL_SHAPE = ("model.arch", "model.ffn_mult", *(config_key(name) for name in DIMS))
 RUN_DIRECTORY = ("run.name", "run.id")  # the run's directory is the one resumed
 # Keys whose change alone does not make a new config worth keeping (config.yaml stays as it is).
 BOOKKEEPING = ("run.resume", "dry_run", "plan")
@@ -132,8 +120,9 @@ def leaves(node: Any, key: str = "") -> dict[str, Any]:
     return {key: node}
 
 
-def _container(cfg: Any) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+def _container(node: object) -> dict[str, Any]:
+    """A config or a section of one (an OmegaConf node) as plain data."""
+    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 def _shown(key: str, value: Any) -> str:
@@ -150,7 +139,7 @@ class Resume:
 
     run_dir: Path
     saved: DictConfig
-    cfg: DictConfig
+    cfg: Config
     named: dict[str, str] = field(default_factory=dict)  # key -> the override that sets it
 
     def source(self, key: str) -> str:
@@ -158,7 +147,7 @@ class Resume:
         found = [line for k, line in self.named.items() if _under(key, [k])]
         return found[-1] if found else "the setting that changes it"
 
-    def changes(self, cfg: Any) -> dict[str, tuple[Any, Any]]:
+    def changes(self, cfg: Config) -> dict[str, tuple[Any, Any]]:
         """Every key whose value differs from the saved config: key -> (saved, new)."""
         before, after = leaves(_container(self.saved)), leaves(_container(cfg))
         return {
@@ -167,7 +156,7 @@ class Resume:
             if before.get(k, _ABSENT) != after.get(k, _ABSENT)
         }
 
-    def problems(self, cfg: Any) -> list[Problem]:
+    def problems(self, cfg: Config) -> list[Problem]:
         """The changed keys a resume may not change, one problem each."""
         force = bool(cfg.checkpoint.force_resume)
         changes = self.changes(cfg)
@@ -230,7 +219,7 @@ class Resume:
                 )
         return out
 
-    def config_changed(self, cfg: Any) -> bool:
+    def config_changed(self, cfg: Config) -> bool:
         """Whether config.yaml gets a new content (the older one kept as config.<time>.yaml)."""
         return any(not _under(k, BOOKKEEPING) for k in self.changes(cfg))
 
@@ -338,13 +327,13 @@ def reshaping_keys(saved: dict[str, Any], new: dict[str, Any], keys: list[str]) 
     return out
 
 
-def finished(cfg: Any, run_dir: Path) -> str | None:
+def finished(cfg: Config, run_dir: Path) -> str | None:
     """Why a resume of `run_dir` with `cfg` has nothing to train (None when it has): the run's last step, by its
     COMPLETED.json and its newest checkpoint this machine sees, is train.max_steps or past it. Only with
     checkpoints: without them a job starts again from step 0."""
     if not cfg.checkpoint.enabled:
         return None
-    from hpctrain.config.file_checks import newest_checkpoint
+    from hpctrain.checks.files import newest_checkpoint
     from hpctrain.records.jobs import read_completed
 
     steps = []
@@ -371,31 +360,32 @@ def finished(cfg: Any, run_dir: Path) -> str | None:
 
 
 def named_keys(
-    cfg: Any, overrides: list[str] | None, compose: Callable[[list[str]], DictConfig] | None = None
+    cfg: DictConfig, overrides: list[str] | None, compose: Callable[[list[str]], DictConfig] | None = None
 ) -> dict[str, str]:
     """The keys whose value this command line sets: `key=value`, `~key`, a schema group (`cluster=dev`: its
     whole section), and for another group (`+experiment=NAME`) the keys it changes against the same command
     line without it (`compose`). Key -> the override that names it. Without overrides (an in-process caller):
     every section of `cfg`."""
     if overrides is None:
-        return {str(k): f"{k}.* of the config given" for k in cfg.keys()}
+        return {str(k): f"{k!s}.* of the config given" for k in cfg.keys()}  # the sections: str keys
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(list(overrides))
     keys: dict[str, str] = {}
+    lines = {id(o): str(o.input_line) for o in parsed}  # each override as given (parsed from text: never None)
     for o in parsed:
-        key = o.key_or_group
+        key, line = o.key_or_group, lines[id(o)]
         if key == "hydra" or key.startswith(("hydra.", "hydra/")):
             continue
         if "." in key or "/" in key or key in SCHEMA_SECTIONS or key not in _groups():
-            keys[key] = o.input_line  # a key, a schema group (its section), or a top-level key (deepspeed, dry_run)
+            keys[key] = line  # a key, a schema group (its section), or a top-level key (deepspeed, dry_run)
             continue
-        rest = [x.input_line for x in parsed if x is not o]
+        rest = [lines[id(x)] for x in parsed if x is not o]
         if compose is None:
-            keys.update(dict.fromkeys(leaves(_container(cfg)), o.input_line))  # cannot tell what it set: all
+            keys.update(dict.fromkeys(leaves(_container(cfg)), line))  # cannot tell what it set: all
             continue
         without = leaves(_container(compose(rest)))
-        keys.update({k: o.input_line for k, v in leaves(_container(cfg)).items() if without.get(k, _ABSENT) != v})
+        keys.update({k: line for k, v in leaves(_container(cfg)).items() if without.get(k, _ABSENT) != v})
     return keys
 
 
@@ -405,7 +395,10 @@ def _groups() -> set[str]:
 
 
 def resume_config(
-    cfg: Any, overrides: list[str] | None, run_dir: Path, compose: Callable[[list[str]], DictConfig] | None = None
+    cfg: DictConfig,
+    overrides: list[str] | None,
+    run_dir: Path,
+    compose: Callable[[list[str]], DictConfig] | None = None,
 ) -> Resume:
     """The config of a resume: the run's saved config, with the keys the command line names taken from `cfg`."""
     saved = load_saved(run_dir)
@@ -428,14 +421,15 @@ def resume_config(
     try:
         typed = OmegaConf.merge(OmegaConf.structured(Config), merged)
     except OmegaConfBaseException:
-        from hpctrain.config.checks import check_schema
+        from hpctrain.checks.config import check_schema
 
-        check_schema(OmegaConf.create(merged))  # an unknown key: named, with the closest one
+        check_schema(as_config(OmegaConf.create(merged)))  # an unknown key: named, with the closest one
         raise
+    assert isinstance(typed, DictConfig)  # a mapping merged onto the schema's
     with open_dict(typed):  # top-level keys outside the schema (+deepspeed=FILE) stay for what reads them
         for k, v in extra.items():
             typed[k] = v
-    return Resume(run_dir=run_dir, saved=saved, cfg=typed, named=named)
+    return Resume(run_dir=run_dir, saved=saved, cfg=as_config(typed), named=named)
 
 
 def _set(node: Any, path: list[str], value: Any) -> None:

@@ -12,9 +12,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.config.schema import CheckpointConfig, Config, RunConfig
 from hpctrain.records.paths import (
     CONFIG,
     RunPaths,
@@ -53,18 +54,19 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(4)
 
 
-def resolve_run_dir(cfg: DictConfig) -> RunDir:
-    """Pick the run directory without creating it (a config error must leave nothing behind)."""
-    root = Path(cfg.run.root).expanduser().resolve()
-    if cfg.run.resume:
-        return _find_existing(root, str(cfg.run.resume))
-    if cfg.run.id:
-        path = root / cfg.run.name / str(cfg.run.id)
-        return RunDir(run_id=str(cfg.run.id), path=path, resumed=RunPaths(path).config.exists())
+def resolve_run_dir(run_cfg: RunConfig) -> RunDir:
+    """Pick the run directory of the config's `run` section without creating it (a config error must leave
+    nothing behind)."""
+    root = Path(run_cfg.root).expanduser().resolve()
+    if run_cfg.resume:
+        return _find_existing(root, str(run_cfg.resume))
+    if run_cfg.id:
+        path = root / run_cfg.name / str(run_cfg.id)
+        return RunDir(run_id=str(run_cfg.id), path=path, resumed=RunPaths(path).config.exists())
     run_id = new_run_id()
-    while (root / cfg.run.name / run_id).exists():  # a fresh id never resumes somebody else's run
+    while (root / run_cfg.name / run_id).exists():  # a fresh id never resumes somebody else's run
         run_id = new_run_id()
-    return RunDir(run_id=run_id, path=root / cfg.run.name / run_id, resumed=False)
+    return RunDir(run_id=run_id, path=root / run_cfg.name / run_id, resumed=False)
 
 
 def find_run(root: Path, ref: str) -> Path | None:
@@ -90,7 +92,7 @@ def _find_existing(root: Path, resume: str) -> RunDir:
     )
 
 
-def create_run_dir(cfg: DictConfig, run: RunDir) -> Path:
+def create_run_dir(cfg: Config, run: RunDir) -> Path:
     """Create the directory and write the resolved config the tasks will read (a resume that changed nothing in
     it leaves config.yaml as it is; one that changed it keeps the older one as config.<time>.yaml)."""
     run.path.mkdir(parents=True, exist_ok=True)
@@ -104,17 +106,17 @@ def create_run_dir(cfg: DictConfig, run: RunDir) -> Path:
     return config_path
 
 
-def tier_problems(cfg: DictConfig, run: RunDir) -> list[Problem]:
+def tier_problems(checkpoint: CheckpointConfig, run: RunDir) -> list[Problem]:
     """Each checkpoint tier's directory must resolve inside the run's own (a relative tier in the run directory, an
     absolute one in `<path>/<run id>`), and no checkpoint in it may be a link out of it (issue 46): through a link
     to another run's `checkpoints/` a resume loaded that run's checkpoint, saved into its directory and let
     retention delete its steps. Refused here, naming the key, before anything is written or submitted; the job's
     checkpoint manager refuses the same (hpctrain.checkpoint.manager). A relative path that leaves the run
-    directory by its own `..` is the config check's (hpctrain.config.checks)."""
-    if not cfg.checkpoint.enabled:
+    directory by its own `..` is the config check's (hpctrain.checks.config)."""
+    if not checkpoint.enabled:
         return []
     problems = []
-    for i, tier in enumerate(cfg.checkpoint.tiers):
+    for i, tier in enumerate(checkpoint.tiers):
         directory, home = tier_directory(str(tier.path), run.path, run.run_id)
         why = escape(directory, home)
         found = [why] if why else [w for _, w in escaping_entries(directory, STEP_PREFIX)]
@@ -141,12 +143,12 @@ def tier_problems(cfg: DictConfig, run: RunDir) -> list[Problem]:
     return problems
 
 
-def owner_problems(cfg: DictConfig, run: RunDir) -> list[Problem]:
+def owner_problems(cfg: Config, run: RunDir) -> list[Problem]:
     """The newest checkpoint a resume would load must be the run's own: its manifest's run id is the run's (a
     manifest from before manifests named their run is taken as the run's). Another id means the checkpoint came
     from another run (a copy), or the run directory was renamed; the job's checkpoint manager would refuse it,
     so it is said here, before a job is submitted."""
-    from hpctrain.config.file_checks import newest_checkpoint
+    from hpctrain.checks.files import newest_checkpoint
 
     newest = newest_checkpoint(cfg, run.path)
     owner = newest[1].get("run_id") if newest is not None else None
@@ -158,9 +160,9 @@ def owner_problems(cfg: DictConfig, run: RunDir) -> list[Problem]:
             "run.resume",
             f"the newest checkpoint of run {run.run_id} ({path}, step {manifest['step']}) belongs to run "
             f"{owner} (its manifest): a run resumes only its own checkpoints, so the job would refuse it",
-            f"if this directory was run {owner}'s and was renamed, give it its name back ({run.path.parent / str(owner)}); "
-            f"if the checkpoint was copied in from run {owner}, remove it from this run (or resume run {owner} itself); "
-            "to start from its weights, export them (tools/checkpoint.py export RUN --format hf OUT) and start a new run "
-            "with model.init_from=OUT",
+            f"if this directory was run {owner}'s and was renamed, give it its name back "
+            f"({run.path.parent / str(owner)}); if the checkpoint was copied in from run {owner}, remove it from this "
+            f"run (or resume run {owner} itself); to start from its weights, export them (tools/checkpoint.py export "
+            "RUN --format hf OUT) and start a new run with model.init_from=OUT",
         )
     ]

@@ -24,7 +24,8 @@ import os
 import re
 from typing import Any
 
-from hpctrain.config.problems import CheckReport
+from hpctrain.checks.report import CheckReport
+from hpctrain.config.schema import ClusterConfig
 
 REDACTED = "<redacted>"
 # A name holds a credential when one of its words (split at _, -, . and camelCase) is one of WORDS or ends in one of
@@ -96,15 +97,15 @@ def is_secret(name: str, value: object = None) -> bool:
     return looks_secret(name) or (value is not None and str(value) != REDACTED and bool(secret_value(value)))
 
 
-def redacted_keys(cfg: Any) -> list[str]:
+def redacted_keys(cluster: ClusterConfig) -> list[str]:
     """The cluster.env keys whose value the plan, config.yaml and plan.json hold as <redacted>."""
-    return [f"cluster.env.{k}" for k, v in cfg.cluster.env.items() if str(v) == REDACTED]
+    return [f"cluster.env.{k}" for k, v in cluster.env.items() if str(v) == REDACTED]
 
 
-def redact(cfg: Any, report: CheckReport | None = None) -> dict[str, str]:
-    """Replace the credential values of `cfg.cluster.env` by `<redacted>`, warn about each in `report`, and
-    return them by variable name (the values to export for the job)."""
-    env = cfg.cluster.env
+def redact(cluster: ClusterConfig, report: CheckReport | None = None) -> dict[str, str]:
+    """Replace the credential values of `cluster.env` by `<redacted>`, warn about each in `report`, and return
+    them by variable name (the values to export for the job)."""
+    env = cluster.env
     secrets: dict[str, str] = {}
     for name in [str(k) for k in env.keys()]:
         value = str(env[name])

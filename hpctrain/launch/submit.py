@@ -1,4 +1,4 @@
-"""Submit a run through submitit and, for the local executor, follow it to the end.
+"""Submit a run through submitit and, when its tasks run on this machine (the local executor), follow it to the end.
 
 A Slurm submission returns at once (a login shell is never blocked) and says where to look; a local run
 streams rank 0's output as it trains, since the user is waiting for it. A local job that fails ends with what
@@ -25,17 +25,18 @@ from omegaconf import OmegaConf
 from hpctrain.bounded import Unreadable, read_text
 from hpctrain.config.layout import Layout
 from hpctrain.config.problems import ConfigError, Problem
-from hpctrain.config.schema import Executor
+from hpctrain.config.schema import Config, as_node
 from hpctrain.launch.executor import build_executor
 from hpctrain.launch.rundir import RunDir, create_run_dir
 from hpctrain.launch.secrets import export, without_redacted
 from hpctrain.records.jobs import append_job
 from hpctrain.records.paths import RunPaths
+from hpctrain.scheduler import scheduler_for
 from hpctrain.train.task import TrainTask
 
 
 def submit(
-    cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any], secrets: dict[str, str] | None = None
+    cfg: Config, layout: Layout, run: RunDir, plan: dict[str, Any], secrets: dict[str, str] | None = None
 ) -> submitit.Job:
     """Write the run directory and submit its job. A submission the scheduler refuses raises ConfigError with
     the scheduler's own message and the key to change, and leaves the run directory as it found it (removed
@@ -50,7 +51,9 @@ def submit(
             if have_matplotlib():
                 write_chart(plan, run.files.plan_chart)
         executor = build_executor(cfg, layout, run.run_id, run.submitit_folder)
-        config = without_redacted(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+        plain = OmegaConf.to_container(as_node(cfg), resolve=True, enum_to_str=True)
+        assert isinstance(plain, dict)  # a DictConfig's container
+        config = without_redacted({str(k): v for k, v in plain.items()})
         export(secrets or {})  # credentials reach the job through the environment sbatch passes on
         captured = io.StringIO()  # submitit prints sbatch's stderr itself before raising: it goes in our message
         with contextlib.redirect_stderr(captured):
@@ -132,7 +135,7 @@ _REFUSAL_KEYS = (
 _UNREACHABLE = r"contact slurm controller|connect(ion)? failure|socket timed out|timed out|slurm_load"
 
 
-def refused_submission(cfg: Any, exc: BaseException) -> Problem:
+def refused_submission(cfg: Config, exc: BaseException) -> Problem:
     """The scheduler's refusal as a problem: its own message, the key that sets what it refused, the fix."""
     if isinstance(exc, OSError):
         message = f"the job could not be submitted: {exc}"
@@ -186,19 +189,20 @@ def _scheduler_message(text: str) -> str:
     return " ".join(errors or lines[-3:]) or "(no message)"
 
 
-def _value_of(cfg: Any, key: str) -> Any:
-    value = OmegaConf.select(cfg, key, default=None)
+def _value_of(cfg: Config, key: str) -> Any:
+    value = OmegaConf.select(as_node(cfg), key, default=None)
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
 
 
 def launch(
-    cfg: Any, layout: Layout, run: RunDir, plan: dict[str, Any], secrets: dict[str, str] | None = None
+    cfg: Config, layout: Layout, run: RunDir, plan: dict[str, Any], secrets: dict[str, str] | None = None
 ) -> tuple[int, str, str]:
     """Submit; follow a local job. Returns the exit code, the job id and, for a failed local job, what failed
     (as printed: a sweep's table shows it too)."""
     job = submit(cfg, layout, run, plan, secrets)
-    if cfg.cluster.executor == Executor.local:
-        print(f"local job {job.job_id}: {layout.world_size} ranks, logs in {run.submitit_folder}", flush=True)
+    backend = scheduler_for(cfg.cluster.executor)
+    if backend.capabilities.runs_here:  # the user waits at the console
+        print(f"{backend.name} job {job.job_id}: {layout.world_size} ranks, logs in {run.submitit_folder}", flush=True)
         ranks_per_task = layout.gpus_per_node if cfg.launcher.in_allocation else 1
         code, failure = follow(job, explain=lambda exc: explain_failure(run.path, job, exc, ranks_per_task))
         if code == 0:
@@ -318,7 +322,7 @@ def _failure_records(run_dir: Path, job_id: str) -> tuple[list[dict[str, Any]], 
             continue
         if isinstance(record, dict):
             records.append(record)
-    records.sort(key=lambda r: r.get("time") if isinstance(r.get("time"), (int, float)) else 0.0)
+    records.sort(key=lambda r: float(r["time"]) if isinstance(r.get("time"), (int, float)) else 0.0)
     try:
         hosts = json.loads(read_text(RunPaths(run_dir).hosts(key), RECORD_BYTES))
     except (Unreadable, ValueError):

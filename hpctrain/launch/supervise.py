@@ -67,7 +67,7 @@ def decide(
     hosts, signature = diagnose(read_failures(run_dir, key, since), read_hosts(run_dir, key))
     excluded = sorted(set(hosts).union(*(a.get("excluded", []) for a in attempts)))
     failed_before = [a for a in attempts if a.get("signature")]
-    if failed_before and same_failure(failed_before[-1]["signature"], signature):
+    if failed_before and signature is not None and same_failure(failed_before[-1]["signature"], signature):
         return {
             "action": "stop",
             "why": f"deterministic failure: the same error at step {signature['step']} on "
@@ -112,9 +112,10 @@ def main(argv: list[str]) -> int:
     run_dir, job_id, exit_code = args.run_dir, args.job_id, args.exit_code % 256
     cfg = OmegaConf.load(RunPaths(run_dir).config)
     if exit_code and superseded(run_dir, job_id, [j["job_id"] for j in read_jobs(run_dir)]):
+        holder = current_lease(run_dir)
         print(
             f"hpctrain supervisor: job {job_id} failed, but a later job holds the run "
-            f"({current_lease(run_dir).job_id}): not resubmitting",
+            f"({holder.job_id if holder is not None else 'its lease since gone'}): not resubmitting",
             flush=True,
         )
         return exit_code
@@ -146,9 +147,9 @@ def main(argv: list[str]) -> int:
             decision = {**decision, "action": "stop", "why": why}
     record = {"job_id": job_id, "exit_code": exit_code, "time": time.time(), **decision}
     if decision["action"] == "stop":
-        report = write_report(run_dir, record)
+        written = write_report(run_dir, record)
         print(
-            f"hpctrain supervisor: job {job_id} failed; not resubmitting: {decision['why']}. Report: {report}",
+            f"hpctrain supervisor: job {job_id} failed; not resubmitting: {decision['why']}. Report: {written}",
             flush=True,
         )
         return exit_code
@@ -183,8 +184,8 @@ def _resubmit(scheduler: Scheduler, run_dir: Path, record: dict[str, Any], exclu
 def _run_started(scheduler: Scheduler, job_id: str) -> float:
     """When this run of the job started (its newest accounting record; a requeued job has one per run); 0
     (every record counts) without accounting."""
-    runs = [r for r in scheduler.accounting([job_id]) or [] if r.job_id == job_id and r.start is not None]
-    return max((r.start for r in runs), default=0.0)
+    starts = [r.start for r in scheduler.accounting([job_id]) or [] if r.job_id == job_id and r.start is not None]
+    return max(starts, default=0.0)
 
 
 def _csv(value: str | None) -> list[str]:

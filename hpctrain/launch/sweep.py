@@ -33,6 +33,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.config.schema import as_config
 from hpctrain.launch.secrets import redact_assignments, redact_text
 from hpctrain.records.paths import SWEEP_TABLE
 
@@ -240,7 +241,7 @@ def check_point(overrides: list[str]) -> str:
             cfg = composed(list(overrides))
             if cfg.dry_run:
                 return ""
-            prepare(cfg, list(overrides), composed)
+            prepare(as_config(cfg), list(overrides), composed)
     except ConfigError as err:
         return str(err)
     except Exception as exc:  # composition: a value of this point the schema refuses

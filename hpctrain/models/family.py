@@ -1,10 +1,12 @@
-"""A model family: one entry holding everything hpctrain asks about an architecture before building it.
+"""A model family entry (a `Family`): everything hpctrain asks about an architecture before building it, and
+what its torch module provides (`FamilyModule`).
 
 The planner (parameters per stage and TP rank, FLOPs, activation bytes), the checks (the shape rules, what each
-parallel dimension must divide), `parallel=auto`, the checkpoint fingerprint and the Hugging Face converter all
-read a `Family` and branch on no architecture name (tests/test_families.py holds them to it), so a family is
-its torch module, its spec beside it (`<name>_spec.py`, torch-free: the login node plans with it) and one line in
-hpctrain/models/registry.py, as a pipeline schedule is one entry of hpctrain/schedules.py.
+parallel dimension must divide), `parallel=auto`, the checkpoint fingerprint, the pipeline cut and the Hugging
+Face converter all read the family entry and branch on no architecture name (tests/test_families.py holds them to
+it), so a family is its own folder, hpctrain/models/<name>/ (the family entry in `entry.py`, torch-free: the login
+node plans with it; the torch module in `model.py`), and one line in hpctrain/models/registry.py, as a pipeline
+schedule is one entry of hpctrain/schedules.py.
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    import torch
+    from torch import nn
+
     from hpctrain.config.schema import ModelConfig
 
 Shapes = dict[str, tuple[int, ...]]
@@ -89,7 +96,7 @@ class BlockActivations:
 @dataclass(frozen=True)
 class HFSpec:
     """The family's Hugging Face transformers counterpart: its config.json and its weights, torch-free except
-    `recipes`, which names the torch-side table (hpctrain weight -> HF tensors, hpctrain.models.hf_recipes)."""
+    `recipes`, which names the torch-side table (hpctrain weight -> HF tensors, hpctrain.models.common.recipes)."""
 
     model_type: str  # config.json's model_type
     class_name: str  # config.json's architectures[0], the *ForCausalLM class
@@ -99,20 +106,20 @@ class HFSpec:
     config: Callable[[ModelConfig, str], dict[str, Any]]  # (model, dtype name) -> config.json
     compared: Callable[[ModelConfig, Mapping[str, Any]], dict[str, Any]]  # the run's values of keys HF also fixes
     weight_shapes: Callable[[Dims], Shapes]  # HF tensors by canonical name (a tied head is not saved)
-    recipes: str  # "module:function" -> (model config) -> {hpctrain name: Recipe}
+    recipes: str  # "module:function" -> (model config) -> {hpctrain name: Recipe}, in the family's torch module
     dropout: dict[str, float] = field(default_factory=dict)  # config.json dropout keys and transformers' defaults
     not_weights: tuple[str, ...] = ()  # name endings of state-dict entries that are buffers, not weights
 
 
 @dataclass(frozen=True)
 class Family:
-    """One model architecture. `block_shapes`/`top_shapes` name every parameter as the torch module builds it
-    (the tests count the meta-device models against them), so parameter counts per pipeline stage and TP rank,
-    the HF converter and the memory model need no torch."""
+    """A family entry: one model architecture. `block_shapes`/`top_shapes` name every parameter as the torch
+    module builds it (the tests count the meta-device models against them), so parameter counts per pipeline stage
+    and TP rank, the HF converter and the memory model need no torch."""
 
     name: str  # model.arch
     summary: str
-    builder: str  # "module:function" -> (model config, tp) -> the torch module, built on the current device
+    builder: str  # "module:function" -> (model config, tp) -> the torch module (a FamilyModule), on the current device
     tied_embeddings: bool  # the output head is the token embedding (the last pipeline stage keeps a copy)
     grouped_query: bool  # n_kv_heads < n_heads allowed
     block_shapes: Callable[[Dims], Shapes]  # one block's parameters, names under `layers.<i>.`
@@ -121,7 +128,8 @@ class Family:
     activations: BlockActivations
     shape_problems: Callable[[ModelConfig], list[ShapeProblem]]  # the family's own rules on model.*
     hf: HFSpec
-    stage_modules: dict[str, str] = field(default_factory=dict)  # top-level module -> "first" | "last" | "ends"
+    # top-level module -> "first" | "last" | "ends": the modules a pipeline stage may drop (hpctrain.parallel.pipeline)
+    stage_modules: dict[str, str] = field(default_factory=dict)
     tp_head_norms: tuple[str, ...] = ()  # block modules normalising each head: whole weight, input split by heads
     # Mixture-of-Experts: parameter name suffix -> its expert dim, which expert parallelism splits (its experts
     # are then sharded by FSDP over the DP ranks an EP group leaves); these parameters are whole on every TP rank
@@ -135,9 +143,10 @@ class Family:
         """Whether the family's feed-forward is a Mixture of Experts (model.moe.* applies, parallel.ep may be > 1)."""
         return bool(self.ep_dims)
 
-    def build(self, model_cfg: Any, tp: int = 1) -> Any:
+    def build(self, model_cfg: ModelConfig, tp: int = 1) -> FamilyModule:
         """The torch module (imports torch): the family's builder, embedding padded for `tp`."""
-        return resolve(self.builder)(model_cfg, tp)
+        module: FamilyModule = resolve(self.builder)(model_cfg, tp)
+        return module
 
     def expert_dim(self, name: str) -> int | None:
         """The dim expert parallelism splits parameter `name` along, None for a parameter every EP rank holds."""
@@ -158,6 +167,56 @@ class Family:
         group); a module the family does not list is on every stage."""
         where = self.stage_modules.get(module)
         return {"first": first, "last": last, "ends": first or last}.get(where or "", True)
+
+
+@runtime_checkable
+class FamilyModule(Protocol):
+    """What hpctrain.parallel, hpctrain.train and the checkpoints rely on in the nn.Module a family's builder makes
+    (tests/test_families.py checks every registered family's): no process groups, no DTensor, no rank logic; the
+    layouts are applied from outside, by parameter name. It is an nn.Module, which a Protocol cannot say: torch's
+    APIs get it through hpctrain.models.as_module."""
+
+    family: str  # its family entry's name in hpctrain.models.registry
+    tied_embeddings: bool  # the head is the token embedding (`Family.tied_embeddings`)
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        """The blocks, keyed by their global index: a pipeline stage deletes those it does not own, and the
+        parameter names (`layers.<i>.`) stay the single-process model's."""
+
+    @property
+    def tok_emb(self) -> nn.Embedding | None:
+        """The token embedding; None on a pipeline stage that neither looks tokens up nor ties its head to it.
+        Every top-level module the family entry's `stage_modules` lists may be set to None."""
+
+    @property
+    def norm_f(self) -> nn.Module | None:
+        """The final norm, on the stage that computes the logits (None elsewhere)."""
+
+    @property
+    def embeds(self) -> bool:
+        """Whether this part looks the tokens up (the whole model, or the first pipeline stage)."""
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (the first stage) or hidden states [B, T, d] (later stages) -> logits over the padded
+        vocabulary (the stage holding `norm_f`) or hidden states."""
+
+    def output_weight(self) -> torch.Tensor:
+        """The head's weight (the token embedding's where tied)."""
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Fill every parameter, the same in every layout (a model built on the meta device, then materialised)."""
+
+    # nn.Module's own, which the layouts call on the model
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def modules(self, remove_duplicate: bool = True) -> Iterator[nn.Module]: ...
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> nn.Module: ...
 
 
 class HFMismatch(ValueError):

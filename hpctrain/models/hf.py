@@ -1,6 +1,6 @@
 """hpctrain weights <-> Hugging Face transformers weights: tensors and configs only, no files
 (hpctrain.checkpoint.hf reads and writes them). What each family's HF model is, its config.json and its tensor
-names are the family's entry (`Family.hf`; the tables in its torch module); this module applies them.
+names are the family entry's (`Family.hf`; the tables in its torch module); this module applies them.
 
 What differs today, and why each conversion is exact (a permutation, transposition or split; no arithmetic):
 - GPT-2: HF's Conv1D stores weights transposed ([in, out]); its fused c_attn is [q | k | v] blocks, hpctrain's
@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpctrain.models.common.recipes import Recipe, same
 from hpctrain.models.family import Dims, resolve
 from hpctrain.models.hf_fields import HFMismatch, config_mismatches
-from hpctrain.models.hf_recipes import Recipe, same
 from hpctrain.models.registry import family_of, for_hf
 
 if TYPE_CHECKING:
@@ -39,7 +39,8 @@ log = logging.getLogger("hpctrain")
 
 def recipes(m: ModelConfig) -> dict[str, Recipe]:
     """Every hpctrain weight of the config's model, with the HF tensors it corresponds to (its family's table)."""
-    return resolve(family_of(m).hf.recipes)(m)
+    table: dict[str, Recipe] = resolve(family_of(m).hf.recipes)(m)
+    return table
 
 
 def shapes(m: ModelConfig, rows: int | None = None) -> dict[str, tuple[int, ...]]:

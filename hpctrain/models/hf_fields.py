@@ -1,6 +1,6 @@
 """What a Hugging Face config.json stands for in hpctrain's model.* keys, and how it differs from a run's model.
 
-Pure and torch-free: the login node's file checks (hpctrain/config/file_checks.py) and the task's import of
+Pure and torch-free: the login node's file checks (hpctrain/checks/files.py) and the task's import of
 a Hugging Face directory (hpctrain/models/hf.py) compare through these same functions. What a model type's
 config.json holds is its family's (hpctrain.models.registry, `Family.hf`).
 """
@@ -64,4 +64,5 @@ def _flat(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _equal(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return isinstance(b, (int, float)) and isinstance(a, (int, float)) and math.isclose(a, b, rel_tol=1e-6)
-    return a == b
+    equal: bool = a == b
+    return equal

@@ -3,9 +3,10 @@ stage, TP rank and EP rank, and a Mixture of Experts' active parameters.
 
 The plan prints these on the login node before anything is built, so they must not need torch. Which
 parameters exist, and their shapes, is each family's (hpctrain.models.registry: `block_shapes`, `top_shapes`,
-`tp_dims`, `ep_dims`); this module sums them. They match `sum(p.numel())` of the built models exactly, whole and per
-stage and shard (tested against the models built on the meta device), and the published totals (GPT-3 175B,
-Llama 3 8B/70B/405B, Qwen3-8B, Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B).
+`tp_dims`, `ep_dims`); this module sums them for a `(Family, Dims)`: the family says which parameters, the
+`Dims` how large (hpctrain.models.family.Dims, the one owner of a model's shape). They match `sum(p.numel())` of
+the built models exactly, whole and per stage and shard (tested against the models built on the meta device), and
+the published totals (GPT-3 175B, Llama 3 8B/70B/405B, Qwen3-8B, Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B-A22B).
 
 Active parameters (Mixture of Experts): each token goes through top_k of a layer's n_experts experts, so of the
 expert weights (the family's `ep_dims`, stacked [n_experts, ...]) top_k / n_experts count per token; the router,
@@ -22,7 +23,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from hpctrain.models import registry
-from hpctrain.models.family import Dims
+from hpctrain.models.family import Dims, Family, Shapes
 
 if TYPE_CHECKING:
     from hpctrain.config.schema import ModelConfig
@@ -40,13 +41,9 @@ def padded_vocab(vocab_size: int, multiple: int, tp: int = 1) -> int:
     return -(-vocab_size // step) * step
 
 
-def ffn_hidden_size(d_model: int, ffn_mult: int = 4) -> int:
-    return ffn_mult * d_model
-
-
 def ffn_hidden_of(model: ModelConfig) -> int:
     """The MLP's hidden size of a model config: model.ffn_hidden, or ffn_mult x d_model when unset (0)."""
-    return model.ffn_hidden or ffn_hidden_size(model.d_model, model.ffn_mult)
+    return model.ffn_hidden or model.ffn_mult * model.d_model
 
 
 def kv_heads_of(model: ModelConfig) -> int:
@@ -59,73 +56,63 @@ def arch_of(model: ModelConfig) -> str:
     return registry.family_of(model).name
 
 
-def kv_dim_of(model: ModelConfig) -> int:
-    """Width of the K and V projections: key/value heads x head_dim (d_model without grouped-query attention)."""
-    return Dims.of(model).kv_dim
-
-
 def tied_of(model: ModelConfig) -> bool:
     """Whether the family ties its output head to the token embedding (GPT) or has a head of its own (Llama)."""
     return registry.family_of(model).tied_embeddings
 
 
-def layer_params(d_model: int, ffn_hidden: int, arch: str = "gpt", kv_dim: int | None = None) -> int:
-    """One transformer block's parameters (block_shapes): 12 d^2 + 13 d for a GPT block with ffn_hidden = 4d."""
-    return _numel(block_shapes(d_model, ffn_hidden, arch, kv_dim))
+def built_dims(model: ModelConfig) -> tuple[Family, Dims]:
+    """A config's family and the shape it builds: `Dims.of` less what the family has no use for (key/value groups
+    without grouped-query attention, model.moe for a dense family: the config checks refuse both, and until then
+    neither the planner nor the checkpoint fingerprint may see a shape the family cannot build)."""
+    family, dims = registry.family_of(model), Dims.of(model)
+    if not family.grouped_query:
+        dims = replace(dims, kv_heads=dims.n_heads)
+    if not family.moe:
+        dims = replace(dims, n_experts=0, top_k=0, expert_hidden=0, n_shared_experts=0)
+    return family, dims
 
 
-def param_count(
-    n_layers: int,
-    d_model: int,
-    vocab_size: int,
-    seq_len: int,
-    ffn_hidden: int | None = None,
-    arch: str = "gpt",
-    kv_dim: int | None = None,
-) -> int:
-    """Total parameters, GPT: 12 l d^2 (1 + 13/(12 d) + (V + s)/(12 l d)) + final LayerNorm (Narayanan et al. 2021);
-    Llama: l (2 d^2 + 2 d k + 3 d f + 2 d) + 2 V d + d. `seq_len` is GPT's position table; `vocab_size` the
-    embedding's rows (the tokenizer's vocabulary for the published count)."""
-    ffn = ffn_hidden if ffn_hidden is not None else ffn_hidden_size(d_model)
-    top = top_shapes(d_model, vocab_size, seq_len, arch)
-    return n_layers * layer_params(d_model, ffn, arch, kv_dim) + _numel(top)
+def layer_params(family: Family, dims: Dims) -> int:
+    """One transformer block's parameters (its `block_shapes`): 12 d^2 + 13 d for a GPT block with ffn_hidden 4d."""
+    return _numel(family.block_shapes(dims))
+
+
+def param_count(family: Family, dims: Dims, embedding_rows: int | None = None) -> int:
+    """Parameters of `family` at `dims`, the embedding with `embedding_rows` (the tokenizer's vocabulary when None:
+    the count papers publish). GPT: 12 l d^2 (1 + 13/(12 d) + (V + s)/(12 l d)) + final LayerNorm (Narayanan et
+    al. 2021, s its position table, dims.context); Llama: l (2 d^2 + 2 d k + 3 d f + 2 d) + 2 V d + d."""
+    top = family.top_shapes(dims, embedding_rows or dims.vocab_size)
+    return dims.n_layers * layer_params(family, dims) + _numel(top)
+
+
+def active_param_count(family: Family, dims: Dims, embedding_rows: int | None = None) -> int:
+    """Active parameters of `family` at `dims`: the total less the experts no token of a layer visits,
+    (n_experts - top_k) / n_experts of each expert weight (exact: the expert dim is n_experts)."""
+    inactive = expert_layer_params(family, dims) * (dims.n_experts - dims.top_k) // max(dims.n_experts, 1)
+    return param_count(family, dims, embedding_rows) - dims.n_layers * inactive
+
+
+def expert_layer_params(family: Family, dims: Dims) -> int:
+    """One block's expert weights (the family's `ep_dims`: what expert parallelism splits); 0 for a dense family."""
+    return sum(
+        math.prod(shape) for name, shape in family.block_shapes(dims).items() if family.expert_dim(name) is not None
+    )
 
 
 def model_param_count(model: ModelConfig, context: int | None = None) -> int:
     """A config's own parameter count, for its family, with the tokenizer's vocabulary (what papers publish).
 
     context: GPT's position-table rows (model.context when None); RoPE families have no position table."""
-    return dims_param_count(registry.family_of(model).name, replace(Dims.of(model), context=context or model.context))
-
-
-def dims_param_count(arch: str, dims: Dims, embedding_rows: int | None = None) -> int:
-    """Parameters of family `arch` at `dims`, the embedding with `embedding_rows` (the vocabulary when None)."""
-    family = registry.get(arch)
-    top = family.top_shapes(dims, embedding_rows or dims.vocab_size)
-    return dims.n_layers * _numel(family.block_shapes(dims)) + _numel(top)
+    family, dims = built_dims(model)
+    return param_count(family, replace(dims, context=context or model.context))
 
 
 def model_active_param_count(model: ModelConfig, context: int | None = None) -> int:
     """The parameters one token goes through (model_param_count for a dense model): each layer's expert weights
     count top_k / n_experts (module docstring)."""
-    return dims_active_param_count(
-        registry.family_of(model).name, replace(Dims.of(model), context=context or model.context)
-    )
-
-
-def dims_active_param_count(arch: str, dims: Dims, embedding_rows: int | None = None) -> int:
-    """Active parameters of family `arch` at `dims`: the total less the experts no token of a layer visits,
-    (n_experts - top_k) / n_experts of each expert weight (exact: the expert dim is n_experts)."""
-    inactive = expert_layer_params(arch, dims) * (dims.n_experts - dims.top_k) // max(dims.n_experts, 1)
-    return dims_param_count(arch, dims, embedding_rows) - dims.n_layers * inactive
-
-
-def expert_layer_params(arch: str, dims: Dims) -> int:
-    """One block's expert weights (the family's `ep_dims`: what expert parallelism splits); 0 for a dense family."""
-    family = registry.get(arch)
-    return sum(
-        math.prod(shape) for name, shape in family.block_shapes(dims).items() if family.expert_dim(name) is not None
-    )
+    family, dims = built_dims(model)
+    return active_param_count(family, replace(dims, context=context or model.context))
 
 
 # ---------------------------------------------------------------- where the parameters live
@@ -133,30 +120,10 @@ def expert_layer_params(arch: str, dims: Dims) -> int:
 # these), so the plan counts every pipeline stage and TP shard without torch.
 
 
-def _dims(d_model: int, ffn_hidden: int, kv_dim: int | None, context: int = 1, n_layers: int = 1) -> Dims:
-    """Dims for the shape formulas from the widths alone (head_dim 1: only kv_dim = kv_heads x head_dim counts)."""
-    return Dims(n_layers, d_model, d_model, d_model if kv_dim is None else kv_dim, ffn_hidden, 1, context)
-
-
-def block_shapes(
-    d_model: int, ffn_hidden: int, arch: str = "gpt", kv_dim: int | None = None
-) -> dict[str, tuple[int, ...]]:
-    """One transformer block's parameters (names under `layers.<i>.`) and their shapes, as family `arch` builds
-    them. kv_dim: the width of K and V (grouped-query attention: n_kv_heads x head_dim); d_model when None."""
-    return registry.get(arch).block_shapes(_dims(d_model, ffn_hidden, kv_dim))
-
-
-def top_shapes(d_model: int, embedding_rows: int, context: int, arch: str = "gpt") -> dict[str, tuple[int, ...]]:
-    """The parameters outside the blocks: token embedding (padded rows), positions (GPT), the final norm, and an
-    untied output head (as many rows as the embedding)."""
-    return registry.get(arch).top_shapes(_dims(d_model, 4 * d_model, None, context), embedding_rows)
-
-
-def tp_local_numel(name: str, shape: Sequence[int], tp: int, arch: str = "gpt", ep: int = 1) -> int:
-    """Elements of parameter `name` of family `arch` on one TP rank (the largest shard when the split is uneven),
-    and on one EP rank: an expert weight keeps n_experts / ep of its experts (the checks require ep to divide
-    n_experts), whole over TP."""
-    family = registry.get(arch)
+def tp_local_numel(family: Family, name: str, shape: Sequence[int], tp: int, ep: int = 1) -> int:
+    """Elements of `family`'s parameter `name` on one TP rank (the largest shard when the split is uneven), and on
+    one EP rank: an expert weight keeps n_experts / ep of its experts (the checks require ep to divide n_experts),
+    whole over TP."""
     numel = math.prod(shape)
     if family.expert_dim(name) is not None:
         return numel // ep
@@ -166,7 +133,7 @@ def tp_local_numel(name: str, shape: Sequence[int], tp: int, arch: str = "gpt", 
     return numel // shape[dim] * -(-shape[dim] // tp)
 
 
-def _numel(shapes: dict[str, tuple[int, ...]]) -> int:
+def _numel(shapes: Shapes) -> int:
     return sum(math.prod(shape) for shape in shapes.values())
 
 
@@ -176,13 +143,13 @@ def stage_layers(split: Sequence[int]) -> list[range]:
     return [range(end - n, end) for n, end in zip(split, ends)]
 
 
-def stage_holds(module: str, stage: int, split: Sequence[int], arch: str = "gpt") -> bool:
+def stage_holds(family: Family, module: str, stage: int, split: Sequence[int]) -> bool:
     """Whether `stage` of a model cut into `split` (layers per stage) keeps a top-level module ("tok_emb",
-    "pos_emb", "norm_f", "output") or layer ("layers.<i>") of family `arch` (`Family.stage_holds`: a tied
-    embedding is on the last stage too, as the output head, Megatron's embedding copy)."""
+    "pos_emb", "norm_f", "output") or layer ("layers.<i>") of `family` (`Family.stage_holds`: a tied embedding is
+    on the last stage too, as the output head, Megatron's embedding copy)."""
     if module.startswith("layers."):
         return int(module.split(".")[1]) in stage_layers(split)[stage]
-    return registry.get(arch).stage_holds(module, stage == 0, stage == len(split) - 1)
+    return family.stage_holds(module, stage == 0, stage == len(split) - 1)
 
 
 def stage_param_counts(
@@ -194,18 +161,17 @@ def stage_param_counts(
     replicated); otherwise the whole stage."""
     rows = padded_vocab(model.vocab_size, model.vocab_pad_multiple, tp)
     tp_split, experts = (tp, ep) if per_gpu else (1, 1)
-    family, dims = registry.family_of(model), Dims.of(model)
-    arch = family.name
+    family, dims = built_dims(model)
     block = sum(
-        tp_local_numel(name, shape, tp_split, arch, experts) for name, shape in family.block_shapes(dims).items()
+        tp_local_numel(family, name, shape, tp_split, experts) for name, shape in family.block_shapes(dims).items()
     )
     top: dict[str, int] = {}
     for name, shape in family.top_shapes(dims, rows).items():
         module = name.split(".")[0]
-        top[module] = top.get(module, 0) + tp_local_numel(name, shape, tp_split, arch, experts)
+        top[module] = top.get(module, 0) + tp_local_numel(family, name, shape, tp_split, experts)
     counts = []
     for stage, layers in enumerate(stage_layers(split)):
-        held = sum(n for module, n in top.items() if stage_holds(module, stage, split, arch))
+        held = sum(n for module, n in top.items() if stage_holds(family, module, stage, split))
         counts.append(len(layers) * block + held)
     return counts
 

@@ -1,30 +1,30 @@
-"""The model families, one entry each (hpctrain.models.family): model.arch names one of them.
+"""The model families, one family entry each (hpctrain.models.family.Family): model.arch names one of them.
 
-Adding a family is its torch module, its spec and a line here; nothing else in hpctrain names an architecture
-(tests/test_families.py).
+Adding a family is its folder, hpctrain/models/<name>/, and one line in ENTRIES; nothing else in hpctrain names an
+architecture (tests/test_families.py), and the guide's family shows it (tests/models/test_family_guide.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hpctrain.models.family import Family
-from hpctrain.models.gpt_spec import GPT_FAMILY
-from hpctrain.models.llama_spec import LLAMA_FAMILY
-from hpctrain.models.mixtral_spec import MIXTRAL_FAMILY
-from hpctrain.models.qwen3_moe_spec import QWEN3_MOE_FAMILY
-from hpctrain.models.qwen3_spec import QWEN3_FAMILY
+from hpctrain.models.family import Family, resolve
 
-FAMILIES: dict[str, Family] = {
-    f.name: f for f in (GPT_FAMILY, LLAMA_FAMILY, QWEN3_FAMILY, MIXTRAL_FAMILY, QWEN3_MOE_FAMILY)
-}
-DEFAULT = GPT_FAMILY.name  # model.arch when a model config leaves it out
+# One line per family: "module:name" of its family entry (torch-free: the login node plans with it)
+ENTRIES = (
+    "hpctrain.models.gpt.entry:GPT_FAMILY",
+    "hpctrain.models.llama.entry:LLAMA_FAMILY",
+    "hpctrain.models.qwen3.entry:QWEN3_FAMILY",
+    "hpctrain.models.mixtral.entry:MIXTRAL_FAMILY",
+    "hpctrain.models.qwen3_moe.entry:QWEN3_MOE_FAMILY",
+)
+FAMILIES: dict[str, Family] = {f.name: f for f in map(resolve, ENTRIES)}
 BUILT_IN = frozenset(FAMILIES)
 
 
 def register(family: Family) -> None:
     """Add a family defined outside hpctrain (a test's, a site's) at run time: `model.arch=<its name>` is then
-    accepted by the configs composed afterwards. hpctrain's own families are the entries of FAMILIES above."""
+    accepted by the configs composed afterwards. hpctrain's own families are those of ENTRIES above."""
     if family.name in FAMILIES:
         raise ValueError(f"model arch {family.name!r} is already registered")
     FAMILIES[family.name] = family

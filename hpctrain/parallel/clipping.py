@@ -27,13 +27,13 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 def reduce_partial_grads_(params: Iterable[torch.Tensor]) -> None:
     """Sum TP-partial gradients over their mesh dims, one flat all-reduce per (mesh, placements) group."""
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple, list[tuple[torch.Tensor, DTensor]]] = defaultdict(list)  # (parameter, its gradient)
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
-            groups[(g.device_mesh, tuple(g.placements), g.dtype)].append(p)
+            groups[(g.device_mesh, tuple(g.placements), g.dtype)].append((p, g))
     for (mesh, placements, _), members in groups.items():
-        locals_ = [p.grad.to_local() for p in members]
+        locals_ = [g.to_local() for _, g in members]
         # On the mesh's device: offloaded (CPU) gradients must not meet the mesh's NCCL groups as CPU tensors.
         flat = torch.cat([t.reshape(-1) for t in locals_]).to(mesh.device_type)
         for dim, pl in enumerate(placements):
@@ -42,9 +42,9 @@ def reduce_partial_grads_(params: Iterable[torch.Tensor]) -> None:
                 dist.all_reduce(flat, op=op, group=mesh.get_group(dim))
         flat = flat.to(locals_[0].device)
         reduced = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in placements)
-        for p, local, chunk in zip(members, locals_, flat.split([t.numel() for t in locals_])):
+        for (p, g), local, chunk in zip(members, locals_, flat.split([t.numel() for t in locals_])):
             p.grad = DTensor.from_local(
-                chunk.view_as(local), mesh, reduced, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+                chunk.view_as(local), mesh, reduced, run_check=False, shape=g.shape, stride=g.stride()
             )
 
 

@@ -32,7 +32,7 @@ from torch._dynamo.utils import calculate_time_spent
 from torch.distributed.fsdp import FSDPModule
 
 if TYPE_CHECKING:
-    from hpctrain.models import Transformer
+    from hpctrain.models.family import FamilyModule
 
 
 def compiled_units(block: nn.Module, recompute: str, tp: int) -> list[nn.Module]:
@@ -41,13 +41,14 @@ def compiled_units(block: nn.Module, recompute: str, tp: int) -> list[nn.Module]
       graph, and dynamo refuses FSDP2's hooks (`torch._dynamo.disable`: fullgraph fails);
     - under selective recomputation with TP, where torch 2.13 gets a compiled block's gradients wrong
       (silently: the gradient norm is off by 0.2-20%, docs/compile.md), and attention and MLP are exact."""
-    inner_fsdp = any(isinstance(m, FSDPModule) for m in (block.attn, block.mlp))
+    attn, mlp = block.get_submodule("attn"), block.get_submodule("mlp")
+    inner_fsdp = any(isinstance(m, FSDPModule) for m in (attn, mlp))
     if inner_fsdp or (recompute == "selective" and tp > 1):
-        return [block.attn, block.mlp]
+        return [attn, mlp]
     return [block]
 
 
-def apply_compile(model: Transformer, recompute: str = "none", tp: int = 1, backend: Any = "inductor") -> None:
+def apply_compile(model: FamilyModule, recompute: str = "none", tp: int = 1, backend: Any = "inductor") -> None:
     """Compile every block of `model` (a whole model or a pipeline stage) in place, after its activation
     checkpointing (`recompute`, parallel.recompute), TP (`tp` ranks) and FSDP2: only forwards are compiled,
     so the order leaves every hook outside the graphs; FSDP2 first shows which modules it made units.

@@ -8,7 +8,7 @@ cheap with grouped-query attention's few KV heads), puts them back in global ord
 chunk against the keys up to and including its own chunk.
 
 This module owns the chunking (positions a rank holds, sharding a batch) and the attention; model code only calls
-its attention core (hpctrain.models.attention), which `apply_context_parallel` replaces.
+its attention core (hpctrain.models.common.attention), which `apply_context_parallel` replaces.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hpctrain.models.attention import CausalAttention, grouped_kv, sdpa_expands_kv, set_attention
+from hpctrain.models.common.attention import CausalAttention, grouped_kv, sdpa_expands_kv, set_attention
 
 
 def chunk_size(seq_len: int, cp: int) -> int:
@@ -86,7 +86,7 @@ class IndexCache:
     of building (on a GPU: launching arange, cat and argsort kernels for) the same few index tensors each call.
     Small (LRU, `size` entries: training uses one length, evaluation perhaps another). Nothing is kept where the
     tensors would belong to a trace or a fake tensor mode (torch.compile, fake CUDA's simulation, meta
-    estimates): those build per call as before (the same rule as hpctrain.models.llama's RoPE tables)."""
+    estimates): those build per call as before (the same rule as hpctrain.models.llama.model's RoPE tables)."""
 
     def __init__(self, size: int = 4) -> None:
         self.size = size

@@ -38,11 +38,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.tensor import DTensor, Shard
 
 from hpctrain.config.schema import PrecisionConfig, ZeroConfig
-from hpctrain.models.moe import GroupedExperts, MoE
+from hpctrain.models import as_module
+from hpctrain.models.common.moe import GroupedExperts, MoE
 from hpctrain.parallel.precision import ddp_comm_hook, fsdp_mp_policy
 
 if TYPE_CHECKING:
-    from hpctrain.models import Transformer
+    from hpctrain.models.family import FamilyModule
 
 
 def uses_fsdp(zero_stage: int, tp: int, pp: int, ep: int = 1) -> bool:
@@ -58,7 +59,7 @@ def accumulates_unsharded(zero_stage: int, accumulate_unsharded: bool) -> bool:
 
 
 def apply_fsdp(
-    model: Transformer,
+    model: FamilyModule,
     mesh: DeviceMesh,
     zero: ZeroConfig,
     precision: PrecisionConfig,
@@ -68,18 +69,19 @@ def apply_fsdp(
     """fully_shard each block (ZeRO-3: its attention and MLP as units of their own first), then the root
     (embeddings, final norm, head). ZeRO-1/2 keep the parameters gathered from forward to backward. Under expert
     parallelism each MoE layer's experts are a unit of their own first, over `experts.mesh`."""
+    root = as_module(model)
     # Pinned where the mesh is on GPUs (pinning initialises CUDA: a CPU run on a GPU machine must not).
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
         if zero.offload_optimizer or zero.offload_params
         else OffloadPolicy()
     )
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         mesh=mesh,
         mp_policy=fsdp_mp_policy(precision),
         offload_policy=offload,
         reshard_after_forward=zero_stage == 3,
-        shard_placement_fn=expert_placement(model, mesh),
+        shard_placement_fn=expert_placement(root, mesh),
     )
     for block in model.layers.values():
         if experts is not None:
@@ -90,10 +92,10 @@ def apply_fsdp(
                 ),
             )
         if zero_stage == 3:
-            fully_shard(block.attn, **kwargs)
-            fully_shard(block.mlp, **kwargs)
+            fully_shard(block.get_submodule("attn"), **kwargs)
+            fully_shard(block.get_submodule("mlp"), **kwargs)
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(root, **kwargs)
 
 
 def expert_placement(module: nn.Module, mesh: DeviceMesh) -> Callable[[nn.Parameter], Shard | None]:
@@ -141,7 +143,7 @@ def microbatch_sync(model: FSDPModule, zero_stage: int, accumulate_unsharded: bo
 
 
 def apply_replicate(
-    model: Transformer, mesh: DeviceMesh, precision: PrecisionConfig, experts: ExpertSharding | None = None
+    model: FamilyModule, mesh: DeviceMesh, precision: PrecisionConfig, experts: ExpertSharding | None = None
 ) -> None:
     """DDP semantics for DTensor (TP, EP) parameters, from FSDP2's replicate."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -150,7 +152,7 @@ def apply_replicate(
         if experts is not None:
             experts.wrap(block, lambda unit, mesh: replicate(unit, mesh=mesh, mp_policy=fsdp_mp_policy(precision)))
         replicate(block, mesh=mesh, mp_policy=fsdp_mp_policy(precision))
-    replicate(model, mesh=mesh, mp_policy=fsdp_mp_policy(precision))
+    replicate(as_module(model), mesh=mesh, mp_policy=fsdp_mp_policy(precision))
 
 
 def apply_ddp(

@@ -37,8 +37,8 @@ from torch.distributed.tensor import DTensor
 from hpctrain import schedules
 from hpctrain.config.layout import Layout, fills_buffer
 from hpctrain.config.schema import Config, ModelConfig, OptimConfig, PrecisionConfig
-from hpctrain.models import create_model
-from hpctrain.models.moe import ROUTING_FIELDS, moe_layers
+from hpctrain.models import as_module, create_model
+from hpctrain.models.common.moe import ROUTING_FIELDS, moe_layers
 from hpctrain.models.registry import family_of
 from hpctrain.parallel.clipping import clip_grads_, reduce_partial_grads_, squared_norm_share
 from hpctrain.parallel.compile import apply_compile
@@ -65,7 +65,7 @@ from hpctrain.parallel.recompute import apply_recompute
 from hpctrain.parallel.tensor_parallel import apply_tp
 
 if TYPE_CHECKING:
-    from hpctrain.models import Transformer
+    from hpctrain.models.family import FamilyModule
 
 
 @dataclass
@@ -107,7 +107,7 @@ def likely_cause(optim: OptimConfig, precision: PrecisionConfig, lr: float, grad
     return f"the learning rate ({lr:g} at this step) is too high for this batch, or the data holds a bad sample"
 
 
-def build_model(model_cfg: ModelConfig, seed: int, device: torch.device, tp: int = 1) -> Transformer:
+def build_model(model_cfg: ModelConfig, seed: int, device: torch.device, tp: int = 1) -> FamilyModule:
     """The single-process model of model.arch: built on meta, then materialised (no layout)."""
     with torch.device("meta"):
         model = create_model(model_cfg, tp)
@@ -169,7 +169,7 @@ class Engine:
         )
         # the model module of each part (inside DDP when DDP wraps it), its layout applied on the meta device
         self.split = layout.layer_split(cfg.model.n_layers)
-        self.stage_models: list[Transformer] = [
+        self.stage_models: list[FamilyModule] = [
             self._apply_layout(stage_model(full, sid, self.split) if dims.pp > 1 else full) for sid in self.stage_ids
         ]
         self.pp_group = dims.pp_mesh.get_group() if dims.pp > 1 else None
@@ -177,7 +177,7 @@ class Engine:
         self.has_first = 0 in self.stage_ids
         self.has_last = dims.n_stages - 1 in self.stage_ids
         # MoE layers this rank holds, by block index; every rank reduces a routing record for every layer
-        self.moe_layers = {i: layer for m in self.stage_models for i, layer in moe_layers(m).items()}
+        self.moe_layers = {i: layer for m in self.stage_models for i, layer in moe_layers(as_module(m)).items()}
         self.routing_width = ROUTING_FIELDS + cfg.model.moe.n_experts if family_of(cfg.model).moe else 0
         with tensors or contextlib.nullcontext():
             self.model_parts: list[nn.Module] = [self._materialise(model) for model in self.stage_models]
@@ -211,13 +211,13 @@ class Engine:
 
     # ---- construction -------------------------------------------------------------------------------------
 
-    def _apply_layout(self, model: Transformer) -> Transformer:
+    def _apply_layout(self, model: FamilyModule) -> FamilyModule:
         """FP8, context parallelism, recomputation, TP, FSDP2 and compilation on the meta-device model (no memory
         yet)."""
-        cfg, dims = self.cfg, self.dims
-        apply_float8(model, cfg.precision, self.layout, self.device, self.fsdp)  # FP8 Linears first (torchtitan)
+        cfg, dims, module = self.cfg, self.dims, as_module(model)
+        apply_float8(module, cfg.precision, self.layout, self.device, self.fsdp)  # FP8 Linears first (torchtitan)
         if dims.cp > 1:  # the attention core; recomputation then replays (or, selective, keeps) its gathers
-            apply_context_parallel(model, dims.cp_mesh.get_group())
+            apply_context_parallel(module, dims.cp_mesh.get_group())
         # Checkpointing first: TP's input hook on the first block must run inside the checkpointed region,
         # or recomputation replays it on already-sharded input.
         apply_recompute(model, self.layout.recompute)
@@ -225,7 +225,7 @@ class Engine:
             apply_tp(model, dims.tp_mesh, self.layout.sequence_parallel)
         experts = None
         if dims.ep > 1:
-            apply_ep(model, dims.ep_mesh)
+            apply_ep(module, dims.ep_mesh)
             experts = ExpertSharding(dims.expert_fsdp_mesh)
         if self.fsdp:
             if self.layout.zero_stage == 0:
@@ -236,15 +236,14 @@ class Engine:
             apply_compile(model, self.layout.recompute, dims.tp)
         return model
 
-    def _materialise(self, model: Transformer) -> nn.Module:
+    def _materialise(self, model: FamilyModule) -> nn.Module:
         """The weights, in their layout, on their device (the host with FSDP2's offload); DDP wraps last."""
         cfg, dims = self.cfg, self.dims
         offload = self.layout.offload_optimizer or self.layout.offload_params
         model.to_empty(device=torch.device("cpu") if self.fsdp and offload else self.device)
         model.init_weights(seed=cfg.train.seed)
-        if self.ddp:
-            return apply_ddp(model, dims.grad_mesh, cfg.zero, cfg.precision)
-        return model
+        module = as_module(model)
+        return apply_ddp(module, dims.grad_mesh, cfg.zero, cfg.precision) if self.ddp else module
 
     def _optimizer(self, part: nn.Module) -> torch.optim.Optimizer:
         return build_optimizer(
@@ -289,7 +288,7 @@ class Engine:
         else:
             local_loss = self._accumulate(inputs, targets)
         self._sync_tied_embeddings()
-        params = [p for part in self.model_parts for p in part.parameters()]
+        params: list[torch.Tensor] = [p for part in self.model_parts for p in part.parameters()]
         self.scaler.unscale_(params)
         values = self._reduce(local_loss, control)
         self.steps_done += 1
@@ -394,9 +393,9 @@ class Engine:
         """DDP reduces after the last accumulation microbatch only; FSDP2 as its ZeRO stage says
         (data_parallel.microbatch_sync)."""
         if self.ddp and not last:
-            return model.no_sync()
-        if self.fsdp:
-            microbatch_sync(model, self.layout.zero_stage, self.layout.accumulate_unsharded, last)
+            return model.no_sync()  # type: ignore[operator]  # DDP's
+        if self.fsdp:  # fully_shard made the model an FSDPModule
+            microbatch_sync(model, self.layout.zero_stage, self.layout.accumulate_unsharded, last)  # type: ignore[arg-type]
         return contextlib.nullcontext()
 
     def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -418,6 +417,7 @@ class Engine:
         args = (x,) if self.has_first else ()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = dict(target=y, losses=losses) if self.has_last else {}
+        assert self.schedule is not None  # a pipeline's step
         with autocast(self.cfg.precision, self.device, not self.fsdp):
             self.schedule.step(*args, return_outputs=False, **kwargs)
         if not self.has_last:
@@ -626,9 +626,11 @@ def _loaded_in_place(state: dict[str, Any], parts: list[nn.Module], optimizers: 
 def _grad_as_param(p: torch.Tensor) -> torch.Tensor:
     """The gradient in its parameter's placements (TP's embedding backward returns a replicated gradient for
     a vocabulary-sharded weight; the two stages' copies must line up element for element)."""
-    if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-    return p.grad
+    g = p.grad
+    assert g is not None  # after the step's backward
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        p.grad = g = g.redistribute(p.device_mesh, p.placements)
+    return g
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

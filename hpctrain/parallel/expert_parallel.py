@@ -2,8 +2,8 @@
 
 Applied to the meta-device model like TP (before FSDP2): each expert weight becomes a DTensor sharded on its
 expert dim over the EP mesh, and the layer's GroupedExperts gets the EP group, which its forward dispatches over
-(hpctrain.models.moe.GroupedExperts._dispatch). FSDP2 then shards each rank's experts over the DP ranks an EP group
-leaves (`expert_fsdp_mesh`, hpctrain.parallel.data_parallel), the rest of the block over every DP rank.
+(hpctrain.models.common.moe.GroupedExperts._dispatch). FSDP2 then shards each rank's experts over the DP ranks an
+EP group leaves (`expert_fsdp_mesh`, hpctrain.parallel.data_parallel), the rest of the block over every DP rank.
 
 An expert's gradient sums the contributions of the tokens every rank of the EP group sent it, whose losses are
 each their rank's mean, and FSDP2 averages it over the ranks it reduces over only: GroupedExperts scales the
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from hpctrain.models.moe import moe_layers
+from hpctrain.models.common.moe import moe_layers
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:

@@ -108,7 +108,7 @@ def float8_config(recipe: str, emulate: bool, all_gather: bool) -> Any:
 
 def converts(module: nn.Module, fqn: str) -> bool:
     """torchtitan's module filter: a Linear inside a transformer block whose dimensions are multiples of 16, but
-    not an MoE router (it routes in fp32: hpctrain.models.moe)."""
+    not an MoE router (it routes in fp32: hpctrain.models.common.moe)."""
     if not isinstance(module, nn.Linear) or not (fqn.startswith("layers.") or ".layers." in fqn):
         return False
     if fqn.endswith(".router"):
@@ -144,7 +144,7 @@ def apply_float8(
     return model
 
 
-def float8_linears(model: nn.Module) -> list[nn.Module]:
+def float8_linears(model: nn.Module) -> list[Any]:  # torchao's Float8Linear (torchao ships no types)
     """The Float8Linear modules of a model (none, without importing torchao, when nothing imported it: a model
     cannot hold one then, and a run without FP8 does not pay torchao's import)."""
     if "torchao.float8" not in sys.modules:

@@ -11,8 +11,8 @@ Adam. FSDP2's own no-sync accumulation holds more, in the compute dtype, on top 
     autograd holds the head's contribution until the embedding's arrives at the very end of backward.
 `fill_as_made` does Megatron's part on FSDP2. A post-accumulate-grad hook on each unsharded parameter adds the
 fresh gradient into the accumulator (created in the reduce dtype by the first micro-batch's) and drops it; the
-tied head reads the embedding through a leaf of its own (`BufferFill.head_weight`), whose gradient goes the same way into the
-embedding's accumulator as soon as the head's backward makes it (under TP too: DTensor adds the head's
+tied head reads the embedding through a leaf of its own (`BufferFill.head_weight`), whose gradient goes the same
+way into the embedding's accumulator as soon as the head's backward makes it (under TP too: DTensor adds the head's
 vocabulary-parallel gradient to the embedding's as autograd would have). FSDP2's post-backward then finds no `.grad`
 to add, and in the last micro-batch reduce-scatters the accumulator as before. Beyond the buffer, one
 parameter's fresh gradient lives at a time (Megatron's transient without gradient-accumulation fusion).
@@ -107,5 +107,5 @@ def fill_as_made(model: nn.Module, tied_head: bool) -> BufferFill:
     fill = BufferFill(model)
     if tied_head:
         tied = model.output_weight
-        model.output_weight = lambda: fill.head_weight(tied())  # type: ignore[method-assign]
+        model.output_weight = lambda: fill.head_weight(tied())  # type: ignore[assignment, operator]  # the model's method
     return fill

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import resource
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,8 +16,11 @@ from hpctrain.hardware import hardware
 from hpctrain.models.family import Dims
 from hpctrain.models.params import model_active_param_count, model_flops_per_token
 
+if TYPE_CHECKING:
+    from hpctrain.config.schema import Config
 
-def flops_per_token(cfg: Any) -> float:
+
+def flops_per_token(cfg: Config) -> float:
     """Model FLOPs per trained token: 6 N + 12 l s h (PaLM appendix B, no recomputation counted), N the parameters
     a token goes through for the config's arch (a Mixture of Experts' active count: its top_k experts of each
     layer; GPT's position table counted at the trained length)."""
@@ -25,7 +28,7 @@ def flops_per_token(cfg: Any) -> float:
     return model_flops_per_token(model_active_param_count(m, seq_len), m.n_layers, seq_len, Dims.of(m).q_dim)
 
 
-def mfu(cfg: Any, tokens_per_s: float, world_size: int) -> float:
+def mfu(cfg: Config, tokens_per_s: float, world_size: int) -> float:
     """Model FLOPs utilisation against the dense peak of cfg.cluster.gpu_type (hpctrain.hardware)."""
     return tokens_per_s * flops_per_token(cfg) / (world_size * hardware(cfg.cluster.gpu_type).peak_flops)
 

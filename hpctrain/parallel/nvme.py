@@ -43,7 +43,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
-from hpctrain.config.file_checks import format_bytes
+from hpctrain.hardware import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class MomentFile:
     def _probe(self, name: str) -> None:
         """Some file systems accept O_DIRECT at open and fail the first transfer: fall back to buffered I/O."""
         try:
-            os.preadv(self.fd, [memoryview(_aligned_buffer(ALIGN).numpy())], 0)
+            os.preadv(self.fd, [_aligned_buffer(ALIGN).numpy().data], 0)
         except OSError:
             os.close(self.fd)
             self.fd, self.direct = os.open(name, os.O_RDWR), False
@@ -214,7 +214,7 @@ class MomentFile:
             os.posix_fadvise(self.fd, offset, buf.numel(), os.POSIX_FADV_DONTNEED)
 
     def _transfer(self, call: Callable[..., int], buf: torch.Tensor, offset: int) -> None:
-        view = memoryview(buf.numpy())
+        view = buf.numpy().data
         done = 0
         while done < len(view):
             n = call(self.fd, [view[done:]], offset + done)
@@ -296,8 +296,9 @@ class NvmeAdamW(torch.optim.AdamW):
 
         def fetch(i: int) -> None:
             slot = i % len(self.ring)
-            if writes[slot] is not None:  # the buffer's previous chunk must be on its way to disk first
-                writes[slot].result()
+            pending = writes[slot]
+            if pending is not None:  # the buffer's previous chunk must be on its way to disk first
+                pending.result()
                 writes[slot] = None
             if read:
                 reads[i] = self._reader.submit(read_fn, buffer(i), chunks[i].offset)

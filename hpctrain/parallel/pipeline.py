@@ -3,10 +3,10 @@
 A stage is the full model (built on meta) with the layers it does not own deleted and the modules it does
 not need set to None, so parameter names stay those of the single-process model and checkpoints load into
 any layout. Layers are split evenly (the config checks require pp x virtual_stages to divide n_layers);
-the first stage also holds the embeddings, the last the final norm and the head. GPT's head is tied to the
-token embedding: the first and last stages both keep `tok_emb` and the engine sums its gradients between
-them (Megatron's embedding group), so both copies take identical steps. Llama's head, `output`, is the last
-stage's alone.
+which top-level modules a stage keeps is the family entry's (`Family.stage_modules`): the first stage the
+embeddings, the last the final norm and the head. A head tied to the token embedding (GPT's) is kept by the first
+and the last stage, and the engine sums its gradients between them (Megatron's embedding group), so both copies
+take identical steps.
 
 Stage placement comes from the schedule's entry in hpctrain.schedules: looped schedules put stage s on
 pipeline rank s % pp; zbv runs a V: rank r holds stages r and 2 pp - 1 - r (rank 0 holds the first and the
@@ -24,27 +24,27 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from hpctrain import schedules
+from hpctrain.models import registry
 from hpctrain.models.params import stage_holds
 
 if TYPE_CHECKING:
-    from hpctrain.models import Transformer
-
-TOP_MODULES = ("pos_emb", "tok_emb", "norm_f", "output")  # outside the blocks, in either model
+    from hpctrain.models.family import FamilyModule
 
 
-def prune_to_stage(model: Transformer, stage: int, split: Sequence[int]) -> Transformer:
+def prune_to_stage(model: FamilyModule, stage: int, split: Sequence[int]) -> FamilyModule:
     """Keep only what `stage` of the cut `split` (layers per stage, `Layout.layer_split`) computes (in place);
     parameter names do not change."""
+    family = registry.get(model.family)
     for name in list(model.layers):
-        if not stage_holds(f"layers.{name}", stage, split):
+        if not stage_holds(family, f"layers.{name}", stage, split):
             del model.layers[name]
-    for name in TOP_MODULES:
-        if hasattr(model, name) and not stage_holds(name, stage, split, model.family):
+    for name in family.stage_modules:  # the top-level modules a stage may drop
+        if not stage_holds(family, name, stage, split):
             setattr(model, name, None)
     return model
 
 
-def stage_model(full: Transformer, stage: int, split: Sequence[int]) -> Transformer:
+def stage_model(full: FamilyModule, stage: int, split: Sequence[int]) -> FamilyModule:
     """A stage cut from a full model built on the meta device (the full model is left as it was)."""
     return prune_to_stage(copy.deepcopy(full), stage, split)
 
@@ -56,7 +56,7 @@ def build_schedule(stages: list[PipelineStage], schedule: str, n_microbatches: i
     scale_grads=True divides the gradients by the number of microbatches: the loss is a mean over them.
     """
     entry = schedules.get(schedule)
-    if not entry.runnable:
+    if entry.torch_class is None:
         raise ValueError(f"schedule {schedule} is modelled by the planner only; runnable: {schedules.RUNNABLE}")
     cls = getattr(torch_schedules, entry.torch_class)
     if entry.chunks == "one":

@@ -25,9 +25,9 @@
   recomputed MoE layer reruns its count exchange and communicates over EP whatever the policy (hpctrain.plan.comm
   counts the two extra all-to-alls).
 
-Both modes replay a block's host reads in its recomputation (hpctrain.models.host_reads): the sizes an MoE layer reads
-to the host (EP's all-to-all split sizes, the expert loop's segment sizes) come from the routing, which the
-recomputation repeats exactly, so the forward's values serve again instead of a second stop of a GPU's queue.
+Both modes replay a block's host reads in its recomputation (hpctrain.models.common.host_reads): the sizes an MoE
+layer reads to the host (EP's all-to-all split sizes, the expert loop's segment sizes) come from the routing, which
+the recomputation repeats exactly, so the forward's values serve again instead of a second stop of a GPU's queue.
 
 The composable `checkpoint` keeps parameter names unchanged (no `_checkpoint_wrapped_module` prefix), so
 weight initialisation and checkpoints see the same names in every layout.
@@ -50,10 +50,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from hpctrain.models.host_reads import host_read_contexts
+from hpctrain.models.common.host_reads import host_read_contexts
 
 if TYPE_CHECKING:
-    from hpctrain.models import Transformer
+    from hpctrain.models.family import FamilyModule
 
 _aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
 
@@ -140,7 +140,9 @@ class _Both:
                 stack.enter_context(context)
             self._stack = stack.pop_all()
 
-    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> bool:
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
         return self._stack.__exit__(kind, err, tb)
 
 
@@ -151,7 +153,7 @@ def _selective_contexts() -> tuple[contextlib.AbstractContextManager, contextlib
     return _Both(forward, record), _Both(recompute, replay)
 
 
-def apply_recompute(model: Transformer, mode: str) -> None:
+def apply_recompute(model: FamilyModule, mode: str) -> None:
     """Checkpoint every block of `model` ("none" | "selective" | "full"), in place."""
     if mode == "none":
         return

@@ -9,29 +9,32 @@ closed form is tested against.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from hpctrain.models import create_model
+from hpctrain.models import create_model, registry
 from hpctrain.models.params import stage_holds, stage_layers, tp_local_numel
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import Config
 
 __all__ = ["meta_stage_counts", "stage_holds", "stage_layers", "tp_local_numel"]
 
 
-def meta_stage_counts(cfg: Any, split: Sequence[int], tp: int) -> tuple[list[int], list[int]]:
+def meta_stage_counts(cfg: Config, split: Sequence[int], tp: int) -> tuple[list[int], list[int]]:
     """(parameters per stage, per GPU of each stage after the TP split), from the model built on the meta device.
 
     Nothing is allocated; with a tied head (GPT) the last stage counts its copy of the token embedding. `cfg` is
     the run's config (the model of model.arch as built for cfg.parallel.tp)."""
     with torch.device("meta"):
         model = create_model(cfg.model, cfg.parallel.tp)
-    named = list(model.named_parameters())
+    named, family = list(model.named_parameters()), registry.family_of(cfg.model)
     whole, shard = [], []
     for s in range(len(split)):
-        mine = [(name, p) for name, p in named if stage_holds(_module_of(name), s, split, model.family)]
+        mine = [(name, p) for name, p in named if stage_holds(family, _module_of(name), s, split)]
         whole.append(sum(p.numel() for _, p in mine))
-        shard.append(sum(tp_local_numel(name, tuple(p.shape), tp, model.family) for name, p in mine))
+        shard.append(sum(tp_local_numel(family, name, tuple(p.shape), tp) for name, p in mine))
     return whole, shard
 
 

@@ -1,9 +1,9 @@
 """Megatron-style tensor parallelism for hpctrain's models, with DTensor's `parallelize_module`.
 
-Per block, the plan is the model family's `tp_dims` (hpctrain.models.registry): QKV and MLP-in are split by columns (each TP rank owns whole heads, or whole KV groups of Llama's
-grouped-query attention, thanks to the QKV row layout; Llama's SwiGLU gate and up are two weights, split alike,
-so each rank holds matching gate and up rows), the
-attention and MLP output projections by rows, so each block costs one all-reduce forward and one backward per
+Per block, the plan is the model family's `tp_dims` (hpctrain.models.registry): QKV and MLP-in are split by
+columns (each TP rank owns whole heads, or whole KV groups of Llama's grouped-query attention, thanks to the QKV
+row layout; Llama's SwiGLU gate and up are two weights, split alike, so each rank holds matching gate and up rows),
+the attention and MLP output projections by rows, so each block costs one all-reduce forward and one backward per
 sub-layer. With sequence parallelism the norm/dropout regions are split along the sequence instead of
 replicated: the all-reduces become reduce-scatter + all-gather (same volume) and those activations take 1/tp
 of the memory.
@@ -19,6 +19,7 @@ engine seeds by DP rank).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
@@ -35,28 +37,31 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hpctrain.models import registry
+from hpctrain.models import as_module, registry
 from hpctrain.parallel.float8 import float8_tp_plan
 
 if TYPE_CHECKING:
-    from hpctrain.models import Transformer
+    from hpctrain.models.family import FamilyModule
 
 
-def block_plan(sequence_parallel: bool, family: str = "gpt") -> dict[str, Any]:
+def block_plan(sequence_parallel: bool, family: str) -> dict[str, Any]:
     """The TP plan of one transformer block of model family `family` (submodule name -> style), from the family's
     `tp_dims`: a weight split along dim 0 is column-parallel, along dim 1 row-parallel (its output reduced, or
     reduce-scattered along the sequence under SP). A per-head norm (`tp_head_norms`) keeps its weight whole on
     every rank while its input holds this rank's heads (dim 2 of [B, T, heads, head_dim]): as a replicated DTensor
     its gradient, a partial sum over the local heads, is all-reduced over TP (torchtitan's Qwen3 does the same)."""
     out = Shard(1) if sequence_parallel else Replicate()
-    styles = {0: ColwiseParallel, 1: lambda: RowwiseParallel(output_layouts=out)}
-    spec = registry.get(family)
+    styles: dict[int, Callable[[], ParallelStyle]] = {
+        0: ColwiseParallel,
+        1: lambda: RowwiseParallel(output_layouts=out),
+    }
+    entry = registry.get(family)
     plan: dict[str, Any] = {
         name.removesuffix(".weight"): styles[dim]()
-        for name, dim in spec.block_tp_dims().items()
+        for name, dim in entry.block_tp_dims().items()
         if name.endswith(".weight")
     }
-    plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in spec.tp_head_norms})
+    plan.update({name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in entry.tp_head_norms})
     if sequence_parallel:
         plan.update(
             {
@@ -78,13 +83,13 @@ def block_plan(sequence_parallel: bool, family: str = "gpt") -> dict[str, Any]:
                     desired_output_layouts=(Shard(1),),
                     use_local_output=True,
                 )
-                for name in spec.tp_whole
+                for name in entry.tp_whole
             }
         )
     return plan
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def apply_tp(model: FamilyModule, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Split a (possibly pipeline-pruned) model across the TP mesh, in place; works on the meta device."""
     if model.tok_emb is not None:
         parallelize_module(
@@ -115,9 +120,10 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
                 use_local_output=False,
             ),
         )
-        if not model.tied_embeddings:
-            parallelize_module(model.output, tp_mesh, ColwiseParallel(use_local_output=False))
-        model.register_forward_hook(_gather_logits)
+        module = as_module(model)
+        if not model.tied_embeddings:  # a head of its own, `output`
+            parallelize_module(module.get_submodule("output"), tp_mesh, ColwiseParallel(use_local_output=False))
+        module.register_forward_hook(_gather_logits)
 
 
 def _gather_logits(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ attention-output-projection input 2, GELU input and MLP-out input 16 (8 + 4 f / 
 "5 a s / h" is the attention matrix: softmax output 2, its dropout mask 1, dropout output 2.
 
 hpctrain's model (`activation_bytes_per_layer`, checked against the tensors autograd saves for
-hpctrain.models.gpt.Block on CPU: 32 s b h with dropout 0, 20 s b h with t = 2, 18 with t = 2 and SP):
+hpctrain.models.gpt.model.Block on CPU: 32 s b h with dropout 0, 20 s b h with t = 2, 18 with t = 2 and SP):
   * Attention is torch.nn.functional.scaled_dot_product_attention. Its flash and memory-efficient kernels
     (Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness", sec. 3.1:
     backward recomputes the attention matrix from Q, K, V, the output and the softmax statistics; torch's
@@ -56,7 +56,7 @@ order, the norms' per-token statistics, the index-selected RoPE tables). Selecti
 all-gather outputs, 4 k cp / h (the policy saves the collectives' outputs), measured byte for byte on the same
 blocks (the extras above are rerun, not kept). Full recomputation keeps the block input of the local tokens.
 
-hpctrain's Llama block (hpctrain.models.llama; g key/value heads of head_dim, so K and V are k = g h / a wide; a
+hpctrain's Llama block (hpctrain.models.llama.model; g key/value heads of head_dim, so K and V are k = g h / a wide; a
 SwiGLU MLP of width f; no biases), counted the same way from what autograd saves on CPU (sbh units, 16-bit):
   * RMSNorm (Hugging Face's: normalised in fp32) keeps an fp32 copy of its input 4 and the normalised tensor
     for the weight's gradient 2 (4 under autocast), besides its output, the QKV/MLP-in input 2: 2 x 6 + 4 = 16
@@ -75,7 +75,7 @@ Selective recompute keeps the QKV output
 row-parallel outputs (or their collectives'), as GPT's: 2 + (2 + 4 k / h) + 2 + 4 f / h + 4 = 10 + 4 k / h + 4 f / h
 sbh without TP (25 for Llama 3 8B against 51.5; measured for the block above: 22.13 against 45.91).
 
-A Mixture-of-Experts block (`BlockActivations.moe`: hpctrain.models.moe.MoE in place of the SwiGLU; E experts of
+A Mixture-of-Experts block (`BlockActivations.moe`: hpctrain.models.common.moe.MoE in place of the SwiGLU; E experts of
 width f_e, top_k = k of them per token) keeps the attention's tensors as above, and for the feed-forward, per token
 of the full sequence (TP leaves the layer whole: every TP rank runs it on all s b tokens, SP gathering its input;
 nothing here is divided by t), in bytes (`moe_bytes_per_token`):
@@ -104,10 +104,12 @@ recompute keeps the block input only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hpctrain import schedules
-from hpctrain.models import registry
+
+if TYPE_CHECKING:
+    from hpctrain.models.family import Dims, Family
 
 
 def korthikanti_bytes_per_layer(
@@ -155,76 +157,62 @@ EXPERT_IMBALANCE = 1.25
 HEAD_NORM_BYTES = 6  # measured, tests/plan/test_plan_llama.py: RMSNorm's fp32 input copy (4) + normalised (2)
 
 
-@dataclass(frozen=True)
-class MoELayer:
-    """A Mixture-of-Experts feed-forward as its saved tensors see it (module docstring)."""
-
-    n_experts: int
-    top_k: int
-    expert_hidden: int
-    shared_hidden: int = 0  # the shared experts' SwiGLU width (n_shared_experts x expert_hidden)
-    load: float = 1.0  # rows the busiest rank's experts run over the mean, top_k x tokens (EP: the imbalance)
-
-
-def moe_bytes_per_token(d_model: int, moe: MoELayer, recompute: str = "none") -> float:
-    """Bytes the MoE layer saves for backward per token of the full sequence, 16-bit activations (module
-    docstring); 4 E (h + 1) per layer and micro-batch come on top (the router weight's fp32 copy, the balance
-    loss's per-expert fractions)."""
-    h, e, k, f, fs = d_model, moe.n_experts, moe.top_k, moe.expert_hidden, moe.shared_hidden
+def moe_bytes_per_token(dims: Dims, recompute: str = "none", load: float = 1.0) -> float:
+    """Bytes the MoE layer of `dims` (its experts, top_k, expert width and shared experts) saves for backward per
+    token of the full sequence, 16-bit activations (module docstring); 4 E (h + 1) per layer and micro-batch come on
+    top (the router weight's fp32 copy, the balance loss's per-expert fractions). `load`: the rows the busiest
+    rank's experts run over the mean, top_k x tokens (under EP: the imbalance, EXPERT_IMBALANCE)."""
+    h, e, k, f = dims.d_model, dims.n_experts, dims.top_k, dims.expert_hidden
+    fs = dims.n_shared_experts * dims.expert_hidden  # the shared experts' SwiGLU width
     shared = 2 * h + 8 * fs if fs else 0
     if recompute == "full":
         return 0.0
     if recompute == "selective":  # matmul outputs: the logits and each routed row's gate, up and down outputs
-        return 4 * e + moe.load * k * (4 * f + 2 * h) + (4 * fs + 2 * h if fs else 0)
+        return 4 * e + load * k * (4 * f + 2 * h) + (4 * fs + 2 * h if fs else 0)
     router = 4 * h + 8 * e + 8  # fp32 input copy, logits and softmax output, logsumexp and the weights' sum
     routing = 32 * k  # top-k indices and weights, sorted order and token ids, gathered weights
     combine = 8 * h * k  # the experts' output in fp32 and the weighted rows index_add_ keeps
-    experts = moe.load * k * (2 * h + 8 * f)  # each routed row's input, gate/up, silu and product
+    experts = load * k * (2 * h + 8 * f)  # each routed row's input, gate/up, silu and product
     return router + routing + combine + experts + shared
 
 
 def activation_bytes_per_layer(
+    family: Family,
+    dims: Dims,
     seq_len: int,
     micro_batch: int,
-    d_model: int,
-    n_heads: int,
     tp: int = 1,
     sequence_parallel: bool = False,
     recompute: str = "none",
-    ffn_hidden: int | None = None,
     *,
     flash_attention: bool = True,
     dropout: bool = False,
     sp_keeps_gathered: bool = True,
     fp32_residual: bool = False,
-    arch: str = "gpt",
-    n_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    moe: MoELayer | None = None,
+    expert_load: float = 1.0,
     cp: int = 1,
 ) -> float:
-    """Bytes the block of model family `arch` saves for backward per micro-batch (16-bit activations; its
-    `BlockActivations`); see the module docstring. n_kv_heads: key/value heads (grouped-query attention), n_heads
-    when None; head_dim: each head's width, d_model / n_heads when None; moe: the feed-forward's experts, for a
-    family whose block is a Mixture of Experts; cp: context parallelism, seq_len being this rank's s / cp tokens
-    (the gathered keys and values of the whole sequence come on top: module docstring, "Context parallelism").
+    """Bytes the block of `family` at `dims` saves for backward per micro-batch of `seq_len` tokens (16-bit
+    activations; the family's `BlockActivations`); see the module docstring. A Mixture-of-Experts block's experts
+    are the Dims' (n_experts, top_k, expert_hidden, n_shared_experts), the busiest rank's running `expert_load` x
+    the mean rows; cp: context parallelism, seq_len being this rank's s / cp tokens (the gathered keys and values
+    of the whole sequence come on top: module docstring, "Context parallelism").
 
-    flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula.
+    flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula (GPT).
     """
-    s, b, h, a, t = seq_len, micro_batch, d_model, n_heads, tp
-    f = ffn_hidden if ffn_hidden is not None else 4 * h
+    s, b, h, a, t = seq_len, micro_batch, dims.d_model, dims.n_heads, tp
+    f = dims.ffn_hidden
     sbh, shard = s * b * h, (t if sequence_parallel else 1)
     norm_bytes = 4 if fp32_residual else 2
-    block = registry.get(arch).activations
+    block = family.activations
     experts = 0.0  # the MoE layer: whole on every TP rank, over all s b tokens
     if block.moe:
-        if moe is None:
-            raise ValueError(f"the {arch} family's block is a Mixture of Experts: pass its MoELayer")
-        experts = s * b * moe_bytes_per_token(h, moe, recompute)
+        if not dims.n_experts:
+            raise ValueError(f"the {family.name} family's block is a Mixture of Experts: dims.n_experts is 0")
+        experts = s * b * moe_bytes_per_token(dims, recompute, expert_load)
         if recompute == "none":  # the router weight's fp32 copy, the balance loss's f_e (recomputed otherwise)
-            experts += 4 * moe.n_experts * (h + 1)
-    hd = head_dim or h / a
-    q, kv = a * hd / h, (n_kv_heads or a) * hd / h  # the widths of Q and of K (and V), over h
+            experts += 4 * dims.n_experts * (h + 1)
+    q, kv = dims.q_dim / h, dims.kv_dim / h  # the widths of Q and of K (and V), over h
     qkv_out = 2 * q + 4 * kv  # the fused QKV output (Q, K, V as views of it: 6 without grouped-query attention)
     # the MLP-in output: gate and up fused, or GELU's input (an MoE layer's are counted in `experts`)
     fc_out = 0 if block.moe else (4 if block.gated_mlp else 2) * f / h
@@ -242,7 +230,7 @@ def activation_bytes_per_layer(
     gathered = 2 if block.moe else 4  # QKV and MLP-in inputs: replicated over TP; DTensor SP saves them gathered
     rope = 2 * (q + kv) if block.rope else 0  # the rotated Q and K SDPA saves (V stays a view of the QKV output)
     # per-head norms: HEAD_NORM_BYTES per element of Q and K, and an fp32 1/rms per head and token
-    heads = (HEAD_NORM_BYTES * (q + kv) + 4 * (a + (n_kv_heads or a)) / h) if block.head_norms else 0
+    heads = (HEAD_NORM_BYTES * (q + kv) + 4 * (a + dims.kv_heads) / h) if block.head_norms else 0
     mlp = 0 if block.moe else fc_out + (4 if block.gated_mlp else 2) * f / h  # + silu's output, down's input
     if cp > 1:  # K and V are gathered: no view of the QKV output is saved, nor the local rotated K ...
         qkv_out, rope = (0.0, 2 * q) if block.rope else (qkv_out, 0.0)  # ... but Q (rotated, or a view of it)

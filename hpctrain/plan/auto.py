@@ -8,38 +8,80 @@ when the planner's own estimate says it is faster.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpctrain import schedules
+from hpctrain.config.layout import layout_rules
+from hpctrain.config.rules import key_of, microbatch_rules, zero_rules
 from hpctrain.plan.bubble import bubble_fraction
+from hpctrain.plan.estimate import cluster_hardware
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
-from hpctrain.plan.search import Candidate, context_degrees
+from hpctrain.plan.search import Candidate, context_degrees, search_layouts, workload
 from hpctrain.plan.step_time import estimate_step
 from hpctrain.plan.types import Hardware, Layout, ModelShape
+
+if TYPE_CHECKING:
+    from hpctrain.config.schema import Config
+
+# The Layout fields `parallel=auto` sets from the layout it picks (config keys: config.rules.key_of)
+CHOSEN = (
+    "dp",
+    "tp",
+    "pp",
+    "ep",
+    "cp",
+    "virtual_stages",
+    "schedule",
+    "first_stage_layers",
+    "last_stage_layers",
+    "sequence_parallel",
+    "recompute",
+    "zero_stage",
+    "accumulate_unsharded",
+    "micro_batch",
+    "grad_accum",
+)
 
 
 def layout_overrides(layout: Layout) -> dict[str, Any]:
     """The config keys (dotted) and values that make a run use `layout` (what `parallel=auto` sets)."""
     return {
-        "parallel.dp": layout.dp,
-        "parallel.tp": layout.tp,
-        "parallel.pp": layout.pp,
-        "parallel.ep": layout.ep,
-        "parallel.cp": layout.cp,
-        "parallel.virtual_stages": layout.virtual_stages,
-        "parallel.schedule": layout.schedule,
-        "parallel.first_stage_layers": layout.first_stage_layers,
-        "parallel.last_stage_layers": layout.last_stage_layers,
-        "parallel.sequence_parallel": layout.sequence_parallel,
-        "parallel.recompute": layout.recompute,
-        "parallel.dp_replicate": 1,
-        "parallel.microbatches": 0,
-        "zero.stage": layout.zero_stage,
-        "zero.accumulate_unsharded": layout.accumulate_unsharded,
-        "train.micro_batch": layout.micro_batch,
-        "train.grad_accum": layout.grad_accum,
-        "parallel.auto": False,
+        **{key_of(field): getattr(layout, field) for field in CHOSEN},
+        key_of("dp_replicate"): 1,
+        key_of("microbatches"): 0,
+        key_of("auto"): False,
     }
+
+
+def auto_candidates(cfg: Config) -> list[Candidate]:
+    """The layouts `parallel=auto` chooses from, fastest first (hpctrain.launch.cli.apply_auto takes the first): the
+    search on the run's model, GPUs, global batch, precision, torch.compile, and the ZeRO stages its offload
+    settings allow. Each obeys the layout rules the checks report (search.search_layouts)."""
+    c, p = cfg.cluster, cfg.precision
+    return search_layouts(
+        ModelShape.of(cfg.model, cfg.train.seq_len),
+        c.nodes * c.gpus_per_node,
+        cluster_hardware(c),
+        cfg.train.global_batch,
+        dtype=str(getattr(p.dtype, "value", p.dtype)),
+        reduce_dtype=str(getattr(p.reduce_dtype, "value", p.reduce_dtype)),
+        zero_stages=zero_stages_for(bool(cfg.zero.offload_optimizer), bool(cfg.zero.offload_params)),
+        compile=bool(cfg.parallel.compile),
+        fp8=str(p.fp8),
+    )
+
+
+def zero_stages_for(offload_optimizer: bool, offload_params: bool) -> tuple[int, ...]:
+    """The ZeRO stages a run's offload settings allow (config.rules.zero_rules, and the layout's own rule that
+    parameter offload needs stage 3): those the search may pick for it (it estimates them without offload)."""
+    allowed = []
+    for z in (0, 1, 2, 3):
+        try:
+            Layout(dp=1, tp=1, pp=1, zero_stage=z, offload_optimizer=offload_optimizer, offload_params=offload_params)
+        except ValueError:
+            continue
+        if not zero_rules(z, 1, offload_optimizer):
+            allowed.append(z)
+    return tuple(allowed)
 
 
 def search_summary(candidates: list[Candidate], mine: Candidate, top_k: int) -> dict[str, Any]:
@@ -97,15 +139,14 @@ def better_microbatches(
     estimate weighs both, a rule of thumb does not. Gains under 2% are below what the estimate can tell apart."""
     if layout.pp == 1:
         return None
-    entry = schedules.get(layout.schedule)
     per_rank = layout.micro_batch * layout.grad_accum
     current = estimate_step(model, layout, hw).step_time_s
     best: MicrobatchTip | None = None
     for micro in range(1, per_rank + 1):
         m = per_rank // micro
-        if per_rank % micro or micro == layout.micro_batch or m < layout.pp:
+        if per_rank % micro or micro == layout.micro_batch:
             continue
-        if entry.microbatches_multiple_of_pp and m % layout.pp:
+        if microbatch_rules(layout.schedule, layout.pp, layout.virtual_stages, m):
             continue
         trial = replace(layout, micro_batch=micro, grad_accum=m)
         if not memory_per_gpu(model, trial, hw).fits:
@@ -118,20 +159,21 @@ def better_microbatches(
 
 
 def context_for_fit(
-    model: ModelShape, layout: Layout, hw: Hardware, max_cp: int = 32
+    model: ModelShape, layout: Layout, hw: Hardware, max_cp: int = 32, compile: bool = False
 ) -> tuple[Layout, MemoryBreakdown] | None:
-    """The smallest CP degree above `layout`'s (search.context_degrees: powers of two up to max_cp that the sequence's
-    rules allow) that makes it fit, and its memory; None where none does. The CP ranks come out of DP, so the job's
-    GPUs and the global batch stay (each DP rank runs cp' / cp times the micro-batches); never with expert
-    parallelism."""
-    if layout.ep > 1:
-        return None
+    """The smallest CP degree above `layout`'s (search.context_degrees: powers of two up to max_cp that the context
+    rules allow, so none for an MoE model or with expert parallelism) that makes it fit, and its memory; None where
+    none does. The CP ranks come out of DP, so the job's GPUs and the global batch stay (each DP rank runs cp' / cp
+    times the micro-batches). `compile`: the run's parallel.compile. What it returns passes the layout rules."""
+    w = workload(model, hw, compile)
     ranks = layout.dp * layout.cp
-    for cp in context_degrees(model, ranks, max_cp):
+    for cp in context_degrees(w, ranks, max_cp, layout.ep):
         dp = ranks // cp
         if cp <= layout.cp or dp % layout.dp_replicate:
             continue
         trial = replace(layout, cp=cp, dp=dp, grad_accum=layout.global_batch // (layout.micro_batch * dp))
+        if layout_rules(trial, w):
+            continue
         mem = memory_per_gpu(model, trial, hw)
         if mem.fits:
             return trial, mem

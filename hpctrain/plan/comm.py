@@ -208,7 +208,9 @@ def ep_items(model: ModelShape, layout: Layout, hw: Hardware, imbalance: float =
     ep = layout.ep
     if ep == 1 or not model.moe:
         return []
-    rows = local_seq_len(model, layout) * layout.micro_batch * model.top_k * model.d_model * layout.compute_bytes
+    rows = (
+        local_seq_len(model, layout) * layout.micro_batch * model.dims.top_k * model.dims.d_model * layout.compute_bytes
+    )
     per_layer = 4 if layout.recompute == "none" else 6
     n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(layout.tp * ep, hw)
@@ -220,7 +222,7 @@ def tp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
     t = layout.tp
     if t == 1:
         return []
-    sbh = local_seq_len(model, layout) * layout.micro_batch * model.d_model * layout.compute_bytes
+    sbh = local_seq_len(model, layout) * layout.micro_batch * model.dims.d_model * layout.compute_bytes
     per_layer = 6 if layout.recompute == "full" else 4
     n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(t, hw)
@@ -232,7 +234,7 @@ def pp_items(model: ModelShape, layout: Layout, hw: Hardware, scatter_gather: bo
     """Point-to-point activation/gradient sends of a middle pipeline stage."""
     if layout.pp == 1:
         return []
-    sbh = local_seq_len(model, layout) * layout.micro_batch * model.d_model * layout.compute_bytes
+    sbh: float = local_seq_len(model, layout) * layout.micro_batch * model.dims.d_model * layout.compute_bytes
     if scatter_gather or layout.sequence_parallel:
         sbh /= layout.tp
     volume = 2 * layout.microbatches * layout.virtual_stages * sbh
@@ -247,7 +249,7 @@ def cp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
     cp = layout.cp
     if cp == 1:
         return []
-    kv = 2 * model.seq_len * layout.micro_batch * model.kv_dim / layout.tp * layout.compute_bytes
+    kv = 2 * model.seq_len * layout.micro_batch * model.dims.kv_dim / layout.tp * layout.compute_bytes
     per_layer = 3 if layout.recompute == "full" else 2
     n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(layout.tp * cp, hw)

@@ -9,9 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.models import registry
-from hpctrain.models.family import Dims
-from hpctrain.models.params import ffn_hidden_of, kv_heads_of
 from hpctrain.plan.flops import flops_per_iteration
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu, stage_params_per_gpu
 from hpctrain.plan.offload import offload_costs
@@ -19,7 +16,7 @@ from hpctrain.plan.step_time import StepEstimate, StepRange, step_range
 from hpctrain.plan.types import Hardware, Layout, ModelShape, hardware
 
 if TYPE_CHECKING:
-    from hpctrain.config.schema import ClusterConfig, ModelConfig
+    from hpctrain.config.schema import ClusterConfig, Config
 
 
 @dataclass(frozen=True)
@@ -33,47 +30,15 @@ class Estimates:
     range: StepRange  # the step estimate as its two unsourced constants move (step_time.ASSUMED)
 
 
-def model_shape(m: ModelConfig, seq_len: int) -> ModelShape:
-    """The config's model: its family (model.arch), tokenizer vocabulary (padded per TP as hpctrain.models builds
-    it), MLP width, key/value heads (a family without grouped-query attention has as many as query heads), its
-    dropout, and a Mixture of Experts' experts (model.moe, read only for a family whose block is one)."""
-    family = registry.family_of(m)
-    d = Dims.of(m)
-    experts = (
-        {
-            "n_experts": d.n_experts,
-            "top_k": d.top_k,
-            "expert_hidden": d.expert_hidden,
-            "n_shared_experts": d.n_shared_experts,
-        }
-        if family.moe
-        else {}
-    )
-    return ModelShape(
-        n_layers=m.n_layers,
-        d_model=m.d_model,
-        n_heads=m.n_heads,
-        seq_len=seq_len,
-        vocab_size=m.vocab_size,
-        ffn_hidden=ffn_hidden_of(m),
-        vocab_pad_multiple=m.vocab_pad_multiple,
-        dropout=m.dropout,
-        arch=family.name,
-        n_kv_heads=kv_heads_of(m) if family.grouped_query else 0,
-        head_dim=m.head_dim,
-        **experts,
-    )
-
-
 def cluster_hardware(cluster: ClusterConfig) -> Hardware:
     """The GPU type's figures, with the job's GPUs per node (TP and DP links depend on it)."""
     return replace(hardware(cluster.gpu_type), gpus_per_node=cluster.gpus_per_node)
 
 
-def estimate(cfg: Any, layout: Layout) -> Estimates:
+def estimate(cfg: Config, layout: Layout) -> Estimates:
     """Memory, step time (with its range) and FLOPs of the run's layout (the run's own Layout object, as
     resolved by hpctrain.config.layout); the checks call it once per run."""
-    model, hw = model_shape(cfg.model, cfg.train.seq_len), cluster_hardware(cfg.cluster)
+    model, hw = ModelShape.of(cfg.model, cfg.train.seq_len), cluster_hardware(cfg.cluster)
     span = step_range(model, layout, hw)
     if span.point.offload is not None:  # the host figure with the checkpoint tiers' staging copies (offload.py)
         point = replace(span.point, offload=offload_costs(model, layout, hw, checkpoint=cfg.checkpoint))

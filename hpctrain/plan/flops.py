@@ -79,7 +79,7 @@ def attention_core_flops(tokens: float, seq_len: int, q_dim: int) -> float:
 def recomputed_forward_flops(model: ModelShape, tokens: float, recompute: str, tp: int = 1) -> float:
     """Matmul FLOPs one layer's selective recomputation reruns (all GPUs together): the attention's output
     projection under TP (its output is a partial sum the policy does not save), nothing else."""
-    return 2 * tokens * model.q_dim * model.d_model if recompute == "selective" and tp > 1 else 0.0
+    return 2 * tokens * model.dims.q_dim * model.dims.d_model if recompute == "selective" and tp > 1 else 0.0
 
 
 def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "full", tp: int = 1) -> float:
@@ -90,12 +90,12 @@ def flops_per_iteration(model: ModelShape, global_batch: int, recompute: str = "
     and Llama), the attention core is over the query width n_heads x head_dim.
     """
     tokens = global_batch * model.seq_len
-    core = attention_core_flops(tokens, model.seq_len, model.q_dim)
+    core = attention_core_flops(tokens, model.seq_len, model.dims.q_dim)
     # layer_forward_flops for the family's block; the modules TP leaves whole run on every TP rank
     layer_fwd = 2 * tokens * (model.block_matmul_params + (tp - 1) * model.whole_matmul_params) + core
-    logits_fwd = 2 * tokens * model.d_model * model.vocab_rows(tp)
+    logits_fwd = 2 * tokens * model.dims.d_model * model.vocab_rows(tp)
     layer_passes = forward_passes(recompute) * layer_fwd + recomputed_forward_flops(model, tokens, recompute, tp)
-    return model.n_layers * layer_passes + 3.0 * logits_fwd
+    return model.dims.n_layers * layer_passes + 3.0 * logits_fwd
 
 
 def forward_passes(recompute: str) -> float:
@@ -110,7 +110,7 @@ def expert_flops_per_iteration(model: ModelShape, global_batch: int, recompute: 
     """The experts' grouped GEMMs in `flops_per_iteration` (all GPUs together, every TP rank running them): the
     work the busiest expert-parallel rank does more of when the routing is uneven (step_time.py). 0 when dense."""
     tokens = global_batch * model.seq_len
-    return model.n_layers * forward_passes(recompute) * 2 * tokens * tp * model.expert_matmul_params
+    return model.dims.n_layers * forward_passes(recompute) * 2 * tokens * tp * model.expert_matmul_params
 
 
 def fp8_flops_per_iteration(
@@ -127,7 +127,7 @@ def fp8_flops_per_iteration(
     # the modules TP leaves whole (an MoE layer: stacked experts, not Linears; the router, in fp32) stay bf16
     linear_fwd = 2 * global_batch * model.seq_len * (model.block_matmul_params - model.whole_matmul_params)
     tokens = global_batch * model.seq_len
-    return model.n_layers * (
+    return model.dims.n_layers * (
         forward_passes(recompute) * linear_fwd + recomputed_forward_flops(model, tokens, recompute, tp)
     )
 
@@ -147,14 +147,14 @@ def compute_seconds(
 
 def narayanan_flops(batch: int, seq_len: int, n_layers: int, d_model: int, vocab_size: int) -> float:
     """Eq. (3) of Narayanan 2021 verbatim (full recomputation, f = 4h), for cross-checking."""
-    B, s, l, h, V = batch, seq_len, n_layers, d_model, vocab_size
-    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    B, s, L, h, V = batch, seq_len, n_layers, d_model, vocab_size
+    return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
 
 
 def model_flops_per_token(model: ModelShape) -> float:
     """MFU's numerator per token (hpctrain.models.params: 6 N + 12 l s h, h the query width), N the active
     parameters (ModelShape.active_params: the total for a dense model)."""
-    return params.model_flops_per_token(model.active_params, model.n_layers, model.seq_len, model.q_dim)
+    return params.model_flops_per_token(model.active_params, model.dims.n_layers, model.seq_len, model.dims.q_dim)
 
 
 def mfu(tokens_per_s: float, model: ModelShape, n_gpus: int, peak_flops: float) -> float:

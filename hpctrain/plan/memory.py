@@ -42,11 +42,11 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
+from hpctrain.config.layout import data_parallel_kind
 from hpctrain.models.family import Family
 from hpctrain.models.params import stage_holds
 from hpctrain.plan.activations import (
     EXPERT_IMBALANCE,
-    MoELayer,
     activation_bytes_per_layer,
     inflight_microbatches,
     korthikanti_bytes_per_layer,
@@ -61,7 +61,6 @@ from hpctrain.plan.states import (
     Part,
     accumulates_unsharded,
     bytes_per_param,
-    data_parallel_kind,
     hpctrain_state_parts,
     split_units,
     zero_model_states,
@@ -156,21 +155,21 @@ def layers_on_stage(model: ModelShape, layout: Layout, stage: int | None = None)
     """Layers one GPU of pipeline stage (rank) `stage` holds over its model chunks, uneven stages included; None:
     the most any pipeline rank holds (the one that sets the pipeline's pace)."""
     if stage is None:
-        return max(layout.layers_on(model.n_layers, r) for r in range(layout.pp))
-    return layout.layers_on(model.n_layers, stage)
+        return max(layout.layers_on(model.dims.n_layers, r) for r in range(layout.pp))
+    return layout.layers_on(model.dims.n_layers, stage)
 
 
 @cache
 def stage_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float:
     """Parameters one GPU of pipeline stage (rank) `stage` holds over its model chunks (its TP shard, its EP
     rank's experts), padding rows of the embedding included."""
-    split, layer = layout.layer_split(model.n_layers), layer_params_per_gpu(model, layout.tp, layout.ep)
+    split, layer = layout.layer_split(model.dims.n_layers), layer_params_per_gpu(model, layout.tp, layout.ep)
     n = 0.0
     for chunk in layout.stages_of(stage):
         held = {
             name: shape
             for name, shape in model.top_shapes(layout.tp).items()
-            if stage_holds(name.split(".")[0], chunk, split, model.arch)
+            if stage_holds(model.family, name.split(".")[0], chunk, split)
         }
         n += split[chunk] * layer + _per_rank(held, layout.tp, model.family)
     return n
@@ -201,20 +200,16 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | N
     """One layer's stored activations for one micro-batch of `layout` (activations.py), in its dtype."""
     scale = layout.compute_bytes / 2
     return scale * activation_bytes_per_layer(
+        model.family,
+        model.dims,
         local_seq_len(model, layout),
         layout.micro_batch,
-        model.d_model,
-        model.n_heads,
         layout.tp,
         layout.sequence_parallel,
         recompute or layout.recompute,
-        model.ffn,
         dropout=model.dropout > 0,
         fp32_residual=autocast_forward(layout),
-        arch=model.arch,
-        n_kv_heads=model.kv_heads,
-        head_dim=model.dims.head_dim,
-        moe=moe_layer(model, layout.ep),
+        expert_load=EXPERT_IMBALANCE if layout.ep > 1 else 1.0,  # the busiest EP rank's experts (activations.py)
         cp=layout.cp,
     )
 
@@ -222,17 +217,6 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | N
 def local_seq_len(model: ModelShape, layout: Layout) -> int:
     """Tokens of each sequence one GPU holds: s / cp under context parallelism (two chunks of s / 2cp)."""
     return model.seq_len // layout.cp
-
-
-def moe_layer(model: ModelShape, ep: int) -> MoELayer | None:
-    """The model's MoE feed-forward for the activation model (None when dense): under EP the busiest rank's
-    experts run EXPERT_IMBALANCE x the mean rows; without it every rank runs its own tokens' top_k rows."""
-    if not model.moe:
-        return None
-    d = model.dims
-    return MoELayer(
-        d.n_experts, d.top_k, d.expert_hidden, d.n_shared_experts * d.expert_hidden, EXPERT_IMBALANCE if ep > 1 else 1.0
-    )
 
 
 def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:
@@ -245,7 +229,7 @@ def recompute_transient_bytes(model: ModelShape, layout: Layout) -> float:
 def _head_bytes(model: ModelShape, layout: Layout) -> float:
     """Last stage: final norm's saved input (RMSNorm: + its fp32 copy), the head's gathered input, logits and loss
     (activations.logits_bytes)."""
-    s, b, h, c = local_seq_len(model, layout), layout.micro_batch, model.d_model, layout.compute_bytes
+    s, b, h, c = local_seq_len(model, layout), layout.micro_batch, model.dims.d_model, layout.compute_bytes
     held = logits_inflight(layout.pp, layout.microbatches, layout.schedule)
     norm_in = (4 if autocast_forward(layout) else c) + (4 if model.family.activations.norm_fp32_copy else 0)
     hidden = s * b * h * (norm_in / (layout.tp if layout.sequence_parallel else 1) + c) * held
@@ -266,7 +250,7 @@ def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> lis
             Part(
                 "activations",
                 "embedding dropout mask",
-                local_seq_len(model, layout) * layout.micro_batch * model.d_model * inflight,
+                local_seq_len(model, layout) * layout.micro_batch * model.dims.d_model * inflight,
             )
         )
     if stage == layout.pp - 1:
@@ -285,7 +269,7 @@ def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> lis
                 "first block's checkpointed input: the embedding output, whole sequence",
                 local_seq_len(model, layout)
                 * layout.micro_batch
-                * model.d_model
+                * model.dims.d_model
                 * _residual_bytes(layout)
                 * (1 - 1 / layout.tp)
                 * inflight,
@@ -312,7 +296,7 @@ def _residual_bytes(layout: Layout) -> int:
 
 
 def _embedding_elements(model: ModelShape, tp: int) -> int:
-    return model.vocab_rows(tp) * model.d_model
+    return model.vocab_rows(tp) * model.dims.d_model
 
 
 def embedding_grad_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:

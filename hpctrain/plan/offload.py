@@ -89,7 +89,6 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpctrain.models import registry
 from hpctrain.models.params import stage_holds
 from hpctrain.plan.comm import param_all_gathers
 from hpctrain.plan.memory import (
@@ -104,6 +103,7 @@ from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
 
 if TYPE_CHECKING:
     from hpctrain.config.schema import CheckpointConfig
+    from hpctrain.models.family import Family
 
 # torch's default pinned_max_round_threshold (c10/core/AllocatorConfig.h: SIZE_MAX): every pinned block is rounded.
 PINNED_ROUND_THRESHOLD = 2**64 - 1
@@ -117,14 +117,13 @@ def pinned_block(nbytes: int, threshold: int = PINNED_ROUND_THRESHOLD) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes <= threshold else nbytes
 
 
-def shard_elements(name: str, shape: tuple[int, ...], tp: int, shard: int, arch: str = "gpt", ep: int = 1) -> int:
-    """Elements of the largest FSDP2 shard (rank 0's) of parameter `name` of family `arch`: TP splits its
+def shard_elements(family: Family, name: str, shape: tuple[int, ...], tp: int, shard: int, ep: int = 1) -> int:
+    """Elements of the largest FSDP2 shard (rank 0's) of `family`'s parameter `name`: TP splits its
     `tp_dims` dim (the largest piece: ceil), expert parallelism an expert weight's expert dim (`ep_dims`) into ep,
     FSDP2 dim 0 of the local tensor into `shard` chunks (an expert weight's into shard / ep: the ranks an EP group
     leaves) of ceil(rows / chunks) rows (torch.chunk, _fsdp_param.py `_chunk_with_empty`; Shard(0) is
     fully_shard's default placement)."""
     local = list(shape)
-    family = registry.get(arch)
     expert = family.expert_dim(name)
     if expert is not None:
         local[expert] //= ep
@@ -140,13 +139,13 @@ def rank_shards(model: ModelShape, layout: Layout, stage: int) -> list[tuple[int
     are counted once and multiplied (the same layers and top-level modules as memory.stage_params_per_gpu)."""
     shard, tp, ep = layout.zero_shard, layout.tp, layout.ep
     counts: Counter[int] = Counter()
-    layers, split = layers_on_stage(model, layout, stage), layout.layer_split(model.n_layers)
+    layers, split = layers_on_stage(model, layout, stage), layout.layer_split(model.dims.n_layers)
     for name, shape in model.block_shapes().items():
-        counts[shard_elements(name, shape, tp, shard, model.arch, ep)] += layers
+        counts[shard_elements(model.family, name, shape, tp, shard, ep)] += layers
     for name, shape in model.top_shapes(tp).items():
         for chunk in layout.stages_of(stage):
-            if stage_holds(name.split(".")[0], chunk, split, model.arch):
-                counts[shard_elements(name, shape, tp, shard, model.arch, ep)] += 1
+            if stage_holds(model.family, name.split(".")[0], chunk, split):
+                counts[shard_elements(model.family, name, shape, tp, shard, ep)] += 1
     return sorted(counts.items())
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.config.layout import layer_split
+from hpctrain.config.rules import layer_split
 from hpctrain.models import registry
 from hpctrain.models.family import Dims
 from hpctrain.models.params import (

@@ -1,27 +1,29 @@
 """Enumerate the 3D layouts a job could use, keep those that fit in memory, rank them by estimated speed.
 
-Rules a candidate obeys (Megatron's, plus the global batch):
-  * the model's shape rules, from their one owner (hpctrain.config.layout.model_fit_problems, which the checks
-    report): tp divides gpus_per_node (TP stays on NVLink), n_heads, the key/value heads (each rank keeps whole
-    K/V heads of grouped-query attention: Megatron's num_query_groups % tp) and the MLP hidden size; n_layers
-    is divisible by pp * virtual_stages, or (no interleaving) splits with the first and the last stage one
+Every layout returned obeys the layout rules the checks report, by calling the same functions
+(hpctrain.config.rules; config.layout.layout_rules runs them all on each layout before its memory is estimated), so
+`parallel=auto` never picks what the checks refuse (tests/plan/test_search_obeys_checks.py). The rules also prune
+the enumeration, each where its degree is chosen:
+  * tp divides gpus_per_node (TP stays on NVLink), n_heads, the key/value heads (Megatron's num_query_groups % tp)
+    and the MLP hidden size, and with precision.fp8 leaves FP8-sized shards (rules.tensor_rules, fp8_rules);
+  * n_layers splits into pp * virtual_stages stages, or (no interleaving) with the first and the last stage one
     layer lighter than the others, which hold the embedding and the head (config.layout.lighter_ends: Llama 3
-    405B's 126 layers on 16 stages);
-  * dp = n_gpus / (tp * pp) is a whole number;
-  * global_batch = micro_batch * grad_accum * dp, and microbatches (= grad_accum) >= pp;
-  * interleaving (v > 1) needs pp >= 2 and microbatches divisible by pp;
+    405B's 126 layers on 16 stages; rules.stage_rules);
+  * dp = n_gpus / (tp * pp * cp) and global_batch = micro_batch * grad_accum * dp are whole numbers;
+  * the schedule's microbatches (= grad_accum): 1F1B at least pp, interleaving (v > 1) a multiple of pp
+    (rules.microbatch_rules); no ZeRO stage that has nothing to shard or that the schedule loses gradients of
+    (rules.zero_idle_rules, schedule_rules);
   * a Mixture of Experts tries every expert-parallel degree ep that divides both dp (the ZeRO shard group: the
-    search uses no HSDP) and n_experts, under FSDP2 (ZeRO >= 1: the experts' shards are cut over dp / ep ranks);
-    a dense model keeps ep = 1 (model_fit_problems refuses ep > 1 on it). EP trades the experts' unsharded
-    memory and DP traffic (/ ep) for all-to-alls and the wait for the busiest rank (comm.py, step_time.py), so
-    only fitting layouts are kept and the estimate ranks them.
+    search uses no HSDP) and n_experts (rules.expert_rules, which refuse ep > 1 on a dense model), under FSDP2
+    (ZeRO >= 1: the experts' shards are cut over dp / ep ranks). EP trades the experts' unsharded memory and DP
+    traffic (/ ep) for all-to-alls and the wait for the busiest rank (comm.py, step_time.py), so only fitting
+    layouts are kept and the estimate ranks them.
   * context parallelism (cp > 1: each sequence split over cp GPUs, which come out of DP) is tried for long
     sequences only, seq_len >= CP_MIN_SEQ_LEN, or where no layout without it fits: cp a power of two up to
-    `max_context_parallel` that obeys the sequence's rules (config.layout.sequence_problems: seq_len a multiple of
-    2 cp, no dropout) and leaves a whole dp; never with expert parallelism (ep = 1 when cp > 1, the layout's rule).
-    CP moves keys and values over its group every layer (comm.py) for activations / cp (memory.py): it pays
-    where the sequence's activations are what does not fit, which short sequences never are, so they keep their
-    candidates (and the search its speed).
+    `max_context_parallel` that leaves a whole dp and that rules.context_rules allow (seq_len a multiple of
+    2 cp, no dropout, a dense model, no torch.compile). CP moves keys and values over its group every layer
+    (comm.py) for activations / cp (memory.py): it pays where the sequence's activations are what does not fit,
+    which short sequences never are, so they keep their candidates (and the search its speed).
 Pruning that keeps a 4096-GPU search well under a second, and why it loses nothing:
   * sequence parallelism is always on when tp > 1: it moves the same bytes as TP alone (comm.py)
     and stores less (memory.py), so layouts without it are dominated;
@@ -39,9 +41,20 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
-from hpctrain.config.layout import lighter_ends, model_fit_problems, sequence_problems
+from hpctrain import schedules
+from hpctrain.config.layout import layout_rules, lighter_ends
+from hpctrain.config.rules import (
+    Workload,
+    context_rules,
+    expert_rules,
+    fp8_rules,
+    microbatch_rules,
+    schedule_rules,
+    stage_rules,
+    tensor_rules,
+    zero_idle_rules,
+)
 from hpctrain.plan.bubble import microbatches_for_efficiency
 from hpctrain.plan.flops import mfu
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
@@ -51,6 +64,7 @@ from hpctrain.plan.types import RECOMPUTE, GiB, Hardware, Layout, ModelShape
 # Sequences at least this long also try context parallelism (Llama 3 used it from 131,072 tokens; at 16,384 a
 # 70B-class layer's activations already take GiBs per micro-batch); shorter ones only when nothing fits without it.
 CP_MIN_SEQ_LEN = 16384
+INTERLEAVED = "interleaved_1f1b"  # the schedule of the layouts with virtual stages (1F1B without)
 
 
 @dataclass(frozen=True)
@@ -73,76 +87,29 @@ def _divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
-def shape_problems(
-    model: ModelShape,
-    tp: int,
-    pp: int,
-    virtual_stages: int,
-    gpus_per_node: int,
-    ep: int = 1,
-    first_stage_layers: int = 0,
-    last_stage_layers: int = 0,
-) -> list[str]:
-    """What the model's shape rules (their one owner: config.layout.model_fit_problems) say of these degrees."""
-    degrees = SimpleNamespace(
-        tp=tp,
-        pp=pp,
-        virtual_stages=virtual_stages,
-        gpus_per_node=gpus_per_node,
-        ep=ep,
-        first_stage_layers=first_stage_layers,
-        last_stage_layers=last_stage_layers,
-    )
-    return [
-        message
-        for _, message, _ in model_fit_problems(
-            degrees, model.n_layers, model.n_heads, model.kv_heads, model.ffn, model.n_experts
-        )
-    ]
+def workload(model: ModelShape, hw: Hardware, compile: bool = False) -> Workload:
+    """What the layout rules read of a search (config.rules.Workload): the model's Dims and family, its sequence
+    and dropout, the GPUs of a node, and whether the run compiles (the checks build the same from the config)."""
+    return Workload.of(model.dims, model.family, model.seq_len, hw.gpus_per_node, model.dropout, compile)
 
 
-def context_degrees(model: ModelShape, gpus: int, max_cp: int) -> list[int]:
-    """The cp > 1 degrees to try on `gpus` GPUs (n_gpus / tp): powers of two up to max_cp that divide them and obey
-    the sequence's rules (config.layout.sequence_problems, its one owner)."""
+def context_degrees(w: Workload, gpus: int, max_cp: int, ep: int = 1) -> list[int]:
+    """The cp > 1 degrees to try on `gpus` GPUs (n_gpus / tp): powers of two up to max_cp that divide them and
+    that the context rules allow with expert parallelism `ep` (config.rules.context_rules: none for an MoE model)."""
     out, cp = [], 2
     while cp <= max_cp and gpus % cp == 0:
-        if not sequence_problems(SimpleNamespace(cp=cp), model.seq_len, model.dropout):
+        if not context_rules(cp, ep, w):
             out.append(cp)
         cp *= 2
     return out
 
 
-def expert_degrees(model: ModelShape, dp: int, zero_stage: int, cp: int = 1) -> list[int]:
-    """The ep degrees to try: divisors of dp that divide n_experts, under FSDP2 (ZeRO >= 1); 1 for a dense model
-    and under context parallelism (the layout's rule: CP and EP do not combine)."""
-    if not model.moe or zero_stage == 0 or cp > 1:
+def expert_degrees(w: Workload, dp: int, zero_stage: int) -> list[int]:
+    """The ep degrees to try: divisors of dp that the expert rules allow (config.rules.expert_rules: divisors of
+    n_experts; 1 for a dense model), under FSDP2 (ZeRO >= 1) only."""
+    if zero_stage == 0:
         return [1]
-    return [e for e in _divisors(dp) if model.n_experts % e == 0]
-
-
-def rule_violations(model: ModelShape, layout: Layout, hw: Hardware, n_gpus: int, global_batch: int) -> list[str]:
-    """The search rules `layout` breaks (empty when it is a legal candidate)."""
-    bad = []
-    if layout.n_gpus != n_gpus:
-        bad.append(f"dp*tp*pp*cp = {layout.n_gpus} != {n_gpus} GPUs")
-    bad += [message for _, message, _ in sequence_problems(layout, model.seq_len, model.dropout)]
-    bad += shape_problems(
-        model,
-        layout.tp,
-        layout.pp,
-        layout.virtual_stages,
-        hw.gpus_per_node,
-        layout.ep,
-        layout.first_stage_layers,
-        layout.last_stage_layers,
-    )
-    if layout.global_batch != global_batch:
-        bad.append(f"micro_batch*grad_accum*dp = {layout.global_batch} != global batch {global_batch}")
-    if layout.pp > 1 and layout.microbatches < layout.pp:
-        bad.append(f"{layout.microbatches} microbatches < {layout.pp} stages")
-    if layout.virtual_stages > 1 and (layout.pp < 2 or layout.microbatches % layout.pp):
-        bad.append("interleaving needs pp >= 2 and microbatches divisible by pp")
-    return bad
+    return [e for e in _divisors(dp) if not expert_rules(e, w)]
 
 
 def _why(layout: Layout, mem: MemoryBreakdown, step: StepEstimate, recompute_needed: bool = False) -> str:
@@ -199,88 +166,131 @@ def search_layouts(
     max_virtual_stages: int = 8,
     top_k: int | None = None,
     max_context_parallel: int = 32,
+    compile: bool = False,
+    fp8: str = "none",
     **step_kwargs: float,
 ) -> list[Candidate]:
     """All legal layouts of `model` on n_gpus that fit in memory, fastest first (see module docstring); gradients
-    reduced in `reduce_dtype` (precision.reduce_dtype; None: in `dtype`), as the run will."""
+    reduced in `reduce_dtype` (precision.reduce_dtype; None: in `dtype`), the blocks' Linears in `fp8`
+    (precision.fp8), as the run will; `compile` (parallel.compile) rules out what torch.compile cannot take."""
     if seq_len is not None and seq_len != model.seq_len:
         model = replace(model, seq_len=seq_len)
-    args = (model, n_gpus, hw, global_batch, dtype, reduce_dtype, zero_stages, max_micro_batch, max_virtual_stages)
+    space = _Space(
+        model,
+        workload(model, hw, compile),
+        n_gpus,
+        hw,
+        global_batch,
+        dtype,
+        reduce_dtype,
+        fp8,
+        zero_stages,
+        max_micro_batch,
+        max_virtual_stages,
+        max_context_parallel,
+        step_kwargs,
+    )
     long = model.seq_len >= CP_MIN_SEQ_LEN
-    out = _candidates(*args, True, long, max_context_parallel, step_kwargs)
+    out = _candidates(space, True, long)
     if not out and not long:  # nothing fits: the sequence's activations may, split over a CP group
-        out = _candidates(*args, False, True, max_context_parallel, step_kwargs)
+        out = _candidates(space, False, True)
     out.sort(key=lambda c: (-c.tokens_per_s, c.memory.total))
     return out[:top_k] if top_k is not None else out
 
 
-def _candidates(
-    model: ModelShape,
-    n_gpus: int,
-    hw: Hardware,
-    global_batch: int,
-    dtype: str,
-    reduce_dtype: str | None,
-    zero_stages: tuple[int, ...],
-    max_micro_batch: int,
-    max_virtual_stages: int,
-    plain: bool,
-    split: bool,
-    max_cp: int,
-    step_kwargs: dict[str, float],
-) -> list[Candidate]:
-    """The fitting layouts (module docstring's rules): without CP where `plain`, with cp > 1 where `split`."""
+@dataclass(frozen=True)
+class _Space:
+    """What one search enumerates: the model and its workload, the job, and the bounds of the enumeration."""
+
+    model: ModelShape
+    w: Workload
+    n_gpus: int
+    hw: Hardware
+    global_batch: int
+    dtype: str
+    reduce_dtype: str | None
+    fp8: str
+    zero_stages: tuple[int, ...]
+    max_micro_batch: int
+    max_virtual_stages: int
+    max_cp: int
+    step_kwargs: dict[str, float]
+
+
+def _candidates(space: _Space, plain: bool, split: bool) -> list[Candidate]:
+    """The fitting layouts (module docstring's rules): without CP where `plain`, with cp > 1 where `split`. Each
+    degree is pruned by its rule where it is chosen; each whole layout passes them all (layout_rules) before its
+    memory is estimated."""
+    w, n_gpus = space.w, space.n_gpus
     tps = [
-        t
-        for t in _divisors(hw.gpus_per_node)
-        if n_gpus % t == 0 and not shape_problems(model, t, 1, 1, hw.gpus_per_node)
+        t for t in _divisors(w.gpus_per_node) if n_gpus % t == 0 and not tensor_rules(t, w) + fp8_rules(t, space.fp8, w)
     ]
     out: list[Candidate] = []
     for tp in tps:
-        cps = ([1] if plain else []) + (context_degrees(model, n_gpus // tp, max_cp) if split else [])
-        for cp, pp in ((cp, pp) for cp in cps for pp in _divisors(n_gpus // (tp * cp))):
+        cps = ([1] if plain else []) + (context_degrees(w, n_gpus // tp, space.max_cp) if split else [])
+        for cp, pp in ((c, p) for c in cps for p in _divisors(n_gpus // (tp * c))):
             # even stages, or the first and last one layer lighter (they hold the embedding and the head)
-            ends = lighter_ends(model.n_layers, pp)
-            if model.n_layers % pp and ends is None:
+            ends = lighter_ends(w.dims.n_layers, pp)
+            if stage_rules(pp, 1, ends or 0, ends or 0, w):
                 continue
             dp = n_gpus // (tp * pp * cp)
-            if global_batch % dp:
+            if space.global_batch % dp:
                 continue
-            per_replica = global_batch // dp
+            per_replica = space.global_batch // dp
             for micro in _divisors(per_replica):
-                if micro > max_micro_batch:
+                if micro > space.max_micro_batch:
                     break
                 m = per_replica // micro
-                if pp > 1 and m < pp:
+                if microbatch_rules("1f1b", pp, 1, m):
                     continue
-                vs = [1]
-                if pp >= 2 and m % pp == 0 and ends is None:
-                    vs += [v for v in range(2, max_virtual_stages + 1) if model.n_layers % (pp * v) == 0]
+                vs = [1] + [
+                    v
+                    for v in range(2, space.max_virtual_stages + 1)
+                    if ends is None
+                    and not schedules.get(INTERLEAVED).chunk_problem(pp, v)
+                    and not stage_rules(pp, v, 0, 0, w) + microbatch_rules(INTERLEAVED, pp, v, m)
+                ]
                 for v in vs:
-                    for z in zero_stages if dp * cp > 1 else (0,):
-                        unsharded_options = (False, True) if z >= 2 and m > 1 and pp == 1 else (False,)
-                        for ep, unsharded in itertools.product(expert_degrees(model, dp, z, cp), unsharded_options):
-                            layout = Layout(
-                                dp=dp,
-                                tp=tp,
-                                pp=pp,
-                                virtual_stages=v,
-                                zero_stage=z,
-                                micro_batch=micro,
-                                grad_accum=m,
-                                sequence_parallel=tp > 1,
-                                schedule="interleaved_1f1b" if v > 1 else "1f1b",
-                                dtype=dtype,
-                                reduce_dtype=reduce_dtype,
-                                accumulate_unsharded=unsharded,
-                                ep=ep,
-                                first_stage_layers=ends or 0,
-                                last_stage_layers=ends or 0,
-                                cp=cp,
-                            )
-                            cand = cheapest_fitting(model, layout, hw, **step_kwargs)
-                            if cand is not None:
-                                out.append(cand)
+                    out += _layouts(space, dp, tp, pp, cp, v, micro, m, ends or 0)
+    return out
+
+
+def _layouts(
+    space: _Space, dp: int, tp: int, pp: int, cp: int, v: int, micro: int, m: int, ends: int
+) -> list[Candidate]:
+    """The fitting candidates of one split of the GPUs and the batch: over ZeRO stages, ep and unsharded
+    accumulation, each with the cheapest recomputation that fits."""
+    w, schedule, out = space.w, INTERLEAVED if v > 1 else "1f1b", []
+    stages = [z for z in space.zero_stages if not zero_idle_rules(z, dp * cp, cp, False, pp, m)] or [0]
+    for z in stages:
+        if schedule_rules(schedule, pp, dp, z):
+            continue
+        unsharded_options = [u for u in (False, True) if not zero_idle_rules(z, dp * cp, cp, u, pp, m)]
+        for ep, unsharded in itertools.product(expert_degrees(w, dp, z), unsharded_options):
+            layout = Layout(
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                virtual_stages=v,
+                zero_stage=z,
+                micro_batch=micro,
+                grad_accum=m,
+                sequence_parallel=tp > 1,
+                schedule=schedule,
+                dtype=space.dtype,
+                reduce_dtype=space.reduce_dtype,
+                accumulate_unsharded=unsharded,
+                ep=ep,
+                first_stage_layers=ends,
+                last_stage_layers=ends,
+                cp=cp,
+                fp8=space.fp8,
+            )
+            if layout_rules(layout, w):  # the checks' rules, whole: what the search returns, they accept
+                continue
+            cand = cheapest_fitting(space.model, layout, space.hw, **space.step_kwargs)
+            if cand is not None:
+                out.append(cand)
     return out
 
 

@@ -74,8 +74,8 @@ freed before the last micro-batch's reduce-scatter input is made: it counts unde
 Each model-state column is its own peak over the step (what tests/parallel/test_zero_memory.py measures on gloo
 ranks): ZeRO-1 holds 2 + 4 + 12/N bytes per parameter (Megatron's distributed optimizer), ZeRO-2 2 + 16/N,
 ZeRO-3 16/N, ZeRO-2/3 plus the transients `_fsdp_parts` names; the buffers column is the collectives' staging those
-peaks held (one all-gather in forward, one reduce-scatter in backward), so that the parts add up to the total. docs/planner.md ("ZeRO's memory") has
-GPT-3 6.7B's figures.
+peaks held (one all-gather in forward, one reduce-scatter in backward), so that the parts add up to the total.
+docs/planner.md ("ZeRO's memory") has GPT-3 6.7B's figures.
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ def estimate_step(
     flops = flops_per_iteration(model, layout.global_batch, layout.recompute, layout.tp)
     fp8_flops = fp8_flops_per_iteration(model, layout.global_batch, layout.recompute, layout.fp8, layout.tp)
     # a pipeline runs at its busiest rank's pace: with uneven stages the ranks holding more layers (1 when even)
-    pace = layers_on_stage(model, layout) * layout.pp / model.n_layers
+    pace = layers_on_stage(model, layout) * layout.pp / model.dims.n_layers
     compute_s = pace * compute_seconds(
         flops, fp8_flops, n, hw.peak_flops, hw.fp8_flops, hw.efficiency
     ) + selective_rerun_seconds(model, layout, hw)

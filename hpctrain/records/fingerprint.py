@@ -1,62 +1,84 @@
 """What a checkpoint must share with the run that loads it: a named structure, saved in its manifest.
 
-The model shape must match for the weights to load at all; the batch, sequence length, seed and data must
-match for the resume to continue the same training exactly (else it is refused unless forced). The manifest
-holds `Fingerprint.to_dict()`. Manifests written before the fields had names hold the model and the data as
-positional lists; `from_dict` still reads those, and only there is a position meaningful. Manifests written
-before the model had an architecture lack `arch`, `n_kv_heads` and `ffn_hidden`: they were GPT runs, and read
-as such (multi-head attention, an MLP of ffn_mult x d_model), equal to today's fingerprint of the same run; those
-before `head_dim` had heads of d_model / n_heads.
+The model's shape must match for the weights to load at all: its family and every field of its
+`hpctrain.models.family.Dims` (the one owner of a model's shape: layers, widths, heads, vocabulary, context and the
+Mixture of Experts' experts, top_k, expert width and shared experts), so a field Dims gains is in the fingerprint
+without a line here. The batch, sequence length, seed and data must match for the resume to continue the same
+training exactly (else it is refused unless forced). The manifest holds `Fingerprint.to_dict()`: the model as
+`{"arch": ..., **Dims}`, with key/value heads, the MLP width, the head width and the expert width resolved, so the
+same weights give the same fingerprint however the config spells them.
+
+Older manifests still resume (`ModelFingerprint.from_value`, `upgrade_fingerprint`), comparing equal to today's
+fingerprint of the same run:
+- before the fields had names, the model and the data were positional lists: the model as
+  [n_layers, d_model, n_heads, vocab_size, context, ffn_mult] (`LEGACY_ORDER`);
+- named models before this one spelled key/value heads `n_kv_heads` and kept `ffn_mult` beside `ffn_hidden`;
+- those before the model had an architecture lack `arch`, `n_kv_heads` and `ffn_hidden`: they were GPT runs,
+  multi-head attention with an MLP of ffn_mult x d_model; those before `head_dim` had heads of d_model / n_heads;
+- none recorded the Mixture of Experts: a dense family's read as dense. An MoE family's cannot tell its experts,
+  so `upgrade_fingerprint` takes them from the run it is compared with; the checkpoint's tensor shapes are held
+  to the run's all the same (`CheckpointManager._check_shapes`: the experts, their width, the shared experts),
+  and only a change of top_k goes unseen for such a checkpoint.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.models import registry
+from hpctrain.models.family import Dims
+from hpctrain.models.params import built_dims
 
 if TYPE_CHECKING:
     from hpctrain.config.schema import DataConfig, ModelConfig, TrainConfig
 
+DIMS = tuple(f.name for f in fields(Dims))
+EXPERTS = ("n_experts", "top_k", "expert_hidden", "n_shared_experts")  # the Dims fields no manifest had before
+LEGACY_ORDER = ("n_layers", "d_model", "n_heads", "vocab_size", "context", "ffn_mult")  # the positional manifests
+LEGACY_NAMES = frozenset({"n_kv_heads", "ffn_mult"})  # named manifests' fields that Dims holds resolved
+# The config key that sets each fingerprint field, where it is not `model.<field>` (the checks name it in a refusal).
+CONFIG_KEYS = {"kv_heads": "model.n_kv_heads", **{name: f"model.moe.{name}" for name in EXPERTS}}
+
+
+def config_key(name: str) -> str:
+    """The `model.*` key that sets fingerprint field `name` (a Dims field, or arch)."""
+    return CONFIG_KEYS.get(name, f"model.{name}")
+
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What decides the shape of every weight (the vocabulary is the tokenizer's, before padding).
+class ModelFingerprint:
+    """What decides the shape of every weight: the model's family and its Dims (the tokenizer's vocabulary,
+    before padding)."""
 
-    n_kv_heads, ffn_hidden and head_dim are stored resolved (0 in a config means n_heads, ffn_mult x d_model,
-    d_model / n_heads), so the same weights give the same fingerprint however the config spells them, and a GPT
-    run's equals its older one's."""
+    arch: str
+    dims: Dims
 
-    n_layers: int
-    d_model: int
-    n_heads: int
-    vocab_size: int
-    context: int
-    ffn_mult: int
-    arch: str = "gpt"
-    n_kv_heads: int = 0
-    ffn_hidden: int = 0
-    head_dim: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "n_kv_heads", int(self.n_kv_heads) or self.n_heads)
-        object.__setattr__(self, "ffn_hidden", int(self.ffn_hidden) or self.ffn_mult * self.d_model)
-        object.__setattr__(self, "head_dim", int(self.head_dim) or self.d_model // self.n_heads)
+    def to_dict(self) -> dict[str, Any]:
+        return {"arch": self.arch, **asdict(self.dims)}
 
     @classmethod
-    def from_value(cls, value: dict[str, Any] | list[int]) -> ModelShape:
-        """From a manifest: named fields (those added later may be absent), or the positional list of older
-        manifests (same field order)."""
-        if isinstance(value, dict):
-            return cls(
-                **{
-                    f.name: (str if f.type == "str" else int)(value[f.name])
-                    for f in fields(cls)
-                    if f.name in value or f.default is MISSING
-                }
-            )
-        return cls(*(int(v) for v in value))
+    def from_value(cls, value: dict[str, Any] | list[int], like: ModelFingerprint | None = None) -> ModelFingerprint:
+        """From a manifest: named fields (today's, or an older manifest's: module docstring), or the positional
+        list of the oldest. `like`: the run it is compared with, whose experts stand in for those an MoE family's
+        manifest did not record (module docstring)."""
+        if not isinstance(value, dict):
+            value = dict(zip(LEGACY_ORDER, value, strict=True))
+        arch = str(value.get("arch", "gpt"))  # manifests from before the architecture was recorded: GPT runs
+        d_model, n_heads = int(value["d_model"]), int(value["n_heads"])
+        kv_heads = value.get("kv_heads", value.get("n_kv_heads"))
+        named = {name: int(value[name]) for name in DIMS if name in value}
+        dims = Dims(
+            **{
+                **dict.fromkeys(EXPERTS, 0),  # dense, unless the manifest says otherwise
+                **named,
+                "kv_heads": int(kv_heads or n_heads),
+                "ffn_hidden": int(value.get("ffn_hidden") or int(value.get("ffn_mult", 4)) * d_model),
+            }
+        )
+        if like is not None and like.arch == arch and registry.get(arch).moe and not set(EXPERTS) & set(value):
+            dims = replace(dims, **{name: getattr(like.dims, name) for name in EXPERTS})
+        return cls(arch, dims)
 
 
 @dataclass(frozen=True)
@@ -77,19 +99,19 @@ class DataSource:
 
 @dataclass(frozen=True)
 class Fingerprint:
-    model: ModelShape
+    model: ModelFingerprint
     global_batch: int
     seq_len: int
     seed: int
     data: DataSource
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "model": self.model.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Fingerprint:
         return cls(
-            ModelShape.from_value(d["model"]),
+            ModelFingerprint.from_value(d["model"]),
             int(d["global_batch"]),
             int(d["seq_len"]),
             int(d["seed"]),
@@ -98,40 +120,41 @@ class Fingerprint:
 
 
 def fingerprint_of(model: ModelConfig, train: TrainConfig, data: DataConfig) -> Fingerprint:
-    """The fingerprint of a run's config sections."""
+    """The fingerprint of a run's config sections: the model as its family builds it (`built_dims`)."""
     kind = getattr(data.kind, "value", data.kind)
-    family = registry.family_of(model)
-    kv_heads = model.n_kv_heads if family.grouped_query else 0  # no key/value groups: as many as query heads
-    shape = ModelShape(
-        model.n_layers,
-        model.d_model,
-        model.n_heads,
-        model.vocab_size,
-        model.context,
-        model.ffn_mult,
-        family.name,
-        kv_heads,
-        model.ffn_hidden,
-        model.head_dim,
-    )
+    family, dims = built_dims(model)
     source = {"text_bytes": data.max_bytes, "indexed": data.blend}.get(kind, data.path)
     if data.valid_fraction:  # the held-out part is not trained on: another split is other training data
         source = f"{source} valid_fraction={data.valid_fraction:g}"
-    return Fingerprint(shape, train.global_batch, train.seq_len, train.seed, DataSource(kind, source))
+    return Fingerprint(
+        ModelFingerprint(family.name, dims), train.global_batch, train.seq_len, train.seed, DataSource(kind, source)
+    )
 
 
-def upgrade_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's fingerprint in today's named form, field by field (old positional lists converted, named
-    models completed with the fields added since, anything else kept as it is), so that it compares equal to
-    `Fingerprint.to_dict()` of the same run."""
+def upgrade_fingerprint(saved: dict[str, Any], ours: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A manifest's fingerprint in today's named form, field by field (old positional lists converted, older named
+    models translated, anything else kept as it is: a field this code does not know makes the comparison fail), so
+    that it compares equal to `Fingerprint.to_dict()` of the same run. `ours`: the run's own (upgraded)
+    fingerprint, whose experts stand in for those an older MoE manifest did not record (module docstring)."""
     out = dict(saved)
-    for key, kind in (("model", ModelShape), ("data", DataSource)):
-        value = out.get(key)
+    like = None
+    if ours is not None and isinstance(ours.get("model"), dict):
         try:
-            if isinstance(value, (list, tuple)):
-                out[key] = asdict(kind.from_value(list(value)))
-            elif key == "model" and isinstance(value, dict):
-                out[key] = {**asdict(ModelShape.from_value(value)), **value}
-        except (KeyError, TypeError, ValueError):
-            pass  # not a fingerprint this code wrote: left for the comparison to report
+            like = ModelFingerprint.from_value(ours["model"])
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            like = None
+    model, data = out.get("model"), out.get("data")
+    try:
+        if isinstance(model, (list, tuple)):
+            out["model"] = ModelFingerprint.from_value(list(model)).to_dict()
+        elif isinstance(model, dict):
+            unknown = {k: v for k, v in model.items() if k not in {"arch", *DIMS, *LEGACY_NAMES}}
+            out["model"] = {**ModelFingerprint.from_value(model, like).to_dict(), **unknown}
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        pass  # not a fingerprint this code wrote: left for the comparison to report
+    try:
+        if isinstance(data, (list, tuple)):
+            out["data"] = asdict(DataSource.from_value(list(data)))
+    except (KeyError, TypeError, ValueError):
+        pass
     return out

@@ -1,17 +1,18 @@
-"""The batch systems hpctrain runs on, behind one interface (`base.Scheduler`), picked by `scheduler_for`."""
+"""The batch systems hpctrain runs on, behind one interface (`base.Scheduler`), picked by `scheduler_for`; what
+each can do for a run is its `capabilities` (`base.Capabilities`), which the checks and the launcher ask."""
 
 from __future__ import annotations
 
 import os
 from enum import Enum
 
-from hpctrain.scheduler.base import JobSpec, Scheduler
+from hpctrain.scheduler.base import Capabilities, JobSpec, Scheduler
 from hpctrain.scheduler.local import LocalScheduler
 from hpctrain.scheduler.slurm import SlurmScheduler
 
 BACKENDS: dict[str, type[Scheduler]] = {"slurm": SlurmScheduler, "local": LocalScheduler}
 
-__all__ = ["BACKENDS", "JobSpec", "Scheduler", "scheduler_for"]
+__all__ = ["BACKENDS", "Capabilities", "JobSpec", "Scheduler", "scheduler_for"]
 
 
 def scheduler_for(executor: str | Enum | None = None) -> Scheduler:

@@ -3,7 +3,8 @@
 Like submitit's per-backend modules (`submitit.slurm`, `submitit.local`), a backend is one module of this
 package implementing `Scheduler`. The launcher, the supervisor, and on the tasks training, health checks and
 tracking ask `hpctrain.scheduler.scheduler_for(...)`; none of them runs sbatch, scontrol or sinfo, or reads
-SLURM_* variables, itself. Supporting PBS would be one module and one entry in `scheduler_for`.
+SLURM_* variables, itself, and none branches on the executor's name: a rule that holds for some batch systems
+only asks the backend's `capabilities`. Supporting PBS would be one module and one entry in `BACKENDS`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,39 @@ class JobSpec:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a batch system does for a run, as the checks, the launcher and the tasks ask it: each rule that holds
+    for some batch systems only asks its question here, never the executor's name, so a new backend answers
+    these and gets the rules that fit it."""
+
+    # The job can span several nodes: cluster.nodes > 1 and hot spares (cluster.spare_nodes) mean something.
+    multi_node: bool
+    # The tasks are processes of the machine that submits them: its GPUs are theirs (checked against
+    # cluster.gpus_per_node), a node-local path (zero.nvme_path) is checked as they will see it, and the
+    # launcher follows the job to its end (the user waits at the console).
+    runs_here: bool
+    # The batch system sends a warning signal cluster.signal_delay_s before the time limit, and a long run stops
+    # there with a checkpoint to go on in its next allocation: the delay must hold a step and a save (checked on
+    # the login node, measured by the run). A time limit that only ends a run the user watches does not count.
+    warning_signal: bool
+    # The batch system puts a preempted job back in the queue (cluster.requeue) and a task can requeue its own
+    # job (`requeue_self`); submitit tells a preemption from a timeout by how long the job ran, and counts every
+    # signal to a job of <= 10 minutes as a timeout.
+    requeue: bool
+    # Each task runs on its cluster.cpus_per_task CPUs and no others (Slurm binds it to them): more threads per
+    # rank than that only share them.
+    confines_cpus: bool
+    # The tasks can run inside cluster.container: the batch script starts them through srun, which pyxis plugs
+    # into and which runs apptainer's command.
+    containers: bool
+    # cluster.srun_args reach the srun that starts the tasks (so they are checked as srun parses them).
+    srun_args: bool
+    # The tasks' log paths, inside the run directory, are filename patterns the batch system expands (Slurm's
+    # %j, %t; a backslash turns them off): the run directory may hold neither '%' nor a backslash.
+    log_path_patterns: bool
+
+
+@dataclass(frozen=True)
 class Allocation:
     """One run of a job on its nodes, as the batch system accounted it: a requeued job has one per run, the
     same id each time. Times are seconds since the epoch (whole seconds under Slurm); None where the batch
@@ -57,9 +91,11 @@ class Allocation:
 
 
 class Scheduler(ABC):
-    """One batch system: submission on the login node, the supervisor's queries, the tasks' requests."""
+    """One batch system: what it can do (`capabilities`), submission on the login node, the supervisor's
+    queries, the tasks' requests."""
 
     name: str
+    capabilities: Capabilities
 
     # The login node.
     @abstractmethod
@@ -68,7 +104,8 @@ class Scheduler(ABC):
 
     @abstractmethod
     def script(self, cluster: ClusterConfig, job: JobSpec) -> str | None:
-        """The batch script the executor would submit (for the dry-run plan); None without one."""
+        """The batch script the executor submits, rendered from the same parameters (the dry-run plan shows
+        it); None for a backend that submits none."""
 
     # The supervisor, in the batch script after the tasks.
     @abstractmethod

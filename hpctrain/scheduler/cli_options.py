@@ -1,6 +1,6 @@
 """Runtime options read the way the runtime reads them: `apptainer exec`'s, and srun's (with pyxis' `--container-*`).
 
-The checks (hpctrain/config/container_checks.py) judge what an option means, not how it is spelled: `-e`,
+The checks (hpctrain/checks/container.py) judge what an option means, not how it is spelled: `-e`,
 `--cleanenv`, `--cleanenv=true`, `-e=1` and the `e` of `-ceC` are one option to Apptainer, and `--cleanenv=false`
 turns it off again. So the words of `cluster.container.args` and `cluster.srun_args` are parsed here with each
 program's own rules:

@@ -1,7 +1,7 @@
 """The local executor: the job's tasks are processes on this machine, with no queue and no nodes to manage.
 
 So there is nothing to requeue, resubmit or drain: those answer False (or refuse) and training stops or
-fails as it would without a scheduler.
+fails as it would without a scheduler; and its capabilities are those of one machine the user watches.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpctrain.scheduler.base import Allocation, JobSpec, Scheduler
+from hpctrain.scheduler.base import Allocation, Capabilities, JobSpec, Scheduler
 
 if TYPE_CHECKING:
     import submitit
@@ -39,6 +39,16 @@ def local_parameters(cluster: ClusterConfig, job: JobSpec) -> dict[str, Any]:
 
 class LocalScheduler(Scheduler):
     name = "local"
+    capabilities = Capabilities(
+        multi_node=False,
+        runs_here=True,
+        warning_signal=False,
+        requeue=False,
+        confines_cpus=False,
+        containers=False,
+        srun_args=False,
+        log_path_patterns=False,
+    )
 
     def executor(self, cluster: ClusterConfig, job: JobSpec) -> submitit.Executor:
         import submitit

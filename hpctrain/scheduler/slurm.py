@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpctrain.scheduler import container as containers
-from hpctrain.scheduler.base import Allocation, JobSpec, Scheduler
+from hpctrain.scheduler.base import Allocation, Capabilities, JobSpec, Scheduler
 
 if TYPE_CHECKING:
     import submitit
@@ -105,6 +105,16 @@ def _run(args: list[str], check: bool = False) -> subprocess.CompletedProcess:
 
 class SlurmScheduler(Scheduler):
     name = "slurm"
+    capabilities = Capabilities(
+        multi_node=True,
+        runs_here=False,
+        warning_signal=True,  # --signal=USR2@<cluster.signal_delay_s>
+        requeue=True,  # --requeue, scontrol requeue
+        confines_cpus=True,  # --cpus-per-task
+        containers=True,  # srun --container-image (pyxis), or srun apptainer exec
+        srun_args=True,
+        log_path_patterns=True,  # --output=<folder>/%j_%t_log.out
+    )
 
     def executor(self, cluster: ClusterConfig, job: JobSpec) -> submitit.Executor:
         import submitit

@@ -46,7 +46,7 @@ def _group_size(args: tuple) -> int:
             return arg.size()
         if isinstance(arg, str):
             try:
-                return dist.distributed_c10d._resolve_process_group(arg).size()
+                return dist.distributed_c10d._resolve_process_group(dist.distributed_c10d.GroupName(arg)).size()
             except (KeyError, RuntimeError, ValueError):
                 continue
         if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in arg._type().qualified_name():

@@ -78,7 +78,7 @@ class _FSDPStepTracker(_ColumnPeaks, fsdp_tools.FSDPMemTracker):
 
     def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
         MemTracker.__init__(self)  # FSDPMemTracker's own __init__ takes one FSDP root
-        self._root_mod = nn.ModuleList(parts)
+        self._root_mod = nn.ModuleList(parts)  # type: ignore[assignment]  # several roots where torch has one
         self._roots = {id(p) for p in parts}
         self._optm = None
         self._optimizers = optimizers
@@ -116,6 +116,7 @@ class _FSDPStepTracker(_ColumnPeaks, fsdp_tools.FSDPMemTracker):
         for optimizer in self._optimizers:
             self._optm = optimizer
             super()._instrument_optimizer()
+            assert self._optimizer_hook_handles is not None  # set by the call above
             handles += self._optimizer_hook_handles
         self._optimizer_hook_handles = tuple(handles)
 

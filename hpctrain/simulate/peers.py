@@ -64,14 +64,15 @@ def pipeline_peers(boundary: tuple[Any, ...] | None) -> Iterator[list[tuple[Any,
             return torch_stage._StageForwardMeta(forward_metas=known[0])
         return torch_stage._StageBackwardMeta(backward_metas=tuple(torch_stage._derive_grad_metas(known[0])))
 
-    torch_schedules._PipelineSchedule._warmup_p2p = vote
-    torch_stage.PipelineStage._recv_meta = recv_meta
-    torch_stage.PipelineStage._send_meta = send_meta
+    # torch's own methods, replaced for the simulation and put back after it
+    torch_schedules._PipelineSchedule._warmup_p2p = vote  # type: ignore[method-assign, assignment]
+    torch_stage.PipelineStage._recv_meta = recv_meta  # type: ignore[method-assign, assignment]
+    torch_stage.PipelineStage._send_meta = send_meta  # type: ignore[method-assign, assignment]
     try:
         yield sent
     finally:
         (
-            torch_schedules._PipelineSchedule._warmup_p2p,
-            torch_stage.PipelineStage._recv_meta,
-            torch_stage.PipelineStage._send_meta,
+            torch_schedules._PipelineSchedule._warmup_p2p,  # type: ignore[method-assign]
+            torch_stage.PipelineStage._recv_meta,  # type: ignore[method-assign]
+            torch_stage.PipelineStage._send_meta,  # type: ignore[method-assign]
         ) = saved

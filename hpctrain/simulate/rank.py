@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining.stage import extract_tensor_meta
 
 from hpctrain.config.layout import Layout
+from hpctrain.config.schema import Config, to_plain
 from hpctrain.models import create_model
 from hpctrain.parallel.engine import Engine
 from hpctrain.parallel.pipeline import stage_model
@@ -103,7 +103,9 @@ class SimulatedEngine(Engine):
         return metas
 
 
-def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = None, device: str = "cpu") -> Simulation:
+def simulate(
+    cfg: Config | dict[str, Any], layout: Layout, rank: int, microbatches: int | None = None, device: str = "cpu"
+) -> Simulation:
     """Rank `rank` of `layout`'s job (cfg: the run's config), built and stepped once on fake tensors, in a process
     of its own: a fake world leaves state in torch that the caller must not inherit (DTensor's sharding cache keeps
     the fake world's meshes, whose groups are gone with it). The child rebuilds the config from a plain dict, as a
@@ -113,7 +115,7 @@ def simulate(cfg: Any, layout: Layout, rank: int, microbatches: int | None = Non
     on fake CUDA where it can be built here (g++), else on the CPU, saying why."""
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} is not a rank of a {layout.world_size}-rank job")
-    config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    config = cfg if isinstance(cfg, dict) else to_plain(cfg)
     why_cpu = ""
     if device != "cpu":
         from hpctrain.simulate import fake_cuda
@@ -185,7 +187,7 @@ class SimulationError(RuntimeError):
 
 
 def simulate_here(
-    cfg: Any,
+    cfg: Config,
     layout: Layout,
     rank: int,
     microbatches: int | None = None,

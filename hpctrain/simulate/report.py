@@ -16,9 +16,10 @@ from dataclasses import asdict
 from typing import Any
 
 from hpctrain.config.layout import Layout
+from hpctrain.config.schema import Config
+from hpctrain.hardware import GiB
 from hpctrain.plan.estimate import Estimates
 from hpctrain.plan.memory import stage_parts
-from hpctrain.plan.types import GiB
 from hpctrain.simulate.rank import Simulation, most_loaded_rank, simulate
 
 STATES_TOLERANCE = 0.10  # |planner - torch| / torch on parameters + gradients + optimizer state
@@ -128,7 +129,7 @@ def _relative(torch_bytes: float, planner_bytes: float) -> str:
     return f"{(torch_bytes - planner_bytes) / planner_bytes:+.0%}"
 
 
-def add_simulation(plan: dict[str, Any], cfg: Any, layout: Layout, est: Estimates) -> None:
+def add_simulation(plan: dict[str, Any], cfg: Config, layout: Layout, est: Estimates) -> None:
     """Simulate the rank plan.simulate_rank names (default: the first rank of the planner's most loaded pipeline
     stage) and add it to the plan: plan["simulation"] and a text section. On fake CUDA where it can run here (a
     GPU's attention kernels, so a GPU's activations), else on the CPU, saying why."""

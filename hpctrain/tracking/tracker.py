@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from hpctrain.config.schema import TrackingMode
+from hpctrain.config.schema import Config, TrackingMode
 from hpctrain.goodput.measure import RowCache, measure
 from hpctrain.records.paths import RunPaths
 from hpctrain.scheduler import scheduler_for
@@ -27,7 +27,7 @@ ACCOUNTING_TIMEOUT_S = 5  # the ledger at a stop must not eat the time left befo
 
 
 class Tracker:
-    def __init__(self, cfg: Any, run_dir: Path, run_id: str, config: dict[str, Any]) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, run_id: str, config: dict[str, Any]) -> None:
         self._file = open(RunPaths(run_dir).metrics, "a", buffering=1)
         self._events = open(RunPaths(run_dir).events, "a", buffering=1)
         self._wandb = None

@@ -42,7 +42,7 @@ def records(path: Path) -> Iterator[Any]:
         else:
             pending += chunk
         if kind in (FULL, LAST):
-            record = pb.Record()
+            record = pb.Record()  # type: ignore[attr-defined]  # the module star-imports its protobuf's version
             record.ParseFromString(pending)
             yield record
 

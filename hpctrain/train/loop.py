@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from hpctrain.checkpoint.hf import load_hf
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config.layout import Layout, layout_on_nodes, resolve_layout
-from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config
+from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, as_config, to_plain
 from hpctrain.data.loader import BatchReader, open_datasets, validation_batches
 from hpctrain.distributed.environment import (
     DistEnv,
@@ -70,9 +70,9 @@ from hpctrain.train.progress import StepReporter
 log = logging.getLogger("hpctrain")
 
 
-def load_config(config: dict[str, Any]) -> Any:
+def load_config(config: dict[str, Any]) -> Config:
     """Rebuild the typed config on the task from the plain dict the launcher pickled."""
-    return OmegaConf.merge(OmegaConf.structured(Config), config)
+    return as_config(OmegaConf.merge(OmegaConf.structured(Config), config))
 
 
 def train(
@@ -190,9 +190,9 @@ def repeated_failure(run_dir: Path, env: Any) -> dict[str, Any] | None:
             attempt_key(env.job_id, env.restart - 1, env.requeue),
         )
     ]
-    if not same_failure(*sigs):
-        return None
     sig = sigs[1]
+    if sig is None or not same_failure(*sigs):
+        return None
     return {
         "job_id": env.job_id,
         "action": "stop",
@@ -259,8 +259,9 @@ def _train(
         )
         validation = Validation(cfg, layout, engine, data.valid) if t.eval_every else None
         if env.is_main:
+            assert taken is not None  # rank 0 took the lease
             time.sleep(max(0.0, settle_time(taken, timeline["leased"], cfg.run.lease_check_s) - time.time()))
-            tracker = Tracker(cfg, run_dir, str(cfg.run.id), OmegaConf.to_container(cfg, resolve=True))
+            tracker = Tracker(cfg, run_dir, str(cfg.run.id), to_plain(cfg))
             for e in ckpt.events:  # what the resume did: the tier used and the ones skipped, and why
                 tracker.event(e.pop("event"), **e)
             ckpt.events.clear()
@@ -269,7 +270,7 @@ def _train(
         )
         fault = Fault.from_env()
         compiling = CompileClock()  # torch.compile's share of each step (parallel.compile), for the ledger
-        watch = LeaseWatch(run_dir, lease, cfg.run.lease_check_s).start() if env.is_main else None
+        watch = LeaseWatch(run_dir, taken, cfg.run.lease_check_s).start() if taken is not None else None  # rank 0
         control = StepControl(stop, ckpt, monitor, watch)
         stop.install()
         timeline["ready"] = time.time()  # data, tracker, reporter
@@ -296,7 +297,8 @@ def _train(
             evaluated = validation.after_step(done) if validation is not None else {}
             if evaluated:
                 watchdog.touch()  # the next step's hang limit starts after the evaluation
-            if tracker is not None and not watch.lost():  # lost during this step: stop at the next, writing nothing
+            # rank 0's; lost during this step: stop at the next, writing nothing
+            if tracker is not None and watch is not None and not watch.lost():
                 reporter.step(
                     tracker,
                     done,
@@ -471,7 +473,7 @@ def _stop_for_signal(
     raise Preempted(f"stopped at step {done} on {REASONS[signum]}; checkpoint committed")
 
 
-def node_nccl_environment(cfg: Any, local_rank: int) -> dict[str, str]:
+def node_nccl_environment(cfg: Config, local_rank: int) -> dict[str, str]:
     """NCCL variables from this node's topology and InfiniBand ports, for what the config left unset."""
     from hpctrain.distributed.nccl_env import apply, nccl_environment
     from hpctrain.health.node import ib_report, topology_report

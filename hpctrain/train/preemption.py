@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hpctrain.scheduler import scheduler_for
 
-REASONS = {signal.SIGUSR2: "time limit or preemption (SIGUSR2)", signal.SIGTERM: "terminated (SIGTERM)"}
+REASONS: dict[int, str] = {signal.SIGUSR2: "time limit or preemption (SIGUSR2)", signal.SIGTERM: "terminated (SIGTERM)"}
 
 
 class StopFlag:

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from hpctrain.config.schema import Config, Executor
+from hpctrain.config.schema import Config
 from hpctrain.parallel.metrics import memory_metrics, mfu
 from hpctrain.parallel.moe_stats import IdleExperts, MoEStepStats
+from hpctrain.scheduler import scheduler_for
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ class StepReporter:
         self.start_step = start_step
         self.progress = Progress(total_steps=cfg.train.max_steps, start_step=start_step)
         self.stop_tier = stop_tier  # where a stop for a signal saves (CheckpointManager.stop_tier)
-        self._lead_checked = cfg.cluster.executor != Executor.slurm  # only Slurm sends a warning signal
+        # Checked only where a long run stops at the warning signal to go on in its next allocation
+        self._lead_checked = not scheduler_for(cfg.cluster.executor).capabilities.warning_signal
         self.idle_experts = IdleExperts()
 
     def step(

@@ -29,6 +29,7 @@ class TrainTask:
         from hpctrain.distributed.elastic import agent_from_submitit, run_agent
         from hpctrain.records.jobs import read_report
         from hpctrain.records.paths import RunPaths
+        from hpctrain.train.worker import run_worker  # torch and the training stack, imported once, before forking
 
         agent = agent_from_submitit(
             self.layout.nodes,
@@ -37,7 +38,7 @@ class TrainTask:
             int(launcher["rendezvous_timeout_s"]),
             int(self.config["elastic"]["min_nodes"]),
         )
-        results = run_agent(agent, self)
+        results = run_agent(agent, self, run_worker)
         report = read_report(Path(self.run_dir))
         if report and report.get("job_id") == agent.job_id:  # the workers stopped a restart loop
             raise RunStopped(f"run stopped: {report['why']} (report: {RunPaths(Path(self.run_dir)).failed})")

@@ -389,14 +389,15 @@ def test_the_optimizer_step_waits_for_a_saves_copy_of_the_state(
 
 def test_a_checkpoint_never_loads_into_other_shapes_even_when_forced(compose_cfg, tmp_path: Path) -> None:
     """Issue 46: model.moe.n_experts 8 -> 4 with checkpoint.force_resume=true kept the first 4 experts (the load
-    took any first-dimension change for the vocabulary's padding and copied the leading rows). The manager now
-    compares every tensor's saved shape with the model's before reading a byte: another expert count is refused,
-    naming the weight and both shapes, and the model is left as it was; another vocabulary padding (the one
-    first-dimension change a load may make) still loads."""
+    took any first-dimension change for the vocabulary's padding and copied the leading rows). The fingerprint
+    now holds the experts (issue 47), so the manager refuses another count before anything else; and for a
+    manifest of an hpctrain that did not record them, it compares every tensor's saved shape with the model's
+    before reading a byte: another expert count is refused, naming the weight and both shapes, and the model is
+    left as it was. Another vocabulary padding (the one first-dimension change a load may make) still loads."""
     from hpctrain.checkpoint.manager import CheckpointError, CheckpointManager
     from hpctrain.config.layout import resolve_layout
     from hpctrain.parallel.engine import build_engine
-    from hpctrain.records.fingerprint import fingerprint_of
+    from hpctrain.records.fingerprint import EXPERTS, fingerprint_of
 
     moe = [
         "model.arch=qwen3_moe",
@@ -430,6 +431,16 @@ def test_a_checkpoint_never_loads_into_other_shapes_even_when_forced(compose_cfg
     save(*start("moe", *moe, "model.moe.n_experts=4"))
     engine, manager = start("moe", *moe, "model.moe.n_experts=2", "checkpoint.force_resume=true")
     before = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="cannot be loaded"):  # the fingerprint's n_experts: 4 there, 2 here
+        manager.resume(engine)
+    for path in (tmp_path / "moe").rglob("manifest.json"):  # as written before the experts were recorded
+        manifest = json.loads(path.read_text())
+        manifest["fingerprint"]["model"] = {
+            k: v for k, v in manifest["fingerprint"]["model"].items() if k not in EXPERTS
+        }
+        for key in ("crc32c", "manifest_crc32c"):
+            manifest.pop(key, None)
+        path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError) as refused:
         manager.resume(engine)
     said = str(refused.value)

@@ -276,10 +276,10 @@ def test_a_missing_expert_is_named(tiny: dict[str, Any], tmp_path: Path) -> None
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_the_login_node_checks_a_directory_save_pretrained_wrote(compose_cfg, tmp_path: Path, arch: str) -> None:
-    """Without torch's model (hpctrain.config.file_checks: config.json and the safetensors headers): transformers'
+    """Without torch's model (hpctrain.checks.files: config.json and the safetensors headers): transformers'
     own directory passes, and a run with other experts is refused naming the keys."""
+    from hpctrain.checks.runner import check_config
     from hpctrain.config.problems import ConfigError
-    from hpctrain.plan.checks import check_config
 
     overrides = [*VOCAB, *FAMILIES[arch], f"run.root={tmp_path / 'runs'}"]
     m = compose_cfg(*overrides).model

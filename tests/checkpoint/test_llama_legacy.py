@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from hpctrain.checkpoint.reshard import load_state
 from hpctrain.config.layout import resolve_layout
-from hpctrain.models.llama import legacy_source
+from hpctrain.models.llama.model import legacy_source
 from tests.distributed_harness import run_distributed
 from tests.parallel.layouts import LLAMA, make_cfg, rank_batches
 

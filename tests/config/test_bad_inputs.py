@@ -452,7 +452,7 @@ BAD = [
     ("cp-compile", ["parallel.cp=2", "parallel.compile=true"], "parallel.compile", "with cp=2"),
 ]
 
-# cluster.container (hpctrain/config/container_checks.py): on Slurm, with an image that works unless a case breaks it
+# cluster.container (hpctrain/checks/container.py): on Slurm, with an image that works unless a case breaks it
 PYXIS = ["cluster=dev", "cluster.container.runtime=pyxis", "cluster.container.image='nvcr.io#nvidia/pytorch:24.05-py3'"]
 APPTAINER = ["cluster=dev", "cluster.container.runtime=apptainer", "cluster.container.image=/shared/pytorch.sif"]
 BAD += [
@@ -595,7 +595,7 @@ def test_config_error_exit_code_on_the_command_line(tmp_path: Path) -> None:
 
 def test_llama_tiny_passes_the_checks(compose_cfg) -> None:
     """The model checks accept the Llama they were written for; a missing init_from only warns on a dry run."""
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
 
     check_config(compose_cfg("model=llama_tiny", "parallel.tp=2"))
     report = check_config(compose_cfg("model=llama_tiny", "model.init_from=/nonexistent/x", "dry_run=true"))
@@ -604,8 +604,8 @@ def test_llama_tiny_passes_the_checks(compose_cfg) -> None:
 
 def test_sequence_parallel_without_tp_is_off_with_a_warning(compose_cfg) -> None:
     """Megatron's rule: an experiment with SP on, overridden to tp=1, runs without SP (there is no TP group)."""
+    from hpctrain.checks.runner import check_config
     from hpctrain.config.layout import resolve_layout
-    from hpctrain.plan.checks import check_config
 
     cfg = compose_cfg("parallel.sequence_parallel=true")
     report = check_config(cfg)
@@ -617,7 +617,7 @@ def test_sequence_parallel_without_tp_is_off_with_a_warning(compose_cfg) -> None
 
 
 def test_warnings_carry_the_computed_bubble(compose_cfg) -> None:
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
 
     report = check_config(compose_cfg("+experiment=175b", "dry_run=true"))
     bubble = [w for w in report.warnings if w.key == "train.grad_accum"]
@@ -637,14 +637,14 @@ def test_a_newline_never_reaches_the_sbatch_script(compose_cfg, capsys, tmp_path
 
 
 def test_setup_lines_may_hold_what_a_shell_line_holds(compose_cfg) -> None:
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
 
     check_config(compose_cfg("cluster.partition=gpu", "cluster.setup=['module load cuda\tnccl']"))
 
 
 def test_warmup_longer_than_the_run_is_a_warning_and_the_run_trains(compose_cfg, tmp_path: Path) -> None:
     """`python -m hpctrain train.max_steps=10` with the default 30 warmup steps: a trial run, not an error."""
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
     from hpctrain.train.lr_schedule import lr_at
 
     report = check_config(compose_cfg("train.max_steps=10"))
@@ -673,7 +673,7 @@ def test_a_run_name_that_leaves_run_root_creates_nothing_anywhere(tmp_path: Path
 
 
 def test_a_symbolic_link_out_of_run_root_is_refused(compose_cfg, tmp_path: Path) -> None:
-    from hpctrain.plan.checks import run_checks
+    from hpctrain.checks.runner import run_checks
 
     root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
     root.mkdir()
@@ -685,7 +685,7 @@ def test_a_symbolic_link_out_of_run_root_is_refused(compose_cfg, tmp_path: Path)
 
 def test_a_resume_by_path_may_name_a_run_outside_run_root(compose_cfg, tmp_path: Path) -> None:
     """run.resume=PATH names an existing run wherever it is: no run.name/run.id rule applies to it."""
-    from hpctrain.plan.checks import run_checks
+    from hpctrain.checks.runner import run_checks
 
     report = run_checks(compose_cfg(f"run.root={tmp_path / 'root'}", f"run.resume={tmp_path / 'other' / 'run'}"))
     assert not [p for p in report.errors if p.key.startswith("run.")]
@@ -700,7 +700,7 @@ def test_a_nan_reports_once_per_key_and_with_the_rest(compose_cfg, capsys, tmp_p
 
 def test_fp8_on_a_gpu_without_compile_warns_that_it_is_slower_than_bf16(compose_cfg) -> None:
     """torchao's FP8 eager runs its casts and scales as kernels of their own: slower than bf16 (issue 45, S3)."""
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
 
     fp8 = ("+experiment=llama3_8b_4node", "data=synthetic", "precision.fp8=tensorwise")
     eager = check_config(compose_cfg(*fp8, "parallel.compile=false"))

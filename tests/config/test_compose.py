@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.models.params import param_count
-from hpctrain.plan.checks import check_config
+from hpctrain.checks.runner import check_config
+from hpctrain.models.params import built_dims, param_count
 from tests.conftest import CONF_DIR, REPO, run_hpctrain
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
@@ -68,7 +68,7 @@ GPT3_PARAMS = {
 @pytest.mark.parametrize("model", sorted(GPT3_PARAMS))
 def test_gpt3_parameter_counts_match_the_paper(compose_cfg, model: str) -> None:
     m = compose_cfg(f"model={model}").model
-    n = param_count(m.n_layers, m.d_model, m.vocab_size, m.context, m.ffn_mult * m.d_model)
+    n = param_count(*built_dims(m))
     # The paper rounds to its headline sizes; the formula lands within 8% of each (125M is 125.2M...).
     assert abs(n - GPT3_PARAMS[model]) / GPT3_PARAMS[model] < 0.08
 

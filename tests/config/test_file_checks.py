@@ -1,4 +1,4 @@
-"""The files a run will read, checked on the login node (hpctrain/config/file_checks.py): each bad file is refused
+"""The files a run will read, checked on the login node (hpctrain/checks/files.py): each bad file is refused
 before anything is created, naming the key, the file and the fix, where the job used to find it after a queue wait.
 
 Every file here is real: datasets written by hpctrain's own writer (and hpctrain.data.prepare), Hugging Face
@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from hpctrain.config.file_checks import (
+from hpctrain.checks.files import (
     FileProblem,
-    format_bytes,
     hf_mismatches,
     hf_weight_shapes,
     min_documents,
@@ -32,9 +31,10 @@ from hpctrain.config.file_checks import (
     safetensors_header,
     tokenizer_vocab_size,
 )
+from hpctrain.checks.runner import check_config, run_checks
 from hpctrain.data.indexed import IndexedDatasetWriter
+from hpctrain.hardware import format_bytes
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
-from hpctrain.plan.checks import check_config, run_checks
 from tests.conftest import REPO, run_hpctrain
 from tests.gpu_rules import environment as rules_environment
 
@@ -236,7 +236,7 @@ def test_sound_datasets_pass(compose_cfg, tmp_path: Path) -> None:
 
 
 def test_the_header_reader_agrees_with_the_job_reader(tmp_path: Path) -> None:
-    from hpctrain.config import file_checks
+    from hpctrain.checks import files as file_checks
     from hpctrain.data import indexed
 
     assert file_checks.INDEX_MAGIC == indexed.MAGIC and file_checks.INDEX_HEADER.format == indexed.HEADER.format
@@ -677,7 +677,7 @@ def test_a_real_checkpoint_is_compared_on_the_login_node(tmp_path: Path) -> None
 
 def test_the_manifest_seal_agrees_with_the_job(tmp_path: Path) -> None:
     from hpctrain.checkpoint.integrity import seal, seal_problem
-    from hpctrain.config.file_checks import _manifest_sealed
+    from hpctrain.checks.files import _manifest_sealed
 
     manifest = seal({"step": 3, "files": {"a": 1}, "fingerprint": {"seed": 1}})
     assert _manifest_sealed(manifest) and seal_problem(manifest) is None
@@ -718,7 +718,7 @@ def test_the_login_node_reads_headers_not_data_and_imports_no_torch(tmp_path: Pa
         "import json, sys\n"
         "from hydra import compose, initialize_config_dir\n"
         "from hpctrain.config.schema import register\n"
-        "from hpctrain.plan.checks import run_checks\n"
+        "from hpctrain.checks.runner import run_checks\n"
         "register()\n"
         "def rchar():\n"
         "    return int(next(l for l in open('/proc/self/io') if l.startswith('rchar')).split()[1])\n"

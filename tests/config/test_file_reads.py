@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
-from hpctrain.models.llama_spec import hf_config
+from hpctrain.models.llama.entry import hf_config
 
 # What a bad file is, and the words the message has for it
 KINDS = {
@@ -198,7 +198,7 @@ def test_a_prepare_input_that_would_be_read_without_end(
 
 def test_a_dataset_tokenizer_that_is_a_fifo_is_left_alone(compose_cfg, tmp_path: Path) -> None:
     """PREFIX.tokenizer.json is only compared with data.vocab_size when it is a file; a FIFO there is not opened."""
-    from hpctrain.plan.checks import run_checks
+    from hpctrain.checks.runner import run_checks
     from tests.config.test_file_checks import dataset
 
     prefix = dataset(tmp_path / "data" / "d", [300] * 20)
@@ -212,7 +212,7 @@ def test_a_dataset_tokenizer_that_is_a_fifo_is_left_alone(compose_cfg, tmp_path:
 
 def test_a_manifest_that_is_a_fifo_is_not_a_checkpoint(compose_cfg, tmp_path: Path) -> None:
     """A resume's check reads the newest step's manifest.json: a FIFO there is skipped, as a damaged one is."""
-    from hpctrain.config.file_checks import newest_checkpoint
+    from hpctrain.checks.files import newest_checkpoint
 
     run_dir = tmp_path / "run"
     step = run_dir / "checkpoints" / "step_00000010"

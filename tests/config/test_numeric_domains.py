@@ -1,4 +1,4 @@
-"""Every number of the config has a domain (issue 46, "Accepted nonsense"; hpctrain.config.checks.DOMAINS), and
+"""Every number of the config has a domain (issue 46, "Accepted nonsense"; hpctrain.checks.config.DOMAINS), and
 sizes no device can hold are refused, not warned about ("Sizes a CPU or GPU cannot hold").
 
 The keys are found in the schema itself (hpctrain/config/schema.py), so a number added there without a domain
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,8 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from hpctrain.config.checks import DOMAINS, domain_checks
-from hpctrain.config.problems import CheckReport
+from hpctrain.checks.config import DOMAINS, domain_checks
+from hpctrain.checks.report import CheckReport
 from hpctrain.config.schema import Config
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
 
@@ -33,7 +34,7 @@ def numeric_leaves(cls: type = Config, prefix: str = "") -> dict[str, type]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
-        if typing.get_origin(kind) is typing.Union:  # Optional[X]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # Optional[X], X | None
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
         if dataclasses.is_dataclass(kind):
@@ -158,7 +159,7 @@ def test_a_number_outside_its_domain_is_refused(compose_cfg, capsys, tmp_path: P
 
 
 def test_the_negative_values_that_mean_something_are_accepted(compose_cfg) -> None:
-    from hpctrain.plan.checks import run_checks
+    from hpctrain.checks.runner import run_checks
 
     report = run_checks(
         compose_cfg(
@@ -278,7 +279,7 @@ def test_a_dry_run_of_what_cannot_be_allocated_plans_fast_and_exits_2(compose_cf
 )
 def test_what_a_large_cpu_host_might_hold_stays_a_warning(compose_cfg, overrides: list[str]) -> None:
     """gpu_type=cpu's memory is a placeholder: a model up to CPU_BEYOND times over it only warns."""
-    from hpctrain.plan.checks import run_checks
+    from hpctrain.checks.runner import run_checks
 
     report = run_checks(compose_cfg(*overrides, "dry_run=true"))
     assert not report.errors, report.errors
@@ -286,7 +287,7 @@ def test_what_a_large_cpu_host_might_hold_stays_a_warning(compose_cfg, overrides
 
 
 def test_the_published_layouts_have_no_tensor_past_their_gpu(compose_cfg) -> None:
-    from hpctrain.config.checks import _largest_tensors
+    from hpctrain.checks.config import _largest_tensors
     from hpctrain.config.layout import resolve_layout
     from hpctrain.hardware import KNOWN_HARDWARE
 

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf, open_dict
 
+from hpctrain.checks.runner import run_checks
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
 from hpctrain.launch.executor import sbatch_preview
-from hpctrain.plan.checks import run_checks
 from hpctrain.scheduler import container
 
 # The last two hold no blank (bash's brace expansion makes `touch MARKER` of {touch,MARKER}): what refuses blanks

@@ -105,8 +105,8 @@ def test_the_docs_cluster_files_work_as_site_profiles(tmp_path: Path, monkeypatc
     the checks; the containers page's two write the golden files' setup and srun lines."""
     from omegaconf import OmegaConf
 
+    from hpctrain.checks.runner import check_config
     from hpctrain.launch.executor import sbatch_preview
-    from hpctrain.plan.checks import check_config
 
     conf = tmp_path / "conf" / "cluster"
     conf.mkdir(parents=True)

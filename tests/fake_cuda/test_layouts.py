@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(
 
 # The step's host syncs: one (the control plane's read of the reduced values, Engine._read), and
 # - expert parallelism's read of its all-to-all split sizes, one per MoE layer forward (4 layers x micro-batches:
-#   2 in moe_ep2, 1 in the others), none again in a recomputation (replayed: hpctrain.models.host_reads);
+#   2 in moe_ep2, 1 in the others), none again in a recomputation (replayed: hpctrain.models.common.host_reads);
 # - under FSDP2's CPU offload, a blocking copy of each gradient to the host per parameter and micro-batch when
 #   they accumulate, and a wait on an event per parameter before the optimizer (torch 2.13's _fsdp_collectives).
 SYNCS = {

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.checks.runner import check_config
 from hpctrain.config.schema import ContainerConfig, ContainerRuntime
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
 from hpctrain.launch.executor import build_executor, sbatch_preview
-from hpctrain.plan.checks import check_config
 from hpctrain.scheduler import container
 
 RUN = Path("/runs/x/RUNID")

@@ -88,7 +88,7 @@ def test_a_job_the_scheduler_refuses_is_a_clear_error_that_leaves_nothing(
             "cluster.account",
         ),
         (
-            "sbatch: error: Batch job submission failed: Requested time limit is invalid (missing or exceeds some limit)",
+            "sbatch: error: Batch job submission failed: Requested time limit is invalid (missing or exceeds some limit)",  # noqa: E501 (sbatch's own line)
             "cluster.time_min",
         ),
         ("sbatch: error: Batch job submission failed: Requested node configuration is not available", "cluster.nodes"),
@@ -115,7 +115,7 @@ def test_a_refused_resume_puts_the_run_directory_back(tmp_path: Path, compose_cf
 
     root = tmp_path / "runs"
     cfg = compose_cfg(*SLURM, f"run.root={root}", "run.id=r1")
-    run = resolve_run_dir(cfg)
+    run = resolve_run_dir(cfg.run)
     create_run_dir(cfg, run)
     (run.path / "plan.json").write_text("{}")
     before = {str(p): p.read_bytes() for p in run.path.rglob("*") if p.is_file()}

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.models.family import Dims
 from hpctrain.records.fingerprint import (
     Fingerprint,
-    ModelShape,
+    ModelFingerprint,
     fingerprint_of,
     upgrade_fingerprint,
 )
@@ -71,14 +72,7 @@ def legacy(cfg) -> dict:
 def test_the_fingerprint_has_names_and_reads_old_manifests(compose_cfg) -> None:
     cfg = compose_cfg()
     fp = fingerprint_of(cfg.model, cfg.train, cfg.data)
-    assert fp.model == ModelShape(
-        cfg.model.n_layers,
-        cfg.model.d_model,
-        cfg.model.n_heads,
-        cfg.model.vocab_size,
-        cfg.model.context,
-        cfg.model.ffn_mult,
-    )
+    assert fp.model == ModelFingerprint("gpt", Dims.of(cfg.model))
     saved = json.loads(json.dumps(fp.to_dict()))  # as a manifest holds it
     assert saved["model"]["n_layers"] == cfg.model.n_layers and saved["data"]["kind"] == "text_bytes"
     assert Fingerprint.from_dict(saved) == fp == Fingerprint.from_dict(legacy(cfg))
@@ -100,10 +94,10 @@ def as_legacy_manifests(root: Path) -> int:
     for path in manifests:
         manifest = json.loads(path.read_text())
         fp = manifest["fingerprint"]
-        if isinstance(fp["model"], dict):
-            fp["model"] = [
-                fp["model"][k] for k in ("n_layers", "d_model", "n_heads", "vocab_size", "context", "ffn_mult")
-            ]
+        if isinstance(fp["model"], dict):  # a GPT run: its MLP ffn_mult x d_model wide
+            m = fp["model"]
+            fp["model"] = [m["n_layers"], m["d_model"], m["n_heads"], m["vocab_size"], m["context"]]
+            fp["model"].append(m["ffn_hidden"] // m["d_model"])
             fp["data"] = [fp["data"]["kind"], fp["data"]["source"]]
         for key in ("crc32c", "manifest_crc32c"):
             manifest.pop(key, None)

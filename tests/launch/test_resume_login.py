@@ -17,7 +17,7 @@ from tests.conftest import run_hpctrain
 def saved_run(compose_cfg, root: Path, run_id: str, *overrides: str) -> Path:
     """A run directory as a first submission leaves it (config.yaml, submitit/), made by the launcher's functions."""
     cfg = compose_cfg(f"run.root={root}", f"run.id={run_id}", *overrides)
-    run = resolve_run_dir(cfg)
+    run = resolve_run_dir(cfg.run)
     create_run_dir(cfg, run)
     return run.path
 
@@ -149,7 +149,7 @@ def test_a_resume_that_changes_nothing_leaves_config_yaml_as_it_is(compose_cfg, 
 
     run_dir = saved_run(compose_cfg, tmp_path, "r1")
     cfg = compose_cfg(f"run.root={tmp_path}", "run.resume=r1")
-    run = replace(resolve_run_dir(cfg), config_changed=False)
+    run = replace(resolve_run_dir(cfg.run), config_changed=False)
     before = (run_dir / "config.yaml").read_bytes()
     create_run_dir(cfg, run)
     assert (run_dir / "config.yaml").read_bytes() == before and not list(run_dir.glob("config.*.yaml"))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.checks.runner import check_config
 from hpctrain.launch.executor import sbatch_preview
-from hpctrain.plan.checks import check_config
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = {

@@ -231,7 +231,7 @@ def test_a_value_redacted_for_what_it_is_reaches_the_job_through_the_environment
 
     value = TOKENS["github"]
     cfg = compose_cfg(f"+cluster.env.DEPLOY={value}", "+cluster.env.NCCL_DEBUG=INFO")
-    secrets = redact(cfg)
+    secrets = redact(cfg.cluster)
     assert secrets == {"DEPLOY": value} and cfg.cluster.env.DEPLOY == REDACTED
     task = without_redacted(OmegaConf.to_container(cfg, resolve=True))
     assert task["cluster"]["env"] == {"NCCL_DEBUG": "INFO"}

@@ -18,8 +18,8 @@ import pytest
 import submitit
 from submitit.slurm.slurm import _make_sbatch_string
 
+from hpctrain.checks.runner import check_config
 from hpctrain.launch.executor import build_executor, sbatch_preview
-from hpctrain.plan.checks import check_config
 
 GOLDEN = Path(__file__).parent / "golden" / "submitit_full.sbatch"
 WHAT_TO_DO = (

@@ -1,4 +1,5 @@
-"""The Mixture-of-Experts block (hpctrain.models.moe) against a per-token reference and transformers' MoE blocks."""
+"""The Mixture-of-Experts block (hpctrain.models.common.moe) against a per-token reference and transformers' MoE
+blocks."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hpctrain.models import moe as moe_module
-from hpctrain.models.moe import MoE, MoEArgs, balanced, grouped_mm_serves, run_experts
+from hpctrain.models.common import moe as moe_module
+from hpctrain.models.common.moe import MoE, MoEArgs, balanced, grouped_mm_serves, run_experts
 
 D, H = 16, 24  # d_model, expert_hidden
 
@@ -439,7 +440,7 @@ def test_without_values_the_load_is_balanced_and_the_experts_run_grouped() -> No
     for capacity_factor, kept in ((0.0, 64), (1.0, 64), (0.5, 64)):  # 32 tokens x top 2 over 8 experts
         m = block(torch.bfloat16, capacity_factor=capacity_factor, balance_coef=0.01)
         rows: list[int] = []
-        m.experts.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[0]))
+        m.experts.register_forward_pre_hook(lambda _, args, rows=rows: rows.append(args[0].shape[0]))
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             x = mode.from_tensor(tokens(torch.bfloat16))
             assert grouped_mm_serves(x.view(-1, D), mode.from_tensor(m.experts.w_gate))

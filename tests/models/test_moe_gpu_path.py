@@ -16,8 +16,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpctrain.models import moe as moe_module
-from hpctrain.models.moe import MoE, MoEArgs
+from hpctrain.models.common import moe as moe_module
+from hpctrain.models.common.moe import MoE, MoEArgs
 from tests.distributed_harness import run_distributed
 from tests.gpu_rules import recording_host_reads
 from tests.models.test_moe_block import D, block, grouped_mm_runs_on_cpu, tokens

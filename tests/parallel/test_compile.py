@@ -64,7 +64,7 @@ def test_one_graph_serves_every_block_and_names_stay(arch: str) -> None:
     assert counter.frame_count == 1
     assert [n for n, _ in compiled.named_parameters()] == names
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _check(results: list[dict], ref: dict) -> None:
@@ -78,7 +78,7 @@ def _check(results: list[dict], ref: dict) -> None:
     assert set(weights) == set(ref["weights"])
     for key, expected in ref["weights"].items():
         torch.testing.assert_close(
-            weights[key][: expected.shape[0]], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}"
+            weights[key][: expected.shape[0]], expected, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}"
         )
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hpctrain.models import attention
+from hpctrain.models.common import attention
 from hpctrain.parallel import context_parallel as cpmod
 from hpctrain.parallel.engine import token_loss
 from tests.distributed_harness import run_distributed
@@ -65,8 +65,8 @@ def test_cp_attention_equals_full_causal_attention(world: int, hq: int, hkv: int
 
 
 def _model(family: str) -> torch.nn.Module:
-    from hpctrain.models.gpt import GPT, GPTArgs
-    from hpctrain.models.llama import Llama, LlamaArgs
+    from hpctrain.models.gpt.model import GPT, GPTArgs
+    from hpctrain.models.llama.model import Llama, LlamaArgs
 
     if family == "gpt":
         model = GPT(GPTArgs(n_layers=2, d_model=32, n_heads=4, vocab_size=50, seq_len=16, ffn_hidden=64))
@@ -162,8 +162,8 @@ def _index_builds(rank: int, world: int, family: str) -> tuple[list[int], bool]:
 
         return call
 
-    from hpctrain.models.gpt import GPT, GPTArgs
-    from hpctrain.models.llama import Llama, LlamaArgs
+    from hpctrain.models.gpt.model import GPT, GPTArgs
+    from hpctrain.models.llama.model import Llama, LlamaArgs
 
     def model() -> torch.nn.Module:
         m = (

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpctrain.models import attention
+from hpctrain.models.common import attention
 from hpctrain.parallel import context_parallel as cpmod
 from tests.distributed_harness import run_distributed
 
@@ -155,7 +155,7 @@ def _attention_calls(rank: int, world: int, mode: str) -> tuple[dict[str, int], 
     (and of that loss from CPU's own kernel path)."""
     import torch.nn.attention.bias as bias_module
 
-    from hpctrain.models.llama import Llama, LlamaArgs
+    from hpctrain.models.llama.model import Llama, LlamaArgs
     from hpctrain.parallel.recompute import apply_recompute
 
     tokens = cpmod.shard_sequence(

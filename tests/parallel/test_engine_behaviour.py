@@ -278,7 +278,7 @@ def test_a_state_loaded_in_place_is_not_set_again(world: int, overrides: dict[st
 
 def test_stage_param_counts_tiny_model_matches_engine() -> None:
     """The plan's closed-form counts (no torch) are what the engine's ranks hold."""
-    from hpctrain.models.params import padded_vocab, param_count
+    from hpctrain.models.params import built_dims, padded_vocab, param_count
     from hpctrain.plan.report import stage_counts
 
     overrides = {
@@ -294,7 +294,7 @@ def test_stage_param_counts_tiny_model_matches_engine() -> None:
     counts = plan["params_per_stage"]
     m = cfg.model
     rows = padded_vocab(m.vocab_size, m.vocab_pad_multiple, 2)  # the embedding as built: 64 -> 128 rows for tp=2
-    total = param_count(m.n_layers, m.d_model, rows, m.context, m.ffn_mult * m.d_model)
+    total = param_count(*built_dims(m), embedding_rows=rows)
     assert len(counts) == 4
     assert sum(counts) == total + rows * m.d_model, "the last stage holds a copy of the tied embedding"
     from tests.parallel.layouts import run_engine

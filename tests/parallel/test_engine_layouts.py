@@ -2,8 +2,9 @@
 
 Each case trains a tiny GPT or Llama (4 layers, d 64, fp32) for 5 steps on forked gloo ranks and compares, step by
 step, the loss and the (pre-clipping) global gradient norm with `reference()` (plain PyTorch, whole global
-batch at once, stock clip_grad_norm_), then the final weights, and the validation loss (forward only, evaluated mid-run and at the end). Clipping is active (max norm 1.0, the first
-steps' norms are ~2.3), so the clipped update is checked too.
+batch at once, stock clip_grad_norm_), then the final weights, and the validation loss (forward only, evaluated
+mid-run and at the end). Clipping is active (max norm 1.0, the first steps' norms are ~2.3), so the clipped update
+is checked too.
 
 Bounds: fp32 losses and norms within 1e-5 relative (measured ~1e-7, summation order only). The weights are
 compared after 5 AdamW steps with optim.eps = 1e-4 (tests/parallel/layouts.py): with the usual 1e-8 Adam's
@@ -236,7 +237,7 @@ def test_layout_matches_single_process(name: str) -> None:
         if got.shape != expected.shape:  # TP pads the vocabulary to 64 x tp rows: the padding stays zero
             assert key in ("tok_emb.weight", "output.weight") and not got[expected.shape[0] :].any(), key
             got = got[: expected.shape[0]]
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
     # The layout is applied from outside: every module keeps the single-process model's class and name.
     single_process_modules = _single_process_modules(overrides)

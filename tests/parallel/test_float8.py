@@ -104,7 +104,7 @@ def test_tensorwise_blocks_take_torchaos_float8_tp_styles(sequence_parallel: boo
     )
 
     block = _meta_model(SMALL, "tensorwise").layers["0"]
-    plain = block_plan(sequence_parallel)
+    plain = block_plan(sequence_parallel, "gpt")
     plan = float8_tp_plan(block, plain)
     assert set(plan) == set(plain)
     for name, style in plain.items():

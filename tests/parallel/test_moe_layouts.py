@@ -73,7 +73,7 @@ CASES = {
 
 def moe_reference(overrides: dict[str, Any], steps: int) -> dict[str, Any]:
     """One process, the global batch in micro_batch-row micro-batches, the mean of their losses."""
-    from hpctrain.models.moe import ROUTING_FIELDS, moe_layers
+    from hpctrain.models.common.moe import ROUTING_FIELDS, moe_layers
     from hpctrain.parallel.engine import build_model, build_optimizer, token_loss
 
     cfg = make_cfg(1, **{**MOE, **overrides})
@@ -187,7 +187,7 @@ def test_moe_layout_matches_single_process(name: str) -> None:
         if got.shape != expected.shape:
             assert key in ("tok_emb.weight", "output.weight") and not got[expected.shape[0] :].any(), key
             got = got[: expected.shape[0]]
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
     if name.endswith("_dim1"):  # each rank holds 1/world of every expert weight, no padding
         for res in results:
             for key, (placements, local, full) in res["experts"].items():

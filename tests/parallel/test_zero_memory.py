@@ -30,8 +30,9 @@ import pytest
 import torch
 
 from hpctrain.config.layout import resolve_layout
-from hpctrain.plan.estimate import cluster_hardware, model_shape
+from hpctrain.plan.estimate import cluster_hardware
 from hpctrain.plan.memory import memory_per_gpu
+from hpctrain.plan.types import ModelShape
 from hpctrain.simulate.memory import category_peaks, column_peaks, step_tracker
 from tests.distributed_harness import run_distributed
 from tests.parallel.layouts import make_cfg, rank_batches
@@ -85,7 +86,7 @@ def _measured(rank: int, world: int, cases: dict[str, dict[str, Any]]) -> dict[s
 def _planned(overrides: dict[str, Any], world: int) -> dict[str, float]:
     cfg = make_cfg(world, **overrides)
     layout = resolve_layout(cfg)
-    mem = memory_per_gpu(model_shape(cfg.model, cfg.train.seq_len), layout, cluster_hardware(cfg.cluster))
+    mem = memory_per_gpu(ModelShape.of(cfg.model, cfg.train.seq_len), layout, cluster_hardware(cfg.cluster))
     staged = {
         name: sum(p.bytes for p in mem.parts if p.kind == "buffers" and p.on_gpu and key in p.name)
         for name, key in (("all_gather", "all-gather"), ("reduce_scatter", "reduce-scatter"), ("fresh", "fresh"))

@@ -8,18 +8,19 @@ from dataclasses import replace
 
 import pytest
 
+from hpctrain.checks.runner import run_checks
 from hpctrain.config.problems import ConfigError
 from hpctrain.config.schema import CheckpointConfig, TierConfig
 from hpctrain.hardware import KNOWN_HARDWARE
 from hpctrain.launch.cli import EXIT_CONFIG_ERROR, run
-from hpctrain.plan.checks import run_checks
 from hpctrain.plan.memory import memory_per_gpu
 from hpctrain.plan.offload import offload_costs, pinned_block, shard_elements
 from hpctrain.plan.step_time import estimate_step
-from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
+from hpctrain.plan.types import GiB, Hardware, Layout
+from tests.plan.shapes import GPT, gpt
 
 # 2 layers, h = 64, V = 128, s = 32: 12 l h^2 + 13 l h + V h + s h + 2 h = 98304 + 1664 + 8192 + 2048 + 128
-MODEL = ModelShape(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=128)
+MODEL = gpt(n_layers=2, d_model=64, n_heads=4, seq_len=32, vocab_size=128)
 N_PARAMS = 110_336
 # 4 GPUs per node; round figures so every number below is exact.
 HW = Hardware(
@@ -127,9 +128,9 @@ def test_pinned_blocks_round_up_to_a_power_of_two():
     assert [pinned_block(b) for b in (0, 1, 3, 4, 4_097, 12_288, 2**20)] == [0, 1, 4, 4, 8_192, 16_384, 2**20]
     assert pinned_block(12_288, threshold=8_192) == 12_288  # above pinned_max_round_threshold: exact
     # uneven rows: FSDP2's rank 0 holds ceil(rows / N) rows of the TP-local tensor
-    assert shard_elements("attn.qkv.weight", (30, 8), tp=1, shard=4) == 8 * 8
-    assert shard_elements("attn.qkv.weight", (30, 8), tp=2, shard=4) == 4 * 8  # TP 2: 15 rows, then ceil(15/4)
-    assert shard_elements("attn.proj.weight", (30, 8), tp=2, shard=4) == 8 * 4  # TP splits dim 1
+    assert shard_elements(GPT, "attn.qkv.weight", (30, 8), tp=1, shard=4) == 8 * 8
+    assert shard_elements(GPT, "attn.qkv.weight", (30, 8), tp=2, shard=4) == 4 * 8  # TP 2: 15 rows, then ceil(15/4)
+    assert shard_elements(GPT, "attn.proj.weight", (30, 8), tp=2, shard=4) == 8 * 4  # TP splits dim 1
 
 
 def test_nvme_moves_the_moments_and_streams_them_every_step():

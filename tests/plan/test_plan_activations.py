@@ -2,7 +2,7 @@
 autocast, and the full-vocabulary fp32 logits on every TP rank (hpctrain/plan/activations.py).
 
 The per-layer figures in sbh units were checked against the tensors autograd saves for
-hpctrain.models.gpt.Block on CPU (saved_tensors_hooks, storages counted once, parameters left out; TP with 2
+hpctrain.models.gpt.model.Block on CPU (saved_tensors_hooks, storages counted once, parameters left out; TP with 2
 gloo processes; the selective policy's in tests/plan/test_plan_recompute.py).
 """
 
@@ -14,12 +14,13 @@ from hpctrain.plan.activations import (
     logits_bytes,
 )
 from hpctrain.plan.memory import memory_per_gpu, stage_activation_parts
-from hpctrain.plan.types import GiB, Layout, ModelShape, hardware
+from hpctrain.plan.types import GiB, Layout, hardware
+from tests.plan.shapes import GPT, dims, gpt
 
 # GPT-3 1.3B as conf/experiment/gpt3_1.3b_1node.yaml runs it: 24 layers, h 2048, 16 heads, s 2048, micro-batch 8,
 # DP 8 with ZeRO-2 (FSDP2, bf16 parameters: no autocast), dropout 0, vocabulary 50257 padded to 50304.
 L, H, A, S, B = 24, 2048, 16, 2048, 8
-GPT3_1_3B = ModelShape(L, H, A, S, 50257, vocab_pad_multiple=64)
+GPT3_1_3B = gpt(L, H, A, S, 50257, vocab_pad_multiple=64)
 ZERO2_DP8 = Layout(dp=8, tp=1, pp=1, zero_stage=2, micro_batch=B, grad_accum=8, reduce_dtype="fp32")
 
 
@@ -52,35 +53,41 @@ def test_gpt3_1_3b_head_and_logits():
 
 def test_flash_attention_drops_the_attention_matrix():
     sbh = S * H
-    flash = activation_bytes_per_layer(S, 1, H, A, dropout=True)
+    flash = activation_bytes_per_layer(GPT, dims(H, A), S, 1, dropout=True)
     assert flash == pytest.approx(sbh * (34 + 4 * A / H))  # log-sum-exp instead of 5 a s / h = 40
-    assert activation_bytes_per_layer(S, 1, H, A, dropout=True, flash_attention=False) == pytest.approx(
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, dropout=True, flash_attention=False) == pytest.approx(
         korthikanti_bytes_per_layer(S, 1, H, A)
     )
     # without dropout the materialised matrix is only the softmax output: 2 a s / h
-    assert activation_bytes_per_layer(S, 1, H, A, flash_attention=False) == pytest.approx(sbh * (32 + 2 * A * S / H))
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, flash_attention=False) == pytest.approx(
+        sbh * (32 + 2 * A * S / H)
+    )
 
 
 def test_dropout_masks_only_when_dropout_is_on():
     """nn.Dropout with p = 0 returns its input: no mask. With p > 0: one byte per element after the attention and
     the MLP (flash attention regenerates its own dropout mask from the RNG state)."""
     sbh = S * H
-    assert activation_bytes_per_layer(S, 1, H, A, dropout=True) - activation_bytes_per_layer(S, 1, H, A) == 2 * sbh
-    lay = Layout(dp=1, tp=1, pp=1)
-    with_dropout = stage_activation_parts(ModelShape(2, 64, 4, 32, 100, dropout=0.1), lay, 0)
-    assert any(p.name == "embedding dropout mask" for p in with_dropout)
-    assert not any(
-        p.name == "embedding dropout mask" for p in stage_activation_parts(ModelShape(2, 64, 4, 32, 100), lay, 0)
+    assert (
+        activation_bytes_per_layer(GPT, dims(H, A), S, 1, dropout=True)
+        - activation_bytes_per_layer(GPT, dims(H, A), S, 1)
+        == 2 * sbh
     )
+    lay = Layout(dp=1, tp=1, pp=1)
+    with_dropout = stage_activation_parts(gpt(2, 64, 4, 32, 100, dropout=0.1), lay, 0)
+    assert any(p.name == "embedding dropout mask" for p in with_dropout)
+    assert not any(p.name == "embedding dropout mask" for p in stage_activation_parts(gpt(2, 64, 4, 32, 100), lay, 0))
 
 
 def test_dtensor_sequence_parallel_keeps_the_gathered_matmul_inputs():
     """Measured on CPU, t = 2, sbh units: TP 20.06, TP + SP 18.05 (the all-gathered QKV and MLP-in inputs stay
     whole); Megatron's SP would store 16."""
     sbh, lse = S * H, 4 * A / H / 2
-    assert activation_bytes_per_layer(S, 1, H, A, 2) == pytest.approx(sbh * (20 + lse))
-    assert activation_bytes_per_layer(S, 1, H, A, 2, True) == pytest.approx(sbh * (18 + lse))
-    assert activation_bytes_per_layer(S, 1, H, A, 2, True, sp_keeps_gathered=False) == pytest.approx(sbh * (16 + lse))
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, 2) == pytest.approx(sbh * (20 + lse))
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, 2, True) == pytest.approx(sbh * (18 + lse))
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, 2, True, sp_keeps_gathered=False) == pytest.approx(
+        sbh * (16 + lse)
+    )
 
 
 def test_selective_policy_saves_attention_matmul_and_collective_outputs():
@@ -88,11 +95,17 @@ def test_selective_policy_saves_attention_matmul_and_collective_outputs():
     (tests/plan/test_plan_recompute.py measures it). sbh units + the log-sum-exp: 22 without TP, 14 with t = 2,
     15 with t = 2 and SP; at t = 8 and SP 6.75, less than no recomputation's 7.5 (the old policy kept 10.5)."""
     sbh, lse = S * H, 4 * A / H
-    assert activation_bytes_per_layer(S, 1, H, A, 1, False, "selective") == pytest.approx(sbh * (22 + lse))
-    assert activation_bytes_per_layer(S, 1, H, A, 2, False, "selective") == pytest.approx(sbh * (14 + lse / 2))
-    assert activation_bytes_per_layer(S, 1, H, A, 2, True, "selective") == pytest.approx(sbh * (15 + lse / 2))
-    assert activation_bytes_per_layer(S, 1, H, A, 8, True, "selective") == pytest.approx(sbh * (6.75 + lse / 8))
-    assert activation_bytes_per_layer(S, 1, H, A, 8, True) == pytest.approx(sbh * (7.5 + lse / 8))
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, 1, False, "selective") == pytest.approx(sbh * (22 + lse))
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, 2, False, "selective") == pytest.approx(
+        sbh * (14 + lse / 2)
+    )
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, 2, True, "selective") == pytest.approx(
+        sbh * (15 + lse / 2)
+    )
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, 8, True, "selective") == pytest.approx(
+        sbh * (6.75 + lse / 8)
+    )
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, 8, True) == pytest.approx(sbh * (7.5 + lse / 8))
 
 
 def test_autocast_keeps_the_residual_stream_in_fp32():
@@ -100,7 +113,9 @@ def test_autocast_keeps_the_residual_stream_in_fp32():
     Measured on CPU: 36 sbh instead of 32."""
     sbh = S * H
     assert (
-        activation_bytes_per_layer(S, 1, H, A, fp32_residual=True) - activation_bytes_per_layer(S, 1, H, A) == 4 * sbh
+        activation_bytes_per_layer(GPT, dims(H, A), S, 1, fp32_residual=True)
+        - activation_bytes_per_layer(GPT, dims(H, A), S, 1)
+        == 4 * sbh
     )
     ddp = Layout(dp=8, tp=1, pp=1, zero_stage=0, micro_batch=B)
     fsdp = Layout(dp=8, tp=1, pp=1, zero_stage=2, micro_batch=B)
@@ -110,7 +125,7 @@ def test_autocast_keeps_the_residual_stream_in_fp32():
 
 def test_logits_do_not_shrink_with_tp():
     """_gather_logits hands every TP rank the full [b, s, padded vocabulary] logits; the loss upcasts to fp32."""
-    model = ModelShape(4, 1024, 16, 2048, 50257, vocab_pad_multiple=64)
+    model = gpt(4, 1024, 16, 2048, 50257, vocab_pad_multiple=64)
 
     def head(tp: int) -> float:
         lay = Layout(dp=2, tp=tp, pp=1, micro_batch=2, zero_stage=2)
@@ -130,7 +145,7 @@ def test_logits_bytes_per_element():
 
 
 def test_gpipe_last_stage_holds_every_micro_batch_of_logits():
-    model = ModelShape(8, 256, 4, 128, 1000)
+    model = gpt(8, 256, 4, 128, 1000)
     one_f_one_b = Layout(dp=2, tp=1, pp=2, grad_accum=8)
     gpipe = Layout(dp=2, tp=1, pp=2, grad_accum=8, schedule="gpipe")
 

@@ -10,12 +10,13 @@ from hpctrain.plan.comm import (
     comm_per_step,
 )
 from hpctrain.plan.memory import stage_params_per_gpu
-from hpctrain.plan.types import Hardware, Layout, ModelShape
+from hpctrain.plan.types import Hardware, Layout
+from tests.plan.shapes import gpt
 
 HW = Hardware(
     "test", gpus_per_node=8, gpu_mem_bytes=80 * 2**30, peak_flops=312e12, intra_node_bw=300e9, inter_node_bw=25e9
 )
-MODEL = ModelShape(n_layers=4, d_model=64, n_heads=4, seq_len=32, vocab_size=100)
+MODEL = gpt(n_layers=4, d_model=64, n_heads=4, seq_len=32, vocab_size=100)
 SBH_BYTES = 32 * 2 * 64 * 2  # s * micro_batch * h * 2 bytes (bf16)
 
 
@@ -66,7 +67,10 @@ def test_interleaving_multiplies_p2p():
 def test_zero_stage_volumes():
     """ZeRO-1 = ZeRO-0; ZeRO-3 = 1.5x with one microbatch (ZeRO paper sec. 7.2); accumulation multiplies 2 and 3."""
     n = MODEL.params
-    dp = lambda z, m=1: comm_per_step(MODEL, Layout(dp=8, tp=1, pp=1, zero_stage=z, grad_accum=m), HW).dp_bytes
+
+    def dp(z: int, m: int = 1) -> float:
+        return comm_per_step(MODEL, Layout(dp=8, tp=1, pp=1, zero_stage=z, grad_accum=m), HW).dp_bytes
+
     assert dp(0) == pytest.approx(2 * 7 / 8 * 2 * n)
     assert dp(1) == pytest.approx(dp(0))
     assert dp(2) == pytest.approx(dp(0))

@@ -12,30 +12,32 @@ from typing import Any
 import pytest
 import torch
 
+from hpctrain.checks.runner import run_checks
 from hpctrain.config.layout import lighter_ends
 from hpctrain.launch.cli import run
+from hpctrain.models.params import built_dims
 from hpctrain.plan.activations import activation_bytes_per_layer
 from hpctrain.plan.auto import context_for_fit
-from hpctrain.plan.checks import run_checks
 from hpctrain.plan.comm import NETWORK, NVLINK, comm_per_step
 from hpctrain.plan.estimate import estimate
 from hpctrain.plan.memory import layer_activation_bytes, memory_per_gpu, shard_params_per_gpu, stage_activation_parts
 from hpctrain.plan.search import CP_MIN_SEQ_LEN, search_layouts
 from hpctrain.plan.step_time import estimate_step
-from hpctrain.plan.types import GiB, Layout, ModelShape, hardware
+from hpctrain.plan.types import GiB, Layout, hardware
 from tests.distributed_harness import run_distributed
 from tests.plan.saved import saved_bytes
+from tests.plan.shapes import LLAMA, dims, shape
 from tests.plan.test_plan_llama import LLAMA_405B
 
 D, A, G, F, S, B = 256, 8, 2, 704, 512, 2
-BLOCKS = {"gpt": ("model=tiny", {}), "llama": ("model=llama_tiny", {"ffn_hidden": F, "arch": "llama", "n_kv_heads": G})}
+BLOCKS = {"gpt": "model=tiny", "llama": "model=llama_tiny"}
 H100 = hardware("h100_80gb")
-LLAMA_8B = ModelShape(32, 4096, 32, 8192, 128256, ffn_hidden=14336, arch="llama", n_kv_heads=8)
+LLAMA_8B = shape("llama", 32, 4096, 32, 8192, 128256, ffn_hidden=14336, kv_heads=8)
 
 
 def _cfg(compose_cfg: Any, arch: str) -> Any:
     extra = [f"model.n_kv_heads={G}", f"model.ffn_hidden={F}"] if arch == "llama" else []
-    return compose_cfg(BLOCKS[arch][0], f"model.d_model={D}", f"model.n_heads={A}", "model.n_layers=1", *extra).model
+    return compose_cfg(BLOCKS[arch], f"model.d_model={D}", f"model.n_heads={A}", "model.n_layers=1", *extra).model
 
 
 def _cp_block(rank: int, world: int, model_cfg: Any) -> dict[str, int]:
@@ -75,19 +77,19 @@ def test_cp_block_keeps_what_the_formula_counts(compose_cfg: Any, arch: str) -> 
     K), byte for byte beside a few s-sized extras; the selective policy the formula's bytes exactly (it keeps the
     gathers' outputs, and none of the extras: masks, orders and statistics are rerun); full recomputation the local
     block input. Without the CP terms the formula would miss: it is not the cp=1 formula at S / 2."""
-    ranks = run_distributed(_cp_block, 2, _cfg(compose_cfg, arch), timeout=300)
+    model_cfg = _cfg(compose_cfg, arch)
+    ranks = run_distributed(_cp_block, 2, model_cfg, timeout=300)
+    family, d = built_dims(model_cfg)
     local = S // 2
     for rank, got in enumerate(ranks):
-        formula = activation_bytes_per_layer(local, B, D, A, cp=2, **BLOCKS[arch][1])
+        formula = activation_bytes_per_layer(family, d, local, B, cp=2)
         assert got["none"] == formula + _extras(arch, rank, 2)
-        selective = activation_bytes_per_layer(local, B, D, A, recompute="selective", cp=2, **BLOCKS[arch][1])
+        selective = activation_bytes_per_layer(family, d, local, B, recompute="selective", cp=2)
         assert got["selective"] == selective < formula
         assert (
-            got["full"]
-            == activation_bytes_per_layer(local, B, D, A, recompute="full", cp=2, **BLOCKS[arch][1])
-            == 2 * local * B * D
+            got["full"] == activation_bytes_per_layer(family, d, local, B, recompute="full", cp=2) == 2 * local * B * D
         )
-        assert formula != activation_bytes_per_layer(local, B, D, A, **BLOCKS[arch][1])
+        assert formula != activation_bytes_per_layer(family, d, local, B)
 
 
 def test_cp_activations_are_per_local_token_plus_the_gathered_keys_and_values() -> None:
@@ -99,8 +101,9 @@ def test_cp_activations_are_per_local_token_plus_the_gathered_keys_and_values() 
     kv, q = g * hd / h, 1.0
     for cp in (2, 16):
         sbh = s // cp * b * h
-        base = activation_bytes_per_layer(s // cp, b, h, a, t, True, ffn_hidden=f, arch="llama", n_kv_heads=g)
-        got = activation_bytes_per_layer(s // cp, b, h, a, t, True, ffn_hidden=f, arch="llama", n_kv_heads=g, cp=cp)
+        llama = dims(h, a, ffn_hidden=f, kv_heads=g)
+        base = activation_bytes_per_layer(LLAMA, llama, s // cp, b, t, True)
+        got = activation_bytes_per_layer(LLAMA, llama, s // cp, b, t, True, cp=cp)
         was = (2 * q + 4 * kv) + 2 * (q + kv)  # the QKV output (V's view) and the rotated Q and K
         now = 2 * q + 4 * kv * cp + 2 * q
         assert got - base == pytest.approx(sbh * (now - was) / t)
@@ -155,7 +158,7 @@ def test_cp_traffic_is_the_keys_and_values_gathered_and_their_gradients_reduced(
     """Per layer and micro-batch: all-gather K and V (2 s b k / t elements, (cp - 1) / cp of it per rank) and
     reduce-scatter their gradients, a third time under full recomputation; over NVLink while tp x cp fits a node."""
     model = replace(LLAMA_8B, seq_len=65536)
-    k = model.kv_dim
+    k = model.dims.kv_dim
     for tp, cp, rc, link in ((2, 4, "none", NVLINK), (8, 4, "full", NETWORK)):
         lay = Layout(
             dp=2, tp=tp, pp=1, cp=cp, grad_accum=3, zero_stage=1, sequence_parallel=True, recompute=rc, gpus_per_node=8

@@ -15,7 +15,8 @@ from hpctrain.plan.flops import (
     training_time_s,
 )
 from hpctrain.plan.step_time import estimate_step
-from hpctrain.plan.types import Layout, ModelShape, hardware
+from hpctrain.plan.types import Layout, hardware
+from tests.plan.shapes import gpt
 
 V, SEQ = 51200, 2048
 # Table 1: params (B), heads, hidden, layers, TP, PP, GPUs, batch, achieved TFLOP/s per GPU, % of peak
@@ -35,7 +36,7 @@ TABLE_1 = [
 
 def _model(row):
     _, heads, hidden, layers, *_ = row
-    return ModelShape(layers, hidden, heads, SEQ, V)
+    return gpt(layers, hidden, heads, SEQ, V)
 
 
 @pytest.mark.parametrize("row", TABLE_1, ids=[f"{r[0]}B" for r in TABLE_1])
@@ -48,7 +49,7 @@ def test_component_flops_equal_eq_3(row):
     """Our layer-by-layer count with full recomputation is the paper's closed form."""
     model, batch = _model(row), row[7]
     assert flops_per_iteration(model, batch, "full") == pytest.approx(
-        narayanan_flops(batch, SEQ, model.n_layers, model.d_model, V), rel=1e-12
+        narayanan_flops(batch, SEQ, model.dims.n_layers, model.dims.d_model, V), rel=1e-12
     )
 
 
@@ -69,19 +70,19 @@ def test_flops_hand_computation_1_7b_row():
 
 def test_no_and_selective_recompute():
     model = _model(TABLE_1[6])
-    B, s, l, h = 2304, SEQ, model.n_layers, model.d_model
+    B, s, L, h = 2304, SEQ, model.dims.n_layers, model.dims.d_model
     none = flops_per_iteration(model, B, "none")
-    assert none == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)))
+    assert none == pytest.approx(72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)))
     # hpctrain's selective policy reruns element-wise work only, and under TP the attention's output projection
     assert flops_per_iteration(model, B, "selective") == none
     tp_none = flops_per_iteration(model, B, "none", tp=8)
-    assert flops_per_iteration(model, B, "selective", tp=8) == pytest.approx(tp_none + 2 * B * s * h * h * l)
+    assert flops_per_iteration(model, B, "selective", tp=8) == pytest.approx(tp_none + 2 * B * s * h * h * L)
     assert tp_none < flops_per_iteration(model, B, "selective", tp=8) < flops_per_iteration(model, B, "full", tp=8)
 
 
 def test_training_time_examples_of_section_5_1():
     """GPT-3 175B, 300B tokens, 1024 A100s at 140 TFLOP/s: ~34 days; 1T, 450B tokens, 3072 at 163: ~84 days."""
-    gpt3 = ModelShape(96, 12288, 96, SEQ, V)
+    gpt3 = gpt(96, 12288, 96, SEQ, V)
     days = training_time_s(gpt3, 300e9, 1536, 1024, 140e12) / 86400
     assert days == pytest.approx(34, rel=0.03)
     one_t = _model(TABLE_1[-1])
@@ -91,7 +92,7 @@ def test_training_time_examples_of_section_5_1():
 
 def test_mfu_of_the_design_article():
     """120 samples/s of 2048 tokens on 4096 A100s for GPT-3 175B is ~20% MFU."""
-    gpt3 = ModelShape(96, 12288, 96, 2048, 50257)
+    gpt3 = gpt(96, 12288, 96, 2048, 50257)
     per_token = 6 * gpt3.params + 12 * 96 * 2048 * 12288
     assert model_flops_per_token(gpt3) == per_token
     value = mfu(120 * 2048, gpt3, 4096, 312e12)
@@ -126,8 +127,8 @@ def test_step_estimate_is_near_table_1(row):
 def test_logit_flops_use_the_padded_vocabulary_and_mfu_the_model_count():
     """The logit matmul runs over the embedding as built (50257 -> 50688 rows at TP 8); MFU's 6 N counts the
     model's own parameters, padding being no useful work."""
-    padded = ModelShape(24, 2048, 16, 2048, 50257, vocab_pad_multiple=64)
-    plain = ModelShape(24, 2048, 16, 2048, 50257)
+    padded = gpt(24, 2048, 16, 2048, 50257, vocab_pad_multiple=64)
+    plain = gpt(24, 2048, 16, 2048, 50257)
     extra = flops_per_iteration(padded, 512, "none", tp=8) - flops_per_iteration(plain, 512, "none")
     assert extra == pytest.approx(3 * 2 * 512 * 2048 * 2048 * (50688 - 50257))
     assert model_flops_per_token(padded) == model_flops_per_token(plain)
@@ -148,15 +149,15 @@ def test_fp8_flops_are_the_linear_layers_of_every_pass():
     """GPT-3 1.7B (f = 4h): the Linears are 24 B s h^2 per layer forward; fwd + 2 backward GEMMs (+ a second
     forward under full recomputation) run in FP8; the attention core and the logit layer never do."""
     model, batch = _model(TABLE_1[0]), 512
-    l, h, tokens = model.n_layers, model.d_model, batch * SEQ
+    L, h, tokens = model.dims.n_layers, model.dims.d_model, batch * SEQ
     assert linear_forward_flops(tokens, h) == 24 * tokens * h * h
-    assert fp8_flops_per_iteration(model, batch, "none", "tensorwise") == 3 * l * 24 * tokens * h * h
-    assert fp8_flops_per_iteration(model, batch, "selective", "rowwise") == 3 * l * 24 * tokens * h * h
-    assert fp8_flops_per_iteration(model, batch, "full", "tensorwise") == 4 * l * 24 * tokens * h * h
+    assert fp8_flops_per_iteration(model, batch, "none", "tensorwise") == 3 * L * 24 * tokens * h * h
+    assert fp8_flops_per_iteration(model, batch, "selective", "rowwise") == 3 * L * 24 * tokens * h * h
+    assert fp8_flops_per_iteration(model, batch, "full", "tensorwise") == 4 * L * 24 * tokens * h * h
     assert fp8_flops_per_iteration(model, batch, "full", "none") == 0.0
     rest = flops_per_iteration(model, batch, "none") - fp8_flops_per_iteration(model, batch, "none", "tensorwise")
     logits = 3 * 2 * tokens * h * V
-    assert rest == pytest.approx(3 * l * attention_core_flops(tokens, SEQ, h) + logits)
+    assert rest == pytest.approx(3 * L * attention_core_flops(tokens, SEQ, h) + logits)
 
 
 def test_llama_linear_share_counts_gqa_and_swiglu():
@@ -179,7 +180,7 @@ def test_compute_seconds_takes_each_share_at_its_rate():
 def test_fp8_step_estimate_on_h100_and_a100():
     """GPT-3 6.7B on 8 H100s: only the Linears' share gets the ~2x, so compute shrinks by ~share / 2 (not by half);
     MFU stays against the bf16 peak and rises with the shorter step. An A100 has no FP8: nothing changes."""
-    model = ModelShape(32, 4096, 32, 2048, V)
+    model = gpt(32, 4096, 32, 2048, V)
     bf16 = Layout(dp=8, tp=1, pp=1, micro_batch=1, grad_accum=4, recompute="full")
     fp8 = Layout(dp=8, tp=1, pp=1, micro_batch=1, grad_accum=4, recompute="full", fp8="tensorwise")
     share = fp8_flops_per_iteration(model, 32, "full", "tensorwise") / flops_per_iteration(model, 32, "full")

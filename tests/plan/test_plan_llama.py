@@ -13,14 +13,8 @@ import pytest
 
 from hpctrain.config.layout import lighter_ends
 from hpctrain.launch.cli import run
-from hpctrain.models.params import (
-    block_shapes,
-    model_param_count,
-    param_count,
-    top_shapes,
-)
+from hpctrain.models.params import built_dims, model_param_count, param_count
 from hpctrain.plan.activations import activation_bytes_per_layer
-from hpctrain.plan.estimate import model_shape
 from hpctrain.plan.flops import (
     flops_per_iteration,
     layer_forward_flops,
@@ -35,14 +29,13 @@ from hpctrain.plan.search import search_layouts
 from hpctrain.plan.step_time import estimate_step
 from hpctrain.plan.types import Layout, ModelShape, hardware
 from tests.conftest import run_hpctrain
+from tests.plan.shapes import GPT, LLAMA, dims, gpt, shape
 
 # Hugging Face's counts of meta-llama/Llama-3.1-{8B,70B,405B} (sum of numel, untied head, vocabulary 128256).
 PUBLISHED = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800}
 # The Llama 3 paper's 405B pre-training: 15.6T tokens, "3.8 x 10^25 FLOPs"; Table 4: 16,384 H100s as TP 8 x PP 16
 # x DP 128, sequences of 8192, 16 per DP rank (global batch 2048 = 16M tokens), BF16 MFU 38-43%.
-LLAMA_405B = ModelShape(
-    126, 16384, 128, 8192, 128256, ffn_hidden=53248, vocab_pad_multiple=64, arch="llama", n_kv_heads=8
-)
+LLAMA_405B = shape("llama", 126, 16384, 128, 8192, 128256, ffn_hidden=53248, vocab_pad_multiple=64, kv_heads=8)
 H100 = hardware("h100_80gb")
 GPUS_405B = [
     "model=llama3_405b",
@@ -64,17 +57,18 @@ def test_llama3_parameter_counts_are_the_published_ones(compose_cfg, name: str) 
     """l (2 h^2 + 2 h k + 3 h f + 2 h) + 2 V h + h: QKV (h + 2k) x h, projection h x h, SwiGLU 3 h x f, 2 RMSNorms
     per layer; embedding and untied head V x h; the final RMSNorm. k = n_kv_heads x head_dim."""
     m = compose_cfg(f"model={name}").model
-    l, h, f, v = m.n_layers, m.d_model, m.ffn_hidden, m.vocab_size
+    L, h, f, v = m.n_layers, m.d_model, m.ffn_hidden, m.vocab_size
     k = m.n_kv_heads * h // m.n_heads
-    assert l * (2 * h * h + 2 * h * k + 3 * h * f + 2 * h) + 2 * v * h + h == PUBLISHED[name]
+    assert L * (2 * h * h + 2 * h * k + 3 * h * f + 2 * h) + 2 * v * h + h == PUBLISHED[name]
     assert model_param_count(m) == PUBLISHED[name]
-    assert model_shape(m, m.context).params == PUBLISHED[name]
+    assert ModelShape.of(m, m.context).params == PUBLISHED[name]
 
 
 def test_llama_shapes_are_the_models() -> None:
-    """The names and shapes hpctrain.models.llama builds (no biases; gate and up separate), and GPT's unchanged."""
-    d, f, k = 48, 128, 24
-    assert block_shapes(d, f, "llama", k) == {
+    """The names and shapes hpctrain.models.llama.model builds (no biases; gate and up separate), and GPT's
+    unchanged."""
+    d, f, k = 48, 128, 24  # 4 query heads of 12, 2 key/value heads: K and V k = 24 wide
+    assert LLAMA.block_shapes(dims(d, 4, ffn_hidden=f, kv_heads=2)) == {
         "norm1.weight": (d,),
         "attn.qkv.weight": (d + 2 * k, d),
         "attn.proj.weight": (d, d),
@@ -83,12 +77,13 @@ def test_llama_shapes_are_the_models() -> None:
         "mlp.up.weight": (f, d),
         "mlp.proj.weight": (d, f),
     }
-    assert top_shapes(d, 256, 40, "llama") == {
+    assert LLAMA.top_shapes(dims(d, 4, vocab_size=256, context=40), 256) == {
         "tok_emb.weight": (256, d),
         "norm_f.weight": (d,),
         "output.weight": (256, d),
     }
-    assert param_count(2, d, 256, 40, 4 * d) == 2 * (12 * d * d + 13 * d) + (256 + 40) * d + 2 * d
+    gpt2 = dims(d, 4, n_layers=2, vocab_size=256, context=40)
+    assert param_count(GPT, gpt2) == 2 * (12 * d * d + 13 * d) + (256 + 40) * d + 2 * d
 
 
 def test_meta_device_llama_3_8b_matches_the_closed_form_per_stage_and_rank(compose_cfg) -> None:
@@ -109,8 +104,8 @@ def test_meta_device_llama_3_8b_matches_the_closed_form_per_stage_and_rank(compo
     assert stage_param_counts(cfg.model, (cfg.model.n_layers // 4,) * 4, 8) == whole
     assert stage_param_counts(cfg.model, (cfg.model.n_layers // 4,) * 4, 8, per_gpu=True) == shard
     # the planner's per-GPU figure is the same closed form: stage 0 embeds, stage 3 holds norm_f and the head
-    shape = model_shape(cfg.model, 8192)
-    assert [stage_params_per_gpu(shape, Layout(dp=1, tp=8, pp=4), s) for s in range(4)] == shard
+    model = ModelShape.of(cfg.model, 8192)
+    assert [stage_params_per_gpu(model, Layout(dp=1, tp=8, pp=4), s) for s in range(4)] == shard
 
 
 def test_405b_training_flops_are_the_papers() -> None:
@@ -136,21 +131,21 @@ def test_llama_matmul_flops_are_six_times_the_matrices() -> None:
     V h) + the attention core 4 s h; training without recomputation 3x that: 6 (N - V h - norms) + 12 l s h per
     token, the MFU numerator less the embedding lookup and the norms."""
     m = replace(LLAMA_405B, vocab_pad_multiple=1)
-    h, k, f, s, l, v = 16384, 1024, 53248, 8192, 126, 128256
+    h, k, f, s, L, v = 16384, 1024, 53248, 8192, 126, 128256
     assert (
         layer_forward_flops(s, s, h, f, k, gated=True) == 2 * s * (h * (h + 2 * k) + h * h + 3 * h * f) + 4 * s * s * h
     )
     assert 4 * h * h + 4 * h * k + 6 * h * f == 23.75 * h * h  # "24 h^2" of a GPT layer with f = 4h
     tokens = 2048 * s
-    matrices = m.params - v * h - (2 * l + 1) * h
-    assert flops_per_iteration(m, 2048, "none") == pytest.approx(tokens * (6 * matrices + 12 * l * s * h), rel=1e-12)
-    gpt = ModelShape(4, 64, 4, 32, 100)  # kv_dim = h, not gated: the GPT count
+    matrices = m.params - v * h - (2 * L + 1) * h
+    assert flops_per_iteration(m, 2048, "none") == pytest.approx(tokens * (6 * matrices + 12 * L * s * h), rel=1e-12)
+    mha = gpt(4, 64, 4, 32, 100)  # kv_dim = h, not gated: the GPT count
     assert (
         layer_forward_flops(32, 32, 64, 256, 64)
         == layer_forward_flops(32, 32, 64, 256)
         == 24 * 32 * 64 * 64 + 4 * 32 * 32 * 64
     )  # Narayanan's 24 B s h^2 + 4 B s^2 h
-    assert gpt.kv_dim == 64 and not gpt.gated
+    assert mha.dims.kv_dim == 64 and not mha.gated
 
 
 def test_llama_block_activations() -> None:
@@ -161,21 +156,21 @@ def test_llama_block_activations() -> None:
     14 and the row-parallel outputs 4."""
     s, h, a = 8192, 4096, 32
     sbh, lse = s * h, 4 * a / h
-    llama = {"ffn_hidden": 14336, "arch": "llama", "n_kv_heads": 8}
-    assert activation_bytes_per_layer(s, 1, h, a, **llama) == pytest.approx(sbh * (51.5 + lse))
-    assert activation_bytes_per_layer(s, 1, h, a, recompute="selective", **llama) == pytest.approx(sbh * (25 + lse))
-    assert activation_bytes_per_layer(s, 1, h, a, recompute="full", **llama) == 2 * sbh
+    llama = dims(h, a, ffn_hidden=14336, kv_heads=8)
+    assert activation_bytes_per_layer(LLAMA, llama, s, 1) == pytest.approx(sbh * (51.5 + lse))
+    assert activation_bytes_per_layer(LLAMA, llama, s, 1, recompute="selective") == pytest.approx(sbh * (25 + lse))
+    assert activation_bytes_per_layer(LLAMA, llama, s, 1, recompute="full") == 2 * sbh
     # TP 4 + SP: the norms split by SP, the gathered QKV/MLP-in inputs whole, the rest split by TP
-    assert activation_bytes_per_layer(s, 1, h, a, 4, True, **llama) == pytest.approx(
+    assert activation_bytes_per_layer(LLAMA, llama, s, 1, 4, True) == pytest.approx(
         sbh * (12 / 4 + 4 + (3 + 2.5 + 2 + 28 + lse) / 4)
     )
     # grouped-query attention: the QKV output 4 x 3/4 and the rotated K 2 x 3/4 smaller than multi-head's
-    mha = activation_bytes_per_layer(s, 1, h, a, ffn_hidden=14336, arch="llama")
-    assert mha - activation_bytes_per_layer(s, 1, h, a, **llama) == pytest.approx(4.5 * sbh)
+    mha = activation_bytes_per_layer(LLAMA, dims(h, a, ffn_hidden=14336), s, 1)
+    assert mha - activation_bytes_per_layer(LLAMA, llama, s, 1) == pytest.approx(4.5 * sbh)
 
 
 def test_llama_block_saves_what_the_formula_counts(compose_cfg) -> None:
-    """The tensors autograd saves for hpctrain.models.llama's Block in bf16 on CPU (storages counted once,
+    """The tensors autograd saves for hpctrain.models.llama.model's Block in bf16 on CPU (storages counted once,
     parameters left out): the formula, plus RoPE's cos/sin tables and RMSNorm's per-token fp32 1/rms."""
     from tests.plan.saved import block_saved_bytes
 
@@ -189,7 +184,7 @@ def test_llama_block_saves_what_the_formula_counts(compose_cfg) -> None:
         "model.n_layers=1",
     )
     rope_tables, inv_rms = 2 * s * (d // a) * 2, 2 * b * s * 4  # one cached bf16 cos/sin pair for q and k
-    formula = activation_bytes_per_layer(s, b, d, a, ffn_hidden=f, arch="llama", n_kv_heads=g)
+    formula = activation_bytes_per_layer(*built_dims(cfg.model), s, b)
     assert block_saved_bytes(cfg.model, b, s) == formula + rope_tables + inv_rms
 
 
@@ -300,7 +295,7 @@ def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
     """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 70.3 GiB, within 2% of the
     fastest layout the search finds (PP 4 x DP 8, no recomputation: 0.8% faster); FSDP over 32 GPUs needs
     selective recomputation and is 1.7x slower."""
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
     from hpctrain.plan.search import cheapest_fitting
 
     est = check_config(compose_cfg("+experiment=llama3_8b_4node", "dry_run=true")).estimates
@@ -318,6 +313,6 @@ def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
 
 def test_search_keeps_whole_key_value_heads_per_tp_rank() -> None:
     """TP may not split a key/value head: with 2 of them, TP 4 and 8 are no candidates."""
-    tiny = ModelShape(4, 128, 8, 256, 256, ffn_hidden=352, arch="llama", n_kv_heads=2)
+    tiny = shape("llama", 4, 128, 8, 256, 256, ffn_hidden=352, kv_heads=2)
     tps = {c.layout.tp for c in search_layouts(tiny, 8, H100, global_batch=16)}
     assert tps == {1, 2}

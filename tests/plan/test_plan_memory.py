@@ -17,7 +17,8 @@ from hpctrain.plan.memory import (
     stage_params_per_gpu,
     zero_model_states,
 )
-from hpctrain.plan.types import GB, GiB, Hardware, Layout, ModelShape
+from hpctrain.plan.types import GB, GiB, Hardware, Layout
+from tests.plan.shapes import GPT, dims, gpt
 
 # ------------------------------------------------------------------ ZeRO paper, Figure 1
 
@@ -61,19 +62,19 @@ MEGATRON = {"flash_attention": False, "dropout": True, "sp_keeps_gathered": Fals
 def test_korthikanti_no_parallelism():
     # sbh (34 + 80) = 114 sbh
     assert korthikanti_bytes_per_layer(S, 1, H, A) == 114 * SBH == 2_868_903_936
-    assert activation_bytes_per_layer(S, 1, H, A, **MEGATRON) == 114 * SBH
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, **MEGATRON) == 114 * SBH
 
 
 def test_korthikanti_tensor_parallel():
     # sbh (10 + 24/8 + 80/8) = 23 sbh
     assert korthikanti_bytes_per_layer(S, 1, H, A, tp=T) == pytest.approx(23 * SBH)
-    assert activation_bytes_per_layer(S, 1, H, A, tp=T, **MEGATRON) == pytest.approx(23 * SBH)
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, tp=T, **MEGATRON) == pytest.approx(23 * SBH)
 
 
 def test_korthikanti_tensor_and_sequence_parallel():
     # sbh/8 (34 + 80) = 14.25 sbh
     assert korthikanti_bytes_per_layer(S, 1, H, A, T, sequence_parallel=True) == pytest.approx(14.25 * SBH)
-    assert activation_bytes_per_layer(S, 1, H, A, T, True, **MEGATRON) == pytest.approx(14.25 * SBH)
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, T, True, **MEGATRON) == pytest.approx(14.25 * SBH)
 
 
 def test_korthikanti_selective_recompute():
@@ -84,14 +85,14 @@ def test_korthikanti_selective_recompute():
 def test_korthikanti_full_recompute():
     assert korthikanti_bytes_per_layer(S, 1, H, A, T, False, "full") == 2 * SBH
     assert korthikanti_bytes_per_layer(S, 1, H, A, T, True, "full") == pytest.approx(2 * SBH / 8)
-    assert activation_bytes_per_layer(S, 1, H, A, T, False, "full") == 2 * SBH  # the same in hpctrain
-    assert activation_bytes_per_layer(S, 1, H, A, T, True, "full") == pytest.approx(2 * SBH / 8)
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, T, False, "full") == 2 * SBH  # the same in hpctrain
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 1, T, True, "full") == pytest.approx(2 * SBH / 8)
 
 
 def test_activations_scale_with_micro_batch_and_ffn():
     assert korthikanti_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(4 * 14.25 * SBH)
-    assert activation_bytes_per_layer(S, 4, H, A, T, True) == pytest.approx(
-        4 * activation_bytes_per_layer(S, 1, H, A, T, True)
+    assert activation_bytes_per_layer(GPT, dims(H, A), S, 4, T, True) == pytest.approx(
+        4 * activation_bytes_per_layer(GPT, dims(H, A), S, 1, T, True)
     )
     # MLP width f = 2h: "34" becomes 18 + 4 f/h = 26
     assert korthikanti_bytes_per_layer(128, 1, 64, 4, ffn_hidden=128) == pytest.approx(
@@ -118,9 +119,9 @@ def test_first_stage_holds_whole_model_of_activations():
     The first stage also holds what the token embedding's backward makes under TP when FSDP2 accumulates (here
     `replicate`, ZeRO-0 with TP/PP, under PP): working copies of the whole table on every TP rank, in the reduce
     dtype and the compute dtype, once whatever the micro-batches in flight (found by dry_run=simulate)."""
-    model = ModelShape(96, H, A, S, 50257, dropout=0.1)
+    model = gpt(96, H, A, S, 50257, dropout=0.1)
     lay = Layout(dp=2, tp=8, pp=8, micro_batch=1, grad_accum=16, sequence_parallel=True)
-    per_layer = activation_bytes_per_layer(S, 1, H, A, 8, True, dropout=True)
+    per_layer = activation_bytes_per_layer(GPT, dims(H, A), S, 1, 8, True, dropout=True)
     embedding_dropout = SBH * 8  # s b h p, one byte each: the embedding sum stays replicated over TP
     # rows x h x (reduce dtype + compute dtype): no reduce_dtype, so bf16 + bf16 (vocab_pad_multiple 1: 50257 rows)
     embedding_backward = 50257 * H * (2 + 2)
@@ -146,9 +147,9 @@ def test_last_stage_adds_the_head_and_full_logits():
     """12 layers x 1 micro-batch + final LayerNorm input (/t, SP) + the head's gathered input + the logits:
     12 bytes per logit (log-softmax output, its gradient, the logits' fp32 gradient) + 2 (bf16 logits the
     pipeline schedule keeps for the backward), on every TP rank."""
-    model = ModelShape(96, H, A, S, 50257)
+    model = gpt(96, H, A, S, 50257)
     lay = Layout(dp=2, tp=8, pp=8, micro_batch=1, grad_accum=16, sequence_parallel=True)
-    per_layer = activation_bytes_per_layer(S, 1, H, A, 8, True)
+    per_layer = activation_bytes_per_layer(GPT, dims(H, A), S, 1, 8, True)
     last = 12 * per_layer + 2 * SBH / 8 + 2 * SBH + 2048 * 50257 * (12 + 2)
     assert stage_activation_bytes(model, lay, 7) == pytest.approx(last)
 
@@ -159,10 +160,10 @@ def test_recompute_adds_one_layer_transient():
     embedding output, before SP's slicing hook (which runs inside the checkpointed region) cuts it to s/t, so
     the other (t - 1)/t of it stays, for each micro-batch in flight; and the token embedding backward's working
     copies of the whole table (FSDP2 `replicate` accumulating under PP)."""
-    model = ModelShape(96, H, A, S, 50257)
+    model = gpt(96, H, A, S, 50257)
     full = Layout(dp=2, tp=8, pp=8, grad_accum=16, sequence_parallel=True, recompute="full")
     stored = 96 * 2 * SBH / 8
-    one_layer = activation_bytes_per_layer(S, 1, H, A, 8, True) - 2 * SBH / 8
+    one_layer = activation_bytes_per_layer(GPT, dims(H, A), S, 1, 8, True) - 2 * SBH / 8
     # s b h x 2 bytes (FSDP2's bf16, no autocast) x (1 - 1/t), for the 8 micro-batches in flight on stage 0
     first_block_input = SBH * 2 * (1 - 1 / 8) * 8
     embedding_backward = 50257 * H * (2 + 2)  # rows x h x (reduce dtype + compute dtype), bf16 + bf16 here
@@ -176,21 +177,21 @@ def test_recompute_adds_one_layer_transient():
 
 
 def test_stage_params_cover_the_model():
-    model = ModelShape(4, 64, 4, 32, 100)
+    model = gpt(4, 64, 4, 32, 100)
     assert stage_params_per_gpu(model, Layout(dp=1, tp=1, pp=1), 0) == model.params
     # pp = 2, tied: the last stage keeps a copy of the word embedding (Megatron)
     two = Layout(dp=1, tp=1, pp=2)
     total = stage_params_per_gpu(model, two, 0) + stage_params_per_gpu(model, two, 1)
     assert total == model.params + 100 * 64
-    assert layer_params_per_gpu(model, 1) == layer_params(64, 256)
-    assert layer_params_per_gpu(model, 4) == (layer_params(64, 256) - 6 * 64) / 4 + 6 * 64
+    assert layer_params_per_gpu(model, 1) == layer_params(GPT, dims(64, 4))
+    assert layer_params_per_gpu(model, 4) == (layer_params(GPT, dims(64, 4)) - 6 * 64) / 4 + 6 * 64
 
 
 def test_stage_params_use_the_padded_vocabulary():
     """The embedding is built with padded rows (hpctrain.models.params.padded_vocab): 100 -> 128 with
     multiple 64 x TP 2; the model's own count (ModelShape.params) keeps the tokenizer's 100."""
-    model = ModelShape(4, 64, 4, 32, 100, vocab_pad_multiple=64)
-    plain = ModelShape(4, 64, 4, 32, 100)
+    model = gpt(4, 64, 4, 32, 100, vocab_pad_multiple=64)
+    plain = gpt(4, 64, 4, 32, 100)
     assert model.params == plain.params
     assert model.vocab_rows(1) == 128 and model.vocab_rows(2) == 128 and model.vocab_rows(4) == 256
     assert model.padding_params(2) == 28 * 64
@@ -205,7 +206,7 @@ HW = Hardware("test", 8, 80 * GiB, 312e12, 300e9, 25e9)
 
 
 def test_memory_per_gpu_columns_add_up_and_most_loaded_gpu():
-    model = ModelShape(96, H, A, S, 50257)
+    model = gpt(96, H, A, S, 50257)
     lay = Layout(
         dp=64, tp=8, pp=8, micro_batch=1, grad_accum=12, zero_stage=1, sequence_parallel=True, recompute="full"
     )

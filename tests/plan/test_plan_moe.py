@@ -12,16 +12,17 @@ import pytest
 
 from hpctrain.config.problems import ConfigError
 from hpctrain.launch.cli import run
-from hpctrain.models.params import model_active_param_count, model_param_count, stage_param_counts
-from hpctrain.plan.activations import MoELayer, activation_bytes_per_layer
+from hpctrain.models.params import built_dims, model_active_param_count, model_param_count, stage_param_counts
+from hpctrain.plan.activations import activation_bytes_per_layer
 from hpctrain.plan.comm import dp_items, ep_items
-from hpctrain.plan.estimate import cluster_hardware, model_shape
+from hpctrain.plan.estimate import cluster_hardware
 from hpctrain.plan.flops import flops_per_iteration, fp8_flops_per_iteration, model_flops_per_token
 from hpctrain.plan.memory import memory_per_gpu, shard_params_per_gpu, stage_params_per_gpu
 from hpctrain.plan.offload import offload_costs, rank_shards
 from hpctrain.plan.search import search_layouts
 from hpctrain.plan.step_time import estimate_step, step_range
-from hpctrain.plan.types import GiB, Layout, hardware
+from hpctrain.plan.types import GiB, Layout, ModelShape, hardware
+from tests.plan.shapes import QWEN3_MOE, dims
 
 # (total, active): Hugging Face's counts of mistralai/Mixtral-8x7B-v0.1 and Qwen/Qwen3-30B-A3B (sum of numel over
 # the safetensors; the active figure is what the model cards publish: 12.9B, 3.3B).
@@ -33,14 +34,14 @@ H100 = hardware("h100_80gb")
 
 
 def _moe_counts(
-    l: int, h: int, heads: int, kv: int, hd: int, e: int, k: int, f: int, v: int, qk_norm: bool
+    L: int, h: int, heads: int, kv: int, hd: int, e: int, k: int, f: int, v: int, qk_norm: bool
 ) -> tuple[int, int]:
     """Per layer: QKV h x (q + 2 kv), the projection q x h, two RMSNorms, Qwen3's per-head q/k norms, the router
     E x h and E SwiGLU experts 3 h f; embedding and untied head V x h; the final norm. Active: top_k experts."""
     q, kvd = heads * hd, kv * hd
     dense = h * (q + 2 * kvd) + q * h + 2 * h + (2 * hd if qk_norm else 0) + e * h
     top = 2 * v * h + h
-    return l * (dense + 3 * e * h * f) + top, l * (dense + 3 * k * h * f) + top
+    return L * (dense + 3 * e * h * f) + top, L * (dense + 3 * k * h * f) + top
 
 
 def test_published_totals_and_active_parameters(compose_cfg) -> None:
@@ -53,7 +54,7 @@ def test_published_totals_and_active_parameters(compose_cfg) -> None:
     for name, (total, active) in counts.items():
         m = compose_cfg(f"model={name}").model
         assert (model_param_count(m), model_active_param_count(m)) == (total, active), name
-        shape = model_shape(m, 4096)
+        shape = ModelShape.of(m, 4096)
         assert (shape.params, shape.active_params) == (total, active)
         halves = (m.n_layers // 2,) * 2
         assert sum(stage_param_counts(m, halves)) == total + 2 * (shape.vocab_rows() - m.vocab_size) * m.d_model
@@ -66,7 +67,7 @@ def test_mfu_counts_the_active_parameters(compose_cfg) -> None:
     cfg = compose_cfg("model=qwen3_30b_a3b", "train.seq_len=4096")
     per_token = 6 * PUBLISHED["qwen3_30b_a3b"][1] + 12 * 48 * 4096 * 32 * 128
     assert flops_per_token(cfg) == per_token
-    assert model_flops_per_token(model_shape(cfg.model, 4096)) == per_token
+    assert model_flops_per_token(ModelShape.of(cfg.model, 4096)) == per_token
     dense = compose_cfg("model=llama3_8b", "train.seq_len=8192")
     assert flops_per_token(dense) == 6 * model_param_count(dense.model) + 12 * 32 * 8192 * 4096
 
@@ -75,16 +76,16 @@ def test_flops_run_the_router_and_top_k_experts_on_every_tp_rank(compose_cfg) ->
     """Per token and layer forward: the attention's matrices, the router E h, top_k experts 3 h f_e; TP leaves the
     MoE layer whole, so each of the t ranks runs it: the GPUs together t times. FP8 converts the attention only."""
     m = compose_cfg("model=moe_tiny").model
-    shape = model_shape(m, 256)
-    h, q, kv, e, k, f, s, b, l = 64, 64, 32, 8, 2, 64, 256, 4, 4
+    shape = ModelShape.of(m, 256)
+    h, q, kv, e, k, f, s, b, L = 64, 64, 32, 8, 2, 64, 256, 4, 4
     tokens = b * s
     attn, moe = h * (q + 2 * kv) + q * h, e * h + 3 * k * h * f
     core = 4 * tokens * s * q
     logits = 2 * tokens * h * shape.vocab_rows(2)
     for tp in (1, 2):
         layer = 2 * tokens * (attn + tp * moe) + core
-        assert flops_per_iteration(shape, b, "none", tp) == pytest.approx(l * 3 * layer + 3 * logits)
-    assert fp8_flops_per_iteration(shape, b, "full", "tensorwise") == l * 4 * 2 * tokens * attn
+        assert flops_per_iteration(shape, b, "none", tp) == pytest.approx(L * 3 * layer + 3 * logits)
+    assert fp8_flops_per_iteration(shape, b, "full", "tensorwise") == L * 4 * 2 * tokens * attn
 
 
 @pytest.mark.parametrize(
@@ -115,9 +116,7 @@ def test_moe_block_saves_what_the_formula_counts(compose_cfg, arch: str, head_di
     )
     hd = head_dim or d // a
     rope_tables, inv_rms = 2 * s * hd * 2, 2 * b * s * 4
-    formula = activation_bytes_per_layer(
-        s, b, d, a, ffn_hidden=f, arch=arch, n_kv_heads=g, head_dim=head_dim or None, moe=MoELayer(e, k, f, shared * f)
-    )
+    formula = activation_bytes_per_layer(*built_dims(cfg.model), s, b)
     assert block_saved_bytes(cfg.model, b, s) == formula + rope_tables + inv_rms
 
 
@@ -125,16 +124,15 @@ def test_moe_activations_are_whole_on_every_tp_rank() -> None:
     """The MoE layer's bytes do not shrink with TP (each TP rank runs it on the full sequence); the busiest EP rank's
     experts hold `load` x the rows; full recomputation keeps the block input only."""
     s, h, a = 4096, 4096, 64
-    moe = MoELayer(128, 8, 1536)
-    kw = {"ffn_hidden": 1536, "arch": "qwen3_moe", "n_kv_heads": 4, "head_dim": 128, "moe": moe}
-    one = activation_bytes_per_layer(s, 1, h, a, **kw)
-    rows = one - activation_bytes_per_layer(s, 1, h, a, **{**kw, "moe": replace(moe, load=0.0)})
+    block = dims(h, a, ffn_hidden=1536, kv_heads=4, head_dim=128, n_experts=128, top_k=8)  # Qwen3-235B-A22B's
+    one = activation_bytes_per_layer(QWEN3_MOE, block, s, 1)
+    rows = one - activation_bytes_per_layer(QWEN3_MOE, block, s, 1, expert_load=0.0)
     assert rows == s * 8 * (2 * h + 8 * 1536)  # each token's 8 routed rows: input and SwiGLU
-    tp4 = activation_bytes_per_layer(s, 1, h, a, 4, True, **kw)
-    assert tp4 - activation_bytes_per_layer(s, 1, h, a, 4, True, **{**kw, "moe": replace(moe, load=0.0)}) == rows
-    skew = activation_bytes_per_layer(s, 1, h, a, **{**kw, "moe": replace(moe, load=1.25)}) - one
+    tp4 = activation_bytes_per_layer(QWEN3_MOE, block, s, 1, 4, True)
+    assert tp4 - activation_bytes_per_layer(QWEN3_MOE, block, s, 1, 4, True, expert_load=0.0) == rows
+    skew = activation_bytes_per_layer(QWEN3_MOE, block, s, 1, expert_load=1.25) - one
     assert skew == pytest.approx(0.25 * rows)
-    assert activation_bytes_per_layer(s, 1, h, a, recompute="full", **kw) == 2 * s * h
+    assert activation_bytes_per_layer(QWEN3_MOE, block, s, 1, recompute="full") == 2 * s * h
     assert (one / (s * h)) > 100  # ~108 sbh of MoE layer + the attention's
 
 
@@ -146,7 +144,7 @@ def test_per_ep_rank_counts_are_the_engines(compose_cfg, ep: int) -> None:
     import torch
 
     from hpctrain.models import create_model
-    from hpctrain.models.moe import GroupedExperts
+    from hpctrain.models.common.moe import GroupedExperts
     from hpctrain.parallel.expert_parallel import apply_ep
     from hpctrain.simulate.world import fake_world
 
@@ -164,9 +162,9 @@ def test_per_ep_rank_counts_are_the_engines(compose_cfg, ep: int) -> None:
         if ep > 1:
             apply_ep(model, dims.ep_mesh)
         local = {name: (p.to_local() if hasattr(p, "to_local") else p).numel() for name, p in model.named_parameters()}
-    shape = model_shape(cfg.model, 128)
+    shape = ModelShape.of(cfg.model, 128)
     assert whole == model_param_count(cfg.model) + 2 * (shape.vocab_rows() - 256) * 64
-    assert {n for n in local if shape.family.expert_dim(n) is not None} == experts  # the spec's ep_dims
+    assert {n for n in local if shape.family.expert_dim(n) is not None} == experts  # the family entry's ep_dims
     assert (
         sum(local.values())
         == stage_param_counts(cfg.model, (cfg.model.n_layers,), 1, per_gpu=True, ep=ep)[0]
@@ -179,7 +177,7 @@ def test_expert_states_are_split_over_ep_and_sharded_over_what_it_leaves(compose
     """Qwen3-30B-A3B on 16 GPUs, ZeRO-1: the rank's fp32 shards hold all / dp_shard parameters whatever ep is
     (dense over 16, this EP rank's experts over 16 / ep), the bf16 working copies and whole gradients the dense
     parameters and 1/ep of the experts."""
-    shape = model_shape(compose_cfg("model=qwen3_30b_a3b").model, 4096)
+    shape = ModelShape.of(compose_cfg("model=qwen3_30b_a3b").model, 4096)
     n, experts = stage_params_per_gpu(shape, Layout(dp=1, tp=1, pp=1), 0), 48 * shape.expert_layer_params
     for ep in (1, 2, 8, 16):
         lay = Layout(
@@ -198,7 +196,7 @@ def test_expert_states_are_split_over_ep_and_sharded_over_what_it_leaves(compose
 
 
 def test_offload_steps_the_ranks_shards_with_ep(compose_cfg) -> None:
-    shape = model_shape(compose_cfg("model=qwen3_30b_a3b").model, 4096)
+    shape = ModelShape.of(compose_cfg("model=qwen3_30b_a3b").model, 4096)
     lay = Layout(
         dp=16,
         tp=1,
@@ -219,7 +217,7 @@ def test_offload_steps_the_ranks_shards_with_ep(compose_cfg) -> None:
 def test_all_to_all_bytes_per_moe_layer(compose_cfg) -> None:
     """Per MoE layer and micro-batch: 4 all-to-alls (6 with recomputation) of s b top_k d in the compute dtype, the
     (ep - 1)/ep that leaves the rank, x the assumed imbalance; EP 8 stays on NVLink (tp x ep <= 8 GPUs a node)."""
-    shape = model_shape(compose_cfg("model=qwen3_235b_a22b").model, 4096)
+    shape = ModelShape.of(compose_cfg("model=qwen3_235b_a22b").model, 4096)
     lay = Layout(dp=256, tp=1, pp=1, zero_stage=3, micro_batch=2, grad_accum=4, recompute="none", ep=8)
     (item,) = ep_items(shape, lay, H100, imbalance=1.25)
     rows = 4096 * 2 * 8 * 4096 * 2
@@ -233,7 +231,7 @@ def test_all_to_all_bytes_per_moe_layer(compose_cfg) -> None:
 
 def test_dp_traffic_of_the_experts_runs_over_the_ranks_holding_them(compose_cfg) -> None:
     """ZeRO-3's all-gathers: the dense parameters over all 256 ranks, this EP rank's experts (1/8) over 32."""
-    shape = model_shape(compose_cfg("model=qwen3_235b_a22b").model, 4096)
+    shape = ModelShape.of(compose_cfg("model=qwen3_235b_a22b").model, 4096)
     lay = Layout(dp=256, tp=1, pp=1, zero_stage=3, micro_batch=2, grad_accum=4, recompute="full", ep=8)
     experts = 94 * shape.expert_layer_params
     dense = stage_params_per_gpu(shape, Layout(dp=1, tp=1, pp=1), 0) - experts
@@ -242,7 +240,7 @@ def test_dp_traffic_of_the_experts_runs_over_the_ranks_holding_them(compose_cfg)
 
 
 def test_step_estimate_adds_the_all_to_alls_and_the_wait_for_the_busiest_rank(compose_cfg) -> None:
-    shape = model_shape(compose_cfg("model=qwen3_235b_a22b").model, 4096)
+    shape = ModelShape.of(compose_cfg("model=qwen3_235b_a22b").model, 4096)
     lay = Layout(
         dp=256, tp=1, pp=1, zero_stage=3, micro_batch=2, grad_accum=4, recompute="full", ep=8, reduce_dtype="fp32"
     )
@@ -259,18 +257,19 @@ def test_step_estimate_adds_the_all_to_alls_and_the_wait_for_the_busiest_rank(co
 
 
 def test_the_search_tries_ep_for_moe_models_only(compose_cfg) -> None:
-    """Every candidate obeys the layout rules' one owner (so the checks accept whatever auto picks); ep divides dp
-    and n_experts; a dense model keeps ep = 1."""
-    from hpctrain.config.layout import model_fit_problems
+    """Every candidate obeys the layout rules the checks report (config.layout.layout_rules, so the checks accept
+    whatever auto picks); ep divides dp and n_experts; a dense model keeps ep = 1."""
+    from hpctrain.config.layout import layout_rules
+    from hpctrain.plan.search import workload
 
     cfg = compose_cfg("model=qwen3_30b_a3b", "cluster.gpu_type=h100_80gb", "cluster.gpus_per_node=8")
-    shape = model_shape(cfg.model, 4096)
+    shape = ModelShape.of(cfg.model, 4096)
     found = search_layouts(shape, 16, cluster_hardware(cfg.cluster), 64)
     assert {c.layout.ep for c in found} == {1, 2, 4, 8, 16}
     for c in found:
-        assert not model_fit_problems(replace(c.layout, gpus_per_node=8), 48, 32, 4, 768, 128)
+        assert not layout_rules(c.layout, workload(shape, cluster_hardware(cfg.cluster)))
         assert c.layout.dp_shard % c.layout.ep == 0 and 128 % c.layout.ep == 0
-    dense = search_layouts(model_shape(compose_cfg("model=llama3_8b").model, 4096), 16, H100, 64)
+    dense = search_layouts(ModelShape.of(compose_cfg("model=llama3_8b").model, 4096), 16, H100, 64)
     assert {c.layout.ep for c in dense} == {1}
 
 
@@ -280,12 +279,12 @@ def test_parallel_auto_can_only_pick_an_ep_the_checks_accept(compose_cfg) -> Non
     passes the checks with the layout it names."""
     from omegaconf import OmegaConf
 
+    from hpctrain.checks.runner import check_config
     from hpctrain.plan.auto import layout_overrides
-    from hpctrain.plan.checks import check_config
 
     base = compose_cfg("+experiment=qwen3_235b_a22b", "dry_run=true")
     candidates = search_layouts(
-        model_shape(base.model, base.train.seq_len),
+        ModelShape.of(base.model, base.train.seq_len),
         256,
         cluster_hardware(base.cluster),
         base.train.global_batch,
@@ -333,7 +332,7 @@ def test_the_qwen3_235b_experiment_plans_on_h100_nodes(compose_cfg, capsys) -> N
 
 
 def test_moe_keys_on_a_dense_model_and_compile_are_refused(compose_cfg) -> None:
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
 
     with pytest.raises(ConfigError) as dense:
         check_config(compose_cfg("model=llama_tiny", "model.moe.n_experts=8", "model.moe.top_k=4"))

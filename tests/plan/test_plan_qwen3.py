@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from hpctrain.config.problems import ConfigError
-from hpctrain.models.params import model_param_count, stage_param_counts
+from hpctrain.models.params import built_dims, model_param_count, stage_param_counts
 from hpctrain.plan.activations import activation_bytes_per_layer
-from hpctrain.plan.estimate import model_shape
 from hpctrain.plan.flops import attention_core_flops, flops_per_iteration
+from hpctrain.plan.types import ModelShape
 from tests.plan.saved import block_saved_bytes
 
 QWEN3_8B = 8_190_735_360  # Hugging Face Qwen/Qwen3-8B, sum of numel over its safetensors
@@ -23,7 +23,7 @@ def test_qwen3_8b_parameter_count_is_the_published_one(compose_cfg) -> None:
     layer = h * (q + 2 * k) + q * h + 3 * h * f + 2 * h + 2 * 128
     assert 36 * layer + 2 * v * h + h == QWEN3_8B
     assert model_param_count(m) == QWEN3_8B
-    assert model_shape(m, 4096).params == QWEN3_8B
+    assert ModelShape.of(m, 4096).params == QWEN3_8B
     quarters = (m.n_layers // 4,) * 4
     assert sum(stage_param_counts(m, quarters)) == QWEN3_8B + 2 * (151936 - 151936)  # 151936 is a multiple of 64
 
@@ -32,7 +32,7 @@ def test_qwen3_flops_count_the_query_width_not_d_model(compose_cfg) -> None:
     """Qwen3-4B-like heads (4 x 64 in d 128): the attention core runs over n_heads x head_dim, and the Linears are
     the block's matrices, Q and the projection 2 x wider than d_model."""
     m = compose_cfg("model=qwen3_tiny").model
-    shape = model_shape(m, 256)
+    shape = ModelShape.of(m, 256)
     tokens, h, q, k, f, s = 4 * 256, 128, 256, 128, 352, 256
     linear = 2 * tokens * (h * (q + 2 * k) + q * h + 3 * h * f)
     layer = linear + attention_core_flops(tokens, s, q)
@@ -58,14 +58,12 @@ def test_qwen3_block_saves_what_the_formula_counts(compose_cfg, head_dim: int) -
     )
     hd = head_dim or d // a
     rope_tables, inv_rms = 2 * s * hd * 2, 2 * b * s * 4
-    formula = activation_bytes_per_layer(
-        s, b, d, a, ffn_hidden=f, arch="qwen3", n_kv_heads=g, head_dim=head_dim or None
-    )
+    formula = activation_bytes_per_layer(*built_dims(cfg.model), s, b)
     assert block_saved_bytes(cfg.model, b, s) == formula + rope_tables + inv_rms
 
 
 def test_head_dim_checks(compose_cfg) -> None:
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
 
     check_config(compose_cfg("model=qwen3_tiny", "model.d_model=90"))  # 90 / 4 heads: fine with head_dim 64
     with pytest.raises(ConfigError) as odd:

@@ -15,24 +15,27 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpctrain.plan.activations import MoELayer, activation_bytes_per_layer
+from hpctrain.models.params import built_dims
+from hpctrain.plan.activations import activation_bytes_per_layer
 from tests.distributed_harness import run_distributed
 from tests.plan.saved import block_saved_bytes, saved_bytes
+from tests.plan.shapes import GPT, dims
 
 _c10d = torch.ops._c10d_functional
 _COLLECTIVES = {_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default}
 D, A, G, F, S, B = 256, 8, 2, 704, 512, 2
 SBH = S * B * D
-BLOCKS = {"gpt": ("model=tiny", {}), "llama": ("model=llama_tiny", {"ffn_hidden": F, "arch": "llama", "n_kv_heads": G})}
+BLOCKS = {"gpt": "model=tiny", "llama": "model=llama_tiny"}
 
 
 def _cfg(compose_cfg: Any, arch: str) -> Any:
     extra = [f"model.n_kv_heads={G}", f"model.ffn_hidden={F}"] if arch == "llama" else []
-    return compose_cfg(BLOCKS[arch][0], f"model.d_model={D}", f"model.n_heads={A}", "model.n_layers=1", *extra).model
+    return compose_cfg(BLOCKS[arch], f"model.d_model={D}", f"model.n_heads={A}", "model.n_layers=1", *extra).model
 
 
-def _formula(arch: str, recompute: str, tp: int = 1, sp: bool = False) -> float:
-    return activation_bytes_per_layer(S, B, D, A, tp, sp, recompute, **BLOCKS[arch][1])
+def _formula(model_cfg: Any, recompute: str, tp: int = 1, sp: bool = False) -> float:
+    """The planner's bytes for the config's block (its family and Dims) at S tokens, B sequences."""
+    return activation_bytes_per_layer(*built_dims(model_cfg), S, B, tp, sp, recompute)
 
 
 @pytest.mark.parametrize("arch", list(BLOCKS))
@@ -40,9 +43,9 @@ def test_selective_keeps_what_the_formula_counts(compose_cfg: Any, arch: str) ->
     """Without TP: 22 sbh + the log-sum-exp for both blocks here (GPT none: 32, Llama none: 45.6), full 2."""
     model = _cfg(compose_cfg, arch)
     selective = block_saved_bytes(model, B, S, "selective")
-    assert selective == _formula(arch, "selective") == SBH * (22 + 4 * A / D)
-    assert block_saved_bytes(model, B, S, "full") == _formula(arch, "full") == 2 * SBH
-    assert selective < _formula(arch, "none") < block_saved_bytes(model, B, S, "none")
+    assert selective == _formula(model, "selective") == SBH * (22 + 4 * A / D)
+    assert block_saved_bytes(model, B, S, "full") == _formula(model, "full") == 2 * SBH
+    assert selective < _formula(model, "none") < block_saved_bytes(model, B, S, "none")
 
 
 class _OpCounter(TorchDispatchMode):
@@ -88,13 +91,14 @@ def test_selective_under_tp_keeps_what_the_formula_counts(compose_cfg: Any, arch
     gathered inputs 4 whole, the reduce-scatter outputs 2 / t): less than none. Backward runs the collectives of
     backward without recomputation, no more (full recomputation's forward communicates again), and one matmul
     more: the attention's output projection, whose partial sum the policy does not save (full reruns more)."""
-    ranks = run_distributed(_tp_block, 2, _cfg(compose_cfg, arch), sp, timeout=300)
+    model = _cfg(compose_cfg, arch)
+    ranks = run_distributed(_tp_block, 2, model, sp, timeout=300)
     assert ranks[0] == ranks[1]
     got = ranks[0]
     for mode in ("selective", "full"):
-        assert got[mode][0] == _formula(arch, mode, 2, sp)
+        assert got[mode][0] == _formula(model, mode, 2, sp)
     assert got["selective"][0] == SBH * ((15 if sp else 14) + 4 * A / D / 2)
-    assert got["selective"][0] < _formula(arch, "none", 2, sp) < got["none"][0]
+    assert got["selective"][0] < _formula(model, "none", 2, sp) < got["none"][0]
     none, selective, full = (got[m][1:] for m in ("none", "selective", "full"))
     assert selective == (none[0] + 1, none[1])
     assert full[0] > selective[0] and full[1] > none[1]
@@ -117,10 +121,9 @@ def test_selective_moe_block_keeps_what_the_formula_counts(compose_cfg: Any, arc
         f"model.moe.top_k={k}",
         "model.n_layers=1",
     ).model
-    kw = {"ffn_hidden": F, "arch": arch, "n_kv_heads": G, "moe": MoELayer(e, k, F)}
     selective = block_saved_bytes(model, B, S, "selective")
-    assert selective == activation_bytes_per_layer(S, B, D, A, recompute="selective", **kw)
-    assert selective < activation_bytes_per_layer(S, B, D, A, **kw)
+    assert selective == _formula(model, "selective")
+    assert selective < _formula(model, "none")
 
 
 def test_gpt3_175b_at_tp8_sp_selective_keeps_less_than_none() -> None:
@@ -128,6 +131,6 @@ def test_gpt3_175b_at_tp8_sp_selective_keeps_less_than_none() -> None:
     each + the log-sum-exp 4 a / (h t) where it applies."""
     s, h, a = 2048, 12288, 96
     sbh, lse = s * h, 4 * a / h / 8
-    assert activation_bytes_per_layer(s, 1, h, a, 8, True) == pytest.approx(sbh * (7.5 + lse))
-    assert activation_bytes_per_layer(s, 1, h, a, 8, True, "selective") == pytest.approx(sbh * (6.75 + lse))
-    assert activation_bytes_per_layer(s, 1, h, a, 8, True, "full") == sbh / 4
+    assert activation_bytes_per_layer(GPT, dims(h, a), s, 1, 8, True) == pytest.approx(sbh * (7.5 + lse))
+    assert activation_bytes_per_layer(GPT, dims(h, a), s, 1, 8, True, "selective") == pytest.approx(sbh * (6.75 + lse))
+    assert activation_bytes_per_layer(GPT, dims(h, a), s, 1, 8, True, "full") == sbh / 4

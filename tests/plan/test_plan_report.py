@@ -84,7 +84,7 @@ def test_parallel_auto_picks_a_layout_that_passes_the_checks(compose_cfg, capsys
 
 
 def test_parallel_auto_never_picks_what_the_checks_refuse(compose_cfg, capsys) -> None:
-    """The layout rules have one owner (config.layout.model_fit_problems) that the checks report and the search
+    """The layout rules have one owner (hpctrain.config.rules) that the checks report and the search
     obeys: Llama 3 70B with an MLP of 2 x 14335 on 128 GPUs, which TP 4 and 8 cannot split; auto used to pick
     TP 8 and the checks refused it."""
     plan = _plan(
@@ -162,7 +162,7 @@ def test_plan_reports_the_model_count_and_the_vocabulary_padding_apart(compose_c
     grad = next(p for p in plan["memory_parts_bytes"] if p["name"].startswith("token embedding's gradient"))
     assert grad["bytes"] == pytest.approx(50688 * 12288 * 4 * 7 / 8)
     # ... and the last stage's logits part names them
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
     from hpctrain.plan.memory import stage_parts
 
     est = check_config(compose_cfg("+experiment=175b", "dry_run=true")).estimates
@@ -224,7 +224,7 @@ def test_175b_experiment_uses_the_recomputation_the_planner_needs(compose_cfg) -
     gathered inputs whole). The most
     loaded GPU is on the first stage (8 micro-batches in flight, the token embedding's whole gradient and
     backward copies under TP), whichever the recomputation."""
-    from hpctrain.plan.checks import check_config
+    from hpctrain.checks.runner import check_config
     from hpctrain.plan.memory import memory_per_gpu
     from hpctrain.plan.search import cheapest_fitting
 
@@ -245,9 +245,10 @@ def test_microbatch_advice_must_improve_the_estimate() -> None:
     (the estimate gets worse); with ZeRO-1 the advice is more microbatches, and a larger gain."""
     from hpctrain.plan.auto import better_microbatches
     from hpctrain.plan.step_time import estimate_step
-    from hpctrain.plan.types import Layout, ModelShape, hardware
+    from hpctrain.plan.types import Layout, hardware
+    from tests.plan.shapes import gpt
 
-    model = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257, vocab_pad_multiple=64)
+    model = gpt(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257, vocab_pad_multiple=64)
     hw = hardware("a100_80gb")
     article = Layout(
         dp=64,

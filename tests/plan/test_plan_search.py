@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import pytest
 
+from hpctrain.config.layout import layout_rules
 from hpctrain.plan.memory import memory_per_gpu
 from hpctrain.plan.search import (
     cheapest_fitting,
@@ -11,13 +12,14 @@ from hpctrain.plan.search import (
     explain,
     measured_mfu,
     rank_of,
-    rule_violations,
     search_layouts,
+    workload,
 )
 from hpctrain.plan.step_time import estimate_step
-from hpctrain.plan.types import Layout, ModelShape, hardware
+from hpctrain.plan.types import Layout, hardware
+from tests.plan.shapes import gpt
 
-GPT3 = ModelShape(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257)
+GPT3 = gpt(n_layers=96, d_model=12288, n_heads=96, seq_len=2048, vocab_size=50257)
 A100 = hardware("a100_80gb")
 N_GPUS, GLOBAL_BATCH = 4096, 3072
 ARTICLE = Layout(dp=64, tp=8, pp=8, zero_stage=3, micro_batch=4, grad_accum=12, sequence_parallel=True)
@@ -34,9 +36,10 @@ def test_candidates_obey_rules_fit_and_are_sorted(candidates):
     assert speeds == sorted(speeds, reverse=True)
     for c in candidates:
         lay = c.layout
-        assert rule_violations(GPT3, lay, A100, N_GPUS, GLOBAL_BATCH) == []
-        assert A100.gpus_per_node % lay.tp == 0 and GPT3.n_heads % lay.tp == 0
-        assert GPT3.n_layers % (lay.pp * lay.virtual_stages) == 0
+        assert layout_rules(lay, workload(GPT3, A100)) == []  # the checks' rules, the same functions
+        assert lay.n_gpus == N_GPUS
+        assert A100.gpus_per_node % lay.tp == 0 and GPT3.dims.n_heads % lay.tp == 0
+        assert GPT3.dims.n_layers % (lay.pp * lay.virtual_stages) == 0
         assert lay.micro_batch * lay.grad_accum * lay.dp == GLOBAL_BATCH
         assert lay.pp == 1 or lay.microbatches >= lay.pp
         assert c.memory.fits and c.memory.total <= c.memory.usable
@@ -52,10 +55,11 @@ def test_only_the_cheapest_fitting_recompute_is_kept(candidates):
             assert not memory_per_gpu(GPT3, replace(c.layout, recompute=cheaper), A100).fits
 
 
-def test_rule_violations_catch_bad_layouts():
-    assert rule_violations(GPT3, replace(ARTICLE, grad_accum=4), A100, N_GPUS, GLOBAL_BATCH)  # m < pp, batch
-    assert rule_violations(GPT3, replace(ARTICLE, tp=3, dp=512 // 3), A100, N_GPUS, GLOBAL_BATCH)
-    assert rule_violations(GPT3, replace(ARTICLE, recompute="selective"), A100, N_GPUS, GLOBAL_BATCH) == []
+def test_the_layout_rules_the_search_obeys_catch_bad_layouts():
+    w = workload(GPT3, A100)
+    assert [key for key, _, _ in layout_rules(replace(ARTICLE, grad_accum=4), w)] == ["train.grad_accum"]  # m < pp
+    assert [key for key, _, _ in layout_rules(replace(ARTICLE, tp=3, dp=512 // 3), w)] == ["parallel.tp"]  # 8 % 3
+    assert layout_rules(replace(ARTICLE, recompute="selective"), w) == []
 
 
 def test_article_layout_is_found_ranked_and_explained(candidates):
@@ -97,7 +101,7 @@ def test_rank_of_a_layout_outside_the_list(candidates):
 
 
 def test_small_cpu_search():
-    tiny = ModelShape(n_layers=4, d_model=128, n_heads=4, seq_len=256, vocab_size=256)
+    tiny = gpt(n_layers=4, d_model=128, n_heads=4, seq_len=256, vocab_size=256)
     cands = search_layouts(tiny, 2, hardware("cpu"), global_batch=16, dtype="fp32")
     layouts = {(c.layout.dp, c.layout.tp, c.layout.pp) for c in cands}
     assert layouts == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
@@ -106,5 +110,5 @@ def test_small_cpu_search():
 
 
 def test_nothing_fits_returns_empty():
-    huge = ModelShape(n_layers=8, d_model=16384, n_heads=128, seq_len=2048, vocab_size=50257)
+    huge = gpt(n_layers=8, d_model=16384, n_heads=128, seq_len=2048, vocab_size=50257)
     assert search_layouts(huge, 8, hardware("a100_40gb"), global_batch=8, zero_stages=(0,)) == []

@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from hpctrain.config.layout import Layout, layer_split, lighter_ends
+from hpctrain.config.layout import Layout, lighter_ends
+from hpctrain.config.rules import layer_split
 from hpctrain.config.schema import Config
-from hpctrain.models.params import param_count, stage_param_counts, tp_local_numel
+from hpctrain.models.params import built_dims, padded_vocab, param_count, stage_param_counts, tp_local_numel
 from hpctrain.plan.report import stage_counts
+from tests.plan.shapes import GPT
 
 
-def _cfg(tp: int, pad_multiple: int = 8, vocab: int = 250, arch: str = "gpt") -> object:
+def _cfg(arch: str, tp: int, pad_multiple: int = 8, vocab: int = 250) -> object:
     """A small GPT or Llama with 8 layers (room for pp x virtual stages up to 8); vocab 250 with no padding splits
     unevenly. The Llama has grouped-query attention (8 query heads, 4 key/value heads) and a SwiGLU MLP of 80."""
     model = {
@@ -51,7 +53,7 @@ def test_closed_form_matches_the_meta_device_model(
 ) -> None:
     from hpctrain.parallel.stages import meta_stage_counts
 
-    cfg = _cfg(tp, pad, arch=arch)
+    cfg = _cfg(arch, tp, pad)
     whole, shard = meta_stage_counts(cfg, (cfg.model.n_layers // (pp * v),) * (pp * v), tp)
     assert stage_param_counts(cfg.model, (cfg.model.n_layers // (pp * v),) * (pp * v), tp) == whole
     assert stage_param_counts(cfg.model, (cfg.model.n_layers // (pp * v),) * (pp * v), tp, per_gpu=True) == shard
@@ -62,7 +64,7 @@ def test_closed_form_matches_the_meta_device_model(
 
 def test_zbv_puts_the_first_and_the_last_stage_on_rank_0() -> None:
     """The V: rank r holds stages r and 2p - 1 - r, so rank 0 keeps the embedding and its tied copy."""
-    cfg = _cfg(2)
+    cfg = _cfg("gpt", 2)
     plan = stage_counts(cfg.model, Layout(dp=1, tp=2, pp=2, virtual_stages=2, schedule="zbv"))
     assert plan["stages_of_rank"] == [[0, 3], [1, 2]]
     shard = stage_param_counts(cfg.model, (cfg.model.n_layers // 4,) * 4, 2, per_gpu=True)
@@ -72,23 +74,24 @@ def test_zbv_puts_the_first_and_the_last_stage_on_rank_0() -> None:
 
 def test_one_stage_holds_the_whole_model_once() -> None:
     """Without PP the tied head adds nothing: the count is the model's, with the padded rows."""
-    cfg = _cfg(1, pad_multiple=64)
+    cfg = _cfg("gpt", 1, pad_multiple=64)
     m = cfg.model
-    assert stage_param_counts(m, (m.n_layers,)) == [param_count(m.n_layers, m.d_model, 256, m.context, 4 * m.d_model)]
+    rows = padded_vocab(m.vocab_size, m.vocab_pad_multiple)
+    assert rows == 256 and stage_param_counts(m, (m.n_layers,)) == [param_count(*built_dims(m), embedding_rows=rows)]
 
 
 def test_llama_stages_hold_the_embedding_first_and_the_head_last() -> None:
     """Untied: the first stage holds tok_emb, the last norm_f and output, each once (no embedding copy)."""
-    cfg = _cfg(1, pad_multiple=64, arch="llama")
+    cfg = _cfg("llama", 1, pad_multiple=64)
     block = 48 * (48 + 2 * 24) + 48 * 48 + 3 * 48 * 80 + 2 * 48  # QKV with 4 of 8 heads for K and V, SwiGLU
     assert stage_param_counts(cfg.model, (4, 4)) == [4 * block + 256 * 48, 4 * block + 48 + 256 * 48]
     assert stage_param_counts(cfg.model, (8,)) == [8 * block + 2 * 256 * 48 + 48]
 
 
 def test_uneven_tp_split_counts_the_largest_shard() -> None:
-    assert tp_local_numel("tok_emb.weight", (250, 48), 4) == 63 * 48
-    assert tp_local_numel("layers.0.attn.proj.weight", (48, 48), 4) == 48 * 12
-    assert tp_local_numel("layers.0.norm1.weight", (48,), 4) == 48
+    assert tp_local_numel(GPT, "tok_emb.weight", (250, 48), 4) == 63 * 48
+    assert tp_local_numel(GPT, "layers.0.attn.proj.weight", (48, 48), 4) == 48 * 12
+    assert tp_local_numel(GPT, "layers.0.norm1.weight", (48,), 4) == 48
 
 
 def test_uneven_stages_split_as_set() -> None:
@@ -113,7 +116,7 @@ def test_uneven_closed_form_matches_the_meta_device_model(
     each rank's layers are its chunks' (zbv: rank 0 holds the first and the last chunk)."""
     from hpctrain.parallel.stages import meta_stage_counts
 
-    cfg = _cfg(tp, arch="llama")
+    cfg = _cfg("llama", tp)
     lay = Layout(
         dp=1, tp=tp, pp=pp, virtual_stages=v, schedule=schedule, first_stage_layers=first, last_stage_layers=last
     )

@@ -17,10 +17,11 @@ from hpctrain.plan.memory import (
     stage_params_per_gpu,
 )
 from hpctrain.plan.states import data_parallel_kind, fills_buffer, gradient_reductions, zero_model_states
-from hpctrain.plan.types import GiB, Hardware, Layout, ModelShape
+from hpctrain.plan.types import GiB, Hardware, Layout
+from tests.plan.shapes import gpt
 
 HW = Hardware("test", 8, 80 * GiB, 312e12, 300e9, 25e9)
-MODEL = ModelShape(4, 256, 4, 64, 1000)
+MODEL = gpt(4, 256, 4, 64, 1000)
 
 
 def _n(lay: Layout, stage: int = 0) -> float:
@@ -33,7 +34,7 @@ def _layer(lay: Layout) -> float:
 
 def _root(lay: Layout, stage: int = 0) -> float:
     """The parameters outside the blocks on the stage: FSDP2's root unit."""
-    return _n(lay, stage) - MODEL.n_layers // lay.pp * _layer(lay)
+    return _n(lay, stage) - MODEL.dims.n_layers // lay.pp * _layer(lay)
 
 
 def test_which_wrapper_runs():
@@ -59,13 +60,13 @@ def test_zero1_is_megatrons_distributed_optimizer():
     unit's all-gather output, one parameter's fresh bf16 gradient (the largest: an MLP matrix here) and the
     layer's fp32 reduce-scatter input."""
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=1, grad_accum=8, reduce_dtype="fp32")
-    mem, n, layer, root = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay), _root(lay)
+    mem, n, layer = memory_per_gpu(MODEL, lay, HW), _n(lay), _layer(lay)
     assert fills_buffer(lay)
     assert mem.params == pytest.approx(4 * n / 8 + 2 * n)
     assert mem.grads == pytest.approx(4 * n)
     assert mem.optimizer == pytest.approx(8 * n / 8)
     largest = largest_param_per_gpu(MODEL, lay)
-    assert largest == 4 * 256 * 256 > MODEL.vocab_rows() * MODEL.d_model  # an MLP matrix beats the embedding
+    assert largest == 4 * 256 * 256 > MODEL.vocab_rows() * MODEL.dims.d_model  # an MLP matrix beats the embedding
     assert mem.buffers == pytest.approx(2 * layer + 2 * largest + 4 * layer)
     assert gradient_reductions(lay) == 1
     assert (mem.params + mem.grads + mem.optimizer) / n == pytest.approx(6 + 12 / 8)
@@ -217,7 +218,7 @@ def test_gpt3_1_3b_zero2_dp8_states():
     backward: 4 bytes/param plus that, where the ZeRO paper's ZeRO-2 says 3.75 (2 + (2 + 12) / 8: its gradients
     are 16-bit). The buffers apart: one layer's all-gather output, and the root's fp32 reduce-scatter input (the
     backward's last and largest)."""
-    model = ModelShape(24, 2048, 16, 2048, 50257, vocab_pad_multiple=64)
+    model = gpt(24, 2048, 16, 2048, 50257, vocab_pad_multiple=64)
     lay = Layout(dp=8, tp=1, pp=1, zero_stage=2, micro_batch=8, grad_accum=8, reduce_dtype="fp32")
     mem = memory_per_gpu(model, lay, HW)
     n, layer = stage_params_per_gpu(model, Layout(dp=1, tp=1, pp=1), 0), layer_params_per_gpu(model, 1)

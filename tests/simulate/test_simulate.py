@@ -56,7 +56,7 @@ LAYOUTS = {
         },
         False,
     ),
-    # MoE with EP 2 under ZeRO-3: fake tensors route evenly (hpctrain.models.moe.balanced), the real router does
+    # MoE with EP 2 under ZeRO-3: fake tensors route evenly (hpctrain.models.common.moe.balanced), the real router does
     # not, so the routed rows' temporaries differ; the model states cannot
     "moe_ep2_zero3": (2, {**MOE, "parallel__ep": 2, "zero__stage": 3, "train__micro_batch": 2}, False),
 }

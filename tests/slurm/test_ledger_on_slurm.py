@@ -143,7 +143,9 @@ def task_processes(job: str, task: int) -> list[int]:
 
 @pytest.mark.timeout(600)
 def test_a_suspended_job_keeps_one_holder_per_slot_and_its_ledger_counts_the_suspension(
-    slurm_cluster: Any, reference: Path, tmp_path: Path
+    slurm_cluster: Any,
+    reference: Path,  # noqa: F811 (the fixture imported above)
+    tmp_path: Path,
 ) -> None:
     """Issue 29: `scontrol suspend` of a job with a hot spare for 30 s, then `scontrol resume`. Every process
     of the job was stopped, and they continue in no set order: the spare must not take a slot whose holder

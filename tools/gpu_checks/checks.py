@@ -181,7 +181,7 @@ def _offload_steps(ctx: Ctx, cfg: Any, mesh: Any, max_norm: float) -> dict[str, 
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
-    from hpctrain.models.gpt import GPT, gpt_args
+    from hpctrain.models.gpt.model import GPT, gpt_args
     from hpctrain.parallel.data_parallel import apply_fsdp
     from hpctrain.parallel.engine import build_optimizer
     from hpctrain.parallel.tensor_parallel import apply_tp

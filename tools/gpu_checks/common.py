@@ -81,8 +81,8 @@ def compose(ctx: Ctx, overrides: list[str]) -> dict[str, Any]:
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
+    from hpctrain.checks.runner import check_config
     from hpctrain.config.schema import register
-    from hpctrain.plan.checks import check_config
 
     register()
     with initialize_config_dir(version_base=None, config_dir=str(CONF_DIR)):

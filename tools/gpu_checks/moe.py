@@ -3,7 +3,7 @@
 Five parts, each on this one device in a one-rank world ("cpu:gloo,cuda:nccl"; gloo with --cpu):
 - bf16: the model under FSDP2's bf16 mixed precision on a one-rank mesh (bf16 weights in the experts' GEMMs, as
   every FSDP2 layout runs them): a forward and a backward, each under an op log. Where
-  `hpctrain.models.moe.grouped_mm_serves` says the grouped GEMM serves these shapes (bf16 on an H100/H200/B200),
+  `hpctrain.models.common.moe.grouped_mm_serves` says the grouped GEMM serves these shapes (bf16 on an H100/H200/B200),
   `aten._grouped_mm` must have run in the forward and in the backward; its loss against an fp32 forward of the
   same weights.
 - autocast: the engine on one rank, precision=bf16 (no FSDP2: fp32 weights, bf16 activations under autocast),
@@ -71,7 +71,7 @@ def grouped_expected(ctx: Ctx, cfg: Any) -> bool:
     """Whether grouped_mm_serves bf16 rows and stacked expert weights of this model on this device."""
     import torch
 
-    from hpctrain.models.moe import grouped_mm_serves
+    from hpctrain.models.common.moe import grouped_mm_serves
 
     d, h, e = cfg.model.d_model, cfg.model.moe.expert_hidden or cfg.model.ffn_hidden, cfg.model.moe.n_experts
     rows = torch.empty(GROUPED_PROBE_ROWS, d, dtype=torch.bfloat16, device=ctx.device)
@@ -124,7 +124,7 @@ def _engine_steps(ctx: Ctx, cfg: Any, steps: int, log: OpLog | None = None) -> t
     import contextlib
 
     from hpctrain.config.layout import resolve_layout
-    from hpctrain.models.moe import moe_layers
+    from hpctrain.models.common.moe import moe_layers
     from hpctrain.parallel.engine import build_engine
 
     layout = resolve_layout(cfg)
@@ -169,7 +169,7 @@ def _ep_against_plain(ctx: Ctx, cfg: Any, x: Any, y: Any) -> dict[str, Any]:
     as FSDP2 gives the experts; fp32 on the CPU)."""
     import torch
 
-    from hpctrain.models.moe import moe_layers
+    from hpctrain.models.common.moe import moe_layers
     from hpctrain.parallel.engine import token_loss
     from hpctrain.parallel.expert_parallel import apply_ep
 

@@ -2,7 +2,7 @@
 
 Under TP each rank holds some heads: the norms' input is [B, T, heads, head_dim] sharded on dim 2 (heads), the
 weight [head_dim] replicated (hpctrain.parallel.tensor_parallel.block_plan, `tp_head_norms`), and
-hpctrain.models.llama.RMSNorm computes `weight * F.rms_norm(x, (head_dim,), eps)`. On a GPU `F.rms_norm` is
+hpctrain.models.llama.model.RMSNorm computes `weight * F.rms_norm(x, (head_dim,), eps)`. On a GPU `F.rms_norm` is
 torch's fused kernel (`_fused_rms_norm`), which DTensor must shard by its own rule; on the CPU the composite.
 
 Two parts on a one-rank tp mesh (the device group: NCCL on a GPU):

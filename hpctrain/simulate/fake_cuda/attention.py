@@ -5,12 +5,13 @@ math path: [B, H, T, T] scores kept for backward. A GPU takes flash (or cuDNN, o
 which keeps O(T) per head. The fused ops' meta functions exist in the CPU build, so routing SDPA to the one a GPU
 would pick makes forward and backward allocate what a GPU allocates (a simulation's activations column).
 
-The choice follows aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (hpctrain.models.attention.sdpa_expands_kv
-states the same rules): flash for fp16/bf16 with equal q/k/v head sizes <= 256 (a multiple of 8) and no explicit
-mask, grouped-query heads included; else memory-efficient for fp16/bf16/fp32 with equal head counts (a mask
-allowed); else math. cuDNN attention keeps what flash keeps (output and log-sum-exp), so flash stands for both.
-A CausalBias mask (context parallelism's chunks) is not a mask to those rules: torch's CausalBias._dispatch runs
-flash's or memory-efficient attention's own causal variants (`_causal_bias`).
+The choice follows aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
+(hpctrain.models.common.attention.sdpa_expands_kv states the same rules): flash for fp16/bf16 with equal q/k/v
+head sizes <= 256 (a multiple of 8) and no explicit mask, grouped-query heads included; else memory-efficient for
+fp16/bf16/fp32 with equal head counts (a mask allowed); else math. cuDNN attention keeps what flash keeps (output
+and log-sum-exp), so flash stands for both. A CausalBias mask (context parallelism's chunks) is not a mask to those
+rules: torch's CausalBias._dispatch runs flash's or memory-efficient attention's own causal variants
+(`_causal_bias`).
 """
 
 from __future__ import annotations

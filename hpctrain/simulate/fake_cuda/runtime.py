@@ -111,8 +111,8 @@ def install(capability: tuple[int, int] = (9, 0), devices: int = 8) -> None:
     cuda.current_stream = _recorded("current_stream", DEFAULT_STREAM)
     cuda.default_stream = _recorded("default_stream", DEFAULT_STREAM)
     cuda.set_stream = _recorded("set_stream")
-    cuda.Stream, cuda.Event = Stream, Event  # type: ignore[misc]
-    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.Stream, cuda.Event = Stream, Event  # type: ignore[misc, assignment]
+    cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[misc, assignment]
     cuda.get_device_capability = _recorded("get_device_capability", capability)
     cuda.get_device_properties = _recorded("get_device_properties", properties)
     cuda.get_device_name = _recorded("get_device_name", properties.name)
@@ -212,4 +212,4 @@ def _fake_host_buffers() -> None:
         return original(self, *args, **kwargs)
 
     numpy.__fake_cuda__ = True  # type: ignore[attr-defined]
-    torch.Tensor.numpy = numpy  # type: ignore[method-assign]
+    torch.Tensor.numpy = numpy  # type: ignore[method-assign, assignment]

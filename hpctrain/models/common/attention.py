@@ -81,4 +81,5 @@ def set_attention(model: nn.Module, core: CausalAttention) -> None:
     positions) use `core`."""
     for module in model.modules():
         if isinstance(getattr(module, "attention", None), CausalAttention):
-            module.attention = core
+            # a plain attribute: nn.Module's __setattr__ is typed for tensors and submodules only
+            module.attention = core  # type: ignore[assignment]

@@ -1,5 +1,7 @@
-"""The Mixture-of-Experts families' module (Mixtral, Qwen3-MoE): hpctrain.models.llama with each block's `mlp` a
-hpctrain.models.moe.MoE. Knows nothing of parallelism (expert parallelism is applied from outside, as TP is).
+"""The Mixtral family's torch module, which Qwen3-MoE's reuses (hpctrain.models.qwen3_moe.model): Llama's
+(hpctrain.models.llama.model) with each block's `mlp` a hpctrain.models.common.moe.MoE, its builder and its Hugging
+Face tensor table (the entry, torch-free, is hpctrain.models.mixtral.entry). Knows nothing of parallelism (expert
+parallelism is applied from outside, as TP is).
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from typing import Any
 
 import torch
 
-from hpctrain.models.llama import Llama, LlamaArgs, llama_args
-from hpctrain.models.moe import MoE, MoEArgs, moe_layers
+from hpctrain.models.common.moe import MoE, MoEArgs, moe_layers
+from hpctrain.models.common.recipes import Recipe, with_experts
+from hpctrain.models.llama.model import Llama, LlamaArgs, llama_args
+from hpctrain.models.llama.model import hf_recipes as llama_hf_recipes
 
 
 def moe_args(m: Any) -> MoEArgs:
@@ -50,11 +54,11 @@ class MoELlama(Llama):
                 layer.expert_bias.zero_()
 
 
-def build_mixtral(m: Any, tp: int = 1) -> MoELlama:
-    """The Mixtral family's builder (`Family.builder`)."""
+def build(m: Any, tp: int = 1) -> MoELlama:
+    """The family's builder (`Family.builder`)."""
     return MoELlama(replace(llama_args(m, tp), family="mixtral"), moe_args(m))
 
 
-def build_qwen3_moe(m: Any, tp: int = 1) -> MoELlama:
-    """The Qwen3-MoE family's builder: per-head query/key norms, as dense Qwen3."""
-    return MoELlama(replace(llama_args(m, tp), qk_norm=True, family="qwen3_moe"), moe_args(m))
+def hf_recipes(m: Any) -> dict[str, Recipe]:
+    """MixtralForCausalLM: Llama's tensors; `block_sparse_moe.gate` and experts' w1 (gate), w3 (up), w2 (down)."""
+    return with_experts(llama_hf_recipes(m), m, "block_sparse_moe.gate", "block_sparse_moe.experts", "w1", "w3", "w2")

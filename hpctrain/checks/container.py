@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from pathlib import Path, PurePosixPath
 
+from hpctrain.checks.report import CheckReport
 from hpctrain.config.layout import Layout
-from hpctrain.config.problems import CheckReport
-from hpctrain.config.schema import Config, Executor, parse_blend
-from hpctrain.scheduler import cli_options
+from hpctrain.config.schema import Config, parse_blend
+from hpctrain.scheduler import cli_options, scheduler_for
 from hpctrain.scheduler.cli_options import Word
 from hpctrain.scheduler.container import (
     APPTAINER,
@@ -326,7 +326,9 @@ def container_checks(cfg: Config, lay: Layout, r: CheckReport) -> None:
     runtime options by what they mean to the runtime (hpctrain/scheduler/cli_options.py)."""
     c = cfg.cluster.container
     name = runtime(c)
-    if cfg.cluster.executor == Executor.slurm:
+    backend = scheduler_for(cfg.cluster.executor)
+    can = backend.capabilities
+    if can.srun_args:
         _srun_options(cfg, "cluster.srun_args", cli_options.parse_srun([str(a) for a in cfg.cluster.srun_args]), r)
     if name == "none":
         if c.image:
@@ -336,11 +338,12 @@ def container_checks(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 f"set {KEY}.runtime=pyxis or {KEY}.runtime=apptainer, or remove {KEY}.image",
             )
         return
-    if cfg.cluster.executor == Executor.local:
+    if not can.containers:
         r.error(
             f"{KEY}.runtime",
-            f"{name} starts the tasks through Slurm's srun, but cluster.executor=local runs "
-            "them as processes of this machine, outside any container",
+            f"{name} starts the tasks through Slurm's srun, but cluster.executor={backend.name} "
+            + ("runs them as processes of this machine" if can.runs_here else "starts them")
+            + ", outside any container",
             f"use {KEY}.runtime=none on this machine, or submit to Slurm (cluster=slurm, or your site's cluster)",
         )
     if not c.image:

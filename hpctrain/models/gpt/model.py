@@ -1,4 +1,5 @@
-"""A GPT decoder that knows nothing of parallelism.
+"""The GPT family's torch module: a GPT decoder that knows nothing of parallelism, its builder and its Hugging
+Face tensor table (the entry, torch-free, is hpctrain.models.gpt.entry).
 
 Layouts (DDP, FSDP2, TP, PP) are applied from outside by `hpctrain.parallel`, as torchtitan does, so
 this file has no process groups, no DTensor and no rank logic. Choices that keep it layout friendly:
@@ -14,7 +15,6 @@ this file has no process groups, no DTensor and no rank logic. Choices that keep
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.models.attention import CausalAttention
-from hpctrain.models.hf_recipes import Recipe, same, transposed, vocab
+from hpctrain.models.common.attention import CausalAttention
+from hpctrain.models.common.init import init_by_name
+from hpctrain.models.common.recipes import Recipe, same, transposed, vocab
 from hpctrain.models.params import ffn_hidden_of, padded_vocab
 
 
@@ -77,7 +78,8 @@ class Attention(nn.Module):
         y = self.attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return out
 
 
 class MLP(nn.Module):
@@ -87,7 +89,8 @@ class MLP(nn.Module):
         self.proj = nn.Linear(args.ffn_hidden, args.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        out: torch.Tensor = self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return out
 
 
 class Block(nn.Module):
@@ -101,7 +104,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.norm1(x)))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        out: torch.Tensor = x + self.drop(self.mlp(self.norm2(x)))
+        return out
 
 
 class GPT(nn.Module):
@@ -129,7 +133,8 @@ class GPT(nn.Module):
         The logits cover the padded vocabulary; `logits[..., :vocab_size]` are the real ones (the loss cuts
         them there, after TP has gathered the vocabulary-sharded logits)."""
         h = tokens
-        if self.embeds:
+        if self.embeds:  # the first stage: it holds both embeddings (the family entry's stage_modules)
+            assert self.tok_emb is not None and self.pos_emb is not None
             positions = self.attention.positions(tokens.shape[1], tokens.device)
             if positions is None:
                 positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -150,53 +155,6 @@ class GPT(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """GPT-2 initialisation (init_by_name)."""
         init_by_name(self, seed, self.args.init_std, self.args.n_layers, self.args.vocab_size)
-
-
-@torch.no_grad()
-def init_by_name(model: nn.Module, seed: int | None, std: float, n_layers: int, vocab_size: int) -> None:
-    """GPT-2 initialisation: N(0, std), residual projections (`*proj.weight`, the experts' `w_down`) scaled by
-    1/sqrt(2 n_layers), biases 0, norms 1, and the rows of the embedding and head past the vocabulary 0 (never
-    looked up: zero logits, zero gradient).
-
-    Each parameter draws from a generator seeded by (seed, name), so every layout (a pipeline stage, a TP
-    shard materialised from meta) gets exactly the weights of the single-process model.
-    """
-    resid_std = std / math.sqrt(2 * n_layers)
-    base = 0 if seed is None else seed
-    for name, p in model.named_parameters():
-        gen = torch.Generator().manual_seed(stable_hash(f"{base}:{name}"))
-        if name.endswith("bias"):
-            value = torch.zeros(p.shape)
-        elif ".norm" in name or name.startswith("norm"):
-            value = torch.ones(p.shape)
-        else:
-            scale = resid_std if name.endswith(("proj.weight", "experts.w_down")) else std
-            value = torch.randn(p.shape, generator=gen) * scale
-            if name in ("tok_emb.weight", "output.weight"):
-                value[vocab_size:] = 0.0
-        assign_param(p, value)
-
-
-def stable_hash(text: str) -> int:
-    """Deterministic across processes (Python's hash() is salted per process)."""
-    h = 1469598103934665603
-    for byte in text.encode():
-        h = ((h ^ byte) * 1099511628211) % (1 << 63)
-    return h
-
-
-def assign_param(p: torch.Tensor, full_value: torch.Tensor) -> None:
-    """Copy a full-size value into a parameter that may be a DTensor shard."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(p, DTensor):
-        # Every rank computed the same full value: take the local piece without communication.
-        shard = distribute_tensor(
-            full_value.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements, src_data_rank=None
-        )
-        p.copy_(shard)
-    else:
-        p.copy_(full_value.to(device=p.device, dtype=p.dtype))
 
 
 def build(m: Any, tp: int = 1) -> GPT:

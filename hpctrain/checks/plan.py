@@ -1,24 +1,19 @@
-"""The checks that need the planner, and the runner of every check before anything is queued.
-
-hpctrain.config.checks holds the config's own rules and imports no planner; the checks here read the plan's
-estimates (memory per GPU against the GPU, the pipeline bubble with the micro-batch count the plan finds
-faster, ZeRO offload against the node's host memory and NVMe). `CHECKS` is every check in order: the config's,
-these, then the files the run reads.
+"""The checks that need the planner: they read the plan's estimates (memory per GPU against the GPU, the pipeline
+bubble with the micro-batch count the plan finds faster, context parallelism where nothing fits without it, ZeRO
+offload against the node's host memory and NVMe). hpctrain.checks.runner runs them after the config's own rules
+(hpctrain.checks.config), in PLAN_CHECKS' order: `_bubble` reads the estimate `_memory` leaves in the report.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from hpctrain import schedules
-from hpctrain.config import checks as config_checks
-from hpctrain.config.checks import check_schema
-from hpctrain.config.file_checks import check_resume, file_checks, resumed_run_dir
-from hpctrain.config.layout import Layout, resolve_layout
-from hpctrain.config.problems import CheckReport, ConfigError
+from hpctrain.checks.config import workload
+from hpctrain.checks.report import CheckReport
+from hpctrain.config.layout import Layout
+from hpctrain.config.rules import CP, expert_rules, key_of, microbatch_rules
 from hpctrain.config.schema import SCHEDULES, Config
 from hpctrain.plan.auto import better_microbatches, context_for_fit
 from hpctrain.plan.bubble import bubble_fraction
@@ -28,41 +23,6 @@ from hpctrain.plan.offload import offload_costs
 from hpctrain.plan.types import KNOWN_HARDWARE, GiB
 
 
-def run_checks(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckReport:
-    """Every check, the errors kept in the report (a dry run shows the plan before them). A layout that
-    cannot be resolved at all raises ConfigError.
-
-    The config's checks (hpctrain.config.checks), then the planner's (the bubble, memory per GPU, offload), then
-    the files the run will read (hpctrain.config.file_checks); a resume also against the newest
-    checkpoint of its run directory: `run_dir` when the caller resolved it, else the run that run.resume (or
-    an existing run.root/run.name/run.id) names."""
-    check_schema(cfg)
-    layout = resolve_layout(cfg)
-    report = CheckReport(layout)
-    for check in CHECKS:
-        try:
-            check(cfg, layout, report)
-        except (ArithmeticError, ValueError, TypeError):
-            # A check that cannot compute with a value an earlier check refused (an infinite timeout in
-            # math.ceil, a NaN in a comparison chain): that value's error is in the report, and is the one to
-            # fix. With no error reported yet it is a bug of the check, and raises.
-            if not report.errors:
-                raise
-    if run_dir is None and not any(p.key in ("run.name", "run.id") for p in report.errors):
-        run_dir = resumed_run_dir(cfg)
-    if run_dir is not None:
-        check_resume(cfg, run_dir, report)
-    return report
-
-
-def check_config(cfg: Config, run_dir: str | os.PathLike | None = None) -> CheckReport:
-    """Run every check; raise ConfigError with all errors found, return the report (with warnings) otherwise."""
-    report = run_checks(cfg, run_dir)
-    if report.errors:
-        raise ConfigError(report.errors)
-    return report
-
-
 def _bubble(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """Few microbatches for the pipeline: the bubble's share of the step, and a count the plan finds faster (after
     `_memory`, whose estimate it reads)."""
@@ -70,7 +30,7 @@ def _bubble(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if lay.pp == 1 or r.errors or p.schedule not in SCHEDULES:
         return
     mb = lay.microbatches
-    if mb < schedules.get(p.schedule).min_microbatches(lay.pp, lay.virtual_stages):
+    if microbatch_rules(p.schedule, lay.pp, lay.virtual_stages, mb):
         return  # an error of the config's checks
     bubble = bubble_fraction(lay.pp, mb, lay.virtual_stages, p.schedule)
     if mb < 4 * lay.pp and r.estimates is not None:
@@ -132,8 +92,9 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
         fixes.append(f"zero.stage={lay.zero_stage + 1}")
     if lay.micro_batch > 1:
         fixes.append(f"train.micro_batch={lay.micro_batch // 2}")
-    wider = [e for e in range(lay.ep + 1, lay.dp_shard + 1) if lay.dp_shard % e == 0 and est.model.n_experts % e == 0]
-    if est.model.moe and wider:
+    w = workload(cfg, lay)  # a wider ep that the layout rules allow (none on a dense model)
+    wider = [e for e in range(lay.ep + 1, lay.dp_shard + 1) if lay.dp_shard % e == 0 and not expert_rules(e, w)]
+    if wider:
         fixes.append(f"parallel.ep={wider[0]} (each GPU holds 1/{wider[0]} of the experts)")
     fixes.append("more pipeline stages (parallel.pp) or tensor parallelism (parallel.tp)")
     message = (
@@ -158,21 +119,22 @@ def _memory(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 def _context(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """A layout that does not fit, where splitting each sequence over more GPUs (context parallelism: the activations
-    are per local token) would: the smallest CP degree that fits, its GPUs taken from DP (after `_memory`)."""
+    are per local token) would: the smallest CP degree that fits and that the layout rules allow (plan.auto's
+    context_for_fit: never for an MoE model), its GPUs taken from DP (after `_memory`)."""
     est = r.estimates
     if est is None or est.memory.fits:
         return
-    fit = context_for_fit(est.model, lay, est.hw)
+    fit = context_for_fit(est.model, lay, est.hw, compile=cfg.parallel.compile)
     if fit is None:
         return
     wider, mem = fit
     r.warn(
-        "parallel.cp",
+        CP,
         f"the activations of {cfg.train.seq_len}-token sequences ({est.memory.activations / GiB:.1f}"
         f" GiB per GPU at cp={lay.cp}) leave {est.memory.total / GiB:.1f} GiB, over the {mem.usable / GiB:.1f} "
         f"GiB usable; cp={wider.cp} splits each sequence over {wider.cp} GPUs: {mem.total / GiB:.1f} GiB "
         f"(activations {mem.activations / GiB:.1f})",
-        f"set parallel.cp={wider.cp} parallel.dp={wider.dp} (the same GPUs and global batch, "
+        f"set {CP}={wider.cp} {key_of('dp')}={wider.dp} (the same GPUs and global batch, "
         f"{wider.grad_accum} micro-batches per DP rank)",
     )
 
@@ -277,11 +239,4 @@ def _offload_fix(cfg: Config, lay: Layout, est: Any, bigger_dp: str) -> str:
     return "; or ".join(fixes)
 
 
-CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [
-    *config_checks.CHECKS,
-    _memory,
-    _context,
-    _offload,
-    _bubble,
-    file_checks,
-]
+PLAN_CHECKS: list[Callable[[Config, Layout, CheckReport], None]] = [_memory, _context, _offload, _bubble]

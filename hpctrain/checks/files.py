@@ -32,22 +32,16 @@ from typing import Any, BinaryIO
 from omegaconf import OmegaConf
 
 from hpctrain.bounded import CONFIG_BYTES, Unreadable, read_text
+from hpctrain.checks.report import CheckReport
 from hpctrain.config.layout import Layout
-from hpctrain.config.problems import CheckReport
-from hpctrain.config.schema import Config, DataConfig, DataKind, Executor, parse_blend
+from hpctrain.config.schema import Config, DataConfig, DataKind, parse_blend
+from hpctrain.hardware import format_bytes
 from hpctrain.models.hf_fields import HFMismatch, hf_weight_shapes
 from hpctrain.models.hf_fields import config_mismatches as hf_mismatches
 from hpctrain.models.registry import FAMILIES, family_of, for_hf
+from hpctrain.scheduler import scheduler_for
 
 # ---------------------------------------------------------------- sizes for people
-
-
-def format_bytes(n: float) -> str:
-    """A size in the largest binary unit that keeps it >= 1 (bytes, KiB, MiB, GiB, TiB): 0.00 GiB never shows."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} bytes"
 
 
 class FileProblem(Exception):
@@ -94,7 +88,8 @@ class IndexSummary:
 
     def _entry(self, offset: int, item: struct.Struct) -> int:
         self._f.seek(offset)
-        return item.unpack(self._f.read(item.size))[0]
+        value: int = item.unpack(self._f.read(item.size))[0]
+        return value
 
     def document_start(self, document: int) -> int:
         """The first sequence of `document` (document_indices[document])."""
@@ -183,7 +178,7 @@ INDEX_BYTES = 64 * 2**20
 MANIFEST_BYTES = 256 * 2**20
 
 
-def tokenizer_vocab_size(path: str | os.PathLike) -> int:
+def tokenizer_vocab_size(path: str | os.PathLike[str]) -> int:
     """The number of token ids a `tokenizers` tokenizer.json can produce (its highest id + 1, added tokens
     included: what `Tokenizer.get_vocab_size(with_added_tokens=True)` counts). FileProblem if unreadable: not a
     regular file (a FIFO would block the login node), larger than TOKENIZER_BYTES, or not JSON."""
@@ -593,12 +588,12 @@ def _hf_weights(path: Path, m: Any, tied: bool, r: CheckReport) -> None:
 
 def _nvme(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """The directory the job's ranks keep Adam's moments in (hpctrain/parallel/nvme.py reserves the space at the
-    start). Node-local: checked only where this machine sees it (the local executor runs here)."""
+    start). Node-local: checked only where this machine sees it (where the tasks run here)."""
     z = cfg.zero
     path = None if OmegaConf.is_missing(z, "nvme_path") else z.nvme_path
     if lay.offload_device != "nvme" or not z.offload_optimizer or not path:
         return
-    here = cfg.cluster.executor == Executor.local
+    here = scheduler_for(cfg.cluster.executor).capabilities.runs_here
     where = "" if here else " (as this machine sees it; the nodes' drive is what counts)"
     target = Path(path)
     if not target.exists():
@@ -663,7 +658,7 @@ def _manifest_sealed(manifest: dict[str, Any]) -> bool:
     from fastcrc.crc32 import iscsi as crc32c
 
     body = {k: v for k, v in manifest.items() if k != SEAL}
-    return manifest[SEAL] == f"{crc32c(json.dumps(body, sort_keys=True).encode()):08x}"
+    return bool(manifest[SEAL] == f"{crc32c(json.dumps(body, sort_keys=True).encode()):08x}")
 
 
 def newest_checkpoint(cfg: Config, run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -699,27 +694,29 @@ def newest_checkpoint(cfg: Config, run_dir: Path) -> tuple[Path, dict[str, Any]]
 _FINGERPRINT_KEYS = {"global_batch": "train.global_batch", "seq_len": "train.seq_len", "seed": "train.seed"}
 
 
-def check_resume(cfg: Config, run_dir: str | os.PathLike, r: CheckReport) -> None:
+def check_resume(cfg: Config, run_dir: str | os.PathLike[str], r: CheckReport) -> None:
     """A resume of `run_dir` against its newest committed checkpoint: what the job's CheckpointManager refuses
     (another model shape always; another batch, sequence length, seed or data unless checkpoint.force_resume),
     reported now, one problem per differing key, naming the checkpoint."""
-    from hpctrain.records.fingerprint import fingerprint_of, upgrade_fingerprint
+    from hpctrain.records.fingerprint import config_key, fingerprint_of, upgrade_fingerprint
 
     newest = newest_checkpoint(cfg, Path(run_dir))
     if newest is None:
         return
     path, manifest = newest
-    saved = upgrade_fingerprint(manifest.get("fingerprint") or {})
     ours = upgrade_fingerprint(fingerprint_of(cfg.model, cfg.train, cfg.data).to_dict())
+    saved = upgrade_fingerprint(manifest.get("fingerprint") or {}, ours)
     where = f"the checkpoint this run resumes from ({path}, step {manifest['step']})"
-    theirs_model = saved.get("model") if isinstance(saved.get("model"), dict) else {}
+    model = saved.get("model")
+    theirs_model: dict[str, Any] = model if isinstance(model, dict) else {}
     for field, value in ours["model"].items():
         if theirs_model.get(field) != value:
+            key = config_key(field)
             r.error(
-                f"model.{field}",
+                key,
                 f"{value!r} here, but {where} holds a model with {theirs_model.get(field)!r}: "
                 "its weights cannot be loaded",
-                f"set model.{field}={theirs_model.get(field)} (a resume keeps the "
+                f"set {key}={theirs_model.get(field)} (a resume keeps the "
                 "model's shape), or start a new run instead of resuming",
             )
     report = r.warn if cfg.checkpoint.force_resume else r.error

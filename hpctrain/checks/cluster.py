@@ -10,10 +10,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from hpctrain.config.container_checks import container_checks, run_dir_parts
+from hpctrain.checks.container import container_checks, run_dir_parts
+from hpctrain.checks.report import CheckReport
 from hpctrain.config.layout import Layout, layouts_on_nodes
-from hpctrain.config.problems import CheckReport, ConfigError
-from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, Executor
+from hpctrain.config.problems import ConfigError
+from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config
+from hpctrain.scheduler import scheduler_for
 
 
 def visible_gpus(environ: dict[str, str], driver: str = "/proc/driver/nvidia/gpus", dev: str = "/dev") -> int:
@@ -32,7 +34,7 @@ def visible_gpus(environ: dict[str, str], driver: str = "/proc/driver/nvidia/gpu
 
 
 def _local_gpus(gpu_type: str, per_node: int, visible: int, r: CheckReport) -> None:
-    """The local executor gives each task a GPU only when gpu_type names one; say so when GPUs sit idle."""
+    """Tasks that run on this machine get a GPU each only when gpu_type names one; say so when GPUs sit idle."""
     if gpu_type != "cpu" and visible < per_node:
         r.error(
             "cluster.gpus_per_node",
@@ -74,13 +76,15 @@ def _control_characters(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
     c = cfg.cluster
-    if c.executor == Executor.local and c.nodes != 1:
+    backend = scheduler_for(c.executor)
+    can = backend.capabilities
+    if not can.multi_node and c.nodes != 1:
         r.error(
             "cluster.nodes",
-            f"the local executor runs on this one machine, got nodes={c.nodes}",
+            f"the {backend.name} executor runs on one machine, got nodes={c.nodes}",
             "set cluster.nodes=1, or submit to Slurm with cluster=slurm (or cluster=dev)",
         )
-    if c.executor == Executor.local:
+    if can.runs_here:
         _local_gpus(c.gpu_type, c.gpus_per_node, visible_gpus(dict(os.environ)), r)
     if c.cpus_per_task < 1:
         r.error("cluster.cpus_per_task", f"must be >= 1, got {c.cpus_per_task}", "set cluster.cpus_per_task=1")
@@ -100,13 +104,13 @@ def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
             f"the job starts (time limit {c.time_min} min)",
             f"use cluster.signal_delay_s<={c.time_min * 60 // 4}",
         )
-    elif c.executor == Executor.slurm and 0 <= c.signal_delay_s < 30:
+    elif can.warning_signal and 0 <= c.signal_delay_s < 30:
         r.warn(
             "cluster.signal_delay_s",
             f"{c.signal_delay_s} s may be too short to finish a step and save",
             "allow a step plus a fast-tier save, e.g. cluster.signal_delay_s=120",
         )
-    if c.executor == Executor.slurm and c.requeue and c.time_min <= 10:
+    if can.requeue and c.requeue and c.time_min <= 10:
         r.warn(
             "cluster.time_min",
             "submitit counts every signal to a job of <= 10 minutes as a timeout, using up "
@@ -130,7 +134,7 @@ def _cluster(cfg: Config, lay: Layout, r: CheckReport) -> None:
         r.error(
             "launcher.max_restarts", f"must be >= 0, got {cfg.launcher.max_restarts}", "use launcher.max_restarts=3"
         )
-    if cfg.train.threads_per_rank > c.cpus_per_task and c.executor == Executor.slurm:
+    if cfg.train.threads_per_rank > c.cpus_per_task and can.confines_cpus:
         r.warn(
             "train.threads_per_rank",
             f"{cfg.train.threads_per_rank} threads on {c.cpus_per_task} CPUs per task",
@@ -191,10 +195,10 @@ def _elastic(cfg: Config, lay: Layout, r: CheckReport) -> None:
             "a spare replaces a node inside the allocation, but launcher.in_allocation=false",
             "set launcher.in_allocation=true, or cluster.spare_nodes=0",
         )
-    elif spare and cfg.cluster.executor == Executor.local:
+    elif spare and not (backend := scheduler_for(cfg.cluster.executor)).capabilities.multi_node:
         r.error(
             "cluster.spare_nodes",
-            "the local executor runs one node: there is no node to spare",
+            f"the {backend.name} executor runs one node: there is no node to spare",
             "use cluster.spare_nodes=0, or cluster=slurm",
         )
     if not low:
@@ -299,7 +303,7 @@ def _log_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """The batch script names the tasks' logs `<run dir>/submitit/%j_%t_log.out` (sbatch's --output, srun's): Slurm
     reads '%' in them as a replacement symbol, and a backslash anywhere turns the symbols off, so every task would
     write one file that submitit and the supervisor do not look for."""
-    if cfg.cluster.executor != Executor.slurm:
+    if not scheduler_for(cfg.cluster.executor).capabilities.log_path_patterns:
         return
     for key, text in run_dir_parts(cfg):
         bad = next((ch for ch in "%\\" if ch in text), None)

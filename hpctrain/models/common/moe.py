@@ -44,8 +44,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
-from hpctrain.models.gpt import assign_param, stable_hash
-from hpctrain.models.host_reads import record_host_read, replayed_host_read
+from hpctrain.models.common.host_reads import record_host_read, replayed_host_read
+from hpctrain.models.common.init import assign_param, stable_hash
 
 GROUP_ROWS = 8  # grouped GEMM: each expert's rows padded to a multiple (16 bytes of bf16), at least one multiple
 
@@ -114,7 +114,7 @@ class MoEStats:
 def full_fp32_matmul(device_type: str) -> Iterator[None]:
     """fp32 matmuls run in fp32 inside: not in TF32, which hpctrain.parallel.precision sets for GPUs (matmul
     precision "high"), nor in autocast's dtype; both restored after. Eager only: dynamo traces neither the
-    precision's getter nor its setter, and the MoE families do not compile (hpctrain.config.checks)."""
+    precision's getter nor its setter, and the MoE families do not compile (hpctrain.checks.config)."""
     before = torch.get_float32_matmul_precision()
     no_autocast = (
         torch.autocast(device_type, enabled=False)
@@ -139,7 +139,8 @@ class SwiGLU(nn.Module):
         self.proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.silu(self.gate(x)) * self.up(x))
+        out: torch.Tensor = self.proj(F.silu(self.gate(x)) * self.up(x))
+        return out
 
 
 def grouped_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -201,7 +202,7 @@ def run_experts(
     dropped = x.shape[0] - sum(sizes)
     outs = [
         F.linear(F.silu(F.linear(xe, wg)) * F.linear(xe, wu), wd)  # zip ends with the experts: not the dropped
-        for xe, wg, wu, wd in zip(x.split([*sizes, dropped]), w_gate, w_up, w_down)
+        for xe, wg, wu, wd in zip(torch.split(x, [*sizes, dropped]), w_gate, w_up, w_down)
     ]
     return torch.cat([*outs, x.new_zeros(dropped, w_down.shape[1])] if dropped else outs)
 
@@ -250,23 +251,31 @@ class GroupedExperts(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        weights = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down)]
-        if self.ep_group is None:
-            return run_experts(rows, counts, *weights)
+        w_gate, w_up, w_down = (
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w_gate, self.w_up, self.w_down)
+        )
+        group = self.ep_group
+        if group is None:
+            return run_experts(rows, counts, w_gate, w_up, w_down)
         # Each EP rank's loss is its own tokens' mean and the data-parallel reduction averages over the ranks
         # holding these experts only: 1 / ep makes the gradient the global batch's mean (expert_parallel.py).
-        scale = 1.0 / dist.get_world_size(self.ep_group)
-        return self._dispatch(rows, counts, *(_ScaleGrad.apply(w, scale) for w in weights))
+        scale = 1.0 / dist.get_world_size(group)
+        return self._dispatch(group, rows, counts, *(_ScaleGrad.of(w, scale) for w in (w_gate, w_up, w_down)))
 
     def _dispatch(
-        self, rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+        self,
+        group: dist.ProcessGroup,
+        rows: torch.Tensor,
+        counts: torch.Tensor,
+        w_gate: torch.Tensor,
+        w_up: torch.Tensor,
+        w_down: torch.Tensor,
     ) -> torch.Tensor:
         """Expert parallelism: this rank's rows, sorted by global expert (counts [n_experts]), go to the ranks
         holding their experts (rank r holds experts r * local .. (r + 1) * local - 1), run there, and come back
         in the same order; the rows past sum(counts) (a capacity's drops) stay, their output zero. Three
         all-to-alls (the counts, the rows, the results; backward two) and one host read of the split sizes, which
         all_to_all_single needs as lists (torchtitan reads them too), replayed in a recomputation."""
-        group = self.ep_group
         ep, local = dist.get_world_size(group), w_gate.shape[0]
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=group)  # [source rank, my local expert]
@@ -302,6 +311,12 @@ class _ScaleGrad(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad * ctx.scale, None
 
+    @classmethod
+    def of(cls, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """`apply` with its types."""
+        out: torch.Tensor = cls.apply(x, scale)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+        return out
+
 
 class _AttachAuxLoss(torch.autograd.Function):
     """Megatron's MoEAuxLossAutoScaler: a tensor of the layer unchanged forward; backward, the auxiliary loss gets
@@ -319,6 +334,12 @@ class _AttachAuxLoss(torch.autograd.Function):
         shape, dtype, device = ctx.aux_meta
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
+    @classmethod
+    def of(cls, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        """`apply` with its types."""
+        attached: torch.Tensor = cls.apply(out, aux, scale)  # type: ignore[no-untyped-call]  # as _ScaleGrad's
+        return attached
+
 
 ROUTING_FIELDS = 3  # after the per-expert counts in a layer's routing record: balance loss, z-loss, dropped
 
@@ -329,6 +350,8 @@ class MoE(nn.Module):
     forward attaches the weighted auxiliary losses to the combine weights' backward (`aux_grad_scale`, set by the
     engine each step) and adds what the micro-batch routed to `routing` (the step's record, which the engine reads and
     clears: counts per expert, then ROUTING_FIELDS sums), outside recomputation and evaluation."""
+
+    expert_bias: torch.Tensor | None  # a buffer (register_buffer): the sigmoid router's, None for the softmax's
 
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
@@ -362,9 +385,10 @@ class MoE(nn.Module):
             weights, experts = probs.topk(a.top_k, dim=-1)
         else:
             scores = logits.sigmoid()
+            assert self.expert_bias is not None  # the sigmoid router's
             biased = scores.detach() + self.expert_bias
             if a.n_groups > 1:
-                per_group = biased.unflatten(-1, (a.n_groups, -1))
+                per_group = torch.unflatten(biased, -1, (a.n_groups, -1))
                 group_scores = per_group.topk(2, dim=-1).values.sum(dim=-1)
                 kept = group_scores.topk(a.topk_groups, dim=-1).indices
                 keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, kept, True)
@@ -415,7 +439,7 @@ class MoE(nn.Module):
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
         if aux_grad_scale is not None and torch.is_grad_enabled() and (a.balance_coef > 0 or a.z_loss_coef > 0):
             aux = a.balance_coef * balance_loss + a.z_loss_coef * z_loss
-            weights = _AttachAuxLoss.apply(weights, aux, aux_grad_scale)
+            weights = _AttachAuxLoss.of(weights, aux, aux_grad_scale)
 
         if a.capacity_factor > 0:
             # Within an expert, highest weight first (a stable sort by weight, then a stable one by expert).
@@ -463,7 +487,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float, n_layers: int = 1, seed: int | None = None, prefix: str = "") -> None:
-        """hpctrain.models.gpt.init_by_name's scheme: N(0, std), the residual output projections (`w_down`,
+        """hpctrain.models.common.init.init_by_name's scheme: N(0, std), the residual output projections (`w_down`,
         `shared.proj`) N(0, std / sqrt(2 n_layers)); each parameter from a generator seeded by (seed, prefix +
         name), `prefix` the block's name in the model ("layers.3.moe."), so every layout (an expert-parallel
         shard materialised from meta) gets the single-process weights. The bias buffer is zeroed."""
@@ -479,7 +503,7 @@ class MoE(nn.Module):
 
 def moe_layers(model: nn.Module) -> dict[int, MoE]:
     """A model's (or pipeline stage's) MoE layers by block index in the whole model: each block's `mlp` that is
-    an MoE (hpctrain.models.moe_llama); empty for a dense model."""
+    an MoE (hpctrain.models.mixtral.model); empty for a dense model."""
     return {
         int(i): block.mlp
         for i, block in getattr(model, "layers", {}).items()

@@ -1,4 +1,5 @@
-"""The GPT family's entry (GPT-2/3): torch-free; the module is hpctrain.models.gpt.
+"""The GPT family entry (GPT-2/3): torch-free (the login node plans with it); the module is
+hpctrain.models.gpt.model.
 
 Block, with h = d_model and f = the MLP's hidden size: LayerNorm (weight, bias), a fused head-major QKV 3h x h,
 the projection h x h, a GELU MLP h -> f -> h, all with biases (12 h^2 + 13 h for f = 4h); learned positions;
@@ -140,7 +141,7 @@ def hf_weight_shapes(d: Dims) -> Shapes:
 GPT_FAMILY = Family(
     name="gpt",
     summary="GPT-2/3: learned positions, LayerNorm, GELU MLP, tied embeddings",
-    builder="hpctrain.models.gpt:build",
+    builder="hpctrain.models.gpt.model:build",
     tied_embeddings=True,
     grouped_query=False,
     block_shapes=block_shapes,
@@ -165,7 +166,7 @@ GPT_FAMILY = Family(
         config=hf_config,
         compared=hf_compared,
         weight_shapes=hf_weight_shapes,
-        recipes="hpctrain.models.gpt:hf_recipes",
+        recipes="hpctrain.models.gpt.model:hf_recipes",
         dropout={"attn_pdrop": 0.1, "resid_pdrop": 0.1, "embd_pdrop": 0.1},
         not_weights=(".attn.bias", ".attn.masked_bias"),
     ),  # the causal-mask buffers

@@ -2,8 +2,8 @@
 
 Each check names the key at fault and the fix. Errors stop the run before a run directory exists or a job
 is submitted; warnings are printed in the plan. The schema already rejected unknown keys and wrong types.
-The checks that need the planner's estimates (memory per GPU, the pipeline bubble, offload), and the runner of
-every check, are hpctrain.plan.checks: config never imports the planner (pyproject.toml's import contract).
+The checks that need the planner's estimates (memory per GPU, the pipeline bubble, offload) are
+hpctrain.checks.plan; hpctrain.checks.runner runs them all.
 """
 
 from __future__ import annotations
@@ -20,11 +20,23 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError
 
-from hpctrain import schedules
-from hpctrain.config.cluster_checks import cluster_checks
-from hpctrain.config.file_checks import format_bytes, walk_values
-from hpctrain.config.layout import Layout, data_parallel_kind, model_fit_problems, sequence_problems
-from hpctrain.config.problems import CheckReport, ConfigError, Problem
+from hpctrain.checks.cluster import cluster_checks
+from hpctrain.checks.files import walk_values
+from hpctrain.checks.report import CheckReport
+from hpctrain.config.layout import Layout, data_parallel_kind
+from hpctrain.config.problems import ConfigError, Problem
+from hpctrain.config.rules import (
+    Workload,
+    context_rules,
+    expert_rules,
+    fp8_rules,
+    microbatch_rules,
+    schedule_rules,
+    stage_rules,
+    tensor_rules,
+    zero_idle_rules,
+    zero_rules,
+)
 from hpctrain.config.schema import (
     DRY_RUNS,
     SCHEDULES,
@@ -34,21 +46,22 @@ from hpctrain.config.schema import (
     DType,
     MoEConfig,
     TrainConfig,
+    as_node,
     parse_blend,
     simulating,
 )
-from hpctrain.hardware import KNOWN_HARDWARE
+from hpctrain.hardware import KNOWN_HARDWARE, format_bytes
 from hpctrain.models.family import Dims
-from hpctrain.models.params import ffn_hidden_of, kv_heads_of, padded_vocab
+from hpctrain.models.params import padded_vocab
 from hpctrain.models.registry import FAMILIES, family_of
 
 
-def check_schema(cfg: Any) -> None:
+def check_schema(cfg: Config) -> None:
     """Keys added with Hydra's `+key=value` bypass the schema during composition: catch them here. And
     model.arch names a registered family (a string in the schema, so that a family registered at run time,
     a site's or a test's, needs no change to it)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg))
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(as_node(cfg)))
     except ConfigKeyError as err:
         key = str(err.full_key)
         raise ConfigError([Problem(key, "is not a key of hpctrain's config schema", _suggest(key))]) from None
@@ -117,10 +130,17 @@ def model_shape_checks(cfg: Config, r: CheckReport) -> None:
         )
 
 
+def workload(cfg: Config, lay: Layout) -> Workload:
+    """What the layout rules (hpctrain.config.rules) read of the run: the model's Dims and family, the sequence,
+    the job's GPUs per node, torch.compile. The layout search builds the same from its ModelShape."""
+    m = cfg.model
+    return Workload.of(Dims.of(m), family_of(m), cfg.train.seq_len, lay.gpus_per_node, m.dropout, cfg.parallel.compile)
+
+
 def _experts(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """model.moe.* belongs to the Mixture-of-Experts families (their own rules, top_k within the experts and so on,
-    are the family's shape_problems; experts over parallel.ep are model_fit_problems'); an MoE model's routing
-    gives data-dependent shapes, which torch.compile is not set up for here."""
+    are the family's shape_problems; the layout's, experts over parallel.ep and no context parallelism, are
+    config.rules'); an MoE model's routing gives data-dependent shapes, which torch.compile is not set up for here."""
     m = cfg.model
     family = family_of(m)
     if not family.moe:
@@ -136,14 +156,6 @@ def _experts(cfg: Config, lay: Layout, r: CheckReport) -> None:
                     "model=mixtral_8x7b, model=qwen3_30b_a3b)",
                 )
         return
-    if lay.cp > 1:
-        r.error(
-            "parallel.cp",
-            f"model.arch={family.name} is a Mixture-of-Experts model: its load-balancing losses "
-            "are computed over the tokens a rank routes, and context parallelism would cut them to parts of "
-            "sequences (hpctrain's CP is tested equal to one process for the dense families only)",
-            "set parallel.cp=1 for MoE models, or use a dense family (model.arch=gpt or llama)",
-        )
     if cfg.parallel.compile:
         r.error(
             "parallel.compile",
@@ -160,33 +172,28 @@ def _model_shape(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 
 def _tensor_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    """The layout against the model's shape (config.layout.model_fit_problems: the search obeys the same)."""
-    m = cfg.model
+    """The layout against the model's shape: experts over EP, heads and MLP over TP, layers over stages
+    (config.rules, which the layout search obeys too)."""
     if cfg.parallel.sequence_parallel and lay.tp == 1:
         r.warn(
             "parallel.sequence_parallel",
             "ignored with tp=1: sequence parallelism shards along the TP group",
             "set parallel.sequence_parallel=false, or parallel.tp>1 to use it",
         )
-    for key, message, fix in model_fit_problems(
-        lay, m.n_layers, m.n_heads, kv_heads_of(m), ffn_hidden_of(m), m.moe.n_experts
+    w = workload(cfg, lay)
+    for key, message, fix in (
+        *expert_rules(lay.ep, w),
+        *tensor_rules(lay.tp, w),
+        *stage_rules(lay.pp, lay.virtual_stages, lay.first_stage_layers, lay.last_stage_layers, w),
     ):
         r.error(key, message, fix)
 
 
 def _context_parallel(cfg: Config, lay: Layout, r: CheckReport) -> None:
-    """The sequence against the CP degree (config.layout.sequence_problems: the search obeys the same)."""
-    for key, message, fix in sequence_problems(lay, cfg.train.seq_len, cfg.model.dropout):
+    """The CP degree against the sequence, the model and torch.compile (config.rules.context_rules, which the
+    layout search obeys too)."""
+    for key, message, fix in context_rules(lay.cp, lay.ep, workload(cfg, lay)):
         r.error(key, message, fix)
-    if lay.cp > 1 and cfg.parallel.compile:
-        r.error(
-            "parallel.compile",
-            f"with cp={lay.cp}: the CP attention's bottom-right causal mask (torch's "
-            "CausalBias, which lets flash attention take a chunk against a longer key prefix) is a tensor "
-            "subclass whose constructor torch 2.13's dynamo cannot trace, and blocks compile as one graph "
-            "(fullgraph)",
-            "set parallel.compile=false with context parallelism",
-        )
 
 
 def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -194,32 +201,12 @@ def _pipeline(cfg: Config, lay: Layout, r: CheckReport) -> None:
     if p.schedule not in SCHEDULES:
         r.error("parallel.schedule", f"unknown schedule {p.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
         return
-    entry = schedules.get(p.schedule)
-    if entry.split_backward and lay.pp > 1 and lay.dp > 1 and lay.zero_stage >= 1:
-        r.error(
-            "parallel.schedule",
-            f"{p.schedule} computes weight gradients in a separate pass, which loses "
-            f"gradients of ZeRO-sharded parameters (zero.stage={lay.zero_stage}) in torch 2.13",
-            "use zero.stage=0 with this schedule, or parallel.schedule=interleaved_1f1b",
-        )
-    if lay.pp == 1 or r.errors:
+    for key, message, fix in schedule_rules(p.schedule, lay.pp, lay.dp, lay.zero_stage):
+        r.error(key, message, fix)
+    if r.errors:
         return
-    mb = lay.microbatches
-    need = entry.min_microbatches(lay.pp, lay.virtual_stages)
-    if mb < need:
-        r.error(
-            "train.grad_accum",
-            f"{mb} microbatches for {lay.pp} pipeline stages: {p.schedule} needs at least "
-            f"{'one microbatch per stage' if need == lay.pp else f'{need} microbatches'}, or stages sit idle",
-            f"use train.grad_accum >= {need} (best >= {4 * lay.pp}), e.g. by lowering train.micro_batch",
-        )
-        return
-    if entry.microbatches_multiple_of_pp and mb % lay.pp:
-        r.error(
-            "train.grad_accum",
-            f"interleaved schedules need microbatches ({mb}) to be a multiple of pp ({lay.pp})",
-            f"use train.grad_accum={(mb // lay.pp + 1) * lay.pp}",
-        )
+    for key, message, fix in microbatch_rules(p.schedule, lay.pp, lay.virtual_stages, lay.microbatches):
+        r.error(key, message, fix)
 
 
 def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -230,12 +217,8 @@ def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
             "parameters on the CPU means the optimizer step runs there too",
             "set zero.offload_optimizer=true",
         )
-    if z.offload_optimizer and z.stage < 2:
-        r.error(
-            "zero.offload_optimizer",
-            f"optimizer offload is done with FSDP2's CPU offload, which needs stage 2 or 3, got stage {z.stage}",
-            "set zero.stage=2 (or zero=stage2_offload)",
-        )
+    for key, message, fix in zero_rules(lay.zero_stage, lay.dp_replicate, lay.offload_optimizer):
+        r.error(key, message, fix)
     if lay.offload_device == "nvme":  # an unknown device never gets here: resolve_layout reported it, once
         path = None if OmegaConf.is_missing(z, "nvme_path") else z.nvme_path
         if not path:
@@ -246,18 +229,10 @@ def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 "set zero.nvme_path to a node-local NVMe "
                 "mount, e.g. zero.nvme_path=/raid/$USER/hpctrain (DGX: the RAID-0 of data drives at /raid)",
             )
-    if lay.dp_replicate > 1 and z.stage < 2:
-        r.error(
-            "parallel.dp_replicate",
-            "HSDP (replicate across groups, shard inside) needs ZeRO stage 2 or 3",
-            "set zero.stage=3, or parallel.dp_replicate=1",
-        )
-    if z.stage > 0 and lay.zero_shard == 1:
-        r.warn(
-            "zero.stage",
-            f"ZeRO stage {z.stage} with dp=1" + (" and cp=1" if lay.cp == 1 else "") + " shards nothing",
-            "use zero=stage0",
-        )
+    for key, message, fix in zero_idle_rules(
+        lay.zero_stage, lay.zero_shard, lay.cp, lay.accumulate_unsharded, lay.pp, lay.grad_accum
+    ):
+        r.warn(key, message, fix)
     for key, value in {
         "zero.reduce_bucket_size": z.reduce_bucket_size,
         "zero.allgather_bucket_size": z.allgather_bucket_size,
@@ -268,14 +243,6 @@ def _zero(cfg: Config, lay: Layout, r: CheckReport) -> None:
                 f"{value} bytes is too small: thousands of tiny collectives per step",
                 f"use at least 1e6 bytes (typical: 2.5e7 to 5e8); {key}=25000000",
             )
-    if lay.accumulate_unsharded and (lay.zero_stage < 2 or lay.pp > 1 or lay.grad_accum == 1):
-        r.warn(
-            "zero.accumulate_unsharded",
-            "changes nothing here: it makes ZeRO-2/3 accumulate gradients unsharded "
-            "over micro-batches, which ZeRO-1 and every stage under PP (torch's schedules) do anyway, and one "
-            "micro-batch has nothing to accumulate",
-            "leave zero.accumulate_unsharded=false",
-        )
     if z.stage == 3 and lay.pp > 1:
         r.warn(
             "zero.stage",
@@ -314,13 +281,12 @@ def _precision(cfg: Config, lay: Layout, r: CheckReport) -> None:
 
 
 FP8_RECIPES = ("tensorwise", "rowwise")  # hpctrain.parallel.float8.RECIPES (config imports no torch)
-FP8_DIM_MULTIPLE = 16  # torch._scaled_mm: FP8 GEMM dimensions are multiples of 16
 
 
 def _fp8(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """precision.fp8 (torchao Float8Linear, docs/fp8.md): a known recipe, a GPU with FP8 tensor cores, bf16 (or
     fp32) around it, and block Linears whose every TP shard FP8 GEMMs can take."""
-    recipe, m, tp = str(cfg.precision.fp8), cfg.model, lay.tp
+    recipe, tp = str(cfg.precision.fp8), lay.tp
     if recipe == "none":
         return
     if recipe not in FP8_RECIPES:
@@ -375,25 +341,8 @@ def _fp8(cfg: Config, lay: Layout, r: CheckReport) -> None:
             "the head) in fp32, far slower than bf16",
             "set precision=bf16",
         )
-    widths = {"model.d_model": m.d_model, "model.ffn_hidden": ffn_hidden_of(m)}
-    if family_of(m).grouped_query and m.n_heads >= 1 and (m.head_dim or m.d_model % m.n_heads == 0):
-        widths["model.n_kv_heads"] = Dims.of(m).kv_dim  # K and V width (GQA)
-    for key, width in widths.items():
-        if width % tp == 0 and (width // tp) % FP8_DIM_MULTIPLE == 0:
-            continue
-        what = {
-            "model.d_model": "d_model",
-            "model.ffn_hidden": "the MLP hidden size",
-            "model.n_kv_heads": "the key/value width (n_kv_heads x head_dim)",
-        }[key]
-        shard = f" / tp {tp} = {width / tp:g}" if tp > 1 else ""
-        r.error(
-            key,
-            f"{what} {width}{shard} is not a multiple of {FP8_DIM_MULTIPLE}: FP8 GEMMs "
-            f"(torch._scaled_mm) need both dimensions of every block Linear's {'TP shard' if tp > 1 else 'weight'} "
-            f"to be multiples of {FP8_DIM_MULTIPLE}",
-            f"choose {key} so that it is a multiple of {FP8_DIM_MULTIPLE * tp}, or set precision.fp8=none",
-        )
+    for key, message, fix in fp8_rules(tp, recipe, workload(cfg, lay)):  # the TP shards FP8 GEMMs can take
+        r.error(key, message, fix)
 
 
 def _optim(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -794,7 +743,13 @@ def _count(low: int, example: int, after: str = "", note: str = "", high: int = 
 
 
 _SECONDS = " seconds"
-_POSITIVE_FLOAT = {"low": 0, "low_open": True}
+
+
+def _positive(example: Any, note: str = "") -> Domain:
+    """A float above 0 (a rate, a scale, a threshold): 0 itself is no value of it."""
+    return Domain(0, None, example, low_open=True, note=note)
+
+
 # One row per numeric key of the schema (hpctrain/config/schema.py; tests/config/test_numeric_domains.py holds
 # this table to it, so a new number cannot come without its domain). "checkpoint.tiers[].x" applies to each
 # tier. Checked by `domain_checks`, after the checks that say more of a key (those that combine it with other
@@ -813,10 +768,10 @@ DOMAINS: dict[str, Domain] = {
     "model.ffn_mult": _count(1, 4, " (model.ffn_hidden = ffn_mult x d_model when ffn_hidden is 0)"),
     "model.ffn_hidden": _count(0, 11008, " (0: ffn_mult x d_model)"),
     "model.norm_eps": Domain(0, None, "1e-5"),
-    "model.rope.theta": Domain(**_POSITIVE_FLOAT, example=500000, note="the base of the rotary frequencies"),
+    "model.rope.theta": _positive(500000, "the base of the rotary frequencies"),
     "model.rope.scaling_factor": Domain(0, None, 8, after=" (0: no scaling)"),
-    "model.rope.low_freq_factor": Domain(**_POSITIVE_FLOAT, example=1, note="original_context is divided by it"),
-    "model.rope.high_freq_factor": Domain(**_POSITIVE_FLOAT, example=4, note="original_context is divided by it"),
+    "model.rope.low_freq_factor": _positive(1, "original_context is divided by it"),
+    "model.rope.high_freq_factor": _positive(4, "original_context is divided by it"),
     "model.rope.original_context": _count(1, 8192),
     "model.moe.n_experts": _count(0, 8, " (0: dense)"),
     "model.moe.top_k": _count(1, 2),
@@ -824,7 +779,7 @@ DOMAINS: dict[str, Domain] = {
     "model.moe.n_shared_experts": _count(0, 1),
     "model.moe.n_groups": _count(1, 8),
     "model.moe.topk_groups": _count(1, 4),
-    "model.moe.route_scale": Domain(**_POSITIVE_FLOAT, example=1.0, note="the combine weights are multiplied by it"),
+    "model.moe.route_scale": _positive(1.0, "the combine weights are multiplied by it"),
     "model.moe.capacity_factor": Domain(0, None, 1.25, after=" (0: dropless)"),
     "model.moe.balance_coef": Domain(0, None, 0.001, note="a loss coefficient"),
     "model.moe.z_loss_coef": Domain(0, None, 0.001, note="a loss coefficient"),
@@ -856,7 +811,7 @@ DOMAINS: dict[str, Domain] = {
     "zero.reduce_bucket_size": _count(1_000_000, 25_000_000, " bytes", high=MAX_BYTES),
     "zero.allgather_bucket_size": _count(1_000_000, 25_000_000, " bytes", high=MAX_BYTES),
     # the optimizer
-    "optim.lr": Domain(**_POSITIVE_FLOAT, example="3e-4"),
+    "optim.lr": _positive("3e-4"),
     "optim.min_lr_ratio": Domain(0, 1, 0.1, after=" (a fraction of optim.lr)", interval=True),
     "optim.betas": Domain(0, 1, "[0.9,0.95]", high_open=True, interval=True),  # each of the two
     "optim.eps": Domain(0, None, "1e-8"),
@@ -899,7 +854,7 @@ DOMAINS: dict[str, Domain] = {
     "elastic.min_nodes": _count(0, 0, " (0: never shrink)", high=MAX_NODES),
     # health
     "health.allreduce_mb": _count(1, 16, " MiB", high=MAX_MIB),
-    "health.outlier_threshold": Domain(**_POSITIVE_FLOAT, example=3.5, note="a robust z-score"),
+    "health.outlier_threshold": _positive(3.5, "a robust z-score"),
     "health.min_slowdown": Domain(0, None, 0.2, note="a relative slowdown"),
     "health.hang_timeout_s": Domain(0, MAX_SECONDS, 600, after=" seconds (0 disables the watchdog)"),
     "health.hang_factor": Domain(1, None, 20, note="a multiple of the median step time"),
@@ -938,9 +893,9 @@ def _domain_values(cfg: Config, key: str) -> list[tuple[str, Any]]:
     (optim.betas: each element is checked, the key reported)."""
     if "[]." in key:
         head, _, tail = key.partition("[].")
-        items = OmegaConf.select(cfg, head, default=None) or []
+        items = OmegaConf.select(as_node(cfg), head, default=None) or []
         return [(f"{head}[{i}].{tail}", OmegaConf.select(item, tail, default=None)) for i, item in enumerate(items)]
-    return [(key, OmegaConf.select(cfg, key, default=None))]
+    return [(key, OmegaConf.select(as_node(cfg), key, default=None))]
 
 
 def domain_checks(cfg: Config, r: CheckReport, prefix: str | tuple[str, ...] = "") -> None:

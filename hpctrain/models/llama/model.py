@@ -1,5 +1,6 @@
-"""A Llama 2/3 decoder that knows nothing of parallelism: RoPE, RMSNorm, SwiGLU, grouped-query attention,
-untied embeddings.
+"""The Llama family's torch module (Qwen3's and the Mixture-of-Experts families' too, with their options): a
+Llama 2/3 decoder that knows nothing of parallelism (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied
+embeddings), its builder and its Hugging Face tensor table (the entry, torch-free, is hpctrain.models.llama.entry).
 
 It keeps GPT's module names where the two agree (`tok_emb`, `layers`, `norm1`, `attn.qkv`, `attn.proj`, `norm2`,
 `mlp.proj`, `norm_f`), so recomputation, FSDP wrapping and pipeline cuts of hpctrain.parallel apply unchanged;
@@ -26,17 +27,17 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpctrain.models.attention import CausalAttention
+from hpctrain.models.common.attention import CausalAttention
+from hpctrain.models.common.init import init_by_name
+from hpctrain.models.common.recipes import Recipe, same, vocab
 from hpctrain.models.family import Dims
-from hpctrain.models.gpt import init_by_name
-from hpctrain.models.hf_recipes import Recipe, same, vocab
 from hpctrain.models.params import ffn_hidden_of, kv_heads_of, padded_vocab
 
 
@@ -58,7 +59,7 @@ class LlamaArgs:
     padded_vocab: int = 0  # embedding and head rows (0: vocab_size); extra rows stay zero and are cut from the logits
     head_dim: int = 0  # each head's width (0: d_model / n_heads)
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
-    family: str = "llama"  # the registry entry the model is built for (hpctrain.models.registry)
+    family: str = "llama"  # the name of the family entry it is built for (hpctrain.models.registry)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "head_dim", self.head_dim or self.d_model // self.n_heads)
@@ -226,7 +227,7 @@ class Attention(nn.Module):
         # a zero tensor of the whole output, and the three are then added up).
         q, k, v = qkv.split((self.group, 1, 1), dim=3)
         q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)  # query head g * group + j uses key/value head g
-        if self.norm_q is not None:
+        if self.norm_q is not None and self.norm_k is not None:  # both or neither (qk_norm)
             q, k = self.norm_q(q), self.norm_k(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope_tables(self.args, q, self.attention.full_length(seqlen))
@@ -235,7 +236,8 @@ class Attention(nn.Module):
             cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = self.attention(q, k, v)  # query head g * group + j reads key/value head g
-        return self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return out
 
 
 class MLP(nn.Module):
@@ -257,12 +259,13 @@ class MLP(nn.Module):
         self.proj = nn.Linear(args.ffn_hidden, args.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.silu(self.gate(x)) * self.up(x))
+        out: torch.Tensor = self.proj(F.silu(self.gate(x)) * self.up(x))
+        return out
 
 
 class Block(nn.Module):
     def __init__(self, args: LlamaArgs, mlp: nn.Module | None = None) -> None:
-        """`mlp`: the feed-forward, when not the dense SwiGLU (a Mixture of Experts, hpctrain.models.moe_llama)."""
+        """`mlp`: the feed-forward, when not the dense SwiGLU (a Mixture of Experts, hpctrain.models.mixtral.model)."""
         super().__init__()
         self.norm1 = RMSNorm(args.d_model, args.norm_eps)
         self.attn = Attention(args)
@@ -272,7 +275,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d] (with sequence parallelism, this rank's [B, T / tp, d])."""
         x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 class Llama(nn.Module):
@@ -300,7 +304,8 @@ class Llama(nn.Module):
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         for layer in self.layers.values():
             h = layer(h)
-        if self.norm_f is not None:
+        if self.norm_f is not None:  # the last stage: it holds the head too (the family entry's stage_modules)
+            assert self.output is not None
             h = self.output(self.norm_f(h))
         return h
 
@@ -310,7 +315,7 @@ class Llama(nn.Module):
         return self.output.weight
 
     def init_weights(self, seed: int | None = None) -> None:
-        """GPT-2's initialisation by parameter name (hpctrain.models.gpt.init_by_name): every layout gets the
+        """GPT-2's initialisation by parameter name (hpctrain.models.common.init): every layout gets the
         single-process model's weights; the head's padding rows are zero like the embedding's."""
         init_by_name(self, seed, self.args.init_std, self.args.n_layers, self.args.vocab_size)
 
@@ -335,7 +340,7 @@ def legacy_source(key: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]
     def take(interleaved: torch.Tensor) -> torch.Tensor:
         if interleaved.dim() == 0:
             return interleaved
-        return interleaved.unflatten(0, (-1, 2))[:, half].contiguous()
+        return torch.unflatten(interleaved, 0, (-1, 2))[:, half].contiguous()
 
     return old, take
 
@@ -344,11 +349,6 @@ def build(m: Any, tp: int = 1) -> Llama:
     """The family's builder (`Family.builder`): the Llama of a config's `model` section, embedding padded for `tp`,
     on the current device context (`with torch.device("meta")` allocates nothing; init_weights() fills it)."""
     return Llama(llama_args(m, tp))
-
-
-def build_qwen3(m: Any, tp: int = 1) -> Llama:
-    """The Qwen3 family's builder: this module with an RMSNorm on each query and key head."""
-    return Llama(replace(llama_args(m, tp), qk_norm=True, family="qwen3"))
 
 
 # ---------------------------------------------------------------- Hugging Face (LlamaForCausalLM)
@@ -393,13 +393,4 @@ def hf_recipes(m: Any) -> dict[str, Recipe]:
         out[f"{ours}mlp.proj.weight"] = same(f"{hf}mlp.down_proj.weight")
     out["norm_f.weight"] = same("model.norm.weight")
     out["output.weight"] = vocab("lm_head.weight", m.vocab_size)
-    return out
-
-
-def qwen3_hf_recipes(m: Any) -> dict[str, Recipe]:
-    """Qwen3ForCausalLM: Llama's tensors plus each layer's per-head q_norm and k_norm."""
-    out = hf_recipes(m)
-    for i in range(m.n_layers):
-        out[f"layers.{i}.attn.norm_q.weight"] = same(f"model.layers.{i}.self_attn.q_norm.weight")
-        out[f"layers.{i}.attn.norm_k.weight"] = same(f"model.layers.{i}.self_attn.k_norm.weight")
     return out

@@ -1,4 +1,5 @@
-"""The Llama family's entry (Llama 2/3): torch-free; the module is hpctrain.models.llama.
+"""The Llama family entry (Llama 2/3): torch-free (the login node plans with it); the module is
+hpctrain.models.llama.model.
 
 Block, with h = d_model, f = the MLP's hidden size and k = n_kv_heads x head_dim (the width of K and V): RMSNorm
 (weight only), a fused QKV (h + 2k) x h ordered by key/value group (grouped-query attention: k < h), the
@@ -77,8 +78,10 @@ def hf_fields(hf: Mapping[str, Any], model_type: str = "llama") -> dict[str, Any
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     rope = dict(hf.get("rope_parameters") or {})  # transformers >= 5 keeps theta and scaling here
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    scaling: Mapping[str, Any] = hf.get("rope_scaling") or (
+        rope if rope.get("rope_type", "default") != "default" else {}
+    )
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     refuse(
         {
             "hidden_act": (hf.get("hidden_act", "silu"), ("silu",)),
@@ -190,7 +193,7 @@ def hf_weight_shapes(d: Dims) -> Shapes:
 LLAMA_FAMILY = Family(
     name="llama",
     summary="Llama 2/3: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, untied embeddings",
-    builder="hpctrain.models.llama:build",
+    builder="hpctrain.models.llama.model:build",
     tied_embeddings=False,
     grouped_query=True,
     block_shapes=block_shapes,
@@ -215,7 +218,7 @@ LLAMA_FAMILY = Family(
         config=hf_config,
         compared=hf_compared,
         weight_shapes=hf_weight_shapes,
-        recipes="hpctrain.models.llama:hf_recipes",
+        recipes="hpctrain.models.llama.model:hf_recipes",
         dropout={"attention_dropout": 0.0},
         not_weights=("rotary_emb.inv_freq",),
     ),  # saved by older transformers, recomputed
