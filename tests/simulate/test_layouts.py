@@ -109,4 +109,4 @@ def test_the_175b_simulation_prints_its_table(simulated) -> None:
     assert "within the 10% tolerance" in out and "1 over all 4096 ranks" in out
     assert "not seen on fake tensors: kernel speed" in out
     assert "one training step on fake tensors on fake CUDA (the GPU's attention kernels: flash x" in out
-    assert "nothing was submitted" not in stderr and "sbatch script" in out  # a dry run: nothing queued
+    assert "nothing was submitted" not in stderr and "batch script (slurm" in out  # a dry run: nothing queued
