@@ -32,6 +32,7 @@ from hpctrain.config.rules import (
     fp8_rules,
     microbatch_rules,
     schedule_rules,
+    simulation_rules,
     stage_rules,
     tensor_rules,
     zero_idle_rules,
@@ -134,7 +135,9 @@ def workload(cfg: Config, lay: Layout) -> Workload:
     """What the layout rules (hpctrain.config.rules) read of the run: the model's Dims and family, the sequence,
     the job's GPUs per node, torch.compile. The layout search builds the same from its ModelShape."""
     m = cfg.model
-    return Workload.of(Dims.of(m), family_of(m), cfg.train.seq_len, lay.gpus_per_node, m.dropout, cfg.parallel.compile)
+    return Workload.of(
+        Dims.of(m), family_of(m), cfg.train.seq_len, lay.gpus_per_node, m.dropout, cfg.parallel.compile, simulating(cfg)
+    )
 
 
 def _experts(cfg: Config, lay: Layout, r: CheckReport) -> None:
@@ -654,13 +657,8 @@ def _dry_run(cfg: Config, lay: Layout, r: CheckReport) -> None:
         )
     if not simulating(cfg):
         return
-    if data_parallel_kind(lay) == "ddp":
-        r.error(
-            "dry_run",
-            "simulate builds FSDP2 layouts; zero.stage=0 with DP alone runs DDP, whose C++ reducer "
-            "needs real memory for its buckets, which fake tensors do not have",
-            "dry_run=true gives DDP's memory (the planner's closed form); or simulate zero.stage=1 (FSDP2)",
-        )
+    for key, message, fix in simulation_rules(data_parallel_kind(lay), workload(cfg, lay)):
+        r.error(key, message, fix)
     if lay.offload_device == "nvme" and (lay.offload_optimizer or lay.offload_params):
         r.error(
             "dry_run",

@@ -24,6 +24,7 @@ from hpctrain.config.rules import (
     microbatch_rules,
     moe_context_rule,
     schedule_rules,
+    simulation_rules,
     stage_rules,
     tensor_rules,
     zero_rules,
@@ -320,6 +321,7 @@ def layout_rules(lay: Layout, w: Workload) -> list[Finding]:
         *microbatch_rules(lay.schedule, lay.pp, lay.virtual_stages, lay.microbatches),
         *zero_rules(lay.zero_stage, lay.dp_replicate, lay.offload_optimizer),
         *fp8_rules(lay.tp, lay.fp8, w),
+        *simulation_rules(data_parallel_kind(lay), w),
     ]
 
 

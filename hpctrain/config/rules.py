@@ -88,6 +88,7 @@ class Workload:
     gpus_per_node: int
     dropout: float = 0.0
     compile: bool = False
+    simulate: bool = False  # dry_run=simulate: one rank of the layout is built on fake tensors
 
     @classmethod
     def of(
@@ -98,9 +99,12 @@ class Workload:
         gpus_per_node: int,
         dropout: float = 0.0,
         compile: bool = False,
+        simulate: bool = False,
     ) -> Workload:
         """From a model's Dims and family (hpctrain.models.family): what both the checks and the search call."""
-        return cls(dims, family.name, family.moe, family.grouped_query, seq_len, gpus_per_node, dropout, compile)
+        return cls(
+            dims, family.name, family.moe, family.grouped_query, seq_len, gpus_per_node, dropout, compile, simulate
+        )
 
 
 def expert_rules(ep: int, w: Workload) -> list[Finding]:
@@ -385,6 +389,21 @@ def zero_idle_rules(
 
 
 FP8_DIM_MULTIPLE = 16  # torch._scaled_mm: FP8 GEMM dimensions are multiples of 16
+
+
+def simulation_rules(data_parallel: str, w: Workload) -> list[Finding]:
+    """dry_run=simulate builds the layout's rank on fake tensors, which FSDP2 and DTensor take but DDP does not:
+    `data_parallel` is the layout's wrapper (hpctrain.config.layout.data_parallel_kind)."""
+    if not (w.simulate and data_parallel == "ddp"):
+        return []
+    return [
+        (
+            "dry_run",
+            "simulate builds FSDP2 layouts; zero.stage=0 with DP alone runs DDP, whose C++ reducer "
+            "needs real memory for its buckets, which fake tensors do not have",
+            "dry_run=true gives DDP's memory (the planner's closed form); or simulate zero.stage=1 (FSDP2)",
+        )
+    ]
 
 
 def fp8_rules(tp: int, fp8: str, w: Workload) -> list[Finding]:

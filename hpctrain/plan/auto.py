@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain.config.layout import layout_rules
 from hpctrain.config.rules import key_of, microbatch_rules, zero_rules
+from hpctrain.config.schema import simulating
 from hpctrain.plan.bubble import bubble_fraction
 from hpctrain.plan.estimate import cluster_hardware
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
@@ -67,6 +68,7 @@ def auto_candidates(cfg: Config) -> list[Candidate]:
         zero_stages=zero_stages_for(bool(cfg.zero.offload_optimizer), bool(cfg.zero.offload_params)),
         compile=bool(cfg.parallel.compile),
         fp8=str(p.fp8),
+        simulate=simulating(cfg),
     )
 
 

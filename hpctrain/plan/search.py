@@ -87,10 +87,11 @@ def _divisors(n: int) -> list[int]:
     return sorted({*small, *(n // d for d in small)})
 
 
-def workload(model: ModelShape, hw: Hardware, compile: bool = False) -> Workload:
+def workload(model: ModelShape, hw: Hardware, compile: bool = False, simulate: bool = False) -> Workload:
     """What the layout rules read of a search (config.rules.Workload): the model's Dims and family, its sequence
-    and dropout, the GPUs of a node, and whether the run compiles (the checks build the same from the config)."""
-    return Workload.of(model.dims, model.family, model.seq_len, hw.gpus_per_node, model.dropout, compile)
+    and dropout, the GPUs of a node, and whether the run compiles or is simulated (the checks build the same from
+    the config)."""
+    return Workload.of(model.dims, model.family, model.seq_len, hw.gpus_per_node, model.dropout, compile, simulate)
 
 
 def context_degrees(w: Workload, gpus: int, max_cp: int, ep: int = 1) -> list[int]:
@@ -168,16 +169,18 @@ def search_layouts(
     max_context_parallel: int = 32,
     compile: bool = False,
     fp8: str = "none",
+    simulate: bool = False,
     **step_kwargs: float,
 ) -> list[Candidate]:
     """All legal layouts of `model` on n_gpus that fit in memory, fastest first (see module docstring); gradients
     reduced in `reduce_dtype` (precision.reduce_dtype; None: in `dtype`), the blocks' Linears in `fp8`
-    (precision.fp8), as the run will; `compile` (parallel.compile) rules out what torch.compile cannot take."""
+    (precision.fp8), as the run will; `compile` (parallel.compile) rules out what torch.compile cannot take,
+    `simulate` (dry_run=simulate) what fake tensors cannot build."""
     if seq_len is not None and seq_len != model.seq_len:
         model = replace(model, seq_len=seq_len)
     space = _Space(
         model,
-        workload(model, hw, compile),
+        workload(model, hw, compile, simulate),
         n_gpus,
         hw,
         global_batch,

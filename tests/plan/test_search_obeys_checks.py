@@ -30,7 +30,7 @@ TOP = 3  # the layouts after the chosen one that are checked too
 def runs(draw: st.DrawFn) -> list[str]:
     """The overrides of one run with parallel=auto: a model of conf/model, a Slurm cluster, a sequence length within
     the model's context, a global batch; sometimes dropout, torch.compile (dense models: an MoE model refuses it
-    whatever the layout) and FP8 (on GPUs that have it), which the layout rules also read."""
+    whatever the layout), FP8 (on GPUs that have it) and dry_run=simulate, which the layout rules also read."""
     model = draw(st.sampled_from(MODELS))
     context, moe = _model_facts(model)
     gpu = draw(st.sampled_from(GPUS))
@@ -49,7 +49,8 @@ def runs(draw: st.DrawFn) -> list[str]:
         "precision=bf16",
         "data=synthetic",
         "data.vocab_size=256",
-        "dry_run=true",
+        # simulate (its rank built on fake tensors) takes no DDP layout; it never compiles (a refusal of its own)
+        f"dry_run={'simulate' if not compiled and draw(st.booleans()) else 'true'}",
     ]
     if compiled and gpu in FP8_GPUS and draw(st.booleans()):
         overrides.append("precision.fp8=tensorwise")
@@ -88,6 +89,21 @@ def _model_facts(name: str) -> tuple[int, bool]:
         "cluster.nodes=4",
         "train.global_batch=64",
         "dry_run=true",
+    ]
+)
+@example(  # a tiny model on 2 GPUs, simulated: auto's third layout is DDP, which simulate cannot build
+    overrides=[
+        "model=tiny",
+        "parallel=auto",
+        "cluster=slurm",
+        "cluster.gpus_per_node=2",
+        "cluster.nodes=1",
+        "train.seq_len=256",
+        "train.global_batch=64",
+        "precision=bf16",
+        "data=synthetic",
+        "data.vocab_size=256",
+        "dry_run=simulate",
     ]
 )
 def test_every_layout_auto_may_pick_passes_the_checks(overrides: list[str]) -> None:
