@@ -7,6 +7,8 @@
 #   slurm/dev-cluster.sh env      shell lines a client needs (`eval "$(slurm/dev-cluster.sh env)"`); optional,
 #                                 since `up` also installs the config as /etc/slurm/slurm.conf
 #   slurm/dev-cluster.sh purge    down, then delete the state directory (job ids restart at 1 afterwards)
+#   slurm/dev-cluster.sh kill-node nI [--silent] | revive-node nI   a node dies (its link down first) | comes back
+#   slurm/dev-cluster.sh freeze-node nI | thaw-node nI              a node hangs (every process stopped) | runs on
 #
 # Runs as root. One munged, one private MariaDB (127.0.0.1), slurmdbd, slurmctld on this machine, and N slurmd
 # "nodes" n1..nN, each in its own network + UTS + mount namespace on a private bridge. Everything lives under
@@ -675,6 +677,25 @@ cmd_kill_node() {  # node [--silent]: a node dies: SIGKILL its slurmd and everyt
     [[ -z $stopped ]] || kill -KILL $stopped 2>/dev/null || true
 }
 
+cmd_freeze_node() {  # node: the node hangs: every process on it stops (its freezer cgroup frozen), none dies, its
+    # link stays up: its peers see silence, not closed connections, and slurmd answers nothing either (Slurm
+    # declares the node DOWN after SlurmdTimeout). thaw-node undoes it.
+    local n=${1:?usage: dev-cluster.sh freeze-node nI} cg _
+    cg=$(node_freezer "$n")
+    [[ -n $cg && -n $(<"$cg/cgroup.procs") ]] || die "freeze-node needs node $n running in a freezer cgroup (cgroup v1)"
+    echo FROZEN >"$cg/freezer.state"
+    for _ in $(seq 100); do [[ $(<"$cg/freezer.state") == FROZEN ]] && break; sleep 0.05; done
+    say "froze node $n: $(sort -un "$cg/cgroup.procs" | wc -l) process(es) ($(<"$cg/freezer.state"))"
+}
+
+cmd_thaw_node() {  # node: after freeze-node: its processes run on (a node Slurm declared DOWN comes back)
+    local n=${1:?usage: dev-cluster.sh thaw-node nI} cg
+    cg=$(node_freezer "$n")
+    [[ -z $cg ]] || echo THAWED >"$cg/freezer.state"
+    timeout 10 scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true
+    say "thawed node $n"
+}
+
 cmd_kill_job() {  # job: the job crashes: SIGKILL every process of its first step (its tasks, and the workers
     # their agents forked), as an OOM killer or a segfault in all of them would; srun then fails and the batch
     # script goes on (hpctrain's supervisor). Not slurmstepd, not srun, not the batch script.
@@ -708,6 +729,9 @@ case "${1:-}" in
     purge) cmd_purge ;;
     kill-node) cmd_kill_node "${2:-}" "${3:-}" ;;
     revive-node) cmd_revive_node "${2:-}" ;;
+    freeze-node) cmd_freeze_node "${2:-}" ;;
+    thaw-node) cmd_thaw_node "${2:-}" ;;
     kill-job) cmd_kill_job "${2:-}" ;;
-    *) echo "usage: $0 up|down|status|env|purge|kill-node nI [--silent]|revive-node nI|kill-job JOBID" >&2; exit 2 ;;
+    *) echo "usage: $0 up|down|status|env|purge|kill-node nI [--silent]|revive-node nI|freeze-node nI|thaw-node nI|kill-job JOBID" >&2
+       exit 2 ;;
 esac

@@ -10,7 +10,7 @@ import pytest
 
 from hpctrain.distributed.elastic import NodeAgent
 from hpctrain.distributed.environment import discover, port_for_job
-from hpctrain.records.failures import record_failure
+from hpctrain.records.failures import read_failures, record_failure
 from hpctrain.train.loop import repeated_failure
 
 
@@ -364,10 +364,10 @@ print(sorted({{m.split(".")[0] + ("._dynamo" if m.startswith("torch._dynamo") el
 
 
 def test_an_agent_restarts_its_workers_when_a_peer_node_goes_silent_and_only_then() -> None:
-    """A job that may shrink and has no spare: each training agent watches the others' beats. A slot whose
-    beats stop (a node that lost power: its peers block, nothing fails) makes the agent stop its workers, once;
-    not when its workers already changed since that slot's last beat (the group restarted on its own, as after
-    a death that closed the connections)."""
+    """A job that may shrink (to 1 of 3 nodes) and has no spare: each training agent watches the others' beats.
+    A slot whose beats stop (a node that lost power: its peers block, nothing fails) makes the agent stop its
+    workers, once; not when its workers already changed since that slot's last beat (the group restarted on its
+    own, as after a death that closed the connections)."""
     import datetime
     import time
 
@@ -379,7 +379,9 @@ def test_an_agent_restarts_its_workers_when_a_peer_node_goes_silent_and_only_the
     beats = {slot: spares.Heartbeat("127.0.0.1", store.port, "7", slot, slot, 5).start() for slot in (0, 1, 2)}
     told: list[int] = []
     workers = {"pids": {101, 102}}
-    watch = spares.PeerWatch("127.0.0.1", store.port, "7", 3, 0, 5, lambda: set(workers["pids"]), told.append)
+    watch = spares.PeerWatch(
+        "127.0.0.1", store.port, "7", 3, 0, 5, lambda: set(workers["pids"]), lambda _, slot, __: told.append(slot), 1
+    )
     watch.start()
     time.sleep(1.0)
     beats[1].stop()  # node 1 goes silent
@@ -449,3 +451,243 @@ def test_the_heartbeat_judge_waits_one_window_after_its_own_stop() -> None:
     judge = HeartbeatJudge(3.0)
     assert [judge.may_judge(t) for t in (0.0, 1.0, 3.9)] == [True, True, True]  # 2.9 s apart: awake
     assert [judge.may_judge(t) for t in (40.0, 41.0, 42.9, 43.1, 44.0)] == [False, False, False, True, True]
+
+
+# ---- replica groups (recovery=replicas) and the agents' watch (issue 48) ----------------------------------------
+
+
+def test_replica_groups_each_run_their_own_rendezvous_and_share_the_lighthouse() -> None:
+    """Four training slots in two groups of 2: a group's agents meet in their own rendezvous (run id
+    `<job>-replica<g>`, a fixed 2 nodes, however many the job has), on the one store; the lighthouse is on the
+    store's host, on a port of its own that moves with the store. Without groups: the job's run id."""
+    from dataclasses import replace
+
+    hosts = tuple(f"10.0.0.{i}" for i in range(1, 6))
+    agent = NodeAgent(
+        job_id="42", node=4, nodes=4, workers=2, hosts=hosts, max_restarts=3, join_timeout_s=600, groups=2
+    )
+    assert agent.spares == 0 and agent.group_nodes == 2 and agent.watched
+    for slot, group in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        config = agent.launch_config(3, slot)
+        assert config.run_id == f"42-replica{group}" and agent.group_of(slot) == group
+        assert (config.min_nodes, config.max_nodes, config.rdzv_configs["last_call_timeout"]) == (2, 2, 1)
+        assert config.rdzv_endpoint == agent.endpoint and not config.rdzv_configs["is_host"]
+    assert agent.lighthouse_url == f"http://10.0.0.1:{agent.lighthouse_port}" and agent.lighthouse_port != agent.port
+    moved = replace(agent, store_node=1, generation=1)
+    assert moved.lighthouse_url == f"http://10.0.0.2:{moved.lighthouse_port}"
+    assert moved.lighthouse_port != agent.lighthouse_port
+    plain = replace(agent, groups=1)
+    assert plain.launch_config(3, 2).run_id == "42" and plain.launch_config(3, 2).max_nodes == 4
+    single = NodeAgent(job_id="42", node=0, nodes=1, workers=2, hosts=hosts[:1], max_restarts=3, join_timeout_s=600)
+    assert not single.watched  # one node, no spare: no beats, no watch
+    assert (agent.name_of(3), replace(agent, names=("n1", "n2", "n3", "n4", "n5")).name_of(3)) == ("10.0.0.4", "n4")
+
+
+AGENT = r"""
+import json, os, sys, time
+from dataclasses import dataclass
+from hpctrain.distributed.elastic import NodeAgent, NodesLost, run_agent
+
+job, node, nodes, spare_nodes, groups, run_dir, behaviour = sys.argv[1:8]
+
+
+@dataclass
+class Task:
+    run_dir: str
+    config: dict
+
+
+def worker(task):
+    env = {k: os.environ.get(k) for k in ("HPCTRAIN_REPLICA_GROUP", "HPCTRAIN_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE",
+                                          "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT")}
+    if behaviour == "groups":
+        if env["HPCTRAIN_REPLICA_GROUP"] == "1" and env["TORCHELASTIC_RESTART_COUNT"] == "0":
+            raise RuntimeError("group 1's worker fails once")
+        if env["HPCTRAIN_REPLICA_GROUP"] == "0":
+            time.sleep(6)  # group 1 restarts meanwhile: this worker must not be restarted with it
+        import urllib.request
+        env["lighthouse_answers"] = urllib.request.urlopen(env["TORCHFT_LIGHTHOUSE"], timeout=10).status == 200
+        return env
+    print(json.dumps({"worker": os.getpid()}), flush=True)
+    time.sleep(25 if behaviour == "train 25 s" else 600)  # trains until then, its node dies, or its agent ends it
+    return os.getpid()
+
+
+count = int(nodes) + int(spare_nodes)
+agent = NodeAgent(job_id=job, node=int(node), nodes=int(nodes), workers=1, hosts=("127.0.0.1",) * count,
+                  max_restarts=1, join_timeout_s=60, spares=int(spare_nodes), groups=int(groups),
+                  names=tuple(f"n{i}" for i in range(count)))
+print(json.dumps({"agent": os.getpid()}), flush=True)
+try:
+    results = run_agent(agent, Task(run_dir, {"run": {"id": "t"}, "checkpoint": {"tiers": []}}), worker)
+    print(json.dumps({"results": {str(k): v for k, v in results.items()}}), flush=True)
+except NodesLost as lost:
+    print(json.dumps({"lost": str(lost), "time": time.monotonic()}), flush=True)
+    sys.exit(1)
+"""
+
+
+class Agent:
+    """A node's agent in a child process of its own (its workers forked from it), its stdout as JSON lines."""
+
+    def __init__(self, job: str, node: int, nodes: int, spare_nodes: int, groups: int, run_dir: Path, how: str):
+        import queue
+        import subprocess
+        import sys
+        import threading
+
+        repo = Path(__file__).resolve().parent.parent
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", AGENT, job, str(node), str(nodes), str(spare_nodes), str(groups), str(run_dir), how],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=repo,
+            env={**__import__("os").environ, "PYTHONPATH": str(repo)},
+        )
+        self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.err: list[str] = []
+        threading.Thread(
+            target=lambda: [self.lines.put(__import__("json").loads(x)) for x in self.proc.stdout], daemon=True
+        ).start()
+        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+
+    def next(self, key: str, timeout: float) -> dict[str, Any]:
+        """Its next line that has `key`."""
+        import queue
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if key in line:
+                return line
+        raise AssertionError(f"no {key!r} from the agent in {timeout:.0f} s:\n{''.join(self.err)[-4000:]}")
+
+    def die(self, workers: list[int]) -> None:
+        """The node dies: its agent and its workers at once."""
+        import os
+        import signal
+
+        for pid in [self.proc.pid, *workers]:
+            os.kill(pid, signal.SIGKILL)
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.mark.timeout(240)
+def test_one_replica_groups_failure_restarts_only_its_own_workers(tmp_path: Path) -> None:
+    """Two agents as two 1-node replica groups (loopback): each group's worker learns its group, the group count
+    and the lighthouse (which answers, hosted by node 0's agent) from its agent; group 1's worker fails once and
+    is restarted in its own rendezvous while group 0's worker runs on, never restarted."""
+    import secrets
+
+    job = f"g{secrets.token_hex(3)}"
+    agents = [Agent(job, node, 2, 0, 2, tmp_path, "groups") for node in (0, 1)]
+    try:
+        results = [a.next("results", 180)["results"]["0"] for a in agents]
+    finally:
+        for a in agents:
+            a.end()
+    lighthouse = results[0]["TORCHFT_LIGHTHOUSE"]
+    assert lighthouse.startswith("http://127.0.0.1:") and results[1]["TORCHFT_LIGHTHOUSE"] == lighthouse
+    for group, result in enumerate(results):
+        assert result["HPCTRAIN_REPLICA_GROUP"] == str(group) and result["HPCTRAIN_REPLICA_GROUPS"] == "2"
+        assert result["TORCHELASTIC_RUN_ID"] == f"{job}-replica{group}" and result["WORLD_SIZE"] == "1"
+        assert result["lighthouse_answers"]
+    assert [r["TORCHELASTIC_RESTART_COUNT"] for r in results] == ["0", "1"]
+
+
+@pytest.mark.timeout(300)
+def test_a_second_node_death_after_the_spare_was_used_ends_the_job_in_seconds(tmp_path: Path) -> None:
+    """D1 on loopback: 2 training agents and a spare. Node 1 dies (agent and worker): the spare takes its slot
+    and the job goes on. Then the spare's node dies too: the agent left must not wait in the rendezvous for its
+    600 s join timeout; it ends within seconds with a failure record in the attempt's folder naming both dead
+    nodes (they are to blame: a resubmission leaves them out)."""
+    import json
+    import secrets
+    import time
+
+    from hpctrain.records.failures import diagnose, read_hosts
+
+    job = f"d{secrets.token_hex(3)}"
+    agents = [Agent(job, node, 2, 1, 1, tmp_path, "sleep") for node in (0, 1, 2)]
+    try:
+        workers = {node: agents[node].next("worker", 120)["worker"] for node in (0, 1)}
+        agents[1].die([workers[1]])
+        workers[2] = agents[2].next("worker", 60)["worker"]  # the spare's: it took slot 1, the group restarted
+        agents[0].next("worker", 60)
+        time.sleep(1.0)
+        agents[2].die([workers[2]])
+        died = time.monotonic()
+        line = agents[0].next("lost", 60)
+        lost, ended = line["lost"], line["time"]
+        assert agents[0].proc.wait(30) == 1
+    finally:
+        for a in agents:
+            a.end()
+    assert ended - died < 10, ended - died  # 3 s of silence, then the record and the exit
+    assert "node(s) n1,n2 " in lost and "no hot spare left" in lost
+    records = [r for folder in (tmp_path / "failures").iterdir() for r in read_failures(tmp_path, folder.name)]
+    mine = [r for r in records if r["type"] == "NodesLost"]
+    assert mine and mine[0]["blame"] == ["n1", "n2"] and not mine[0]["peer"], json.dumps(records)
+    key = mine[0]["job_id"]
+    assert diagnose(read_failures(tmp_path, key), read_hosts(tmp_path, key))[0] == ["n1", "n2"]
+
+
+def test_the_watch_stands_down_once_slurm_ends_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scancel or a requeue sends every agent SIGTERM, and some stop before the others: the agents note the
+    signal (through torch's own termination handler, still raising its SignalException), and a silence seen
+    after it is no lost node: no record, no requeue, no verdict for the main thread."""
+    import signal
+    import threading
+    import types
+
+    from torch.distributed.elastic.multiprocessing import api
+
+    from hpctrain.distributed import elastic, spares
+
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)  # restored after
+    monkeypatch.setattr(elastic, "ENDING", threading.Event())
+    elastic._note_termination()
+    elastic._note_termination()  # each run of the agent hooks again: wrapped once
+    assert not elastic.ENDING.is_set()
+    with pytest.raises(api.SignalException):
+        api._terminate_process_handler(signal.SIGTERM, None)
+    assert elastic.ENDING.is_set()
+    agent = NodeAgent(
+        job_id="13", node=0, nodes=2, workers=1, hosts=("127.0.0.1",) * 2, max_restarts=1, join_timeout_s=5
+    )
+    elastic.Verdicts(agent, types.SimpleNamespace(run_dir=str(tmp_path)), 0)(spares.FAIL, 1, (1,))
+    assert not elastic._PENDING and not (tmp_path / "failures").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_group_that_loses_a_node_leaves_and_the_other_group_trains_on(tmp_path: Path) -> None:
+    """Two replica groups of 2 agents each (loopback), no spare. A node of group 0 dies: the other agent of group
+    0 leaves the run (exit 0, a record naming the dead node) but, as the store's and the lighthouse's host,
+    serves them on until group 1, never disturbed, trains to its end."""
+    import secrets
+
+    job = f"l{secrets.token_hex(3)}"
+    agents = [Agent(job, node, 4, 0, 2, tmp_path, "train 25 s") for node in range(4)]
+    try:
+        workers = {node: agents[node].next("worker", 120)["worker"] for node in range(4)}
+        agents[1].die([workers[1]])
+        group_1 = [agents[node].next("results", 120)["results"] for node in (2, 3)]
+        assert agents[0].next("results", 60)["results"] == {} and agents[0].proc.wait(30) == 0
+    finally:
+        for a in agents:
+            a.end()
+    # torch keys a worker's result by its rank in the group: the first workers, never restarted
+    assert sorted(pid for results in group_1 for pid in results.values()) == sorted([workers[2], workers[3]])
+    log = "".join(agents[0].err)
+    assert "replica group 0 lost node(s) n1" in log and "hosting the rendezvous store and the lighthouse" in log
+    records = [r for folder in (tmp_path / "failures").iterdir() for r in read_failures(tmp_path, folder.name)]
+    assert [r["blame"] for r in records if r["type"] == "NodesLost"] == [["n1"]]

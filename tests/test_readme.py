@@ -76,6 +76,12 @@ NAMED: dict[str, list[tuple[str, str]]] = {
         ),
         ("tests/launch/test_sweep_checks.py::test_one_bad_point_stops_the_sweep_before_any_point_runs", '"-m"'),
     ],
+    "python -m hpctrain +experiment=175b recovery=replicas recovery.groups=4 cluster.spare_nodes=2": [
+        (
+            "tests/replicas/test_replicas_config.py::test_the_readme_command_plans_four_groups_of_the_175b_layout",
+            "README_COMMAND.split()",
+        )
+    ],
     STATUS: [
         (
             "tests/tools/test_status_cli.py::test_the_page_the_json_and_watch_on_a_finished_run",

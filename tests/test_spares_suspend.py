@@ -56,10 +56,10 @@ elif role == "spare":  # node 2 of a job whose slots 0 and 1 train
     print("ready", flush=True)
     slot = spares.wait_for_vacancy(store, "29", 2, node=2)
     print(json.dumps({"slot": slot, "time": time.time()}), flush=True)
-elif role == "watch":  # the agent of slot 0 in a job that may shrink (3 slots), beating itself
+elif role == "watch":  # the agent of slot 0 in a job that may shrink to 1 of its 3 slots, beating itself
     spares.Heartbeat("127.0.0.1", port, "29", 0, 0, 30).start()
-    told = lambda slot: print(json.dumps({"silent": slot, "time": time.time()}), flush=True)
-    spares.PeerWatch("127.0.0.1", port, "29", 3, 0, 30, lambda: {1, 2}, told).start()
+    told = lambda verdict, slot, lost: print(json.dumps({"silent": slot, "time": time.time()}), flush=True)
+    spares.PeerWatch("127.0.0.1", port, "29", 3, 0, 30, lambda: {1, 2}, told, min_nodes=1).start()
     ready(0)
     time.sleep(3600)
 elif role == "call":  # one store call, bounded, that waits for a key the test sets; the client's own timeout given

@@ -3,6 +3,7 @@ values that end up in the sbatch script."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -14,7 +15,7 @@ from hpctrain.checks.container import container_checks, run_dir_parts
 from hpctrain.checks.report import CheckReport
 from hpctrain.config.layout import Layout, layouts_on_nodes
 from hpctrain.config.problems import ConfigError
-from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config
+from hpctrain.config.schema import RECOVERY_MODES, TIMEOUT_MARGIN_S, Config
 from hpctrain.scheduler import scheduler_for
 
 
@@ -227,6 +228,49 @@ def _elastic(cfg: Config, lay: Layout, r: CheckReport) -> None:
             return
 
 
+def _recovery(cfg: Config, lay: Layout, r: CheckReport) -> None:
+    """Replica groups (recovery=replicas|diloco) need the node agents (they host the lighthouse and restart a
+    group in the allocation), never shrink (a group left out is the shrink), and a quorum they can reach."""
+    rec = cfg.recovery
+    if rec.mode not in RECOVERY_MODES:
+        r.error("recovery.mode", f"unknown mode {rec.mode!r}", f"use one of {', '.join(RECOVERY_MODES)}")
+        return
+    if rec.mode == "restart":
+        return
+    if rec.groups < 2:
+        r.error(
+            "recovery.groups",
+            f"recovery.mode={rec.mode} needs at least 2 replica groups, got {rec.groups}",
+            "set recovery.groups=2 or more, or recovery=restart",
+        )
+    if not cfg.launcher.in_allocation:
+        r.error(
+            "launcher.in_allocation",
+            f"recovery.mode={rec.mode}: each node's agent restarts its group and the agents host the lighthouse, "
+            "but launcher.in_allocation=false",
+            "set launcher.in_allocation=true, or recovery=restart",
+        )
+    if cfg.elastic.min_nodes:
+        r.error(
+            "elastic.min_nodes",
+            f"recovery.mode={rec.mode}: a group that loses a node is left out of the quorum until it is back; "
+            "groups do not shrink",
+            "set elastic.min_nodes=0 (give the job cluster.spare_nodes to bring groups back)",
+        )
+    if not 1 <= rec.min_replicas <= rec.groups:
+        r.error(
+            "recovery.min_replicas",
+            f"must be between 1 and recovery.groups={rec.groups}, got {rec.min_replicas}",
+            "use recovery.min_replicas=1 (a step commits with any one group alive)",
+        )
+    if importlib.util.find_spec("torchft") is None:
+        r.warn(
+            "recovery.mode",
+            f"recovery.mode={rec.mode} needs torchft on the compute nodes, and it is not installed here",
+            "pip install 'hpctrain[replicas]' (torchft) where the job runs",
+        )
+
+
 SBATCH_STRINGS = ("partition", "account", "qos", "constraint", "exclude")  # each an #SBATCH option's value
 SBATCH_OPTION = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # cluster.sbatch_extra's keys: --<key>=<value>
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -316,4 +360,13 @@ def _log_paths(cfg: Config, lay: Layout, r: CheckReport) -> None:
             )
 
 
-cluster_checks = [_cluster, _timeouts, _elastic, _control_characters, _sbatch_values, _log_paths, container_checks]
+cluster_checks = [
+    _cluster,
+    _timeouts,
+    _elastic,
+    _recovery,
+    _control_characters,
+    _sbatch_values,
+    _log_paths,
+    container_checks,
+]

@@ -6,6 +6,7 @@ accumulation, so the checks, the plan, the launcher and every task read the same
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ from hpctrain.config.rules import (
     tensor_rules,
     zero_rules,
 )
-from hpctrain.config.schema import Config
+from hpctrain.config.schema import Config, RecoveryConfig
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -79,6 +80,9 @@ class Layout:
     first_stage_layers: int = 0  # parallel.first_stage_layers: layers of the first stage (0: as the others)
     last_stage_layers: int = 0  # parallel.last_stage_layers: layers of the last stage (0: as the others)
     cp: int = 1  # parallel.cp: context parallelism, each sequence split over cp ranks
+    # recovery.groups under recovery=replicas|diloco: copies of this layout (each its own world) whose gradients
+    # torchft averages; every other field, nodes and global_batch included, describes one group
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         problems = layout_problems(self)
@@ -120,6 +124,16 @@ class Layout:
     @property
     def nodes(self) -> int:
         return self.world_size // self.gpus_per_node
+
+    @property
+    def job_nodes(self) -> int:
+        """Nodes that train, every replica group's (spares not counted)."""
+        return self.nodes * self.replicas
+
+    @property
+    def job_global_batch(self) -> int:
+        """Sequences per optimizer step over every replica group: train.global_batch."""
+        return self.global_batch * self.replicas
 
     @property
     def microbatches(self) -> int:
@@ -325,8 +339,43 @@ def layout_rules(lay: Layout, w: Workload) -> list[Finding]:
     ]
 
 
+def replica_groups(recovery: RecoveryConfig) -> int:
+    """How many copies of the layout train side by side (recovery=replicas|diloco), else 1."""
+    return int(recovery.groups) if recovery.mode in ("replicas", "diloco") else 1
+
+
+def group_config(cfg: Config) -> Config:
+    """The config one replica group trains: its share of cluster.nodes, train.global_batch and parallel.dp (the
+    job's DP degree counts the groups, as HSDP's counts its replicas; the config itself without replica groups).
+    ConfigError when they do not divide."""
+    groups = replica_groups(cfg.recovery)
+    if groups == 1:
+        return cfg
+    dp = cfg.parallel.dp  # the job's data-parallel degree, the groups' included (-1: inferred per group)
+    problems = [
+        Problem(key, f"{value} is not divisible by recovery.groups={groups}", f"use a multiple of {groups}")
+        for key, value in (
+            ("cluster.nodes", cfg.cluster.nodes),
+            ("train.global_batch", cfg.train.global_batch),
+            ("parallel.dp", dp if dp > 0 else groups),
+        )
+        if value % groups
+    ]
+    if problems:
+        raise ConfigError(problems)
+    group = copy.deepcopy(cfg)
+    group.cluster.nodes = cfg.cluster.nodes // groups
+    group.train.global_batch = cfg.train.global_batch // groups
+    if dp > 0:
+        group.parallel.dp = dp // groups
+    return group
+
+
 def resolve_layout(cfg: Config) -> Layout:
-    """Infer dp and grad_accum where they are -1; raise ConfigError when the numbers cannot fit together."""
+    """Infer dp and grad_accum where they are -1; raise ConfigError when the numbers cannot fit together. With
+    replica groups, the layout of one group (its `replicas` field counts them)."""
+    groups = replica_groups(cfg.recovery)
+    cfg = group_config(cfg)
     c, p, t = cfg.cluster, cfg.parallel, cfg.train
     _require_positive(cfg)
     dp = _infer_dp(c.nodes, c.gpus_per_node, p.dp, p.tp, p.pp, p.cp, lambda dp: _job_size_for(cfg, dp))
@@ -356,6 +405,7 @@ def resolve_layout(cfg: Config) -> Layout:
         first_stage_layers=p.first_stage_layers,
         last_stage_layers=p.last_stage_layers,
         cp=p.cp,
+        replicas=groups,
     )
     broken = layout_problems(SimpleNamespace(**values))  # the layout's own rules, reported with the config's keys
     if broken:

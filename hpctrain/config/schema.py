@@ -358,6 +358,28 @@ class ElasticConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    # How a failure is survived (docs/replicas.md). restart: every rank of the job restarts (in the allocation,
+    # launcher.in_allocation) and resumes from the newest checkpoint. replicas: the job's nodes form
+    # `groups` replica groups, each a whole copy of the layout (FSDP/TP/PP inside); a step's gradients are
+    # averaged across the groups by torchft, a quorum per step: a group that fails is left out of the next
+    # steps while the others go on, and rejoins, healed from a live peer over the network. diloco: the same
+    # groups, synchronised every `sync_every` steps (DiLoCo's outer step) instead of every step: for slow links.
+    mode: str = "restart"  # restart | replicas | diloco
+    groups: int = 2  # replica groups (replicas, diloco): cluster.nodes is divided among them
+    min_replicas: int = 1  # a step commits only with at least this many groups in its quorum
+    heartbeat_timeout_ms: int = 1000  # the lighthouse drops a group whose manager stopped beating this long
+    join_timeout_ms: int = 1000  # a quorum waits this long for groups of the last quorum that are not in yet
+    quorum_timeout_s: float = 120.0  # one step's quorum (and a heal) waits this long, then the step fails
+    sync_every: int = 20  # diloco: inner steps between two outer synchronisations
+    outer_lr: float = 0.7  # diloco: the outer optimizer's (Nesterov SGD) learning rate
+    outer_momentum: float = 0.9  # diloco: its momentum
+
+
+RECOVERY_MODES = ("restart", "replicas", "diloco")
+
+
+@dataclass
 class HealthConfig:
     preflight: str = "warn"  # off | warn | exclude (resubmit without bad nodes) | drain (also drain them)
     allreduce_mb: int = 16  # size of the pre-flight all-reduce bandwidth test
@@ -427,6 +449,7 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -99,8 +99,12 @@ class BatchReader:
         pin: bool = False,
         ahead: int = 1,
         vocab_size: int | None = None,
+        stride: int | None = None,
     ) -> None:
+        """`stride`: how far one step's first sample is from the next's (default: `global_batch`; replica groups
+        each read their share of a larger step)."""
         self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
+        self.stride = stride or global_batch
         self.vocab_size = vocab_size
         self.dp, self.dp_rank, self.ahead = dp, dp_rank, ahead
         per_rank = global_batch // dp
@@ -118,13 +122,13 @@ class BatchReader:
         self.wait_s = time.perf_counter() - started
         if self._pool is not None:
             for k in range(1, self.ahead + 1):
-                later = consumed + k * self.global_batch
+                later = consumed + k * self.stride
                 if later not in self._pending:
                     self._pending[later] = self._pool.submit(self._fill, later)
         return batch
 
     def _fill(self, consumed: int) -> torch.Tensor:
-        out = self._buffers[(consumed // self.global_batch) % len(self._buffers)]
+        out = self._buffers[(consumed // self.stride) % len(self._buffers)]
         fill_batch(self.dataset, step_samples(consumed, self.global_batch, self.dp, self.dp_rank), out, self.vocab_size)
         return out
 

@@ -10,15 +10,23 @@ never take the same one), beats for it, and only then joins the rendezvous, wher
 for the job's node count. When the store itself moved to another node (its host died, `elastic.py`), every
 slot starts anew there: a slot nobody took within `VACANT_S` of the spare's arrival is the dead node's. When
 the run ends, its agents say so in the store and the spares that were never needed leave.
-A job that may shrink and has no spare uses the same counters the other way round (`PeerWatch`): a training
-agent that sees another node's counter stop restarts the group, since a node that loses power leaves its
-peers blocked in collectives rather than failing them.
+The training agents use the same counters the other way round (`PeerWatch`, in every job of more than one
+node): each watches the next `WATCHED` slots of its replica group (a ring: no store reads every counter of a
+large job every poll), since a node that loses power (or hangs, or whose processes are stopped) leaves its peers
+blocked in collectives rather than failing them, and a node that died with no spare left leaves them waiting in
+the rendezvous for its whole join timeout. On a slot silent for `VACANT_S` (`verdict`): a hot spare still
+waiting takes it (spares beat too, under a key of their own, so the watchers know one is there); else a job
+that may shrink (`elastic.min_nodes`) goes on without it; else a replica group (recovery=replicas) leaves the
+run to the other groups; else the job fails fast (elastic.py ends it with a record naming every node it lost:
+the store keeps them, the one a spare replaced included).
 A suspension is not a death: `scontrol suspend` stops every process of the job (SIGSTOP) and `scontrol resume`
 continues them, in no set order. A watcher that wakes first sees counters that did not move for as long as it
 slept, while their holders, stopped like it, beat again a moment later. So a watcher measures silence only
 across its own polls that came on time (`Silences`): one that comes much later than due means this process
 was stopped itself (the monotonic clock runs on while a process is stopped), and every counter is read afresh
 before any is judged.
+When the store moved (its host died), a slot nobody took there is judged by the watchers only after
+`UNTAKEN_S`: a live agent may spend up to elastic.NEXT_HOST_WAIT_S on the way to the new store.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import datetime
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,16 @@ STOPPED_S = VACANT_S / 2
 READ_TIMEOUT_S = 10.0  # a store host that does not answer a read this long is gone (torch's default: 60 s)
 CALL_MARGIN_S = 2.0  # beyond the client's own timeout, before a call is given up on (see `within`)
 WAIT_SLICE_S = 0.5  # `within` waits for a call in slices this long (a far longer one: the caller was stopped)
+# In a moved store, a slot nobody took for this long is vacant to the watching agents: past the 10 s an agent
+# may wait for a candidate host on its way there (elastic.NEXT_HOST_WAIT_S), with a margin.
+UNTAKEN_S = 12.0
+WATCHED = 3  # each training agent watches the next WATCHED slots of its group: a slot is watched by 3 agents
+
+# What a training agent does about a silent slot of its group (`verdict`)
+SPARE = "spare"  # a hot spare is waiting: it takes the slot
+SHRINK = "shrink"  # elastic.min_nodes allows one node fewer: stop this node's workers, the group restarts smaller
+LEAVE = "leave"  # a replica group with no spare left: it leaves the run, the other groups train on
+FAIL = "fail"  # none of these: the job ends at once, with a record naming every node it lost
 
 
 def _key(job_id: str, *parts: object) -> str:
@@ -223,11 +241,12 @@ class Silences:
     holders, stopped with it, beat again a moment after they continue; so it forgets them all, and silence is
     measured again from values read after the stop. (A poll whose reads alone take that long, a store that
     slow, forgets too: such a watcher cannot tell its own stop from the store's delay, and judges no one.)
-    `extra` is kept beside each value (PeerWatch: this node's workers at that moment)."""
+    `extra` is kept beside each value (PeerWatch: this node's workers at that moment). A key is a slot, or
+    anything else whose counter is watched the same way (a spare's: `("spare", node)`)."""
 
     def __init__(self, who: str, poll_s: float = POLL_S) -> None:
         self.who, self.poll_s = who, poll_s
-        self.seen: dict[int, tuple[str, float, Any]] = {}
+        self.seen: dict[Hashable, tuple[str, float, Any]] = {}
         self.last: float | None = None
 
     def poll(self) -> float:
@@ -245,14 +264,14 @@ class Silences:
         self.last = now
         return now
 
-    def silent_for(self, slot: int, value: str, now: float, extra: Any = None) -> float:
+    def silent_for(self, slot: Hashable, value: str, now: float, extra: Any = None) -> float:
         """Seconds `slot`'s counter has shown `value`, as seen since this watcher's last stop (0: it moved)."""
         if slot not in self.seen or self.seen[slot][0] != value:
             self.seen[slot] = (value, now, extra)
             return 0.0
         return now - self.seen[slot][1]
 
-    def extra(self, slot: int) -> Any:
+    def extra(self, slot: Hashable) -> Any:
         return self.seen[slot][2]
 
 
@@ -261,11 +280,18 @@ def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool
     In a store that `moved`, a slot no agent took within VACANT_S is vacant too (its holder died with the
     store's old host), as long as another slot is held (else no one is left to train with: the run is over).
     A suspended job is no vacancy (`Silences`). A store that stops answering raises: the agent moves to the
-    next one."""
+    next one. While it waits, the spare beats a counter of its own, so that the training agents know a spare is
+    there (`PeerWatch`); a claimed slot's dead holder joins the job's lost nodes (`lost_nodes`)."""
     silences = Silences(f"spare node {node}")
+    store.append(_key(job_id, "spares"), f"{node},")
+    mine = _key(job_id, "spare", node)
+    count = 0
     while True:
         if store.check([_key(job_id, "ended")]):
+            store.set(mine, "left")
             return None
+        store.set(mine, str(count))
+        count += 1
         now = silences.poll()
         beats = {slot: _beat(store, job_id, slot) for slot in range(slots)}
         for slot, value in beats.items():
@@ -273,6 +299,9 @@ def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool
                 continue  # its holder has not started yet
             silent = silences.silent_for(slot, value, now)
             if silent > VACANT_S and _claim(store, job_id, slot, value, node):
+                store.set(mine, f"took {slot}")
+                if value:
+                    add_lost(store, job_id, [_holder(value)])
                 log.warning(
                     "spare node %d takes slot %d (%s %.1f s)",
                     node,
@@ -284,14 +313,99 @@ def wait_for_vacancy(store: Any, job_id: str, slots: int, node: int, moved: bool
         time.sleep(POLL_S)
 
 
+def add_lost(store: Any, job_id: str, nodes: Iterable[int]) -> None:
+    """Count `nodes` among those the job lost (a failure record names them all, the first too)."""
+    for node in nodes:
+        store.append(_key(job_id, "lost"), f"{node},")
+
+
+def lost_nodes(store: Any, job_id: str) -> set[int]:
+    """Every node this job lost so far, as this store knew them."""
+    return _numbers(store, _key(job_id, "lost"))
+
+
+def group_left(store: Any, job_id: str, group: int) -> bool:
+    """Whether replica group `group` left the run (it lost a node and no spare was left)."""
+    return bool(store.check([_key(job_id, "left", group)]))
+
+
+def group_over(store: Any, job_id: str, group: int) -> None:
+    """Replica group `group` trained to the end (or failed for good)."""
+    store.set(_key(job_id, "over", group), "1")
+
+
+def groups_over(store: Any, job_id: str, groups: int, first: int = 0) -> bool:
+    """Whether every one of `groups` replica groups (from `first` on) is over or left the run."""
+    return all(
+        store.check([_key(job_id, "over", g)]) or store.check([_key(job_id, "left", g)])
+        for g in range(first, first + groups)
+    )
+
+
+def wait_for_groups(store: Any, job_id: str, groups: int, group_size: int) -> None:
+    """As the host of the store (and of the replica groups' lighthouse): until every group is over, done or left,
+    or gone: every slot of it silent for VACANT_S with no spare waiting (a group of one node that died has no
+    one left to say it left)."""
+    silences = Silences("the store's host")
+    while True:
+        now = silences.poll()
+        spare = _spare_waiting(store, job_id, silences, now)
+        silent = [
+            silences.silent_for(slot, _beat(store, job_id, slot), now) > VACANT_S for slot in range(groups * group_size)
+        ]
+        if all(
+            groups_over(store, job_id, 1, group)
+            or (not spare and all(silent[group * group_size : (group + 1) * group_size]))
+            for group in range(groups)
+        ):
+            return
+        time.sleep(POLL_S)
+
+
+def leave_group(store: Any, job_id: str, group: int) -> None:
+    store.set(_key(job_id, "left", group), "1")
+
+
+def first_to_fail(store: Any, job_id: str, node: int) -> bool:
+    """Whether this node is the one agent that ends the failed job (one compare-and-set: the first)."""
+    return store.compare_set(_key(job_id, "failed"), "", str(node)).decode() == str(node)
+
+
+def verdict(group_size: int, slots: int, lost: int, min_nodes: int, spare: bool) -> str:
+    """What a training agent does about a slot of its own replica group silent for VACANT_S: `lost` slots of the
+    job are gone with it (it included), `spare`: a hot spare is waiting. `group_size` < `slots`: the job's
+    slots are replica groups of that many (recovery=replicas), which never shrink (another group's slots are
+    that group's business: `watched`)."""
+    if spare:
+        return SPARE
+    if group_size < slots:
+        return LEAVE
+    if 0 < min_nodes <= slots - lost:
+        return SHRINK
+    return FAIL
+
+
+def watched(own: int, group_size: int, count: int = WATCHED) -> list[int]:
+    """The slots the agent of slot `own` watches: the next `count` of its replica group (of `group_size`
+    slots), in a ring, so that every slot is watched by `count` agents whatever the group's size."""
+    base = own - own % group_size
+    return [base + (own - base + step) % group_size for step in range(1, min(count, group_size - 1) + 1)]
+
+
 class PeerWatch(_StoreThread):
-    """A training agent's eye on the other slots, for a job that may shrink (`elastic.min_nodes`) and has no
-    spare to notice: a node that loses power goes silent, its peers' collectives block instead of failing, and
-    nothing else would notice before the hang watchdog's limit. When another slot's counter stops moving for
-    VACANT_S (and the run has not ended), `on_silent(slot)` runs once for that slot, unless this node's
-    `workers()` (their pids) changed since the slot's last beat: the group restarted already (a node whose
-    processes died closed its connections, and its peers failed at once). The agent then stops its own
-    workers, which restarts the group without the silent node."""
+    """A training agent's eye on the next slots of its replica group (`watched`). A node that loses power goes
+    silent and its peers' collectives block instead of failing; one whose death closed its connections leaves
+    them in the rendezvous, waiting for a node that never comes. When a watched slot's counter stops moving for
+    VACANT_S (UNTAKEN_S for a slot nobody took in a moved store) and the run has not ended, `act(verdict, slot,
+    lost)` runs (`verdict` decides; `lost`: every node the job lost, this slot's holder included):
+
+    - SPARE: nothing, for as long as a spare is waiting (it takes the slot, and the counter moves again);
+    - SHRINK: once for that slot, unless this node's `workers()` (their pids) changed since the slot's last
+      beat: the group restarted already (a node whose processes died closed its connections, and its peers
+      failed at once). The agent then stops its own workers, which restarts the group without the silent node;
+    - LEAVE, FAIL: once; the watch ends, and the agent leaves the run or ends the job.
+
+    A slot that was judged lost (SHRINK) counts against `min_nodes` at the next one."""
 
     name = "hpctrain-peer-watch"
 
@@ -304,41 +418,89 @@ class PeerWatch(_StoreThread):
         own: int,
         timeout_s: float,
         workers: Callable[[], set[int]],
-        on_silent: Callable[[int], None],
+        act: Callable[[str, int, tuple[int, ...]], None],
+        min_nodes: int = 0,
+        group_size: int = 0,
+        moved: bool = False,
     ) -> None:
         super().__init__(host, port, timeout_s)
         self.job_id, self.slots, self.own = job_id, slots, own
-        self.workers, self.on_silent = workers, on_silent
+        self.workers, self.act = workers, act
+        self.min_nodes, self.group_size, self.moved = min_nodes, group_size or slots, moved
 
     def _run(self, store: Any) -> None:
         # slot -> its last beat, when, our workers then; a suspension of the job is no silence (`Silences`)
         silences = Silences(f"node of slot {self.own}")
-        told: set[int] = set()
+        gone: set[int] = set()  # slots judged lost
+        deferred: set[int] = set()  # slots left to a waiting spare (said once)
+        slots = watched(self.own, self.group_size)
         while not self._stop.wait(POLL_S):
             if store.check([_key(self.job_id, "ended")]):
                 return
             now, workers = silences.poll(), self.workers()
-            for slot in range(self.slots):
+            spare = _spare_waiting(store, self.job_id, silences, now)
+            for slot in slots:
                 value = _beat(store, self.job_id, slot)
-                if slot == self.own or not value or slot in told:
-                    continue  # never beat here (not started, or the store moved): not silent
+                if slot in gone or not (value or self.moved):
+                    continue  # never beat here (not started yet): not silent
                 silent = silences.silent_for(slot, value, now, workers)
-                if silent > VACANT_S:
-                    told.add(slot)
-                    if workers != silences.extra(slot):
-                        continue  # new workers since its last beat: the group restarted without it
-                    log.warning(
-                        "slot %d (node %s) has been silent for %.1f s: stopping this node's workers",
-                        slot,
-                        value.split(":")[0],
-                        silent,
-                    )
-                    self.on_silent(slot)
+                if silent <= (VACANT_S if value else UNTAKEN_S):
+                    deferred.discard(slot)
+                    continue
+                holder = _holder(value) if value else None
+                what = verdict(self.group_size, self.slots, len(gone) + 1, self.min_nodes, spare)
+                if what == SPARE:
+                    if slot not in deferred:
+                        deferred.add(slot)
+                        log.info("slot %d (node %s) is silent: a hot spare is waiting, it takes the slot", slot, holder)
+                    continue
+                gone.add(slot)
+                if holder is not None:
+                    add_lost(store, self.job_id, [holder])
+                lost = tuple(sorted(lost_nodes(store, self.job_id) | ({holder} if holder is not None else set())))
+                if what == SHRINK and workers != silences.extra(slot):
+                    continue  # new workers since its last beat: the group restarted without it
+                log.warning(
+                    "slot %d (node %s) has been silent for %.1f s: %s (nodes lost: %s)",
+                    slot,
+                    "unknown: nobody took it in the moved store" if holder is None else holder,
+                    silent,
+                    {
+                        SHRINK: "stopping this node's workers (the job goes on smaller)",
+                        LEAVE: "no spare left: this replica group leaves the run",
+                        FAIL: "no spare left and the job may not shrink: ending the job",
+                    }[what],
+                    ",".join(map(str, lost)) or "none known",
+                )
+                self.act(what, slot, lost)
+                if what != SHRINK:
+                    return
+
+
+def _spare_waiting(store: Any, job_id: str, silences: Silences, now: float) -> bool:
+    """Whether a hot spare of the job is waiting: its counter moved within VACANT_S (a spare that took a slot or
+    left says so instead of a count)."""
+    waiting = False
+    for node in _numbers(store, _key(job_id, "spares")):
+        value = store.get(_key(job_id, "spare", node)).decode()
+        if value.isdigit() and silences.silent_for(("spare", node), value, now) <= VACANT_S:
+            waiting = True
+    return waiting
 
 
 def _beat(store: Any, job_id: str, slot: int) -> str:
     key = _key(job_id, "alive", slot)
     return store.get(key).decode() if store.check([key]) else ""
+
+
+def _holder(beat: str) -> int:
+    """The node of a slot's counter ("node:count")."""
+    return int(beat.split(":")[0])
+
+
+def _numbers(store: Any, key: str) -> set[int]:
+    """The node numbers appended to `key` ("3,5,"), none when it is not there."""
+    return {int(n) for n in store.get(key).decode().split(",") if n} if store.check([key]) else set()
 
 
 def _claim(store: Any, job_id: str, slot: int, beat: str, node: int) -> bool:

@@ -20,6 +20,9 @@ the state, so every cost scales with the bytes per node (state / nodes, fully sh
 a durable tier's write and load (and its blocked time when write_s is 0: a synchronous save) are also bounded
 below by total bytes / the file system's aggregate bandwidth.
 Without state_bytes_per_node the costs are used as they are at every scale.
+
+Replica groups (recovery=replicas|diloco) add two network costs: a rejoining group's heal, its state from a
+live peer (`heal_seconds`), and DiLoCo's outer all-reduce across the groups (`outer_sync_seconds`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ from typing import Any
 from hpctrain.goodput.model import TierCost
 
 SCHEMA = "hpctrain.goodput.costs/1"
+
+# The defaults where nothing was measured: tools/goodput.py's flags and the dry-run plan's estimate (docs/goodput.md)
+STAGE_GBPS = 4.0  # per node: staging a save into host memory (blocking)
+RAM_GBPS = 10.0  # per node: the RAM tier's write and read
+SHARED_NODE_GBPS = 2.0  # per node: to the shared file system
+SHARED_GBPS = 40.0  # the file system's aggregate bandwidth for the job
+RESTART_S = 300.0  # requeue + start + init + warm-up, without the load
+IN_ALLOCATION_S = 10.0  # a restart inside the allocation (the agents; a replica group on a spare), without the load
+P_FAST = 0.3  # share of failures that leave every node usable (Llama 3: most unexpected interruptions were hardware)
+BYTES_PER_PARAM = 14.0  # checkpoint bytes per parameter: bf16 weights 2 + fp32 master 4 + Adam 8
+PEER_GBPS = 10.0  # per node: a live peer's state to a rejoining group, or DiLoCo's sync (torchft over the node's NIC)
+QUORUM_S = 0.002  # torchft's quorum round trip per step: 2.0-2.3 ms median measured here (2 replicas, gloo, CPU)
+SYNC_BYTES_PER_PARAM = 4.0  # DiLoCo's pseudo-gradient, fp32
 
 
 @dataclass(frozen=True)
@@ -141,3 +157,18 @@ def pick_tiers(costs: MeasuredCosts, fast: str | None, slow: str | None) -> tupl
             raise ValueError(f"costs: no tier {name!r} (have {', '.join(costs.tiers)})")
     assert slow is not None  # parse_costs requires a durable tier
     return fast, slow
+
+
+def heal_seconds(total_bytes: float, nodes: int, groups: int, peer_gbps: float) -> float:
+    """A rejoining group's state from a live peer: each of its nodes receives its shard of the whole state
+    (every group holds a whole copy, sharded over its nodes / groups nodes) from its counterpart, in parallel."""
+    return total_bytes / max(1.0, nodes / groups) / (peer_gbps * 1e9)
+
+
+def outer_sync_seconds(params: float, bytes_per_param: float, nodes: int, groups: int, peer_gbps: float) -> float:
+    """DiLoCo's outer step: a ring all-reduce of each node's shard of the pseudo-gradient across the groups,
+    2 (R - 1) / R of the shard sent and received per node."""
+    if groups < 2:
+        return 0.0
+    shard = params * bytes_per_param / max(1.0, nodes / groups)
+    return 2.0 * (groups - 1) / groups * shard / (peer_gbps * 1e9)

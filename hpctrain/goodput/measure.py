@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from omegaconf import OmegaConf
 
-from hpctrain.goodput.ledger import Ledger, Row, build_ledger, local_allocations
+from hpctrain.goodput.ledger import GroupRecords, Ledger, ReplicaSetup, Row, build_ledger, local_allocations
 from hpctrain.records.failures import read_failures, read_hosts
 from hpctrain.records.history import iter_metrics, lines_from, read_events
 from hpctrain.records.jobs import read_attempts, read_completed, read_jobs
@@ -22,11 +22,39 @@ from hpctrain.scheduler import scheduler_for
 
 log = logging.getLogger(__name__)
 
+REPLICAS_DIR = "replicas"
+
 
 def run_settings(run_dir: Path) -> dict[str, Any]:
-    """What the ledger needs of the run's config: its last step and its scheduler."""
-    cfg = OmegaConf.load(RunPaths(run_dir).config)
-    return {"max_steps": int(cfg.train.max_steps), "executor": str(cfg.cluster.executor)}
+    """What the ledger needs of the run's config: its last step, its scheduler, its hot spares, its replica
+    groups."""
+    return settings_of(OmegaConf.load(RunPaths(run_dir).config))
+
+
+def settings_of(cfg: Any) -> dict[str, Any]:
+    """`run_settings` of a loaded config: "replicas" holds a `ReplicaSetup`'s fields under
+    recovery=replicas|diloco (docs/replicas.md: cluster.nodes and train.global_batch split among the groups)."""
+    settings = {
+        "max_steps": int(cfg.train.max_steps),
+        "executor": str(cfg.cluster.executor),
+        "spares": int(cfg.cluster.get("spare_nodes", 0)),
+    }
+    recovery = cfg.get("recovery")
+    if recovery is not None and str(recovery.mode) in ("replicas", "diloco"):
+        groups = int(recovery.groups)
+        settings["replicas"] = {
+            "groups": groups,
+            "nodes": max(1, int(cfg.cluster.nodes) // groups),
+            "group_batch": int(cfg.train.global_batch) // groups,
+            "sync_every": int(recovery.sync_every) if str(recovery.mode) == "diloco" else 1,
+        }
+    return settings
+
+
+def group_dir(run_dir: Path, group: int) -> Path:
+    """Where replica group `group` keeps its records: the run directory for group 0, `replicas/g<g>/` of it
+    for the others (as hpctrain.train.replicated.group_run_dir writes them; that module imports torch)."""
+    return run_dir if group == 0 else run_dir / REPLICAS_DIR / f"g{group}"
 
 
 class RowCache:
@@ -37,6 +65,11 @@ class RowCache:
     def __init__(self) -> None:
         self.rows: list[Row] = []
         self.offset = 0
+        self.groups: dict[int, RowCache] = {}  # replica groups past the first: each its own file
+
+    def group(self, group: int) -> RowCache:
+        """The cache of replica group `group`'s rows (group 0's are this one's)."""
+        return self if group == 0 else self.groups.setdefault(group, RowCache())
 
     def read(self, run_dir: Path) -> list[Row]:
         for record, offset in lines_from(RunPaths(run_dir).metrics, self.offset):
@@ -56,6 +89,7 @@ class Records(Protocol):
     def attempts(self) -> list[dict[str, Any]]: ...
     def failures(self, key: str) -> list[dict[str, Any]]: ...
     def hosts(self, key: str) -> list[str]: ...
+    def group(self, group: int) -> Records: ...
 
 
 @dataclass
@@ -86,6 +120,10 @@ class RunFiles:
     def hosts(self, key: str) -> list[str]:
         return read_hosts(self.run_dir, key)
 
+    def group(self, group: int) -> RunFiles:
+        """Replica group `group`'s records (its folder: `group_dir`)."""
+        return RunFiles(group_dir(self.run_dir, group), self.cache.group(group) if self.cache is not None else None)
+
 
 def measure(
     run_dir: Path,
@@ -102,18 +140,21 @@ def measure(
     records = RunFiles(run_dir, cache) if records is None else records
     settings = run_settings(run_dir) if settings is None else settings
     jobs = records.jobs()
+    replicas = ReplicaSetup(**settings["replicas"]) if settings.get("replicas") else None
     allocations = scheduler_for(settings["executor"]).accounting(
         [str(j["job_id"]) for j in jobs], timeout_s=accounting_timeout_s
     )
     accounting = allocations is not None
+    # a local job holds its groups' nodes and its spares (no accounting to say so), else the one machine
+    nodes = replicas.groups * replicas.nodes + int(settings.get("spares") or 0) if replicas is not None else 1
     if allocations is None:
-        allocations = local_allocations(jobs, _local_job_alive)
+        allocations = local_allocations(jobs, _local_job_alive, nodes)
     elif jobs and not allocations:
         log.warning(
             "no accounting for jobs %s: the ledger spans only what the run recorded",
             ",".join(str(j["job_id"]) for j in jobs),
         )
-        allocations, accounting = local_allocations(jobs, lambda job: job == str(jobs[-1]["job_id"])), False
+        allocations, accounting = local_allocations(jobs, lambda job: job == str(jobs[-1]["job_id"]), nodes), False
     return build_ledger(
         events=records.events(),
         rows=records.rows(),
@@ -125,7 +166,14 @@ def measure(
         resubmissions=records.attempts(),
         failures=records.failures,
         hosts=records.hosts,
+        spares=settings.get("spares"),
+        replicas=replicas,
+        groups=[_group_records(records.group(g)) for g in range(1, replicas.groups)] if replicas is not None else (),
     )
+
+
+def _group_records(records: Records) -> GroupRecords:
+    return GroupRecords(records.events(), records.rows(), records.failures, records.hosts)
 
 
 def _local_job_alive(job_id: str) -> bool:

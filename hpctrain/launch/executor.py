@@ -33,11 +33,11 @@ def job_spec(cfg: Config, run_id: str, layout: Layout, folder: Path) -> JobSpec:
         name=f"hpctrain-{cfg.run.name}-{run_id}",
         folder=folder,
         run_dir=folder.parent,
-        nodes=layout.nodes + spares,
+        nodes=layout.job_nodes + spares,  # every replica group's nodes (recovery=replicas)
         tasks_per_node=layout.gpus_per_node // ranks_per_task,
         gpus_per_node=0 if cfg.cluster.gpu_type == "cpu" else layout.gpus_per_node,
         cpus_per_task=cfg.cluster.cpus_per_task * ranks_per_task,
-        survive_node_loss=bool(cfg.launcher.in_allocation and (spares or cfg.elastic.min_nodes)),
+        survive_node_loss=bool(cfg.launcher.in_allocation and (spares or cfg.elastic.min_nodes or layout.replicas > 1)),
         after=(sys.executable, "-m", SUPERVISOR, str(folder.parent)),
     )
 

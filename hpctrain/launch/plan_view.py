@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpctrain.checks.report import CheckReport
 from hpctrain.distributed.task_env import task_environment
+from hpctrain.goodput.expected import describe, run_goodput
 from hpctrain.launch.executor import sbatch_preview
 from hpctrain.launch.plan_tables import memory_lines, search_lines, stage_lines, step_lines
 from hpctrain.launch.rundir import RunDir
@@ -56,6 +57,7 @@ def build_plan(cfg: Config, report: CheckReport, run: RunDir) -> dict[str, Any]:
     est = report.estimates
     if est is not None:
         plan.update(as_json(est))
+        plan["expected_goodput"] = run_goodput(cfg, plan["params_total"], est.step.step_time_s)
         sections.append({"title": "estimates", "lines": memory_lines(est) + [""] + step_lines(est)})
         if cfg.plan.search > 0:
             plan["layout_search"], lines = _search(cfg, est, cfg.plan.search)
@@ -75,16 +77,30 @@ REDACTION = (
 
 
 def recovery_summary(cfg: Config) -> str:
-    """How a failure is recovered: inside the allocation (agents, spares, shrinking) or by resubmission."""
+    """How a failure is recovered: inside the allocation (agents, spares, shrinking) or by resubmission; with
+    replica groups (recovery.mode), one group at a time while the others train on."""
     launcher, restarts = cfg.launcher, cfg.launcher.max_restarts
     if not launcher.in_allocation:
         return f"one task per rank; a failed job is resubmitted without its bad nodes (up to {restarts} times)"
     parts = [f"1 agent per node restarts failed ranks in the allocation (up to {restarts} times)"]
+    rec = cfg.recovery
+    if rec.mode in ("replicas", "diloco"):
+        sync = "every step (torchft)" if rec.mode == "replicas" else f"every {rec.sync_every} steps (DiLoCo, torchft)"
+        parts.insert(
+            0,
+            f"recovery={rec.mode}: {rec.groups} replica groups synced {sync}; a failed group is left out while the "
+            "others train on, and rejoins healed from a live peer",
+        )
     if cfg.cluster.spare_nodes:
         parts.append(f"{cfg.cluster.spare_nodes} hot spare node(s) replace dead ones")
     if cfg.elastic.min_nodes:
         parts.append(f"shrinks to {cfg.elastic.min_nodes} node(s) at least, same global batch")
     return "; ".join(parts)
+
+
+def _groups(lay: dict[str, Any]) -> str:
+    """ "2 replica groups x " before a group's figures (recovery=replicas|diloco); nothing without groups."""
+    return f"{lay['replicas']} replica groups x " if lay.get("replicas", 1) > 1 else ""
 
 
 def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_len: int) -> dict[str, Any]:
@@ -97,6 +113,7 @@ def layout_summary(lay: Layout, parallel: ParallelConfig, zero: ZeroConfig, seq_
         "ep": lay.ep,
         "cp": lay.cp,
         "dp_replicate": lay.dp_replicate,
+        "replicas": lay.replicas,
         "virtual_stages": lay.virtual_stages,
         "first_stage_layers": lay.first_stage_layers,
         "last_stage_layers": lay.last_stage_layers,
@@ -143,9 +160,10 @@ def render_text(plan: dict[str, Any]) -> str:
             else ""
         ),
         *_padding_lines(plan),
-        f"  cluster         {lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = {plan['world_size']} "
-        f"({plan['executor']} executor)",
+        f"  cluster         {_groups(lay)}{lay['nodes']} nodes x {lay['gpus_per_node']} GPUs = "
+        f"{plan['world_size'] * lay.get('replicas', 1)} ({plan['executor']} executor)",
         f"  recovery        {plan['recovery']}",
+        *_goodput_lines(plan),
         f"  layout          DP {lay['dp']} x TP {lay['tp']} x PP {lay['pp']}"
         + (f" x CP {lay['cp']} (each sequence split over {lay['cp']} GPUs)" if lay.get("cp", 1) > 1 else "")
         + (f" (HSDP: {lay['dp_replicate']} replicas)" if lay["dp_replicate"] > 1 else "")
@@ -172,8 +190,9 @@ def render_text(plan: dict[str, Any]) -> str:
             if lay.get("accumulate_unsharded")
             else ""
         ),
-        f"  batch           global {lay['global_batch']} = micro-batch {lay['micro_batch']} x grad accum "
-        f"{lay['grad_accum']} x DP {lay['dp']} ({lay['tokens_per_step']:,} tokens/step)",
+        f"  batch           global {lay['global_batch'] * lay.get('replicas', 1)} = {_groups(lay)}micro-batch "
+        f"{lay['micro_batch']} x grad accum {lay['grad_accum']} x DP {lay['dp']} "
+        f"({lay['tokens_per_step'] * lay.get('replicas', 1):,} tokens/step)",
         f"  precision       {plan['precision']}",
     ]
     for section in plan.get("sections", []):
@@ -199,6 +218,12 @@ def _problem_lines(title: str, problems: list[dict[str, str]]) -> list[str]:
     for p in problems:
         out += [f"  - {p['key']}: {p['message']}", f"      fix: {p['fix']}"]
     return out
+
+
+def _goodput_lines(plan: dict[str, Any]) -> list[str]:
+    """The expected goodput in the run's recovery mode (none without the planner's step time)."""
+    expected = plan.get("expected_goodput")
+    return [f"  goodput         {describe(expected)}"] if expected else []
 
 
 def _padding_lines(plan: dict[str, Any]) -> list[str]:

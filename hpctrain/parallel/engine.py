@@ -18,7 +18,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,23 @@ class StepStats:
     loss_scale: float = 1.0  # the scale this step's loss was multiplied by (1.0 without loss scaling)
     control: list[float] = field(default_factory=list)  # the caller's control values, summed over all ranks
     moe: MoEStepStats | None = None  # what the MoE layers' routing did (None: a dense model)
+    committed: bool = True  # replica groups: False when the quorum's vote kept the state as it was (step again)
+
+
+class AcrossReplicas(Protocol):
+    """The outer data-parallel dimension across replica groups (hpctrain.distributed.replicas: torchft): the
+    engine averages its gradients there and steps only when the group's vote says the average went through."""
+
+    def average(self, tensors: list[torch.Tensor]) -> None: ...
+
+    def commit(self) -> bool: ...
+
+    def requorum(self) -> bool: ...
+
+
+# A step whose average across replica groups failed is averaged again with this many new quorums (its gradients
+# kept) before the caller trains the step again.
+REPLICA_RETRIES = 3
 
 
 class UnsupportedLayout(ValueError):
@@ -208,6 +225,8 @@ class Engine:
         # What must finish before the optimizer changes the state: a checkpoint's copy of it, which runs while
         # the step's forward and backward do (set by the loop: CheckpointManager.wait_for_staging).
         self.before_update: Callable[[], None] = lambda: None
+        # recovery=replicas: the groups' gradient average and commit vote (set by the loop; None: one group)
+        self.replicas: AcrossReplicas | None = None
 
     # ---- construction -------------------------------------------------------------------------------------
 
@@ -289,8 +308,18 @@ class Engine:
             local_loss = self._accumulate(inputs, targets)
         self._sync_tied_embeddings()
         params: list[torch.Tensor] = [p for part in self.model_parts for p in part.parameters()]
+        committed = True
+        if self.replicas is not None:
+            local_loss, committed = self._across_replicas(self.replicas, params, local_loss)
         self.scaler.unscale_(params)
         values = self._reduce(local_loss, control)
+        if not committed:  # the state stays as it was; the caller takes this step again
+            read = self._read(values)
+            self._zero_grad()
+            loss, grad_norm, agreed, _ = self._stats(read, len(control))
+            return StepStats(
+                loss=loss, grad_norm=grad_norm, skipped=True, loss_scale=scale, control=agreed, committed=False
+            )
         self.steps_done += 1
         # Fused AdamW skips a non-finite step on the device (`found_inf`): the step is queued before the host
         # reads the reduced values, the step's one sync. Optimizers that cannot skip there (NVMe offload's,
@@ -437,6 +466,28 @@ class Engine:
             dist.all_reduce(total, group=self._embedding_group)
         for grad in grads:
             grad.copy_(total)
+
+    def _across_replicas(
+        self, replicas: AcrossReplicas, params: list[torch.Tensor], local_loss: torch.Tensor
+    ) -> tuple[torch.Tensor, bool]:
+        """Average this rank's gradients and loss with the same rank of every group in the step's quorum (the
+        groups' layouts are the same: their local shards line up), then the group's vote: (the averaged loss,
+        whether the step may change the state). Every rank of every group passes the same tensors in the same
+        order, a missing gradient (a parameter this step did not use) the same everywhere."""
+        loss = (
+            local_loss.detach().double().reshape(1)
+            if self.has_last
+            else torch.zeros(1, dtype=torch.float64, device=self.device)
+        )
+        grads = [p.grad for p in params if p.grad is not None] + [loss]
+        replicas.average(grads)
+        committed = replicas.commit()
+        for _ in range(REPLICA_RETRIES):  # a group lost during the average: the next quorum, the same gradients
+            if committed or not replicas.requorum():
+                break
+            replicas.average(grads)
+            committed = replicas.commit()
+        return loss.reshape(()), committed
 
     def _norm_params(self) -> list[torch.Tensor]:
         """Each parameter once per pipeline: the tied embedding's copy on a stage that does not embed (the last,

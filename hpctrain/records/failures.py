@@ -108,6 +108,18 @@ def last_restart(run_dir: Path, job_id: str) -> int:
     return max((int(n) for n in names if n.isdigit()), default=0)
 
 
+def free_restart(run_dir: Path, job_id: str, restart: int, requeue: int = 0) -> int:
+    """The restart number a new set of workers records under: `restart` (its agent's count), raised above every
+    number an attempt of this job run already recorded under. torch's elastic agent does not count a change of
+    members (a hot spare taking a hung node's place) as a restart: the new workers would start with the number
+    of those they replace and write over their records (host map, hang dumps, failure records)."""
+    run = attempt_key(job_id, 0, requeue)
+    folder = RunPaths(run_dir).failures(run)
+    used = [int(n) for p in folder.parent.glob(f"{run}.*") if (n := p.name.rpartition(".")[2]).isdigit()]
+    used += [0] if folder.exists() else []
+    return max(restart, max(used) + 1) if used else restart
+
+
 def condemned_hosts(run_dir: Path, job_id: str, restart: int) -> list[str]:
     """Hosts the health checks condemned in the attempt before `restart` (records with `blame`): restarting on
     the same nodes cannot help, the job must leave the allocation to run without them."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from hpctrain.bounded import Unreadable, read_text
 from hpctrain.goodput.ledger import Ledger, Row
-from hpctrain.goodput.measure import measure
+from hpctrain.goodput.measure import group_dir, measure, settings_of
 from hpctrain.records.history import ATTEMPT_MARKS
 from hpctrain.records.paths import RunPaths
 
@@ -47,6 +47,14 @@ class Notes:
 
     def skip(self, name: str) -> None:
         self.skipped[name] = self.skipped.get(name, 0) + 1
+
+    def absorb(self, other: Notes, prefix: str) -> None:
+        """Another folder's notes (a replica group's), its files named under `prefix`."""
+        for name, n in other.skipped.items():
+            self.skipped[prefix + name] = self.skipped.get(prefix + name, 0) + n
+        self.incomplete |= {prefix + name for name in other.incomplete}
+        self.cut.update({prefix + name: cut for name, cut in other.cut.items()})
+        self.unreadable.update({prefix + name: why for name, why in other.unreadable.items()})
 
     def lines(self) -> list[str]:
         out = []
@@ -183,6 +191,12 @@ def event(e: Any) -> dict[str, Any] | None:
         return None
     if kind == "resume" and ("tier" not in e or "step" not in e):
         return None
+    if kind == "replica_heal" and not (
+        _integer(e.get("step")) and _integer(e.get("from_step")) and _number(e.get("heal_s"))
+    ):
+        return None
+    if kind == "diloco_round_dropped" and not _integer(e.get("step")):
+        return None
     return e
 
 
@@ -190,8 +204,9 @@ def metrics_row(m: Any) -> Row | None:
     if not isinstance(m, dict):
         return None
     row = Row.of(m)
-    numbers = (row.time, row.step_s, row.data_wait_s, row.compile_s, row.ckpt_s, row.eval_s)
-    return row if _integer(row.step) and all(_number(x) for x in numbers) else None
+    numbers = (row.time, row.step_s, row.data_wait_s, row.compile_s, row.ckpt_s, row.eval_s, row.quorum_s)
+    ok = _integer(row.step) and all(_number(x) for x in numbers)
+    return row if ok and (row.participants is None or _integer(row.participants)) else None
 
 
 def job(j: Any) -> dict[str, Any] | None:
@@ -238,15 +253,16 @@ class RunRecords:
         self.paths = RunPaths(run_dir)
         self.notes = Notes()
         self.config_note: dict[str, str] = {}  # config.yaml is read once, the records on every page
+        self.groups: list[tuple[str, RunRecords]] = []  # replica groups' folders read for this page
 
     def settings(self) -> dict[str, Any]:
-        """What the ledger needs of the run's config (its last step, its scheduler); what config.yaml cannot say
-        comes from the job records (the executor) or stays unknown (0 steps)."""
+        """What the ledger needs of the run's config (its last step, its scheduler, its hot spares, its replica
+        groups); what config.yaml cannot say comes from the job records (the executor) or stays unknown (0 steps,
+        spares, no replica groups)."""
         from omegaconf import OmegaConf
 
         try:
-            cfg = OmegaConf.create(read_text(self.paths.config))
-            return {"max_steps": int(cfg.train.max_steps), "executor": str(cfg.cluster.executor)}
+            return settings_of(OmegaConf.create(read_text(self.paths.config)))
         except Unreadable as err:
             self.config_note["config.yaml"] = str(err).replace(str(self.paths.config), "the file", 1)
         except Exception as exc:  # noqa: BLE001  (not YAML, not a mapping, not hpctrain's keys)
@@ -283,10 +299,20 @@ class RunRecords:
     def attempts(self) -> list[dict[str, Any]]:
         return list(jsonl(self.paths.attempts, self.notes, resubmission))
 
+    def group(self, group: int) -> RunRecords:
+        """Replica group `group`'s records (its folder), read as tolerantly: what could not be read joins this
+        page's notes, under the folder's name."""
+        records = RunRecords(group_dir(self.run_dir, group))
+        self.groups.append((f"{group_dir(Path(), group).as_posix()}/", records))
+        return records
+
     def measure(self, settings: dict[str, Any], now: float | None = None) -> Ledger:
         """The ledger hpctrain.goodput.measure makes, from what could be read (each page says what could not)."""
-        self.notes = Notes(unreadable=dict(self.config_note))
-        return measure(self.run_dir, now, records=self, settings=settings)
+        self.notes, self.groups = Notes(unreadable=dict(self.config_note)), []
+        ledger = measure(self.run_dir, now, records=self, settings=settings)
+        for prefix, records in self.groups:
+            self.notes.absorb(records.notes, prefix)
+        return ledger
 
 
 def _first(exc: BaseException) -> str:

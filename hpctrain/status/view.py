@@ -1,26 +1,30 @@
-"""The ledger as a terminal page: progress, checkpoints, the jobs, where the time went, each interruption."""
+"""The ledger as a terminal page: progress, checkpoints, the jobs, where the time went, the replica groups'
+quorum and outages, each interruption."""
 
 from __future__ import annotations
 
 import datetime
 from typing import Any
 
-from hpctrain.goodput.ledger import PARTS, Ledger
+from hpctrain.goodput.ledger import PARTS, Ledger, ReplicaIncident
 
 # What each part holds, for the reader of the table (hpctrain/goodput/ledger.py has the exact rules).
 PART_NOTES = {
     "productive": "inside the steps that count",
     "data_wait": "those steps waiting for batches",
     "compile": "those steps in torch.compile",
+    "quorum": "those steps in torchft's quorum (replica groups)",
     "checkpoint": "training stopped for saves",
     "evaluation": "validation",
     "step_overhead": "the loop between steps (logging, probes)",
-    "lost": "steps later redone",
+    "lost": "steps later redone (or thrown away: a DiLoCo round dropped)",
     "startup": "job start, imports, process group, pre-flight, load",
     "recovery": "failure to the next attempt's processes",
+    "replica_out": "a replica group out of the quorum while another trained",
     "shutdown": "after the final save",
     "pending": "since the last step of a live job",
     "spare": "hot spare nodes waiting while the others start and train",
+    "lost_node": "nodes lost to training (dead, hung) still held while the others train",
     "suspended": "the job held suspended by the batch system",
 }
 
@@ -52,6 +56,8 @@ def render(ledger: Ledger, run: dict[str, Any]) -> str:
     lines += ["", "jobs"] + _jobs(ledger)
     unit, per = ("node-hours", 3600.0) if ledger.allocated_node_s >= 3600 else ("node-seconds", 1.0)
     lines += ["", f"where the allocated time went ({unit})"] + _parts(ledger, per)
+    if ledger.replicas is not None:
+        lines += [""] + _replicas(ledger)
     if ledger.incidents:
         lines += ["", "interruptions (seconds)"] + _incidents(ledger)
     return "\n".join(lines)
@@ -60,7 +66,7 @@ def render(ledger: Ledger, run: dict[str, Any]) -> str:
 def _progress(ledger: Ledger) -> list[str]:
     done, total = ledger.steps_done, ledger.max_steps
     line = f"step {done}/{total} ({done / total:.1%})" if total else f"step {done}"
-    line += f", {ledger.steps_redone} redone"
+    line += f", {ledger.steps_redone} " + ("lost (redone, or a DiLoCo round dropped)" if ledger.replicas else "redone")
     if ledger.rate_steps_per_s:
         line += f"; {ledger.rate_steps_per_s:.3g} steps/s now"
     if done < total:
@@ -117,6 +123,11 @@ def _parts(ledger: Ledger, per: float) -> list[str]:
         f"  {'allocated':<15}{total / per:>10.2f}{1 if total else 0:>8.1%}  "
         f"{len(counted)} job run(s), {duration(ledger.wall_s)} of wall time"
     )
+    if ledger.past_end_node_s > 0.001 * max(total, 1.0):  # not a clock's rounding
+        out.append(
+            f"  {'past the end':<15}{ledger.past_end_node_s / per:>10.2f}{'':>8}  "
+            "worked after a job's recorded end (the save at a scancel): not counted"
+        )
     if len(counted) < len(ledger.jobs):
         out.append(
             f"  {'after the end':<15}{ledger.after_end_node_s / per:>10.2f}{'':>8}  "
@@ -169,7 +180,54 @@ def _incidents(ledger: Ledger) -> list[str]:
             resumed = f"step {i.resumed_from}" + (f" from the {i.tier} tier" if i.tier else "")
             load = ", ".join(f"{k} {v:.2f}" for k, v in i.load.items() if v >= 0.005)
             out.append(f"  {'':<3}{'':<10}-> {i.next_job} resumed at {resumed}; load: {load}")
+        if i.lost_node_s > 0:
+            out.append(f"  {'':<3}{'':<10}   the nodes it took out, still held: {i.lost_node_s:.2f} node-seconds")
     return out
+
+
+def _replicas(ledger: Ledger) -> list[str]:
+    """The quorum over the run, then each period a group was out of it, in a line that names the group."""
+    r = ledger.replicas
+    assert r is not None  # `render`
+    every = "every step" if r.sync_every == 1 else f"every {r.sync_every} steps (DiLoCo)"
+    fewest = f" (the fewest {r.fewest} of {r.groups})" if r.fewest is not None else ""
+    out = [
+        f"replica groups: {r.groups} x {r.nodes_per_group} node(s), a quorum {every}",
+        f"  {r.steps - r.steps_short} of {r.steps} steps with every group, {r.steps_short} with fewer{fewest}; "
+        f"{r.samples_skipped} samples skipped (never trained on)",
+        f"  {r.heals} heal(s) from a peer ({r.heal_s:.2f} s); quorum {r.quorum_node_s:.2f} node-s; "
+        f"out of the quorum {r.replica_out_node_s:.2f} node-s"
+        + (f"; {r.rounds_dropped} DiLoCo round(s) dropped" if r.sync_every > 1 else ""),
+    ]
+    for o in ledger.replica_incidents:
+        out.append("  " + outage_line(o, r.groups))
+        back = f" -> {o.next_attempt}" if o.next_attempt else ""
+        back += f", back at step {o.rejoined_at}" if o.rejoined_at is not None else ""
+        held = f"; its lost nodes still held: {o.lost_node_s:.2f} node-s" if o.lost_node_s > 0 else ""
+        out.append(f"    {o.kind}, {o.attempt}{back}: {o.cause}{held}")
+    return out
+
+
+def outage_line(o: ReplicaIncident, groups: int) -> str:
+    """E.g. "replica group 1 out 12.3 s (steps 13-41 with 1 of 2 groups, 232 samples skipped), healed from a peer
+    in 0.02 s, cost 24.6 node-s"."""
+    if o.steps_without is not None:
+        first, last = o.steps_without
+        steps = f"step {first}" if first == last else f"steps {first}-{last}"
+        fewest = f"{o.fewest} of {groups}" if o.fewest is not None else f"fewer than {groups}"
+        said = [f"{steps} with {fewest} groups"]
+    else:
+        said = ["no step taken without it"]
+    if o.lost_steps:
+        said.append(f"{o.lost_steps} of its own steps lost")
+    said.append(f"{o.samples_skipped} samples skipped")
+    if o.heal_s is not None:
+        back = f"healed from a peer in {o.heal_s:.2f} s"
+    elif o.out_until is not None:
+        back = "back without a heal (from its checkpoint)"
+    else:
+        back = "not back (still out)" if o.kind == "out" else "not back before its job ended"
+    return f"replica group {o.group} out {duration(o.out_s)} ({', '.join(said)}), {back}, cost {o.node_s:.1f} node-s"
 
 
 def _seconds(value: float | None) -> str:

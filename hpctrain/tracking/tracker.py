@@ -27,7 +27,10 @@ ACCOUNTING_TIMEOUT_S = 5  # the ledger at a stop must not eat the time left befo
 
 
 class Tracker:
-    def __init__(self, cfg: Config, run_dir: Path, run_id: str, config: dict[str, Any]) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, run_id: str, config: dict[str, Any], ledger: bool = True) -> None:
+        """`ledger`: this tracker makes the run's goodput ledger (not a replica group's folder, which has no
+        config or jobs of its own)."""
+        self._makes_ledger = ledger
         self._file = open(RunPaths(run_dir).metrics, "a", buffering=1)
         self._events = open(RunPaths(run_dir).events, "a", buffering=1)
         self._wandb = None
@@ -75,6 +78,8 @@ class Tracker:
         background: made on a thread and published by `poll` at a later step (an attempt's start: parsing a
         long run's rows takes seconds, and rank 0 must not hold every rank up for them); else made now (an
         attempt's end), after any ledger still being made (they share the row cache)."""
+        if not self._makes_ledger:
+            return
         self._settle()
         if not background:
             self._publish(self._measured(run_dir))

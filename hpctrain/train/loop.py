@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from hpctrain.checkpoint.hf import load_hf
 from hpctrain.checkpoint.manager import CheckpointManager
 from hpctrain.config.layout import Layout, layout_on_nodes, resolve_layout
-from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, as_config, to_plain
+from hpctrain.config.schema import TIMEOUT_MARGIN_S, Config, as_config, as_node, to_plain
 from hpctrain.data.loader import BatchReader, open_datasets, validation_batches
 from hpctrain.distributed.environment import (
     DistEnv,
@@ -32,6 +32,7 @@ from hpctrain.distributed.environment import (
     shutdown,
     task_device,
 )
+from hpctrain.distributed.replicas import ReplicaPlace
 from hpctrain.distributed.task_env import task_environment
 from hpctrain.health.gpu_free import wait_for_free_gpu
 from hpctrain.health.monitor import RunMonitor
@@ -44,6 +45,7 @@ from hpctrain.records.failures import (
     attempt_key,
     condemned_hosts,
     diagnose,
+    free_restart,
     read_failures,
     read_hosts,
     record_failure,
@@ -54,6 +56,7 @@ from hpctrain.records.fingerprint import fingerprint_of
 from hpctrain.records.history import ATTEMPT_MARKS
 from hpctrain.records.jobs import write_completed, write_report
 from hpctrain.records.lease import LeaseWatch, StaleAttempt, current_lease, holds, settle_time, take_lease
+from hpctrain.records.paths import RunPaths
 from hpctrain.tracking.tracker import Tracker
 from hpctrain.train.control import StepControl
 from hpctrain.train.faults import Fault
@@ -66,6 +69,7 @@ from hpctrain.train.preemption import (
     wait_to_be_ended,
 )
 from hpctrain.train.progress import StepReporter
+from hpctrain.train.replicated import ReplicaGroup, group_config, group_run_dir, main_run_dir, run_completed
 
 log = logging.getLogger("hpctrain")
 
@@ -82,7 +86,15 @@ def train(
     call this directly may leave it to be resolved here from the same config). `process_started`: when the
     process began (an elastic worker's), the first mark of the attempt's start-up timeline."""
     timeline = {"process_started": process_started or time.time(), "imported": time.time()}
-    cfg = load_config(config)
+    place = ReplicaPlace.from_env() if config.get("recovery", {}).get("mode", "restart") != "restart" else None
+    run_dir = str(group_run_dir(Path(run_dir), place))  # group g > 0 of replica groups: a folder of its own
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    cfg = load_config(group_config(config, place))
+    if place is not None and place.group > 0:  # the group's folder reads as a run directory (tools, status)
+        OmegaConf.save(as_node(cfg), RunPaths(Path(run_dir)).config, resolve=True)
+    if place is not None and run_completed(main_run_dir(Path(run_dir), place), place.groups, cfg.train.max_steps):
+        log.info("replica group %d: the run is complete already; nothing to train", place.group)
+        return {"rank": -1, "completed": True}
     layout = layout or resolve_layout(cfg)
     os.environ.update(task_environment(cfg))
     torch.set_num_threads(cfg.train.threads_per_rank)
@@ -128,7 +140,7 @@ def train(
         record_failure(Path(run_dir), env.attempt, env.rank, 0, exc, peer=False, blame=exc.hosts)
         raise
     init_distributed(env, device, timeout_s=cfg.launcher.collective_timeout_s)
-    env = agree_on_restart(env)
+    env = agree_on_restart(env, Path(run_dir))
     timeline["joined"] = time.time()
     repeated = repeated_failure(Path(run_dir), env)
     if repeated:  # every rank reads the same records: all stop together
@@ -143,7 +155,7 @@ def train(
         shutdown()
         return {"rank": env.rank, "leave": condemned}
     try:
-        return _train(cfg, layout, Path(run_dir), env, timeline)
+        return _train(cfg, layout, Path(run_dir), env, timeline, place)
     except UnhealthyNodes as exc:  # the supervisor resubmits without the nodes named here
         record_failure(Path(run_dir), env.attempt, env.rank, 0, exc, peer=False, blame=exc.hosts)
         raise
@@ -167,15 +179,18 @@ def _expect_a_gpu(gpu_type: str, device: torch.device) -> None:
     )
 
 
-def agree_on_restart(env: DistEnv) -> DistEnv:
-    """The job's restart number, the same on every rank: each agent counts its own restarts, and a hot spare
-    that just took a dead node's place starts at 0 where the others are at 1 or more. One all-reduce (MAX)
+def agree_on_restart(env: DistEnv, run_dir: Path) -> DistEnv:
+    """The job's restart number, the same on every rank and used by no earlier attempt of this job run: each
+    agent counts its own restarts (a hot spare that just took a dead node's place starts at 0 where the others
+    are at 1 or more), and none counts a change of members (a spare replacing a hung node), so rank 0 puts in
+    the first number free on record (one read of the run directory, not one per rank). One all-reduce (MAX)
     of one CPU number on the default group's gloo backend, once per attempt."""
-    if not dist.is_initialized() or env.world_size == 1:
-        return env
-    count = torch.tensor([env.restart], dtype=torch.int64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return dataclasses.replace(env, restart=int(count.item()))
+    restart = free_restart(run_dir, env.job_id, env.restart, env.requeue) if env.is_main else env.restart
+    if dist.is_initialized() and env.world_size > 1:
+        count = torch.tensor([restart], dtype=torch.int64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        restart = int(count.item())
+    return dataclasses.replace(env, restart=restart)
 
 
 def repeated_failure(run_dir: Path, env: Any) -> dict[str, Any] | None:
@@ -210,7 +225,12 @@ class Preempted(Exception):
 
 
 def _train(
-    cfg: Config, layout: Layout, run_dir: Path, env: Any, timeline: dict[str, float] | None = None
+    cfg: Config,
+    layout: Layout,
+    run_dir: Path,
+    env: Any,
+    timeline: dict[str, float] | None = None,
+    place: ReplicaPlace | None = None,
 ) -> dict[str, Any]:
     device = task_device(env.local_rank)
     configure_device_math(bool(cfg.precision.tf32), device)
@@ -233,6 +253,7 @@ def _train(
     stop, tracker, stats, done = StopFlag(on_signal=lambda _: watchdog.stop_signalled()), None, None, 0
     reader: BatchReader | None = None
     watch: LeaseWatch | None = None
+    group: ReplicaGroup | None = None
     try:  # from here every error leaves a failure record: start-up (engine, resume) as much as the steps
         timeline["checked"] = time.time()  # the watchdog started, the pre-flight passed
         monitor = RunMonitor(cfg.health, env.rank, device, hosts)
@@ -240,6 +261,9 @@ def _train(
         timeline["resumed"] = time.time()
         done = start_step
         t = cfg.train
+        if place is not None:  # the step's quorum, average and vote across the replica groups (torchft)
+            group = ReplicaGroup(cfg, place, env, engine, device, start_step, consumed, main_run_dir(run_dir, place))
+        samples_per_step = group.samples_per_step if group is not None else layout.global_batch
         data = open_datasets(cfg.data, t.seq_len, t.seed)
         if env.is_main:
             log.info(
@@ -256,12 +280,14 @@ def _train(
             pin=device.type == "cuda",
             ahead=cfg.data.prefetch,
             vocab_size=cfg.data.vocab_size,
+            stride=samples_per_step,
         )
         validation = Validation(cfg, layout, engine, data.valid) if t.eval_every else None
         if env.is_main:
             assert taken is not None  # rank 0 took the lease
             time.sleep(max(0.0, settle_time(taken, timeline["leased"], cfg.run.lease_check_s) - time.time()))
-            tracker = Tracker(cfg, run_dir, str(cfg.run.id), to_plain(cfg))
+            # the run's ledger (its config, its jobs) is made by group 0 of replica groups
+            tracker = Tracker(cfg, run_dir, str(cfg.run.id), to_plain(cfg), ledger=place is None or place.group == 0)
             for e in ckpt.events:  # what the resume did: the tier used and the ones skipped, and why
                 tracker.event(e.pop("event"), **e)
             ckpt.events.clear()
@@ -274,21 +300,34 @@ def _train(
         control = StepControl(stop, ckpt, monitor, watch)
         stop.install()
         timeline["ready"] = time.time()  # data, tracker, reporter
-        for step in range(start_step, t.max_steps):
+        step = start_step
+        while step < t.max_steps:
             started = time.perf_counter()
+            if group is not None:  # a group behind the quorum heals here: it goes on from the peers' step
+                step, consumed = group.before_step(step, consumed)
+                if step >= t.max_steps:
+                    break
             if fault is not None:
                 fault.maybe_fire(step + 1, env.rank, run_dir)
-            batches = reader.batches(consumed)
+            batches = reader.batches(group.first_sample(consumed) if group is not None else consumed)
             lr = lr_at(step, cfg.optim, t.max_steps)
             with compiling:
                 stats = engine.step(batches, lr, control.values(step + 1))
             agreed = control.decode(stats.control)
             if agreed.stale:
                 raise StaleAttempt(f"a newer attempt of this run took the lease before step {step + 1}")
+            if group is not None:
+                group.after_step(stats.committed, step + 1, consumed + samples_per_step)
+                if tracker is not None:
+                    for e in group.take_events():
+                        tracker.event(e.pop("event"), **e)
+                if not stats.committed:  # the quorum's average did not go through: this step again
+                    continue
             # the step's wait for a save's copy of the state (before its optimizer step) is the checkpoint's time
             staging_wait = ckpt.take_staging_wait()
             step_time = time.perf_counter() - started - staging_wait
-            done, consumed = step + 1, consumed + layout.global_batch
+            done, consumed = step + 1, consumed + samples_per_step
+            step = done
             watchdog.beat(done, step_time)
             saving = time.perf_counter()
             ckpt.after_step(done, engine, {"consumed_samples": consumed}, agreed.checkpoint)
@@ -308,9 +347,15 @@ def _train(
                     step_time,
                     ckpt.events,
                     monitor_out,
-                    {"data_wait_s": reader.wait_s, "ckpt_s": ckpt_s, **compiling.report(), **evaluated},
+                    {
+                        "data_wait_s": reader.wait_s,
+                        "ckpt_s": ckpt_s,
+                        **compiling.report(),
+                        **evaluated,
+                        **(group.metrics() if group is not None else {}),
+                    },
                 )
-                if done == start_step + 1:  # how long this attempt took to train again, part by part
+                if "first_step" not in timeline:  # its first step (after a heal, past start_step + 1), part by part
                     timeline["first_step"] = time.time()
                     tracker.event(
                         "attempt",
@@ -351,6 +396,8 @@ def _train(
     finally:
         if reader is not None:
             reader.close()
+        if group is not None:
+            group.close()
         if watch is not None:
             watch.stop()
         watchdog.stop()

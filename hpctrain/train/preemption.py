@@ -22,7 +22,12 @@ import torch.distributed as dist
 
 from hpctrain.scheduler import scheduler_for
 
-REASONS: dict[int, str] = {signal.SIGUSR2: "time limit or preemption (SIGUSR2)", signal.SIGTERM: "terminated (SIGTERM)"}
+# What each signal says of its cause, and no more: Slurm sends SIGUSR2 before the time limit and at preemption,
+# but `scancel --signal=USR2` by a user arrives the same, and a task cannot tell them apart.
+REASONS: dict[int, str] = {
+    signal.SIGUSR2: "time limit, preemption or a user's signal (SIGUSR2)",
+    signal.SIGTERM: "terminated (SIGTERM)",
+}
 
 
 class StopFlag:

@@ -26,17 +26,23 @@ class TrainTask:
 
             return train(self.config, self.run_dir, self.layout)
         # This task is its node's agent: it starts the node's workers and restarts them in the allocation.
-        from hpctrain.distributed.elastic import agent_from_submitit, run_agent
+        from hpctrain.distributed.elastic import Lighthouse, agent_from_submitit, run_agent
         from hpctrain.records.jobs import read_report
         from hpctrain.records.paths import RunPaths
         from hpctrain.train.worker import run_worker  # torch and the training stack, imported once, before forking
 
+        # With replica groups (recovery=replicas|diloco) the layout is one group's: the job trains on every group's
+        recovery = self.config["recovery"]
         agent = agent_from_submitit(
-            self.layout.nodes,
+            self.layout.job_nodes,
             self.layout.gpus_per_node,
             int(launcher["max_restarts"]),
             int(launcher["rendezvous_timeout_s"]),
             int(self.config["elastic"]["min_nodes"]),
+            groups=self.layout.replicas,
+            lighthouse=Lighthouse(
+                int(recovery["min_replicas"]), int(recovery["heartbeat_timeout_ms"]), int(recovery["join_timeout_ms"])
+            ),
         )
         results = run_agent(agent, self, run_worker)
         report = read_report(Path(self.run_dir))

@@ -1,4 +1,5 @@
-"""The Monte-Carlo simulator against the exact renewal model, and its two-tier and Weibull behaviour."""
+"""The Monte-Carlo simulator against the exact renewal model, and its two-tier and Weibull behaviour; the replica
+groups' event replay against their model."""
 
 from __future__ import annotations
 
@@ -9,14 +10,18 @@ import pytest
 from hpctrain.goodput.model import (
     CheckpointPolicy,
     Failures,
+    Replicas,
     TierCost,
     daly_interval,
     expected_goodput,
     loss_split,
     mtbf_s,
     optimal_policy,
+    replica_loss,
+    replica_policy,
 )
-from hpctrain.goodput.simulate import simulate
+from hpctrain.goodput.model import availability as model_availability
+from hpctrain.goodput.simulate import simulate, simulate_replicas
 
 M = 3600.0
 HORIZON = 400 * M
@@ -88,3 +93,43 @@ def test_simulation_is_fast_at_scale() -> None:
     sim = simulate(policy, f, 54 * 86400.0, reps=200, seed=0)
     assert time.perf_counter() - started < 10.0  # ~0.2 s here: 54 days, ~830 failures per run, 200 runs
     assert sim.failures == pytest.approx(54 * 86400.0 * (1 - sim.restart) / f.mtbf_s, rel=0.02)
+
+
+# Replica groups at M = 1 h: spares (the group is back after 60 s, healed in 10 s); 4 groups of which a step needs
+# 2, 5 min restarts; no spares (a node death keeps the group out for 30 min, until the requeue); DiLoCo, a 5 s sync
+# every 20 steps. Saves are costly (20 s blocked) so that the checkpoint's part is visible.
+REPLICAS = {
+    "spares": Replicas(2, 5.0, 1.0, 60.0, 10.0),
+    "4 groups, 2 needed": Replicas(4, 5.0, 2.0, 300.0, 20.0, min_replicas=2),
+    "no spare": Replicas(2, 5.0, 1.0, 60.0, 10.0, p_spare=0.0, requeue_s=1800.0),
+    "diloco": Replicas(2, 5.0, 1.0, 60.0, 10.0, sync_every=20, sync_s=5.0),
+}
+
+
+@pytest.mark.parametrize("case", REPLICAS)
+def test_replica_simulation_matches_the_model(case: str) -> None:
+    r, f = REPLICAS[case], Failures(M, 0.3, 300.0)
+    policy = replica_policy(TierCost(20.0, 60.0, 60.0), f, r, TierCost(1.0, 1.0, 1.0))
+    model = replica_loss(policy, f, r)
+    sim = simulate_replicas(policy, f, r, HORIZON, reps=60, seed=0)
+    assert 0 < sim.ci95 < 0.003
+    if case == "no spare":  # the model takes the outages as exponential: a little pessimistic (8 seeds: +1.2..2.9 ci)
+        assert 0 <= sim.goodput - model.goodput <= 4 * sim.ci95, (sim, model)
+    else:
+        assert abs(sim.goodput - model.goodput) <= 2 * sim.ci95, (sim, model)
+    parts = ("blocking", "overhead", "stall", "out", "lost_work", "restart")
+    assert sim.goodput + sum(getattr(sim, p) for p in parts) == pytest.approx(1.0, abs=1e-9)
+    for p in ("stall", "out", "blocking"):
+        assert getattr(sim, p) == pytest.approx(getattr(model, p), rel=0.1, abs=5e-4), p
+    assert sim.failures * M / (HORIZON * (1 - sim.restart - sim.stall)) == pytest.approx(
+        model_availability(r, f), rel=0.03
+    )  # failures strike the groups in while the job runs
+
+
+def test_replica_groups_beat_restarts_in_simulation() -> None:
+    f = Failures(M, 0.3, 300.0)
+    restart = optimal_policy(TierCost(20.0, 60.0, 60.0), f, TierCost(1.0, 1.0, 1.0))
+    r = REPLICAS["spares"]
+    groups = simulate_replicas(replica_policy(restart.slow, f, r, restart.fast), f, r, HORIZON, reps=30, seed=1)
+    restarts = simulate(restart, f, HORIZON, reps=30, seed=1)
+    assert groups.goodput - restarts.goodput > 0.1  # 300 s restarts and redone work every hour, against 1 group out

@@ -1,4 +1,5 @@
-"""Measured-cost JSON, state scaling, and the tools/goodput.py table, JSON and plot."""
+"""Measured-cost JSON, state scaling, replica groups' network costs, and the tools/goodput.py table, JSON and
+plot, with the recovery modes side by side."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import pytest
 from hpctrain.goodput.costs import (
     MeasuredTier,
     costs_from_bandwidths,
+    heal_seconds,
     node_state_bytes,
+    outer_sync_seconds,
     parse_costs,
     pick_tiers,
     scale_tier,
 )
-from hpctrain.goodput.model import TierCost
+from hpctrain.goodput.model import Replicas, TierCost, replica_overhead
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "goodput.py"
 MEASURED = {
@@ -101,3 +104,50 @@ def test_tool_table_and_bad_costs(tmp_path: Path, capsys: pytest.CaptureFixture[
     bad.write_text(json.dumps({"tiers": {"ram": {"blocked_s": 1}}}))
     assert tool.main(["--costs", str(bad)]) == 2
     assert "durable" in capsys.readouterr().err
+
+
+def test_heal_and_outer_sync_hand_computed() -> None:
+    # 175B x 14 bytes on 1024 GPUs = 128 nodes in 2 groups: each node of a group holds 2.45 TB / 64 = 38.3 GB
+    assert heal_seconds(175e9 * 14, 128, 2, 10.0) == pytest.approx(175e9 * 14 / 64 / 10e9)
+    # DiLoCo's ring all-reduce of 4-byte pseudo-gradients across 4 groups of 32 nodes: 2 x 3/4 of 21.9 GB per node
+    assert outer_sync_seconds(175e9, 4, 128, 4, 10.0) == pytest.approx(1.5 * 175e9 * 4 / 32 / 10e9)
+    assert outer_sync_seconds(175e9, 4, 128, 1, 10.0) == 0.0
+
+
+def test_tool_recovery_modes_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    tool = _tool()
+    args = ["--gpus", "1024,16384", "--recovery", "all", "--reps", "10", "--days", "10"]
+    assert tool.main([*args, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    for row in rows:
+        modes = row["recovery"]
+        assert set(modes) == {"restart", "replicas", "diloco"}
+        assert modes["restart"] == row["policies"]["ram+shared"]
+        for mode in ("replicas", "diloco"):
+            e = modes[mode]
+            assert abs(e["sim"]["goodput"] - e["model"]) < 3 * e["sim"]["ci95"] + 1e-3, (row["gpus"], mode)
+            assert e["tau_slow_s"] > modes["restart"]["tau_slow_s"]  # checkpoints only for the loss of every group
+        assert modes["diloco"]["replicas"]["sync_every"] == 20 and modes["replicas"]["replicas"]["sync_every"] == 1
+    big = rows[-1]["recovery"]
+    assert big["restart"]["model"] < 0.93 < 0.99 < big["replicas"]["model"]  # 16,384 GPUs: a failure every 1.46 h
+    assert big["replicas"]["replicas"]["heal_s"] == pytest.approx(175e9 * 14 / 1024 / 10e9)
+    # both = restart and replicas; the table gains a side-by-side section
+    assert tool.main(["--gpus", "4096", "--recovery", "both", "--reps", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out.index(next(line for line in out if line.startswith("recovery modes")))
+    assert "restart model" in out[at + 1] and "replicas model" in out[at + 1] and "diloco" not in out[at + 1]
+    assert out[at + 2].split()[0] == "4096"
+    with pytest.raises(SystemExit):
+        tool.main(["--recovery", "restart,elastic"])
+    assert "elastic" in capsys.readouterr().err
+
+
+def test_tool_slow_links_favour_diloco(capsys: pytest.CaptureFixture[str]) -> None:
+    """Between sites (1 GB/s per node, 2 s of exposed gradient all-reduce per 5 s step), DiLoCo's sync every 20
+    steps costs less than syncing every step."""
+    args = ["--gpus", "4096", "--recovery", "all", "--reps", "0", "--peer-gbps", "1", "--cross-group-s", "2", "--json"]
+    assert _tool().main(args) == 0
+    modes = json.loads(capsys.readouterr().out)["rows"][0]["recovery"]
+    assert replica_overhead(Replicas(**modes["replicas"]["replicas"])) == pytest.approx(2.002 / 7.002)
+    assert modes["replicas"]["loss"]["overhead"] == pytest.approx(2.002 / 7.002, rel=0.01)  # of the time it trains
+    assert modes["diloco"]["model"] > modes["replicas"]["model"] + 0.1

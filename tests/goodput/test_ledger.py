@@ -127,7 +127,7 @@ def test_a_restart_inside_the_allocation_every_second_in_its_place() -> None:
 def test_a_usr2_requeue_its_stop_save_queue_and_second_run() -> None:
     """One node; the job is requeued at step 10 (USR2: a 3 s save, then Slurm ends it) and runs again under the
     same id after 15 s in the queue (held, then waiting)."""
-    reason = "time limit or preemption (SIGUSR2)"
+    reason = "time limit, preemption or a user's signal (SIGUSR2)"
     events = [
         attempt("8", 0, 0, 1001, 1005, 1006.5),
         {"event": "stop", "time": 1015.2, "reason": reason, "step": 10},
@@ -507,3 +507,123 @@ def test_a_resume_of_a_finished_run_is_no_part_of_its_training(accounting: bool)
     assert not resume.counted and resume.ended == "nothing to train: the run was complete"
     assert after.after_end_node_s == pytest.approx(14 if accounting else 13.2)
     assert after.incidents == [] and after.summary()["jobs"] == 1
+
+
+def lost_node_run(spare_nodes: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[str]]]:
+    """Three nodes train (n1-n3) and `spare_nodes` more wait (n4); at step 12 the node of slot 0 dies (no
+    record: its peers' are peer errors), the workers restart from step 10: on n4 in its place with a spare,
+    on the two left without one (elastic.min_nodes). Slurm shrinks the job at no point: it ends at 1042."""
+    events = [
+        attempt("400", 0, 0, 1002, 1005, 1006),
+        attempt("400", 1, 10, 1025, 1028, 1029),
+        {"event": "attempt_end", "time": 1040, "how": "completed", "save_s": 0.5, "step": 20},
+    ]
+    metrics = rows(1, 12, 1005, step_s=1.0, data_wait_s=0.0) + rows(11, 20, 1028, step_s=1.0, data_wait_s=0.0)
+    after = ["n4", "n2", "n3"] if spare_nodes else ["n2", "n3"]
+    return events, metrics, {"400": ["n1", "n2", "n3"], "400.1": after}
+
+
+@pytest.mark.parametrize("spares", [0, None], ids=["config", "unknown"])
+def test_a_dead_nodes_time_until_the_job_ends_is_lost_node_time_not_spare(spares: int | None) -> None:
+    """D3 (issue 48): a job without a spare goes on with two of three nodes; Slurm keeps the dead one in the
+    allocation. Its time while the others start and train again is "lost_node", charged to the interruption
+    that took it out, never "spare" (there is none): told by the config's spare count, and without it, by the
+    host maps (n1 trained before)."""
+    events, metrics, hosts = lost_node_run(0)
+    ledger = build_ledger(
+        events=events,
+        rows=metrics,
+        allocations=parse_sacct("400|COMPLETED|990|990|1000|1042|3|n[1-3]|0:0|None\n"),
+        accounting=True,
+        now=2000,
+        max_steps=20,
+        completed={"job_id": "400", "step": 20},
+        hosts=lambda key: hosts.get(key, []),
+        spares=spares,
+    )
+    assert nonzero(ledger.parts) == pytest.approx(
+        {
+            "startup": 3 * 2 + 3 * 3 + 2 * 3,  # Slurm's start, then each attempt's on the nodes it trains on
+            "productive": 3 * 10 + 2 * 10,
+            "lost": 3 * 2,  # steps 11 and 12, redone
+            "recovery": 3 * 8,
+            "lost_node": 1 * 3 + 1 * 10,  # n1 while the second attempt started and trained
+            "checkpoint": 3 * 0.5,
+            "shutdown": 3 * 3.5,
+        }
+    )
+    assert ledger.unattributed_node_s == pytest.approx(0, abs=1e-9) and ledger.allocated_node_s == 126
+    (incident,) = ledger.incidents
+    assert incident.lost_node_s == pytest.approx(13) and incident.cause.endswith("went on without n1")
+    assert "lost node 10.3%" in ledger.line() and "spare" not in ledger.line()
+
+
+def test_a_waiting_spare_is_spare_and_the_dead_node_it_replaced_is_lost_node() -> None:
+    """cluster.spare_nodes=1 and Slurm keeps the dead node in the allocation: n4 waits as the spare while the
+    first attempt trains, then takes n1's place; n1's time from then on is the incident's lost node."""
+    events, metrics, hosts = lost_node_run(1)
+    ledger = build_ledger(
+        events=events,
+        rows=metrics,
+        allocations=parse_sacct("400|COMPLETED|990|990|1000|1042|4|n[1-4]|0:0|None\n"),
+        accounting=True,
+        now=2000,
+        max_steps=20,
+        completed={"job_id": "400", "step": 20},
+        hosts=lambda key: hosts.get(key, []),
+        spares=1,
+    )
+    assert nonzero(ledger.parts) == pytest.approx(
+        {
+            "startup": 4 * 2 + 3 * 3 + 3 * 3,
+            "spare": 1 * 3 + 1 * 12,  # n4 while the first attempt started and trained
+            "productive": 3 * 10 + 3 * 10,
+            "lost": 3 * 2,
+            "recovery": 4 * 8,
+            "lost_node": 1 * 3 + 1 * 10,  # n1 while the second attempt started and trained
+            "checkpoint": 4 * 0.5,
+            "shutdown": 4 * 3.5,
+        }
+    )
+    assert ledger.unattributed_node_s == pytest.approx(0, abs=1e-9) and ledger.allocated_node_s == 168
+    assert ledger.incidents[0].lost_node_s == pytest.approx(13)
+
+
+def test_after_a_scancel_the_parts_sum_to_the_allocation_and_the_rest_is_reported_beside() -> None:
+    """D4 (issue 48): `scancel` ends the job in Slurm's records at once (here at 1022.5, half way through step
+    18); the tasks, sent SIGTERM, finish steps 18-20 and save for 3 s after it. The parts are the allocation as
+    accounted: the rows' time past the end is clipped (step 18 by half, every part of it in proportion), the
+    save left out, and both reported beside as past_end_node_s."""
+    from hpctrain.status.view import render
+
+    reason = "terminated (SIGTERM)"
+    events = [
+        attempt("9", 0, 0, 1002, 1005, 1006),
+        {"event": "stop", "time": 1025.1, "reason": reason, "step": 20},
+        {"event": "attempt_end", "time": 1028.1, "how": "stopped", "reason": reason, "save_s": 3.0, "step": 20},
+    ]
+    cancelled = Allocation("9", "CANCELLED", 990, 990, 1000, 1022.5, 2, "n[1-2]")
+    ledger = build_ledger(
+        events=events,
+        rows=rows(1, 20, 1005, step_s=0.8, data_wait_s=0.2),
+        allocations=[cancelled],
+        accounting=True,
+        now=5000,
+        max_steps=100,
+        hosts=lambda key: ["n1", "n2"],
+    )
+    assert ledger.allocated_node_s == 45 and ledger.unattributed_node_s == pytest.approx(0, abs=1e-9)
+    assert nonzero(ledger.parts) == pytest.approx(
+        {
+            "startup": 2 * 5,
+            "productive": 2 * 0.6 * 17.5,
+            "data_wait": 2 * 0.2 * 17.5,
+            "step_overhead": 2 * 0.2 * 17.5,
+        }
+    )
+    assert ledger.past_end_node_s == pytest.approx(2 * 2.5 + 2 * 3.0)  # steps 18 (half), 19, 20; the save
+    (incident,) = ledger.incidents
+    assert incident.cause == reason and ledger.jobs[0].ended == f"cancelled: {reason}"
+    page = render(ledger, {"id": "r", "path": "/r", "executor": "slurm"})
+    (beside,) = [line.split() for line in page.splitlines() if line.strip().startswith("past the end")]
+    assert beside[3] == "11.00" and "unattributed" not in page, page

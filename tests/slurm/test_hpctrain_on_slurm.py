@@ -163,7 +163,7 @@ def test_usr2_saves_requeues_and_resumes_exactly(slurm_cluster: Any, reference: 
     assert states == {job: "COMPLETED"}, states
     assert restarts(slurm_cluster, job) >= 1
     logs = "".join(p.read_text() for p in (run_dir / "submitit").glob(f"{job}_0_log.out"))
-    saved = int(re.search(r"time limit or preemption \(SIGUSR2\) at step (\d+)", logs).group(1))
+    saved = int(re.search(r"time limit, preemption or a user's signal \(SIGUSR2\) at step (\d+)", logs).group(1))
     assert f"resuming at step {saved}" in logs
     assert_exact_continuation(run_dir, reference)
     # One W&B run across the requeue: the same id in both attempts, history continuing after the saved step.
