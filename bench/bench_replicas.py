@@ -62,7 +62,8 @@ def run(mode: str, root: Path, args: argparse.Namespace, draws: list[float]) -> 
     trained_s, last = 0.0, None
     while True:
         rows = metrics(run_dir)
-        if rows and rows[-1]["step"] == args.steps and state(current_job(run_dir)) == "COMPLETED":
+        # the run's end: COMPLETED.json (group 0's, or the group that finished while group 0 was out)
+        if (run_dir / "COMPLETED.json").exists() and state(current_job(run_dir)) == "COMPLETED":
             break
         if (run_dir / "FAILED.json").exists():
             raise SystemExit(f"{mode}: the run failed: {(run_dir / 'FAILED.json').read_text()}")

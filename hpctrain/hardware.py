@@ -33,6 +33,11 @@ class Hardware:
 
     `hbm_bw` is the GPU memory's bandwidth: what memory-bound element-wise kernels are timed by (selective
     recomputation's rerun, hpctrain.plan.step_time).
+
+    `nvlink_domain` is how many GPUs one NVLink (or Infinity Fabric) fabric joins at `intra_node_bw` when that
+    is more than a node's (GB200 NVL72: 72 GPUs in 18 trays of 4); 0: the node's GPUs. `overridden` names the
+    config keys whose values replaced the datasheet's (hpctrain.config.cluster), so the plan can say which
+    figures are whose.
     """
 
     name: str
@@ -52,11 +57,18 @@ class Hardware:
     cpu_adam_core_rate: float = 0.12e9
     fp8_flops: float = 0.0
     hbm_bw: float = 20e9
+    nvlink_domain: int = 0
+    overridden: tuple[str, ...] = ()
 
     @property
     def has_fp8(self) -> bool:
         """FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell)."""
         return self.fp8_flops > 0
+
+    @property
+    def nvlink_gpus(self) -> int:
+        """The GPUs a group may span and still talk at `intra_node_bw`."""
+        return max(self.nvlink_domain, self.gpus_per_node)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -80,6 +92,8 @@ class Hardware:
                 raise ValueError(f"{name} must be positive")
         if self.fp8_flops < 0:
             raise ValueError("fp8_flops must be >= 0 (0: no FP8 tensor cores)")
+        if self.nvlink_domain < 0:
+            raise ValueError("nvlink_domain must be >= 0 (0: the node's GPUs)")
 
     def adam_rate_per_gpu(self, threads_per_rank: int | None = None) -> float:
         """Parameters per second one rank's CPU AdamW step updates while every GPU of the node steps at once:
@@ -98,6 +112,25 @@ class Hardware:
 #        DGX H100: 8x 400 Gb/s ConnectX-7 NDR = 50 GB/s per GPU.
 #  H200: NVIDIA H200 datasheet (SXM): same compute and NVLink as H100, 141 GB HBM3e;
 #        DGX H200: 8x 400 Gb/s ConnectX-7 = 50 GB/s per GPU.
+#  H800: NVIDIA H800 SXM5 (the export variant of H100 SXM: the same die, compute and 80 GB HBM3 at 3.35 TB/s)
+#        with NVLink cut to 400 GB/s total = 200 GB/s each direction. DeepSeek-V3 technical report (2024) sec.
+#        3.1 / 3.2.2: 8 GPUs a node on NVLink/NVSwitch, InfiniBand across nodes at 50 GB/s per GPU (their NVLink
+#        reaches ~160 GB/s in practice).
+#  B200: NVIDIA DGX B200 datasheet: 8 GPUs, 1,440 GB HBM3e (180 GB each) at 64 TB/s (8 TB/s each), 72 PFLOP/s FP8
+#        training "with sparsity" = 4.5 PFLOP/s dense FP8 per GPU, BF16 half that (2.25 PFLOP/s dense; the HGX
+#        B200 figures at 1,000 W); fifth-generation NVLink 1.8 TB/s total per GPU = 900 GB/s each direction
+#        (14.4 TB/s for the 8); 8x 400 Gb/s ConnectX-7 = 50 GB/s per GPU.
+#  GB200: NVIDIA GB200 NVL72 specifications: 72 Blackwell GPUs (1,200 W) and 36 Grace CPUs in one NVLink domain
+#        (130 TB/s = 1.8 TB/s per GPU, 900 GB/s each direction); per GPU 5 PFLOP/s dense FP8, 2.5 dense BF16 (the
+#        table's 10 and 5 are with sparsity); 13.4 TB HBM3e for 72 = 186 GB each, 576 TB/s = 8 TB/s each. A Slurm
+#        node is a compute tray: 4 GPUs and 2 Grace CPUs. ConnectX-7 400 Gb/s per GPU across racks = 50 GB/s.
+#        The checks keep TP inside the tray (cluster.gpus_per_node); the plan times DP/PP/EP/CP groups that stay
+#        inside the 72-GPU domain at NVLink bandwidth (nvlink_domain).
+#  MI300X: AMD Instinct MI300X data sheet: 1,307.4 TFLOP/s dense BF16, 2,614.9 dense FP8; 192 GB HBM3 at 5.3 TB/s;
+#        seven Infinity Fabric links of 128 GB/s bidirectional to the other 7 GPUs of the platform's fully
+#        connected 8 = 448 GB/s each direction in all (a ring uses a fraction of it: RCCL's all-reduce across
+#        the 8 spreads over every link). ASSUMED: 8x 400 Gb/s NICs per node (as in Azure ND MI300X v5) = 50 GB/s
+#        per GPU.
 #  FP8 (fp8_flops, dense): H100 SXM datasheet "FP8 Tensor Core 3,958 teraFLOPS*" (* with sparsity) = 1979 dense,
 #        twice its BF16; H200 SXM datasheet: the same 3,958* = 1979 dense. A100 (compute capability 8.0) has no
 #        FP8 tensor cores (its datasheet lists none; FP8 GEMMs need 8.9+), so 0. The "cpu" entry: 0, torchao only
@@ -135,6 +168,14 @@ class Hardware:
 #        the ZeRO-Offload paper (Ren et al. 2021, Table 3) measured 2020's PyTorch CPU Adam at 1.39 s per 1B
 #        parameters on a DGX-2 host (0.7e9/s) and DeepSpeed's fused CPU-Adam ~6x faster. Each rank reaches its
 #        share only with enough threads (train.threads_per_rank; Hardware.adam_rate_per_gpu).
+#  DGX B200: 2x Intel Xeon Platinum 8570 (112 cores), 2 TB DDR5 (8 channels DDR5-5600 a socket = 717 GB/s
+#        peak: 0.5 x 717e9 / 90 = 4.0e9 Adam params/s), PCIe Gen5 as DGX H100, 8x 3.84 TB NVMe U.2.
+#  GB200 tray: 2 Grace CPUs (144 Arm cores), 2 x 480 GB LPDDR5X at up to 512 GB/s each (0.5 x 1024e9 / 90 =
+#        5.7e9 params/s; ASSUMED: the per-thread rate measured on x86); each Grace reaches its 2 GPUs over
+#        NVLink-C2C, 900 GB/s bidirectional: ASSUMED split evenly, 225 GB/s per GPU each direction (in pcie_bw's
+#        place); NVMe ASSUMED 4x 3.84 TB E1.S.
+#  MI300X platform: ASSUMED (OEM servers differ): 2x AMD EPYC 9654 (192 cores), 12 channels DDR5-4800 a socket
+#        = 922 GB/s peak (0.5 x 922e9 / 90 = 5.1e9 params/s), 2 TiB, PCIe Gen5 x16 per GPU, 8x 3.84 TB NVMe.
 #  cpu:  placeholders: 16 GiB host memory, 2 cores at the measured per-thread rate, a 100 GB disk.
 class _HostCpu(TypedDict):
     """Host-side fields of Hardware that the entries of one node model share: PCIe and the CPU's Adam."""
@@ -163,6 +204,36 @@ _DGX_H100_HOST = _Host(
     nvme_write_bw=8 * 2 * GB,
     cpu_cores=112,
     cpu_adam_rate=3.4e9,
+    cpu_adam_core_rate=0.12e9,
+)
+_DGX_B200_HOST = _Host(
+    host_mem_bytes=2 * 2**40,
+    pcie_bw=50 * GB,
+    nvme_bytes=8 * 3.84e12,
+    nvme_read_bw=8 * 3.5 * GB,
+    nvme_write_bw=8 * 2 * GB,
+    cpu_cores=112,
+    cpu_adam_rate=4.0e9,
+    cpu_adam_core_rate=0.12e9,
+)
+_GB200_TRAY_HOST = _Host(
+    host_mem_bytes=960 * GB,
+    pcie_bw=225 * GB,
+    nvme_bytes=4 * 3.84e12,
+    nvme_read_bw=4 * 3.5 * GB,
+    nvme_write_bw=4 * 2 * GB,
+    cpu_cores=144,
+    cpu_adam_rate=5.7e9,
+    cpu_adam_core_rate=0.12e9,
+)
+_MI300X_HOST = _Host(
+    host_mem_bytes=2 * 2**40,
+    pcie_bw=50 * GB,
+    nvme_bytes=8 * 3.84e12,
+    nvme_read_bw=8 * 3.5 * GB,
+    nvme_write_bw=8 * 2 * GB,
+    cpu_cores=192,
+    cpu_adam_rate=5.1e9,
     cpu_adam_core_rate=0.12e9,
 )
 KNOWN_HARDWARE: dict[str, Hardware] = {
@@ -199,6 +270,27 @@ KNOWN_HARDWARE: dict[str, Hardware] = {
     ),
     "h200": Hardware(
         "h200", 8, 141 * GiB, 989e12, 450 * GB, 50 * GB, fp8_flops=1979e12, hbm_bw=4800 * GB, **_DGX_H100_HOST
+    ),
+    "h800": Hardware(
+        "h800", 8, 80 * GiB, 989e12, 200 * GB, 50 * GB, fp8_flops=1979e12, hbm_bw=3350 * GB, **_DGX_H100_HOST
+    ),
+    "b200": Hardware(
+        "b200", 8, 180 * GiB, 2250e12, 900 * GB, 50 * GB, fp8_flops=4500e12, hbm_bw=8000 * GB, **_DGX_B200_HOST
+    ),
+    "gb200": Hardware(
+        "gb200",
+        4,
+        186 * GiB,
+        2500e12,
+        900 * GB,
+        50 * GB,
+        fp8_flops=5000e12,
+        hbm_bw=8000 * GB,
+        nvlink_domain=72,
+        **_GB200_TRAY_HOST,
+    ),
+    "mi300x": Hardware(
+        "mi300x", 8, 192 * GiB, 1307.4e12, 448 * GB, 50 * GB, fp8_flops=2614.9e12, hbm_bw=5300 * GB, **_MI300X_HOST
     ),
     "cpu": Hardware("cpu", 2, 8 * GiB, 150e9, 5 * GB, 1.25 * GB, efficiency=0.5),
 }

@@ -843,6 +843,9 @@ DOMAINS: dict[str, Domain] = {
     "cluster.time_min": _count(1, 60, " minutes", high=MAX_MINUTES),
     "cluster.signal_delay_s": _count(0, 120, _SECONDS, high=MAX_SECONDS),
     "cluster.failure_rate_per_gpu_day": Domain(0, None, 0.001, note="the share of GPUs that fail per day"),
+    "cluster.gpu_peak_tflops": Domain(0, None, 989, after=" TFLOP/s (0: the GPU type's datasheet figure)"),
+    "cluster.intra_node_gb_s": Domain(0, None, 450, after=" GB/s (0: the GPU type's datasheet figure)"),
+    "cluster.inter_node_gb_s": Domain(0, None, 50, after=" GB/s (0: the GPU type's datasheet figure)"),
     "cluster.max_num_timeout": _count(0, 20, " requeues"),
     # NCCL_IB_GID_INDEX: an index into the port's GID table; -1 is NCCL's own choice (NCCL 2.21 and later)
     "cluster.nccl.ib_gid_index": _count(0, 3, high=65535, also=((-1, "NCCL chooses"),)),

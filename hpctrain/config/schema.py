@@ -308,6 +308,13 @@ class ClusterConfig:
     spare_nodes: int = 0  # hot spares the job also asks for: one takes a dead node's place (launcher.in_allocation)
     gpus_per_node: int = 2  # tasks per node; on CPU these are processes
     gpu_type: str = "cpu"
+    # The plan's figures for gpu_type come from the vendors' datasheets (hpctrain/hardware.py); a cluster whose
+    # GPUs run capped or whose links measure otherwise says so here (0: the datasheet's). The dense BF16 peak in
+    # TFLOP/s per GPU (the FP8 peak scales with it: a clock or power cap slows both) is also what MFU is
+    # reported against; the bandwidths are GB/s per GPU in each direction, inside the NVLink domain and across.
+    gpu_peak_tflops: float = 0.0
+    intra_node_gb_s: float = 0.0
+    inter_node_gb_s: float = 0.0
     cpus_per_task: int = 1
     mem_gb: int = 0  # 0: scheduler default
     time_min: int = 60

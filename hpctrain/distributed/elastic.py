@@ -44,6 +44,8 @@ Traps this module avoids (measured on this machine, shared/facts/in-allocation-r
 - the watch's verdict must reach the main thread, which torch's agent holds (in its monitor loop or its
   rendezvous): a SIGUSR1 to the main thread raises `LeaveRun` there, a BaseException, so that torch takes it for
   none of its own failures (it stops the workers and closes the rendezvous on the way out);
+- torchft's lighthouse runs in a process of its own (hpctrain.distributed.lighthouse): workers forked from an
+  agent whose process ran it crashed or hung in torchft's clients;
 - torchft's lighthouse binds 0.0.0.0, not [::]: every address the workers get is IPv4 (`node_addresses`), and
   [::] fails where a node has IPv6 disabled;
 - torch's rendezvous paces itself with a fixed 1 s (a sleep between reads, a 1 s state cache): both follow
@@ -71,6 +73,7 @@ from typing import Any
 
 from hpctrain.distributed import roles, spares
 from hpctrain.distributed.environment import node_addresses, port_for_job
+from hpctrain.distributed.lighthouse import LighthouseProcess
 from hpctrain.records.failures import attempt_key, last_restart, record_failure
 from hpctrain.records.jobs import read_completed
 from hpctrain.records.paths import RunPaths
@@ -266,8 +269,9 @@ def run_agent(agent: NodeAgent, task: Any, worker: Callable[[Any], Any]) -> dict
     slot: int | None = None if agent.spare else agent.node
     gone: set[int] = set()  # nodes lost with the store's earlier hosts (a failure record names them)
     while True:
-        # torch's store reuses the server; the lighthouse moves with it
-        server = (_host_store(agent), _host_lighthouse(agent)) if agent.node == agent.store_node else None
+        # torch's store reuses the server; the lighthouse moves with it, and serves before the store does (the
+        # workers it reaches cannot start before the store: they find it up)
+        server = (_host_lighthouse(agent), _host_store(agent)) if agent.node == agent.store_node else None
         base = last_restart(Path(task.run_dir), _run_key(agent.job_id)) + 1 if agent.generation else 0
         os.environ["HPCTRAIN_RESTART_BASE"] = str(base)
         try:
@@ -722,18 +726,17 @@ def _bound_rendezvous_store_calls(seconds: float) -> None:
     c10d.C10dRendezvousBackend._call_store = bounded  # type: ignore[method-assign, assignment]  # torch's own
 
 
-def _host_lighthouse(agent: NodeAgent) -> Any:
-    """torchft's lighthouse for the replica groups (None without groups), on this node's store port's twin:
-    every group's workers reach it at `agent.lighthouse_url`. torchft is imported only here."""
+def _host_lighthouse(agent: NodeAgent) -> LighthouseProcess | None:
+    """torchft's lighthouse for the replica groups (None without groups), on this node's store port's twin, in
+    a process of its own (hpctrain.distributed.lighthouse: not in this one, which forks the workers): every
+    group's workers reach it at `agent.lighthouse_url`."""
     if agent.groups == 1:
         return None
-    from torchft._torchft import LighthouseServer
-
-    return LighthouseServer(
-        bind=f"0.0.0.0:{agent.lighthouse_port}",
-        min_replicas=agent.lighthouse.min_replicas,
-        join_timeout_ms=agent.lighthouse.join_timeout_ms,
-        heartbeat_timeout_ms=agent.lighthouse.heartbeat_timeout_ms,
+    return LighthouseProcess.start(
+        f"0.0.0.0:{agent.lighthouse_port}",
+        agent.lighthouse.min_replicas,
+        agent.lighthouse.join_timeout_ms,
+        agent.lighthouse.heartbeat_timeout_ms,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpctrain.hardware import GiB
+from hpctrain.hardware import GB, GiB, Hardware
 from hpctrain.plan.estimate import Estimates
 from hpctrain.plan.search import Candidate, explain
 
@@ -97,6 +97,7 @@ def step_lines(est: Estimates) -> list[str]:
         f"  throughput           {st.tokens_per_s:,.0f} tokens/s, {st.samples_per_s:,.1f} samples/s",
         f"  MFU                  {st.mfu:.1%} (of {_rate(hw.peak_flops)} per GPU, efficiency "
         f"{hw.efficiency:.0%} of peak assumed for matmuls)",
+        hardware_line(hw),
         *range_lines(est),
         f"  pipeline bubble      {st.bubble_fraction:.1%} of the pipeline time ({st.bubble_share:.1%} of the step)",
         f"  communication        {sum(i.bytes for i in st.comm.items) / 1e9:.2f} GB per GPU per step, "
@@ -105,6 +106,23 @@ def step_lines(est: Estimates) -> list[str]:
     for item in st.comm.items:
         lines.append(f"    {item.name:<28} {item.bytes / 1e9:9.3f} GB over {item.link:<7} {item.time_s:.3f} s")
     return lines
+
+
+def hardware_line(hw: Hardware) -> str:
+    """Whose figures the estimate used: the datasheet's (hpctrain/hardware.py) or the cluster's keys."""
+    mine = set(hw.overridden)
+
+    def whose(key: str) -> str:
+        return f" ({key})" if key in mine else ""
+
+    domain = f" across {hw.nvlink_gpus} GPUs" if hw.nvlink_gpus > hw.gpus_per_node else ""
+    return (
+        f"  hardware             {hw.name}: {_rate(hw.peak_flops)} dense BF16{whose('cluster.gpu_peak_tflops')}, "
+        f"NVLink {hw.intra_node_bw / GB:,.0f} GB/s{domain}{whose('cluster.intra_node_gb_s')}, network "
+        f"{hw.inter_node_bw / GB:,.0f} GB/s{whose('cluster.inter_node_gb_s')} per GPU each way; "
+        + ("the figures in brackets are the cluster's, the rest" if mine else "all")
+        + " from the datasheets (hpctrain/hardware.py)"
+    )
 
 
 def offload_step_lines(est: Estimates) -> list[str]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hpctrain.hardware import hardware
+from hpctrain.config.cluster import cluster_hardware
 from hpctrain.models.family import Dims
 from hpctrain.models.params import model_active_param_count, model_flops_per_token
 
@@ -29,8 +29,9 @@ def flops_per_token(cfg: Config) -> float:
 
 
 def mfu(cfg: Config, tokens_per_s: float, world_size: int) -> float:
-    """Model FLOPs utilisation against the dense peak of cfg.cluster.gpu_type (hpctrain.hardware)."""
-    return tokens_per_s * flops_per_token(cfg) / (world_size * hardware(cfg.cluster.gpu_type).peak_flops)
+    """Model FLOPs utilisation against the dense peak of cfg.cluster.gpu_type (hpctrain.hardware), or the
+    cluster's own (cluster.gpu_peak_tflops): the figure the plan's MFU used."""
+    return tokens_per_s * flops_per_token(cfg) / (world_size * cluster_hardware(cfg.cluster).peak_flops)
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hpctrain.config.cluster import cluster_hardware
 from hpctrain.config.layout import layout_rules
 from hpctrain.config.rules import key_of, microbatch_rules, zero_rules
 from hpctrain.config.schema import simulating
 from hpctrain.plan.bubble import bubble_fraction
-from hpctrain.plan.estimate import cluster_hardware
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from hpctrain.plan.search import Candidate, context_degrees, search_layouts, workload
 from hpctrain.plan.step_time import estimate_step

@@ -133,8 +133,9 @@ def all_gather_bytes(n: int, size: float) -> float:
 
 
 def _link(span: int, hw: Hardware) -> tuple[str, float]:
-    """A group whose ranks span `span` consecutive ranks stays in one node when span <= gpus_per_node."""
-    return (NVLINK, hw.intra_node_bw) if span <= hw.gpus_per_node else (NETWORK, hw.inter_node_bw)
+    """A group whose ranks span `span` consecutive ranks stays on NVLink when span <= the GPUs one NVLink fabric
+    joins: the node's, or more (GB200 NVL72: Hardware.nvlink_domain)."""
+    return (NVLINK, hw.intra_node_bw) if span <= hw.nvlink_gpus else (NETWORK, hw.inter_node_bw)
 
 
 def param_all_gathers(layout: Layout) -> int:

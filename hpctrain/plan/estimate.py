@@ -9,14 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hpctrain.config.cluster import cluster_hardware
 from hpctrain.plan.flops import flops_per_iteration
 from hpctrain.plan.memory import MemoryBreakdown, memory_per_gpu, stage_params_per_gpu
 from hpctrain.plan.offload import offload_costs
 from hpctrain.plan.step_time import StepEstimate, StepRange, step_range
-from hpctrain.plan.types import Hardware, Layout, ModelShape, hardware
+from hpctrain.plan.types import Hardware, Layout, ModelShape
 
 if TYPE_CHECKING:
-    from hpctrain.config.schema import ClusterConfig, Config
+    from hpctrain.config.schema import Config
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,6 @@ class Estimates:
     step: StepEstimate
     flops_per_iteration: float
     range: StepRange  # the step estimate as its two unsourced constants move (step_time.ASSUMED)
-
-
-def cluster_hardware(cluster: ClusterConfig) -> Hardware:
-    """The GPU type's figures, with the job's GPUs per node (TP and DP links depend on it)."""
-    return replace(hardware(cluster.gpu_type), gpus_per_node=cluster.gpus_per_node)
 
 
 def estimate(cfg: Config, layout: Layout) -> Estimates:
@@ -88,6 +84,16 @@ def as_json(est: Estimates) -> dict[str, Any]:
         "est_step_time_s": st.step_time_s,
         "est_tokens_per_s": st.tokens_per_s,
         "est_mfu": st.mfu,
+        "hardware": {
+            "gpu_type": est.hw.name,
+            "peak_flops": est.hw.peak_flops,
+            "fp8_flops": est.hw.fp8_flops,
+            "intra_node_bw": est.hw.intra_node_bw,
+            "inter_node_bw": est.hw.inter_node_bw,
+            "nvlink_gpus": est.hw.nvlink_gpus,
+            "gpu_mem_bytes": est.hw.gpu_mem_bytes,
+            "from_cluster": list(est.hw.overridden),  # the rest: the datasheets (hpctrain/hardware.py)
+        },
         "bubble_fraction": st.bubble_fraction,
         "comm_bytes_per_gpu_per_step": sum(item.bytes for item in st.comm.items),
         "comm_per_gpu_per_step": [

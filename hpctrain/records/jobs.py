@@ -43,10 +43,12 @@ def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     return _read(RunPaths(run_dir).attempts)
 
 
-def write_completed(run_dir: Path, job_id: str, step: int) -> None:
+def write_completed(run_dir: Path, job_id: str, step: int, replica_dir: str | None = None) -> None:
     """The run reached its last step in this job: whatever srun says after (a node lost on the way with
-    `--no-kill` makes its status non-zero), there is nothing to resubmit."""
-    RunPaths(run_dir).completed.write_text(json.dumps({"job_id": job_id, "step": step, "time": time.time()}))
+    `--no-kill` makes its status non-zero), there is nothing to resubmit. `replica_dir`: the replica group's
+    folder (relative to run_dir) that finished the run while group 0 was out: its checkpoints hold the end."""
+    record = {"job_id": job_id, "step": step, "time": time.time()}
+    RunPaths(run_dir).completed.write_text(json.dumps(record | ({"replica_dir": replica_dir} if replica_dir else {})))
 
 
 def read_completed(run_dir: Path) -> dict[str, Any] | None:

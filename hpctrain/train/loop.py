@@ -54,7 +54,7 @@ from hpctrain.records.failures import (
 )
 from hpctrain.records.fingerprint import fingerprint_of
 from hpctrain.records.history import ATTEMPT_MARKS
-from hpctrain.records.jobs import write_completed, write_report
+from hpctrain.records.jobs import read_completed, write_completed, write_report
 from hpctrain.records.lease import LeaseWatch, StaleAttempt, current_lease, holds, settle_time, take_lease
 from hpctrain.records.paths import RunPaths
 from hpctrain.tracking.tracker import Tracker
@@ -378,6 +378,10 @@ def _train(
         ckpt.finish(done, engine, {"consumed_samples": consumed})
         if env.is_main and done == t.max_steps:
             write_completed(run_dir, env.job_id, done)
+            if place is not None and place.group > 0:  # group 0 out at the end: the run ended in this group
+                main = main_run_dir(run_dir, place)
+                if read_completed(main) is None:
+                    write_completed(main, env.job_id, done, replica_dir=str(run_dir.relative_to(main)))
         if tracker is not None:
             tracker.event(
                 "attempt_end",

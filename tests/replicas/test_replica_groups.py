@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from hpctrain.checkpoint.inspect import export_model, find
 from hpctrain.config.layout import resolve_layout
 from hpctrain.config.schema import to_plain
+from hpctrain.distributed.lighthouse import LighthouseProcess
 from tests.conftest import _compose
 from tests.gpu_rules import environment as rules_environment
 
@@ -132,11 +133,9 @@ class Groups:
 
 @pytest.fixture
 def lighthouse() -> Any:
-    from torchft._torchft import LighthouseServer
-
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
-    yield server.address()
-    server.shutdown()
+    served = LighthouseProcess.start("[::]:0", 1, 1000, 1000)
+    yield served.address
+    served.stop()
 
 
 @pytest.mark.timeout(400)
@@ -183,25 +182,9 @@ def test_a_killed_group_is_left_out_then_heals_from_its_peer_and_weights_end_equ
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
 
 
-LIGHTHOUSE = """
-import sys, time
-from torchft._torchft import LighthouseServer
-server = LighthouseServer(bind=f"[::]:{sys.argv[1]}", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
-print(server.address(), flush=True)
-time.sleep(3600)
-"""
-
-
-def _serve_lighthouse() -> tuple[subprocess.Popen[str], str]:
-    """A lighthouse in a process of its own (as in the node agent hosting the store), to kill as its host dies."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", LIGHTHOUSE, str(_free_port())],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    return proc, proc.stdout.readline().strip()
+def _serve_lighthouse() -> LighthouseProcess:
+    """A lighthouse in a process of its own, as the node agent hosting the store runs it, to kill as its host dies."""
+    return LighthouseProcess.start(f"[::]:{_free_port()}", 1, 1000, 1000)
 
 
 @pytest.mark.timeout(400)
@@ -211,10 +194,10 @@ def test_a_lost_lighthouse_stops_the_quorums_and_a_new_one_resumes_every_group(t
     agents restart them with the new lighthouse's address (the store's next host runs one); every group resumes
     from its own newest checkpoint, the quorum brings them to one step and state, and they finish with equal
     weights: the run survives, with the steps since the checkpoint trained again."""
-    first, address = _serve_lighthouse()
+    first = _serve_lighthouse()
     groups = Groups(
         tmp_path,
-        address,
+        first.address,
         "recovery=replicas",
         "recovery.quorum_timeout_s=10",
         "checkpoint.tiers=[{name: shared, path: checkpoints, interval_steps: 10, keep_last: 2}]",
@@ -226,25 +209,25 @@ def test_a_lost_lighthouse_stops_the_quorums_and_a_new_one_resumes_every_group(t
         _wait(
             "both groups at step 25", lambda: all(any(m["step"] >= 25 for m in groups.metrics(g)) for g in (0, 1)), 200
         )
-        first.kill()
-        first.wait()
+        first.proc.kill()
+        first.proc.wait()
         lost = time.monotonic()
         codes = [groups.procs[g].wait(timeout=120) for g in (0, 1)]
         failed_after = time.monotonic() - lost
         assert all(code != 0 for code in codes), codes
         stopped_at = max(m["step"] for m in groups.metrics(0))
         assert stopped_at < STEPS
-        second, groups.lighthouse = _serve_lighthouse()
+        second = _serve_lighthouse()
+        groups.lighthouse = second.address
         groups.start(0, restart=1)
         groups.start(1, restart=1)
         assert groups.procs[0].wait(timeout=300) == 0, groups.log(0, 1)
         assert groups.procs[1].wait(timeout=60) == 0, groups.log(1, 1)
     finally:
         groups.stop()
-        for proc in (first, second):
-            if proc is not None:
-                proc.kill()
-                proc.wait()
+        for served in (first, second):
+            if served is not None:
+                served.stop()
     print(f"\nthe lighthouse lost at step {stopped_at}: both groups' workers exited {failed_after:.1f} s later")
     assert failed_after < 10 + 30, failed_after  # the quorum timeout, not the run's hang limit
     rows = groups.metrics(0)
@@ -252,3 +235,29 @@ def test_a_lost_lighthouse_stops_the_quorums_and_a_new_one_resumes_every_group(t
     assert {r["step"] for r in rows} == set(range(1, STEPS + 1))  # no step skipped (those since the save redone)
     w0, w1 = groups.final_weights(0), groups.final_weights(1)
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+@pytest.mark.timeout(400)
+def test_a_run_that_ends_while_group_0_is_out_is_completed_by_the_group_that_finished(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Group 0 (the run's own files) is killed and not restarted; group 1 trains on alone to the last step. The
+    run is complete: its COMPLETED.json names group 1's folder, whose checkpoints hold the end, and a group 0
+    started afterwards has nothing to train."""
+    groups = Groups(tmp_path, lighthouse, "recovery=replicas")
+    try:
+        groups.start(0)
+        groups.start(1)
+        _wait("group 0 at step 12", lambda: any(m["step"] >= 12 for m in groups.metrics(0)), 200)
+        groups.procs[0].send_signal(signal.SIGKILL)
+        groups.procs[0].wait()
+        assert groups.procs[1].wait(timeout=300) == 0, groups.log(1)
+        done = json.loads((groups.run_dir / "COMPLETED.json").read_text())
+        assert done["step"] == STEPS and done["replica_dir"] == "replicas/g1", done
+        assert groups.metrics(1)[-1]["step"] == STEPS
+        groups.start(0, restart=1)
+        assert groups.procs[0].wait(timeout=120) == 0, groups.log(0, 1)
+    finally:
+        groups.stop()
+    assert '"completed": true' in groups.log(0, 1)  # the worker's result: the run was complete already
+    assert max(m["step"] for m in groups.metrics(0)) < STEPS  # group 0 trained nothing more

@@ -37,7 +37,7 @@ REPLICAS = [
 # (overrides, the victim's index among the job's nodes, whether a spare takes its slot and the group rejoins)
 VARIANTS = {
     "1 node a group, a spare": (["cluster.nodes=2", "cluster.spare_nodes=1"], 1, True),
-    "2 nodes a group, no spare": (["cluster.nodes=4", "cluster.spare_nodes=0"], 2, False),
+    "2 nodes a group, no spare": (["cluster.nodes=4", "cluster.spare_nodes=0", "train.global_batch=256"], 2, False),
 }
 
 
