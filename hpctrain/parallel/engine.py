@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -62,7 +61,7 @@ from hpctrain.parallel.pipeline import build_schedule, stage_model, start_up
 from hpctrain.parallel.pipeline import evaluate as evaluate_pipeline
 from hpctrain.parallel.precision import LossScaler, autocast, enum_value
 from hpctrain.parallel.recompute import apply_recompute
-from hpctrain.parallel.tensor_parallel import apply_tp
+from hpctrain.parallel.tensor_parallel import apply_tp, vocab_parallel_cross_entropy
 
 if TYPE_CHECKING:
     from hpctrain.models.family import FamilyModule
@@ -134,10 +133,10 @@ def build_model(model_cfg: ModelConfig, seed: int, device: torch.device, tp: int
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """Mean cross-entropy over the real vocabulary: the padding columns of the logits are cut off first."""
-    if vocab_size is not None and logits.shape[-1] > vocab_size:
-        logits = logits[..., :vocab_size]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """Mean cross-entropy over the real vocabulary (the padding columns past `vocab_size` left out), on the
+    logits as the model hands them: under TP a DTensor split by vocabulary, whose loss is computed on the shards
+    (tensor_parallel.vocab_parallel_cross_entropy; one path for every layout, one process included)."""
+    return vocab_parallel_cross_entropy(logits, targets, logits.shape[-1] if vocab_size is None else vocab_size)
 
 
 class Engine:

@@ -10,11 +10,10 @@ of the memory.
 
 The token embedding is split by vocabulary rows (masked lookup + all-reduce); GPT's tied output head reuses
 that sharded weight, Llama's own head (`output`) is split by vocabulary rows the same way, so the logits come
-out split by vocabulary and are gathered on the way out of the model.
-(Loss parallelism would save that gather, but the pipeline schedule hands its loss function plain tensors,
-and on the vocabularies used here the gather is small next to the layers.) Position embeddings and the
-embedding dropout stay replicated: dropout > 0 with TP relies on TP peers seeding their RNG alike (the
-engine seeds by DP rank).
+out of the model as a DTensor split by vocabulary, `Shard(-1)`, and stay split: the loss is computed on the
+shards (loss parallelism, `vocab_parallel_cross_entropy`), and no rank ever holds the full-vocabulary logits.
+Position embeddings and the embedding dropout stay replicated: dropout > 0 with TP relies on TP peers seeding
+their RNG alike (the engine seeds by DP rank).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -120,12 +119,107 @@ def apply_tp(model: FamilyModule, tp_mesh: DeviceMesh, sequence_parallel: bool) 
                 use_local_output=False,
             ),
         )
-        module = as_module(model)
-        if not model.tied_embeddings:  # a head of its own, `output`
-            parallelize_module(module.get_submodule("output"), tp_mesh, ColwiseParallel(use_local_output=False))
-        module.register_forward_hook(_gather_logits)
+        if not model.tied_embeddings:  # a head of its own, `output`: its logits stay a vocabulary-sharded DTensor
+            parallelize_module(
+                as_module(model).get_submodule("output"), tp_mesh, ColwiseParallel(use_local_output=False)
+            )
 
 
-def _gather_logits(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    """Vocabulary-sharded logits -> the full logits as a plain tensor (backward takes the local slice)."""
-    return output.full_tensor() if isinstance(output, DTensor) else output
+# The loss works on chunks of whole tokens whose fp32 working copy holds at most this many logits (64 MiB).
+# hpctrain.plan.activations.LOSS_CHUNK_ELEMENTS is the planner's copy (the planner imports no torch).
+LOSS_CHUNK_ELEMENTS = 2**24
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean cross-entropy over the first `vocab_size` columns of `logits` [..., columns], plain or a DTensor split
+    by vocabulary over a 1-D TP mesh (`Shard(-1)`: each rank holds its slice and never the full logits).
+
+    Why a Function of our own rather than torch's `loss_parallel()` (which runs F.cross_entropy on the DTensor):
+    the vocabulary padding columns (index >= vocab_size) must be left out, which on a DTensor means slicing
+    across the shard boundary (a redistribution: the gather this avoids); torch's version also materialises
+    log-softmax in fp32 for the whole local shard and saves it for backward. Here (Megatron-LM's
+    _VocabParallelCrossEntropy, chunked over tokens) the forward keeps only the input logits and one fp32
+    logsumexp per token; the fp32 working copy is one chunk of LOSS_CHUNK_ELEMENTS; backward recomputes the
+    softmax chunk by chunk on the local shard, without communication. Collectives, forward only, on the logits'
+    device and the caller's thread: a max all-reduce of [tokens] and a sum all-reduce of [2, tokens] (sum of
+    exponentials and the target's logit), as functional collectives; none without a mesh."""
+    group: DeviceMesh | None = None
+    offset = 0
+    if isinstance(logits, DTensor):
+        mesh, placement = logits.device_mesh, logits.placements[0]
+        if mesh.ndim != 1 or not (isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1)):
+            raise ValueError(f"vocabulary-parallel loss needs logits Shard(-1) on a 1-D mesh, got {logits.placements}")
+        local = logits.to_local()
+        step = -(-logits.shape[-1] // mesh.size())  # Shard's split (torch.chunk): the last shard may be short
+        group, offset = mesh, min(mesh.get_local_rank() * step, logits.shape[-1])
+        logits = local
+    columns = logits.shape[-1]
+    valid = min(max(vocab_size - offset, 0), columns)  # this shard's real (not padding) columns
+    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, columns), targets.reshape(-1), offset, valid, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy on a vocabulary shard: columns [offset, offset + valid) of the vocabulary are this rank's
+    `logits[:, :valid]` (the rest of its columns are padding); `group` None: one rank holds the whole vocabulary."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        offset: int,
+        valid: int,
+        group: DeviceMesh | None,
+    ) -> torch.Tensor:
+        n = logits.shape[0]
+        real = logits[:, :valid]
+        local = targets - offset
+        here = (local >= 0) & (local < valid)  # the target's column is on this rank
+        index = local.clamp(0, max(valid - 1, 0)).unsqueeze(1)
+        if valid:
+            top = real.amax(dim=1).float()  # exact in any dtype: no fp32 copy needed
+            picked = real.gather(1, index).squeeze(1).float() * here
+        else:  # a shard of padding only
+            top = logits.new_full((n,), float("-inf"), dtype=torch.float32)
+            picked = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        if group is not None:
+            top = funcol.wait_tensor(funcol.all_reduce(top, "max", group))
+        sums = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        for rows in _chunks(n, valid):  # one statement: a chunk's fp32 copy is freed before the next is made
+            sums[rows] = real[rows].to(torch.float32, copy=True).sub_(top[rows].unsqueeze(1)).exp_().sum(dim=1)
+        if group is not None:
+            both = funcol.wait_tensor(funcol.all_reduce(torch.stack([sums, picked]), "sum", group))
+            sums, picked = both[0], both[1]
+        lse = top + sums.log()
+        ctx.save_for_backward(logits, lse, index, here)
+        ctx.valid = valid
+        return (lse - picked).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """softmax - one-hot on this rank's columns, times the mean's 1/tokens; zero on padding columns."""
+        logits, lse, index, here = ctx.saved_tensors
+        valid = ctx.valid
+        n = logits.shape[0]
+        out = torch.zeros_like(logits)
+        scale = grad.float() / n
+        for rows in _chunks(n, valid):
+            out[rows, :valid] = _softmax_minus_target(logits[rows, :valid], lse[rows], index[rows], here[rows], scale)
+        return out, None, None, None, None
+
+
+def _softmax_minus_target(
+    logits: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, here: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """(softmax - one-hot(target)) x scale of a chunk of tokens, in a fresh fp32 tensor that the caller's statement
+    frees (the one-hot only where the target's column is on this rank)."""
+    work = logits.to(torch.float32, copy=True).sub_(lse.unsqueeze(1)).exp_()
+    return work.scatter_add_(1, index, -here.unsqueeze(1).float()).mul_(scale)
+
+
+def _chunks(tokens: int, columns: int) -> list[slice]:
+    """Token ranges whose [rows, columns] fp32 copy holds at most LOSS_CHUNK_ELEMENTS (one row at least)."""
+    if not columns:
+        return []
+    rows = max(1, LOSS_CHUNK_ELEMENTS // columns)
+    return [slice(i, min(i + rows, tokens)) for i in range(0, tokens, rows)]

@@ -246,33 +246,37 @@ def activation_bytes_per_layer(
     return sbh * (by_sp / shard + gathered + split / t) + experts
 
 
+# The loss's fp32 working copy holds at most this many logits (hpctrain.parallel.tensor_parallel's
+# LOSS_CHUNK_ELEMENTS; the planner imports no torch, tests/parallel/test_loss_parallel.py holds the two equal).
+LOSS_CHUNK_ELEMENTS = 2**24
+
+
 def logits_bytes(
     micro_batch: int,
     seq_len: int,
     vocab_rows: int,
     compute_bytes: int,
     stored: float = 1.0,
-    pipeline: bool = False,
+    tp: int = 1,
 ) -> float:
     """Peak bytes of the logits and the loss on one rank of the last stage, with `stored` micro-batches held.
 
-    Every TP rank holds the full [b, s, padded vocabulary] logits: hpctrain.parallel.tensor_parallel
-    `_gather_logits` turns the vocabulary-sharded output into the full tensor (DTensor.full_tensor), and
-    hpctrain.parallel.engine `token_loss` upcasts them to fp32 for F.cross_entropy (log_softmax + nll_loss;
-    LogSoftmaxBackward saves its fp32 output). So nothing here is divided by TP. Per element:
-      forward  logits c + fp32 copy 4 (none when c = 4) + log-softmax output 4;
-      backward log-softmax output 4 + its incoming gradient 4 (nll_loss_backward, dense) + the logits'
-               fp32 gradient 4 = 12, plus c under PP, whose schedule keeps the stage output (the logits)
-               for its backward (torch.distributed.pipelining.stage `fwd_cache`).
-    Measured on CPU for bf16 without PP: 12 bytes per element at the peak. Each further micro-batch held
-    (GPipe's last stage) keeps 4 (+ c under PP).
+    Each TP rank holds its slice of the [b, s, padded vocabulary] logits, ceil(vocab_rows / tp) columns: the
+    loss is computed on the shards (hpctrain.parallel.tensor_parallel.vocab_parallel_cross_entropy, loss
+    parallelism), which keeps the logits, in the compute dtype c, for its backward and a per-token fp32
+    logsumexp, target index and mask (13 bytes a token, left out). Per element:
+      forward  logits c;
+      backward logits c + their gradient c = 2c;
+    plus one chunk's fp32 working copy, 4 x min(elements, LOSS_CHUNK_ELEMENTS), in either. Under PP the
+    schedule's kept stage output (torch.distributed.pipelining.stage `fwd_cache`) is the same tensor the loss
+    keeps: nothing more. Each further micro-batch held (GPipe's last stage) keeps its logits, c.
+    Measured on CPU (live storages through the head's output, the loss and its backward; 4096 tokens x 8192
+    columns, two chunks): 6.03 bytes per element in bf16 (this: 6.0), 10.07 in fp32 (10.0).
     """
     c = compute_bytes
-    kept = c if pipeline else 0
-    forward = c + (4 if c < 4 else 0) + 4
-    backward = 12 + kept
-    elements = micro_batch * seq_len * vocab_rows
-    return elements * (max(forward, backward) + max(stored - 1.0, 0.0) * (4 + kept))
+    elements = micro_batch * seq_len * -(-vocab_rows // tp)  # the widest shard (torch.chunk's split)
+    chunk = 4 * min(elements, LOSS_CHUNK_ELEMENTS)
+    return elements * c * (2 + max(stored - 1.0, 0.0)) + chunk
 
 
 def inflight_microbatches(pp: int, microbatches: int, virtual_stages: int, schedule: str, stage: int = 0) -> float:

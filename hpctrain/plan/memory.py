@@ -2,17 +2,19 @@
 
 Model states: states.py (the ZeRO paper's accounting, Rajbhandari et al. 2020, and what torch's DDP and
 FSDP2 hold for hpctrain: fp32 master parameters, autocast or FSDP2 working copies, sharded or unsharded
-accumulated gradients); the collectives' staging buffers (all-gather output, reduce-scatter input) are a column
+accumulated gradients; under torch's interleaved 1F1B, the chunks it keeps unsharded at once:
+`interleaved_held_params`); the collectives' staging buffers (all-gather output, reduce-scatter input) are a column
 of their own, `buffers`, residual state as the ZeRO paper and torch's FSDPMemTracker count them (states.py,
 "Columns"). Activations: activations.py (Korthikanti et al. 2022, adapted to what hpctrain's model saves:
 SDPA flash attention, dropout masks only with dropout > 0, DTensor sequence parallelism, the selective-recompute
 policy of hpctrain.parallel.recompute).
 
-In-flight micro-batches multiply a stage's layer activations (activations.inflight_microbatches). The first
-stage adds the embedding dropout mask (s b h bytes per in-flight micro-batch, when dropout > 0; the embedding
-sum stays replicated over TP). The last stage adds the final norm's saved input (/t with SP), the output head's
-input (gathered, whole on each TP rank) and the logits and loss (activations.logits_bytes: full padded
-vocabulary on every TP rank, fp32 copies and gradients).
+In-flight micro-batches multiply a stage's layer activations (activations.inflight_microbatches; interleaved 1F1B
+chunk by chunk, pipeline.held_chunks, as its chunks may hold different layers). The first stage adds the embedding
+dropout mask (s b h bytes per micro-batch of its first chunk in flight, when dropout > 0; the embedding sum stays
+replicated over TP). The last stage adds the final norm's saved input (/t with SP), the output head's
+input (gathered, whole on each TP rank) and the logits and loss (activations.logits_bytes: each TP rank's
+vocabulary shard and its gradient, one fp32 chunk of the loss: loss parallelism).
 
 The layout's weights live where it puts them: layers split evenly over pipeline stages and their matrices over
 TP ranks (biases of row-parallel layers and the norms are replicated: the family's `tp_dims`); the
@@ -39,9 +41,10 @@ Headroom: CUDA context, NCCL buffers and allocator fragmentation take memory the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
+from hpctrain import schedules
 from hpctrain.config.layout import data_parallel_kind
 from hpctrain.models.family import Family
 from hpctrain.models.params import stage_holds
@@ -53,6 +56,7 @@ from hpctrain.plan.activations import (
     logits_bytes,
     logits_inflight,
 )
+from hpctrain.plan.pipeline import held_chunks
 from hpctrain.plan.states import (
     FP32_BYTES,
     MASTER,
@@ -160,19 +164,24 @@ def layers_on_stage(model: ModelShape, layout: Layout, stage: int | None = None)
 
 
 @cache
-def stage_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float:
-    """Parameters one GPU of pipeline stage (rank) `stage` holds over its model chunks (its TP shard, its EP
-    rank's experts), padding rows of the embedding included."""
+def chunk_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> tuple[float, ...]:
+    """Parameters one GPU of pipeline stage (rank) `stage` holds in each of its model chunks, in the rank's order
+    (its TP shard, its EP rank's experts), padding rows of the embedding included."""
     split, layer = layout.layer_split(model.dims.n_layers), layer_params_per_gpu(model, layout.tp, layout.ep)
-    n = 0.0
+    out = []
     for chunk in layout.stages_of(stage):
         held = {
             name: shape
             for name, shape in model.top_shapes(layout.tp).items()
             if stage_holds(model.family, name.split(".")[0], chunk, split)
         }
-        n += split[chunk] * layer + _per_rank(held, layout.tp, model.family)
-    return n
+        out.append(split[chunk] * layer + _per_rank(held, layout.tp, model.family))
+    return tuple(out)
+
+
+def stage_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float:
+    """Parameters one GPU of pipeline stage (rank) `stage` holds over its model chunks."""
+    return sum(chunk_params_per_gpu(model, layout, stage))
 
 
 def stage_expert_params_per_gpu(model: ModelShape, layout: Layout, stage: int) -> float:
@@ -233,18 +242,28 @@ def _head_bytes(model: ModelShape, layout: Layout) -> float:
     held = logits_inflight(layout.pp, layout.microbatches, layout.schedule)
     norm_in = (4 if autocast_forward(layout) else c) + (4 if model.family.activations.norm_fp32_copy else 0)
     hidden = s * b * h * (norm_in / (layout.tp if layout.sequence_parallel else 1) + c) * held
-    return hidden + logits_bytes(b, s, model.vocab_rows(layout.tp), c, held, layout.pp > 1)
+    return hidden + logits_bytes(b, s, model.vocab_rows(layout.tp), c, held, tp=layout.tp)
+
+
+def held_layer_microbatches(model: ModelShape, layout: Layout, stage: int) -> tuple[float, float]:
+    """(layer activations held at the peak, in layers x micro-batches; micro-batches of the rank's first chunk
+    held then) on pipeline rank `stage`. Interleaved 1F1B replays torch's order chunk by chunk (pipeline.py: its
+    chunks may differ in layers); the other schedules hold whole-stage units (schedules.py)."""
+    if layout.pp > 1 and schedules.get(layout.schedule).name == "interleaved_1f1b":
+        split = layout.layer_split(model.dims.n_layers)
+        layers = tuple(split[c] for c in layout.stages_of(stage))
+        held = held_chunks(layout.pp, layout.microbatches, layout.virtual_stages, stage, layers)
+        return float(sum(n * layer for n, layer in zip(held, layers, strict=True))), float(held[0])
+    inflight = inflight_microbatches(layout.pp, layout.microbatches, layout.virtual_stages, layout.schedule, stage)
+    return layers_on_stage(model, layout, stage) * inflight, inflight
 
 
 def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
     """Peak activation bytes on one GPU of pipeline stage `stage`, by part."""
-    inflight = inflight_microbatches(layout.pp, layout.microbatches, layout.virtual_stages, layout.schedule, stage)
+    held, inflight = held_layer_microbatches(model, layout, stage)
     n_layers = layers_on_stage(model, layout, stage)
-    name = (
-        f"{n_layers} layers x {inflight:g} micro-batch{'' if inflight == 1 else 'es'} in flight, "
-        f"recompute {layout.recompute}"
-    )
-    parts = [Part("activations", name, layer_activation_bytes(model, layout) * n_layers * inflight)]
+    name = f"{n_layers} layers, {held:g} layer-micro-batches in flight, recompute {layout.recompute}"
+    parts = [Part("activations", name, layer_activation_bytes(model, layout) * held)]
     if stage == 0 and model.dropout > 0:
         parts.append(
             Part(
@@ -254,10 +273,11 @@ def stage_activation_parts(model: ModelShape, layout: Layout, stage: int) -> lis
             )
         )
     if stage == layout.pp - 1:
+        rows = model.vocab_rows(layout.tp)
         parts.append(
             Part(
                 "activations",
-                f"output head + logits ({model.vocab_rows(layout.tp)} columns, full on every TP rank) + fp32 loss",
+                f"output head + logits ({-(-rows // layout.tp)} of {rows} columns a TP rank) + the loss's fp32 chunk",
                 _head_bytes(model, layout),
             )
         )
@@ -370,15 +390,62 @@ class MemoryBreakdown:
     buffers: float = 0.0  # collectives' staging (all-gather output, reduce-scatter input): residual, not model state
 
 
-def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
-    """Everything one GPU of a stage holds: model states (states.py) and activations."""
+# torch 2.13's runtime schedules keep at most this many of a rank's chunks unsharded at once
+# (torch/distributed/pipelining/schedules.py `_add_unshard_reshard`, max_active_stages=3)
+ACTIVE_CHUNKS = 3
+
+
+def interleaved_held_params(model: ModelShape, layout: Layout, stage: int) -> tuple[float, float] | None:
+    """(parameters whose unsharded working copies, parameters whose unsharded accumulated gradients) one GPU of rank
+    `stage` holds at once under FSDP2 and torch's interleaved 1F1B; None where the whole stage's are (states.py).
+
+    torch 2.13 lowers ScheduleInterleaved1F1B with UNSHARD/RESHARD actions that keep at most ACTIVE_CHUNKS chunks
+    gathered (`_add_unshard_reshard`) and a REDUCE_GRAD after each chunk's last backward (`_add_reduce_grad`:
+    `perform_reduce_grad` reduce-scatters and frees that chunk's unsharded gradients). With one round of
+    micro-batches (m <= 2p - 1: torch's `number_of_rounds` = m // p is 1) each chunk runs all its backwards before the
+    next chunk's first (pipeline.held_chunks' order), so one chunk's gradients are held at a time; with more rounds
+    every chunk's accumulate until the last. Measured by dry_run=simulate on llama3_405b's rank 0 (docs/planner.md)."""
+    if layout.pp == 1 or layout.virtual_stages == 1 or data_parallel_kind(layout) != "fsdp":
+        return None
+    if schedules.get(layout.schedule).name != "interleaved_1f1b":
+        return None
+    chunks = chunk_params_per_gpu(model, layout, stage)
+    params = sum(sorted(chunks, reverse=True)[:ACTIVE_CHUNKS])
+    grads = max(chunks) if layout.microbatches // layout.pp <= 1 else sum(chunks)
+    return params, grads
+
+
+def state_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
+    """Model states and collective buffers of one GPU of a stage (states.py), with the parameters and gradients an
+    interleaved schedule holds unsharded at once (interleaved_held_params) in place of the whole stage's."""
     n = stage_params_per_gpu(model, layout, stage)
     layer = layer_params_per_gpu(model, layout.tp, layout.ep)
     unit = fsdp_unit_params_per_gpu(model, layout)
     root = n - layers_on_stage(model, layout, stage) * layer
-    sharded = shard_params_per_gpu(model, layout, stage)
+    sharded, largest = shard_params_per_gpu(model, layout, stage), largest_param_per_gpu(model, layout)
+    parts = hpctrain_state_parts(n, layer, layout, unit, root, sharded, largest)
+    held = interleaved_held_params(model, layout, stage)
+    if held is None:
+        return parts
+    by_kind = {
+        kind: hpctrain_state_parts(k, layer, layout, unit, root, sharded, largest)
+        for kind, k in zip(("params", "grads"), held, strict=True)
+    }
+    v, active = layout.virtual_stages, min(ACTIVE_CHUNKS, layout.virtual_stages)
+    names = {
+        "params": f"{layout.dtype} unsharded parameters of the {active} largest of the rank's {v} chunks (torch's "
+        f"interleaved schedule gathers at most {ACTIVE_CHUNKS} at once)",
+        "grads": f"unsharded {layout.reduce_dtype or layout.dtype} gradients of the rank's largest chunk (torch "
+        "reduce-scatters each chunk's after its last backward, one round of micro-batches)",
+    }
+    adjusted = [by_kind[p.kind][i] if p.kind in by_kind else p for i, p in enumerate(parts)]
+    return [replace(q, name=names[q.kind]) if q.bytes != p.bytes else q for p, q in zip(parts, adjusted, strict=True)]
+
+
+def stage_parts(model: ModelShape, layout: Layout, stage: int) -> list[Part]:
+    """Everything one GPU of a stage holds: model states (states.py) and activations."""
     return (
-        hpctrain_state_parts(n, layer, layout, unit, root, sharded, largest_param_per_gpu(model, layout))
+        state_parts(model, layout, stage)
         + embedding_grad_parts(model, layout, stage)
         + stage_activation_parts(model, layout, stage)
     )

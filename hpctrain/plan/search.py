@@ -6,9 +6,9 @@ Every layout returned obeys the layout rules the checks report, by calling the s
 the enumeration, each where its degree is chosen:
   * tp divides gpus_per_node (TP stays on NVLink), n_heads, the key/value heads (Megatron's num_query_groups % tp)
     and the MLP hidden size, and with precision.fp8 leaves FP8-sized shards (rules.tensor_rules, fp8_rules);
-  * n_layers splits into pp * virtual_stages stages, or (no interleaving) with the first and the last stage one
-    layer lighter than the others, which hold the embedding and the head (config.layout.lighter_ends: Llama 3
-    405B's 126 layers on 16 stages; rules.stage_rules);
+  * n_layers splits into pp * virtual_stages stages, evenly or with the first and the last stage one layer lighter
+    than the others, which hold the embedding and the head (config.layout.lighter_ends: Llama 3 405B's 126 layers
+    on 16 stages, or on 16 x 4 interleaved chunks as 1 + 62 x 2 + 1; rules.stage_rules);
   * dp = n_gpus / (tp * pp * cp) and global_batch = micro_batch * grad_accum * dp are whole numbers;
   * the schedule's microbatches (= grad_accum): 1F1B at least pp, interleaving (v > 1) a multiple of pp
     (rules.microbatch_rules); no ZeRO stage that has nothing to shard or that the schedule loses gradients of
@@ -232,9 +232,8 @@ def _candidates(space: _Space, plain: bool, split: bool) -> list[Candidate]:
     for tp in tps:
         cps = ([1] if plain else []) + (context_degrees(w, n_gpus // tp, space.max_cp) if split else [])
         for cp, pp in ((c, p) for c in cps for p in _divisors(n_gpus // (tp * c))):
-            # even stages, or the first and last one layer lighter (they hold the embedding and the head)
-            ends = lighter_ends(w.dims.n_layers, pp)
-            if stage_rules(pp, 1, ends or 0, ends or 0, w):
+            cuts = _chunk_cuts(w, pp, space.max_virtual_stages)
+            if not cuts:
                 continue
             dp = n_gpus // (tp * pp * cp)
             if space.global_batch % dp:
@@ -246,15 +245,25 @@ def _candidates(space: _Space, plain: bool, split: bool) -> list[Candidate]:
                 m = per_replica // micro
                 if microbatch_rules("1f1b", pp, 1, m):
                     continue
-                vs = [1] + [
-                    v
-                    for v in range(2, space.max_virtual_stages + 1)
-                    if ends is None
-                    and not schedules.get(INTERLEAVED).chunk_problem(pp, v)
-                    and not stage_rules(pp, v, 0, 0, w) + microbatch_rules(INTERLEAVED, pp, v, m)
-                ]
-                for v in vs:
-                    out += _layouts(space, dp, tp, pp, cp, v, micro, m, ends or 0)
+                for v, ends in cuts:
+                    if v == 1 or not microbatch_rules(INTERLEAVED, pp, v, m):
+                        out += _layouts(space, dp, tp, pp, cp, v, micro, m, ends)
+    return out
+
+
+def _chunk_cuts(w: Workload, pp: int, max_virtual_stages: int) -> list[tuple[int, int]]:
+    """(virtual stages, layers of the first and of the last chunk; 0: even) for each way the layers cut into pp x v
+    chunks: evenly, or with the first and the last chunk one layer lighter, which hold the embedding and the head.
+    Llama 3's 405B ran that cut interleaved (Grattafiori et al. 2024, sec. 3.3.2: "we reduce one Transformer layer
+    each from the first and the last stages" with "V pipeline stages on one pipeline rank"): 126 layers as 7 + 14 x 8
+    + 7 on 16 stages, 1 + 62 x 2 + 1 on 16 x 4 chunks."""
+    out = []
+    for v in range(1, max_virtual_stages + 1):
+        if v > 1 and schedules.get(INTERLEAVED).chunk_problem(pp, v):
+            continue
+        ends = lighter_ends(w.dims.n_layers, pp * v) or 0
+        if not stage_rules(pp, v, ends, ends, w):
+            out.append((v, ends))
     return out
 
 

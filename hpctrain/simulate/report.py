@@ -6,7 +6,7 @@ layout fixes, and the planner is the figure the checks hold a run to. The collec
 all-gather outputs and reduce-scatter inputs) are a column of their own on both sides, apart from the model
 states (hpctrain.plan.states, "Columns"). Buffers and activations are compared and reported but held to
 nothing: CPU SDPA is not the flash attention the planner assumes on GPUs, and the planner
-counts a recomputed layer's transient and the logits' fp32 copies by formula (docs/planner.md, "The planner
+counts a recomputed layer's transient and the loss's fp32 working chunk by formula (docs/planner.md, "The planner
 against torch").
 """
 

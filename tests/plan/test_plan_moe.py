@@ -303,8 +303,9 @@ def test_parallel_auto_can_only_pick_an_ep_the_checks_accept(compose_cfg) -> Non
 
 
 def test_the_qwen3_235b_experiment_plans_on_h100_nodes(compose_cfg, capsys) -> None:
-    """32 x 8 H100-80GB: FSDP over 256 GPUs, EP 8 inside each node, full recomputation; 49.1 GiB per GPU, 14.2 of
-    it the logits and loss; the plan prints the active count and the EP split."""
+    """32 x 8 H100-80GB: FSDP over 256 GPUs, EP 8 inside each node, full recomputation; 39.9 GiB per GPU, 4.9 of
+    it the head's input, the logits and loss (14.2 before loss parallelism kept the logits in bf16 without fp32
+    log-softmax copies); the plan prints the active count and the EP split."""
     assert run(compose_cfg("+experiment=qwen3_235b_a22b", "dry_run=true", "plan.format=json")).code == 0
     plan = json.loads(capsys.readouterr().out)
     assert (plan["params_total"], plan["params_active"]) == QWEN3_235B
@@ -312,7 +313,7 @@ def test_the_qwen3_235b_experiment_plans_on_h100_nodes(compose_cfg, capsys) -> N
     lay = plan["layout"]
     assert (lay["dp"], lay["tp"], lay["pp"], lay["ep"], lay["zero_stage"]) == (256, 1, 1, 8, 3)
     mem = plan["memory_per_gpu_bytes"]
-    assert mem["fits"] and mem["total"] / GiB == pytest.approx(49.13, abs=0.01)
+    assert mem["fits"] and mem["total"] / GiB == pytest.approx(39.92, abs=0.01)
     assert plan["params_per_gpu_before_zero"] == [
         model_param_count(compose_cfg("model=qwen3_235b_a22b").model) - 94 * 7 * 3 * 16 * 4096 * 1536
     ]

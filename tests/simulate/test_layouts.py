@@ -27,7 +27,9 @@ LAYOUTS = {
     "175b": (4096, 0, [0], 5, 1, 12),  # 512 tied-embedding pairs, made in one call; 12 micro-batches sent forward
     "gpt3_13b_16node": (128, 0, [0, 2], 4, 0, 96),  # PP 2: the tied embedding is summed on the pipeline group
     "llama3_8b_4node": (32, 0, [0], 3, 0, 0),
-    "llama3_405b": (16384, 0, [0], 4, 0, 16),  # uneven stages: 7 + 14 x 8 + 7 layers
+    # Meta's interleaved pipeline, 4 chunks a rank, 1 + 62 x 2 + 1 layers: 16 micro-batches sent forward from each
+    # of the rank's 4 chunks, and their gradients back from chunks 16, 32 and 48
+    "llama3_405b": (16384, 0, [0, 16, 32, 48], 4, 0, 16 * 4 + 16 * 3),
     "qwen3_235b_a22b": (256, 0, [0], 3, 0, 0),  # MoE, EP 8: its FSDP over all 256 ranks, its experts over 32
 }
 # experiment -> the step's expert-parallel all-to-alls: (of the split sizes, of the rows); 94 MoE layers x 3

@@ -76,6 +76,7 @@ def _op(ctx: Ctx, mesh: Any, dtype: Any) -> dict[str, float]:
 
 def _model(ctx: Ctx, mesh: Any) -> dict[str, Any]:
     import torch
+    from torch.distributed.tensor import DTensor
 
     from hpctrain.config.layout import resolve_layout
     from hpctrain.models import create_model
@@ -99,6 +100,8 @@ def _model(ctx: Ctx, mesh: Any) -> dict[str, Any]:
         logits = model(x)
         token_loss(logits, y, cfg.model.vocab_size).backward()
         grads = grads_of(model)
+        if isinstance(logits, DTensor):  # TP keeps the logits split by vocabulary (loss parallelism)
+            logits = logits.full_tensor()
         results[name] = (logits.detach(), {n: g for n, g in grads.items() if ".norm_q." in n or ".norm_k." in n})
     (plain, plain_grads), (tp, tp_grads) = results["plain"], results["tp"]
     expect(

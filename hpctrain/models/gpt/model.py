@@ -130,8 +130,8 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (first stage) or hidden states [B, T, d] (later stages) -> logits or hidden.
 
-        The logits cover the padded vocabulary; `logits[..., :vocab_size]` are the real ones (the loss cuts
-        them there, after TP has gathered the vocabulary-sharded logits)."""
+        The logits cover the padded vocabulary; `logits[..., :vocab_size]` are the real ones (the loss leaves
+        the rest out; under TP on each rank's vocabulary shard, hpctrain.parallel.tensor_parallel)."""
         h = tokens
         if self.embeds:  # the first stage: it holds both embeddings (the family entry's stage_modules)
             assert self.tok_emb is not None and self.pos_emb is not None
