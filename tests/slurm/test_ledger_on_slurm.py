@@ -29,6 +29,7 @@ from tests.slurm.test_hpctrain_on_slurm import (  # noqa: F401 (reference: the u
     wait_done,
     wait_for,
 )
+from tests.slurm.test_node_failures import first_run_over
 
 pytestmark = [pytest.mark.slurm]
 
@@ -77,13 +78,8 @@ def test_the_ledger_of_a_run_through_a_restart_a_requeue_a_crash_and_a_node_deat
         "scontrol", "show", "hostnames", slurm_cluster.run("squeue", "-h", "-j", second, "-o", "%N").stdout.strip()
     ).stdout.split()
     subprocess.run(["bash", str(slurm_cluster.script), "kill-node", nodes[-1]], check=True, capture_output=True)
-    try:  # Slurm requeues the job (NODE_FAIL); the node comes back for it, the crash excluded others
-        wait_for(
-            "the requeue",
-            lambda: "PENDING" in slurm_cluster.run("squeue", "-h", "-j", second, "-o", "%T", check=False).stdout,
-            120,
-            every=0.5,
-        )
+    try:  # the agents see its beats stop and requeue the job (NodesLost); the node comes back for it
+        wait_for("the requeue", lambda: first_run_over(slurm_cluster, second), 120, every=0.25)
     finally:
         subprocess.run(["bash", str(slurm_cluster.script), "revive-node", nodes[-1]], check=False, capture_output=True)
     states = wait_done(slurm_cluster, run_dir, timeout=400)
@@ -100,7 +96,8 @@ def test_the_ledger_of_a_run_through_a_restart_a_requeue_a_crash_and_a_node_deat
     assert "SIGUSR2" in ledger["incidents"][1]["cause"] and ledger["incidents"][1]["lost_steps"] == 0
     crash = ledger["incidents"][2]["cause"]
     assert crash.startswith("FAILED") and f"resubmitted as {second}" in crash
-    assert ledger["incidents"][3]["cause"].startswith("NODE_FAIL")
+    lost = ledger["incidents"][3]["cause"]  # the agents' record (issue 48: in seconds, not Slurm's node timeout)
+    assert "NodesLost at step" in lost and f"node(s) {nodes[-1]} " in lost, lost
     assert [(j["job_id"], j["run"]) for j in ledger["jobs"]] == [(job, 0), (job, 1), (second, 0), (second, 1)]
     assert ledger["jobs"][-1]["ended"] == "finished the run" and ledger["jobs"][1]["queue_s"] > 0
     assert all(i["total_s"] > 0 and i["parts"]["load"] > 0 for i in ledger["incidents"])

@@ -178,12 +178,11 @@ def _offload_steps(ctx: Ctx, cfg: Any, mesh: Any, max_norm: float) -> dict[str, 
     """The tiny GPT with TP + SP + FSDP2 and the optimizer of cfg.zero (CPU or NVMe offload), 3 steps on one
     batch with the engine's norm and clipping: losses, norms, where parameters and gradients lived, the weights."""
     import torch
-    import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
     from hpctrain.models.gpt.model import GPT, gpt_args
     from hpctrain.parallel.data_parallel import apply_fsdp
-    from hpctrain.parallel.engine import build_optimizer
+    from hpctrain.parallel.engine import build_optimizer, token_loss
     from hpctrain.parallel.tensor_parallel import apply_tp
 
     device = ctx.device
@@ -205,7 +204,7 @@ def _offload_steps(ctx: Ctx, cfg: Any, mesh: Any, max_norm: float) -> dict[str, 
     grad_devices: set[str] = set()
     for _ in range(3):
         logits = gpt(x)
-        loss = F.cross_entropy(logits[..., :vocab].reshape(-1, vocab).float(), y.reshape(-1))
+        loss = token_loss(logits, y, vocab)  # the engine's loss: on the vocabulary shards under TP
         loss.backward()
         grad_devices |= {
             (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).device.type
