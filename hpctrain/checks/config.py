@@ -947,7 +947,7 @@ _SIZE_KEYS = ("model.", "parallel.", "train.micro_batch", "train.seq_len", "clus
 
 def _tensor_sizes(cfg: Config, lay: Layout, r: CheckReport) -> None:
     """The largest tensors of one rank, each of which must exist whole at some moment (a weight as TP and EP split
-    it, with fp32 master copies; one micro-batch's hidden states, MLP activations, routed tokens and fp32 logits):
+    it, with fp32 master copies; one micro-batch's hidden states, MLP activations, routed tokens and logits):
     one with more elements than int64 counts, or more bytes than the device's memory (the GPU's; with
     gpu_type=cpu, the host memory of the largest node hpctrain knows), cannot be allocated at all, whatever the
     layout's other memory. Reported as an error, with the key of its largest factor, even where the memory
@@ -1013,7 +1013,8 @@ def _largest_tensors(cfg: Config, lay: Layout) -> list[tuple[str, list[tuple[str
         ("the MLP weight", [ffn, width], 4),
         ("one micro-batch's hidden states", [*tokens, width], act),
         ("one micro-batch's MLP activations", [*tokens, ffn], act),
-        ("one micro-batch's logits (fp32)", [*tokens, vocab], 4),
+        # the loss's fp32 working copy is chunked (parallel/tensor_parallel.py): the logits themselves are the largest
+        ("one micro-batch's logits", [*tokens, vocab], act),
     ]
     if family_of(m).moe and d.n_experts:
         hidden = ("expert_hidden", "model.moe.expert_hidden" if m.moe.expert_hidden else ffn_key, d.expert_hidden)

@@ -203,7 +203,7 @@ ALLOCATION = [
         "a layer's stacked experts weight is one tensor of 1,000,000,000 (experts / ep)",
     ),
     ("huge-d-model", ["model.d_model=1048576"], "model.d_model", "cannot be allocated"),
-    ("huge-vocab", ["model.vocab_size=2000000000"], "model.vocab_size", "logits (fp32)"),
+    ("huge-vocab", ["model.vocab_size=2000000000"], "model.vocab_size", "one micro-batch's logits"),
     (
         "huge-micro-batch",
         ["train.micro_batch=1000000000", "train.global_batch=2000000000"],

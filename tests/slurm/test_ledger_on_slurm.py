@@ -112,7 +112,11 @@ def test_the_ledger_of_a_run_through_a_restart_a_requeue_a_crash_and_a_node_deat
     final = {r["step"]: r for r in rows}  # each step's last run counts
     assert sorted(final) == list(range(1, STEPS + 1))
     useful = sum(r["step_time_s"] - r["data_wait_s"] for r in final.values()) * 2  # both nodes
-    assert abs(ledger["goodput"] - useful / held) <= 0.01, (ledger["goodput"], useful / held)
+    # The rows a run wrote after its accounted end (whole seconds, truncated: up to a second a node at each abrupt
+    # end) are the ledger's past_end_node_s, not productive; the metrics alone cannot tell them.
+    past = ledger["past_end_node_s"]
+    assert past <= resolution, (past, resolution)
+    assert abs(ledger["goodput"] - useful / held) <= 0.01 + past / held, (ledger["goodput"], useful / held, past)
     assert ledger["steps_redone"] == len(rows) - STEPS
     logged = (run_dir / "submitit" / f"{second}_0_log.out").read_text()  # the ledger line at each attempt's end
     assert "goodput" in logged and "interruption(s)" in logged
