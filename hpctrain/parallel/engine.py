@@ -240,7 +240,8 @@ class Engine:
         # or recomputation replays it on already-sharded input.
         apply_recompute(model, self.layout.recompute)
         if dims.tp > 1:
-            apply_tp(model, dims.tp_mesh, self.layout.sequence_parallel)
+            keep_shards = self.layout.sp_keeps_shards and not cfg.parallel.compile
+            apply_tp(model, dims.tp_mesh, self.layout.sequence_parallel, keep_shards)
         experts = None
         if dims.ep > 1:
             apply_ep(module, dims.ep_mesh)

@@ -38,17 +38,21 @@ from torch.distributed.tensor.parallel import (
 
 from hpctrain.models import as_module, registry
 from hpctrain.parallel.float8 import float8_tp_plan
+from hpctrain.parallel.sequence_parallel import ColwiseKeepingShard, GatherKeepingShard
 
 if TYPE_CHECKING:
     from hpctrain.models.family import FamilyModule
 
 
-def block_plan(sequence_parallel: bool, family: str) -> dict[str, Any]:
+def block_plan(sequence_parallel: bool, family: str, keep_shards: bool = False) -> dict[str, Any]:
     """The TP plan of one transformer block of model family `family` (submodule name -> style), from the family's
     `tp_dims`: a weight split along dim 0 is column-parallel, along dim 1 row-parallel (its output reduced, or
     reduce-scattered along the sequence under SP). A per-head norm (`tp_head_norms`) keeps its weight whole on
     every rank while its input holds this rank's heads (dim 2 of [B, T, heads, head_dim]): as a replicated DTensor
-    its gradient, a partial sum over the local heads, is all-reduced over TP (torchtitan's Qwen3 does the same)."""
+    its gradient, a partial sum over the local heads, is all-reduced over TP (torchtitan's Qwen3 does the same).
+    `keep_shards` (with SP; `Layout.sp_keeps_shards`): the attention's and the MLP's column-parallel Linears save
+    their gathered input as this rank's slice and gather it again in backward (hpctrain.parallel.sequence_parallel).
+    """
     out = Shard(1) if sequence_parallel else Replicate()
     styles: dict[int, Callable[[], ParallelStyle]] = {
         0: ColwiseParallel,
@@ -70,6 +74,14 @@ def block_plan(sequence_parallel: bool, family: str) -> dict[str, Any]:
                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
         )
+        if keep_shards:
+            for owner in ("attn", "mlp"):
+                if owner in entry.tp_whole:
+                    continue
+                plan[owner] = GatherKeepingShard()
+                for name, style in plan.items():
+                    if name.startswith(f"{owner}.") and type(style) is ColwiseParallel:
+                        plan[name] = ColwiseKeepingShard()
         # A module TP leaves whole (an MoE layer) runs on the gathered sequence as plain tensors; its output,
         # the same on every TP rank, is cut back to this rank's slice (backward: all-gathered).
         plan.update(
@@ -88,14 +100,15 @@ def block_plan(sequence_parallel: bool, family: str) -> dict[str, Any]:
     return plan
 
 
-def apply_tp(model: FamilyModule, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Split a (possibly pipeline-pruned) model across the TP mesh, in place; works on the meta device."""
+def apply_tp(model: FamilyModule, tp_mesh: DeviceMesh, sequence_parallel: bool, keep_shards: bool = False) -> None:
+    """Split a (possibly pipeline-pruned) model across the TP mesh, in place; works on the meta device.
+    `keep_shards`: see `block_plan`."""
     if model.tok_emb is not None:
         parallelize_module(
             model.tok_emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         )
     for index, block in model.layers.items():
-        plan = block_plan(sequence_parallel, model.family)
+        plan = block_plan(sequence_parallel, model.family, keep_shards)
         parallelize_module(block, tp_mesh, float8_tp_plan(block, plan))  # FP8 styles
         if sequence_parallel and model.embeds and index == next(iter(model.layers)):
             # The embedding is replicated: the first block takes its own sequence slice (no communication).

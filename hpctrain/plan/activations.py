@@ -23,10 +23,14 @@ hpctrain.models.gpt.model.Block on CPU: 32 s b h with dropout 0, 20 s b h with t
     regenerated from the RNG state in backward, so it stores no mask either.
   * Dropout masks (1 byte per element, torch's native_dropout) exist only when model.dropout > 0: with
     dropout 0, nn.Dropout returns its input and "34" becomes 32.
-  * Sequence parallelism is DTensor's (hpctrain.parallel.tensor_parallel): the all-gathered input of the
-    QKV and MLP-in matmuls (Shard(1) -> Replicate) is what the matmul saves, whole on every TP rank; Megatron
-    keeps only the shard and gathers again in backward (Korthikanti sec. 4.2.2). So those 4 s b h are not
-    divided by t: s b h (4 + (4 + dropout 2 + 24) / t) instead of s b h / t (34).
+  * Sequence parallelism without recomputation keeps the all-gathered input of the QKV and MLP-in matmuls as this
+    rank's slice and gathers it again in backward, as Megatron does (Korthikanti sec. 4.2.2;
+    hpctrain.parallel.sequence_parallel, `Layout.sp_keeps_shards`): s b h / t (34), GPT with dropout. With
+    recomputation (and FP8, under torch.compile, and under PP for now) the Linears take DTensor's path, which saves
+    the gathered input whole on every TP rank (`sp_keeps_gathered`): those 4 s b h are not divided by t, s b h (4 +
+    (4 + dropout 2 + 24) / t); an MoE block's own layer always runs on the gathered sequence (2 of the 4). Measured
+    on 2 gloo ranks, both ways (tests/plan/test_plan_sp_shards.py), and for Llama 3 8B at TP 2 on fake CUDA
+    (docs/recompute.md).
   * Without FSDP2 (no DP, or DDP) forward runs under torch.autocast: LayerNorm autocasts to fp32 and the
     residual stream stays fp32, so the LayerNorm inputs (and a checkpointed block's input) take 4 bytes.
   * Selective recompute is hpctrain.parallel.recompute's policy for flash attention: save the outputs of
@@ -199,6 +203,8 @@ def activation_bytes_per_layer(
     of the whole sequence come on top: module docstring, "Context parallelism").
 
     flash_attention=False, dropout=True, sp_keeps_gathered=False give Korthikanti's no-recompute formula (GPT).
+    sp_keeps_gathered: SP saves the gathered QKV and MLP inputs whole (DTensor's path), not as slices
+    (`Layout.sp_keeps_shards`).
     """
     s, b, h, a, t = seq_len, micro_batch, dims.d_model, dims.n_heads, tp
     f = dims.ffn_hidden
@@ -226,7 +232,7 @@ def activation_bytes_per_layer(
     if recompute != "none":
         raise ValueError(f"unknown recompute {recompute!r}")
     norm = 4 + norm_bytes if block.norm_fp32_copy else norm_bytes  # RMSNorm: fp32 input copy + normalised
-    by_sp = 2 * norm + (2 if dropout else 0)  # the two norms, residual dropout masks
+    by_sp: float = 2 * norm + (2 if dropout else 0)  # the two norms, residual dropout masks
     gathered = 2 if block.moe else 4  # QKV and MLP-in inputs: replicated over TP; DTensor SP saves them gathered
     rope = 2 * (q + kv) if block.rope else 0  # the rotated Q and K SDPA saves (V stays a view of the QKV output)
     # per-head norms: HEAD_NORM_BYTES per element of Q and K, and an fp32 1/rms per head and token
@@ -240,8 +246,8 @@ def activation_bytes_per_layer(
         split += lse
     else:
         split += (5 if dropout else 2) * a * s / h  # softmax output (+ its dropout mask and output)
-    if sequence_parallel and not sp_keeps_gathered:
-        by_sp += gathered
+    if sequence_parallel and not sp_keeps_gathered:  # their slices, in the residual stream's dtype
+        by_sp += gathered * norm_bytes / 2
         gathered = 0
     return sbh * (by_sp / shard + gathered + split / t) + experts
 

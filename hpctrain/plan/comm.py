@@ -224,7 +224,9 @@ def tp_items(model: ModelShape, layout: Layout, hw: Hardware) -> list[CommItem]:
     if t == 1:
         return []
     sbh = local_seq_len(model, layout) * layout.micro_batch * model.dims.d_model * layout.compute_bytes
-    per_layer = 6 if layout.recompute == "full" else 4
+    per_layer: float = 6 if layout.recompute == "full" else 4
+    if layout.sp_keeps_shards:  # backward gathers the attention's (and a dense MLP's) input again: 1/2 each
+        per_layer += 0.5 if model.moe else 1
     n = layers_on_stage(model, layout) * layout.microbatches * per_layer
     link, bw = _link(t, hw)
     name = "SP all-gather/reduce-scatter" if layout.sequence_parallel else "TP all-reduce"

@@ -217,6 +217,7 @@ def layer_activation_bytes(model: ModelShape, layout: Layout, recompute: str | N
         layout.sequence_parallel,
         recompute or layout.recompute,
         dropout=model.dropout > 0,
+        sp_keeps_gathered=not layout.sp_keeps_shards,
         fp32_residual=autocast_forward(layout),
         expert_load=EXPERT_IMBALANCE if layout.ep > 1 else 1.0,  # the busiest EP rank's experts (activations.py)
         cp=layout.cp,

@@ -1,5 +1,7 @@
 """Communication volumes per step per GPU on small hand-computed layouts."""
 
+from dataclasses import replace
+
 import pytest
 
 from hpctrain.plan.comm import (
@@ -51,9 +53,26 @@ def test_full_recompute_adds_two_tp_collectives():
 
 
 def test_sequence_parallel_moves_the_same_bytes():
-    a = comm_per_step(MODEL, Layout(dp=4, tp=2, pp=2, micro_batch=2, grad_accum=4), HW)
-    b = comm_per_step(MODEL, Layout(dp=4, tp=2, pp=2, micro_batch=2, grad_accum=4, sequence_parallel=True), HW)
-    assert a.tp_bytes == b.tp_bytes and a.pp_bytes == b.pp_bytes
+    """With recomputation (the block decides what it saves) SP's all-gather + reduce-scatter move an all-reduce's
+    bytes; without it, SP keeps the gathered inputs as shards and gathers them again in backward: 5 all-reduces'
+    worth a layer instead of 4 (hpctrain.parallel.sequence_parallel; without a pipeline, Layout.sp_keeps_shards)."""
+    for recompute in ("selective", "full"):
+        a = comm_per_step(MODEL, Layout(dp=4, tp=2, pp=2, micro_batch=2, grad_accum=4, recompute=recompute), HW)
+        b = comm_per_step(
+            MODEL,
+            Layout(dp=4, tp=2, pp=2, micro_batch=2, grad_accum=4, recompute=recompute, sequence_parallel=True),
+            HW,
+        )
+        assert a.tp_bytes == b.tp_bytes and a.pp_bytes == b.pp_bytes
+    plain = comm_per_step(MODEL, Layout(dp=8, tp=2, pp=1, micro_batch=2, grad_accum=4), HW)
+    shards = comm_per_step(MODEL, Layout(dp=8, tp=2, pp=1, micro_batch=2, grad_accum=4, sequence_parallel=True), HW)
+    assert shards.tp_bytes == pytest.approx(plain.tp_bytes * 5 / 4)
+    piped = Layout(dp=4, tp=2, pp=2, micro_batch=2, grad_accum=4, sequence_parallel=True)  # not under PP (yet)
+    assert not piped.sp_keeps_shards
+    assert (
+        comm_per_step(MODEL, piped, HW).tp_bytes
+        == comm_per_step(MODEL, replace(piped, sequence_parallel=False), HW).tp_bytes
+    )
 
 
 def test_interleaving_multiplies_p2p():

@@ -295,23 +295,25 @@ def test_405b_parallel_auto_finds_a_layout_on_16384_gpus(compose_cfg, capsys) ->
 
 
 def test_the_8b_experiment_is_what_its_comment_says(compose_cfg) -> None:
-    """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 60.6 GiB, within 2% of the
-    fastest layout the search finds (PP 2 x DP 16, no recomputation: 1.5% faster); FSDP over 32 GPUs fits without
-    recomputation since loss parallelism (it needed selective before) and is 1.7x slower."""
+    """conf/experiment/llama3_8b_4node.yaml: TP 2 x DP 16, no recomputation, fits at 58.6 GiB, within 3% of the
+    fastest layout the search finds (PP 2 x DP 16, no recomputation: 2.6% faster; SP's re-gathers in backward cost
+    TP 2 a quarter more traffic); FSDP over 32 GPUs fits without
+    recomputation since loss parallelism (it needed selective before) and is 1.6x slower."""
     from hpctrain.checks.runner import check_config
     from hpctrain.plan.search import cheapest_fitting
 
     est = check_config(compose_cfg("+experiment=llama3_8b_4node", "dry_run=true")).estimates
     lay = est.layout
     assert (lay.dp, lay.tp, lay.pp, lay.zero_stage, lay.recompute) == (16, 2, 1, 1, "none")
-    assert round(est.memory.total / 2**30, 1) == 60.6 and est.memory.fits  # 70.3 before loss parallelism
+    # 70.3 before loss parallelism, 60.6 before SP kept its gathered inputs as shards
+    assert round(est.memory.total / 2**30, 1) == 58.6 and est.memory.fits
     best = search_layouts(est.model, 32, est.hw, 512, top_k=1)[0]
-    assert est.step.tokens_per_s > best.tokens_per_s / 1.02
+    assert est.step.tokens_per_s > best.tokens_per_s / 1.03
     fsdp = cheapest_fitting(
         est.model, replace(lay, dp=32, tp=1, grad_accum=16, zero_stage=3, sequence_parallel=False), est.hw
     )
     assert fsdp is not None and fsdp.layout.recompute == "none"
-    assert round(est.step.tokens_per_s / fsdp.tokens_per_s, 1) == 1.7
+    assert round(est.step.tokens_per_s / fsdp.tokens_per_s, 1) == 1.6
 
 
 def test_search_keeps_whole_key_value_heads_per_tp_rank() -> None:

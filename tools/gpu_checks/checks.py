@@ -188,7 +188,8 @@ def _offload_steps(ctx: Ctx, cfg: Any, mesh: Any, max_norm: float) -> dict[str, 
     device = ctx.device
     with torch.device("meta"):
         gpt = GPT(gpt_args(cfg.model, cfg.parallel.tp))
-    apply_tp(gpt, mesh["tp"], sequence_parallel=True)
+    # as the engine without recomputation: SP keeps its gathered inputs as shards, re-gathered in backward (NCCL)
+    apply_tp(gpt, mesh["tp"], sequence_parallel=True, keep_shards=True)
     apply_fsdp(gpt, mesh["dp_shard"], cfg.zero, cfg.precision, zero_stage=3)
     gpt.to_empty(device="cpu")  # offload: FSDP2 keeps the sharded parameters on the CPU
     gpt.init_weights(seed=cfg.train.seed)
